@@ -1,0 +1,205 @@
+// pagedattn-cli: talk to a pagedattn server from the shell.
+//   pagedattn-cli [--target=host:port] <command> [args]
+// Commands: info, health, validate, create-cache, list, describe ID, delete ID, release ID SEQ...,
+// smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
+#include <cstdio>
+#include <iostream>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "client/smoke.h"
+
+ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
+ABSL_FLAG(double, timeout_s, 60, "deadline of each RPC, seconds");
+ABSL_FLAG(std::string, token, "", "bearer token (or set PAGEDATTN_TOKEN)");
+ABSL_FLAG(std::string, tls_ca, "", "PEM file of CA roots: connect with TLS");
+ABSL_FLAG(std::string, tls_cert, "", "client certificate PEM (mTLS)");
+ABSL_FLAG(std::string, tls_key, "", "client private key PEM (mTLS)");
+ABSL_FLAG(std::string, tls_server_name, "", "name to expect in the server certificate");
+// CacheConfig for validate / create-cache / smoke.
+ABSL_FLAG(int32_t, num_layers, 32, "cache config: layers");
+ABSL_FLAG(int32_t, num_q_heads, 32, "cache config: query heads");
+ABSL_FLAG(int32_t, num_kv_heads, 8, "cache config: KV heads");
+ABSL_FLAG(int32_t, head_dim, 128, "cache config: head dim");
+ABSL_FLAG(int32_t, page_size, 16, "cache config: tokens per page");
+ABSL_FLAG(std::string, kv_dtype, "BFLOAT16", "cache config: FLOAT16, BFLOAT16 or FLOAT32");
+ABSL_FLAG(int64_t, num_pages, 0, "cache config: pages (0: use --max_bytes or the server default)");
+ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
+ABSL_FLAG(int32_t, device, 0, "cache config: device index");
+ABSL_FLAG(std::string, name, "", "create-cache: a label for the cache");
+ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = whole server)");
+
+namespace {
+
+using pagedattn::v1::CacheConfig;
+
+constexpr char kUsage[] =
+    "pagedattn-cli: command-line client of a pagedattn server.\n\n"
+    "usage: pagedattn-cli [flags] <command> [args]\n\n"
+    "commands:\n"
+    "  info                     server version, backend, device and capability table\n"
+    "  health                   grpc.health.v1 check; exit 0 only when SERVING\n"
+    "  validate                 dry-run a cache config (--num_layers, --head_dim, ...)\n"
+    "  create-cache             create a cache from the config flags (--name)\n"
+    "  list                     list caches\n"
+    "  describe CACHE_ID        one cache's config and stats\n"
+    "  delete CACHE_ID          delete a cache\n"
+    "  release CACHE_ID SEQ...  free sequences' pages\n"
+    "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
+    "                           Forward, compared with a float64 reference; prints PASS/FAIL\n";
+
+void PrintJson(const google::protobuf::Message& m) {
+  std::string json;
+  google::protobuf::util::JsonPrintOptions opts;
+  opts.add_whitespace = true;
+  opts.always_print_primitive_fields = true;
+  (void)google::protobuf::util::MessageToJsonString(m, &json, opts);
+  std::cout << json;
+}
+
+int Fail(const absl::Status& s) {
+  std::cerr << "error: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  return 1;
+}
+
+absl::StatusOr<pagedattn::v1::DType> ParseDType(const std::string& s) {
+  pagedattn::v1::DType t;
+  if (!pagedattn::v1::DType_Parse(s, &t)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED (got '", s, "')"));
+  }
+  return t;
+}
+
+absl::StatusOr<CacheConfig> ConfigFromFlags() {
+  CacheConfig c;
+  c.set_num_layers(absl::GetFlag(FLAGS_num_layers));
+  c.set_num_q_heads(absl::GetFlag(FLAGS_num_q_heads));
+  c.set_num_kv_heads(absl::GetFlag(FLAGS_num_kv_heads));
+  c.set_head_dim(absl::GetFlag(FLAGS_head_dim));
+  c.set_page_size(absl::GetFlag(FLAGS_page_size));
+  absl::StatusOr<pagedattn::v1::DType> t = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
+  if (!t.ok()) return t.status();
+  c.set_kv_dtype(*t);
+  if (absl::GetFlag(FLAGS_num_pages) > 0) c.set_num_pages(absl::GetFlag(FLAGS_num_pages));
+  if (absl::GetFlag(FLAGS_max_bytes) > 0) c.set_max_bytes(absl::GetFlag(FLAGS_max_bytes));
+  c.set_device(absl::GetFlag(FLAGS_device));
+  return c;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  absl::FlagsUsageConfig usage_config;
+  usage_config.contains_help_flags = [](absl::string_view path) {
+    return absl::StrContains(path, "client/cli.cc");
+  };
+  absl::SetFlagsUsageConfig(usage_config);
+  std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (args.size() < 2) {
+    std::cerr << kUsage << "\nrun with --help for the flags\n";
+    return 2;
+  }
+  const std::string command = args[1];
+
+  pagedattn::ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
+  options.bearer_token = absl::GetFlag(FLAGS_token);
+  if (options.bearer_token.empty() && std::getenv("PAGEDATTN_TOKEN") != nullptr) {
+    options.bearer_token = std::getenv("PAGEDATTN_TOKEN");
+  }
+  options.tls_ca_file = absl::GetFlag(FLAGS_tls_ca);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+  pagedattn::Client& c = **client;
+
+  auto need_arg = [&](size_t n, const char* what) {
+    if (args.size() < n + 2) {
+      std::cerr << "usage: pagedattn-cli " << command << " " << what << "\n";
+      std::exit(2);
+    }
+  };
+
+  if (command == "info") {
+    auto r = c.GetServerInfo();
+    if (!r.ok()) return Fail(r.status());
+    PrintJson(*r);
+  } else if (command == "health") {
+    auto r = c.CheckHealth(absl::GetFlag(FLAGS_service));
+    if (!r.ok()) return Fail(r.status());
+    std::cout << (*r ? "SERVING" : "NOT_SERVING") << "\n";
+    return *r ? 0 : 1;
+  } else if (command == "validate" || command == "create-cache") {
+    absl::StatusOr<CacheConfig> config = ConfigFromFlags();
+    if (!config.ok()) return Fail(config.status());
+    if (command == "validate") {
+      auto r = c.ValidateCacheConfig(*config);
+      if (!r.ok()) return Fail(r.status());
+      PrintJson(*r);
+      return r->valid() ? 0 : 1;
+    }
+    auto r = c.CreateCache(*config, absl::GetFlag(FLAGS_name));
+    if (!r.ok()) return Fail(r.status());
+    PrintJson(*r);
+  } else if (command == "list") {
+    auto r = c.ListCaches();
+    if (!r.ok()) return Fail(r.status());
+    pagedattn::v1::ListCachesResponse resp;
+    for (auto& info : *r) *resp.add_caches() = info;
+    PrintJson(resp);
+  } else if (command == "describe") {
+    need_arg(1, "CACHE_ID");
+    auto r = c.GetCache(args[2]);
+    if (!r.ok()) return Fail(r.status());
+    PrintJson(*r);
+  } else if (command == "delete") {
+    need_arg(1, "CACHE_ID");
+    auto r = c.DeleteCache(args[2]);
+    if (!r.ok()) return Fail(r.status());
+    std::cout << "deleted " << args[2] << " (" << *r << " bytes freed)\n";
+  } else if (command == "release") {
+    need_arg(2, "CACHE_ID SEQ_ID...");
+    std::vector<uint64_t> ids;
+    for (size_t i = 3; i < args.size(); ++i) {
+      uint64_t id;
+      if (!absl::SimpleAtoi(args[i], &id)) {
+        std::cerr << "not a sequence id: " << args[i] << "\n";
+        return 2;
+      }
+      ids.push_back(id);
+    }
+    auto r = c.ReleaseSequences(args[2], ids);
+    if (!r.ok()) return Fail(r.status());
+    PrintJson(*r);
+  } else if (command == "smoke") {
+    pagedattn::SmokeOptions so;
+    auto info = c.GetServerInfo();
+    if (!info.ok()) return Fail(info.status());
+    auto r = pagedattn::RunSmoke(c, so);
+    if (!r.ok()) return Fail(r.status());
+    std::cout << "smoke against " << options.target << " (backend " << info->backend() << ", "
+              << info->device_name() << "), cache " << r->cache_id << ":\n"
+              << r->summary << "max relative error " << r->max_rel_error << " (tolerance "
+              << r->tolerance << "), max lse error " << r->max_lse_error << ", "
+              << r->spans_checked << " spans checked\n"
+              << (r->passed ? "PASS" : "FAIL") << "\n";
+    return r->passed ? 0 : 1;
+  } else {
+    std::cerr << "unknown command '" << command << "'\n\n" << kUsage;
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,175 @@
+// Client implementation: one deadline per RPC, optional TLS and bearer token.
+#include "client/client.h"
+
+#include <fstream>
+#include <sstream>
+
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
+
+#include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "server/core/dtype.h"
+
+namespace pagedattn {
+namespace {
+
+absl::StatusOr<std::string> ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+}  // namespace
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  std::shared_ptr<grpc::ChannelCredentials> creds;
+  if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    if (!options.tls_ca_file.empty()) {
+      absl::StatusOr<std::string> ca = ReadFile(options.tls_ca_file);
+      if (!ca.ok()) return ca.status();
+      ssl.pem_root_certs = *ca;
+    }
+    if (!options.tls_cert_file.empty()) {
+      absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file);
+      if (!cert.ok()) return cert.status();
+      absl::StatusOr<std::string> key = ReadFile(options.tls_key_file);
+      if (!key.ok()) return key.status();
+      ssl.pem_cert_chain = *cert;
+      ssl.pem_private_key = *key;
+    }
+    creds = grpc::SslCredentials(ssl);
+  } else {
+    creds = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
+  args.SetMaxReceiveMessageSize(max_bytes);
+  args.SetMaxSendMessageSize(max_bytes);
+  if (!options.tls_server_name.empty()) {
+    args.SetSslTargetNameOverride(options.tls_server_name);
+  }
+  return std::make_unique<Client>(grpc::CreateCustomChannel(options.target, creds, args), options);
+}
+
+Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : channel_(std::move(channel)),
+      options_(std::move(options)),
+      stub_(v1::AttentionService::NewStub(channel_)) {}
+
+void Client::Prepare(grpc::ClientContext* ctx) const {
+  ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
+  if (!options_.bearer_token.empty()) {
+    ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
+  }
+}
+
+#define PAGEDATTN_UNARY(Method, request, Response)         \
+  grpc::ClientContext ctx;                                 \
+  Prepare(&ctx);                                           \
+  Response response;                                       \
+  grpc::Status s = stub_->Method(&ctx, request, &response); \
+  if (!s.ok()) return FromGrpcStatus(s);
+
+absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
+  PAGEDATTN_UNARY(GetServerInfo, v1::GetServerInfoRequest(), v1::ServerInfo);
+  return response;
+}
+
+absl::StatusOr<v1::ValidateCacheConfigResponse> Client::ValidateCacheConfig(const v1::CacheConfig& config) {
+  PAGEDATTN_UNARY(ValidateCacheConfig, config, v1::ValidateCacheConfigResponse);
+  return response;
+}
+
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheConfig& config, const std::string& name) {
+  v1::CreateCacheRequest request;
+  *request.mutable_config() = config;
+  request.set_name(name);
+  PAGEDATTN_UNARY(CreateCache, request, v1::CacheInfo);
+  return response;
+}
+
+absl::StatusOr<v1::CacheInfo> Client::GetCache(const std::string& cache_id) {
+  v1::GetCacheRequest request;
+  request.set_cache_id(cache_id);
+  PAGEDATTN_UNARY(GetCache, request, v1::CacheInfo);
+  return response;
+}
+
+absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches() {
+  PAGEDATTN_UNARY(ListCaches, v1::ListCachesRequest(), v1::ListCachesResponse);
+  return std::vector<v1::CacheInfo>(response.caches().begin(), response.caches().end());
+}
+
+absl::StatusOr<int64_t> Client::DeleteCache(const std::string& cache_id) {
+  v1::DeleteCacheRequest request;
+  request.set_cache_id(cache_id);
+  PAGEDATTN_UNARY(DeleteCache, request, v1::DeleteCacheResponse);
+  return response.freed_bytes();
+}
+
+absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& request) {
+  PAGEDATTN_UNARY(Forward, request, v1::ForwardResponse);
+  return response;
+}
+
+absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
+    const std::string& cache_id, const std::vector<uint64_t>& seq_ids) {
+  v1::ReleaseSequencesRequest request;
+  request.set_cache_id(cache_id);
+  for (uint64_t id : seq_ids) request.add_seq_ids(id);
+  PAGEDATTN_UNARY(ReleaseSequences, request, v1::ReleaseSequencesResponse);
+  return response;
+}
+
+#undef PAGEDATTN_UNARY
+
+absl::StatusOr<bool> Client::CheckHealth(const std::string& service) {
+  auto stub = grpc::health::v1::Health::NewStub(channel_);
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  grpc::health::v1::HealthCheckRequest request;
+  request.set_service(service);
+  grpc::health::v1::HealthCheckResponse response;
+  grpc::Status s = stub->Check(&ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
+}
+
+v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape, const std::vector<float>& values) {
+  v1::Tensor t;
+  t.set_dtype(dtype);
+  for (int64_t d : shape) t.add_shape(d);
+  const DType dt = static_cast<DType>(dtype);
+  std::string data(values.size() * DTypeSize(dt), '\0');
+  for (size_t i = 0; i < values.size(); ++i) StoreFromFloat(dt, data.data(), static_cast<int64_t>(i), values[i]);
+  t.set_data(std::move(data));
+  return t;
+}
+
+absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
+  const DType dt = static_cast<DType>(t.dtype());
+  if (DTypeSize(dt) == 0) return absl::InvalidArgumentError("tensor has no valid dtype");
+  int64_t n = 1;
+  for (int64_t d : t.shape()) {
+    if (d < 0) return absl::InvalidArgumentError("tensor has a negative dimension");
+    n *= d;
+  }
+  if (static_cast<int64_t>(t.data().size()) != n * DTypeSize(dt)) {
+    return absl::InvalidArgumentError(absl::StrCat("tensor holds ", t.data().size(),
+                                                   " bytes, its shape needs ", n * DTypeSize(dt)));
+  }
+  std::vector<float> out(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) out[i] = LoadAsFloat(dt, t.data().data(), i);
+  return out;
+}
+
+}  // namespace pagedattn

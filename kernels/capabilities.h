@@ -1,0 +1,94 @@
+// The table of configurations pagedattn supports: the single source of truth that
+// CreateCache validation (server/core) and kernel dispatch (kernels/dispatch.h) both read.
+// Plain C++ with no CUDA and no service includes, so every layer can use it.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+namespace pagedattn {
+
+// Element types of tensors and caches. Values match pagedattn.v1.DType on the wire.
+enum class DType : int32_t { kUnspecified = 0, kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
+
+constexpr int DTypeSize(DType t) {
+  switch (t) {
+    case DType::kFloat32: return 4;
+    case DType::kFloat16: return 2;
+    case DType::kBFloat16: return 2;
+    default: return 0;
+  }
+}
+
+// A C string, so it formats with any string library (absl::string_view is not std's here).
+constexpr const char* DTypeName(DType t) {
+  switch (t) {
+    case DType::kFloat32: return "FLOAT32";
+    case DType::kFloat16: return "FLOAT16";
+    case DType::kBFloat16: return "BFLOAT16";
+    default: return "DTYPE_UNSPECIFIED";
+  }
+}
+
+enum class BackendKind { kCpu, kCuda };
+
+// Head dims with compiled kernels. Adding one here means adding its instantiation in
+// kernels/dispatch.h (a static_assert there keeps the two in step).
+inline constexpr std::array<int, 3> kSupportedHeadDims = {64, 128, 256};
+
+// Every page size in [kMinPageSize, kMaxPageSize] works: kernels gather rows through the
+// page table, and sizes that are a multiple of kFastPageMultiple take a faster path.
+inline constexpr int kMinPageSize = 1;
+inline constexpr int kMaxPageSize = 1024;
+inline constexpr int kFastPageMultiple = 16;
+
+// num_q_heads / num_kv_heads. The decode kernel keeps one GQA group's queries in a block.
+inline constexpr int kMaxGqaRatio = 32;
+inline constexpr int kMaxNumLayers = 4096;
+inline constexpr int kMaxNumHeads = 1024;
+
+// Cache dtypes per backend; tensor (q/k/v) dtypes are accepted in any of kIoDTypes and
+// converted to the cache dtype.
+inline constexpr std::array<DType, 3> kCpuKvDTypes = {DType::kFloat32, DType::kFloat16,
+                                                      DType::kBFloat16};
+inline constexpr std::array<DType, 2> kCudaKvDTypes = {DType::kFloat16, DType::kBFloat16};
+inline constexpr std::array<DType, 3> kIoDTypes = {DType::kFloat32, DType::kFloat16,
+                                                   DType::kBFloat16};
+
+constexpr bool IsSupportedHeadDim(int head_dim) {
+  for (int d : kSupportedHeadDims) {
+    if (d == head_dim) return true;
+  }
+  return false;
+}
+
+constexpr bool IsSupportedPageSize(int page_size) {
+  return page_size >= kMinPageSize && page_size <= kMaxPageSize;
+}
+
+constexpr bool IsSupportedKvDType(BackendKind backend, DType t) {
+  if (backend == BackendKind::kCuda) {
+    for (DType d : kCudaKvDTypes) {
+      if (d == t) return true;
+    }
+    return false;
+  }
+  for (DType d : kCpuKvDTypes) {
+    if (d == t) return true;
+  }
+  return false;
+}
+
+constexpr bool IsSupportedIoDType(DType t) {
+  for (DType d : kIoDTypes) {
+    if (d == t) return true;
+  }
+  return false;
+}
+
+constexpr bool IsSupportedGqaRatio(int num_q_heads, int num_kv_heads) {
+  return num_kv_heads > 0 && num_q_heads > 0 && num_q_heads % num_kv_heads == 0 &&
+         num_q_heads / num_kv_heads <= kMaxGqaRatio;
+}
+
+}  // namespace pagedattn

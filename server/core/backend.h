@@ -1,0 +1,105 @@
+// The backend interface: where a cache's K/V pool lives and how Forward runs on it.
+// The CPU backend (cpu_backend.h) is the reference; the CUDA backend plugs in the same way.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/capabilities.h"
+
+namespace pagedattn {
+
+// A validated, resolved cache configuration: every field is in range and num_pages is set.
+struct CacheGeometry {
+  int32_t num_layers = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  DType kv_dtype = DType::kUnspecified;
+  int32_t device = 0;
+  int64_t num_pages = 0;
+
+  // Elements of one page of K (or V) in one layer: [num_kv_heads][page_size][head_dim].
+  int64_t PageElems() const { return int64_t{num_kv_heads} * page_size * head_dim; }
+  // Bytes of K plus V for one page across all layers.
+  int64_t BytesPerPage() const { return 2 * int64_t{num_layers} * PageElems() * DTypeSize(kv_dtype); }
+  int64_t TotalBytes() const { return BytesPerPage() * num_pages; }
+  int32_t GqaRatio() const { return num_q_heads / num_kv_heads; }
+};
+
+// Memory the backend can give to pools on one device.
+struct MemoryInfo {
+  int64_t total_bytes = 0;
+  int64_t free_bytes = 0;
+};
+
+// One span of a Forward, resolved against the sequence table. Positions are token indices.
+struct SpanPlan {
+  int64_t start = 0;            // First new position.
+  int32_t num_new_tokens = 0;   // K/V rows to write at start..start+num_new_tokens-1.
+  int32_t num_queries = 0;      // Queries at positions kv_len-num_queries..kv_len-1.
+  int64_t kv_len = 0;           // Positions attended: 0..kv_len-1.
+  int64_t q_offset = 0;         // Row of the span's first query in q / out / lse.
+  int64_t kv_offset = 0;        // Row of the span's first new token in k / v.
+  int64_t page_table_offset = 0;// Index into ForwardPlan::page_table of the span's first page.
+  int32_t num_pages = 0;        // Pages covering 0..kv_len-1 (ceil(kv_len / page_size)).
+};
+
+// Everything a backend needs to run one Forward. Pages are already reserved.
+struct ForwardPlan {
+  int32_t layer = 0;
+  std::vector<SpanPlan> spans;
+  std::vector<int32_t> page_table;  // Concatenated per-span page lists (pool page indices).
+  int64_t total_queries = 0;
+  int64_t total_new_tokens = 0;
+  int32_t max_queries_per_span = 0;
+  int64_t max_kv_len = 0;
+  bool causal = true;
+  float sm_scale = 0.f;
+  bool return_lse = false;
+};
+
+// Host buffers of one Forward. Inputs are the request's raw bytes (validated shapes).
+struct ForwardIO {
+  DType q_dtype = DType::kUnspecified;
+  const void* q = nullptr;    // [total_queries, num_q_heads, head_dim]
+  DType kv_dtype = DType::kUnspecified;  // Wire dtype of k and v (may differ from the cache's).
+  const void* k = nullptr;    // [total_new_tokens, num_kv_heads, head_dim]; null when none.
+  const void* v = nullptr;
+  void* out = nullptr;        // [total_queries, num_q_heads, head_dim] in q_dtype.
+  float* lse = nullptr;       // [total_queries, num_q_heads]; null unless return_lse.
+};
+
+// A pool of K/V pages owned by a backend. Layout per layer and per K/V:
+// [num_pages][num_kv_heads][page_size][head_dim] in the cache's kv_dtype.
+class KvPool {
+ public:
+  virtual ~KvPool() = default;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual BackendKind kind() const = 0;
+  virtual std::string name() const = 0;         // "cpu" or "cuda".
+  virtual std::string device_name() const = 0;  // CPU model or GPU name.
+  virtual int device_count() const = 0;
+  virtual absl::StatusOr<MemoryInfo> memory(int device) const = 0;
+
+  // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit.
+  virtual absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& geometry) = 0;
+
+  // Writes each span's new K/V rows into its pages, then computes attention for its queries.
+  // The plan and buffers are validated by the caller; a failure here is an internal error.
+  // Concurrent calls on the same pool touch different layers (the cache serializes a layer).
+  virtual absl::Status Forward(KvPool& pool, const CacheGeometry& geometry,
+                               const ForwardPlan& plan, const ForwardIO& io) = 0;
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,34 @@
+// Backend selection; the only file that knows both backends.
+#include "server/core/backend_factory.h"
+
+#include "absl/strings/str_cat.h"
+#include "server/core/cpu_backend.h"
+#if PAGEDATTN_WITH_CUDA
+#include "server/core/cuda_backend.h"
+#endif
+
+namespace pagedattn {
+
+bool BuiltWithCuda() { return PAGEDATTN_WITH_CUDA != 0; }
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads) {
+  if (choice == "cpu") return std::make_unique<CpuBackend>(cpu_threads);
+  if (choice != "auto" && choice != "cuda") {
+    return absl::InvalidArgumentError(
+        absl::StrCat("backend must be one of auto, cuda, cpu (got '", choice, "')"));
+  }
+#if PAGEDATTN_WITH_CUDA
+  if (CudaDeviceCount() > 0) return CreateCudaBackend();
+  if (choice == "cuda") {
+    return absl::FailedPreconditionError("--backend=cuda but no CUDA GPU is visible to this process");
+  }
+#else
+  if (choice == "cuda") {
+    return absl::FailedPreconditionError(
+        "--backend=cuda but this binary was built without CUDA (no nvcc at build time)");
+  }
+#endif
+  return std::make_unique<CpuBackend>(cpu_threads);
+}
+
+}  // namespace pagedattn

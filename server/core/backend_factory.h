@@ -1,0 +1,20 @@
+// Picks and creates the backend: "cuda", "cpu", or "auto" (CUDA when this build has it and a
+// GPU is visible, CPU otherwise).
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "server/core/backend.h"
+
+namespace pagedattn {
+
+// True when this binary was built with the CUDA backend.
+bool BuiltWithCuda();
+
+// choice: "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when
+// the build has no CUDA or no GPU is visible.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads = 0);
+
+}  // namespace pagedattn

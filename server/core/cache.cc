@@ -1,0 +1,217 @@
+// Cache::Forward: request checks, then reserve (under the sequence-table lock), compute
+// (under the layer lock only), then commit or roll back.
+#include "server/core/cache.h"
+
+#include <cmath>
+#include <limits>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+
+namespace pagedattn {
+namespace {
+// Positions are bounded so that start + num_new_tokens and page arithmetic never overflow.
+constexpr int64_t kMaxPosition = int64_t{1} << 40;
+}  // namespace
+
+Cache::Cache(std::string id, std::string name, std::string owner, const CacheGeometry& geometry,
+             std::unique_ptr<KvPool> pool, Backend* backend, int64_t created_unix_ms,
+             ForwardLimits limits)
+    : id_(std::move(id)),
+      name_(std::move(name)),
+      owner_(std::move(owner)),
+      geometry_(geometry),
+      pool_(std::move(pool)),
+      backend_(backend),
+      created_unix_ms_(created_unix_ms),
+      limits_(limits),
+      table_(geometry.num_layers, geometry.page_size, geometry.num_pages) {
+  layer_mu_.reserve(static_cast<size_t>(geometry.num_layers));
+  for (int32_t i = 0; i < geometry.num_layers; ++i) layer_mu_.push_back(std::make_unique<absl::Mutex>());
+}
+
+absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
+  const CacheGeometry& g = geometry_;
+  if (a.layer < 0 || a.layer >= g.num_layers) {
+    return absl::InvalidArgumentError(absl::StrCat("layer must be in 0..", g.num_layers - 1,
+                                                   " (got ", a.layer, ")"));
+  }
+  if (a.spans.empty()) return absl::InvalidArgumentError("spans must not be empty");
+  if (static_cast<int64_t>(a.spans.size()) > limits_.max_spans) {
+    return absl::InvalidArgumentError(absl::StrCat("at most ", limits_.max_spans,
+                                                   " spans per Forward (got ", a.spans.size(), ")"));
+  }
+  const int64_t capacity_tokens = g.num_pages * g.page_size;
+  int64_t total_q = 0;
+  int64_t total_new = 0;
+  absl::flat_hash_set<uint64_t> seen;
+  for (size_t i = 0; i < a.spans.size(); ++i) {
+    const SpanRequest& s = a.spans[i];
+    const std::string where = absl::StrCat("spans[", i, "] (seq_id ", s.seq_id, ")");
+    if (!seen.insert(s.seq_id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": seq_id appears more than once in this Forward"));
+    }
+    if (s.start < 0 || s.start > kMaxPosition) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": start must be in 0..", kMaxPosition, " (got ", s.start, ")"));
+    }
+    if (s.num_new_tokens < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": num_new_tokens must be >= 0 (got ", s.num_new_tokens, ")"));
+    }
+    const int64_t kv_len = s.start + s.num_new_tokens;
+    if (s.num_queries < 0 || s.num_queries > kv_len) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          where, ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
+          s.num_queries, ")"));
+    }
+    if (kv_len > capacity_tokens) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          where, ": sequence length ", kv_len, " exceeds the cache's capacity of ",
+          capacity_tokens, " tokens (", g.num_pages, " pages x ", g.page_size, ")"));
+    }
+    total_q += s.num_queries;
+    total_new += s.num_new_tokens;
+  }
+  if (total_q + total_new > limits_.max_tokens) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "at most ", limits_.max_tokens, " queries plus new tokens per Forward (got ",
+        total_q + total_new, ")"));
+  }
+  absl::Status s = CheckTensor("q", a.q, {total_q, g.num_q_heads, g.head_dim},
+                               "total_queries, num_q_heads, head_dim");
+  if (!s.ok()) return s;
+  if (total_new == 0 && a.k.empty() && a.v.empty()) {
+    // Nothing appended: k and v may be left unset.
+  } else {
+    const std::vector<int64_t> kv_shape = {total_new, g.num_kv_heads, g.head_dim};
+    const char* kv_names = "total_new_tokens, num_kv_heads, head_dim";
+    if (s = CheckTensor("k", a.k, kv_shape, kv_names); !s.ok()) return s;
+    if (s = CheckTensor("v", a.v, kv_shape, kv_names); !s.ok()) return s;
+    if (a.k.dtype != a.v.dtype) {
+      return absl::InvalidArgumentError(absl::StrCat("k and v must have the same dtype (got ",
+                                                     DTypeName(a.k.dtype), " and ",
+                                                     DTypeName(a.v.dtype), ")"));
+    }
+  }
+  if (a.sm_scale.has_value() && !(std::isfinite(*a.sm_scale) && *a.sm_scale > 0)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("options.sm_scale must be positive and finite (got ", *a.sm_scale, ")"));
+  }
+  return absl::OkStatus();
+}
+
+ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
+  ForwardPlan plan;
+  plan.layer = a.layer;
+  plan.causal = a.causal.value_or(true);
+  plan.sm_scale = a.sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(geometry_.head_dim)));
+  plan.return_lse = a.return_lse;
+  plan.spans.reserve(a.spans.size());
+  for (size_t i = 0; i < a.spans.size(); ++i) {
+    const SpanRequest& s = a.spans[i];
+    SpanPlan sp;
+    sp.start = s.start;
+    sp.num_new_tokens = s.num_new_tokens;
+    sp.num_queries = s.num_queries;
+    sp.kv_len = r.entries[i].kv_len;
+    sp.q_offset = plan.total_queries;
+    sp.kv_offset = plan.total_new_tokens;
+    sp.page_table_offset = static_cast<int64_t>(plan.page_table.size());
+    sp.num_pages = static_cast<int32_t>(table_.PagesFor(sp.kv_len));
+    const Sequence* seq = table_.Find(s.seq_id);
+    // A reserved span's sequence exists and covers kv_len (an attend-only span of length 0
+    // has no pages to list).
+    if (seq != nullptr) {
+      plan.page_table.insert(plan.page_table.end(), seq->pages.begin(),
+                             seq->pages.begin() + sp.num_pages);
+    }
+    plan.total_queries += s.num_queries;
+    plan.total_new_tokens += s.num_new_tokens;
+    plan.max_queries_per_span = std::max(plan.max_queries_per_span, s.num_queries);
+    plan.max_kv_len = std::max(plan.max_kv_len, sp.kv_len);
+    plan.spans.push_back(sp);
+  }
+  return plan;
+}
+
+absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a) {
+  if (absl::Status s = ValidateForward(a); !s.ok()) return s;
+  const CacheGeometry& g = geometry_;
+
+  absl::ReaderMutexLock structure(&structure_mu_);
+  absl::MutexLock layer_lock(layer_mu_[a.layer].get());
+
+  std::vector<SpanWrite> writes;
+  writes.reserve(a.spans.size());
+  for (const SpanRequest& s : a.spans) writes.push_back({s.seq_id, s.start, s.num_new_tokens});
+  Reservation reservation;
+  ForwardPlan plan;
+  {
+    absl::MutexLock meta(&meta_mu_);
+    absl::StatusOr<Reservation> r = table_.Reserve(a.layer, writes);
+    if (!r.ok()) return r.status();
+    reservation = *std::move(r);
+    plan = MakePlan(a, reservation);
+  }
+
+  ForwardResult result;
+  result.out_dtype = a.q.dtype;
+  result.out_shape = {plan.total_queries, g.num_q_heads, g.head_dim};
+  result.out.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * g.head_dim *
+                    DTypeSize(a.q.dtype));
+  if (a.return_lse) {
+    result.lse_shape = {plan.total_queries, g.num_q_heads};
+    result.lse.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * sizeof(float));
+  }
+  ForwardIO io;
+  io.q_dtype = a.q.dtype;
+  io.q = a.q.data;
+  io.kv_dtype = a.k.dtype;
+  io.k = plan.total_new_tokens > 0 ? a.k.data : nullptr;
+  io.v = plan.total_new_tokens > 0 ? a.v.data : nullptr;
+  io.out = result.out.data();
+  io.lse = a.return_lse ? reinterpret_cast<float*>(result.lse.data()) : nullptr;
+
+  absl::Status s = backend_->Forward(*pool_, g, plan, io);
+  {
+    absl::MutexLock meta(&meta_mu_);
+    if (s.ok()) {
+      table_.Commit(reservation);
+    } else {
+      table_.Rollback(reservation);
+    }
+  }
+  if (!s.ok()) return s;
+  forward_calls_.fetch_add(1, std::memory_order_relaxed);
+  return result;
+}
+
+ReleaseResult Cache::Release(absl::Span<const uint64_t> seq_ids) {
+  absl::MutexLock structure(&structure_mu_);
+  absl::MutexLock meta(&meta_mu_);
+  ReleaseResult r;
+  for (uint64_t id : seq_ids) {
+    const int64_t freed = table_.Release(id);
+    if (freed < 0) {
+      r.unknown_seq_ids.push_back(id);
+    } else {
+      ++r.released;
+      r.freed_pages += freed;
+    }
+  }
+  return r;
+}
+
+CacheStats Cache::Stats() const {
+  absl::MutexLock meta(&meta_mu_);
+  CacheStats s;
+  s.free_pages = table_.pool().num_free();
+  s.used_pages = table_.pool().num_used();
+  s.live_sequences = table_.num_sequences();
+  s.forward_calls = forward_calls_.load(std::memory_order_relaxed);
+  return s;
+}
+
+}  // namespace pagedattn

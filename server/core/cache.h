@@ -1,0 +1,111 @@
+// Cache: one paged KV cache — its geometry, its pool on a backend, its sequence table — and
+// the Forward operation: validate everything, reserve pages, write K/V, attend, commit.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/types/span.h"
+#include "server/core/backend.h"
+#include "server/core/sequence_table.h"
+#include "server/core/tensor.h"
+
+namespace pagedattn {
+
+struct SpanRequest {
+  uint64_t seq_id = 0;
+  int64_t start = 0;
+  int32_t num_new_tokens = 0;
+  int32_t num_queries = 0;
+};
+
+struct ForwardArgs {
+  int32_t layer = 0;
+  std::vector<SpanRequest> spans;
+  TensorView q;  // [total_queries, num_q_heads, head_dim]
+  TensorView k;  // [total_new_tokens, num_kv_heads, head_dim]; empty when nothing is appended.
+  TensorView v;
+  std::optional<bool> causal;     // Default true.
+  std::optional<float> sm_scale;  // Default 1/sqrt(head_dim).
+  bool return_lse = false;
+};
+
+struct ForwardResult {
+  DType out_dtype = DType::kUnspecified;
+  std::vector<int64_t> out_shape;  // [total_queries, num_q_heads, head_dim]
+  std::string out;                 // Raw bytes in out_dtype.
+  std::vector<int64_t> lse_shape;  // [total_queries, num_q_heads] when asked.
+  std::string lse;                 // Raw float32 bytes when asked.
+};
+
+struct CacheStats {
+  int64_t free_pages = 0;
+  int64_t used_pages = 0;
+  int64_t live_sequences = 0;
+  int64_t forward_calls = 0;
+};
+
+struct ReleaseResult {
+  int64_t released = 0;
+  int64_t freed_pages = 0;
+  std::vector<uint64_t> unknown_seq_ids;
+};
+
+// Forward requests larger than these are refused with INVALID_ARGUMENT (per request).
+struct ForwardLimits {
+  int64_t max_spans = 65536;
+  int64_t max_tokens = 1 << 20;  // Queries plus new tokens.
+};
+
+class Cache {
+ public:
+  Cache(std::string id, std::string name, std::string owner, const CacheGeometry& geometry,
+        std::unique_ptr<KvPool> pool, Backend* backend, int64_t created_unix_ms,
+        ForwardLimits limits = {});
+
+  const std::string& id() const { return id_; }
+  const std::string& name() const { return name_; }
+  const std::string& owner() const { return owner_; }
+  const CacheGeometry& geometry() const { return geometry_; }
+  int64_t created_unix_ms() const { return created_unix_ms_; }
+
+  // Appends and attends. On any error the cache is exactly as it was before the call.
+  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args);
+  // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
+  ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
+  CacheStats Stats() const;
+
+  // Checks a request against the geometry without touching the cache (exposed for tests).
+  absl::Status ValidateForward(const ForwardArgs& args) const;
+
+ private:
+  // Builds the backend plan from a reservation: resolved spans and their page lists.
+  ForwardPlan MakePlan(const ForwardArgs& args, const Reservation& r) const
+      ABSL_SHARED_LOCKS_REQUIRED(meta_mu_);
+
+  const std::string id_;
+  const std::string name_;
+  const std::string owner_;
+  const CacheGeometry geometry_;
+  const std::unique_ptr<KvPool> pool_;
+  Backend* const backend_;
+  const int64_t created_unix_ms_;
+  const ForwardLimits limits_;
+
+  // Lock order: structure_mu_ (shared for Forward, exclusive for Release), then the layer's
+  // mutex (one Forward per layer at a time; different layers run concurrently), then meta_mu_
+  // (sequence table, held only for bookkeeping, never during compute).
+  absl::Mutex structure_mu_;
+  std::vector<std::unique_ptr<absl::Mutex>> layer_mu_;
+  mutable absl::Mutex meta_mu_;
+  SequenceTable table_ ABSL_GUARDED_BY(meta_mu_);
+  std::atomic<int64_t> forward_calls_{0};
+};
+
+}  // namespace pagedattn

@@ -1,0 +1,198 @@
+// CacheConfig validation rules. Each rule reports the field, the value received and what
+// would be valid (the nearest valid value where there is one); all rules run every time.
+#include "server/core/cache_config.h"
+
+#include <cstdlib>
+#include <limits>
+
+#include "absl/strings/cord.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+
+namespace pagedattn {
+namespace {
+
+std::string HeadDimList() { return absl::StrJoin(kSupportedHeadDims, ", "); }
+
+int NearestHeadDim(int head_dim) {
+  int best = kSupportedHeadDims[0];
+  for (int d : kSupportedHeadDims) {
+    if (std::abs(d - head_dim) < std::abs(best - head_dim)) best = d;
+  }
+  return best;
+}
+
+std::string KvDTypeList(BackendKind backend) {
+  std::vector<std::string> names;
+  auto add = [&](auto& table) {
+    for (DType d : table) names.emplace_back(DTypeName(d));
+  };
+  if (backend == BackendKind::kCuda) {
+    add(kCudaKvDTypes);
+  } else {
+    add(kCpuKvDTypes);
+  }
+  return absl::StrJoin(names, ", ");
+}
+
+// a * b, or nullopt on overflow of int64.
+std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
+  int64_t r;
+  if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
+  return r;
+}
+
+}  // namespace
+
+ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const ValidationContext& ctx) {
+  ValidationResult r;
+  r.free_bytes = ctx.free_bytes;
+  auto violate = [&](std::string field, std::string description) {
+    r.violations.push_back({std::move(field), std::move(description)});
+  };
+
+  if (c.num_layers < 1 || c.num_layers > kMaxNumLayers) {
+    violate("num_layers", absl::StrCat("num_layers must be in 1..", kMaxNumLayers, " (got ",
+                                       c.num_layers, ")"));
+  }
+  if (c.num_kv_heads < 1 || c.num_kv_heads > kMaxNumHeads) {
+    violate("num_kv_heads", absl::StrCat("num_kv_heads must be in 1..", kMaxNumHeads, " (got ",
+                                         c.num_kv_heads, ")"));
+  }
+  if (c.num_q_heads < 1 || c.num_q_heads > kMaxNumHeads) {
+    violate("num_q_heads", absl::StrCat("num_q_heads must be in 1..", kMaxNumHeads, " (got ",
+                                        c.num_q_heads, ")"));
+  } else if (c.num_kv_heads >= 1 && c.num_kv_heads <= kMaxNumHeads) {
+    if (c.num_q_heads % c.num_kv_heads != 0) {
+      // Nearest multiples of num_kv_heads around num_q_heads.
+      const int lower = c.num_q_heads / c.num_kv_heads * c.num_kv_heads;
+      const int upper = lower + c.num_kv_heads;
+      std::string nearest = lower > 0 ? absl::StrCat(lower, " or ", upper) : absl::StrCat(upper);
+      violate("num_q_heads",
+              absl::StrCat("num_q_heads must be a positive multiple of num_kv_heads=",
+                           c.num_kv_heads, " (got ", c.num_q_heads, "; nearest valid: ", nearest,
+                           ")"));
+    } else if (c.num_q_heads / c.num_kv_heads > kMaxGqaRatio) {
+      violate("num_q_heads",
+              absl::StrCat("num_q_heads / num_kv_heads must be at most ", kMaxGqaRatio, " (got ",
+                           c.num_q_heads, "/", c.num_kv_heads, " = ",
+                           c.num_q_heads / c.num_kv_heads, "; with num_kv_heads=", c.num_kv_heads,
+                           " num_q_heads can be at most ", c.num_kv_heads * kMaxGqaRatio, ")"));
+    }
+  }
+  if (!IsSupportedHeadDim(c.head_dim)) {
+    violate("head_dim", absl::StrCat("head_dim must be one of ", HeadDimList(), " (got ",
+                                     c.head_dim, "; nearest valid: ", NearestHeadDim(c.head_dim),
+                                     ")"));
+  }
+  if (!IsSupportedPageSize(c.page_size)) {
+    const int nearest = c.page_size < kMinPageSize ? kMinPageSize : kMaxPageSize;
+    violate("page_size", absl::StrCat("page_size must be one of ", kMinPageSize, "..",
+                                      kMaxPageSize, " tokens (got ", c.page_size,
+                                      "; nearest valid: ", nearest, ")"));
+  }
+  if (c.kv_dtype == DType::kUnspecified) {
+    violate("kv_dtype", absl::StrCat("kv_dtype is required: one of ", KvDTypeList(ctx.backend),
+                                     " (got DTYPE_UNSPECIFIED)"));
+  } else if (!IsSupportedKvDType(ctx.backend, c.kv_dtype)) {
+    const bool known = DTypeSize(c.kv_dtype) > 0;
+    violate("kv_dtype",
+            absl::StrCat("kv_dtype must be one of ", KvDTypeList(ctx.backend), " on the ",
+                         ctx.backend == BackendKind::kCuda ? "cuda" : "cpu", " backend (got ",
+                         known ? std::string(DTypeName(c.kv_dtype))
+                               : absl::StrCat(static_cast<int>(c.kv_dtype)),
+                         ")"));
+  }
+  if (c.device < 0 || c.device >= ctx.device_count) {
+    violate("device", absl::StrCat("device must be in 0..", ctx.device_count - 1, " (got ",
+                                   c.device, ")"));
+  }
+  if (c.num_pages.has_value() && c.max_bytes.has_value()) {
+    violate("capacity", "set num_pages or max_bytes, not both");
+  }
+  if (c.num_pages.has_value() && (*c.num_pages < 1 || *c.num_pages > std::numeric_limits<int32_t>::max())) {
+    violate("num_pages", absl::StrCat("num_pages must be in 1..",
+                                      std::numeric_limits<int32_t>::max(), " (got ", *c.num_pages,
+                                      ")"));
+  }
+  if (c.max_bytes.has_value() && *c.max_bytes < 1) {
+    violate("max_bytes", absl::StrCat("max_bytes must be positive (got ", *c.max_bytes, ")"));
+  }
+  if (!r.violations.empty()) return r;
+
+  CacheGeometry g;
+  g.num_layers = c.num_layers;
+  g.num_q_heads = c.num_q_heads;
+  g.num_kv_heads = c.num_kv_heads;
+  g.head_dim = c.head_dim;
+  g.page_size = c.page_size;
+  g.kv_dtype = c.kv_dtype;
+  g.device = c.device;
+  // Every factor is bounded above, so this product cannot overflow; the pool size can.
+  const int64_t bytes_per_page = g.BytesPerPage();
+  if (c.num_pages.has_value()) {
+    g.num_pages = *c.num_pages;
+  } else {
+    const int64_t budget = c.max_bytes.has_value()
+                               ? *c.max_bytes
+                               : static_cast<int64_t>(ctx.free_bytes * kDefaultPoolFraction);
+    g.num_pages = std::min<int64_t>(budget / bytes_per_page, std::numeric_limits<int32_t>::max());
+    if (g.num_pages < 1) {
+      violate(c.max_bytes.has_value() ? "max_bytes" : "capacity",
+              absl::StrCat(c.max_bytes.has_value() ? "max_bytes" : "free memory", " (",
+                           budget, " bytes) is less than one page (", bytes_per_page,
+                           " bytes: 2 x num_layers x num_kv_heads x page_size x head_dim x ",
+                           DTypeSize(g.kv_dtype), "); nearest valid max_bytes: ",
+                           bytes_per_page));
+      return r;
+    }
+  }
+  std::optional<int64_t> total = CheckedMul(bytes_per_page, g.num_pages);
+  if (!total.has_value()) {
+    violate("num_pages", absl::StrCat("num_pages=", g.num_pages, " x ", bytes_per_page,
+                                      " bytes per page overflows 64 bits"));
+    return r;
+  }
+  r.geometry = g;
+  r.bytes = *total;
+  r.fits = r.bytes <= ctx.free_bytes;
+  return r;
+}
+
+absl::Status ValidationStatus(const ValidationResult& result) {
+  if (!result.violations.empty()) {
+    std::vector<std::string> parts;
+    std::string payload;
+    for (const FieldViolation& v : result.violations) {
+      parts.push_back(absl::StrCat(v.field, ": ", v.description));
+      absl::StrAppend(&payload, v.field, "\t", v.description, "\n");
+    }
+    absl::Status s = absl::InvalidArgumentError(
+        absl::StrCat("invalid cache config (", result.violations.size(), " violation",
+                     result.violations.size() == 1 ? "" : "s", "): ", absl::StrJoin(parts, "; ")));
+    s.SetPayload(kFieldViolationsPayload, absl::Cord(payload));
+    return s;
+  }
+  if (!result.fits) {
+    const CacheGeometry& g = result.geometry;
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cache pool needs ", result.bytes, " bytes (", g.num_pages, " pages x ", g.BytesPerPage(),
+        " bytes) but only ", result.free_bytes, " bytes are free on device ", g.device,
+        "; at most ", result.free_bytes / g.BytesPerPage(), " pages would fit"));
+  }
+  return absl::OkStatus();
+}
+
+std::vector<FieldViolation> FieldViolationsFromStatus(const absl::Status& status) {
+  std::vector<FieldViolation> out;
+  auto payload = status.GetPayload(kFieldViolationsPayload);
+  if (!payload.has_value()) return out;
+  for (absl::string_view line : absl::StrSplit(std::string(*payload), '\n', absl::SkipEmpty())) {
+    std::pair<std::string, std::string> kv = absl::StrSplit(line, absl::MaxSplits('\t', 1));
+    out.push_back({kv.first, kv.second});
+  }
+  return out;
+}
+
+}  // namespace pagedattn

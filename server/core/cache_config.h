@@ -1,0 +1,63 @@
+// CacheConfig validation: every rule a cache must satisfy, checked once, at allocation time,
+// against the capability table (kernels/capabilities.h) and the memory actually free.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/status.h"
+#include "server/core/backend.h"
+
+namespace pagedattn {
+
+// A cache configuration as requested, before defaults are resolved.
+struct CacheConfigRequest {
+  int32_t num_layers = 0;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  DType kv_dtype = DType::kUnspecified;
+  std::optional<int64_t> num_pages;  // Exactly one of num_pages / max_bytes, or neither.
+  std::optional<int64_t> max_bytes;
+  int32_t device = 0;
+};
+
+struct FieldViolation {
+  std::string field;        // CacheConfig field name.
+  std::string description;  // Names the value received and what would be valid.
+};
+
+// The environment a config is validated against.
+struct ValidationContext {
+  BackendKind backend = BackendKind::kCpu;
+  int device_count = 1;
+  int64_t free_bytes = 0;  // Memory free for pools on the requested device.
+};
+
+struct ValidationResult {
+  std::vector<FieldViolation> violations;  // Every broken rule; empty when the config is valid.
+  CacheGeometry geometry;                  // Resolved config (num_pages set) when no violations.
+  int64_t bytes = 0;                       // Pool bytes the config takes.
+  int64_t free_bytes = 0;
+  bool fits = false;                       // bytes <= free_bytes.
+  bool valid() const { return violations.empty(); }
+};
+
+// Fraction of free memory a pool with no explicit capacity takes.
+inline constexpr double kDefaultPoolFraction = 0.9;
+
+// Checks every rule and resolves capacity. Never allocates.
+ValidationResult ValidateCacheConfig(const CacheConfigRequest& config, const ValidationContext& ctx);
+
+// INVALID_ARGUMENT listing all violations (message and a structured payload), or
+// RESOURCE_EXHAUSTED naming bytes asked and free, or OK.
+absl::Status ValidationStatus(const ValidationResult& result);
+
+// Payload key of the structured violations in an absl::Status: lines of "field\tdescription".
+inline constexpr char kFieldViolationsPayload[] = "type.pagedattn/field_violations";
+std::vector<FieldViolation> FieldViolationsFromStatus(const absl::Status& status);
+
+}  // namespace pagedattn

@@ -1,0 +1,115 @@
+// CacheManager: the registry of caches and the only place pools are allocated.
+#include "server/core/cache_manager.h"
+
+#include <algorithm>
+#include <chrono>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+
+namespace pagedattn {
+
+std::string NewCacheId() {
+  std::random_device rd;  // getrandom(2) on Linux
+  std::string id;
+  for (int i = 0; i < 4; ++i) absl::StrAppendFormat(&id, "%08x", rd());
+  return id;
+}
+
+CacheManager::CacheManager(Backend* backend, CacheManagerLimits limits)
+    : backend_(backend), limits_(limits) {}
+
+ValidationContext CacheManager::ContextFor(int32_t device) const {
+  ValidationContext ctx;
+  ctx.backend = backend_->kind();
+  ctx.device_count = backend_->device_count();
+  if (device >= 0 && device < ctx.device_count) {
+    absl::StatusOr<MemoryInfo> mem = backend_->memory(device);
+    ctx.free_bytes = mem.ok() ? mem->free_bytes : 0;
+  }
+  if (limits_.max_total_pool_bytes > 0) {
+    ctx.free_bytes = std::min(ctx.free_bytes,
+                              std::max<int64_t>(0, limits_.max_total_pool_bytes - total_pool_bytes()));
+  }
+  return ctx;
+}
+
+ValidationResult CacheManager::Validate(const CacheConfigRequest& config) const {
+  return ValidateCacheConfig(config, ContextFor(config.device));
+}
+
+absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigRequest& config,
+                                                            const std::string& name,
+                                                            const std::string& owner) {
+  if (name.size() > 128) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("name must be at most 128 characters (got ", name.size(), ")"));
+  }
+  absl::MutexLock create(&create_mu_);
+  if (limits_.max_caches_per_tenant > 0 &&
+      static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "at most ", limits_.max_caches_per_tenant,
+        " caches per tenant (--max_caches_per_tenant); delete one first"));
+  }
+  ValidationResult v = Validate(config);
+  if (absl::Status s = ValidationStatus(v); !s.ok()) return s;
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(v.geometry);
+  if (!pool.ok()) return pool.status();
+  const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                             std::chrono::system_clock::now().time_since_epoch())
+                             .count();
+  auto cache = std::make_shared<Cache>(NewCacheId(), name, owner, v.geometry, *std::move(pool),
+                                       backend_, now_ms, limits_.forward);
+  absl::MutexLock lock(&mu_);
+  caches_[cache->id()] = cache;
+  total_pool_bytes_ += v.geometry.TotalBytes();
+  return cache;
+}
+
+absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cache_id,
+                                                         const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  auto it = caches_.find(cache_id);
+  // Another tenant's cache is indistinguishable from a missing one.
+  if (it == caches_.end() || it->second->owner() != owner) {
+    return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
+  }
+  return it->second;
+}
+
+std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner) const {
+  std::vector<std::shared_ptr<Cache>> out;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, cache] : caches_) {
+      if (cache->owner() == owner) out.push_back(cache);
+    }
+  }
+  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
+    return a->created_unix_ms() != b->created_unix_ms() ? a->created_unix_ms() < b->created_unix_ms()
+                                                        : a->id() < b->id();
+  });
+  return out;
+}
+
+absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
+                                             const std::string& owner) {
+  absl::MutexLock lock(&mu_);
+  auto it = caches_.find(cache_id);
+  if (it == caches_.end() || it->second->owner() != owner) {
+    return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
+  }
+  const int64_t bytes = it->second->geometry().TotalBytes();
+  total_pool_bytes_ -= bytes;
+  caches_.erase(it);
+  return bytes;
+}
+
+int64_t CacheManager::total_pool_bytes() const {
+  absl::MutexLock lock(&mu_);
+  return total_pool_bytes_;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,57 @@
+// CacheManager: creates (validate, then allocate), finds, lists and deletes caches.
+// Caches are owned by a tenant ("" when auth is off): other tenants see NOT_FOUND.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/core/backend.h"
+#include "server/core/cache.h"
+#include "server/core/cache_config.h"
+
+namespace pagedattn {
+
+struct CacheManagerLimits {
+  int64_t max_caches_per_tenant = 64;
+  int64_t max_total_pool_bytes = 0;  // 0: no limit beyond the device's free memory.
+  ForwardLimits forward;
+};
+
+class CacheManager {
+ public:
+  explicit CacheManager(Backend* backend, CacheManagerLimits limits = {});
+
+  Backend& backend() const { return *backend_; }
+
+  // Dry run against the memory free now: never allocates.
+  ValidationResult Validate(const CacheConfigRequest& config) const;
+  absl::StatusOr<std::shared_ptr<Cache>> Create(const CacheConfigRequest& config,
+                                                const std::string& name, const std::string& owner);
+  absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
+                                             const std::string& owner) const;
+  std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
+  // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference.
+  absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
+
+  int64_t total_pool_bytes() const;
+
+ private:
+  ValidationContext ContextFor(int32_t device) const;
+
+  Backend* const backend_;
+  const CacheManagerLimits limits_;
+  absl::Mutex create_mu_;  // Serializes memory checks with allocations.
+  mutable absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
+  int64_t total_pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+// 128 random bits from the OS, as 32 hex digits.
+std::string NewCacheId();
+
+}  // namespace pagedattn

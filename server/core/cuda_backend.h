@@ -1,0 +1,19 @@
+// The CUDA backend: K/V pools in device memory (plain cudaMalloc), Forward through the
+// kernels in kernels/ (append, paged attention), staged through pinned buffers on a stream.
+#pragma once
+
+#include <memory>
+
+#include "absl/status/statusor.h"
+#include "server/core/backend.h"
+
+namespace pagedattn {
+
+// GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
+int CudaDeviceCount();
+
+// The CUDA backend over every visible GPU (a cache picks one through CacheGeometry::device).
+// FAILED_PRECONDITION when no GPU is visible.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend();
+
+}  // namespace pagedattn

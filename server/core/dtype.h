@@ -1,0 +1,109 @@
+// Host-side conversions between float and the 16-bit storage types (IEEE half, bfloat16),
+// and helpers to read/write a raw element buffer of any pagedattn DType as float.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/capabilities.h"
+
+namespace pagedattn {
+
+inline uint32_t FloatBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
+inline float BitsFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// bfloat16: round to nearest even; NaN stays NaN.
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return static_cast<uint16_t>(u >> 16);
+}
+inline float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
+
+// IEEE binary16, round to nearest even, with subnormals, infinities and NaN.
+inline uint16_t FloatToHalf(float f) {
+  uint32_t u = FloatBits(f);
+  uint32_t sign = (u >> 16) & 0x8000u;
+  uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);       // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);      // overflow -> inf
+  if (abs < 0x38800000u) {                                                  // subnormal / zero
+    // Scale into the subnormal range with a float add that performs the rounding.
+    float a = BitsFloat(abs) + 0.5f;  // 0.5 = 2^-1: ulp becomes 2^-24, the half subnormal step
+    return static_cast<uint16_t>(sign | (FloatBits(a) - 0x3f000000u));
+  }
+  uint32_t mant_odd = (abs >> 13) & 1u;
+  abs += 0xc8000fffu + mant_odd;  // rebias exponent (-112 << 23) and round to nearest even
+  return static_cast<uint16_t>(sign | (abs >> 13));
+}
+inline float HalfToFloat(uint16_t h) {
+  uint32_t sign = uint32_t{h & 0x8000u} << 16;
+  uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t mant = h & 0x3ffu;
+  if (exp == 0) {  // zero or subnormal: mant * 2^-24
+    float f = static_cast<float>(mant) * 5.9604644775390625e-8f;
+    return BitsFloat(FloatBits(f) | sign);
+  }
+  if (exp == 31) return BitsFloat(sign | 0x7f800000u | (mant << 13));
+  return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
+}
+
+// Element i of a raw buffer of dtype t, as float.
+inline float LoadAsFloat(DType t, const void* data, int64_t i) {
+  switch (t) {
+    case DType::kFloat32: {
+      float f;
+      std::memcpy(&f, static_cast<const char*>(data) + i * 4, 4);
+      return f;
+    }
+    case DType::kFloat16: {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(data) + i * 2, 2);
+      return HalfToFloat(h);
+    }
+    case DType::kBFloat16: {
+      uint16_t h;
+      std::memcpy(&h, static_cast<const char*>(data) + i * 2, 2);
+      return Bf16ToFloat(h);
+    }
+    default: return 0.f;
+  }
+}
+
+// Stores f as element i of a raw buffer of dtype t (rounding to nearest even).
+inline void StoreFromFloat(DType t, void* data, int64_t i, float f) {
+  switch (t) {
+    case DType::kFloat32: std::memcpy(static_cast<char*>(data) + i * 4, &f, 4); break;
+    case DType::kFloat16: {
+      uint16_t h = FloatToHalf(f);
+      std::memcpy(static_cast<char*>(data) + i * 2, &h, 2);
+      break;
+    }
+    case DType::kBFloat16: {
+      uint16_t h = FloatToBf16(f);
+      std::memcpy(static_cast<char*>(data) + i * 2, &h, 2);
+      break;
+    }
+    default: break;
+  }
+}
+
+// Converts n elements between dtypes (same dtype: a plain copy).
+inline void ConvertElements(DType from, const void* src, DType to, void* dst, int64_t n) {
+  if (from == to) {
+    std::memcpy(dst, src, static_cast<size_t>(n) * DTypeSize(from));
+    return;
+  }
+  for (int64_t i = 0; i < n; ++i) StoreFromFloat(to, dst, i, LoadAsFloat(from, src, i));
+}
+
+}  // namespace pagedattn

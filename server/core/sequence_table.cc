@@ -1,0 +1,111 @@
+// SequenceTable: validation and two-phase (reserve, then commit or roll back) growth.
+#include "server/core/sequence_table.h"
+
+#include <algorithm>
+
+#include "absl/strings/str_cat.h"
+
+namespace pagedattn {
+
+absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
+                                                   absl::Span<const SpanWrite> spans) {
+  // Phase 1: check everything and count the pages, touching nothing.
+  int64_t pages_needed = 0;
+  for (const SpanWrite& s : spans) {
+    auto it = seqs_.find(s.seq_id);
+    const int64_t len = it == seqs_.end() ? 0 : it->second.layer_len[layer];
+    if (it == seqs_.end() && s.num_new_tokens == 0) {
+      return absl::NotFoundError(absl::StrCat(
+          "sequence ", s.seq_id, " not found (a span with num_new_tokens=0 attends an existing "
+          "sequence; create it by writing tokens at start=0)"));
+    }
+    if (s.start > len) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "span for sequence ", s.seq_id, ": start=", s.start, " leaves a gap: the sequence has ",
+          len, " tokens in layer ", layer, " (start must be <= ", len, ")"));
+    }
+    if (s.num_new_tokens > 0) {
+      int64_t longest = s.start + s.num_new_tokens;
+      int64_t have = 0;
+      if (it != seqs_.end()) {
+        have = static_cast<int64_t>(it->second.pages.size());
+        for (int32_t l = 0; l < num_layers_; ++l) {
+          if (l != layer) longest = std::max(longest, it->second.layer_len[l]);
+        }
+      }
+      pages_needed += std::max<int64_t>(0, PagesFor(longest) - have);
+    }
+  }
+  if (pages_needed > pool_.num_free()) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "out of KV pages: this Forward needs ", pages_needed, " more pages of ", page_size_,
+        " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
+        " are free (release finished sequences or create a larger cache)"));
+  }
+
+  // Phase 2: apply. Cannot fail: the pages are known to be free.
+  Reservation r;
+  r.layer = layer;
+  r.entries.reserve(spans.size());
+  for (const SpanWrite& s : spans) {
+    auto [it, created] = seqs_.try_emplace(s.seq_id);
+    Sequence& seq = it->second;
+    if (created) seq.layer_len.assign(num_layers_, 0);
+    const int64_t old_len = seq.layer_len[layer];
+    if (s.num_new_tokens == 0) {
+      r.entries.push_back({s.seq_id, old_len, s.start});
+      continue;
+    }
+    const int64_t new_len = s.start + s.num_new_tokens;
+    const int64_t want = PagesFor(new_len);
+    if (want > static_cast<int64_t>(seq.pages.size())) {
+      std::vector<int32_t> more = *pool_.Allocate(want - static_cast<int64_t>(seq.pages.size()));
+      seq.pages.insert(seq.pages.end(), more.begin(), more.end());
+    }
+    seq.layer_len[layer] = new_len;
+    r.entries.push_back({s.seq_id, old_len, new_len});
+  }
+  return r;
+}
+
+void SequenceTable::Commit(const Reservation& r) {
+  for (const Reservation::Entry& e : r.entries) Shrink(e.seq_id);
+}
+
+void SequenceTable::Rollback(const Reservation& r) {
+  for (const Reservation::Entry& e : r.entries) {
+    auto it = seqs_.find(e.seq_id);
+    if (it == seqs_.end()) continue;
+    it->second.layer_len[r.layer] = e.old_len;
+    Shrink(e.seq_id);
+  }
+}
+
+void SequenceTable::Shrink(uint64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return;
+  Sequence& seq = it->second;
+  const int64_t longest = *std::max_element(seq.layer_len.begin(), seq.layer_len.end());
+  const int64_t keep = PagesFor(longest);
+  if (keep < static_cast<int64_t>(seq.pages.size())) {
+    pool_.Free(absl::MakeConstSpan(seq.pages).subspan(static_cast<size_t>(keep)));
+    seq.pages.resize(static_cast<size_t>(keep));
+  }
+  if (longest == 0) seqs_.erase(it);
+}
+
+int64_t SequenceTable::Release(uint64_t seq_id) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return -1;
+  const int64_t n = static_cast<int64_t>(it->second.pages.size());
+  pool_.Free(it->second.pages);
+  seqs_.erase(it);
+  return n;
+}
+
+const Sequence* SequenceTable::Find(uint64_t seq_id) const {
+  auto it = seqs_.find(seq_id);
+  return it == seqs_.end() ? nullptr : &it->second;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,101 @@
+// Field-by-field mapping between proto messages and core structs.
+#include "server/service/convert.h"
+
+namespace pagedattn {
+
+CacheConfigRequest FromProto(const v1::CacheConfig& c) {
+  CacheConfigRequest r;
+  r.num_layers = c.num_layers();
+  r.num_q_heads = c.num_q_heads();
+  r.num_kv_heads = c.num_kv_heads();
+  r.head_dim = c.head_dim();
+  r.page_size = c.page_size();
+  r.kv_dtype = static_cast<DType>(c.kv_dtype());
+  if (c.capacity_case() == v1::CacheConfig::kNumPages) r.num_pages = c.num_pages();
+  if (c.capacity_case() == v1::CacheConfig::kMaxBytes) r.max_bytes = c.max_bytes();
+  r.device = c.device();
+  return r;
+}
+
+void ToProto(const CacheGeometry& g, v1::CacheConfig* out) {
+  out->set_num_layers(g.num_layers);
+  out->set_num_q_heads(g.num_q_heads);
+  out->set_num_kv_heads(g.num_kv_heads);
+  out->set_head_dim(g.head_dim);
+  out->set_page_size(g.page_size);
+  out->set_kv_dtype(static_cast<v1::DType>(g.kv_dtype));
+  out->set_num_pages(g.num_pages);
+  out->set_device(g.device);
+}
+
+void ToProto(const Cache& cache, v1::CacheInfo* out) {
+  const CacheGeometry& g = cache.geometry();
+  out->set_cache_id(cache.id());
+  out->set_name(cache.name());
+  ToProto(g, out->mutable_config());
+  out->set_num_pages(g.num_pages);
+  out->set_capacity_tokens(g.num_pages * g.page_size);
+  out->set_bytes(g.TotalBytes());
+  const CacheStats s = cache.Stats();
+  out->mutable_stats()->set_free_pages(s.free_pages);
+  out->mutable_stats()->set_used_pages(s.used_pages);
+  out->mutable_stats()->set_live_sequences(s.live_sequences);
+  out->mutable_stats()->set_forward_calls(s.forward_calls);
+  out->set_created_unix_ms(cache.created_unix_ms());
+}
+
+void ToProto(const ValidationResult& r, v1::ValidateCacheConfigResponse* out) {
+  out->set_valid(r.valid() && r.fits);
+  for (const FieldViolation& v : r.violations) {
+    auto* pv = out->add_violations();
+    pv->set_field(v.field);
+    pv->set_description(v.description);
+  }
+  out->set_free_bytes(r.free_bytes);
+  if (!r.valid()) return;
+  ToProto(r.geometry, out->mutable_resolved_config());
+  out->set_num_pages(r.geometry.num_pages);
+  out->set_capacity_tokens(r.geometry.num_pages * r.geometry.page_size);
+  out->set_bytes(r.bytes);
+  out->set_fits(r.fits);
+}
+
+TensorView ViewOf(const v1::Tensor& t) {
+  TensorView v;
+  v.dtype = static_cast<DType>(t.dtype());
+  v.shape.assign(t.shape().begin(), t.shape().end());
+  v.data = t.data().data();
+  v.size_bytes = t.data().size();
+  return v;
+}
+
+ForwardArgs FromProto(const v1::ForwardRequest& r) {
+  ForwardArgs a;
+  a.layer = r.layer();
+  a.spans.reserve(r.spans_size());
+  for (const v1::Span& s : r.spans()) {
+    a.spans.push_back({s.seq_id(), s.start(), s.num_new_tokens(), s.num_queries()});
+  }
+  a.q = ViewOf(r.q());
+  a.k = ViewOf(r.k());
+  a.v = ViewOf(r.v());
+  if (r.options().has_causal()) a.causal = r.options().causal();
+  if (r.options().has_sm_scale()) a.sm_scale = r.options().sm_scale();
+  a.return_lse = r.options().return_lse();
+  return a;
+}
+
+void MoveToProto(ForwardResult&& result, v1::ForwardResponse* out) {
+  v1::Tensor* o = out->mutable_out();
+  o->set_dtype(static_cast<v1::DType>(result.out_dtype));
+  for (int64_t d : result.out_shape) o->add_shape(d);
+  o->set_data(std::move(result.out));
+  if (!result.lse_shape.empty()) {
+    v1::Tensor* l = out->mutable_lse();
+    l->set_dtype(v1::FLOAT32);
+    for (int64_t d : result.lse_shape) l->add_shape(d);
+    l->set_data(std::move(result.lse));
+  }
+}
+
+}  // namespace pagedattn

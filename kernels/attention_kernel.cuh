@@ -1,0 +1,471 @@
+// The paged attention tile kernel: device body, thin __global__ and host launcher, templated
+// on (cache dtype, head_dim, warp layout). Included only by the per-head-dim .cu files.
+//
+// A block takes one work item: up to MW*16 query rows (row = query * group + head in group,
+// all of one kv head) against a KV range, streamed through a cp.async pipeline of 64-position
+// tiles gathered through the page table. S = Q.K^T and O += P.V run on tensor cores
+// (mma.m16n8k16, f32 accumulators) with an online softmax between them. With KW > 1 the warps
+// share the query rows and split each KV tile, and combine their softmax states at the end;
+// this is the decode shape, where each K/V byte is read once for every head of its GQA group.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cfloat>
+#include <cstdint>
+#include <string>
+
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+// ---- Small device helpers ---------------------------------------------------------------
+
+template <typename T>
+__device__ __forceinline__ uint32_t PackPair(float lo, float hi);
+template <>
+__device__ __forceinline__ uint32_t PackPair<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+template <>
+__device__ __forceinline__ uint32_t PackPair<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// c += a * b for one m16n8k16 tile (a row-major 16x16, b col-major 16x8, c f32 16x8).
+template <typename T>
+__device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1);
+template <>
+__device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uint32_t (&a)[4],
+                                                        uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
+                                                 uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+__device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr));
+}
+
+// 16-byte global -> shared copy; when !valid the destination is zero-filled and src unread.
+__device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, bool valid) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(src),
+               "r"(src_size)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
+__device__ __forceinline__ uint32_t SmemAddr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// ---- Tile configuration -------------------------------------------------------------------
+
+template <typename T, int D, int MW, int KW>
+struct AttentionTileConfig {
+  static_assert(MW * KW == 4, "four warps per block");
+  static constexpr int kThreads = 128;
+  static constexpr int kTileKv = kKvTileRows;           // positions per pipeline stage
+  static constexpr int kWarpKv = kTileKv / KW;          // positions per warp per stage
+  static constexpr int kRows = MW * 16;                 // query rows per block
+  static constexpr int kChunks = D / 8;                 // 16-byte chunks per K/V row
+  static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kStages = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  static constexpr bool kQInRegisters = D <= 128;
+  static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
+  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
+  static constexpr size_t kReduceBytes = KW > 1 ? size_t{KW} * kRows * (D + 2) * sizeof(float) : 0;
+  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t SmemBytes() {
+    return (kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes) + kQBytes;
+  }
+  static_assert(kWarpKv % 16 == 0, "each warp takes whole 16-position steps");
+  static_assert(kTileKv * kChunks % kThreads == 0, "copy chunks divide among threads");
+};
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile: the chunk index is
+// XORed with row % 8 so that the eight rows an ldmatrix reads hit eight different bank groups.
+template <int D>
+__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// ---- Device body --------------------------------------------------------------------------
+
+template <typename T, int D, int MW, int KW>
+__device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
+                                                  const AttentionWorkItem* items) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem_kv = reinterpret_cast<T*>(smem_raw);
+  T* smem_q = reinterpret_cast<T*>(smem_raw + (Cfg::kPipelineBytes > Cfg::kReduceBytes
+                                                   ? Cfg::kPipelineBytes
+                                                   : Cfg::kReduceBytes));
+
+  const AttentionWorkItem item = items[blockIdx.x];
+  const int kv_head = blockIdx.y;
+  const AttentionSpan span = p.spans[item.span];
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int span_rows = span.num_queries * group;
+  const int first_q_pos = span.kv_len - span.num_queries;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int mw = warp % MW, kw = warp / MW;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+
+  // Q tile -> shared memory, converted to T. Rows past the span are zero.
+  for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
+    const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
+    const int span_row = item.row_start + r;
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (span_row < span_rows) {
+      const int query = span_row / group, head = kv_head * group + span_row % group;
+      const float4* src = reinterpret_cast<const float4*>(
+          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
+      const float4 lo = src[0], hi = src[1];
+      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w),
+                          PackPair<T>(hi.x, hi.y), PackPair<T>(hi.z, hi.w));
+    }
+    *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
+  }
+
+  // Pipeline: each thread copies the same 16-byte chunk column of kRowsPerThread rows.
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int32_t* pages = p.page_table + span.page_table_offset;
+  int next_pages[Cfg::kRowsPerThread];
+
+  auto fetch_pages = [&](int tile) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
+      next_pages[i] = (tile < num_tiles && pos < item.kv_end) ? pages[p.page_div.Div(pos)] : 0;
+    }
+  };
+  auto issue_tile = [&](int tile) {
+    T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileKv * D;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+      const int64_t offset =
+          ((int64_t{next_pages[i]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
+          copy_chunk * 8;
+      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
+      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < Cfg::kStages - 1; ++s) {
+    fetch_pages(s);
+    if (s < num_tiles) issue_tile(s);
+    CpAsyncCommit();
+  }
+  fetch_pages(Cfg::kStages - 1);
+
+  // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
+  // of each 8-wide n tile.
+  float o[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY};
+  float row_sum[2] = {0.f, 0.f};
+  int q_pos[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int span_row = item.row_start + mw * 16 + quad_row + 8 * i;
+    q_pos[i] = span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX);
+  }
+  // Last position any row of this warp may see: sub-tiles past it are skipped.
+  const int warp_last_row = min(item.row_start + mw * 16 + 15, span_rows - 1);
+  const int warp_max_pos =
+      warp_last_row < item.row_start + mw * 16
+          ? -1
+          : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX);
+  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+
+  const T* warp_q = smem_q + mw * 16 * D;
+  uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
+  auto load_q_frag = [&](int kc, uint32_t (&a)[4]) {
+    const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
+    LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
+  };
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1);
+    CpAsyncCommit();
+    fetch_pages(tile + Cfg::kStages);
+    CpAsyncWait<Cfg::kStages - 1>();
+    __syncthreads();
+    if constexpr (Cfg::kQInRegisters) {
+      if (tile == 0) {
+#pragma unroll
+        for (int kc = 0; kc < D / 16; ++kc) load_q_frag(kc, q_frag[kc]);
+      }
+    }
+    const T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    const T* sv = sk + Cfg::kTileKv * D;
+
+#pragma unroll
+    for (int step = 0; step < Cfg::kWarpKv / 16; ++step) {
+      const int row0 = kw * Cfg::kWarpKv + step * 16;  // first position row in the tile
+      const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
+      if (pos0 >= item.kv_end || pos0 > warp_max_pos) continue;  // warp-uniform
+
+      // S = Q K^T over 16 positions: two n8 tiles.
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) {
+        uint32_t a[4];
+        if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+          for (int j = 0; j < 4; ++j) a[j] = q_frag[kc][j];
+        } else {
+          load_q_frag(kc, a);
+        }
+        uint32_t b[4];
+        const int r = row0 + (lane & 7) + 8 * (lane >> 4);
+        LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
+        Mma16816<T>(s[0], a, b[0], b[1]);
+        Mma16816<T>(s[1], a, b[2], b[3]);
+      }
+
+      // Mask (split end, causal) and scale to log2 units.
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+          const bool visible = pos < item.kv_end && pos <= q_pos[e >> 1];
+          s[nt][e] = visible ? s[nt][e] * scale_log2 : -INFINITY;
+        }
+      }
+
+      // Online softmax: new row max, rescale the running sum and O, P = 2^(s - max).
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float new_max = fmaxf(row_max[i], mx);
+        const float base = new_max == -INFINITY ? 0.f : new_max;
+        const float alpha = exp2f(row_max[i] - base);
+        row_max[i] = new_max;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
+          s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
+        }
+        row_sum[i] = row_sum[i] * alpha + s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[dt][2 * i] *= alpha;
+          o[dt][2 * i + 1] *= alpha;
+        }
+      }
+
+      // O += P V: P's accumulator layout is the A operand layout of the next mma.
+      const uint32_t pa[4] = {PackPair<T>(s[0][0], s[0][1]), PackPair<T>(s[0][2], s[0][3]),
+                              PackPair<T>(s[1][0], s[1][1]), PackPair<T>(s[1][2], s[1][3])};
+#pragma unroll
+      for (int dt = 0; dt < D / 8; dt += 2) {
+        uint32_t b[4];
+        const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+        LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<D>(r, dt + (lane >> 4))));
+        Mma16816<T>(o[dt], pa, b[0], b[1]);
+        Mma16816<T>(o[dt + 1], pa, b[2], b[3]);
+      }
+    }
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  }
+  CpAsyncWait<0>();
+
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
+  }
+
+  // Warps that split the KV tiles combine their (max, sum, O) through shared memory.
+  if constexpr (KW > 1) {
+    __syncthreads();
+    float* red_o = reinterpret_cast<float*>(smem_raw);          // [KW][kRows][D]
+    float* red_max = red_o + KW * Cfg::kRows * D;                // [KW][kRows]
+    float* red_sum = red_max + KW * Cfg::kRows;                  // [KW][kRows]
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = mw * 16 + quad_row + 8 * i;
+      if (quad_col == 0) {
+        red_max[kw * Cfg::kRows + r] = row_max[i];
+        red_sum[kw * Cfg::kRows + r] = row_sum[i];
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<float2*>(red_o + (kw * Cfg::kRows + r) * D + dt * 8 + 2 * quad_col) =
+            make_float2(o[dt][2 * i], o[dt][2 * i + 1]);
+      }
+    }
+    __syncthreads();
+    if (kw != 0) return;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = mw * 16 + quad_row + 8 * i;
+      float m = -INFINITY;
+#pragma unroll
+      for (int w = 0; w < KW; ++w) m = fmaxf(m, red_max[w * Cfg::kRows + r]);
+      const float base = m == -INFINITY ? 0.f : m;
+      float factor[KW];
+      float sum = 0.f;
+#pragma unroll
+      for (int w = 0; w < KW; ++w) {
+        factor[w] = exp2f(red_max[w * Cfg::kRows + r] - base);
+        sum += red_sum[w * Cfg::kRows + r] * factor[w];
+      }
+      row_max[i] = m;
+      row_sum[i] = sum;
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        float2 acc = make_float2(0.f, 0.f);
+#pragma unroll
+        for (int w = 0; w < KW; ++w) {
+          const float2 v = *reinterpret_cast<const float2*>(red_o + (w * Cfg::kRows + r) * D +
+                                                            dt * 8 + 2 * quad_col);
+          acc.x += v.x * factor[w];
+          acc.y += v.y * factor[w];
+        }
+        o[dt][2 * i] = acc.x;
+        o[dt][2 * i + 1] = acc.y;
+      }
+    }
+  }
+
+  // Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int tile_row = mw * 16 + quad_row + 8 * i;
+    const int span_row = item.row_start + tile_row;
+    if (span_row >= span_rows) continue;
+    const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
+    const float lse = row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * 0.6931471805599453f
+                                       : -INFINITY;
+    float* dst;
+    float* lse_dst;
+    if (item.partial_row < 0) {
+      const int64_t out_row =
+          (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+      dst = p.out + out_row * D;
+      lse_dst = p.lse ? p.lse + out_row : nullptr;
+    } else {
+      const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
+      dst = p.partial_out + part_row * D;
+      lse_dst = p.partial_lse + part_row;
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
+          make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
+    }
+    if (lse_dst && quad_col == 0) *lse_dst = lse;
+  }
+}
+
+// ---- Kernel and launcher ------------------------------------------------------------------
+
+inline constexpr int kMaxDevices = 64;
+
+template <typename T, int D, int MW, int KW>
+__global__ void __launch_bounds__(128)
+    PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
+  AttentionTileBody<T, D, MW, KW>(params, KW > 1 ? params.decode_items : params.prefill_items);
+}
+
+template <typename T, int D, int MW, int KW>
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+  const int num_items = KW > 1 ? params.num_decode_items : params.num_prefill_items;
+  if (num_items == 0) return LaunchStatus::Ok();
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW>;
+  constexpr size_t smem = Cfg::SmemBytes();
+  // The shared-memory limit is a per-device attribute: raise it once per device.
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess && (device >= kMaxDevices || !smem_raised[device].load())) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (err == cudaSuccess && device < kMaxDevices) smem_raised[device].store(true);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(paged attention): ") +
+                                   cudaGetErrorString(err));
+  }
+  const dim3 grid(num_items, params.num_kv_heads);
+  kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("paged attention launch: ") + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
+template <typename T, int D, int MW, int KW>
+LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW>;
+  constexpr size_t smem = Cfg::SmemBytes();
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel, Cfg::kThreads, smem);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
+// Explicit instantiation of both tile shapes for one (dtype, head_dim).
+#define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                                 \
+  template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&,        \
+                                                         cudaStream_t);                      \
+  template LaunchStatus LaunchAttentionTiles<T, D, 4, 1>(const PagedAttentionParams&,        \
+                                                         cudaStream_t);                      \
+  template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*);
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,138 @@
+// The one place where runtime values (cache dtype, wire dtype, head_dim, tile shape) become
+// template instantiations. Checks against the capability table (kernels/capabilities.h), so
+// every configuration CreateCache accepts has a kernel; a default case names what is missing.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime_api.h>
+
+#include <array>
+#include <string>
+#include <type_traits>
+
+#include "kernels/capabilities.h"
+#include "kernels/launch_status.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+template <typename T>
+struct TypeTag {
+  using type = T;
+};
+
+// Head dims compiled below; must equal the capability table's.
+inline constexpr std::array<int, 3> kCompiledHeadDims = {64, 128, 256};
+constexpr bool SameHeadDims() {
+  if (kCompiledHeadDims.size() != kSupportedHeadDims.size()) return false;
+  for (size_t i = 0; i < kCompiledHeadDims.size(); ++i) {
+    if (kCompiledHeadDims[i] != kSupportedHeadDims[i]) return false;
+  }
+  return true;
+}
+static_assert(SameHeadDims(),
+              "kSupportedHeadDims changed: add its instantiation in kernels/dispatch.h and a "
+              "kernels/attention_d<N>.cu file");
+static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
+                  kCudaKvDTypes[1] == DType::kBFloat16,
+              "kCudaKvDTypes changed: extend DispatchKvDType");
+
+inline std::string DTypeString(DType t) { return std::string(DTypeName(t)); }
+
+// Cache dtype -> element type (f16, bf16).
+template <typename F>
+LaunchStatus DispatchKvDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat16: return f(TypeTag<__half>{});
+    case DType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+    default:
+      return LaunchStatus::Unsupported("kv_dtype " + DTypeString(dtype) +
+                                       " has no CUDA kernel (supported: FLOAT16, BFLOAT16)");
+  }
+}
+
+// Wire dtype of appended K/V -> element type (f32, f16, bf16).
+template <typename F>
+LaunchStatus DispatchIoDType(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::kFloat32: return f(TypeTag<float>{});
+    case DType::kFloat16: return f(TypeTag<__half>{});
+    case DType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+    default:
+      return LaunchStatus::Unsupported("tensor dtype " + DTypeString(dtype) +
+                                       " is not supported (supported: FLOAT32, FLOAT16, BFLOAT16)");
+  }
+}
+
+template <typename F>
+LaunchStatus DispatchHeadDim(int head_dim, F&& f) {
+  switch (head_dim) {
+    case 64: return f(std::integral_constant<int, 64>{});
+    case 128: return f(std::integral_constant<int, 128>{});
+    case 256: return f(std::integral_constant<int, 256>{});
+    default:
+      return LaunchStatus::Unsupported("head_dim must be one of 64, 128, 256 (got " +
+                                       std::to_string(head_dim) + ")");
+  }
+}
+
+// Page sizes and GQA ratios are runtime values in the kernels (a FastDivmod and a row
+// mapping), so every value in the table runs; these checks only reject values outside it.
+inline LaunchStatus CheckPageSize(int page_size) {
+  if (!IsSupportedPageSize(page_size)) {
+    return LaunchStatus::Unsupported("page_size must be one of " + std::to_string(kMinPageSize) +
+                                     ".." + std::to_string(kMaxPageSize) + " (got " +
+                                     std::to_string(page_size) + ")");
+  }
+  return LaunchStatus::Ok();
+}
+inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
+  if (!IsSupportedGqaRatio(num_q_heads, num_kv_heads)) {
+    return LaunchStatus::Unsupported(
+        "num_q_heads / num_kv_heads must be a whole ratio of at most " +
+        std::to_string(kMaxGqaRatio) + " (got " + std::to_string(num_q_heads) + " / " +
+        std::to_string(num_kv_heads) + ")");
+  }
+  return LaunchStatus::Ok();
+}
+
+// The attention tile kernels, instantiated in kernels/attention_d{64,128,256}.cu for
+// T in {__half, __nv_bfloat16} and the two warp layouts below.
+template <typename T, int D, int MW, int KW>
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream);
+template <typename T, int D, int MW, int KW>
+LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
+
+// Warp layouts (query-row warps x KV-split warps) of the two tile shapes.
+inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
+inline constexpr int kPrefillMW = 4, kPrefillKW = 1;
+static_assert(kDecodeMW * 16 == kDecodeTileRows && kPrefillMW * 16 == kPrefillTileRows);
+
+enum class TileShape { kDecode, kPrefill };
+
+inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, TileShape shape,
+                                           cudaStream_t stream) {
+  return DispatchKvDType(params.kv_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchHeadDim(params.head_dim, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      if (shape == TileShape::kDecode) {
+        return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream);
+      }
+      return LaunchAttentionTiles<T, D, kPrefillMW, kPrefillKW>(params, stream);
+    });
+  });
+}
+
+inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int* blocks_per_sm) {
+  return DispatchKvDType(kv_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchHeadDim(head_dim, [&](auto d) {
+      constexpr int D = decltype(d)::value;
+      return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(blocks_per_sm);
+    });
+  });
+}
+
+}  // namespace pagedattn::kernels

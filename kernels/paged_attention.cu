@@ -1,0 +1,202 @@
+// Entry points of the kernel library: K/V append, the paged attention launch sequence
+// (tile kernels through kernels/dispatch.h, then the split-KV merge) and dtype conversion.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "kernels/dispatch.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+namespace {
+
+LaunchStatus CheckLaunch(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string(what) + " launch: " + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+// ---- Append ---------------------------------------------------------------------------------
+
+// One thread moves 8 consecutive elements of one (token, head) row: a 16-byte store.
+template <typename Src, typename Dst>
+__device__ __forceinline__ void AppendBody(const AppendParams& p) {
+  const int chunks = p.head_dim / 8;
+  const int64_t per_token = int64_t{p.num_kv_heads} * chunks;
+  const int64_t total = p.num_tokens * per_token;
+  const bool is_v = blockIdx.y == 1;
+  const Src* src = static_cast<const Src*>(is_v ? p.v : p.k);
+  Dst* dst = static_cast<Dst*>(is_v ? p.v_cache : p.k_cache);
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t token = e / per_token;
+    const int rem = static_cast<int>(e - token * per_token);
+    const int head = rem / chunks, chunk = rem % chunks;
+    const int64_t slot = p.slots[token];
+    const int64_t page = slot / p.page_size, row = slot % p.page_size;
+    const Src* s = src + (token * p.num_kv_heads + head) * p.head_dim + chunk * 8;
+    Dst* d = dst + ((page * p.num_kv_heads + head) * p.page_size + row) * p.head_dim + chunk * 8;
+    if constexpr (std::is_same_v<Src, Dst>) {
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
+    } else {
+      Dst vals[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) vals[i] = FromFloat<Dst>(ToFloat(s[i]));
+      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(vals);
+    }
+  }
+}
+
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(256) AppendKvKernel(const __grid_constant__ AppendParams params) {
+  AppendBody<Src, Dst>(params);
+}
+
+// ---- Split-KV merge -----------------------------------------------------------------------
+
+// out = sum_s exp(lse_s - lse_max) * out_s / sum_s exp(lse_s - lse_max) over one tile's splits.
+__device__ __forceinline__ void MergeBody(const PagedAttentionParams& p) {
+  const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
+  const int kv_head = blockIdx.y;
+  const AttentionSpan span = p.spans[task.span];
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int d_size = p.head_dim;
+  const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
+  const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * d_size;
+  for (int e = threadIdx.x; e < task.num_rows * d_size; e += blockDim.x) {
+    const int r = e / d_size, d = e % d_size;
+    float max_lse = -INFINITY;
+    for (int s = 0; s < task.num_splits; ++s) {
+      max_lse = fmaxf(max_lse, part_lse[task.partial_row + s * task.row_stride + r]);
+    }
+    const float base = max_lse == -INFINITY ? 0.f : max_lse;
+    float weight_sum = 0.f, acc = 0.f;
+    for (int s = 0; s < task.num_splits; ++s) {
+      const int64_t row = task.partial_row + s * task.row_stride + r;
+      const float w = __expf(part_lse[row] - base);
+      weight_sum += w;
+      acc += w * part_out[row * d_size + d];
+    }
+    const int span_row = task.row_start + r;
+    const int64_t out_row =
+        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+    p.out[out_row * d_size + d] = weight_sum > 0.f ? acc / weight_sum : 0.f;
+    if (p.lse && d == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+  }
+}
+
+__global__ void __launch_bounds__(128) MergeKernel(const __grid_constant__ PagedAttentionParams params) {
+  MergeBody(params);
+}
+
+// ---- Conversion ---------------------------------------------------------------------------
+
+template <typename Src, typename Dst>
+__global__ void __launch_bounds__(256) ConvertKernel(const Src* src, Dst* dst, int64_t n) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    dst[i] = FromFloat<Dst>(ToFloat(src[i]));
+  }
+}
+
+int GridFor(int64_t work, int threads) {
+  const int64_t blocks = (work + threads - 1) / threads;
+  return static_cast<int>(blocks < 65536 ? (blocks > 0 ? blocks : 1) : 65536);
+}
+
+}  // namespace
+
+LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
+  if (params.num_tokens == 0) return LaunchStatus::Ok();
+  if (LaunchStatus st = CheckPageSize(params.page_size); !st.ok()) return st;
+  if (params.head_dim % 8 != 0 || params.head_dim <= 0) {
+    return LaunchStatus::Unsupported("head_dim must be a positive multiple of 8 (got " +
+                                     std::to_string(params.head_dim) + ")");
+  }
+  return DispatchIoDType(params.src_dtype, [&](auto src_tag) {
+    using Src = typename decltype(src_tag)::type;
+    return DispatchKvDType(params.cache_dtype, [&](auto dst_tag) {
+      using Dst = typename decltype(dst_tag)::type;
+      constexpr int kThreads = 256;
+      const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
+      const dim3 grid(GridFor(work, kThreads), 2);
+      AppendKvKernel<Src, Dst><<<grid, kThreads, 0, stream>>>(params);
+      return CheckLaunch("append K/V");
+    });
+  });
+}
+
+LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks) {
+  int blocks_per_sm = 0;
+  if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &blocks_per_sm); !st.ok()) {
+    return st;
+  }
+  int device = 0, sms = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("multiprocessor count: ") + cudaGetErrorString(err));
+  }
+  *target_blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  return LaunchStatus::Ok();
+}
+
+LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream) {
+  if (LaunchStatus st = CheckPageSize(in.page_size); !st.ok()) return st;
+  if (LaunchStatus st = CheckGqa(in.num_q_heads, in.num_kv_heads); !st.ok()) return st;
+  PagedAttentionParams params = in;
+  params.page_div = FastDivmod(static_cast<uint32_t>(in.page_size));
+  if (params.num_decode_items > 0) {
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecode, stream); !st.ok()) {
+      return st;
+    }
+  }
+  if (params.num_prefill_items > 0) {
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
+      return st;
+    }
+  }
+  if (params.num_merge_tasks > 0) {
+    MergeKernel<<<dim3(params.num_merge_tasks, params.num_kv_heads), 128, 0, stream>>>(params);
+    return CheckLaunch("split-KV merge");
+  }
+  return LaunchStatus::Ok();
+}
+
+LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                           cudaStream_t stream) {
+  if (n == 0) return LaunchStatus::Ok();
+  return DispatchIoDType(src_dtype, [&](auto src_tag) {
+    using Src = typename decltype(src_tag)::type;
+    return DispatchIoDType(dst_dtype, [&](auto dst_tag) {
+      using Dst = typename decltype(dst_tag)::type;
+      constexpr int kThreads = 256;
+      ConvertKernel<Src, Dst><<<GridFor(n, kThreads), kThreads, 0, stream>>>(
+          static_cast<const Src*>(src), static_cast<Dst*>(dst), n);
+      return CheckLaunch("convert");
+    });
+  });
+}
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,153 @@
+// Params structs and non-template entry points of the CUDA kernels: K/V append, paged
+// attention over a varlen batch (with its split-KV work plan), and dtype conversion.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "kernels/capabilities.h"
+#include "kernels/launch_status.h"
+
+namespace pagedattn::kernels {
+
+// x / d and x % d for 0 <= x < 2^31 with a multiply and a shift (d is a runtime page size).
+struct FastDivmod {
+  uint32_t divisor = 1;
+  uint32_t multiplier = 1;
+  uint32_t shift = 0;
+
+  FastDivmod() = default;
+  explicit FastDivmod(uint32_t d) : divisor(d) {
+    shift = 0;
+    while ((uint64_t{1} << shift) < d) ++shift;
+    multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
+  }
+#ifdef __CUDACC__
+  __device__ __forceinline__ uint32_t Div(uint32_t x) const {
+    return (__umulhi(x, multiplier) + x) >> shift;
+  }
+#endif
+};
+
+// ---- Append ---------------------------------------------------------------------------------
+
+// Writes num_tokens new K and V rows into the pool of one layer. Row i of k/v
+// ([num_tokens][num_kv_heads][head_dim] in src_dtype) goes to pool slot slots[i]
+// (= page * page_size + row in page), converted to cache_dtype.
+struct AppendParams {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  DType src_dtype = DType::kUnspecified;
+  void* k_cache = nullptr;  // [num_pages][num_kv_heads][page_size][head_dim]
+  void* v_cache = nullptr;
+  DType cache_dtype = DType::kUnspecified;
+  const int64_t* slots = nullptr;
+  int64_t num_tokens = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+};
+
+LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream);
+
+// ---- Paged attention ------------------------------------------------------------------------
+
+// One span of the batch as the attention kernels see it.
+struct AttentionSpan {
+  int64_t q_offset = 0;           // Row of the span's first query in q / out / lse.
+  int64_t page_table_offset = 0;  // Index into page_table of the span's first page.
+  int32_t num_queries = 0;        // Queries at positions kv_len-num_queries..kv_len-1.
+  int32_t kv_len = 0;             // Positions attended: 0..kv_len-1.
+};
+
+// One block's work: a tile of a span's rows (row = query * gqa_group + head in group) against
+// positions [kv_start, kv_end). partial_row < 0: the tile's only split, written to out
+// directly; otherwise written to the partial buffers and combined by a merge task.
+struct AttentionWorkItem {
+  int32_t span = 0;
+  int32_t row_start = 0;
+  int32_t kv_start = 0;
+  int32_t kv_end = 0;
+  int32_t partial_row = -1;
+};
+
+// Combines num_splits partial results of one tile (split s at partial_row + s * row_stride).
+struct AttentionMergeTask {
+  int32_t span = 0;
+  int32_t row_start = 0;
+  int32_t num_rows = 0;
+  int32_t num_splits = 0;
+  int32_t partial_row = 0;
+  int32_t row_stride = 0;
+};
+
+// Rows per tile of the two tile shapes: the decode shape (one 16-row tile of query rows, the
+// KV tile split across 4 warps) for spans with few query rows, the prefill shape (4 warps of
+// 16 rows each over the whole KV tile) for the rest.
+inline constexpr int kDecodeTileRows = 16;
+inline constexpr int kPrefillTileRows = 64;
+inline constexpr int kDecodeMaxSpanRows = 32;  // num_queries * gqa_group up to this: decode shape.
+inline constexpr int kKvTileRows = 64;         // Positions per pipeline stage; chunk multiple.
+
+// The work of one launch, built on the host by PlanAttentionWork and uploaded as is.
+struct AttentionWork {
+  std::vector<AttentionWorkItem> decode_items;
+  std::vector<AttentionWorkItem> prefill_items;
+  std::vector<AttentionMergeTask> merge_tasks;
+  int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
+  int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.
+};
+
+// Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
+// range into chunks (flash-decoding), so that about target_blocks blocks carry equal work.
+// min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
+void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads,
+                       int num_kv_heads, bool causal, int target_blocks, AttentionWork* work,
+                       int min_chunk = 256);
+
+// Blocks the paged attention kernel runs at once on this device (SMs * blocks per SM): the
+// target_blocks to plan for.
+LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks);
+
+struct PagedAttentionParams {
+  DType kv_dtype = DType::kUnspecified;
+  int32_t num_q_heads = 0;
+  int32_t num_kv_heads = 0;
+  int32_t head_dim = 0;
+  int32_t page_size = 0;
+  FastDivmod page_div;  // Set by LaunchPagedAttention from page_size.
+  bool causal = true;
+  float sm_scale = 0.f;
+
+  const void* k_cache = nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]
+  const void* v_cache = nullptr;
+  const int32_t* page_table = nullptr;
+  const AttentionSpan* spans = nullptr;
+
+  const float* q = nullptr;  // [total_queries][num_q_heads][head_dim], float32
+  float* out = nullptr;      // [total_queries][num_q_heads][head_dim], float32
+  float* lse = nullptr;      // [total_queries][num_q_heads], natural log; null: not written
+
+  const AttentionWorkItem* decode_items = nullptr;
+  int32_t num_decode_items = 0;
+  const AttentionWorkItem* prefill_items = nullptr;
+  int32_t num_prefill_items = 0;
+  const AttentionMergeTask* merge_tasks = nullptr;
+  int32_t num_merge_tasks = 0;
+  float* partial_out = nullptr;  // [num_kv_heads][partial_rows][head_dim]
+  float* partial_lse = nullptr;  // [num_kv_heads][partial_rows]
+  int64_t partial_rows = 0;
+};
+
+// Runs the decode-shape tiles, the prefill-shape tiles, then the merge of split tiles.
+LaunchStatus LaunchPagedAttention(const PagedAttentionParams& params, cudaStream_t stream);
+
+// ---- Conversion ---------------------------------------------------------------------------
+
+// dst[i] = src[i] converted between any two of float32 / float16 / bfloat16.
+LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
+                           cudaStream_t stream);
+
+}  // namespace pagedattn::kernels

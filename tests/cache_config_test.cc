@@ -1,0 +1,186 @@
+// CacheConfig validation: every rule, several violations at once, overflow, memory.
+#include "server/core/cache_config.h"
+
+#include <gtest/gtest.h>
+
+#include <limits>
+
+namespace pagedattn {
+namespace {
+
+CacheConfigRequest Valid() {
+  CacheConfigRequest c;
+  c.num_layers = 4;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 8;
+  c.head_dim = 128;
+  c.page_size = 16;
+  c.kv_dtype = DType::kBFloat16;
+  c.num_pages = 100;
+  return c;
+}
+
+ValidationContext Ctx(BackendKind b = BackendKind::kCpu, int64_t free = int64_t{1} << 34) {
+  return {b, 1, free};
+}
+
+std::vector<std::string> Fields(const ValidationResult& r) {
+  std::vector<std::string> f;
+  for (const auto& v : r.violations) f.push_back(v.field);
+  return f;
+}
+
+TEST(CacheConfigTest, ValidConfigResolvesSize) {
+  ValidationResult r = ValidateCacheConfig(Valid(), Ctx());
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.num_pages, 100);
+  // 2 (K,V) x 4 layers x 8 heads x 16 tokens x 128 dims x 2 bytes per page.
+  EXPECT_EQ(r.bytes, 100 * 2 * 4 * 8 * 16 * 128 * 2);
+  EXPECT_TRUE(r.fits);
+  EXPECT_TRUE(ValidationStatus(r).ok());
+}
+
+TEST(CacheConfigTest, EveryPageSizeInRangeIsAccepted) {
+  for (int p : {1, 3, 7, 16, 31, 100, 257, 1000, 1024}) {
+    CacheConfigRequest c = Valid();
+    c.page_size = p;
+    EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid()) << p;
+  }
+}
+
+TEST(CacheConfigTest, PageSizeOutOfRange) {
+  for (int p : {0, -1, 1025, 4096}) {
+    CacheConfigRequest c = Valid();
+    c.page_size = p;
+    ValidationResult r = ValidateCacheConfig(c, Ctx());
+    ASSERT_EQ(Fields(r), std::vector<std::string>{"page_size"}) << p;
+    EXPECT_NE(r.violations[0].description.find(absl::StrCat("(got ", p)), std::string::npos);
+    EXPECT_NE(r.violations[0].description.find("1..1024"), std::string::npos);
+  }
+}
+
+TEST(CacheConfigTest, HeadDimNamesNearestValid) {
+  CacheConfigRequest c = Valid();
+  c.head_dim = 100;
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"head_dim"});
+  EXPECT_NE(r.violations[0].description.find("nearest valid: 128"), std::string::npos);
+  c.head_dim = 80;
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_NE(r.violations[0].description.find("nearest valid: 64"), std::string::npos);
+}
+
+TEST(CacheConfigTest, GqaRules) {
+  CacheConfigRequest c = Valid();
+  c.num_q_heads = 32;
+  c.num_kv_heads = 5;
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"num_q_heads"});
+  EXPECT_NE(r.violations[0].description.find("30 or 35"), std::string::npos);
+  c.num_q_heads = 64;
+  c.num_kv_heads = 1;  // ratio 64 > kMaxGqaRatio
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"num_q_heads"});
+  c.num_q_heads = 0;
+  c.num_kv_heads = 0;
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"num_kv_heads", "num_q_heads"}));
+  c.num_q_heads = 3;
+  c.num_kv_heads = 6;  // fewer q heads than kv heads
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), std::vector<std::string>{"num_q_heads"});
+}
+
+TEST(CacheConfigTest, DTypeRulesDependOnBackend) {
+  CacheConfigRequest c = Valid();
+  c.kv_dtype = DType::kUnspecified;
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_dtype"});
+  c.kv_dtype = static_cast<DType>(42);
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_dtype"});
+  c.kv_dtype = DType::kFloat32;
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx(BackendKind::kCpu)).valid());
+  ValidationResult r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_dtype"});
+  EXPECT_NE(r.violations[0].description.find("cuda"), std::string::npos);
+}
+
+TEST(CacheConfigTest, IssueExampleReportsAllFourViolations) {
+  CacheConfigRequest c = Valid();
+  c.page_size = 0;
+  c.head_dim = 100;
+  c.num_q_heads = 32;
+  c.num_kv_heads = 5;
+  c.kv_dtype = DType::kUnspecified;
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"num_q_heads", "head_dim", "page_size", "kv_dtype"}));
+  absl::Status s = ValidationStatus(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  for (const char* needle : {"page_size", "head_dim", "num_q_heads", "kv_dtype", "4 violations"}) {
+    EXPECT_NE(s.message().find(needle), std::string::npos) << needle;
+  }
+  std::vector<FieldViolation> round_trip = FieldViolationsFromStatus(s);
+  ASSERT_EQ(round_trip.size(), 4u);
+  EXPECT_EQ(round_trip[2].field, "page_size");
+  EXPECT_EQ(round_trip[2].description, r.violations[2].description);
+}
+
+TEST(CacheConfigTest, LayersDeviceAndCapacityRules) {
+  CacheConfigRequest c = Valid();
+  c.num_layers = 0;
+  c.device = 3;
+  c.max_bytes = 1000;  // with num_pages too
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())),
+            (std::vector<std::string>{"num_layers", "device", "capacity"}));
+  c = Valid();
+  c.num_pages = 0;
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"num_pages"});
+  c.num_pages.reset();
+  c.max_bytes = 10;  // less than one page
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"max_bytes"});
+  EXPECT_NE(r.violations[0].description.find("nearest valid max_bytes"), std::string::npos);
+}
+
+TEST(CacheConfigTest, MaxBytesAndDefaultCapacity) {
+  CacheConfigRequest c = Valid();
+  c.num_pages.reset();
+  const int64_t page = 2 * 4 * 8 * 16 * 128 * 2;
+  c.max_bytes = 10 * page + page / 2;
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.num_pages, 10);
+  c.max_bytes.reset();
+  r = ValidateCacheConfig(c, Ctx(BackendKind::kCpu, 100 * page));
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.num_pages, 90);  // kDefaultPoolFraction of free memory
+  EXPECT_TRUE(r.fits);
+}
+
+TEST(CacheConfigTest, SizeOverflowIsAViolation) {
+  CacheConfigRequest c = Valid();
+  c.num_layers = kMaxNumLayers;
+  c.num_q_heads = kMaxNumHeads;
+  c.num_kv_heads = kMaxNumHeads;
+  c.head_dim = 256;
+  c.page_size = 1024;
+  c.kv_dtype = DType::kFloat32;
+  c.num_pages = std::numeric_limits<int32_t>::max();
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"num_pages"});
+  EXPECT_NE(r.violations[0].description.find("overflows"), std::string::npos);
+}
+
+TEST(CacheConfigTest, TooLargeForMemoryIsResourceExhaustedWithNumbers) {
+  CacheConfigRequest c = Valid();
+  c.num_pages = 1000;
+  ValidationResult r = ValidateCacheConfig(c, Ctx(BackendKind::kCpu, 12345678));
+  ASSERT_TRUE(r.valid());
+  EXPECT_FALSE(r.fits);
+  absl::Status s = ValidationStatus(r);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(s.message().find(absl::StrCat(r.bytes)), std::string::npos);
+  EXPECT_NE(s.message().find("12345678"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace pagedattn

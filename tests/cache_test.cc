@@ -1,0 +1,172 @@
+// Cache::Forward: request validation, atomic failure, idempotent retry and rewind, and
+// concurrent Forwards on different layers.
+#include "server/core/cache.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "server/core/cpu_backend.h"
+#include "tests/test_util.h"
+
+namespace pagedattn {
+namespace {
+
+using testing::Encode;
+using testing::ForwardModel;
+using testing::MakeGeometry;
+
+class CacheTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    g_ = MakeGeometry(4, 4, 2, 64, 8, DType::kBFloat16, 20);
+    cache_ = std::make_unique<Cache>("c", "", "", g_, *backend_.AllocatePool(g_), &backend_, 0);
+  }
+
+  // A valid single-span prefill request over owned buffers.
+  ForwardArgs Prefill(uint64_t seq, int64_t start, int n, float value = 0.5f) {
+    q_ = Encode(DType::kFloat32, std::vector<float>(n * 4 * 64, value));
+    k_ = Encode(DType::kFloat32, std::vector<float>(n * 2 * 64, value));
+    v_ = k_;
+    ForwardArgs a;
+    a.spans = {{seq, start, n, n}};
+    a.q = {DType::kFloat32, {n, 4, 64}, q_.data(), q_.size()};
+    a.k = {DType::kFloat32, {n, 2, 64}, k_.data(), k_.size()};
+    a.v = {DType::kFloat32, {n, 2, 64}, v_.data(), v_.size()};
+    return a;
+  }
+
+  void ExpectUnchanged(const CacheStats& before) {
+    CacheStats now = cache_->Stats();
+    EXPECT_EQ(now.free_pages, before.free_pages);
+    EXPECT_EQ(now.used_pages, before.used_pages);
+    EXPECT_EQ(now.live_sequences, before.live_sequences);
+  }
+
+  CpuBackend backend_{2};
+  CacheGeometry g_;
+  std::unique_ptr<Cache> cache_;
+  std::vector<char> q_, k_, v_;
+};
+
+TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
+  ASSERT_TRUE(cache_->Forward(Prefill(1, 0, 5)).ok());
+  const CacheStats before = cache_->Stats();
+  struct Case {
+    std::string name;
+    std::function<void(ForwardArgs&)> mutate;
+    absl::StatusCode code;
+    std::string needle;
+  };
+  const std::vector<Case> cases = {
+      {"layer", [](ForwardArgs& a) { a.layer = 4; }, absl::StatusCode::kInvalidArgument, "layer must be in 0..3"},
+      {"no spans", [](ForwardArgs& a) { a.spans.clear(); }, absl::StatusCode::kInvalidArgument, "spans"},
+      {"truncated q", [](ForwardArgs& a) { a.q.size_bytes -= 1; }, absl::StatusCode::kInvalidArgument, "q.data must hold"},
+      {"wrong dtype", [](ForwardArgs& a) { a.q.dtype = DType::kUnspecified; }, absl::StatusCode::kInvalidArgument, "q.dtype"},
+      {"bad dtype value", [](ForwardArgs& a) { a.k.dtype = static_cast<DType>(9); }, absl::StatusCode::kInvalidArgument, "k.dtype"},
+      {"negative dim", [](ForwardArgs& a) { a.q.shape[0] = -3; }, absl::StatusCode::kInvalidArgument, "q.shape"},
+      {"huge dim", [](ForwardArgs& a) { a.q.shape = {int64_t{1} << 62, 4, 64}; }, absl::StatusCode::kInvalidArgument, "q.shape"},
+      {"rank", [](ForwardArgs& a) { a.k.shape = {5, 128}; }, absl::StatusCode::kInvalidArgument, "k.shape"},
+      {"k/v dtype", [](ForwardArgs& a) { a.v.dtype = DType::kBFloat16; a.v.size_bytes /= 2; }, absl::StatusCode::kInvalidArgument, "same dtype"},
+      {"missing kv", [](ForwardArgs& a) { a.k = {}; a.v = {}; }, absl::StatusCode::kInvalidArgument, "k.dtype"},
+      {"queries > length", [](ForwardArgs& a) { a.spans[0].num_queries = 20; }, absl::StatusCode::kInvalidArgument, "num_queries"},
+      {"negative start", [](ForwardArgs& a) { a.spans[0].start = -1; }, absl::StatusCode::kInvalidArgument, "start"},
+      {"negative new", [](ForwardArgs& a) { a.spans[0].num_new_tokens = -1; }, absl::StatusCode::kInvalidArgument, "num_new_tokens"},
+      {"duplicate seq", [](ForwardArgs& a) { a.spans.push_back(a.spans[0]); }, absl::StatusCode::kInvalidArgument, "more than once"},
+      {"sm_scale", [](ForwardArgs& a) { a.sm_scale = -1.f; }, absl::StatusCode::kInvalidArgument, "sm_scale"},
+      {"nan sm_scale", [](ForwardArgs& a) { a.sm_scale = NAN; }, absl::StatusCode::kInvalidArgument, "sm_scale"},
+      {"gap", [](ForwardArgs& a) { a.spans[0].start = 7; }, absl::StatusCode::kFailedPrecondition, "gap"},
+      {"unknown seq", [](ForwardArgs& a) { a.spans[0].seq_id = 99; a.spans[0].start = 3; }, absl::StatusCode::kFailedPrecondition, "gap"},
+      {"too long", [](ForwardArgs& a) { a.spans[0].start = 160; }, absl::StatusCode::kResourceExhausted, "capacity"},
+  };
+  for (const Case& c : cases) {
+    ForwardArgs a = Prefill(1, 5, 5);
+    c.mutate(a);
+    absl::StatusOr<ForwardResult> r = cache_->Forward(a);
+    EXPECT_EQ(r.status().code(), c.code) << c.name << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << c.name << ": " << r.status();
+    ExpectUnchanged(before);
+  }
+}
+
+TEST_F(CacheTest, OutOfPagesChangesNothingAndRetryAfterReleaseMatches) {
+  ForwardModel model(g_, DType::kFloat32, 3);
+  ASSERT_TRUE(model.Run(*cache_, 0, {{1, 0, 100, 100}}).status.ok());  // 13 of 20 pages
+  const CacheStats before = cache_->Stats();
+  // Needs 4 + 5 = 9 pages > 7 free: nothing may change, not even seq 2's creation.
+  ForwardModel::Outcome o = model.Run(*cache_, 1, {{2, 0, 30, 30}, {3, 0, 40, 1}});
+  EXPECT_EQ(o.status.code(), absl::StatusCode::kResourceExhausted);
+  ExpectUnchanged(before);
+  cache_->Release(std::vector<uint64_t>{1});
+  EXPECT_TRUE(model.Run(*cache_, 1, {{2, 0, 30, 30}, {3, 0, 40, 1}}).status.ok());
+}
+
+TEST_F(CacheTest, RetriedRequestIsIdempotent) {
+  ForwardModel model(g_, DType::kFloat32, 5);
+  ASSERT_TRUE(model.Run(*cache_, 2, {{1, 0, 20, 20}}).status.ok());
+  // The same request (same bytes) twice: the second rewinds to start and rewrites.
+  ForwardArgs a = Prefill(1, 20, 6, 0.25f);
+  a.layer = 2;
+  absl::StatusOr<ForwardResult> first = cache_->Forward(a);
+  ASSERT_TRUE(first.ok());
+  const CacheStats after_first = cache_->Stats();
+  absl::StatusOr<ForwardResult> second = cache_->Forward(a);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(first->out, second->out);
+  ExpectUnchanged(after_first);
+}
+
+TEST_F(CacheTest, FailedForwardThenRetryGivesIdenticalOutput) {
+  ASSERT_TRUE(cache_->Forward(Prefill(1, 0, 9, 0.1f)).ok());
+  ForwardArgs good = Prefill(1, 9, 3, 0.7f);
+  ForwardArgs bad = good;
+  bad.q.size_bytes -= 2;  // truncated: must fail before touching anything
+  ASSERT_FALSE(cache_->Forward(bad).ok());
+  absl::StatusOr<ForwardResult> r1 = cache_->Forward(good);
+  ASSERT_TRUE(r1.ok());
+  // Rewind and replay: same answer as the first successful attempt.
+  absl::StatusOr<ForwardResult> r2 = cache_->Forward(good);
+  ASSERT_TRUE(r2.ok());
+  EXPECT_EQ(r1->out, r2->out);
+}
+
+TEST_F(CacheTest, SpeculativeTokensRollBack) {
+  ForwardModel model(g_, DType::kFloat32, 8);
+  ASSERT_TRUE(model.Run(*cache_, 0, {{1, 0, 10, 10}}).status.ok());
+  ASSERT_TRUE(model.Run(*cache_, 0, {{1, 10, 4, 4}}).status.ok());  // speculative
+  ForwardModel::Outcome o = model.Run(*cache_, 0, {{1, 11, 1, 1}});   // keep 1 of 4, append 1
+  ASSERT_TRUE(o.status.ok());
+  EXPECT_LE(o.max_rel_error, 1e-5);
+  EXPECT_EQ(model.Length(0, 1), 12);
+}
+
+TEST_F(CacheTest, ConcurrentForwardsOnDifferentLayersAreCorrect) {
+  std::vector<std::thread> threads;
+  std::vector<double> errors(4, 1.0);
+  std::vector<absl::Status> statuses(4);
+  for (int layer = 0; layer < 4; ++layer) {
+    threads.emplace_back([&, layer] {
+      ForwardModel model(g_, DType::kFloat32, 100 + layer);
+      double worst = 0;
+      for (int step = 0; step < 10; ++step) {
+        ForwardModel::Outcome o = model.Run(*cache_, layer, {{1, step * 3, 3, 3}, {2, step, 1, 1}});
+        if (!o.status.ok()) {
+          statuses[layer] = o.status;
+          return;
+        }
+        worst = std::max(worst, o.max_rel_error);
+      }
+      errors[layer] = worst;
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int layer = 0; layer < 4; ++layer) {
+    EXPECT_TRUE(statuses[layer].ok()) << statuses[layer];
+    EXPECT_LE(errors[layer], 1e-5) << "layer " << layer;
+  }
+  EXPECT_EQ(cache_->Stats().live_sequences, 2);
+  EXPECT_EQ(cache_->Stats().used_pages, 4 + 2);  // 30 tokens -> 4 pages, 10 -> 2
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -1,0 +1,412 @@
+// CUDA backend and kernel tests: Forward on the GPU against the float64 reference over page
+// sizes, head dims, GQA ratios, dtypes, ragged decode/prefill/chunked batches. Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <future>
+#include <limits>
+#include <map>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kernels/paged_attention.h"
+#include "server/core/backend.h"
+#include "server/core/cuda_backend.h"
+#include "server/core/dtype.h"
+#include "tests/reference.h"
+
+namespace pagedattn {
+namespace {
+
+#define SKIP_WITHOUT_GPU()                                                              \
+  do {                                                                                  \
+    if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU visible: kernel tests need one"; \
+  } while (0)
+
+// One sequence's part in one Forward.
+struct SpanSpec {
+  int new_tokens = 0;
+  int queries = 0;
+};
+
+struct CaseSpec {
+  DType cache_dtype = DType::kBFloat16;
+  DType q_dtype = DType::kFloat32;
+  DType kv_wire_dtype = DType::kFloat32;
+  int head_dim = 128;
+  int page_size = 16;
+  int num_kv_heads = 2;
+  int gqa = 4;
+  bool causal = true;
+  bool return_lse = true;
+  // steps[s][i]: sequence i in Forward s. Every Forward's output is checked.
+  std::vector<std::vector<SpanSpec>> steps;
+  uint32_t seed = 1;
+};
+
+std::string Describe(const CaseSpec& c) {
+  return std::string(DTypeName(c.cache_dtype)) + " q=" + std::string(DTypeName(c.q_dtype)) +
+         " kv_wire=" + std::string(DTypeName(c.kv_wire_dtype)) + " d=" + std::to_string(c.head_dim) +
+         " page=" + std::to_string(c.page_size) + " kv_heads=" + std::to_string(c.num_kv_heads) +
+         " gqa=" + std::to_string(c.gqa) + (c.causal ? " causal" : " non-causal");
+}
+
+float RoundTo(DType t, float f) {
+  char buf[4];
+  StoreFromFloat(t, buf, 0, f);
+  return LoadAsFloat(t, buf, 0);
+}
+
+struct SeqState {
+  std::vector<int32_t> pages;
+  int64_t len = 0;
+  std::vector<float> k, v;  // [pos][kv_head][head_dim], rounded to the cache dtype
+};
+
+// Runs the case through the CUDA backend and returns the worst relative error seen (out), after
+// asserting no NaN and a close LSE.
+double RunCase(Backend& backend, const CaseSpec& c) {
+  const int D = c.head_dim, Hkv = c.num_kv_heads, Hq = Hkv * c.gqa, ps = c.page_size;
+  const int num_seqs = static_cast<int>(c.steps.front().size());
+  std::mt19937 rng(c.seed);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+
+  // Final lengths -> pages per sequence, handed out in random pool order.
+  std::vector<int64_t> final_len(num_seqs, 0);
+  for (const auto& step : c.steps) {
+    for (int i = 0; i < num_seqs; ++i) final_len[i] += step[i].new_tokens;
+  }
+  int64_t total_pages = 0;
+  for (int64_t len : final_len) total_pages += (len + ps - 1) / ps;
+  total_pages += 3;  // pages nobody uses
+  std::vector<int32_t> order(total_pages);
+  std::iota(order.begin(), order.end(), 0);
+  std::shuffle(order.begin(), order.end(), rng);
+
+  CacheGeometry g;
+  g.num_layers = 2;
+  g.num_q_heads = Hq;
+  g.num_kv_heads = Hkv;
+  g.head_dim = D;
+  g.page_size = ps;
+  g.kv_dtype = c.cache_dtype;
+  g.device = 0;
+  g.num_pages = total_pages;
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend.AllocatePool(g);
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return 1.0;
+
+  std::vector<SeqState> seqs(num_seqs);
+  size_t next_page = 0;
+  for (int i = 0; i < num_seqs; ++i) {
+    const int64_t n = (final_len[i] + ps - 1) / ps;
+    seqs[i].pages.assign(order.begin() + next_page, order.begin() + next_page + n);
+    next_page += n;
+  }
+
+  const int q_size = DTypeSize(c.q_dtype), kv_size = DTypeSize(c.kv_wire_dtype);
+  double worst = 0;
+  for (size_t step_index = 0; step_index < c.steps.size(); ++step_index) {
+    const auto& step = c.steps[step_index];
+    ForwardPlan plan;
+    plan.layer = 1;
+    plan.causal = c.causal;
+    plan.sm_scale = 1.f / std::sqrt(static_cast<float>(D));
+    plan.return_lse = c.return_lse;
+    std::vector<char> q_bytes, k_bytes, v_bytes;
+    std::vector<float> q_vals;  // rounded q, [row][Hq][D]
+    for (int i = 0; i < num_seqs; ++i) {
+      SeqState& s = seqs[i];
+      SpanPlan sp;
+      sp.start = s.len;
+      sp.num_new_tokens = step[i].new_tokens;
+      sp.kv_len = s.len + step[i].new_tokens;
+      sp.num_queries = std::min<int64_t>(step[i].queries, sp.kv_len);
+      sp.q_offset = plan.total_queries;
+      sp.kv_offset = plan.total_new_tokens;
+      sp.page_table_offset = static_cast<int64_t>(plan.page_table.size());
+      sp.num_pages = static_cast<int32_t>((sp.kv_len + ps - 1) / ps);
+      plan.page_table.insert(plan.page_table.end(), s.pages.begin(), s.pages.begin() + sp.num_pages);
+      // New K/V rows: random in the wire dtype; the cache holds them rounded to its dtype.
+      for (int64_t e = 0; e < int64_t{sp.num_new_tokens} * Hkv * D; ++e) {
+        for (int kv = 0; kv < 2; ++kv) {
+          const float wire = RoundTo(c.kv_wire_dtype, uni(rng));
+          auto& bytes = kv == 0 ? k_bytes : v_bytes;
+          const size_t at = bytes.size();
+          bytes.resize(at + kv_size);
+          StoreFromFloat(c.kv_wire_dtype, bytes.data() + at, 0, wire);
+          (kv == 0 ? s.k : s.v).push_back(RoundTo(c.cache_dtype, wire));
+        }
+      }
+      for (int64_t e = 0; e < int64_t{sp.num_queries} * Hq * D; ++e) {
+        const float qv = RoundTo(c.q_dtype, 2.f * uni(rng));
+        const size_t at = q_bytes.size();
+        q_bytes.resize(at + q_size);
+        StoreFromFloat(c.q_dtype, q_bytes.data() + at, 0, qv);
+        q_vals.push_back(qv);
+      }
+      s.len = sp.kv_len;
+      plan.total_queries += sp.num_queries;
+      plan.total_new_tokens += sp.num_new_tokens;
+      plan.max_queries_per_span = std::max(plan.max_queries_per_span, sp.num_queries);
+      plan.max_kv_len = std::max(plan.max_kv_len, sp.kv_len);
+      plan.spans.push_back(sp);
+    }
+
+    // Outputs poisoned: every element must be written.
+    std::vector<char> out(plan.total_queries * Hq * D * q_size);
+    std::vector<float> lse(plan.total_queries * Hq, std::numeric_limits<float>::quiet_NaN());
+    for (int64_t e = 0; e < plan.total_queries * Hq * D; ++e) {
+      StoreFromFloat(c.q_dtype, out.data(), e, std::numeric_limits<float>::quiet_NaN());
+    }
+    ForwardIO io;
+    io.q_dtype = c.q_dtype;
+    io.q = q_bytes.data();
+    io.kv_dtype = c.kv_wire_dtype;
+    io.k = plan.total_new_tokens ? k_bytes.data() : nullptr;
+    io.v = plan.total_new_tokens ? v_bytes.data() : nullptr;
+    io.out = out.data();
+    io.lse = c.return_lse ? lse.data() : nullptr;
+    const absl::Status st = backend.Forward(**pool, g, plan, io);
+    EXPECT_TRUE(st.ok()) << st << " [" << Describe(c) << "]";
+    if (!st.ok()) return 1.0;
+    if (plan.total_queries == 0) continue;
+
+    // The float64 reference, spans in parallel.
+    const int64_t n_out = plan.total_queries * Hq * D;
+    std::vector<double> ref(n_out), ref_lse(plan.total_queries * Hq);
+    std::vector<std::future<void>> jobs;
+    for (int i = 0; i < num_seqs; ++i) {
+      const SpanPlan& sp = plan.spans[i];
+      if (sp.num_queries == 0) continue;
+      jobs.push_back(std::async(std::launch::async, [&, i, sp] {
+        testing::ReferenceAttention(q_vals.data() + sp.q_offset * Hq * D, seqs[i].k.data(),
+                                    seqs[i].v.data(), sp.num_queries, sp.kv_len, Hq, Hkv, D,
+                                    c.causal, plan.sm_scale, ref.data() + sp.q_offset * Hq * D,
+                                    ref_lse.data() + sp.q_offset * Hq);
+      }));
+    }
+    for (auto& j : jobs) j.get();
+
+    std::vector<double> got(n_out);
+    int64_t nans = 0;
+    for (int64_t e = 0; e < n_out; ++e) {
+      got[e] = LoadAsFloat(c.q_dtype, out.data(), e);
+      nans += std::isnan(got[e]) ? 1 : 0;
+    }
+    EXPECT_EQ(nans, 0) << "unwritten or NaN outputs, step " << step_index << " [" << Describe(c) << "]";
+    // Per span, so that a short span's error is not hidden by a long one's.
+    for (int i = 0; i < num_seqs; ++i) {
+      const SpanPlan& sp = plan.spans[i];
+      if (sp.num_queries == 0) continue;
+      const int64_t off = sp.q_offset * Hq * D, n = int64_t{sp.num_queries} * Hq * D;
+      const double err = testing::RelativeError(got.data() + off, ref.data() + off, n);
+      worst = std::max(worst, std::isnan(err) ? 1.0 : err);
+      const double tol = c.cache_dtype == DType::kFloat16 ? 2e-3 : 1e-2;
+      EXPECT_LE(err, tol) << "span " << i << " (kv_len " << sp.kv_len << ", queries "
+                          << sp.num_queries << "), step " << step_index << " [" << Describe(c) << "]";
+    }
+    if (c.return_lse) {
+      double max_lse_err = 0;
+      for (size_t e = 0; e < ref_lse.size(); ++e) {
+        const double d = std::isnan(lse[e]) ? 1e9 : std::abs(lse[e] - ref_lse[e]);
+        max_lse_err = std::max(max_lse_err, d / std::max(1.0, std::abs(ref_lse[e])));
+      }
+      EXPECT_LE(max_lse_err, 1e-2) << "lse, step " << step_index << " [" << Describe(c) << "]";
+    }
+  }
+  return worst;
+}
+
+class CudaKernelTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    SKIP_WITHOUT_GPU();
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend();
+    ASSERT_TRUE(b.ok()) << b.status();
+    backend_ = std::move(*b);
+  }
+  std::unique_ptr<Backend> backend_;
+};
+
+// A mixed batch: long decode, prefill, chunked prefill, short decode, append-only.
+std::vector<std::vector<SpanSpec>> MixedSteps(int long_len) {
+  return {
+      {{long_len, 0}, {0, 0}, {150, 4}, {37, 0}, {20, 0}},
+      {{1, 1}, {90, 90}, {70, 70}, {1, 1}, {5, 0}},
+  };
+}
+
+TEST_F(CudaKernelTest, SweepPageSizeHeadDimGqa) {
+  const int page_sizes[] = {1, 3, 8, 16, 32, 128, 1024};
+  const int head_dims[] = {64, 128, 256};
+  const int gqas[] = {1, 4, 8};
+  const DType wire[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
+  int index = 0;
+  for (int ps : page_sizes) {
+    for (int d : head_dims) {
+      for (int gqa : gqas) {
+        CaseSpec c;
+        c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
+        c.q_dtype = index % 3 == 0 ? DType::kFloat32 : c.cache_dtype;
+        c.kv_wire_dtype = wire[index % 3];
+        c.head_dim = d;
+        c.page_size = ps;
+        c.num_kv_heads = 2;
+        c.gqa = gqa;
+        c.causal = index % 5 != 4;
+        c.return_lse = index % 7 != 6;
+        c.steps = MixedSteps(700 + 97 * index);
+        c.seed = 1000 + index;
+        RunCase(*backend_, c);
+        ++index;
+      }
+    }
+  }
+}
+
+// Long ragged decode batch (1 .. 10k+ positions): split-KV for the long spans.
+TEST_F(CudaKernelTest, RaggedLongDecodeSplit) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    CaseSpec c;
+    c.cache_dtype = dt;
+    c.q_dtype = dt;
+    c.kv_wire_dtype = dt;
+    c.page_size = 16;
+    c.num_kv_heads = 8;
+    c.gqa = 4;
+    std::vector<SpanSpec> prior, decode;
+    const int lens[] = {10500, 1, 2, 15, 16, 17, 300, 4097, 63, 64, 65, 2047};
+    for (int len : lens) {
+      prior.push_back({len - 1, 0});
+      decode.push_back({1, 1});
+    }
+    c.steps = {prior, decode};
+    RunCase(*backend_, c);
+  }
+}
+
+// Many equal decode spans: enough work that the plan does not split.
+TEST_F(CudaKernelTest, UnsplitDecodeBatch) {
+  std::vector<SpanSpec> prior, decode;
+  for (int i = 0; i < 64; ++i) {
+    prior.push_back({1999, 0});
+    decode.push_back({1, 1});
+  }
+  CaseSpec c;
+  c.num_kv_heads = 8;
+  c.gqa = 4;
+  c.page_size = 64;
+  c.steps = {prior, decode};
+  RunCase(*backend_, c);
+}
+
+// GQA up to 32 with 1, 2 and 3 queries per span (two decode tiles; prefill tiles).
+TEST_F(CudaKernelTest, WideGqaMultiQueryDecode) {
+  for (int gqa : {16, 32}) {
+    for (int queries : {1, 2, 3}) {
+      CaseSpec c;
+      c.cache_dtype = DType::kFloat16;
+      c.num_kv_heads = 2;
+      c.gqa = gqa;
+      c.page_size = 8;
+      c.head_dim = 64;
+      c.steps = {{{3000, 0}, {40, 0}}, {{queries, queries}, {queries, queries}}};
+      RunCase(*backend_, c);
+    }
+  }
+}
+
+// Long chunked prefill against 10k of history, and a non-causal prefill.
+TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
+  CaseSpec c;
+  c.page_size = 32;
+  c.num_kv_heads = 2;
+  c.gqa = 4;
+  c.steps = {{{10200, 0}}, {{300, 300}}};
+  RunCase(*backend_, c);
+  c.causal = false;
+  c.page_size = 3;
+  c.steps = {{{500, 500}, {7, 7}}};
+  RunCase(*backend_, c);
+}
+
+// Two threads running Forward on different layers of one pool at once.
+TEST_F(CudaKernelTest, ConcurrentForwards) {
+  std::vector<std::thread> threads;
+  std::vector<double> errs(4, 1.0);
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&, t] {
+      CaseSpec c;
+      c.seed = 77 + t;
+      c.page_size = 16;
+      c.steps = MixedSteps(1500);
+      errs[t] = RunCase(*backend_, c);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (double e : errs) EXPECT_LE(e, 1e-2);
+}
+
+TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {
+  CacheGeometry g;
+  g.num_layers = 64;
+  g.num_q_heads = 64;
+  g.num_kv_heads = 64;
+  g.head_dim = 256;
+  g.page_size = 1024;
+  g.kv_dtype = DType::kBFloat16;
+  g.num_pages = 1 << 16;  // 2^16 * 2 * 64 * 64*1024*256*2 bytes: far beyond any GPU
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(g);
+  EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted) << pool.status();
+}
+
+TEST_F(CudaKernelTest, ReportsDevice) {
+  EXPECT_GT(backend_->device_count(), 0);
+  EXPECT_FALSE(backend_->device_name().empty());
+  absl::StatusOr<MemoryInfo> mem = backend_->memory(0);
+  ASSERT_TRUE(mem.ok()) << mem.status();
+  EXPECT_GT(mem->total_bytes, 0);
+  EXPECT_GT(mem->free_bytes, 0);
+}
+
+// The split-KV planner needs no GPU: every (tile, position) is covered exactly once.
+TEST(AttentionPlan, CoversEveryPositionOnce) {
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 1, 10000}, {1, 700, 3, 5}, {4, 701, 200, 900}, {204, 800, 0, 50}};
+  for (bool causal : {true, false}) {
+    for (int target : {1, 132, 264, 5000}) {
+      kernels::AttentionWork work;
+      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal, target, &work, 64);
+      // coverage[span][row_start] -> positions covered
+      std::map<std::pair<int, int>, int64_t> covered;
+      for (const auto* list : {&work.decode_items, &work.prefill_items}) {
+        for (const auto& it : *list) {
+          EXPECT_LT(it.kv_start, it.kv_end);
+          covered[{it.span, it.row_start}] += it.kv_end - it.kv_start;
+        }
+      }
+      for (const auto& [key, n] : covered) {
+        const auto& sp = spans[key.first];
+        const int group = 4;
+        const int rows = sp.num_queries * group;
+        const int tile = rows <= kernels::kDecodeMaxSpanRows ? kernels::kDecodeTileRows
+                                                              : kernels::kPrefillTileRows;
+        const int last_row = std::min(key.second + tile, rows) - 1;
+        const int64_t want = causal ? sp.kv_len - sp.num_queries + last_row / group + 1 : sp.kv_len;
+        EXPECT_EQ(n, want) << "span " << key.first << " row " << key.second;
+      }
+      EXPECT_EQ(covered.count({3, 0}), 0u);  // no queries, no work
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -1,0 +1,379 @@
+// pagedattn-bench: times the paged decode kernels alone (no server) on random data with pages
+// scattered in random order, checks the output against the float64 reference first, and prints
+// one JSON row per case with the keys of ../shared/device/peers.py.
+//
+//   pagedattn-bench [--cases "1,32768 16,4096"] [--ragged 4096,100,7000] [--q-heads 32]
+//                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
+//                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "kernels/paged_attention.h"
+#include "tests/reference.h"
+
+namespace pagedattn::kernels {
+namespace {
+
+#define BENCH_CHECK_CUDA(expr)                                                          \
+  do {                                                                                  \
+    cudaError_t _e = (expr);                                                            \
+    if (_e != cudaSuccess) {                                                            \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
+  } while (0)
+
+void CheckLaunch(const LaunchStatus& st, const char* what) {
+  if (!st.ok()) {
+    std::fprintf(stderr, "%s: %s\n", what, st.message().c_str());
+    std::exit(1);
+  }
+}
+
+struct Config {
+  std::vector<std::vector<int>> cases;  // per case: context length of each sequence
+  int q_heads = 32, kv_heads = 8, head_dim = 128, page_size = 16;
+  DType dtype = DType::kBFloat16;
+  int warmup = 10, reps = 50, check_seqs = 2;
+  std::string json;
+};
+
+__device__ __forceinline__ float HashUniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;  // [-1, 1)
+}
+
+template <typename T>
+__global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+    const float f = HashUniform(seed, i);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      data[i] = __float2bfloat16_rn(f);
+    } else {
+      data[i] = __float2half_rn(f);
+    }
+  }
+}
+
+float HostToFloat(DType t, uint16_t bits) {
+  if (t == DType::kBFloat16) {
+    uint32_t u = uint32_t{bits} << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half_raw raw;
+  raw.x = bits;
+  return __half2float(__half(raw));
+}
+float RoundHost(DType t, float f) {
+  uint16_t bits;
+  if (t == DType::kBFloat16) {
+    __nv_bfloat16 b = __float2bfloat16_rn(f);
+    std::memcpy(&bits, &b, 2);
+  } else {
+    __half h = __float2half_rn(f);
+    std::memcpy(&bits, &h, 2);
+  }
+  return HostToFloat(t, bits);
+}
+
+std::vector<int> ParseInts(const std::string& s, char sep) {
+  std::vector<int> v;
+  std::stringstream ss(s);
+  std::string item;
+  while (std::getline(ss, item, sep)) {
+    if (!item.empty()) v.push_back(std::atoi(item.c_str()));
+  }
+  return v;
+}
+
+// "B,C B,C": B sequences of C positions each.
+std::vector<std::vector<int>> ParseCases(const std::string& s) {
+  std::vector<std::vector<int>> out;
+  std::stringstream ss(s);
+  std::string item;
+  while (ss >> item) {
+    const std::vector<int> bc = ParseInts(item, ',');
+    if (bc.size() != 2 || bc[0] <= 0 || bc[1] <= 0) {
+      std::fprintf(stderr, "bad case '%s' (want B,C)\n", item.c_str());
+      std::exit(2);
+    }
+    out.push_back(std::vector<int>(bc[0], bc[1]));
+  }
+  return out;
+}
+
+Config ParseFlags(int argc, char** argv) {
+  Config c;
+  std::string cases = "1,32768 16,4096 64,4096 256,2048 128,8192";  // peers.py's decode shapes
+  std::string ragged;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "%s needs a value\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--cases") cases = next();
+    else if (a == "--ragged") ragged = next();
+    else if (a == "--q-heads") c.q_heads = std::atoi(next().c_str());
+    else if (a == "--kv-heads") c.kv_heads = std::atoi(next().c_str());
+    else if (a == "--head-dim") c.head_dim = std::atoi(next().c_str());
+    else if (a == "--page-size") c.page_size = std::atoi(next().c_str());
+    else if (a == "--dtype") {
+      const std::string d = next();
+      if (d == "bfloat16") c.dtype = DType::kBFloat16;
+      else if (d == "float16") c.dtype = DType::kFloat16;
+      else {
+        std::fprintf(stderr, "--dtype must be bfloat16 or float16 (got %s)\n", d.c_str());
+        std::exit(2);
+      }
+    } else if (a == "--warmup") c.warmup = std::atoi(next().c_str());
+    else if (a == "--reps") c.reps = std::atoi(next().c_str());
+    else if (a == "--check-seqs") c.check_seqs = std::atoi(next().c_str());
+    else if (a == "--json") c.json = next();
+    else {
+      std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n", a.c_str());
+      std::exit(2);
+    }
+  }
+  if (cases != "none") c.cases = ParseCases(cases);
+  if (!ragged.empty()) c.cases.push_back(ParseInts(ragged, ','));
+  return c;
+}
+
+std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_index) {
+  const int B = static_cast<int>(ctx.size());
+  const int Hq = cfg.q_heads, Hkv = cfg.kv_heads, D = cfg.head_dim, ps = cfg.page_size;
+  const int esize = DTypeSize(cfg.dtype);
+  std::mt19937 rng(1234 + case_index);
+
+  // Pages: each sequence's pages drawn from one random permutation of the pool.
+  std::vector<int64_t> page_offset(B + 1, 0);
+  for (int b = 0; b < B; ++b) page_offset[b + 1] = page_offset[b] + (ctx[b] + ps - 1) / ps;
+  const int64_t num_pages = page_offset[B];
+  std::vector<int32_t> table(num_pages);
+  std::iota(table.begin(), table.end(), 0);
+  std::shuffle(table.begin(), table.end(), rng);
+  const int64_t pool_elems = num_pages * Hkv * ps * D;
+  const int64_t pool_bytes = pool_elems * esize;
+
+  // Enough pool copies that rotating among them defeats the L2 (read bytes >= 3x L2).
+  int device = 0;
+  cudaDeviceProp prop;
+  BENCH_CHECK_CUDA(cudaGetDevice(&device));
+  BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
+  const int64_t l2 = prop.l2CacheSize;
+  const int copies = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(1, (3 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
+  std::vector<void*> k_pools(copies), v_pools(copies);
+  for (int r = 0; r < copies; ++r) {
+    BENCH_CHECK_CUDA(cudaMalloc(&k_pools[r], pool_bytes));
+    BENCH_CHECK_CUDA(cudaMalloc(&v_pools[r], pool_bytes));
+    const int grid = 4096;
+    if (cfg.dtype == DType::kBFloat16) {
+      FillRandom<<<grid, 256>>>(static_cast<__nv_bfloat16*>(k_pools[r]), pool_elems, 2 * r + 1);
+      FillRandom<<<grid, 256>>>(static_cast<__nv_bfloat16*>(v_pools[r]), pool_elems, 2 * r + 2);
+    } else {
+      FillRandom<<<grid, 256>>>(static_cast<__half*>(k_pools[r]), pool_elems, 2 * r + 1);
+      FillRandom<<<grid, 256>>>(static_cast<__half*>(v_pools[r]), pool_elems, 2 * r + 2);
+    }
+    BENCH_CHECK_CUDA(cudaGetLastError());
+  }
+
+  // One decode query per sequence, values representable in the cache dtype.
+  std::uniform_real_distribution<float> uni(-2.f, 2.f);
+  std::vector<float> q(int64_t{B} * Hq * D);
+  for (float& x : q) x = RoundHost(cfg.dtype, uni(rng));
+  std::vector<AttentionSpan> spans(B);
+  for (int b = 0; b < B; ++b) spans[b] = {b, page_offset[b], 1, ctx[b]};
+
+  int target_blocks = 0;
+  CheckLaunch(AttentionTargetBlocks(cfg.dtype, D, &target_blocks), "occupancy");
+  AttentionWork work;
+  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work);
+
+  auto upload = [](const void* src, size_t bytes) {
+    void* d = nullptr;
+    BENCH_CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(bytes, 16)));
+    if (bytes) BENCH_CHECK_CUDA(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
+    return d;
+  };
+  PagedAttentionParams p;
+  p.kv_dtype = cfg.dtype;
+  p.num_q_heads = Hq;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.page_size = ps;
+  p.causal = true;
+  p.sm_scale = 1.f / std::sqrt(static_cast<float>(D));
+  p.page_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
+  p.spans = static_cast<const AttentionSpan*>(upload(spans.data(), spans.size() * sizeof(AttentionSpan)));
+  p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&p.lse, int64_t{B} * Hq * 4));
+  p.decode_items = static_cast<const AttentionWorkItem*>(
+      upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
+  p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
+  p.prefill_items = static_cast<const AttentionWorkItem*>(
+      upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
+  p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
+  p.merge_tasks = static_cast<const AttentionMergeTask*>(
+      upload(work.merge_tasks.data(), work.merge_tasks.size() * sizeof(AttentionMergeTask)));
+  p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
+  BENCH_CHECK_CUDA(cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&p.partial_lse, std::max<int64_t>(1, work.partial_rows * Hkv) * 4));
+  p.partial_rows = work.partial_rows;
+  cudaStream_t stream;
+  BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
+
+  // Correctness first: poison, run on copy 0, compare sampled sequences with the reference.
+  BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
+  p.k_cache = k_pools[0];
+  p.v_cache = v_pools[0];
+  CheckLaunch(LaunchPagedAttention(p, stream), "paged attention");
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  std::vector<float> out(q.size());
+  BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
+  double worst_err = 0;
+  std::vector<int> check;
+  for (int i = 0; i < std::min(cfg.check_seqs, B); ++i) {
+    check.push_back(cfg.check_seqs <= 1 ? 0 : static_cast<int>(int64_t{i} * (B - 1) / (cfg.check_seqs - 1)));
+  }
+  check.erase(std::unique(check.begin(), check.end()), check.end());
+  for (int b : check) {
+    const int L = ctx[b];
+    std::vector<float> k(int64_t{L} * Hkv * D), v(k.size());
+    std::vector<uint16_t> page(int64_t{Hkv} * ps * D);
+    for (int64_t j = 0; j < page_offset[b + 1] - page_offset[b]; ++j) {
+      const int64_t pg = table[page_offset[b] + j];
+      for (int kv = 0; kv < 2; ++kv) {
+        const char* src = static_cast<const char*>(kv == 0 ? k_pools[0] : v_pools[0]) + pg * Hkv * ps * D * esize;
+        BENCH_CHECK_CUDA(cudaMemcpy(page.data(), src, page.size() * 2, cudaMemcpyDeviceToHost));
+        for (int h = 0; h < Hkv; ++h) {
+          for (int r = 0; r < ps; ++r) {
+            const int64_t pos = j * ps + r;
+            if (pos >= L) break;
+            for (int d = 0; d < D; ++d) {
+              (kv == 0 ? k : v)[(pos * Hkv + h) * D + d] = HostToFloat(cfg.dtype, page[(int64_t{h} * ps + r) * D + d]);
+            }
+          }
+        }
+      }
+    }
+    std::vector<double> ref(int64_t{Hq} * D), got(ref.size()), ref_lse(Hq);
+    testing::ReferenceAttention(q.data() + int64_t{b} * Hq * D, k.data(), v.data(), 1, L, Hq, Hkv, D,
+                                true, p.sm_scale, ref.data(), ref_lse.data());
+    int64_t nans = 0;
+    for (size_t e = 0; e < ref.size(); ++e) {
+      got[e] = out[int64_t{b} * Hq * D + e];
+      nans += std::isnan(got[e]);
+    }
+    const double err = nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size());
+    worst_err = std::max(worst_err, err);
+  }
+  const double tol = cfg.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
+  if (!(worst_err <= tol)) {
+    std::fprintf(stderr, "case %d: relative error %.3g exceeds %.1g: not timing a wrong kernel\n",
+                 case_index, worst_err, tol);
+    std::exit(1);
+  }
+
+  // Time: median of per-launch CUDA events after warm-up, rotating the pool copies.
+  cudaEvent_t start, stop;
+  BENCH_CHECK_CUDA(cudaEventCreate(&start));
+  BENCH_CHECK_CUDA(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
+    p.k_cache = k_pools[it % copies];
+    p.v_cache = v_pools[it % copies];
+    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
+    CheckLaunch(LaunchPagedAttention(p, stream), "paged attention");
+    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+    float ms = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    if (it >= cfg.warmup) times.push_back(ms);
+  }
+  std::sort(times.begin(), times.end());
+  const double t = times[times.size() / 2] * 1e-3;
+  int64_t positions = 0;
+  for (int c : ctx) positions += c;
+  const double kv_bytes = 2.0 * positions * Hkv * D * esize;
+
+  char row[768];
+  const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
+  std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
+  std::snprintf(row, sizeof(row),
+                "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
+                "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
+                "\"time_us\": %.3f, \"tbps\": %.4f, \"max_rel_err\": %.3g, \"kv_chunk\": %d, "
+                "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld}",
+                B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
+                t * 1e6, kv_bytes / t / 1e12, worst_err, work.kv_chunk,
+                (work.decode_items.size() + work.prefill_items.size()) * Hkv, copies,
+                static_cast<long long>(positions));
+
+  for (int r = 0; r < copies; ++r) {
+    cudaFree(k_pools[r]);
+    cudaFree(v_pools[r]);
+  }
+  cudaFree(const_cast<int32_t*>(p.page_table));
+  cudaFree(const_cast<AttentionSpan*>(p.spans));
+  cudaFree(const_cast<float*>(p.q));
+  cudaFree(p.out);
+  cudaFree(p.lse);
+  cudaFree(const_cast<AttentionWorkItem*>(p.decode_items));
+  cudaFree(const_cast<AttentionWorkItem*>(p.prefill_items));
+  cudaFree(const_cast<AttentionMergeTask*>(p.merge_tasks));
+  cudaFree(p.partial_out);
+  cudaFree(p.partial_lse);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaStreamDestroy(stream);
+  return row;
+}
+
+}  // namespace
+}  // namespace pagedattn::kernels
+
+int main(int argc, char** argv) {
+  using namespace pagedattn::kernels;
+  const Config cfg = ParseFlags(argc, argv);
+  std::vector<std::string> rows;
+  for (size_t i = 0; i < cfg.cases.size(); ++i) {
+    rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i)));
+    std::printf("%s\n", rows.back().c_str());
+    std::fflush(stdout);
+  }
+  if (!cfg.json.empty()) {
+    FILE* f = std::fopen(cfg.json.c_str(), "w");
+    if (!f) {
+      std::fprintf(stderr, "cannot write %s\n", cfg.json.c_str());
+      return 1;
+    }
+    std::fprintf(f, "[\n");
+    for (size_t i = 0; i < rows.size(); ++i) std::fprintf(f, " %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+    std::fprintf(f, "]\n");
+    std::fclose(f);
+  }
+  return 0;
+}

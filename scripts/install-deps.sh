@@ -9,7 +9,7 @@ BUILD_PKGS=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  libcivetweb-dev openssl ca-certificates python3
+  libcivetweb-dev openssl ca-certificates python3 python3-venv
 )
 # Runtime libraries: names differ between Debian 12 and Ubuntu 24.04, so they are resolved
 # from what the build packages pulled in (see runtime_pkgs below).

@@ -7,6 +7,7 @@
 #include <grpcpp/server_builder.h>
 
 #include "absl/strings/str_cat.h"
+#include "grpc/health/v1/health.pb.h"
 #include "server/core/backend_factory.h"
 #include "spdlog/spdlog.h"
 
@@ -20,6 +21,9 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const Se
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), options.limits);
   s->service_ = std::make_unique<AttentionServiceImpl>(s->manager_.get());
 
+  // The built-in health service has no descriptor in the generated pool; linking ours lets
+  // reflection describe grpc.health.v1 so grpcurl can call it without a .proto.
+  (void)grpc::health::v1::HealthCheckRequest::descriptor();
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Installs dependencies (scripts/install-deps.sh), configures and builds pagedattn.
+#   scripts/build.sh [BUILD_DIR] [ninja targets...]
+# The CUDA backend is built when nvcc is found (PATH or /usr/local/cuda), else CPU-only;
+# CMake's output says which. Extra CMake options: PAGEDATTN_CMAKE_ARGS="-DPAGEDATTN_CUDA=OFF".
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build_dir=${1:-build}
+shift || true
+scripts/install-deps.sh
+# shellcheck disable=SC2086
+cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release ${PAGEDATTN_CMAKE_ARGS:-} | grep -E "pagedattn:|Error|error" || true
+ninja -C "$build_dir" -j"$(nproc)" "$@"

@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Builds pagedattn on a fresh machine and runs every test (ctest). GPU tests skip with a
+# reason when no GPU is visible; all CUDA code still compiles when nvcc is present.
+#   scripts/test.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/build.sh build
+
+# The grpcurl-style reflection check is a Python client (tooling from PyPI).
+venv=build/test-venv
+if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection" 2>/dev/null; then
+  python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check \
+      grpcio grpcio-reflection protobuf || {
+    echo "test.sh: WARNING: could not set up $venv (no PyPI?): the reflection check will be skipped"
+    rm -rf "$venv"
+  }
+fi
+py=""
+[ -x "$venv/bin/python3" ] && py=$(realpath "$venv/bin/python3")
+cmake -S . -B build -DPAGEDATTN_TEST_PYTHON="$py" > /dev/null
+ctest --test-dir build --output-on-failure -j2

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# The installed binaries as a user runs them: pagedattn-server on a free port, then
+# pagedattn-cli health / info / validate / create-cache / smoke, then SIGTERM -> exit 0.
+#   tests/server_cli_test.sh SERVER_BIN CLI_BIN [REFLECTION_CHECK_PYTHON]
+set -euo pipefail
+server=$1 cli=$2 py=${3:-}
+log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
+fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
+
+"$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug >"$log" 2>&1 &
+pid=$!
+port=""
+for _ in $(seq 100); do
+  port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)
+  [ -n "$port" ] && break
+  kill -0 $pid 2>/dev/null || fail "server exited during start"
+  sleep 0.1
+done
+[ -n "$port" ] || fail "server did not report its port"
+t="--target=127.0.0.1:$port"
+echo "server up on port $port"
+
+[ "$("$cli" $t health)" = "SERVING" ] || fail "health is not SERVING"
+"$cli" $t info | grep -q '"backend": "cpu"' || fail "info does not say backend cpu"
+
+# The issue's invalid config: four violations, named in one answer.
+out=$("$cli" $t --page_size=0 --head_dim=100 --num_q_heads=32 --num_kv_heads=5 \
+      --kv_dtype=DTYPE_UNSPECIFIED --num_pages=10 create-cache 2>&1) && fail "invalid config accepted"
+for f in page_size head_dim num_q_heads kv_dtype "4 violations" INVALID_ARGUMENT; do
+  grep -q "$f" <<<"$out" || fail "create-cache error does not mention $f: $out"
+done
+out=$("$cli" $t --num_pages=1000000000 create-cache 2>&1) && fail "oversized config accepted"
+grep -q "RESOURCE_EXHAUSTED.*bytes are free" <<<"$out" || fail "oversized: $out"
+"$cli" $t --num_layers=2 --num_pages=16 validate | grep -q '"valid": true' || fail "validate"
+
+id=$("$cli" $t --num_layers=2 --num_pages=16 --name=cli-test create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
+[ -n "$id" ] || fail "create-cache printed no cacheId"
+"$cli" $t list | grep -q "$id" || fail "list misses $id"
+"$cli" $t describe "$id" | grep -q '"name": "cli-test"' || fail "describe"
+"$cli" $t delete "$id" | grep -q "deleted $id" || fail "delete"
+out=$("$cli" $t describe "$id" 2>&1) && fail "describe after delete succeeded"
+grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
+
+"$cli" $t smoke | tee /dev/stderr | tail -1 | grep -qx PASS || fail "smoke"
+
+if [ -n "$py" ]; then
+  "$py" "$(dirname "$0")/reflection_check.py" "127.0.0.1:$port" || fail "reflection check"
+fi
+
+kill -TERM $pid
+rc=0; wait $pid || rc=$?
+[ $rc -eq 0 ] || fail "server exit code $rc after SIGTERM"
+grep -q "received SIGTERM" "$log" || fail "no shutdown log line"
+grep -q "rpc Forward cache=" "$log" || fail "no per-RPC debug line"
+echo "server_cli_test: all checks passed"

@@ -16,6 +16,7 @@ if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflect
   }
 fi
 py=""
-[ -x "$venv/bin/python3" ] && py=$(realpath "$venv/bin/python3")
+# Not realpath: the venv's python3 is a symlink to the base interpreter.
+[ -x "$venv/bin/python3" ] && py="$PWD/$venv/bin/python3"
 cmake -S . -B build -DPAGEDATTN_TEST_PYTHON="$py" > /dev/null
 ctest --test-dir build --output-on-failure -j2

@@ -263,7 +263,7 @@ TEST_F(E2ETest, ConcurrentClientsOnSeveralCaches) {
   EXPECT_EQ(failures.load(), 0);
   for (const std::string& id : ids) {
     EXPECT_EQ(client_->GetCache(id)->stats().forward_calls(), 10);
-    client_->DeleteCache(id);
+    EXPECT_TRUE(client_->DeleteCache(id).ok());
   }
 }
 

@@ -120,6 +120,54 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+// out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
+// per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
+template <int D>
+__device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
+                                           const AttentionMergeTask& task,
+                                           const AttentionSpan& span, int kv_head, int group) {
+  constexpr int kDims = D / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
+  const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
+  for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
+    float max_lse = -INFINITY;
+    for (int s = lane; s < task.num_splits; s += 32) {
+      max_lse = fmaxf(max_lse, __ldcg(part_lse + task.partial_row + s * task.row_stride + r));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+    const float base = max_lse == -INFINITY ? 0.f : max_lse;
+    float weight_sum = 0.f;
+    float acc[kDims];
+#pragma unroll
+    for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
+#pragma unroll 4
+    for (int s = 0; s < task.num_splits; ++s) {
+      const int64_t row = task.partial_row + s * task.row_stride + r;
+      const float w = __expf(__ldcg(part_lse + row) - base);
+      weight_sum += w;
+      const float* src = part_out + row * D + lane * kDims;
+#pragma unroll
+      for (int j = 0; j < kDims; j += 2) {
+        const float2 v = __ldcg(reinterpret_cast<const float2*>(src + j));
+        acc[j] += w * v.x;
+        acc[j + 1] += w * v.y;
+      }
+    }
+    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+    const int span_row = task.row_start + r;
+    const int64_t out_row =
+        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+    float* dst = p.out + out_row * D + lane * kDims;
+#pragma unroll
+    for (int j = 0; j < kDims; j += 2) {
+      *reinterpret_cast<float2*>(dst + j) = make_float2(acc[j] * inv, acc[j + 1] * inv);
+    }
+    if (p.lse && lane == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+  }
+}
+
 // ---- Device body --------------------------------------------------------------------------
 
 template <typename T, int D, int MW, int KW>
@@ -143,6 +191,53 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   const int mw = warp % MW, kw = warp / MW;
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
+  // Pipeline: each thread copies the same 16-byte chunk column of kRowsPerThread rows.
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int32_t* pages = p.page_table + span.page_table_offset;
+  // Page ids are loaded one tile ahead of their copies so their latency stays hidden.
+  auto fetch_pages = [&](int tile, int (&ids)[Cfg::kRowsPerThread]) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
+      ids[i] = (tile < num_tiles && pos < item.kv_end) ? pages[p.page_div.Div(pos)] : 0;
+    }
+  };
+  auto issue_tile = [&](int tile, const int (&ids)[Cfg::kRowsPerThread]) {
+    T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileKv * D;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+      const int64_t offset =
+          ((int64_t{ids[i]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
+          copy_chunk * 8;
+      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
+      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+    }
+  };
+
+  // Prologue: all page ids of the first stages in flight at once, then their copies, then the
+  // next stage's ids; Q is loaded while those copies fly.
+  {
+    int first_pages[Cfg::kStages - 1][Cfg::kRowsPerThread];
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_pages[s]);
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      if (s < num_tiles) issue_tile(s, first_pages[s]);
+      CpAsyncCommit();
+    }
+  }
+  int next_pages[Cfg::kRowsPerThread];
+  fetch_pages(Cfg::kStages - 1, next_pages);
+
   // Q tile -> shared memory, converted to T. Rows past the span are zero.
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
@@ -159,46 +254,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
   }
 
-  // Pipeline: each thread copies the same 16-byte chunk column of kRowsPerThread rows.
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
-  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
-  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
-  const int32_t* pages = p.page_table + span.page_table_offset;
-  int next_pages[Cfg::kRowsPerThread];
-
-  auto fetch_pages = [&](int tile) {
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
-      next_pages[i] = (tile < num_tiles && pos < item.kv_end) ? pages[p.page_div.Div(pos)] : 0;
-    }
-  };
-  auto issue_tile = [&](int tile) {
-    T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileKv * D;
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
-      const bool valid = pos < item.kv_end;
-      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
-      const int64_t offset =
-          ((int64_t{next_pages[i]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
-          copy_chunk * 8;
-      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
-      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
-    }
-  };
-
-#pragma unroll
-  for (int s = 0; s < Cfg::kStages - 1; ++s) {
-    fetch_pages(s);
-    if (s < num_tiles) issue_tile(s);
-    CpAsyncCommit();
-  }
-  fetch_pages(Cfg::kStages - 1);
 
   // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
   // of each 8-wide n tile.
@@ -229,9 +284,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   };
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1);
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_pages);
     CpAsyncCommit();
-    fetch_pages(tile + Cfg::kStages);
+    fetch_pages(tile + Cfg::kStages, next_pages);
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
     if constexpr (Cfg::kQInRegisters) {
@@ -343,9 +398,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       }
     }
     __syncthreads();
-    if (kw != 0) return;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
+    for (int i = 0; i < 2 && kw == 0; ++i) {
       const int r = mw * 16 + quad_row + 8 * i;
       float m = -INFINITY;
 #pragma unroll
@@ -378,7 +432,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 
   // Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
 #pragma unroll
-  for (int i = 0; i < 2; ++i) {
+  for (int i = 0; i < 2 && kw == 0; ++i) {
     const int tile_row = mw * 16 + quad_row + 8 * i;
     const int span_row = item.row_start + tile_row;
     if (span_row >= span_rows) continue;
@@ -403,6 +457,22 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
           make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
     }
     if (lse_dst && quad_col == 0) *lse_dst = lse;
+  }
+
+  // Split-KV: the last split of a tile to finish merges all of them (no second launch).
+  if (item.partial_row >= 0) {
+    __shared__ int is_last_split;
+    const AttentionMergeTask task = p.merge_tasks[item.merge_task];
+    int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
+    __threadfence();  // this split's partials are visible before it is counted
+    __syncthreads();
+    if (tid == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    __syncthreads();
+    if (is_last_split) {
+      __threadfence();
+      MergeSplits<D>(p, task, span, kv_head, group);
+      if (tid == 0) *counter = 0;  // ready for the next launch
+    }
   }
 }
 

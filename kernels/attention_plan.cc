@@ -62,7 +62,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     size_t last = first;
     while (last < tiles.size() && tiles[last].span == tiles[first].span) ++last;
     int64_t max_splits = 0;
-    std::vector<int32_t> partial_base(last - first, -1);
+    std::vector<int32_t> partial_base(last - first, -1), task_index(last - first, -1);
     for (size_t t = first; t < last; ++t) {
       const Tile& tile = tiles[t];
       const int64_t splits = CeilDiv(tile.kv_end, chunk);
@@ -70,6 +70,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
       if (splits > 1) {
         const int tile_rows = tile.decode ? kDecodeTileRows : kPrefillTileRows;
         partial_base[t - first] = static_cast<int32_t>(work->partial_rows);
+        task_index[t - first] = static_cast<int32_t>(work->merge_tasks.size());
         work->merge_tasks.push_back({tile.span, tile.row_start, tile.num_rows,
                                      static_cast<int32_t>(splits),
                                      static_cast<int32_t>(work->partial_rows), tile_rows});
@@ -90,6 +91,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
         item.partial_row = partial_base[t - first] < 0
                                ? -1
                                : static_cast<int32_t>(partial_base[t - first] + s * tile_rows);
+        item.merge_task = task_index[t - first];
         (tile.decode ? work->decode_items : work->prefill_items).push_back(item);
       }
     }

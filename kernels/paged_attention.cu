@@ -73,43 +73,6 @@ __global__ void __launch_bounds__(256) AppendKvKernel(const __grid_constant__ Ap
   AppendBody<Src, Dst>(params);
 }
 
-// ---- Split-KV merge -----------------------------------------------------------------------
-
-// out = sum_s exp(lse_s - lse_max) * out_s / sum_s exp(lse_s - lse_max) over one tile's splits.
-__device__ __forceinline__ void MergeBody(const PagedAttentionParams& p) {
-  const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
-  const int kv_head = blockIdx.y;
-  const AttentionSpan span = p.spans[task.span];
-  const int group = p.num_q_heads / p.num_kv_heads;
-  const int d_size = p.head_dim;
-  const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
-  const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * d_size;
-  for (int e = threadIdx.x; e < task.num_rows * d_size; e += blockDim.x) {
-    const int r = e / d_size, d = e % d_size;
-    float max_lse = -INFINITY;
-    for (int s = 0; s < task.num_splits; ++s) {
-      max_lse = fmaxf(max_lse, part_lse[task.partial_row + s * task.row_stride + r]);
-    }
-    const float base = max_lse == -INFINITY ? 0.f : max_lse;
-    float weight_sum = 0.f, acc = 0.f;
-    for (int s = 0; s < task.num_splits; ++s) {
-      const int64_t row = task.partial_row + s * task.row_stride + r;
-      const float w = __expf(part_lse[row] - base);
-      weight_sum += w;
-      acc += w * part_out[row * d_size + d];
-    }
-    const int span_row = task.row_start + r;
-    const int64_t out_row =
-        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
-    p.out[out_row * d_size + d] = weight_sum > 0.f ? acc / weight_sum : 0.f;
-    if (p.lse && d == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
-  }
-}
-
-__global__ void __launch_bounds__(128) MergeKernel(const __grid_constant__ PagedAttentionParams params) {
-  MergeBody(params);
-}
-
 // ---- Conversion ---------------------------------------------------------------------------
 
 template <typename Src, typename Dst>
@@ -165,6 +128,9 @@ LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blo
 LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream) {
   if (LaunchStatus st = CheckPageSize(in.page_size); !st.ok()) return st;
   if (LaunchStatus st = CheckGqa(in.num_q_heads, in.num_kv_heads); !st.ok()) return st;
+  if (in.num_merge_tasks > 0 && in.merge_counters == nullptr) {
+    return LaunchStatus::Unsupported("split-KV work needs merge_counters");
+  }
   PagedAttentionParams params = in;
   params.page_div = FastDivmod(static_cast<uint32_t>(in.page_size));
   if (params.num_decode_items > 0) {
@@ -176,10 +142,6 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
     if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
       return st;
     }
-  }
-  if (params.num_merge_tasks > 0) {
-    MergeKernel<<<dim3(params.num_merge_tasks, params.num_kv_heads), 128, 0, stream>>>(params);
-    return CheckLaunch("split-KV merge");
   }
   return LaunchStatus::Ok();
 }

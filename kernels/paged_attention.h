@@ -71,9 +71,11 @@ struct AttentionWorkItem {
   int32_t kv_start = 0;
   int32_t kv_end = 0;
   int32_t partial_row = -1;
+  int32_t merge_task = -1;  // Index of the tile's merge task when split.
 };
 
-// Combines num_splits partial results of one tile (split s at partial_row + s * row_stride).
+// Combines num_splits partial results of one tile (split s at partial_row + s * row_stride);
+// done by whichever split finishes last.
 struct AttentionMergeTask {
   int32_t span = 0;
   int32_t row_start = 0;
@@ -139,9 +141,12 @@ struct PagedAttentionParams {
   float* partial_out = nullptr;  // [num_kv_heads][partial_rows][head_dim]
   float* partial_lse = nullptr;  // [num_kv_heads][partial_rows]
   int64_t partial_rows = 0;
+  // [num_merge_tasks][num_kv_heads] split counters: zero before a launch, zero again after it
+  // (the last split of a tile merges the tile and resets its counter).
+  int32_t* merge_counters = nullptr;
 };
 
-// Runs the decode-shape tiles, the prefill-shape tiles, then the merge of split tiles.
+// Runs the decode-shape tiles, then the prefill-shape tiles; split tiles merge themselves.
 LaunchStatus LaunchPagedAttention(const PagedAttentionParams& params, cudaStream_t stream);
 
 // ---- Conversion ---------------------------------------------------------------------------

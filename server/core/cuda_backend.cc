@@ -80,12 +80,30 @@ struct Workspace {
   size_t host_bytes = 0;
   char* dev = nullptr;
   size_t dev_bytes = 0;
+  // Split-KV counters: zeroed once, and every launch leaves them zero again.
+  int32_t* counters = nullptr;
+  size_t num_counters = 0;
 
   ~Workspace() {
     cudaSetDevice(device);
     if (stream) cudaStreamDestroy(stream);
     if (host) cudaFreeHost(host);
     if (dev) cudaFree(dev);
+    if (counters) cudaFree(counters);
+  }
+
+  absl::Status ReserveCounters(size_t want) {
+    if (want <= num_counters) return absl::OkStatus();
+    const size_t n = std::max(want, 2 * num_counters);
+    if (counters) PAGEDATTN_CUDA_RETURN(cudaFree(counters), "cudaFree");
+    counters = nullptr;
+    num_counters = 0;
+    PAGEDATTN_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&counters), n * sizeof(int32_t)),
+                          "cudaMalloc(split-KV counters)");
+    PAGEDATTN_CUDA_RETURN(cudaMemsetAsync(counters, 0, n * sizeof(int32_t), stream),
+                          "cudaMemsetAsync(split-KV counters)");
+    num_counters = n;
+    return absl::OkStatus();
   }
 
   absl::Status Reserve(size_t want_host, size_t want_dev) {
@@ -276,6 +294,7 @@ class CudaBackend final : public Backend {
     L.host_lse = take(lse_bytes);
     L.host_end = at;
     if (absl::Status st = ws.Reserve(L.host_end, L.dev_end); !st.ok()) return st;
+    if (absl::Status st = ws.ReserveCounters(work.merge_tasks.size() * Hkv); !st.ok()) return st;
 
     // Stage everything the device needs into pinned memory, then one copy.
     char* h = ws.host;
@@ -344,6 +363,7 @@ class CudaBackend final : public Backend {
       p.partial_out = reinterpret_cast<float*>(d + L.partial_out);
       p.partial_lse = reinterpret_cast<float*>(d + L.partial_lse);
       p.partial_rows = work.partial_rows;
+      p.merge_counters = ws.counters;
       PAGEDATTN_LAUNCH_RETURN(k::LaunchPagedAttention(p, ws.stream));
       if (!q_is_f32) {
         PAGEDATTN_LAUNCH_RETURN(k::LaunchConvert(out_f32, DType::kFloat32, d + L.out, io.q_dtype,

@@ -34,6 +34,19 @@ ABSL_FLAG(double, max_total_pool_gb, 0,
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
           "largest number of queries plus new tokens in one Forward");
 ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward");
+ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate: serve the main port over TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+ABSL_FLAG(std::string, tls_client_ca, "",
+          "PEM CA bundle: require client certificates signed by it (mTLS); needs --tls_cert");
+ABSL_FLAG(std::string, auth_tokens_file, "",
+          "file of bearer tokens, one per line as 'token [tenant]' (tenant 'default' when "
+          "omitted). Set: every AttentionService call needs 'authorization: Bearer <token>' and "
+          "sees only its tenant's caches; health and reflection stay open");
+ABSL_FLAG(std::string, health_listen, "",
+          "extra host:port serving only grpc.health.v1 in plaintext (for Kubernetes gRPC probes, "
+          "which cannot speak TLS); empty: none");
+ABSL_FLAG(std::string, metrics_listen, "",
+          "host:port for Prometheus metrics over HTTP at /metrics; empty: none");
 
 namespace {
 
@@ -87,6 +100,12 @@ int main(int argc, char** argv) {
       static_cast<int64_t>(absl::GetFlag(FLAGS_max_total_pool_gb) * (1ull << 30));
   options.limits.forward.max_tokens = absl::GetFlag(FLAGS_max_forward_tokens);
   options.limits.forward.max_spans = absl::GetFlag(FLAGS_max_forward_spans);
+  options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
+  options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
+  options.tls_client_ca_file = absl::GetFlag(FLAGS_tls_client_ca);
+  options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
+  options.health_listen = absl::GetFlag(FLAGS_health_listen);
+  options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
 
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);
@@ -103,6 +122,14 @@ int main(int argc, char** argv) {
                mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
                mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
                pagedattn::BuiltWithCuda() ? "yes" : "no");
+  spdlog::info("security: {}; auth: {}; health port: {}; metrics: {}",
+               (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",
+               (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",
+                                                (*server)->auth()->num_tenants(), " tenants")
+                                 : std::string("off"),
+               (*server)->health_port() ? absl::StrCat((*server)->health_port()) : std::string("none"),
+               (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
+                                         : std::string("off"));
 
   std::thread signal_thread([&] {
     int sig = 0;

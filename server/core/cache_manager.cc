@@ -80,12 +80,18 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
 }
 
 std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner) const {
+  std::vector<std::shared_ptr<Cache>> out = ListAll();
+  out.erase(std::remove_if(out.begin(), out.end(),
+                           [&](const auto& c) { return c->owner() != owner; }),
+            out.end());
+  return out;
+}
+
+std::vector<std::shared_ptr<Cache>> CacheManager::ListAll() const {
   std::vector<std::shared_ptr<Cache>> out;
   {
     absl::MutexLock lock(&mu_);
-    for (const auto& [id, cache] : caches_) {
-      if (cache->owner() == owner) out.push_back(cache);
-    }
+    for (const auto& [id, cache] : caches_) out.push_back(cache);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
     return a->created_unix_ms() != b->created_unix_ms() ? a->created_unix_ms() < b->created_unix_ms()

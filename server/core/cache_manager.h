@@ -35,6 +35,8 @@ class CacheManager {
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
+  // Every tenant's caches (for metrics).
+  std::vector<std::shared_ptr<Cache>> ListAll() const;
   // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference.
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
 

@@ -11,15 +11,20 @@
 namespace pagedattn {
 namespace {
 
-// Logs one line per RPC on destruction: method, cache, outcome, latency.
+// Ends every RPC: counts it in the metrics and logs one debug line (method, cache, outcome,
+// latency). Never logs request metadata, so tokens stay out of logs.
 class RpcLog {
  public:
-  RpcLog(const char* method, grpc::ServerContext* ctx)
-      : method_(method), ctx_(ctx), start_(std::chrono::steady_clock::now()) {}
+  RpcLog(const char* method, grpc::ServerContext* ctx, Metrics* metrics)
+      : method_(method), ctx_(ctx), metrics_(metrics), start_(std::chrono::steady_clock::now()) {}
   void set_cache(const std::string& id) { cache_ = id; }
+  double seconds() const {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  }
   grpc::Status Finish(const absl::Status& s) {
     grpc::Status g = ToGrpcStatus(s);
-    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
+    if (metrics_ != nullptr) metrics_->RecordRpc(method_, s.code());
+    const double ms = seconds() * 1e3;
     if (s.ok()) {
       spdlog::debug("rpc {} cache={} peer={} ok {:.3f} ms", method_, cache_, ctx_->peer(), ms);
     } else {
@@ -32,6 +37,7 @@ class RpcLog {
  private:
   const char* method_;
   grpc::ServerContext* ctx_;
+  Metrics* metrics_;
   std::chrono::steady_clock::time_point start_;
   std::string cache_ = "-";
 };
@@ -55,10 +61,17 @@ void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
   out->set_supports_custom_sm_scale(true);
 }
 
+absl::StatusOr<std::string> AttentionServiceImpl::Tenant(const grpc::ServerContext& ctx) const {
+  if (auth_ == nullptr) return std::string();
+  return auth_->Authenticate(ctx);
+}
+
 grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
                                                  const v1::GetServerInfoRequest*,
                                                  v1::ServerInfo* resp) {
-  RpcLog log("GetServerInfo", ctx);
+  RpcLog log("GetServerInfo", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   Backend& b = manager_->backend();
   resp->set_version(PAGEDATTN_VERSION);
   resp->set_backend(b.name());
@@ -75,7 +88,9 @@ grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
 grpc::Status AttentionServiceImpl::ValidateCacheConfig(grpc::ServerContext* ctx,
                                                        const v1::CacheConfig* req,
                                                        v1::ValidateCacheConfigResponse* resp) {
-  RpcLog log("ValidateCacheConfig", ctx);
+  RpcLog log("ValidateCacheConfig", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   ToProto(manager_->Validate(FromProto(*req)), resp);
   return log.Finish(absl::OkStatus());
 }
@@ -83,9 +98,11 @@ grpc::Status AttentionServiceImpl::ValidateCacheConfig(grpc::ServerContext* ctx,
 grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
                                                const v1::CreateCacheRequest* req,
                                                v1::CacheInfo* resp) {
-  RpcLog log("CreateCache", ctx);
+  RpcLog log("CreateCache", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   absl::StatusOr<std::shared_ptr<Cache>> cache =
-      manager_->Create(FromProto(req->config()), req->name(), TenantOf(*ctx));
+      manager_->Create(FromProto(req->config()), req->name(), *tenant);
   if (!cache.ok()) return log.Finish(cache.status());
   log.set_cache((*cache)->id());
   ToProto(**cache, resp);
@@ -96,9 +113,11 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
 
 grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx, const v1::GetCacheRequest* req,
                                             v1::CacheInfo* resp) {
-  RpcLog log("GetCache", ctx);
+  RpcLog log("GetCache", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   log.set_cache(req->cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), TenantOf(*ctx));
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), *tenant);
   if (!cache.ok()) return log.Finish(cache.status());
   ToProto(**cache, resp);
   return log.Finish(absl::OkStatus());
@@ -106,8 +125,10 @@ grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx, const v1::
 
 grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx, const v1::ListCachesRequest*,
                                               v1::ListCachesResponse* resp) {
-  RpcLog log("ListCaches", ctx);
-  for (const std::shared_ptr<Cache>& cache : manager_->List(TenantOf(*ctx))) {
+  RpcLog log("ListCaches", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
+  for (const std::shared_ptr<Cache>& cache : manager_->List(*tenant)) {
     ToProto(*cache, resp->add_caches());
   }
   return log.Finish(absl::OkStatus());
@@ -116,9 +137,11 @@ grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx, const v1
 grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
                                                const v1::DeleteCacheRequest* req,
                                                v1::DeleteCacheResponse* resp) {
-  RpcLog log("DeleteCache", ctx);
+  RpcLog log("DeleteCache", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   log.set_cache(req->cache_id());
-  absl::StatusOr<int64_t> freed = manager_->Delete(req->cache_id(), TenantOf(*ctx));
+  absl::StatusOr<int64_t> freed = manager_->Delete(req->cache_id(), *tenant);
   if (!freed.ok()) return log.Finish(freed.status());
   resp->set_freed_bytes(*freed);
   spdlog::info("deleted cache {} ({} bytes)", req->cache_id(), *freed);
@@ -127,22 +150,35 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
 
 grpc::Status AttentionServiceImpl::Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* req,
                                            v1::ForwardResponse* resp) {
-  RpcLog log("Forward", ctx);
+  RpcLog log("Forward", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   log.set_cache(req->cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), TenantOf(*ctx));
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), *tenant);
   if (!cache.ok()) return log.Finish(cache.status());
-  absl::StatusOr<ForwardResult> result = (*cache)->Forward(FromProto(*req));
+  ForwardArgs args = FromProto(*req);
+  absl::StatusOr<ForwardResult> result = (*cache)->Forward(args);
   if (!result.ok()) return log.Finish(result.status());
   MoveToProto(*std::move(result), resp);
+  if (metrics_ != nullptr) {
+    int64_t appended = 0, queries = 0;
+    for (const SpanRequest& s : args.spans) {
+      appended += s.num_new_tokens;
+      queries += s.num_queries;
+    }
+    metrics_->RecordForward(log.seconds(), appended, queries);
+  }
   return log.Finish(absl::OkStatus());
 }
 
 grpc::Status AttentionServiceImpl::ReleaseSequences(grpc::ServerContext* ctx,
                                                     const v1::ReleaseSequencesRequest* req,
                                                     v1::ReleaseSequencesResponse* resp) {
-  RpcLog log("ReleaseSequences", ctx);
+  RpcLog log("ReleaseSequences", ctx, metrics_);
+  absl::StatusOr<std::string> tenant = Tenant(*ctx);
+  if (!tenant.ok()) return log.Finish(tenant.status());
   log.set_cache(req->cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), TenantOf(*ctx));
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), *tenant);
   if (!cache.ok()) return log.Finish(cache.status());
   ReleaseResult r = (*cache)->Release(
       absl::MakeConstSpan(req->seq_ids().data(), static_cast<size_t>(req->seq_ids_size())));

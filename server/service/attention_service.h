@@ -6,12 +6,16 @@
 
 #include "pagedattn/v1/attention.grpc.pb.h"
 #include "server/core/cache_manager.h"
+#include "server/service/auth.h"
+#include "server/service/metrics.h"
 
 namespace pagedattn {
 
 class AttentionServiceImpl final : public v1::AttentionService::Service {
  public:
-  explicit AttentionServiceImpl(CacheManager* manager) : manager_(manager) {}
+  // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
+  AttentionServiceImpl(CacheManager* manager, const TokenAuthenticator* auth, Metrics* metrics)
+      : manager_(manager), auth_(auth), metrics_(metrics) {}
 
   grpc::Status GetServerInfo(grpc::ServerContext* ctx, const v1::GetServerInfoRequest* req,
                              v1::ServerInfo* resp) override;
@@ -31,7 +35,11 @@ class AttentionServiceImpl final : public v1::AttentionService::Service {
                                 v1::ReleaseSequencesResponse* resp) override;
 
  private:
+  absl::StatusOr<std::string> Tenant(const grpc::ServerContext& ctx) const;
+
   CacheManager* const manager_;
+  const TokenAuthenticator* const auth_;
+  Metrics* const metrics_;
 };
 
 // The capability table of a backend, as sent in ServerInfo.

@@ -1,21 +1,33 @@
-// Caller identity: the tenant a request acts for. Without token auth every caller is the
-// anonymous tenant "".
+// Token auth: "authorization: Bearer <token>" maps to a tenant. Without a tokens file every
+// caller is the anonymous tenant "". Tokens never appear in logs or error messages.
 #pragma once
 
+#include <memory>
 #include <string>
 
 #include <grpcpp/server_context.h>
 
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
+
 namespace pagedattn {
 
-// Auth-context property that carries the authenticated tenant.
-inline constexpr char kTenantProperty[] = "pagedattn-tenant";
+class TokenAuthenticator {
+ public:
+  // File format: one token per line, optionally followed by whitespace and a tenant name
+  // ("default" when omitted). Blank lines and lines starting with '#' are ignored.
+  static absl::StatusOr<std::unique_ptr<TokenAuthenticator>> FromFile(const std::string& path);
+  static absl::StatusOr<std::unique_ptr<TokenAuthenticator>> FromString(absl::string_view contents);
 
-inline std::string TenantOf(const grpc::ServerContext& ctx) {
-  auto values = ctx.auth_context() ? ctx.auth_context()->FindPropertyValues(kTenantProperty)
-                                   : std::vector<grpc::string_ref>{};
-  if (values.empty()) return "";
-  return std::string(values.front().data(), values.front().size());
-}
+  // The caller's tenant, or UNAUTHENTICATED (missing or unknown token).
+  absl::StatusOr<std::string> Authenticate(const grpc::ServerContext& ctx) const;
+  absl::StatusOr<std::string> TenantForToken(absl::string_view token) const;
+  size_t num_tokens() const { return tenants_.size(); }
+  size_t num_tenants() const;
+
+ private:
+  absl::flat_hash_map<std::string, std::string> tenants_;  // token -> tenant
+};
 
 }  // namespace pagedattn

@@ -1,0 +1,71 @@
+// TokenAuthenticator: parses the tokens file and checks bearer tokens.
+#include "server/service/auth.h"
+
+#include <fstream>
+#include <sstream>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+
+namespace pagedattn {
+
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(const std::string& path) {
+  std::ifstream in(path);
+  if (!in) return absl::NotFoundError(absl::StrCat("cannot read --auth_tokens_file ", path));
+  std::stringstream ss;
+  ss << in.rdbuf();
+  absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a = FromString(ss.str());
+  if (!a.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", a.status().message()));
+  return a;
+}
+
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromString(absl::string_view contents) {
+  auto a = std::unique_ptr<TokenAuthenticator>(new TokenAuthenticator());
+  int line_no = 0;
+  for (absl::string_view line : absl::StrSplit(contents, '\n')) {
+    ++line_no;
+    line = absl::StripAsciiWhitespace(line);
+    if (line.empty() || line[0] == '#') continue;
+    std::vector<absl::string_view> parts = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    if (parts.size() > 2) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("line ", line_no, ": expected 'token' or 'token tenant', got ", parts.size(), " fields"));
+    }
+    const std::string tenant = parts.size() == 2 ? std::string(parts[1]) : "default";
+    if (!a->tenants_.emplace(std::string(parts[0]), tenant).second) {
+      return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": duplicate token"));
+    }
+  }
+  if (a->tenants_.empty()) return absl::InvalidArgumentError("no tokens (every line is empty or a comment)");
+  return a;
+}
+
+absl::StatusOr<std::string> TokenAuthenticator::TenantForToken(absl::string_view token) const {
+  auto it = tenants_.find(token);
+  if (it == tenants_.end()) return absl::UnauthenticatedError("invalid bearer token");
+  return it->second;
+}
+
+absl::StatusOr<std::string> TokenAuthenticator::Authenticate(const grpc::ServerContext& ctx) const {
+  const auto& md = ctx.client_metadata();
+  auto it = md.find("authorization");
+  if (it == md.end()) {
+    return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
+  }
+  absl::string_view value(it->second.data(), it->second.size());
+  if (!absl::ConsumePrefix(&value, "Bearer ") && !absl::ConsumePrefix(&value, "bearer ")) {
+    return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");
+  }
+  return TenantForToken(absl::StripAsciiWhitespace(value));
+}
+
+size_t TokenAuthenticator::num_tenants() const {
+  absl::flat_hash_set<std::string> t;
+  for (const auto& [token, tenant] : tenants_) t.insert(tenant);
+  return t.size();
+}
+
+}  // namespace pagedattn

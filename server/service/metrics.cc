@@ -1,0 +1,134 @@
+// Metrics rendering (Prometheus text format 0.0.4) and the civetweb handler.
+#include "server/service/metrics.h"
+
+#include <civetweb.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_replace.h"
+
+namespace pagedattn {
+namespace {
+
+std::string Escape(absl::string_view v) {
+  return absl::StrReplaceAll(v, {{"\\", "\\\\"}, {"\"", "\\\""}, {"\n", "\\n"}});
+}
+
+void Header(std::string* out, const char* name, const char* type, const char* help) {
+  absl::StrAppend(out, "# HELP ", name, " ", help, "\n# TYPE ", name, " ", type, "\n");
+}
+
+}  // namespace
+
+void Metrics::RecordRpc(const std::string& method, absl::StatusCode code) {
+  absl::MutexLock lock(&mu_);
+  ++rpcs_[{method, absl::StatusCodeToString(code)}];
+}
+
+void Metrics::RecordForward(double seconds, int64_t tokens_appended, int64_t queries) {
+  for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
+    if (seconds <= kLatencyBuckets[i]) {
+      latency_buckets_[i].fetch_add(1, std::memory_order_relaxed);
+      break;  // buckets are stored non-cumulative and summed when rendered
+    }
+  }
+  latency_count_.fetch_add(1, std::memory_order_relaxed);
+  latency_sum_ns_.fetch_add(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
+  tokens_appended_.fetch_add(tokens_appended, std::memory_order_relaxed);
+  queries_attended_.fetch_add(queries, std::memory_order_relaxed);
+}
+
+std::string Metrics::Render(const CacheManager& manager) const {
+  std::string out;
+  Header(&out, "pagedattn_rpcs_total", "counter", "RPCs served, by method and status code.");
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [key, n] : rpcs_) {
+      absl::StrAppend(&out, "pagedattn_rpcs_total{method=\"", key.first, "\",code=\"", key.second,
+                      "\"} ", n, "\n");
+    }
+  }
+  Header(&out, "pagedattn_forward_latency_seconds", "histogram",
+         "Latency of successful Forward RPCs in the service (parse to response).");
+  int64_t cumulative = 0;
+  for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
+    cumulative += latency_buckets_[i].load(std::memory_order_relaxed);
+    absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"", kLatencyBuckets[i], "\"} ",
+                    cumulative, "\n");
+  }
+  const int64_t count = latency_count_.load(std::memory_order_relaxed);
+  absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"+Inf\"} ", count, "\n");
+  absl::StrAppendFormat(&out, "pagedattn_forward_latency_seconds_sum %.9f\n",
+                        latency_sum_ns_.load(std::memory_order_relaxed) * 1e-9);
+  absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
+  Header(&out, "pagedattn_tokens_appended_total", "counter", "K/V rows written by Forward.");
+  absl::StrAppend(&out, "pagedattn_tokens_appended_total ", tokens_appended_.load(), "\n");
+  Header(&out, "pagedattn_queries_attended_total", "counter", "Query tokens attended by Forward.");
+  absl::StrAppend(&out, "pagedattn_queries_attended_total ", queries_attended_.load(), "\n");
+
+  const std::vector<std::shared_ptr<Cache>> caches = manager.ListAll();
+  Header(&out, "pagedattn_caches", "gauge", "Live caches.");
+  absl::StrAppend(&out, "pagedattn_caches ", caches.size(), "\n");
+  Header(&out, "pagedattn_cache_pages_free", "gauge", "Free pages per cache.");
+  std::string used, seqs;
+  for (const auto& c : caches) {
+    const CacheStats s = c->Stats();
+    const std::string labels = absl::StrCat("{cache_id=\"", c->id(), "\",name=\"", Escape(c->name()),
+                                            "\",tenant=\"", Escape(c->owner()), "\"} ");
+    absl::StrAppend(&out, "pagedattn_cache_pages_free", labels, s.free_pages, "\n");
+    absl::StrAppend(&used, "pagedattn_cache_pages_used", labels, s.used_pages, "\n");
+    absl::StrAppend(&seqs, "pagedattn_cache_live_sequences", labels, s.live_sequences, "\n");
+  }
+  Header(&out, "pagedattn_cache_pages_used", "gauge", "Pages held by live sequences per cache.");
+  out += used;
+  Header(&out, "pagedattn_cache_live_sequences", "gauge", "Live sequences per cache.");
+  out += seqs;
+  Header(&out, "pagedattn_pool_bytes", "gauge", "Bytes of all cache pools.");
+  absl::StrAppend(&out, "pagedattn_pool_bytes ", manager.total_pool_bytes(), "\n");
+  absl::StatusOr<MemoryInfo> mem = manager.backend().memory(0);
+  if (mem.ok()) {
+    Header(&out, "pagedattn_device_memory_used_bytes", "gauge",
+           "Device memory in use (all processes) on device 0, or host RAM on the CPU backend.");
+    absl::StrAppend(&out, "pagedattn_device_memory_used_bytes ", mem->total_bytes - mem->free_bytes, "\n");
+    Header(&out, "pagedattn_device_memory_total_bytes", "gauge", "Device memory on device 0.");
+    absl::StrAppend(&out, "pagedattn_device_memory_total_bytes ", mem->total_bytes, "\n");
+  }
+  return out;
+}
+
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& listen,
+                                                                           const Metrics* metrics,
+                                                                           const CacheManager* manager) {
+  static const unsigned init = mg_init_library(0);
+  (void)init;
+  std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
+  s->metrics_ = metrics;
+  s->manager_ = manager;
+  // civetweb takes "host:port" for IPv4 and "port" for all interfaces.
+  std::string ports = listen;
+  if (ports.rfind("0.0.0.0:", 0) == 0) ports = ports.substr(8);
+  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "2", nullptr};
+  mg_callbacks callbacks{};
+  s->ctx_ = mg_start(&callbacks, s.get(), options);
+  if (s->ctx_ == nullptr) {
+    return absl::UnavailableError(absl::StrCat("metrics: could not listen on ", listen));
+  }
+  mg_set_request_handler(s->ctx_, "/metrics$", &MetricsHttpServer::HandleMetrics, s.get());
+  mg_server_port port{};
+  if (mg_get_server_ports(s->ctx_, 1, &port) > 0) s->port_ = port.port;
+  return s;
+}
+
+MetricsHttpServer::~MetricsHttpServer() {
+  if (ctx_ != nullptr) mg_stop(ctx_);
+}
+
+int MetricsHttpServer::HandleMetrics(::mg_connection* conn, void* self_ptr) {
+  auto* self = static_cast<MetricsHttpServer*>(self_ptr);
+  const std::string body = self->metrics_->Render(*self->manager_);
+  mg_send_http_ok(conn, "text/plain; version=0.0.4; charset=utf-8", static_cast<long long>(body.size()));
+  mg_write(conn, body.data(), body.size());
+  return 200;
+}
+
+}  // namespace pagedattn

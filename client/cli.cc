@@ -14,6 +14,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/smoke.h"
 
@@ -36,6 +37,8 @@ ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
 ABSL_FLAG(int32_t, device, 0, "cache config: device index");
 ABSL_FLAG(std::string, name, "", "create-cache: a label for the cache");
 ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = whole server)");
+ABSL_FLAG(std::string, metrics_target, "localhost:9464",
+          "stats: host:port of the server's --metrics_listen endpoint");
 
 namespace {
 
@@ -53,6 +56,7 @@ constexpr char kUsage[] =
     "  describe CACHE_ID        one cache's config and stats\n"
     "  delete CACHE_ID          delete a cache\n"
     "  release CACHE_ID SEQ...  free sequences' pages\n"
+    "  stats                    the server's Prometheus metrics (--metrics_target)\n"
     "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
     "                           Forward, compared with a float64 reference; prints PASS/FAIL\n";
 
@@ -184,6 +188,13 @@ int main(int argc, char** argv) {
     auto r = c.ReleaseSequences(args[2], ids);
     if (!r.ok()) return Fail(r.status());
     PrintJson(*r);
+  } else if (command == "stats") {
+    absl::StatusOr<std::string> text = pagedattn::FetchMetrics(absl::GetFlag(FLAGS_metrics_target));
+    if (!text.ok()) return Fail(text.status());
+    // The samples without the HELP/TYPE comments: one "name{labels} value" per line.
+    for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {
+      if (line[0] != '#') std::cout << line << "\n";
+    }
   } else if (command == "smoke") {
     pagedattn::SmokeOptions so;
     auto info = c.GetServerInfo();

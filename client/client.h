@@ -53,6 +53,10 @@ class Client {
   std::unique_ptr<v1::AttentionService::Stub> stub_;
 };
 
+// GET http://target/metrics (target "host:port" of the server's --metrics_listen): the
+// Prometheus text, or UNAVAILABLE.
+absl::StatusOr<std::string> FetchMetrics(const std::string& target);
+
 // grpc::Status -> absl::Status (same code and message).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 

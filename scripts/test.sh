@@ -6,11 +6,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh build
 
-# The grpcurl-style reflection check is a Python client (tooling from PyPI).
+# The grpcurl-style reflection check and the Prometheus parse check are Python (tooling from PyPI).
 venv=build/test-venv
-if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection" 2>/dev/null; then
+if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection, prometheus_client" 2>/dev/null; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check \
-      grpcio grpcio-reflection protobuf || {
+      grpcio grpcio-reflection protobuf prometheus-client || {
     echo "test.sh: WARNING: could not set up $venv (no PyPI?): the reflection check will be skipped"
     rm -rf "$venv"
   }

@@ -7,7 +7,8 @@ server=$1 cli=$2 py=${3:-}
 log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
 
-"$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug >"$log" 2>&1 &
+"$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
+  --health_listen=127.0.0.1:0 >"$log" 2>&1 &
 pid=$!
 port=""
 for _ in $(seq 100); do
@@ -43,8 +44,23 @@ grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
 
 "$cli" $t smoke | tee /dev/stderr | tail -1 | grep -qx PASS || fail "smoke"
 
+mport=$(sed -n 's/.*metrics: http port \([0-9]*\).*/\1/p' "$log" | head -1)
+hport=$(sed -n 's/.*health port: \([0-9]*\).*/\1/p' "$log" | head -1)
+[ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
+stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
+grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 4' <<<"$stats" || fail "stats: $stats"
+
 if [ -n "$py" ]; then
   "$py" "$(dirname "$0")/reflection_check.py" "127.0.0.1:$port" || fail "reflection check"
+  # /metrics must parse with the reference Prometheus parser.
+  "$py" - "127.0.0.1:$mport" <<'PY' || fail "metrics do not parse as Prometheus text"
+import sys, urllib.request
+from prometheus_client.parser import text_string_to_metric_families
+text = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode()
+names = [f.name for f in text_string_to_metric_families(text)]
+assert "pagedattn_rpcs" in names and "pagedattn_forward_latency_seconds" in names, names
+print("metrics parse: OK,", len(names), "families")
+PY
 fi
 
 kill -TERM $pid

@@ -1,0 +1,328 @@
+// Operations end to end: TLS and mTLS with certificates made here (openssl), bearer tokens
+// and tenant isolation, the plaintext health port, /metrics moving with traffic, and every
+// limit with its error.
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+
+#include "client/client.h"
+#include "server/service/server.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+
+namespace pagedattn {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A CA, a server certificate for 127.0.0.1/localhost and a client certificate.
+class Pki {
+ public:
+  Pki() {
+    dir_ = fs::temp_directory_path() / ("pagedattn-pki-" + std::to_string(::getpid()));
+    fs::create_directories(dir_);
+    const std::string d = dir_.string();
+    const std::string script =
+        "set -e; cd '" + d + "'; exec >openssl.log 2>&1\n"
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=test-ca\n"
+        "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > san.ext\n"
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost\n"
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile san.ext\n"
+        "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=client\n"
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2\n";
+    std::ofstream(dir_ / "make-certs.sh") << script;
+    ok_ = std::system(("bash '" + (dir_ / "make-certs.sh").string() + "'").c_str()) == 0;
+  }
+  ~Pki() { fs::remove_all(dir_); }
+  bool ok() const { return ok_; }
+  std::string path(const char* name) const { return (dir_ / name).string(); }
+
+ private:
+  fs::path dir_;
+  bool ok_ = false;
+};
+
+std::string WriteTokens(const std::string& contents) {
+  const std::string path = (fs::temp_directory_path() / ("pagedattn-tokens-" + std::to_string(::getpid()))).string();
+  std::ofstream(path) << contents;
+  return path;
+}
+
+v1::CacheConfig SmallConfig() {
+  v1::CacheConfig c;
+  c.set_num_layers(1);
+  c.set_num_q_heads(2);
+  c.set_num_kv_heads(1);
+  c.set_head_dim(64);
+  c.set_page_size(4);
+  c.set_kv_dtype(v1::FLOAT16);
+  c.set_num_pages(16);
+  return c;
+}
+
+v1::ForwardRequest Prefill(const std::string& cache, uint64_t seq, int n) {
+  v1::ForwardRequest r;
+  r.set_cache_id(cache);
+  v1::Span* s = r.add_spans();
+  s->set_seq_id(seq);
+  s->set_num_new_tokens(n);
+  s->set_num_queries(n);
+  std::vector<float> q(n * 2 * 64), kv(n * 64);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = std::sin(0.1f * i);
+  for (size_t i = 0; i < kv.size(); ++i) kv[i] = std::cos(0.07f * i);
+  *r.mutable_q() = MakeTensor(v1::FLOAT16, {n, 2, 64}, q);
+  *r.mutable_k() = MakeTensor(v1::FLOAT16, {n, 1, 64}, kv);
+  *r.mutable_v() = MakeTensor(v1::FLOAT16, {n, 1, 64}, kv);
+  return r;
+}
+
+// Value of one sample ("name{labels}" exactly as rendered) in Prometheus text, or -1.
+double Sample(const std::string& text, const std::string& series) {
+  std::istringstream in(text);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind(series + " ", 0) == 0) return std::stod(line.substr(series.size() + 1));
+  }
+  return -1;
+}
+
+class SecurityTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    pki_ = new Pki();
+    ASSERT_TRUE(pki_->ok()) << "openssl failed; see its log in the temp dir";
+    tokens_ = WriteTokens("# test tokens\ntok-alpha alpha\ntok-beta beta\n\ntok-alpha2 alpha\n");
+    ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.backend = "cpu";
+    o.cpu_threads = 2;
+    o.tls_cert_file = pki_->path("server.pem");
+    o.tls_key_file = pki_->path("server.key");
+    o.auth_tokens_file = tokens_;
+    o.health_listen = "127.0.0.1:0";
+    o.metrics_listen = "127.0.0.1:0";
+    o.limits.max_caches_per_tenant = 2;
+    o.limits.forward.max_tokens = 100;
+    o.limits.forward.max_spans = 3;
+    o.max_message_bytes = 256 << 10;
+    auto s = PagedAttnServer::Start(o);
+    ASSERT_TRUE(s.ok()) << s.status();
+    server_ = s->release();
+  }
+  static void TearDownTestSuite() {
+    delete server_;
+    delete pki_;
+    fs::remove(tokens_);
+  }
+
+  std::unique_ptr<Client> Connect(const std::string& token, bool tls = true) {
+    ClientOptions o;
+    o.target = absl::StrCat("127.0.0.1:", server_->port());
+    o.timeout = absl::Seconds(10);
+    o.bearer_token = token;
+    if (tls) o.tls_ca_file = pki_->path("ca.pem");
+    return *Client::Connect(o);
+  }
+  std::string MetricsText() {
+    absl::StatusOr<std::string> t = FetchMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
+    EXPECT_TRUE(t.ok()) << t.status();
+    return t.value_or("");
+  }
+
+  static Pki* pki_;
+  static std::string tokens_;
+  static PagedAttnServer* server_;
+};
+Pki* SecurityTest::pki_ = nullptr;
+std::string SecurityTest::tokens_;
+PagedAttnServer* SecurityTest::server_ = nullptr;
+
+TEST_F(SecurityTest, PlaintextClientIsRefusedByTlsPort) {
+  auto c = Connect("tok-alpha", /*tls=*/false);
+  EXPECT_EQ(c->ListCaches().status().code(), absl::StatusCode::kUnavailable);
+}
+
+TEST_F(SecurityTest, MissingOrWrongTokenIsUnauthenticated) {
+  EXPECT_EQ(Connect("")->ListCaches().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_EQ(Connect("nope")->GetServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_TRUE(Connect("tok-alpha")->ListCaches().ok());
+}
+
+TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
+  auto tls = Connect("");
+  EXPECT_TRUE(*tls->CheckHealth());
+  ClientOptions o;
+  o.target = absl::StrCat("127.0.0.1:", server_->health_port());
+  auto plain = *Client::Connect(o);
+  absl::StatusOr<bool> h = plain->CheckHealth();
+  ASSERT_TRUE(h.ok()) << h.status();
+  EXPECT_TRUE(*h);
+  // The health port serves nothing else.
+  EXPECT_EQ(plain->ListCaches().status().code(), absl::StatusCode::kUnimplemented);
+}
+
+TEST_F(SecurityTest, TenantsCannotSeeEachOthersCaches) {
+  auto alpha = Connect("tok-alpha");
+  auto alpha2 = Connect("tok-alpha2");  // another token of the same tenant
+  auto beta = Connect("tok-beta");
+  absl::StatusOr<v1::CacheInfo> a = alpha->CreateCache(SmallConfig(), "alpha's");
+  ASSERT_TRUE(a.ok()) << a.status();
+  const std::string id = a->cache_id();
+  EXPECT_EQ(beta->GetCache(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(beta->Forward(Prefill(id, 1, 4)).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(beta->ReleaseSequences(id, {1}).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(beta->DeleteCache(id).status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(beta->ListCaches()->empty());
+  EXPECT_TRUE(alpha2->GetCache(id).ok());
+  ASSERT_EQ(alpha2->ListCaches()->size(), 1u);
+  EXPECT_TRUE(alpha->Forward(Prefill(id, 1, 4)).ok());
+  EXPECT_TRUE(alpha->DeleteCache(id).ok());
+}
+
+TEST_F(SecurityTest, TokensNeverAppearInLogs) {
+  std::ostringstream captured;
+  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
+  auto previous = spdlog::default_logger();
+  auto logger = std::make_shared<spdlog::logger>("capture", sink);
+  logger->set_level(spdlog::level::trace);
+  spdlog::set_default_logger(logger);
+  (void)Connect("tok-secret-wrong")->ListCaches();
+  auto alpha = Connect("tok-alpha");
+  auto c = alpha->CreateCache(SmallConfig());
+  ASSERT_TRUE(c.ok());
+  (void)alpha->DeleteCache(c->cache_id());
+  spdlog::set_default_logger(previous);
+  const std::string log = captured.str();
+  EXPECT_NE(log.find("UNAUTHENTICATED"), std::string::npos) << log;
+  EXPECT_EQ(log.find("tok-secret-wrong"), std::string::npos);
+  EXPECT_EQ(log.find("tok-alpha"), std::string::npos);
+}
+
+TEST_F(SecurityTest, MetricsMoveWithTraffic) {
+  auto beta = Connect("tok-beta");
+  const std::string before = MetricsText();
+  const std::string ok_fwd = "pagedattn_rpcs_total{method=\"Forward\",code=\"OK\"}";
+  const std::string bad_fwd = "pagedattn_rpcs_total{method=\"Forward\",code=\"NOT_FOUND\"}";
+  const double fwd0 = std::max(0.0, Sample(before, ok_fwd));
+  const double nf0 = std::max(0.0, Sample(before, bad_fwd));
+  const double tok0 = Sample(before, "pagedattn_tokens_appended_total");
+  const double q0 = Sample(before, "pagedattn_queries_attended_total");
+  const double n0 = Sample(before, "pagedattn_forward_latency_seconds_count");
+  auto cache = beta->CreateCache(SmallConfig(), "metrics");
+  ASSERT_TRUE(cache.ok());
+  ASSERT_TRUE(beta->Forward(Prefill(cache->cache_id(), 1, 5)).ok());
+  v1::ForwardRequest decode = Prefill(cache->cache_id(), 1, 1);
+  decode.mutable_spans(0)->set_start(5);
+  ASSERT_TRUE(beta->Forward(decode).ok());
+  EXPECT_FALSE(beta->Forward(Prefill("missing", 1, 1)).ok());
+  const std::string after = MetricsText();
+  EXPECT_EQ(Sample(after, ok_fwd), fwd0 + 2);
+  EXPECT_EQ(Sample(after, bad_fwd), nf0 + 1);
+  EXPECT_EQ(Sample(after, "pagedattn_tokens_appended_total"), tok0 + 6);
+  EXPECT_EQ(Sample(after, "pagedattn_queries_attended_total"), q0 + 6);
+  EXPECT_EQ(Sample(after, "pagedattn_forward_latency_seconds_count"), n0 + 2);
+  const std::string labels = absl::StrCat("{cache_id=\"", cache->cache_id(), "\",name=\"metrics\",tenant=\"beta\"}");
+  EXPECT_EQ(Sample(after, "pagedattn_cache_pages_used" + labels), 2);  // 6 tokens, page 4
+  EXPECT_EQ(Sample(after, "pagedattn_cache_pages_free" + labels), 14);
+  EXPECT_EQ(Sample(after, "pagedattn_cache_live_sequences" + labels), 1);
+  EXPECT_GT(Sample(after, "pagedattn_device_memory_total_bytes"), 0);
+  // Every line is a comment or "name{labels} value".
+  std::istringstream in(after);
+  std::string line;
+  const std::regex sample(R"(^[a-zA-Z_:][a-zA-Z0-9_:]*(\{[^}]*\})? [-+0-9.eEInfa]+$)");
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    EXPECT_TRUE(std::regex_match(line, sample)) << line;
+  }
+  EXPECT_TRUE(beta->DeleteCache(cache->cache_id()).ok());
+}
+
+TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {
+  auto alpha = Connect("tok-alpha");
+  std::vector<std::string> ids;
+  for (int i = 0; i < 2; ++i) ids.push_back(alpha->CreateCache(SmallConfig())->cache_id());
+  absl::StatusOr<v1::CacheInfo> third = alpha->CreateCache(SmallConfig());
+  EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(third.status().message().find("caches per tenant"), std::string::npos);
+  // Another tenant has its own quota.
+  auto beta = Connect("tok-beta");
+  auto b = beta->CreateCache(SmallConfig());
+  EXPECT_TRUE(b.ok()) << b.status();
+  // Tokens per Forward (limit 100): 60 new + 60 queries.
+  v1::ForwardRequest big = Prefill(ids[0], 1, 60);
+  absl::StatusOr<v1::ForwardResponse> r = alpha->Forward(big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("at most 100"), std::string::npos) << r.status();
+  // Spans per Forward (limit 3).
+  v1::ForwardRequest spans = Prefill(ids[0], 1, 1);
+  for (uint64_t s = 2; s <= 4; ++s) {
+    v1::Span* sp = spans.add_spans();
+    sp->set_seq_id(s);
+  }
+  r = alpha->Forward(spans);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("at most 3 spans"), std::string::npos) << r.status();
+  // Message size (256 KiB).
+  v1::ForwardRequest huge = Prefill(ids[0], 1, 1);
+  huge.mutable_q()->mutable_data()->append(300 << 10, 'x');
+  r = alpha->Forward(huge);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  for (const std::string& id : ids) EXPECT_TRUE(alpha->DeleteCache(id).ok());
+  EXPECT_TRUE(beta->DeleteCache(b->cache_id()).ok());
+}
+
+TEST(MutualTlsTest, ClientCertificateIsRequired) {
+  Pki pki;
+  ASSERT_TRUE(pki.ok());
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend = "cpu";
+  o.tls_cert_file = pki.path("server.pem");
+  o.tls_key_file = pki.path("server.key");
+  o.tls_client_ca_file = pki.path("ca.pem");
+  auto server = PagedAttnServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions c;
+  c.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  c.timeout = absl::Seconds(10);
+  c.tls_ca_file = pki.path("ca.pem");
+  EXPECT_FALSE((*Client::Connect(c))->ListCaches().ok()) << "no client certificate";
+  c.tls_cert_file = pki.path("client.pem");
+  c.tls_key_file = pki.path("client.key");
+  absl::StatusOr<std::vector<v1::CacheInfo>> list = (*Client::Connect(c))->ListCaches();
+  EXPECT_TRUE(list.ok()) << list.status();
+}
+
+TEST(PoolBudgetTest, TotalPoolBytesLimit) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend = "cpu";
+  o.limits.max_total_pool_bytes = 3 * 16 * 2 * 4 * 64 * 2;  // three caches of SmallConfig
+  auto server = PagedAttnServer::Start(o);
+  ASSERT_TRUE(server.ok());
+  ClientOptions c;
+  c.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto client = *Client::Connect(c);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->CreateCache(SmallConfig()).ok()) << i;
+  absl::StatusOr<v1::CacheInfo> r = client->CreateCache(SmallConfig());
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("0 bytes are free"), std::string::npos) << r.status();
+}
+
+TEST(TokenFileTest, ParsesAndRejects) {
+  auto a = TokenAuthenticator::FromString("t1\nt2 team\n# x\n");
+  ASSERT_TRUE(a.ok());
+  EXPECT_EQ(*(*a)->TenantForToken("t1"), "default");
+  EXPECT_EQ(*(*a)->TenantForToken("t2"), "team");
+  EXPECT_EQ((*a)->TenantForToken("t3").status().code(), absl::StatusCode::kUnauthenticated);
+  EXPECT_FALSE(TokenAuthenticator::FromString("# only comments\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString("a b c\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString("a\na\n").ok());
+  EXPECT_EQ(TokenAuthenticator::FromFile("/nonexistent").status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -8,9 +8,9 @@ scripts/build.sh build
 
 # The grpcurl-style reflection check and the Prometheus parse check are Python (tooling from PyPI).
 venv=build/test-venv
-if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection, prometheus_client" 2>/dev/null; then
+if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection, prometheus_client, yaml" 2>/dev/null; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check \
-      grpcio grpcio-reflection protobuf prometheus-client || {
+      grpcio grpcio-reflection protobuf prometheus-client pyyaml || {
     echo "test.sh: WARNING: could not set up $venv (no PyPI?): the reflection check will be skipped"
     rm -rf "$venv"
   }

@@ -51,7 +51,7 @@ ABSL_FLAG(std::string, metrics_listen, "",
 namespace {
 
 std::string Usage() {
-  return "pagedattn-server: a gRPC attention service with a paged KV cache.\n\n"
+  return "a gRPC attention service with a paged KV cache.\n\n"
          "Holds paged KV caches in GPU memory (or RAM with the CPU backend), validates each\n"
          "cache's config when it is created, and runs paged attention Forward passes.\n"
          "grpc.health.v1 and server reflection are served on the same port.\n\n"

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Proves the Docker images' steps without a Docker engine: `cmake --install` into a staging
+# prefix (the layout the Dockerfiles copy from /opt/pagedattn), check every COPY source exists,
+# then start the installed server through the installed entrypoint with environment variables
+# (as the image does) and probe it with the installed CLI, then stop it with SIGTERM.
+#   tests/install_layout_test.sh BUILD_DIR
+set -euo pipefail
+build=$(realpath "$1")
+repo=$(cd "$(dirname "$0")/.." && pwd)
+stage=$(mktemp -d)
+log=$(mktemp)
+pid=""
+trap '[ -n "$pid" ] && kill $pid 2>/dev/null; rm -rf "$stage" "$log"' EXIT
+fail() { echo "FAIL: $*"; [ -s "$log" ] && { echo "--- server log"; cat "$log"; }; exit 1; }
+
+cmake --install "$build" --prefix "$stage" > /dev/null
+# The runtime stage's package list is produced by the same script in the build stage.
+"$repo/scripts/install-deps.sh" --list-runtime > "$stage/share/pagedattn/runtime-packages.txt"
+grep -q grpc "$stage/share/pagedattn/runtime-packages.txt" || fail "runtime package list has no gRPC"
+
+for dockerfile in "$repo/docker/Dockerfile" "$repo/docker/Dockerfile.cpu"; do
+  # COPY --from=build /opt/pagedattn/<path> <dest>: <path> must be in the installed layout.
+  while read -r src; do
+    [ -e "$stage/${src#/opt/pagedattn/}" ] || fail "$(basename "$dockerfile") copies $src, not installed"
+  done < <(sed -n 's|^COPY --from=build \(/opt/pagedattn/[^ ]*\) .*|\1|p' "$dockerfile")
+  # COPY <src> <dest> from the build context: <src> must be in the repository.
+  while read -r src; do
+    [ "$src" = "." ] || [ -e "$repo/$src" ] || fail "$(basename "$dockerfile") copies $src, not in the repo"
+  done < <(grep '^COPY ' "$dockerfile" | grep -v -- '--from=' | awk '{print $2}')
+  # Every RUN'd repo script exists and is executable.
+  for s in $(grep -o 'scripts/[a-z-]*\.sh' "$dockerfile" | sort -u); do
+    [ -x "$repo/$s" ] || fail "$(basename "$dockerfile") runs $s, not executable"
+  done
+  grep -A1 '^HEALTHCHECK' "$dockerfile" | grep -q 'pagedattn-cli.*health' || fail "no CLI HEALTHCHECK in $dockerfile"
+  grep -q '^USER pagedattn' "$dockerfile" || fail "$dockerfile does not drop root"
+done
+echo "install layout: every COPY source present"
+
+# Start as the image does: entrypoint + env vars (ports 0: free ones), PATH from the layout.
+PATH="$stage/bin:$PATH" PAGEDATTN_LISTEN=127.0.0.1:0 PAGEDATTN_HEALTH_LISTEN=127.0.0.1:0 \
+  PAGEDATTN_METRICS_LISTEN=127.0.0.1:0 PAGEDATTN_BACKEND=cpu PAGEDATTN_LOG_LEVEL=debug \
+  PAGEDATTN_TOKEN=not-a-flag "$stage/bin/pagedattn-entrypoint" --cpu_threads=1 >"$log" 2>&1 &
+pid=$!
+hport=""
+for _ in $(seq 100); do
+  hport=$(sed -n 's/.*health port: \([0-9]*\).*/\1/p' "$log" | head -1)
+  [ -n "$hport" ] && break
+  kill -0 $pid 2>/dev/null || fail "installed server exited during start"
+  sleep 0.1
+done
+[ -n "$hport" ] || fail "installed server did not report its health port"
+[ "$("$stage/bin/pagedattn-cli" --target=127.0.0.1:$hport health)" = SERVING ] || fail "health"
+port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)
+"$stage/bin/pagedattn-cli" --target=127.0.0.1:$port smoke | tail -1 | grep -qx PASS || fail "smoke"
+kill -TERM $pid
+rc=0; wait $pid || rc=$?; pid=""
+[ $rc -eq 0 ] || fail "exit code $rc after SIGTERM"
+echo "install_layout_test: installed server ran from the staged layout and passed smoke"

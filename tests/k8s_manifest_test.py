@@ -1,0 +1,60 @@
+#!/usr/bin/env python3
+"""Checks deploy/k8s and docker/compose.yaml against the server they run: every
+PAGEDATTN_* variable is a real pagedattn-server flag, probes hit the plaintext health port,
+secret paths match mounted keys, one GPU per pod, a headless Service.
+
+  python3 tests/k8s_manifest_test.py build/server/pagedattn-server
+"""
+import pathlib
+import re
+import subprocess
+import sys
+
+import yaml
+
+root = pathlib.Path(__file__).resolve().parent.parent
+server = sys.argv[1]
+helptext = subprocess.run([server, "--helpfull"], capture_output=True, text=True).stdout
+flags = set(re.findall(r"^\s+--(\w+) \(", helptext, re.M))
+assert "listen" in flags and "health_listen" in flags, "could not read the server's flags"
+
+docs = {}
+for f in sorted((root / "deploy/k8s").glob("*.yaml")):
+    for d in yaml.safe_load_all(f.read_text()):
+        if d and "kind" in d:
+            docs[d["kind"]] = d
+for kind in ("Deployment", "Service", "ConfigMap", "Secret"):
+    assert kind in docs, f"no {kind} in deploy/k8s"
+
+env = docs["ConfigMap"]["data"]
+for name, value in env.items():
+    flag = name[len("PAGEDATTN_"):].lower()
+    assert name.startswith("PAGEDATTN_") and flag in flags, f"{name} is not a server flag"
+health_port = int(env["PAGEDATTN_HEALTH_LISTEN"].rsplit(":", 1)[1])
+
+pod = docs["Deployment"]["spec"]["template"]["spec"]
+c = pod["containers"][0]
+assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1", "one GPU per pod"
+for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    assert c[probe]["grpc"]["port"] == health_port, f"{probe} must use the plaintext health port"
+ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+assert ports["health"] == health_port
+assert ports["grpc"] == int(env["PAGEDATTN_LISTEN"].rsplit(":", 1)[1])
+assert ports["metrics"] == int(env["PAGEDATTN_METRICS_LISTEN"].rsplit(":", 1)[1])
+
+mount = next(m for m in c["volumeMounts"] if m["name"] == "secret")["mountPath"]
+keys = set(docs["Secret"]["stringData"])
+for var in ("PAGEDATTN_TLS_CERT", "PAGEDATTN_TLS_KEY", "PAGEDATTN_AUTH_TOKENS_FILE"):
+    path = pathlib.PurePosixPath(env[var])
+    assert str(path.parent) == mount and path.name in keys, f"{var}={path} is not a mounted secret key"
+
+svc = docs["Service"]["spec"]
+assert svc["clusterIP"] == "None", "the Service must be headless"
+assert {p["targetPort"] for p in svc["ports"]} <= set(ports), "Service targets an unnamed port"
+
+compose = yaml.safe_load((root / "docker/compose.yaml").read_text())["services"]["pagedattn"]
+for name in compose["environment"]:
+    assert name[len("PAGEDATTN_"):].lower() in flags, f"compose: {name} is not a server flag"
+dev = compose["deploy"]["resources"]["reservations"]["devices"][0]
+assert dev["count"] == 1 and "gpu" in dev["capabilities"]
+print("k8s_manifest_test: OK")

@@ -90,7 +90,10 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-template <typename T, int D, int MW, int KW>
+// Pipeline depth by head_dim: as deep as two blocks per SM allow.
+constexpr int DefaultStages(int head_dim) { return head_dim == 64 ? 4 : (head_dim == 128 ? 3 : 2); }
+
+template <typename T, int D, int MW, int KW, int STAGES = DefaultStages(D)>
 struct AttentionTileConfig {
   static_assert(MW * KW == 4, "four warps per block");
   static constexpr int kThreads = 128;
@@ -100,7 +103,7 @@ struct AttentionTileConfig {
   static constexpr int kChunks = D / 8;                 // 16-byte chunks per K/V row
   static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
   static constexpr int kRowStep = kThreads / kChunks;
-  static constexpr int kStages = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  static constexpr int kStages = STAGES;
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
@@ -170,10 +173,10 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 
 // ---- Device body --------------------------------------------------------------------------
 
-template <typename T, int D, int MW, int KW>
+template <typename T, int D, int MW, int KW, int STAGES>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                   const AttentionWorkItem* items) {
-  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+  using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + (Cfg::kPipelineBytes > Cfg::kReduceBytes
@@ -480,18 +483,18 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 
 inline constexpr int kMaxDevices = 64;
 
-template <typename T, int D, int MW, int KW>
+template <typename T, int D, int MW, int KW, int STAGES>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW>(params, KW > 1 ? params.decode_items : params.prefill_items);
+  AttentionTileBody<T, D, MW, KW, STAGES>(params, KW > 1 ? params.decode_items : params.prefill_items);
 }
 
-template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream) {
-  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+template <typename T, int D, int MW, int KW, int STAGES>
+LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   const int num_items = KW > 1 ? params.num_decode_items : params.num_prefill_items;
   if (num_items == 0) return LaunchStatus::Ok();
-  auto kernel = PagedAttentionTileKernel<T, D, MW, KW>;
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES>;
   constexpr size_t smem = Cfg::SmemBytes();
   // The shared-memory limit is a per-device attribute: raise it once per device.
   static std::atomic<bool> smem_raised[kMaxDevices];
@@ -515,9 +518,14 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
 }
 
 template <typename T, int D, int MW, int KW>
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+  return LaunchAttentionTilesStaged<T, D, MW, KW, DefaultStages(D)>(params, stream);
+}
+
+template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   using Cfg = AttentionTileConfig<T, D, MW, KW>;
-  auto kernel = PagedAttentionTileKernel<T, D, MW, KW>;
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, DefaultStages(D)>;
   constexpr size_t smem = Cfg::SmemBytes();
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -18,6 +18,11 @@ struct Tile {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Costs in KV positions for the chunk estimate: a block's start-up (page ids, first copies,
+// Q) and a split's share of the merge, measured as roughly this many positions of streaming.
+constexpr int64_t kBlockStartCost = 128;
+constexpr int64_t kMergeCost = 32;
+
 }  // namespace
 
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads,
@@ -30,7 +35,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   const int group = num_q_heads / num_kv_heads;
 
   std::vector<Tile> tiles;
-  int64_t total_positions = 0;  // KV positions summed over tiles: the work to spread.
   for (int i = 0; i < num_spans; ++i) {
     const AttentionSpan& span = spans[i];
     if (span.num_queries <= 0) continue;
@@ -42,17 +46,48 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
       const int last_query = (row_start + num_rows - 1) / group;
       const int kv_end = causal ? span.kv_len - span.num_queries + last_query + 1 : span.kv_len;
       tiles.push_back({i, row_start, num_rows, kv_end, decode});
-      total_positions += kv_end;
     }
   }
 
-  // Chunk so that about target_blocks blocks (over all kv heads) share the positions evenly;
-  // a multiple of the KV tile so chunks start on tile boundaries; at least min_chunk so that
-  // the merge stays small next to the attention itself.
+  // The split-KV chunk: blocks run in waves of target_blocks, so a launch lasts about
+  // max(longest block, waves * mean block); each block also pays a fixed start-up cost.
+  // Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
+  // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
   const int64_t blocks = std::max(1, target_blocks);
-  int64_t chunk = CeilDiv(total_positions * num_kv_heads, blocks);
-  chunk = CeilDiv(chunk, kKvTileRows) * kKvTileRows;
-  chunk = std::max<int64_t>(chunk, std::max(min_chunk, kKvTileRows));
+  const int64_t floor_chunk = std::max(min_chunk, kKvTileRows);
+  int64_t max_end = 1;
+  for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
+  auto round_chunk = [&](int64_t c) {
+    return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
+  };
+  auto estimate = [&](int64_t chunk) {
+    int64_t units = 0, max_cost = 0;
+    double total_cost = 0;
+    for (const Tile& t : tiles) {
+      const int64_t n = CeilDiv(t.kv_end, chunk);
+      units += n;
+      total_cost += static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
+      max_cost = std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.kv_end) + kBlockStartCost);
+    }
+    units *= num_kv_heads;
+    total_cost *= num_kv_heads;
+    const double waves = static_cast<double>(CeilDiv(units, blocks));
+    return std::max(static_cast<double>(max_cost), waves * total_cost / std::max<int64_t>(units, 1));
+  };
+  static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,   10,  12,  14,  16,  20, 24,
+                                    28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};
+  int64_t chunk = round_chunk(max_end);
+  double best = estimate(chunk);
+  for (int k : kPieces) {
+    const int64_t c = round_chunk(CeilDiv(max_end, k));
+    if (c >= chunk) continue;
+    const double e = estimate(c);
+    if (e < best * 0.99) {  // a split must buy at least 1%
+      best = e;
+      chunk = c;
+    }
+    if (c == floor_chunk) break;
+  }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the

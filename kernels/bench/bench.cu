@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "kernels/attention_kernel.cuh"
 #include "kernels/paged_attention.h"
 #include "tests/reference.h"
 
@@ -50,6 +51,7 @@ struct Config {
   int warmup = 10, reps = 50, check_seqs = 2;
   double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
   int min_chunk = 256;
+  int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
   std::string json;
 };
 
@@ -155,6 +157,7 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--json") c.json = next();
     else if (a == "--blocks-scale") c.blocks_scale = std::atof(next().c_str());
     else if (a == "--min-chunk") c.min_chunk = std::atoi(next().c_str());
+    else if (a == "--stages") c.stages = std::atoi(next().c_str());
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n", a.c_str());
       std::exit(2);
@@ -163,6 +166,22 @@ Config ParseFlags(int argc, char** argv) {
   if (cases != "none") c.cases = ParseCases(cases);
   if (!ragged.empty()) c.cases.push_back(ParseInts(ragged, ','));
   return c;
+}
+
+// The shipped entry point, or (--stages) a decode-tile variant built into this binary.
+LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
+  if (cfg.stages == 0) return LaunchPagedAttention(p, stream);
+  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0) {
+    return LaunchStatus::Unsupported("--stages variants exist for bf16, head_dim 128 decode only");
+  }
+  p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  switch (cfg.stages) {
+    case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
+    case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
+    case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
+    case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
+    default: return LaunchStatus::Unsupported("--stages must be 2..5");
+  }
 }
 
 std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_index) {
@@ -256,7 +275,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
   p.k_cache = k_pools[0];
   p.v_cache = v_pools[0];
-  CheckLaunch(LaunchPagedAttention(p, stream), "paged attention");
+  CheckLaunch(Launch(cfg, p, stream), "paged attention");
   BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   std::vector<float> out(q.size());
   BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
@@ -313,7 +332,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     p.k_cache = k_pools[it % copies];
     p.v_cache = v_pools[it % copies];
     BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-    CheckLaunch(LaunchPagedAttention(p, stream), "paged attention");
+    CheckLaunch(Launch(cfg, p, stream), "paged attention");
     BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
     BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
     float ms = 0;
@@ -326,7 +345,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   for (int it = 0; it < kBackToBack; ++it) {
     p.k_cache = k_pools[it % copies];
     p.v_cache = v_pools[it % copies];
-    CheckLaunch(LaunchPagedAttention(p, stream), "paged attention");
+    CheckLaunch(Launch(cfg, p, stream), "paged attention");
   }
   BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
   BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
@@ -345,11 +364,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                 "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
                 "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
                 "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, \"kv_chunk\": %d, "
-                "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld}",
+                "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
                 B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
                 t * 1e6, kv_bytes / t / 1e12, b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
                 (work.decode_items.size() + work.prefill_items.size()) * Hkv, copies,
-                static_cast<long long>(positions));
+                static_cast<long long>(positions), cfg.stages);
 
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);

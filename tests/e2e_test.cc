@@ -58,6 +58,17 @@ class E2ETest : public ::testing::Test {
     return c;
   }
 
+  // The issue's invalid config: page_size 0, head_dim 100, 32 q heads over 5 kv heads, no dtype.
+  static v1::CacheConfig IssueExampleConfig() {
+    v1::CacheConfig c = SmallConfig();
+    c.set_page_size(0);
+    c.set_head_dim(100);
+    c.set_num_q_heads(32);
+    c.set_num_kv_heads(5);
+    c.set_kv_dtype(v1::DTYPE_UNSPECIFIED);
+    return c;
+  }
+
   // A prefill (or continuation) of one sequence with deterministic random data.
   static v1::ForwardRequest Request(const std::string& cache, uint64_t seq, int64_t start, int n,
                                     uint64_t seed) {
@@ -106,12 +117,7 @@ TEST_F(E2ETest, HealthIsServing) {
 }
 
 TEST_F(E2ETest, ValidateReportsEveryViolationAndAllocatesNothing) {
-  v1::CacheConfig c = SmallConfig();
-  c.set_page_size(0);
-  c.set_head_dim(100);
-  c.set_num_q_heads(32);
-  c.set_num_kv_heads(5);
-  c.set_kv_dtype(v1::DTYPE_UNSPECIFIED);
+  const v1::CacheConfig c = IssueExampleConfig();
   absl::StatusOr<v1::ValidateCacheConfigResponse> r = client_->ValidateCacheConfig(c);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_FALSE(r->valid());
@@ -125,12 +131,7 @@ TEST_F(E2ETest, ValidateReportsEveryViolationAndAllocatesNothing) {
 }
 
 TEST_F(E2ETest, CreateCacheInvalidCarriesBadRequestDetails) {
-  v1::CacheConfig c = SmallConfig();
-  c.set_page_size(0);
-  c.set_head_dim(100);
-  c.set_num_q_heads(32);
-  c.set_num_kv_heads(5);
-  c.set_kv_dtype(v1::DTYPE_UNSPECIFIED);
+  const v1::CacheConfig c = IssueExampleConfig();
   // The raw stub, to see the status details the typed client folds away.
   auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));

@@ -12,6 +12,7 @@ log=$(mktemp)
 pid=""
 trap '[ -n "$pid" ] && kill $pid 2>/dev/null; rm -rf "$stage" "$log"' EXIT
 fail() { echo "FAIL: $*"; [ -s "$log" ] && { echo "--- server log"; cat "$log"; }; exit 1; }
+. "$(dirname "$0")/lib.sh"
 
 cmake --install "$build" --prefix "$stage" > /dev/null
 # The runtime stage's package list is produced by the same script in the build stage.
@@ -41,16 +42,10 @@ PATH="$stage/bin:$PATH" PAGEDATTN_LISTEN=127.0.0.1:0 PAGEDATTN_HEALTH_LISTEN=127
   PAGEDATTN_METRICS_LISTEN=127.0.0.1:0 PAGEDATTN_BACKEND=cpu PAGEDATTN_LOG_LEVEL=debug \
   PAGEDATTN_TOKEN=not-a-flag "$stage/bin/pagedattn-entrypoint" --cpu_threads=1 >"$log" 2>&1 &
 pid=$!
-hport=""
-for _ in $(seq 100); do
-  hport=$(sed -n 's/.*health port: \([0-9]*\).*/\1/p' "$log" | head -1)
-  [ -n "$hport" ] && break
-  kill -0 $pid 2>/dev/null || fail "installed server exited during start"
-  sleep 0.1
-done
-[ -n "$hport" ] || fail "installed server did not report its health port"
+wait_started "$log" $pid
+hport=$(log_port "$log" health)
 [ "$("$stage/bin/pagedattn-cli" --target=127.0.0.1:$hport health)" = SERVING ] || fail "health"
-port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)
+port=$(log_port "$log" main)
 "$stage/bin/pagedattn-cli" --target=127.0.0.1:$port smoke | tail -1 | grep -qx PASS || fail "smoke"
 kill -TERM $pid
 rc=0; wait $pid || rc=$?; pid=""

@@ -6,18 +6,13 @@ set -euo pipefail
 server=$1 cli=$2 py=${3:-}
 log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
+. "$(dirname "$0")/lib.sh"
 
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &
 pid=$!
-port=""
-for _ in $(seq 100); do
-  port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)
-  [ -n "$port" ] && break
-  kill -0 $pid 2>/dev/null || fail "server exited during start"
-  sleep 0.1
-done
-[ -n "$port" ] || fail "server did not report its port"
+wait_started "$log" $pid
+port=$(log_port "$log" main)
 t="--target=127.0.0.1:$port"
 echo "server up on port $port"
 
@@ -44,8 +39,8 @@ grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
 
 "$cli" $t smoke | tee /dev/stderr | tail -1 | grep -qx PASS || fail "smoke"
 
-mport=$(sed -n 's/.*metrics: http port \([0-9]*\).*/\1/p' "$log" | head -1)
-hport=$(sed -n 's/.*health port: \([0-9]*\).*/\1/p' "$log" | head -1)
+mport=$(log_port "$log" metrics)
+hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
 grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 4' <<<"$stats" || fail "stats: $stats"

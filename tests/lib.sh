@@ -1,0 +1,22 @@
+# Shared by the script tests: wait for a started pagedattn-server and read its ports from
+# its startup log lines. Callers define fail().
+
+# wait_started LOG PID: returns once the server has logged its full startup summary.
+wait_started() {
+  local log=$1 pid=$2
+  for _ in $(seq 200); do
+    grep -q "security: " "$log" && return 0
+    kill -0 "$pid" 2>/dev/null || fail "server exited during start"
+    sleep 0.05
+  done
+  fail "server did not finish starting"
+}
+
+# log_port LOG main|health|metrics: the port the server reported.
+log_port() {
+  case $2 in
+    main) sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$1" | head -1 ;;
+    health) sed -n 's/.*health port: \([0-9]*\).*/\1/p' "$1" | head -1 ;;
+    metrics) sed -n 's/.*metrics: http port \([0-9]*\).*/\1/p' "$1" | head -1 ;;
+  esac
+}

@@ -130,6 +130,20 @@ TEST_F(CacheTest, FailedForwardThenRetryGivesIdenticalOutput) {
   EXPECT_EQ(r1->out, r2->out);
 }
 
+TEST_F(CacheTest, AppendOnlyForwardMayOmitQ) {
+  ForwardArgs a = Prefill(1, 0, 6);
+  a.spans[0].num_queries = 0;
+  a.q = {};
+  absl::StatusOr<ForwardResult> r = cache_->Forward(a);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->out.empty());
+  EXPECT_EQ(r->out_shape, (std::vector<int64_t>{0, 4, 64}));
+  EXPECT_EQ(cache_->Stats().used_pages, 1);
+  // Queries later attend what was appended.
+  ForwardModel model(g_, DType::kFloat32, 9);
+  EXPECT_TRUE(model.Run(*cache_, 1, {{1, 0, 3, 3}}).status.ok());
+}
+
 TEST_F(CacheTest, SpeculativeTokensRollBack) {
   ForwardModel model(g_, DType::kFloat32, 8);
   ASSERT_TRUE(model.Run(*cache_, 0, {{1, 0, 10, 10}}).status.ok());

@@ -79,9 +79,14 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
         "at most ", limits_.max_tokens, " queries plus new tokens per Forward (got ",
         total_q + total_new, ")"));
   }
-  absl::Status s = CheckTensor("q", a.q, {total_q, g.num_q_heads, g.head_dim},
-                               "total_queries, num_q_heads, head_dim");
-  if (!s.ok()) return s;
+  absl::Status s;
+  if (total_q == 0 && a.q.empty()) {
+    // Append-only: q may be left unset.
+  } else if (s = CheckTensor("q", a.q, {total_q, g.num_q_heads, g.head_dim},
+                             "total_queries, num_q_heads, head_dim");
+             !s.ok()) {
+    return s;
+  }
   if (total_new == 0 && a.k.empty() && a.v.empty()) {
     // Nothing appended: k and v may be left unset.
   } else {
@@ -157,16 +162,17 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a) {
   }
 
   ForwardResult result;
-  result.out_dtype = a.q.dtype;
+  // An append-only request may omit q: its (empty) output then takes the cache dtype.
+  result.out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
   result.out_shape = {plan.total_queries, g.num_q_heads, g.head_dim};
   result.out.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * g.head_dim *
-                    DTypeSize(a.q.dtype));
+                    DTypeSize(result.out_dtype));
   if (a.return_lse) {
     result.lse_shape = {plan.total_queries, g.num_q_heads};
     result.lse.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * sizeof(float));
   }
   ForwardIO io;
-  io.q_dtype = a.q.dtype;
+  io.q_dtype = result.out_dtype;
   io.q = a.q.data;
   io.kv_dtype = a.k.dtype;
   io.k = plan.total_new_tokens > 0 ? a.k.data : nullptr;

@@ -27,6 +27,11 @@ class RpcLog {
     const double ms = seconds() * 1e3;
     if (s.ok()) {
       spdlog::debug("rpc {} cache={} peer={} ok {:.3f} ms", method_, cache_, ctx_->peer(), ms);
+    } else if (s.code() == absl::StatusCode::kInternal || s.code() == absl::StatusCode::kUnknown ||
+               s.code() == absl::StatusCode::kDataLoss) {
+      // The server's own failure (e.g. a CUDA error), not the caller's: always visible.
+      spdlog::error("rpc {} cache={} peer={} {} {:.3f} ms: {}", method_, cache_, ctx_->peer(),
+                    absl::StatusCodeToString(s.code()), ms, std::string(s.message()));
     } else {
       spdlog::debug("rpc {} cache={} peer={} {} {:.3f} ms: {}", method_, cache_, ctx_->peer(),
                     absl::StatusCodeToString(s.code()), ms, std::string(s.message()));

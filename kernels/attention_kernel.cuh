@@ -185,7 +185,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 
   const AttentionWorkItem item = items[blockIdx.x];
   const int kv_head = blockIdx.y;
-  const AttentionSpan span = p.spans[item.span];
+  const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_rows = span.num_queries * group;
   const int first_q_pos = span.kv_len - span.num_queries;

@@ -118,6 +118,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
         const int64_t kv_start = s * chunk;
         if (kv_start >= tile.kv_end) continue;
         AttentionWorkItem item;
+        item.span_info = spans[tile.span];
         item.span = tile.span;
         item.row_start = tile.row_start;
         item.kv_start = static_cast<int32_t>(kv_start);

@@ -66,6 +66,7 @@ struct AttentionSpan {
 // positions [kv_start, kv_end). partial_row < 0: the tile's only split, written to out
 // directly; otherwise written to the partial buffers and combined by a merge task.
 struct AttentionWorkItem {
+  AttentionSpan span_info;  // Copy of spans[span]: saves the kernel a dependent load at start.
   int32_t span = 0;
   int32_t row_start = 0;
   int32_t kv_start = 0;

@@ -52,6 +52,7 @@ struct Config {
   double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
   int min_chunk = 256;
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
+  int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
   std::string json;
 };
 
@@ -158,6 +159,7 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--blocks-scale") c.blocks_scale = std::atof(next().c_str());
     else if (a == "--min-chunk") c.min_chunk = std::atoi(next().c_str());
     else if (a == "--stages") c.stages = std::atoi(next().c_str());
+    else if (a == "--rotate") c.rotate = std::atoi(next().c_str());
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n", a.c_str());
       std::exit(2);
@@ -200,13 +202,17 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   const int64_t pool_elems = num_pages * Hkv * ps * D;
   const int64_t pool_bytes = pool_elems * esize;
 
-  // Enough pool copies that rotating among them defeats the L2 (read bytes >= 3x L2).
+  // Inputs that fit in L2 are rotated among copies so that timed reads come from HBM: enough
+  // copies that the bytes one pass reads are at least twice the L2. Pools larger than the L2
+  // (every default shape) are read from one copy, as peers.py reads its tensors.
   int device = 0;
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDevice(&device));
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
   const int64_t l2 = prop.l2CacheSize;
-  const int copies = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(1, (3 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
+  int copies = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(1, (2 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
+  if (2 * pool_bytes > 2 * l2) copies = 1;
+  if (cfg.rotate > 0) copies = cfg.rotate;
   std::vector<void*> k_pools(copies), v_pools(copies);
   for (int r = 0; r < copies; ++r) {
     BENCH_CHECK_CUDA(cudaMalloc(&k_pools[r], pool_bytes));

@@ -127,7 +127,6 @@ struct PagedAttentionParams {
   const void* k_cache = nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]
   const void* v_cache = nullptr;
   const int32_t* page_table = nullptr;
-  const AttentionSpan* spans = nullptr;
 
   const float* q = nullptr;  // [total_queries][num_q_heads][head_dim], float32
   float* out = nullptr;      // [total_queries][num_q_heads][head_dim], float32

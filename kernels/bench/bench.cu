@@ -256,7 +256,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.causal = true;
   p.sm_scale = 1.f / std::sqrt(static_cast<float>(D));
   p.page_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
-  p.spans = static_cast<const AttentionSpan*>(upload(spans.data(), spans.size() * sizeof(AttentionSpan)));
   p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.lse, int64_t{B} * Hq * 4));
@@ -381,7 +380,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     cudaFree(v_pools[r]);
   }
   cudaFree(const_cast<int32_t*>(p.page_table));
-  cudaFree(const_cast<AttentionSpan*>(p.spans));
   cudaFree(const_cast<float*>(p.q));
   cudaFree(p.out);
   cudaFree(p.lse);

@@ -132,7 +132,7 @@ struct Workspace {
 // Byte offsets of one Forward's sections in the staging buffers. Inputs (metadata then
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
-  size_t spans = 0, page_table = 0, slots = 0, decode_items = 0, prefill_items = 0,
+  size_t page_table = 0, slots = 0, decode_items = 0, prefill_items = 0,
          merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
@@ -271,7 +271,6 @@ class CudaBackend final : public Backend {
       at += AlignUp(bytes);
       return off;
     };
-    L.spans = take(spans.size() * sizeof(k::AttentionSpan));
     L.page_table = take(plan.page_table.size() * sizeof(int32_t));
     L.slots = take(slots.size() * sizeof(int64_t));
     L.decode_items = take(work.decode_items.size() * sizeof(k::AttentionWorkItem));
@@ -301,7 +300,6 @@ class CudaBackend final : public Backend {
     auto put = [h](size_t off, const void* src, size_t bytes) {
       if (bytes > 0) std::memcpy(h + off, src, bytes);
     };
-    put(L.spans, spans.data(), spans.size() * sizeof(k::AttentionSpan));
     put(L.page_table, plan.page_table.data(), plan.page_table.size() * sizeof(int32_t));
     put(L.slots, slots.data(), slots.size() * sizeof(int64_t));
     put(L.decode_items, work.decode_items.data(), work.decode_items.size() * sizeof(k::AttentionWorkItem));
@@ -350,7 +348,6 @@ class CudaBackend final : public Backend {
       p.k_cache = pool.k(plan.layer);
       p.v_cache = pool.v(plan.layer);
       p.page_table = reinterpret_cast<const int32_t*>(d + L.page_table);
-      p.spans = reinterpret_cast<const k::AttentionSpan*>(d + L.spans);
       p.q = q_f32;
       p.out = out_f32;
       p.lse = plan.return_lse ? reinterpret_cast<float*>(d + L.lse) : nullptr;

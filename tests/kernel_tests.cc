@@ -324,6 +324,25 @@ TEST_F(CudaKernelTest, WideGqaMultiQueryDecode) {
   }
 }
 
+// One kv head (MQA) and head_dim 256 with the widest group: split decode, several queries,
+// prefill tiles at the register limit.
+TEST_F(CudaKernelTest, MqaAndWideHeadDim256) {
+  CaseSpec c;
+  c.head_dim = 256;
+  c.num_kv_heads = 1;
+  c.gqa = 8;
+  c.page_size = 16;
+  c.steps = {{{5000, 0}, {64, 0}}, {{1, 1}, {70, 70}}};
+  RunCase(*backend_, c);
+  c.cache_dtype = DType::kFloat16;
+  c.q_dtype = DType::kFloat16;
+  c.gqa = 32;
+  c.page_size = 128;
+  c.causal = false;
+  c.steps = {{{3000, 0}, {9, 0}}, {{2, 2}, {3, 3}}};
+  RunCase(*backend_, c);
+}
+
 // Long chunked prefill against 10k of history, and a non-causal prefill.
 TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   CaseSpec c;

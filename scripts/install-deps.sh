@@ -13,7 +13,7 @@ BUILD_PKGS=(
 )
 # Runtime libraries: names differ between Debian 12 and Ubuntu 24.04, so they are resolved
 # from what the build packages pulled in (see runtime_pkgs below).
-RUNTIME_PATTERNS='^(libgrpc\+\+1|libgrpc[0-9]|libprotobuf[0-9]|libabsl[0-9]|libspdlog1|libfmt[0-9]|libcivetweb1|libssl3|libre2-|libc-ares2|libupb|libaddress-sorting|libgpr)'
+RUNTIME_PATTERNS='^(libgrpc\+\+1|libgrpc[0-9]|libprotobuf[0-9]|libabsl[0-9]|libspdlog1|libfmt[0-9]|libcivetweb1|libssl3|libre2-[0-9]|libc-ares2)'
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi
@@ -44,7 +44,8 @@ fi
 if [ "${1:-}" = "--list-runtime" ]; then
   # Prints the runtime library packages this machine's build packages depend on
   # (used by docker/Dockerfile to keep its runtime stage in sync with this script).
-  dpkg-query -W -f='${Package}\n' | grep -E "$RUNTIME_PATTERNS" | sort -u
+  dpkg-query -W -f='${db:Status-Abbrev} ${Package}\n' | awk '$1 == "ii" {print $2}' |
+    grep -E "$RUNTIME_PATTERNS" | sort -u
   exit 0
 fi
 

@@ -51,8 +51,8 @@ __device__ __forceinline__ void Mma16816<__nv_bfloat16>(float (&c)[4], const uin
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 template <>
-__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4],
-                                                 uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void Mma16816<__half>(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                                 uint32_t b1) {
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -78,7 +78,9 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, b
                "r"(src_size)
                : "memory");
 }
-__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void CpAsyncCommit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int N>
 __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
@@ -97,17 +99,18 @@ template <typename T, int D, int MW, int KW, int STAGES = DefaultStages(D)>
 struct AttentionTileConfig {
   static_assert(MW * KW == 4, "four warps per block");
   static constexpr int kThreads = 128;
-  static constexpr int kTileKv = kKvTileRows;           // positions per pipeline stage
-  static constexpr int kWarpKv = kTileKv / KW;          // positions per warp per stage
-  static constexpr int kRows = MW * 16;                 // query rows per block
-  static constexpr int kChunks = D / 8;                 // 16-byte chunks per K/V row
+  static constexpr int kTileKv = kKvTileRows;   // positions per pipeline stage
+  static constexpr int kWarpKv = kTileKv / KW;  // positions per warp per stage
+  static constexpr int kRows = MW * 16;         // query rows per block
+  static constexpr int kChunks = D / 8;         // 16-byte chunks per K/V row
   static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
   static constexpr int kRowStep = kThreads / kChunks;
   static constexpr int kStages = STAGES;
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
-  static constexpr size_t kReduceBytes = KW > 1 ? size_t{KW} * kRows * (D + 2) * sizeof(float) : 0;
+  static constexpr size_t kReduceBytes =
+      KW > 1 ? size_t{KW} * kRows * (D + 2) * sizeof(float) : 0;
   static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
   static constexpr size_t SmemBytes() {
     return (kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes) + kQBytes;
@@ -127,8 +130,8 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 // per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
 template <int D>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
-                                           const AttentionMergeTask& task,
-                                           const AttentionSpan& span, int kv_head, int group) {
+                                            const AttentionMergeTask& task,
+                                            const AttentionSpan& span, int kv_head, int group) {
   constexpr int kDims = D / 32;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
@@ -139,7 +142,8 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       max_lse = fmaxf(max_lse, __ldcg(part_lse + task.partial_row + s * task.row_stride + r));
     }
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+    for (int o = 16; o > 0; o >>= 1)
+      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
     const float base = max_lse == -INFINITY ? 0.f : max_lse;
     float weight_sum = 0.f;
     float acc[kDims];
@@ -167,7 +171,8 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
     for (int j = 0; j < kDims; j += 2) {
       *reinterpret_cast<float2*>(dst + j) = make_float2(acc[j] * inv, acc[j + 1] * inv);
     }
-    if (p.lse && lane == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+    if (p.lse && lane == 0)
+      p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
   }
 }
 
@@ -201,14 +206,14 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
   // Page ids are loaded one tile ahead of their copies so their latency stays hidden.
-  auto fetch_pages = [&](int tile, int (&ids)[Cfg::kRowsPerThread]) {
+  auto fetch_pages = [&](int tile, int(&ids)[Cfg::kRowsPerThread]) {
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
       ids[i] = (tile < num_tiles && pos < item.kv_end) ? pages[p.page_div.Div(pos)] : 0;
     }
   };
-  auto issue_tile = [&](int tile, const int (&ids)[Cfg::kRowsPerThread]) {
+  auto issue_tile = [&](int tile, const int(&ids)[Cfg::kRowsPerThread]) {
     T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileKv * D;
 #pragma unroll
@@ -251,12 +256,11 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const float4* src = reinterpret_cast<const float4*>(
           p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
       const float4 lo = src[0], hi = src[1];
-      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w),
-                          PackPair<T>(hi.x, hi.y), PackPair<T>(hi.z, hi.w));
+      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
+                          PackPair<T>(hi.z, hi.w));
     }
     *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
   }
-
 
   // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
   // of each 8-wide n tile.
@@ -273,15 +277,14 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   }
   // Last position any row of this warp may see: sub-tiles past it are skipped.
   const int warp_last_row = min(item.row_start + mw * 16 + 15, span_rows - 1);
-  const int warp_max_pos =
-      warp_last_row < item.row_start + mw * 16
-          ? -1
-          : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX);
+  const int warp_max_pos = warp_last_row < item.row_start + mw * 16
+                               ? -1
+                               : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX);
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
 
   const T* warp_q = smem_q + mw * 16 * D;
   uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
-  auto load_q_frag = [&](int kc, uint32_t (&a)[4]) {
+  auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
     const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
     LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
   };
@@ -351,7 +354,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
           s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
           s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
         }
-        row_sum[i] = row_sum[i] * alpha + s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
+        row_sum[i] =
+            row_sum[i] * alpha + s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
 #pragma unroll
         for (int dt = 0; dt < D / 8; ++dt) {
           o[dt][2 * i] *= alpha;
@@ -384,9 +388,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // Warps that split the KV tiles combine their (max, sum, O) through shared memory.
   if constexpr (KW > 1) {
     __syncthreads();
-    float* red_o = reinterpret_cast<float*>(smem_raw);          // [KW][kRows][D]
-    float* red_max = red_o + KW * Cfg::kRows * D;                // [KW][kRows]
-    float* red_sum = red_max + KW * Cfg::kRows;                  // [KW][kRows]
+    float* red_o = reinterpret_cast<float*>(smem_raw);  // [KW][kRows][D]
+    float* red_max = red_o + KW * Cfg::kRows * D;       // [KW][kRows]
+    float* red_sum = red_max + KW * Cfg::kRows;         // [KW][kRows]
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int r = mw * 16 + quad_row + 8 * i;
@@ -440,8 +444,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     const int span_row = item.row_start + tile_row;
     if (span_row >= span_rows) continue;
     const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-    const float lse = row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * 0.6931471805599453f
-                                       : -INFINITY;
+    const float lse =
+        row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * 0.6931471805599453f : -INFINITY;
     float* dst;
     float* lse_dst;
     if (item.partial_row < 0) {
@@ -486,7 +490,8 @@ inline constexpr int kMaxDevices = 64;
 template <typename T, int D, int MW, int KW, int STAGES>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES>(params, KW > 1 ? params.decode_items : params.prefill_items);
+  AttentionTileBody<T, D, MW, KW, STAGES>(params,
+                                          KW > 1 ? params.decode_items : params.prefill_items);
 }
 
 template <typename T, int D, int MW, int KW, int STAGES>
@@ -501,7 +506,8 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
   if (err == cudaSuccess && (device >= kMaxDevices || !smem_raised[device].load())) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
     if (err == cudaSuccess && device < kMaxDevices) smem_raised[device].store(true);
   }
   if (err != cudaSuccess) {
@@ -512,7 +518,8 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
   err = cudaGetLastError();
   if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("paged attention launch: ") + cudaGetErrorString(err));
+    return LaunchStatus::CudaError(std::string("paged attention launch: ") +
+                                   cudaGetErrorString(err));
   }
   return LaunchStatus::Ok();
 }
@@ -527,23 +534,24 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   using Cfg = AttentionTileConfig<T, D, MW, KW>;
   auto kernel = PagedAttentionTileKernel<T, D, MW, KW, DefaultStages(D)>;
   constexpr size_t smem = Cfg::SmemBytes();
-  cudaError_t err =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
   if (err == cudaSuccess) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel, Cfg::kThreads, smem);
   }
   if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") + cudaGetErrorString(err));
+    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") +
+                                   cudaGetErrorString(err));
   }
   return LaunchStatus::Ok();
 }
 
 // Explicit instantiation of both tile shapes for one (dtype, head_dim).
-#define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                                 \
-  template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&,        \
-                                                         cudaStream_t);                      \
-  template LaunchStatus LaunchAttentionTiles<T, D, 4, 1>(const PagedAttentionParams&,        \
-                                                         cudaStream_t);                      \
+#define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \
+  template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&, \
+                                                         cudaStream_t);               \
+  template LaunchStatus LaunchAttentionTiles<T, D, 4, 1>(const PagedAttentionParams&, \
+                                                         cudaStream_t);               \
   template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*);
 
 }  // namespace pagedattn::kernels

@@ -25,9 +25,8 @@ constexpr int64_t kMergeCost = 32;
 
 }  // namespace
 
-void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads,
-                       int num_kv_heads, bool causal, int target_blocks, AttentionWork* work,
-                       int min_chunk) {
+void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
+                       bool causal, int target_blocks, AttentionWork* work, int min_chunk) {
   work->decode_items.clear();
   work->prefill_items.clear();
   work->merge_tasks.clear();
@@ -66,15 +65,17 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     for (const Tile& t : tiles) {
       const int64_t n = CeilDiv(t.kv_end, chunk);
       units += n;
-      total_cost += static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
+      total_cost +=
+          static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
       max_cost = std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.kv_end) + kBlockStartCost);
     }
     units *= num_kv_heads;
     total_cost *= num_kv_heads;
     const double waves = static_cast<double>(CeilDiv(units, blocks));
-    return std::max(static_cast<double>(max_cost), waves * total_cost / std::max<int64_t>(units, 1));
+    return std::max(static_cast<double>(max_cost),
+                    waves * total_cost / std::max<int64_t>(units, 1));
   };
-  static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,   10,  12,  14,  16,  20, 24,
+  static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
                                     28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};
   int64_t chunk = round_chunk(max_end);
   double best = estimate(chunk);

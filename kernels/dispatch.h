@@ -44,8 +44,10 @@ inline std::string DTypeString(DType t) { return std::string(DTypeName(t)); }
 template <typename F>
 LaunchStatus DispatchKvDType(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat16: return f(TypeTag<__half>{});
-    case DType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+    case DType::kFloat16:
+      return f(TypeTag<__half>{});
+    case DType::kBFloat16:
+      return f(TypeTag<__nv_bfloat16>{});
     default:
       return LaunchStatus::Unsupported("kv_dtype " + DTypeString(dtype) +
                                        " has no CUDA kernel (supported: FLOAT16, BFLOAT16)");
@@ -56,9 +58,12 @@ LaunchStatus DispatchKvDType(DType dtype, F&& f) {
 template <typename F>
 LaunchStatus DispatchIoDType(DType dtype, F&& f) {
   switch (dtype) {
-    case DType::kFloat32: return f(TypeTag<float>{});
-    case DType::kFloat16: return f(TypeTag<__half>{});
-    case DType::kBFloat16: return f(TypeTag<__nv_bfloat16>{});
+    case DType::kFloat32:
+      return f(TypeTag<float>{});
+    case DType::kFloat16:
+      return f(TypeTag<__half>{});
+    case DType::kBFloat16:
+      return f(TypeTag<__nv_bfloat16>{});
     default:
       return LaunchStatus::Unsupported("tensor dtype " + DTypeString(dtype) +
                                        " is not supported (supported: FLOAT32, FLOAT16, BFLOAT16)");
@@ -68,9 +73,12 @@ LaunchStatus DispatchIoDType(DType dtype, F&& f) {
 template <typename F>
 LaunchStatus DispatchHeadDim(int head_dim, F&& f) {
   switch (head_dim) {
-    case 64: return f(std::integral_constant<int, 64>{});
-    case 128: return f(std::integral_constant<int, 128>{});
-    case 256: return f(std::integral_constant<int, 256>{});
+    case 64:
+      return f(std::integral_constant<int, 64>{});
+    case 128:
+      return f(std::integral_constant<int, 128>{});
+    case 256:
+      return f(std::integral_constant<int, 256>{});
     default:
       return LaunchStatus::Unsupported("head_dim must be one of 64, 128, 256 (got " +
                                        std::to_string(head_dim) + ")");

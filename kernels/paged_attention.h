@@ -22,7 +22,8 @@ struct FastDivmod {
   explicit FastDivmod(uint32_t d) : divisor(d) {
     shift = 0;
     while ((uint64_t{1} << shift) < d) ++shift;
-    multiplier = static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
+    multiplier =
+        static_cast<uint32_t>(((uint64_t{1} << 32) * ((uint64_t{1} << shift) - d)) / d + 1);
   }
 #ifdef __CUDACC__
   __device__ __forceinline__ uint32_t Div(uint32_t x) const {
@@ -106,9 +107,8 @@ struct AttentionWork {
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
 // range into chunks (flash-decoding), so that about target_blocks blocks carry equal work.
 // min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
-void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads,
-                       int num_kv_heads, bool causal, int target_blocks, AttentionWork* work,
-                       int min_chunk = 256);
+void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
+                       bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256);
 
 // Blocks the paged attention kernel runs at once on this device (SMs * blocks per SM): the
 // target_blocks to plan for.
@@ -124,7 +124,8 @@ struct PagedAttentionParams {
   bool causal = true;
   float sm_scale = 0.f;
 
-  const void* k_cache = nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]
+  const void* k_cache =
+      nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]
   const void* v_cache = nullptr;
   const int32_t* page_table = nullptr;
 

@@ -25,8 +25,8 @@
 namespace pagedattn {
 namespace {
 
-#define SKIP_WITHOUT_GPU()                                                              \
-  do {                                                                                  \
+#define SKIP_WITHOUT_GPU()                                                                    \
+  do {                                                                                        \
     if (CudaDeviceCount() == 0) GTEST_SKIP() << "no CUDA GPU visible: kernel tests need one"; \
   } while (0)
 
@@ -53,9 +53,10 @@ struct CaseSpec {
 
 std::string Describe(const CaseSpec& c) {
   return std::string(DTypeName(c.cache_dtype)) + " q=" + std::string(DTypeName(c.q_dtype)) +
-         " kv_wire=" + std::string(DTypeName(c.kv_wire_dtype)) + " d=" + std::to_string(c.head_dim) +
-         " page=" + std::to_string(c.page_size) + " kv_heads=" + std::to_string(c.num_kv_heads) +
-         " gqa=" + std::to_string(c.gqa) + (c.causal ? " causal" : " non-causal");
+         " kv_wire=" + std::string(DTypeName(c.kv_wire_dtype)) +
+         " d=" + std::to_string(c.head_dim) + " page=" + std::to_string(c.page_size) +
+         " kv_heads=" + std::to_string(c.num_kv_heads) + " gqa=" + std::to_string(c.gqa) +
+         (c.causal ? " causal" : " non-causal");
 }
 
 float RoundTo(DType t, float f) {
@@ -133,7 +134,8 @@ double RunCase(Backend& backend, const CaseSpec& c) {
       sp.kv_offset = plan.total_new_tokens;
       sp.page_table_offset = static_cast<int64_t>(plan.page_table.size());
       sp.num_pages = static_cast<int32_t>((sp.kv_len + ps - 1) / ps);
-      plan.page_table.insert(plan.page_table.end(), s.pages.begin(), s.pages.begin() + sp.num_pages);
+      plan.page_table.insert(plan.page_table.end(), s.pages.begin(),
+                             s.pages.begin() + sp.num_pages);
       // New K/V rows: random in the wire dtype; the cache holds them rounded to its dtype.
       for (int64_t e = 0; e < int64_t{sp.num_new_tokens} * Hkv * D; ++e) {
         for (int kv = 0; kv < 2; ++kv) {
@@ -201,7 +203,8 @@ double RunCase(Backend& backend, const CaseSpec& c) {
       got[e] = LoadAsFloat(c.q_dtype, out.data(), e);
       nans += std::isnan(got[e]) ? 1 : 0;
     }
-    EXPECT_EQ(nans, 0) << "unwritten or NaN outputs, step " << step_index << " [" << Describe(c) << "]";
+    EXPECT_EQ(nans, 0) << "unwritten or NaN outputs, step " << step_index << " [" << Describe(c)
+                       << "]";
     // Per span, so that a short span's error is not hidden by a long one's.
     for (int i = 0; i < num_seqs; ++i) {
       const SpanPlan& sp = plan.spans[i];
@@ -211,7 +214,8 @@ double RunCase(Backend& backend, const CaseSpec& c) {
       worst = std::max(worst, std::isnan(err) ? 1.0 : err);
       const double tol = c.cache_dtype == DType::kFloat16 ? 2e-3 : 1e-2;
       EXPECT_LE(err, tol) << "span " << i << " (kv_len " << sp.kv_len << ", queries "
-                          << sp.num_queries << "), step " << step_index << " [" << Describe(c) << "]";
+                          << sp.num_queries << "), step " << step_index << " [" << Describe(c)
+                          << "]";
     }
     if (c.return_lse) {
       double max_lse_err = 0;
@@ -417,7 +421,7 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
         const int group = 4;
         const int rows = sp.num_queries * group;
         const int tile = rows <= kernels::kDecodeMaxSpanRows ? kernels::kDecodeTileRows
-                                                              : kernels::kPrefillTileRows;
+                                                             : kernels::kPrefillTileRows;
         const int last_row = std::min(key.second + tile, rows) - 1;
         const int64_t want = causal ? sp.kv_len - sp.num_queries + last_row / group + 1 : sp.kv_len;
         EXPECT_EQ(n, want) << "span " << key.first << " row " << key.second;

@@ -28,13 +28,13 @@
 namespace pagedattn::kernels {
 namespace {
 
-#define BENCH_CHECK_CUDA(expr)                                                          \
-  do {                                                                                  \
-    cudaError_t _e = (expr);                                                            \
-    if (_e != cudaSuccess) {                                                            \
+#define BENCH_CHECK_CUDA(expr)                                                                   \
+  do {                                                                                           \
+    cudaError_t _e = (expr);                                                                     \
+    if (_e != cudaSuccess) {                                                                     \
       std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, cudaGetErrorString(_e)); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
+      std::exit(1);                                                                              \
+    }                                                                                            \
   } while (0)
 
 void CheckLaunch(const LaunchStatus& st, const char* what) {
@@ -66,7 +66,8 @@ __device__ __forceinline__ float HashUniform(uint64_t seed, uint64_t i) {
 
 template <typename T>
 __global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
     const float f = HashUniform(seed, i);
     if constexpr (std::is_same_v<T, __nv_bfloat16>) {
       data[i] = __float2bfloat16_rn(f);
@@ -138,30 +139,47 @@ Config ParseFlags(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--cases") cases = next();
-    else if (a == "--ragged") ragged = next();
-    else if (a == "--q-heads") c.q_heads = std::atoi(next().c_str());
-    else if (a == "--kv-heads") c.kv_heads = std::atoi(next().c_str());
-    else if (a == "--head-dim") c.head_dim = std::atoi(next().c_str());
-    else if (a == "--page-size") c.page_size = std::atoi(next().c_str());
+    if (a == "--cases")
+      cases = next();
+    else if (a == "--ragged")
+      ragged = next();
+    else if (a == "--q-heads")
+      c.q_heads = std::atoi(next().c_str());
+    else if (a == "--kv-heads")
+      c.kv_heads = std::atoi(next().c_str());
+    else if (a == "--head-dim")
+      c.head_dim = std::atoi(next().c_str());
+    else if (a == "--page-size")
+      c.page_size = std::atoi(next().c_str());
     else if (a == "--dtype") {
       const std::string d = next();
-      if (d == "bfloat16") c.dtype = DType::kBFloat16;
-      else if (d == "float16") c.dtype = DType::kFloat16;
+      if (d == "bfloat16")
+        c.dtype = DType::kBFloat16;
+      else if (d == "float16")
+        c.dtype = DType::kFloat16;
       else {
         std::fprintf(stderr, "--dtype must be bfloat16 or float16 (got %s)\n", d.c_str());
         std::exit(2);
       }
-    } else if (a == "--warmup") c.warmup = std::atoi(next().c_str());
-    else if (a == "--reps") c.reps = std::atoi(next().c_str());
-    else if (a == "--check-seqs") c.check_seqs = std::atoi(next().c_str());
-    else if (a == "--json") c.json = next();
-    else if (a == "--blocks-scale") c.blocks_scale = std::atof(next().c_str());
-    else if (a == "--min-chunk") c.min_chunk = std::atoi(next().c_str());
-    else if (a == "--stages") c.stages = std::atoi(next().c_str());
-    else if (a == "--rotate") c.rotate = std::atoi(next().c_str());
+    } else if (a == "--warmup")
+      c.warmup = std::atoi(next().c_str());
+    else if (a == "--reps")
+      c.reps = std::atoi(next().c_str());
+    else if (a == "--check-seqs")
+      c.check_seqs = std::atoi(next().c_str());
+    else if (a == "--json")
+      c.json = next();
+    else if (a == "--blocks-scale")
+      c.blocks_scale = std::atof(next().c_str());
+    else if (a == "--min-chunk")
+      c.min_chunk = std::atoi(next().c_str());
+    else if (a == "--stages")
+      c.stages = std::atoi(next().c_str());
+    else if (a == "--rotate")
+      c.rotate = std::atoi(next().c_str());
     else {
-      std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n", a.c_str());
+      std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
+                   a.c_str());
       std::exit(2);
     }
   }
@@ -178,11 +196,16 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
   }
   p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
   switch (cfg.stages) {
-    case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
-    case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
-    case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
-    case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
-    default: return LaunchStatus::Unsupported("--stages must be 2..5");
+    case 2:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
+    case 3:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
+    case 4:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
+    case 5:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
+    default:
+      return LaunchStatus::Unsupported("--stages must be 2..5");
   }
 }
 
@@ -210,7 +233,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   BENCH_CHECK_CUDA(cudaGetDevice(&device));
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
   const int64_t l2 = prop.l2CacheSize;
-  int copies = static_cast<int>(std::min<int64_t>(8, std::max<int64_t>(1, (2 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
+  int copies = static_cast<int>(
+      std::min<int64_t>(8, std::max<int64_t>(1, (2 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
   if (2 * pool_bytes > 2 * l2) copies = 1;
   if (cfg.rotate > 0) copies = cfg.rotate;
   std::vector<void*> k_pools(copies), v_pools(copies);
@@ -268,11 +292,14 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.merge_tasks = static_cast<const AttentionMergeTask*>(
       upload(work.merge_tasks.data(), work.merge_tasks.size() * sizeof(AttentionMergeTask)));
   p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
-  BENCH_CHECK_CUDA(cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
+  BENCH_CHECK_CUDA(
+      cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.partial_lse, std::max<int64_t>(1, work.partial_rows * Hkv) * 4));
   p.partial_rows = work.partial_rows;
-  BENCH_CHECK_CUDA(cudaMalloc(&p.merge_counters, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
-  BENCH_CHECK_CUDA(cudaMemset(p.merge_counters, 0, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
+  BENCH_CHECK_CUDA(
+      cudaMalloc(&p.merge_counters, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
+  BENCH_CHECK_CUDA(
+      cudaMemset(p.merge_counters, 0, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
   cudaStream_t stream;
   BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
 
@@ -287,7 +314,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   double worst_err = 0;
   std::vector<int> check;
   for (int i = 0; i < std::min(cfg.check_seqs, B); ++i) {
-    check.push_back(cfg.check_seqs <= 1 ? 0 : static_cast<int>(int64_t{i} * (B - 1) / (cfg.check_seqs - 1)));
+    check.push_back(
+        cfg.check_seqs <= 1 ? 0 : static_cast<int>(int64_t{i} * (B - 1) / (cfg.check_seqs - 1)));
   }
   check.erase(std::unique(check.begin(), check.end()), check.end());
   for (int b : check) {
@@ -297,22 +325,24 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     for (int64_t j = 0; j < page_offset[b + 1] - page_offset[b]; ++j) {
       const int64_t pg = table[page_offset[b] + j];
       for (int kv = 0; kv < 2; ++kv) {
-        const char* src = static_cast<const char*>(kv == 0 ? k_pools[0] : v_pools[0]) + pg * Hkv * ps * D * esize;
+        const char* src =
+            static_cast<const char*>(kv == 0 ? k_pools[0] : v_pools[0]) + pg * Hkv * ps * D * esize;
         BENCH_CHECK_CUDA(cudaMemcpy(page.data(), src, page.size() * 2, cudaMemcpyDeviceToHost));
         for (int h = 0; h < Hkv; ++h) {
           for (int r = 0; r < ps; ++r) {
             const int64_t pos = j * ps + r;
             if (pos >= L) break;
             for (int d = 0; d < D; ++d) {
-              (kv == 0 ? k : v)[(pos * Hkv + h) * D + d] = HostToFloat(cfg.dtype, page[(int64_t{h} * ps + r) * D + d]);
+              (kv == 0 ? k : v)[(pos * Hkv + h) * D + d] =
+                  HostToFloat(cfg.dtype, page[(int64_t{h} * ps + r) * D + d]);
             }
           }
         }
       }
     }
     std::vector<double> ref(int64_t{Hq} * D), got(ref.size()), ref_lse(Hq);
-    testing::ReferenceAttention(q.data() + int64_t{b} * Hq * D, k.data(), v.data(), 1, L, Hq, Hkv, D,
-                                true, p.sm_scale, ref.data(), ref_lse.data());
+    testing::ReferenceAttention(q.data() + int64_t{b} * Hq * D, k.data(), v.data(), 1, L, Hq, Hkv,
+                                D, true, p.sm_scale, ref.data(), ref_lse.data());
     int64_t nans = 0;
     for (size_t e = 0; e < ref.size(); ++e) {
       got[e] = out[int64_t{b} * Hq * D + e];
@@ -365,15 +395,17 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   char row[768];
   const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
   std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
-  std::snprintf(row, sizeof(row),
-                "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
-                "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
-                "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, \"kv_chunk\": %d, "
-                "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
-                B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
-                t * 1e6, kv_bytes / t / 1e12, b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
-                (work.decode_items.size() + work.prefill_items.size()) * Hkv, copies,
-                static_cast<long long>(positions), cfg.stages);
+  std::snprintf(
+      row, sizeof(row),
+      "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
+      "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
+      "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
+      "\"kv_chunk\": %d, "
+      "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
+      B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
+      t * 1e6, kv_bytes / t / 1e12, b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
+      (work.decode_items.size() + work.prefill_items.size()) * Hkv, copies,
+      static_cast<long long>(positions), cfg.stages);
 
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);
@@ -414,7 +446,8 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::fprintf(f, "[\n");
-    for (size_t i = 0; i < rows.size(); ++i) std::fprintf(f, " %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::fprintf(f, " %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
     std::fprintf(f, "]\n");
     std::fclose(f);
   }

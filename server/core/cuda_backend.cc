@@ -23,25 +23,28 @@ namespace k = ::pagedattn::kernels;
 
 absl::Status CudaStatus(cudaError_t err, const std::string& what) {
   if (err == cudaSuccess) return absl::OkStatus();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
 absl::Status FromLaunch(const k::LaunchStatus& st) {
   switch (st.code()) {
-    case k::LaunchStatus::Code::kOk: return absl::OkStatus();
-    case k::LaunchStatus::Code::kUnsupported: return absl::InvalidArgumentError(st.message());
-    case k::LaunchStatus::Code::kCudaError: return absl::InternalError(st.message());
+    case k::LaunchStatus::Code::kOk:
+      return absl::OkStatus();
+    case k::LaunchStatus::Code::kUnsupported:
+      return absl::InvalidArgumentError(st.message());
+    case k::LaunchStatus::Code::kCudaError:
+      return absl::InternalError(st.message());
   }
   return absl::InternalError(st.message());
 }
 
-#define PAGEDATTN_CUDA_RETURN(expr, what)                       \
-  do {                                                          \
+#define PAGEDATTN_CUDA_RETURN(expr, what)                                     \
+  do {                                                                        \
     if (absl::Status _st = CudaStatus((expr), (what)); !_st.ok()) return _st; \
   } while (0)
-#define PAGEDATTN_LAUNCH_RETURN(expr)                           \
-  do {                                                          \
+#define PAGEDATTN_LAUNCH_RETURN(expr)                               \
+  do {                                                              \
     if (absl::Status _st = FromLaunch(expr); !_st.ok()) return _st; \
   } while (0)
 
@@ -132,8 +135,8 @@ struct Workspace {
 // Byte offsets of one Forward's sections in the staging buffers. Inputs (metadata then
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
-  size_t page_table = 0, slots = 0, decode_items = 0, prefill_items = 0,
-         merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
+  size_t page_table = 0, slots = 0, decode_items = 0, prefill_items = 0, merge_tasks = 0, q = 0,
+         k = 0, v = 0, input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
   // Host only, after the inputs: the results.
@@ -165,8 +168,9 @@ class CudaBackend final : public Backend {
 
   absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& g) override {
     if (!IsSupportedKvDType(BackendKind::kCuda, g.kv_dtype)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "kv_dtype must be FLOAT16 or BFLOAT16 on the CUDA backend (got ", DTypeName(g.kv_dtype), ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("kv_dtype must be FLOAT16 or BFLOAT16 on the CUDA backend (got ",
+                       DTypeName(g.kv_dtype), ")"));
     }
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
     int target_blocks = 0;
@@ -183,8 +187,8 @@ class CudaBackend final : public Backend {
     if (cudaError_t err = cudaMalloc(reinterpret_cast<void**>(&base), want); err != cudaSuccess) {
       cudaGetLastError();
       if (err == cudaErrorMemoryAllocation) {
-        return absl::ResourceExhaustedError(absl::StrCat("cudaMalloc of the K/V pool (", want,
-                                                         " bytes) failed on GPU ", g.device));
+        return absl::ResourceExhaustedError(
+            absl::StrCat("cudaMalloc of the K/V pool (", want, " bytes) failed on GPU ", g.device));
       }
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
@@ -244,7 +248,8 @@ class CudaBackend final : public Backend {
     std::vector<int64_t> slots(plan.total_new_tokens);
     for (int64_t i = 0; i < num_spans; ++i) {
       const SpanPlan& sp = plan.spans[i];
-      spans[i] = {sp.q_offset, sp.page_table_offset, sp.num_queries, static_cast<int32_t>(sp.kv_len)};
+      spans[i] = {sp.q_offset, sp.page_table_offset, sp.num_queries,
+                  static_cast<int32_t>(sp.kv_len)};
       for (int32_t t = 0; t < sp.num_new_tokens; ++t) {
         const int64_t pos = sp.start + t;
         const int64_t page = plan.page_table[sp.page_table_offset + pos / g.page_size];
@@ -302,9 +307,12 @@ class CudaBackend final : public Backend {
     };
     put(L.page_table, plan.page_table.data(), plan.page_table.size() * sizeof(int32_t));
     put(L.slots, slots.data(), slots.size() * sizeof(int64_t));
-    put(L.decode_items, work.decode_items.data(), work.decode_items.size() * sizeof(k::AttentionWorkItem));
-    put(L.prefill_items, work.prefill_items.data(), work.prefill_items.size() * sizeof(k::AttentionWorkItem));
-    put(L.merge_tasks, work.merge_tasks.data(), work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
+    put(L.decode_items, work.decode_items.data(),
+        work.decode_items.size() * sizeof(k::AttentionWorkItem));
+    put(L.prefill_items, work.prefill_items.data(),
+        work.prefill_items.size() * sizeof(k::AttentionWorkItem));
+    put(L.merge_tasks, work.merge_tasks.data(),
+        work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
     if (q_bytes > 0) put(L.q, io.q, q_bytes);
     if (kv_bytes > 0) {
       put(L.k, io.k, kv_bytes);
@@ -366,9 +374,9 @@ class CudaBackend final : public Backend {
         PAGEDATTN_LAUNCH_RETURN(k::LaunchConvert(out_f32, DType::kFloat32, d + L.out, io.q_dtype,
                                                  static_cast<int64_t>(q_elems), ws.stream));
       }
-      PAGEDATTN_CUDA_RETURN(cudaMemcpyAsync(h + L.host_out, d + L.out, q_bytes,
-                                            cudaMemcpyDeviceToHost, ws.stream),
-                            "cudaMemcpyAsync(out)");
+      PAGEDATTN_CUDA_RETURN(
+          cudaMemcpyAsync(h + L.host_out, d + L.out, q_bytes, cudaMemcpyDeviceToHost, ws.stream),
+          "cudaMemcpyAsync(out)");
       if (lse_bytes > 0) {
         PAGEDATTN_CUDA_RETURN(cudaMemcpyAsync(h + L.host_lse, d + L.lse, lse_bytes,
                                               cudaMemcpyDeviceToHost, ws.stream),

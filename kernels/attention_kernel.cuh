@@ -109,8 +109,8 @@ struct AttentionTileConfig {
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
-  static constexpr size_t kReduceBytes =
-      KW > 1 ? size_t{KW} * kRows * (D + 2) * sizeof(float) : 0;
+  static constexpr size_t kReduceFloats = size_t{KW} * kRows * (D + 2);  // O, max, sum per warp
+  static constexpr size_t kReduceBytes = KW > 1 ? kReduceFloats * sizeof(float) : 0;
   static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
   static constexpr size_t SmemBytes() {
     return (kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes) + kQBytes;
@@ -485,19 +485,29 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 
 // ---- Kernel and launcher ------------------------------------------------------------------
 
+// The work list of each tile shape, told apart by its number of 16-row warps.
+template <int MW>
+__host__ __device__ inline const AttentionWorkItem* TileItems(const PagedAttentionParams& p) {
+  static_assert(MW == 1 || MW == 2 || MW == 4, "tile shapes: 16, 32 or 64 rows");
+  return MW == 1 ? p.decode_items : (MW == 2 ? p.decode_wide_items : p.prefill_items);
+}
+template <int MW>
+inline int NumTileItems(const PagedAttentionParams& p) {
+  return MW == 1 ? p.num_decode_items : (MW == 2 ? p.num_decode_wide_items : p.num_prefill_items);
+}
+
 inline constexpr int kMaxDevices = 64;
 
 template <typename T, int D, int MW, int KW, int STAGES>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES>(params,
-                                          KW > 1 ? params.decode_items : params.prefill_items);
+  AttentionTileBody<T, D, MW, KW, STAGES>(params, TileItems<MW>(params));
 }
 
 template <typename T, int D, int MW, int KW, int STAGES>
 LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
-  const int num_items = KW > 1 ? params.num_decode_items : params.num_prefill_items;
+  const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
   auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES>;
   constexpr size_t smem = Cfg::SmemBytes();
@@ -549,6 +559,8 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
 // Explicit instantiation of both tile shapes for one (dtype, head_dim).
 #define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \
   template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&, \
+                                                         cudaStream_t);               \
+  template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&, \
                                                          cudaStream_t);               \
   template LaunchStatus LaunchAttentionTiles<T, D, 4, 1>(const PagedAttentionParams&, \
                                                          cudaStream_t);               \

@@ -13,7 +13,7 @@ struct Tile {
   int32_t row_start;
   int32_t num_rows;
   int32_t kv_end;  // Last visible position + 1 over the tile's rows.
-  bool decode;
+  int32_t tile_rows;
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -28,6 +28,7 @@ constexpr int64_t kMergeCost = 32;
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk) {
   work->decode_items.clear();
+  work->decode_wide_items.clear();
   work->prefill_items.clear();
   work->merge_tasks.clear();
   work->partial_rows = 0;
@@ -38,13 +39,14 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     const AttentionSpan& span = spans[i];
     if (span.num_queries <= 0) continue;
     const int rows = span.num_queries * group;
-    const bool decode = rows <= kDecodeMaxSpanRows;
-    const int tile_rows = decode ? kDecodeTileRows : kPrefillTileRows;
+    const int tile_rows = rows <= kDecodeTileRows       ? kDecodeTileRows
+                          : rows <= kDecodeWideTileRows ? kDecodeWideTileRows
+                                                        : kPrefillTileRows;
     for (int row_start = 0; row_start < rows; row_start += tile_rows) {
       const int num_rows = std::min(tile_rows, rows - row_start);
       const int last_query = (row_start + num_rows - 1) / group;
       const int kv_end = causal ? span.kv_len - span.num_queries + last_query + 1 : span.kv_len;
-      tiles.push_back({i, row_start, num_rows, kv_end, decode});
+      tiles.push_back({i, row_start, num_rows, kv_end, tile_rows});
     }
   }
 
@@ -104,7 +106,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
       const int64_t splits = CeilDiv(tile.kv_end, chunk);
       max_splits = std::max(max_splits, splits);
       if (splits > 1) {
-        const int tile_rows = tile.decode ? kDecodeTileRows : kPrefillTileRows;
+        const int tile_rows = tile.tile_rows;
         partial_base[t - first] = static_cast<int32_t>(work->partial_rows);
         task_index[t - first] = static_cast<int32_t>(work->merge_tasks.size());
         work->merge_tasks.push_back({tile.span, tile.row_start, tile.num_rows,
@@ -124,12 +126,15 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
         item.row_start = tile.row_start;
         item.kv_start = static_cast<int32_t>(kv_start);
         item.kv_end = static_cast<int32_t>(std::min<int64_t>(kv_start + chunk, tile.kv_end));
-        const int tile_rows = tile.decode ? kDecodeTileRows : kPrefillTileRows;
+        const int tile_rows = tile.tile_rows;
         item.partial_row = partial_base[t - first] < 0
                                ? -1
                                : static_cast<int32_t>(partial_base[t - first] + s * tile_rows);
         item.merge_task = task_index[t - first];
-        (tile.decode ? work->decode_items : work->prefill_items).push_back(item);
+        (tile_rows == kDecodeTileRows       ? work->decode_items
+         : tile_rows == kDecodeWideTileRows ? work->decode_wide_items
+                                            : work->prefill_items)
+            .push_back(item);
       }
     }
     first = last;

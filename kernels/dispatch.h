@@ -114,10 +114,12 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
 // Warp layouts (query-row warps x KV-split warps) of the two tile shapes.
 inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
+inline constexpr int kDecodeWideMW = 2, kDecodeWideKW = 2;
 inline constexpr int kPrefillMW = 4, kPrefillKW = 1;
-static_assert(kDecodeMW * 16 == kDecodeTileRows && kPrefillMW * 16 == kPrefillTileRows);
+static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecodeWideTileRows &&
+              kPrefillMW * 16 == kPrefillTileRows);
 
-enum class TileShape { kDecode, kPrefill };
+enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
 inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, TileShape shape,
                                            cudaStream_t stream) {
@@ -127,6 +129,9 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       constexpr int D = decltype(d)::value;
       if (shape == TileShape::kDecode) {
         return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream);
+      }
+      if (shape == TileShape::kDecodeWide) {
+        return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream);
       }
       return LaunchAttentionTiles<T, D, kPrefillMW, kPrefillKW>(params, stream);
     });

@@ -143,6 +143,12 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
       return st;
     }
   }
+  if (params.num_decode_wide_items > 0) {
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecodeWide, stream);
+        !st.ok()) {
+      return st;
+    }
+  }
   if (params.num_prefill_items > 0) {
     if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
       return st;

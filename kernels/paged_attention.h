@@ -87,18 +87,21 @@ struct AttentionMergeTask {
   int32_t row_stride = 0;
 };
 
-// Rows per tile of the two tile shapes: the decode shape (one 16-row tile of query rows, the
-// KV tile split across 4 warps) for spans with few query rows, the prefill shape (4 warps of
-// 16 rows each over the whole KV tile) for the rest.
+// Rows per tile of the three tile shapes. A span's rows (num_queries * gqa_group) all fit one
+// tile up to 32 rows, so each K/V page is read once for every query head of its group:
+// decode (16 rows; the 4 warps split each KV tile), wide decode (32 rows; 2 row warps x 2 KV
+// warps), and prefill (64 rows, one 16-row slice per warp, over the whole KV tile).
 inline constexpr int kDecodeTileRows = 16;
+inline constexpr int kDecodeWideTileRows = 32;
 inline constexpr int kPrefillTileRows = 64;
-inline constexpr int kDecodeMaxSpanRows = 32;  // num_queries * gqa_group up to this: decode shape.
-inline constexpr int kKvTileRows = 64;         // Positions per pipeline stage; chunk multiple.
+inline constexpr int kDecodeMaxSpanRows = kDecodeWideTileRows;  // more rows: prefill tiles.
+inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk multiple.
 
 // The work of one launch, built on the host by PlanAttentionWork and uploaded as is.
 struct AttentionWork {
-  std::vector<AttentionWorkItem> decode_items;
-  std::vector<AttentionWorkItem> prefill_items;
+  std::vector<AttentionWorkItem> decode_items;       // 16-row tiles
+  std::vector<AttentionWorkItem> decode_wide_items;  // 32-row tiles
+  std::vector<AttentionWorkItem> prefill_items;      // 64-row tiles
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
   int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.
@@ -135,6 +138,8 @@ struct PagedAttentionParams {
 
   const AttentionWorkItem* decode_items = nullptr;
   int32_t num_decode_items = 0;
+  const AttentionWorkItem* decode_wide_items = nullptr;
+  int32_t num_decode_wide_items = 0;
   const AttentionWorkItem* prefill_items = nullptr;
   int32_t num_prefill_items = 0;
   const AttentionMergeTask* merge_tasks = nullptr;

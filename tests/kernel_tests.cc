@@ -410,7 +410,7 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
       kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal, target, &work, 64);
       // coverage[span][row_start] -> positions covered
       std::map<std::pair<int, int>, int64_t> covered;
-      for (const auto* list : {&work.decode_items, &work.prefill_items}) {
+      for (const auto* list : {&work.decode_items, &work.decode_wide_items, &work.prefill_items}) {
         for (const auto& it : *list) {
           EXPECT_LT(it.kv_start, it.kv_end);
           covered[{it.span, it.row_start}] += it.kv_end - it.kv_start;
@@ -420,8 +420,9 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
         const auto& sp = spans[key.first];
         const int group = 4;
         const int rows = sp.num_queries * group;
-        const int tile = rows <= kernels::kDecodeMaxSpanRows ? kernels::kDecodeTileRows
-                                                             : kernels::kPrefillTileRows;
+        const int tile = rows <= kernels::kDecodeTileRows       ? kernels::kDecodeTileRows
+                         : rows <= kernels::kDecodeWideTileRows ? kernels::kDecodeWideTileRows
+                                                                : kernels::kPrefillTileRows;
         const int last_row = std::min(key.second + tile, rows) - 1;
         const int64_t want = causal ? sp.kv_len - sp.num_queries + last_row / group + 1 : sp.kv_len;
         EXPECT_EQ(n, want) << "span " << key.first << " row " << key.second;

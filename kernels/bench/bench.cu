@@ -191,7 +191,8 @@ Config ParseFlags(int argc, char** argv) {
 // The shipped entry point, or (--stages) a decode-tile variant built into this binary.
 LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
   if (cfg.stages == 0) return LaunchPagedAttention(p, stream);
-  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0) {
+  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0 ||
+      p.num_decode_wide_items > 0) {
     return LaunchStatus::Unsupported("--stages variants exist for bf16, head_dim 128 decode only");
   }
   p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
@@ -286,6 +287,9 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.decode_items = static_cast<const AttentionWorkItem*>(
       upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
   p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
+  p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(
+      work.decode_wide_items.data(), work.decode_wide_items.size() * sizeof(AttentionWorkItem)));
+  p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
   p.prefill_items = static_cast<const AttentionWorkItem*>(
       upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
   p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
@@ -404,8 +408,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
       "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
       B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
       t * 1e6, kv_bytes / t / 1e12, b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
-      (work.decode_items.size() + work.prefill_items.size()) * Hkv, copies,
-      static_cast<long long>(positions), cfg.stages);
+      (work.decode_items.size() + work.decode_wide_items.size() + work.prefill_items.size()) * Hkv,
+      copies, static_cast<long long>(positions), cfg.stages);
 
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);
@@ -416,6 +420,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   cudaFree(p.out);
   cudaFree(p.lse);
   cudaFree(const_cast<AttentionWorkItem*>(p.decode_items));
+  cudaFree(const_cast<AttentionWorkItem*>(p.decode_wide_items));
   cudaFree(const_cast<AttentionWorkItem*>(p.prefill_items));
   cudaFree(const_cast<AttentionMergeTask*>(p.merge_tasks));
   cudaFree(p.partial_out);

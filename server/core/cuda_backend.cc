@@ -135,8 +135,8 @@ struct Workspace {
 // Byte offsets of one Forward's sections in the staging buffers. Inputs (metadata then
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
-  size_t page_table = 0, slots = 0, decode_items = 0, prefill_items = 0, merge_tasks = 0, q = 0,
-         k = 0, v = 0, input_end = 0;
+  size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0, prefill_items = 0,
+         merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
   // Host only, after the inputs: the results.
@@ -279,6 +279,7 @@ class CudaBackend final : public Backend {
     L.page_table = take(plan.page_table.size() * sizeof(int32_t));
     L.slots = take(slots.size() * sizeof(int64_t));
     L.decode_items = take(work.decode_items.size() * sizeof(k::AttentionWorkItem));
+    L.decode_wide_items = take(work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     L.prefill_items = take(work.prefill_items.size() * sizeof(k::AttentionWorkItem));
     L.merge_tasks = take(work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
     L.q = take(q_bytes);
@@ -309,6 +310,8 @@ class CudaBackend final : public Backend {
     put(L.slots, slots.data(), slots.size() * sizeof(int64_t));
     put(L.decode_items, work.decode_items.data(),
         work.decode_items.size() * sizeof(k::AttentionWorkItem));
+    put(L.decode_wide_items, work.decode_wide_items.data(),
+        work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     put(L.prefill_items, work.prefill_items.data(),
         work.prefill_items.size() * sizeof(k::AttentionWorkItem));
     put(L.merge_tasks, work.merge_tasks.data(),
@@ -361,6 +364,8 @@ class CudaBackend final : public Backend {
       p.lse = plan.return_lse ? reinterpret_cast<float*>(d + L.lse) : nullptr;
       p.decode_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.decode_items);
       p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
+      p.decode_wide_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.decode_wide_items);
+      p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
       p.prefill_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.prefill_items);
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
       p.merge_tasks = reinterpret_cast<const k::AttentionMergeTask*>(d + L.merge_tasks);

@@ -128,6 +128,7 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
 
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
 // per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
+// Each lane holds the weight of one split, so the loop over splits issues only the O loads.
 template <int D>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
@@ -149,27 +150,37 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
     float acc[kDims];
 #pragma unroll
     for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
-#pragma unroll 4
-    for (int s = 0; s < task.num_splits; ++s) {
-      const int64_t row = task.partial_row + s * task.row_stride + r;
-      const float w = __expf(__ldcg(part_lse + row) - base);
-      weight_sum += w;
-      const float* src = part_out + row * D + lane * kDims;
+    for (int s0 = 0; s0 < task.num_splits; s0 += 32) {
+      const int n = min(32, task.num_splits - s0);
+      const float my_weight =
+          lane < n
+              ? __expf(__ldcg(part_lse + task.partial_row + (s0 + lane) * task.row_stride + r) -
+                       base)
+              : 0.f;
+      weight_sum += my_weight;
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
+        const float* src = part_out + row * D + lane * kDims;
 #pragma unroll
-      for (int j = 0; j < kDims; j += 2) {
-        const float2 v = __ldcg(reinterpret_cast<const float2*>(src + j));
-        acc[j] += w * v.x;
-        acc[j + 1] += w * v.y;
+        for (int d = 0; d < kDims; d += 2) {
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
+          acc[d] += w * v.x;
+          acc[d + 1] += w * v.y;
+        }
       }
     }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
     const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
     const int span_row = task.row_start + r;
     const int64_t out_row =
         (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
     float* dst = p.out + out_row * D + lane * kDims;
 #pragma unroll
-    for (int j = 0; j < kDims; j += 2) {
-      *reinterpret_cast<float2*>(dst + j) = make_float2(acc[j] * inv, acc[j + 1] * inv);
+    for (int d = 0; d < kDims; d += 2) {
+      *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
     }
     if (p.lse && lane == 0)
       p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;

@@ -22,6 +22,9 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 // Q) and a split's share of the merge, measured as roughly this many positions of streaming.
 constexpr int64_t kBlockStartCost = 128;
 constexpr int64_t kMergeCost = 32;
+// The split that finishes last merges its tile alone, reading num_splits * rows partial rows
+// at the very end of the launch; each (split, row) costs about one position of streaming.
+constexpr int64_t kMergeCostPerSplitRow = 1;
 
 }  // namespace
 
@@ -62,10 +65,11 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
   };
   auto estimate = [&](int64_t chunk) {
-    int64_t units = 0, max_cost = 0;
+    int64_t units = 0, max_cost = 0, merge_tail = 0;
     double total_cost = 0;
     for (const Tile& t : tiles) {
       const int64_t n = CeilDiv(t.kv_end, chunk);
+      if (n > 1) merge_tail = std::max(merge_tail, n * t.num_rows * kMergeCostPerSplitRow);
       units += n;
       total_cost +=
           static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
@@ -75,7 +79,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     total_cost *= num_kv_heads;
     const double waves = static_cast<double>(CeilDiv(units, blocks));
     return std::max(static_cast<double>(max_cost),
-                    waves * total_cost / std::max<int64_t>(units, 1));
+                    waves * total_cost / std::max<int64_t>(units, 1)) +
+           static_cast<double>(merge_tail);
   };
   static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
                                     28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};

@@ -1,8 +1,13 @@
-// pagedattn-bench: times the paged decode kernels alone (no server) on random data with pages
+// pagedattn-bench: times the paged attention kernels alone (no server) on random data with pages
 // scattered in random order, checks the output against the float64 reference first, and prints
 // one JSON row per case with the keys of ../shared/device/peers.py.
 //
-//   pagedattn-bench [--cases "1,32768 16,4096"] [--ragged 4096,100,7000] [--q-heads 32]
+//   --suite decode (default): one query per sequence; "B,C" = B sequences of C positions.
+//   --suite prefill: causal prefill, every position a query; "B,L" = B sequences of L tokens
+//     (default: peers.py's prefill shapes); tflops counts 4*B*Hq*L*L*D/2 as peers.py does.
+//
+//   pagedattn-bench [--suite decode|prefill] [--cases "1,32768 16,4096"] [--ragged 4096,100,7000]
+//                   [--q-heads 32]
 //                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 #include <cuda_bf16.h>
@@ -53,6 +58,7 @@ struct Config {
   int min_chunk = 256;
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
+  bool prefill = false;  // --suite prefill: every position of each sequence is a query
   std::string json;
 };
 
@@ -128,7 +134,7 @@ std::vector<std::vector<int>> ParseCases(const std::string& s) {
 
 Config ParseFlags(int argc, char** argv) {
   Config c;
-  std::string cases = "1,32768 16,4096 64,4096 256,2048 128,8192";  // peers.py's decode shapes
+  std::string cases;
   std::string ragged;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
@@ -141,7 +147,14 @@ Config ParseFlags(int argc, char** argv) {
     };
     if (a == "--cases")
       cases = next();
-    else if (a == "--ragged")
+    else if (a == "--suite") {
+      const std::string suite = next();
+      if (suite != "decode" && suite != "prefill") {
+        std::fprintf(stderr, "--suite must be decode or prefill (got %s)\n", suite.c_str());
+        std::exit(2);
+      }
+      c.prefill = suite == "prefill";
+    } else if (a == "--ragged")
       ragged = next();
     else if (a == "--q-heads")
       c.q_heads = std::atoi(next().c_str());
@@ -182,6 +195,10 @@ Config ParseFlags(int argc, char** argv) {
                    a.c_str());
       std::exit(2);
     }
+  }
+  // peers.py's default shapes for the suite.
+  if (cases.empty()) {
+    cases = c.prefill ? "4,4096 2,8192 1,16384" : "1,32768 16,4096 64,4096 256,2048 128,8192";
   }
   if (cases != "none") c.cases = ParseCases(cases);
   if (!ragged.empty()) c.cases.push_back(ParseInts(ragged, ','));
@@ -253,12 +270,19 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     BENCH_CHECK_CUDA(cudaGetLastError());
   }
 
-  // One decode query per sequence, values representable in the cache dtype.
+  // Queries: one per sequence (decode) or one per position (prefill), representable in the
+  // cache dtype. q_offset[b] is sequence b's first query row.
+  std::vector<int64_t> q_offset(B + 1, 0);
+  for (int b = 0; b < B; ++b) q_offset[b + 1] = q_offset[b] + (cfg.prefill ? ctx[b] : 1);
+  const int64_t total_q = q_offset[B];
   std::uniform_real_distribution<float> uni(-2.f, 2.f);
-  std::vector<float> q(int64_t{B} * Hq * D);
+  std::vector<float> q(total_q * Hq * D);
   for (float& x : q) x = RoundHost(cfg.dtype, uni(rng));
   std::vector<AttentionSpan> spans(B);
-  for (int b = 0; b < B; ++b) spans[b] = {b, page_offset[b], 1, ctx[b]};
+  for (int b = 0; b < B; ++b) {
+    const int32_t nq = static_cast<int32_t>(q_offset[b + 1] - q_offset[b]);
+    spans[b] = {q_offset[b], page_offset[b], nq, ctx[b]};
+  }
 
   int target_blocks = 0;
   CheckLaunch(AttentionTargetBlocks(cfg.dtype, D, &target_blocks), "occupancy");
@@ -283,7 +307,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.page_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
   p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&p.lse, int64_t{B} * Hq * 4));
+  BENCH_CHECK_CUDA(cudaMalloc(&p.lse, total_q * Hq * 4));
   p.decode_items = static_cast<const AttentionWorkItem*>(
       upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
   p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
@@ -344,16 +368,27 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         }
       }
     }
-    std::vector<double> ref(int64_t{Hq} * D), got(ref.size()), ref_lse(Hq);
-    testing::ReferenceAttention(q.data() + int64_t{b} * Hq * D, k.data(), v.data(), 1, L, Hq, Hkv,
-                                D, true, p.sm_scale, ref.data(), ref_lse.data());
-    int64_t nans = 0;
-    for (size_t e = 0; e < ref.size(); ++e) {
-      got[e] = out[int64_t{b} * Hq * D + e];
-      nans += std::isnan(got[e]);
+    // Decode: the sequence's one query. Prefill: a sample of query positions (first, last,
+    // tile edges and between), each checked as the causal query at that position.
+    std::vector<int> check_pos = {L - 1};
+    if (cfg.prefill) {
+      check_pos = {0, 1, 63, 64, L / 3, L / 2 + 17, L - 65, L - 1};
+      for (int& x : check_pos) x = std::clamp(x, 0, L - 1);
     }
-    const double err = nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size());
-    worst_err = std::max(worst_err, err);
+    for (int pos : check_pos) {
+      const int64_t row = cfg.prefill ? q_offset[b] + pos : q_offset[b];
+      std::vector<double> ref(int64_t{Hq} * D), got(ref.size()), ref_lse(Hq);
+      testing::ReferenceAttention(q.data() + row * Hq * D, k.data(), v.data(), 1, pos + 1, Hq, Hkv,
+                                  D, true, p.sm_scale, ref.data(), ref_lse.data());
+      int64_t nans = 0;
+      for (size_t e = 0; e < ref.size(); ++e) {
+        got[e] = out[row * Hq * D + e];
+        nans += std::isnan(got[e]);
+      }
+      const double err =
+          nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size());
+      worst_err = std::max(worst_err, err);
+    }
   }
   const double tol = cfg.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
   if (!(worst_err <= tol)) {
@@ -397,19 +432,34 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   const double kv_bytes = 2.0 * positions * Hkv * D * esize;
 
   char row[768];
-  const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
-  std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
-  std::snprintf(
-      row, sizeof(row),
-      "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
-      "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
-      "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
-      "\"kv_chunk\": %d, "
-      "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
-      B, ctx_field.c_str(), Hq, Hkv, D, ps, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
-      t * 1e6, kv_bytes / t / 1e12, b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
-      (work.decode_items.size() + work.decode_wide_items.size() + work.prefill_items.size()) * Hkv,
-      copies, static_cast<long long>(positions), cfg.stages);
+  const size_t blocks =
+      (work.decode_items.size() + work.decode_wide_items.size() + work.prefill_items.size()) * Hkv;
+  if (cfg.prefill) {
+    double flops = 0;
+    for (int c : ctx) flops += 4.0 * Hq * double(c) * c * D * 0.5;  // causal: half the square
+    std::snprintf(row, sizeof(row),
+                  "{\"suite\": \"prefill\", \"batch\": %d, \"seqlen\": %d, \"q_heads\": %d, "
+                  "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
+                  "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
+                  "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
+                  "\"blocks\": %zu}",
+                  B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
+                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, worst_err, blocks);
+  } else {
+    const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
+    std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
+    std::snprintf(
+        row, sizeof(row),
+        "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
+        "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
+        "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
+        "\"kv_chunk\": %d, "
+        "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
+        B, ctx_field.c_str(), Hq, Hkv, D, ps,
+        cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
+        b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk, blocks, copies,
+        static_cast<long long>(positions), cfg.stages);
+  }
 
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);

@@ -8,6 +8,13 @@ cd "$(dirname "$0")/.."
 build_dir=${1:-build}
 shift || true
 scripts/install-deps.sh
+mkdir -p "$build_dir"
 # shellcheck disable=SC2086
-cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release ${PAGEDATTN_CMAKE_ARGS:-} | grep -E "pagedattn:|Error|error" || true
+if ! cmake -S . -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release ${PAGEDATTN_CMAKE_ARGS:-} \
+    > "$build_dir/configure.log" 2>&1; then
+  cat "$build_dir/configure.log"
+  echo "build.sh: CMake configuration failed (log above, also in $build_dir/configure.log)" >&2
+  exit 1
+fi
+grep "pagedattn:" "$build_dir/configure.log"  # says whether the CUDA backend is built
 ninja -C "$build_dir" -j"$(nproc)" "$@"

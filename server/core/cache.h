@@ -81,10 +81,10 @@ class Cache {
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
   CacheStats Stats() const;
 
-  // Checks a request against the geometry without touching the cache (exposed for tests).
+ private:
+  // Checks a request against the geometry and limits without touching the cache.
   absl::Status ValidateForward(const ForwardArgs& args) const;
 
- private:
   // Builds the backend plan from a reservation: resolved spans and their page lists.
   ForwardPlan MakePlan(const ForwardArgs& args, const Reservation& r) const
       ABSL_SHARED_LOCKS_REQUIRED(meta_mu_);

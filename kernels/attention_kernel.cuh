@@ -567,13 +567,11 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   return LaunchStatus::Ok();
 }
 
-// Explicit instantiation of both tile shapes for one (dtype, head_dim).
+// Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
 #define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \
   template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&, \
                                                          cudaStream_t);               \
   template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&, \
-                                                         cudaStream_t);               \
-  template LaunchStatus LaunchAttentionTiles<T, D, 4, 1>(const PagedAttentionParams&, \
                                                          cudaStream_t);               \
   template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*);
 

@@ -144,6 +144,14 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     }
     first = last;
   }
+
+  // Prefill blocks run longest first, so the short (causal, early) tiles fill the last wave
+  // instead of one long tile running alone at the end; the sort is stable, so tiles of
+  // equal length stay split-major and side by side.
+  std::stable_sort(work->prefill_items.begin(), work->prefill_items.end(),
+                   [](const AttentionWorkItem& a, const AttentionWorkItem& b) {
+                     return a.kv_end - a.kv_start > b.kv_end - b.kv_start;
+                   });
 }
 
 }  // namespace pagedattn::kernels

@@ -112,12 +112,14 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
-// Warp layouts (query-row warps x KV-split warps) of the two tile shapes.
+// The prefill tile kernel (kernels/prefill_kernel.cuh), instantiated beside them.
+template <typename T, int D>
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
+
+// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
 inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
 inline constexpr int kDecodeWideMW = 2, kDecodeWideKW = 2;
-inline constexpr int kPrefillMW = 4, kPrefillKW = 1;
-static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecodeWideTileRows &&
-              kPrefillMW * 16 == kPrefillTileRows);
+static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecodeWideTileRows);
 
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
@@ -133,7 +135,7 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       if (shape == TileShape::kDecodeWide) {
         return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream);
       }
-      return LaunchAttentionTiles<T, D, kPrefillMW, kPrefillKW>(params, stream);
+      return LaunchPrefillTiles<T, D>(params, stream);
     });
   });
 }

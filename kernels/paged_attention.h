@@ -90,10 +90,11 @@ struct AttentionMergeTask {
 // Rows per tile of the three tile shapes. A span's rows (num_queries * gqa_group) all fit one
 // tile up to 32 rows, so each K/V page is read once for every query head of its group:
 // decode (16 rows; the 4 warps split each KV tile), wide decode (32 rows; 2 row warps x 2 KV
-// warps), and prefill (64 rows, one 16-row slice per warp, over the whole KV tile).
+// warps), and prefill (128 rows, kernels/prefill_kernel.cuh: 4 warps of 32 rows for head_dim
+// 64/128, 8 warps of 16 rows for 256).
 inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeWideTileRows = 32;
-inline constexpr int kPrefillTileRows = 64;
+inline constexpr int kPrefillTileRows = 128;
 inline constexpr int kDecodeMaxSpanRows = kDecodeWideTileRows;  // more rows: prefill tiles.
 inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk multiple.
 
@@ -101,7 +102,7 @@ inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk m
 struct AttentionWork {
   std::vector<AttentionWorkItem> decode_items;       // 16-row tiles
   std::vector<AttentionWorkItem> decode_wide_items;  // 32-row tiles
-  std::vector<AttentionWorkItem> prefill_items;      // 64-row tiles
+  std::vector<AttentionWorkItem> prefill_items;      // 128-row tiles, longest first
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
   int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.

@@ -361,6 +361,32 @@ TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   RunCase(*backend_, c);
 }
 
+// Prefill tiles (128 rows): spans one short of, exactly, and one past a tile, chunked prefill
+// with offsets (queries after earlier positions of the same Forward and of the step before),
+// GQA 1/4/8, page sizes 1/3/16/64/256, every head_dim, both cache dtypes, causal and not.
+TEST_F(CudaKernelTest, PrefillTileEdges) {
+  const int page_sizes[] = {1, 3, 16, 64, 256};
+  int index = 0;
+  for (int d : {64, 128, 256}) {
+    for (int gqa : {1, 4, 8}) {
+      CaseSpec c;
+      c.head_dim = d;
+      c.gqa = gqa;
+      c.num_kv_heads = 2;
+      c.page_size = page_sizes[index % 5];
+      c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
+      c.q_dtype = index % 3 == 1 ? c.cache_dtype : DType::kFloat32;
+      c.causal = index % 3 != 2;
+      c.return_lse = index % 4 != 3;
+      c.steps = {{{127, 127}, {128, 128}, {129, 129}, {40, 33}},
+                 {{200, 161}, {64, 64}, {257, 1}, {300, 300}}};
+      c.seed = 5000 + index;
+      RunCase(*backend_, c);
+      ++index;
+    }
+  }
+}
+
 // Two threads running Forward on different layers of one pool at once.
 TEST_F(CudaKernelTest, ConcurrentForwards) {
   std::vector<std::thread> threads;

@@ -1,0 +1,406 @@
+// The prefill tile kernel (FlashAttention-2 family): device body, thin
+// __global__ and host launcher, templated on (cache dtype, head_dim). Included
+// only by the per-head-dim .cu files.
+//
+// A block takes one prefill work item: kPrefillTileRows (128) query rows (row =
+// query * group + head in group, all of one kv head) against a KV range,
+// streamed through a cp.async pipeline of 64-position K/V tiles gathered
+// through the page table into swizzled shared memory. Each warp owns kMTiles
+// 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
+// Per 64-position tile: S = Q.K^T, one online-softmax update (exp2, scale
+// folded into an FMA), O += P.V with P kept in registers as the A operand.
+// Masks are applied only on the tiles that need them (the causal diagonal, the
+// end of the range); tiles a warp cannot see are skipped.
+#pragma once
+
+#include "kernels/attention_kernel.cuh"
+
+namespace pagedattn::kernels {
+
+template <typename T, int D>
+struct PrefillTileConfig {
+  static constexpr int kRows = kPrefillTileRows;    // query rows per block
+  static constexpr int kMTiles = D == 256 ? 1 : 2;  // 16-row slices per warp
+  static constexpr int kWarpRows = 16 * kMTiles;
+  static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64, d128) or 8 (d256)
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage
+  // Positions per softmax step: d128/d256 hold 128 O accumulators per thread, so their S
+  // tile is 32 positions wide to fit in 255 registers (no spills in the loop).
+  static constexpr int kSubKv = D == 64 ? 64 : 32;
+  static constexpr int kStages = D == 64 ? 3 : 2;
+  static constexpr bool kQInRegisters = D == 64;             // else reloaded per tile (ldmatrix)
+  static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
+  static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
+  static constexpr int kStageElems = 2 * kTileKv * D;        // K tile then V tile
+  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
+  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes; }
+  // d256 holds 128 accumulators per thread with 8 warps: one block per SM;
+  // d64/d128: two.
+  static constexpr int kMinBlocks = D == 256 ? 1 : 2;
+  static_assert(kWarps * kWarpRows == kRows, "warps cover the tile's rows");
+  static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
+  using Cfg = PrefillTileConfig<T, D>;
+  constexpr int MT = Cfg::kMTiles;
+  constexpr int NT = Cfg::kSubKv / 8;  // n8 tiles of S per softmax step
+  constexpr int KC = D / 16;           // k16 chunks of Q.K^T
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem_kv = reinterpret_cast<T*>(smem_raw);
+  T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kPipelineBytes);
+
+  // Items are sorted longest first; the kv heads of one item run side by side.
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const AttentionWorkItem item = p.prefill_items[blockIdx.x / p.num_kv_heads];
+  const AttentionSpan span = item.span_info;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int span_rows = span.num_queries * group;
+  const int first_q_pos = span.kv_len - span.num_queries;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+
+  // ---- K/V pipeline: each thread copies one 16-byte chunk column of kRowsPerThread rows.
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int32_t* pages = p.page_table + span.page_table_offset;
+  // Page ids go through shared memory (one slot of kTileKv ids per stage), so a thread keeps one
+  // id in flight instead of one per row it copies: tile t + kStages's id is loaded at the top
+  // of iteration t and stored at its end, before the barrier that precedes its copies.
+  __shared__ int32_t page_ids[Cfg::kStages][Cfg::kTileKv];
+  auto load_page_id = [&](int tile) {
+    const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
+    return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
+               ? pages[p.page_div.Div(pos)]
+               : 0;
+  };
+  auto issue_tile = [&](int tile) {
+    const int stage = tile % Cfg::kStages;
+    T* sk = smem_kv + stage * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileKv * D;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+      const int64_t offset =
+          ((int64_t{page_ids[stage][row]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
+          copy_chunk * 8;
+      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
+      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+    }
+  };
+  // Prologue: the ids of the first kStages tiles, then the copies of the first kStages - 1.
+  {
+    int32_t first_ids[Cfg::kStages];
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages; ++s) first_ids[s] = load_page_id(s);
+    if (tid < Cfg::kTileKv) {
+#pragma unroll
+      for (int s = 0; s < Cfg::kStages; ++s) page_ids[s][tid] = first_ids[s];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      if (s < num_tiles) issue_tile(s);
+      CpAsyncCommit();
+    }
+  }
+
+  // ---- Q tile -> shared memory as T (once per block). Rows past the span are zero.
+  for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
+    const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
+    const int span_row = item.row_start + r;
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (span_row < span_rows) {
+      const int query = span_row / group, head = kv_head * group + span_row % group;
+      const float4* src = reinterpret_cast<const float4*>(
+          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
+      const float4 lo = src[0], hi = src[1];
+      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
+                          PackPair<T>(hi.z, hi.w));
+    }
+    *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
+  }
+
+  // ---- Per-thread state: slice mt, rows quad_row and quad_row + 8; columns 2*quad_col..+1.
+  float o[MT][D / 8][4];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt)
+      o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+  float row_max[MT][2], row_sum[MT][2];  // max in raw score units
+  int q_pos[MT][2];                      // last visible position of each row
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_max[mt][i] = -INFINITY;
+      row_sum[mt][i] = 0.f;
+      const int span_row = item.row_start + warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
+      q_pos[mt][i] =
+          span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
+    }
+  }
+  // The warp's visible range: tiles past warp_max_pos are skipped, tiles ending
+  // at or before warp_min_pos (and inside the item) need no mask.
+  const int warp_first_row = item.row_start + warp * Cfg::kWarpRows;
+  const int warp_last_row = min(warp_first_row + Cfg::kWarpRows - 1, span_rows - 1);
+  const bool warp_has_rows = warp_first_row < span_rows;
+  const int warp_max_pos =
+      !warp_has_rows ? -1 : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX - 1);
+  const int warp_min_pos =
+      !warp_has_rows ? -1 : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+
+  const T* warp_q = smem_q + warp * Cfg::kWarpRows * D;
+  auto load_q_frag = [&](int mt, int kc, uint32_t(&a)[4]) {
+    const int r = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+    LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
+  };
+  uint32_t q_frag[Cfg::kQInRegisters ? MT : 1][Cfg::kQInRegisters ? KC : 1][4];
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1);
+    CpAsyncCommit();
+    const int32_t next_id = load_page_id(tile + Cfg::kStages);
+    CpAsyncWait<Cfg::kStages - 1>();
+    __syncthreads();
+    if constexpr (Cfg::kQInRegisters) {
+      if (tile == 0) {
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int kc = 0; kc < KC; ++kc) load_q_frag(mt, kc, q_frag[mt][kc]);
+      }
+    }
+    const T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    const T* sv = sk + Cfg::kTileKv * D;
+#pragma unroll 1
+    for (int sub = 0; sub < Cfg::kTileKv / Cfg::kSubKv; ++sub) {
+      const int sub_row = sub * Cfg::kSubKv;  // first row of this step in the stage
+      const int pos0 = item.kv_start + tile * Cfg::kTileKv + sub_row;
+
+      if (pos0 <= warp_max_pos && pos0 < item.kv_end) {  // warp-uniform: skip unseen positions
+        // S = Q K^T: each K fragment (16 positions x 16 dims) serves all MT
+        // slices.
+        float s[MT][NT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+            s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+        for (int kc = 0; kc < KC; ++kc) {
+          uint32_t a[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+              for (int j = 0; j < 4; ++j) a[mt][j] = q_frag[mt][kc][j];
+            } else {
+              load_q_frag(mt, kc, a[mt]);
+            }
+          }
+#pragma unroll
+          for (int np = 0; np < NT / 2; ++np) {
+            uint32_t b[4];
+            const int r = sub_row + np * 16 + (lane & 7) + 8 * (lane >> 4);
+            LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              Mma16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
+              Mma16816<T>(s[mt][2 * np + 1], a[mt], b[2], b[3]);
+            }
+          }
+        }
+
+        // Masks only where the tile crosses the item's end or this warp's
+        // causal diagonal.
+        const bool needs_mask =
+            pos0 + Cfg::kSubKv > item.kv_end || pos0 + Cfg::kSubKv - 1 > warp_min_pos;
+        if (needs_mask) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+              for (int e = 0; e < 4; ++e) {
+                const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+                if (pos >= item.kv_end || pos > q_pos[mt][e >> 1]) s[mt][nt][e] = -INFINITY;
+              }
+        }
+
+        // Online softmax, once per tile: new row max, rescale sum and O, P =
+        // 2^(s*scale - max).
+        uint32_t pa[MT][NT / 2][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            float mx = row_max[mt][i];
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt)
+              mx = fmaxf(mx, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+            mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+            const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+            const float alpha = exp2f(row_max[mt][i] * scale_log2 - base);
+            row_max[mt][i] = mx;
+            float sum = 0.f;
+#pragma unroll
+            for (int nt = 0; nt < NT; ++nt) {
+              s[mt][nt][2 * i] = exp2f(fmaf(s[mt][nt][2 * i], scale_log2, -base));
+              s[mt][nt][2 * i + 1] = exp2f(fmaf(s[mt][nt][2 * i + 1], scale_log2, -base));
+              sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
+            }
+            row_sum[mt][i] = row_sum[mt][i] * alpha + sum;
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+              o[mt][dt][2 * i] *= alpha;
+              o[mt][dt][2 * i + 1] *= alpha;
+            }
+          }
+          // P's accumulator layout is the A operand layout of the P.V mma (k =
+          // 16 positions).
+#pragma unroll
+          for (int kp = 0; kp < NT / 2; ++kp) {
+            pa[mt][kp][0] = PackPair<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
+            pa[mt][kp][1] = PackPair<T>(s[mt][2 * kp][2], s[mt][2 * kp][3]);
+            pa[mt][kp][2] = PackPair<T>(s[mt][2 * kp + 1][0], s[mt][2 * kp + 1][1]);
+            pa[mt][kp][3] = PackPair<T>(s[mt][2 * kp + 1][2], s[mt][2 * kp + 1][3]);
+          }
+        }
+
+        // O += P V: each V fragment (16 positions x 16 dims) serves all MT
+        // slices.
+#pragma unroll
+        for (int kp = 0; kp < NT / 2; ++kp) {
+#pragma unroll
+          for (int dt = 0; dt < D / 8; dt += 2) {
+            uint32_t b[4];
+            const int r = sub_row + kp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
+            LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<D>(r, dt + (lane >> 4))));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              Mma16816<T>(o[mt][dt], pa[mt][kp], b[0], b[1]);
+              Mma16816<T>(o[mt][dt + 1], pa[mt][kp], b[2], b[3]);
+            }
+          }
+        }
+      }
+    }
+    // Slot tile % kStages was last read by issue_tile(tile) in an earlier iteration.
+    if (tid < Cfg::kTileKv) page_ids[tile % Cfg::kStages][tid] = next_id;
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  }
+  CpAsyncWait<0>();
+
+  // ---- Normalize and write: to out/lse for an unsplit tile, to the partial
+  // buffers otherwise.
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = row_sum[mt][i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int tile_row = warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
+      const int span_row = item.row_start + tile_row;
+      if (span_row >= span_rows) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse = sum > 0.f
+                            ? (row_max[mt][i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
+                            : -INFINITY;
+      float* dst;
+      float* lse_dst;
+      if (item.partial_row < 0) {
+        const int64_t out_row =
+            (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+        dst = p.out + out_row * D;
+        lse_dst = p.lse ? p.lse + out_row : nullptr;
+      } else {
+        const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
+        dst = p.partial_out + part_row * D;
+        lse_dst = p.partial_lse + part_row;
+      }
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
+            make_float2(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
+      }
+      if (lse_dst && quad_col == 0) *lse_dst = lse;
+    }
+  }
+
+  // Split-KV: the last split of a tile to finish merges all of them (no second
+  // launch).
+  if (item.partial_row >= 0) {
+    __shared__ int is_last_split;
+    const AttentionMergeTask task = p.merge_tasks[item.merge_task];
+    int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
+    __threadfence();  // this split's partials are visible before it is counted
+    __syncthreads();
+    if (tid == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    __syncthreads();
+    if (is_last_split) {
+      __threadfence();
+      MergeSplits<D>(p, task, span, kv_head, group);
+      if (tid == 0) *counter = 0;  // ready for the next launch
+    }
+  }
+}
+
+template <typename T, int D>
+__global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
+                                  PrefillTileConfig<T, D>::kMinBlocks)
+    PagedPrefillTileKernel(const __grid_constant__ PagedAttentionParams params) {
+  PrefillTileBody<T, D>(params);
+}
+
+template <typename T, int D>
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+  using Cfg = PrefillTileConfig<T, D>;
+  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
+  auto kernel = PagedPrefillTileKernel<T, D>;
+  constexpr size_t smem = Cfg::SmemBytes();
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess && (device >= kMaxDevices || !smem_raised[device].load())) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err == cudaSuccess && device < kMaxDevices) smem_raised[device].store(true);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(prefill attention): ") +
+                                   cudaGetErrorString(err));
+  }
+  const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
+  if (blocks > INT32_MAX) {
+    return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
+                                     std::to_string(blocks) + ")");
+  }
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(params);
+  err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("prefill attention launch: ") +
+                                   cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
+#define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \
+  template LaunchStatus LaunchPrefillTiles<T, D>(const PagedAttentionParams&, cudaStream_t);
+
+}  // namespace pagedattn::kernels

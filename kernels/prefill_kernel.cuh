@@ -44,6 +44,13 @@ struct PrefillTileConfig {
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
 };
 
+// 2^x on the SFU alone (ex2.approx.ftz: no range fix-up around it); 2^-inf = 0.
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 template <typename T, int D>
 __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   using Cfg = PrefillTileConfig<T, D>;
@@ -163,10 +170,25 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       !warp_has_rows ? -1 : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
 
-  const T* warp_q = smem_q + warp * Cfg::kWarpRows * D;
+  // ldmatrix addresses: a lane's row and chunk within a 16 x 16 fragment are fixed, and the
+  // swizzle only XORs the low 3 bits of the chunk, so chunk 2j + 8m of the lane's row sits at
+  // off[j % 4] + (j / 4) * 128 bytes: four per-lane offsets per operand layout, the rest are
+  // immediates. A layout (Q, and V read transposed): rows lane%8 + 8*(lane/8%2), chunk +lane/16.
+  // K layout: rows lane%8 + 8*(lane/16), chunk + lane/8%2.
+  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  uint32_t off_a[4], off_k[4];
+  {
+    const int row_a = (lane & 7) + 8 * ((lane >> 3) & 1), xor_a = (lane >> 4) ^ (lane & 7);
+    const int row_k = (lane & 7) + 8 * (lane >> 4), xor_k = ((lane >> 3) & 1) ^ (lane & 7);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      off_a[j] = row_a * kRowBytes + (((2 * j) ^ xor_a) << 4);
+      off_k[j] = row_k * kRowBytes + (((2 * j) ^ xor_k) << 4);
+    }
+  }
+  const uint32_t warp_q_addr = SmemAddr(smem_q) + warp * Cfg::kWarpRows * kRowBytes;
   auto load_q_frag = [&](int mt, int kc, uint32_t(&a)[4]) {
-    const int r = mt * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-    LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
+    LdMatrixX4(a, warp_q_addr + off_a[kc & 3] + mt * 16 * kRowBytes + (kc >> 2) * 128);
   };
   uint32_t q_frag[Cfg::kQInRegisters ? MT : 1][Cfg::kQInRegisters ? KC : 1][4];
 
@@ -190,6 +212,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     for (int sub = 0; sub < Cfg::kTileKv / Cfg::kSubKv; ++sub) {
       const int sub_row = sub * Cfg::kSubKv;  // first row of this step in the stage
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + sub_row;
+      const uint32_t k_addr = SmemAddr(sk) + sub_row * kRowBytes;
+      const uint32_t v_addr = SmemAddr(sv) + sub_row * kRowBytes;
 
       if (pos0 <= warp_max_pos && pos0 < item.kv_end) {  // warp-uniform: skip unseen positions
         // S = Q K^T: each K fragment (16 positions x 16 dims) serves all MT
@@ -215,8 +239,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
 #pragma unroll
           for (int np = 0; np < NT / 2; ++np) {
             uint32_t b[4];
-            const int r = sub_row + np * 16 + (lane & 7) + 8 * (lane >> 4);
-            LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
+            LdMatrixX4(b, k_addr + off_k[kc & 3] + np * 16 * kRowBytes + (kc >> 2) * 128);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               Mma16816<T>(s[mt][2 * np], a[mt], b[0], b[1]);
@@ -241,9 +264,10 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
               }
         }
 
-        // Online softmax, once per tile: new row max, rescale sum and O, P =
-        // 2^(s*scale - max).
+        // Online softmax, once per step: new row max, rescaled sum, P = 2^(s*scale - max).
         uint32_t pa[MT][NT / 2][4];
+        float alpha[MT][2];
+        bool max_moved = false;
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -255,21 +279,17 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
             const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
-            const float alpha = exp2f(row_max[mt][i] * scale_log2 - base);
+            max_moved |= mx != row_max[mt][i];
+            alpha[mt][i] = FastExp2(row_max[mt][i] * scale_log2 - base);
             row_max[mt][i] = mx;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              s[mt][nt][2 * i] = exp2f(fmaf(s[mt][nt][2 * i], scale_log2, -base));
-              s[mt][nt][2 * i + 1] = exp2f(fmaf(s[mt][nt][2 * i + 1], scale_log2, -base));
+              s[mt][nt][2 * i] = FastExp2(fmaf(s[mt][nt][2 * i], scale_log2, -base));
+              s[mt][nt][2 * i + 1] = FastExp2(fmaf(s[mt][nt][2 * i + 1], scale_log2, -base));
               sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
             }
-            row_sum[mt][i] = row_sum[mt][i] * alpha + sum;
-#pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
-              o[mt][dt][2 * i] *= alpha;
-              o[mt][dt][2 * i + 1] *= alpha;
-            }
+            row_sum[mt][i] = row_sum[mt][i] * alpha[mt][i] + sum;
           }
           // P's accumulator layout is the A operand layout of the P.V mma (k =
           // 16 positions).
@@ -282,6 +302,20 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
           }
         }
 
+        // Rescale O only when some row's max moved (alpha != 1): after the first tiles of a
+        // long range the max rarely moves, and this is 4*MT*D/8 multiplies per step.
+        if (__any_sync(0xffffffffu, max_moved)) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int dt = 0; dt < D / 8; ++dt) {
+              o[mt][dt][0] *= alpha[mt][0];
+              o[mt][dt][1] *= alpha[mt][0];
+              o[mt][dt][2] *= alpha[mt][1];
+              o[mt][dt][3] *= alpha[mt][1];
+            }
+        }
+
         // O += P V: each V fragment (16 positions x 16 dims) serves all MT
         // slices.
 #pragma unroll
@@ -289,8 +323,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
 #pragma unroll
           for (int dt = 0; dt < D / 8; dt += 2) {
             uint32_t b[4];
-            const int r = sub_row + kp * 16 + (lane & 7) + 8 * ((lane >> 3) & 1);
-            LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<D>(r, dt + (lane >> 4))));
+            LdMatrixX4Trans(b,
+                            v_addr + off_a[(dt >> 1) & 3] + kp * 16 * kRowBytes + (dt >> 3) * 128);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               Mma16816<T>(o[mt][dt], pa[mt][kp], b[0], b[1]);

@@ -37,8 +37,7 @@ struct PrefillTileConfig {
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
   static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes; }
-  // d256 holds 128 accumulators per thread with 8 warps: one block per SM;
-  // d64/d128: two.
+  // d256 holds 128 accumulators per thread with 8 warps: one block per SM; d64/d128: two.
   static constexpr int kMinBlocks = D == 256 ? 1 : 2;
   static_assert(kWarps * kWarpRows == kRows, "warps cover the tile's rows");
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
@@ -159,8 +158,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
           span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
     }
   }
-  // The warp's visible range: tiles past warp_max_pos are skipped, tiles ending
-  // at or before warp_min_pos (and inside the item) need no mask.
+  // The warp's visible range: steps past warp_max_pos are skipped, steps ending at or before
+  // warp_min_pos (and inside the item) need no mask.
   const int warp_first_row = item.row_start + warp * Cfg::kWarpRows;
   const int warp_last_row = min(warp_first_row + Cfg::kWarpRows - 1, span_rows - 1);
   const bool warp_has_rows = warp_first_row < span_rows;
@@ -216,8 +215,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const uint32_t v_addr = SmemAddr(sv) + sub_row * kRowBytes;
 
       if (pos0 <= warp_max_pos && pos0 < item.kv_end) {  // warp-uniform: skip unseen positions
-        // S = Q K^T: each K fragment (16 positions x 16 dims) serves all MT
-        // slices.
+        // S = Q K^T: each K fragment (16 positions x 16 dims) serves all MT slices.
         float s[MT][NT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt)
@@ -248,8 +246,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
           }
         }
 
-        // Masks only where the tile crosses the item's end or this warp's
-        // causal diagonal.
+        // Masks only where the step crosses the item's end or this warp's causal diagonal.
         const bool needs_mask =
             pos0 + Cfg::kSubKv > item.kv_end || pos0 + Cfg::kSubKv - 1 > warp_min_pos;
         if (needs_mask) {
@@ -291,8 +288,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
             }
             row_sum[mt][i] = row_sum[mt][i] * alpha[mt][i] + sum;
           }
-          // P's accumulator layout is the A operand layout of the P.V mma (k =
-          // 16 positions).
+          // P's accumulator layout is the A operand layout of the P.V mma (k = 16 positions).
 #pragma unroll
           for (int kp = 0; kp < NT / 2; ++kp) {
             pa[mt][kp][0] = PackPair<T>(s[mt][2 * kp][0], s[mt][2 * kp][1]);
@@ -316,8 +312,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
             }
         }
 
-        // O += P V: each V fragment (16 positions x 16 dims) serves all MT
-        // slices.
+        // O += P V: each V fragment (16 positions x 16 dims) serves all MT slices.
 #pragma unroll
         for (int kp = 0; kp < NT / 2; ++kp) {
 #pragma unroll
@@ -340,8 +335,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   }
   CpAsyncWait<0>();
 
-  // ---- Normalize and write: to out/lse for an unsplit tile, to the partial
-  // buffers otherwise.
+  // ---- Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -377,8 +371,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     }
   }
 
-  // Split-KV: the last split of a tile to finish merges all of them (no second
-  // launch).
+  // Split-KV: the last split of a tile to finish merges all of them (no second launch).
   if (item.partial_row >= 0) {
     __shared__ int is_last_split;
     const AttentionMergeTask task = p.merge_tasks[item.merge_task];

@@ -74,6 +74,17 @@ TEST(CpuAttentionTest, Float16CacheWithFloat32Io) {
   ExpectClose(model.Run(*cache, 0, {{1, 0, 100, 100}, {2, 0, 33, 1}}), DType::kFloat32, "f16 cache");
 }
 
+TEST(CpuAttentionTest, OddGqaRatios) {
+  for (const auto& [hq, hkv] : std::vector<std::pair<int, int>>{{28, 4}, {40, 8}, {12, 4}, {6, 1}}) {
+    CacheGeometry g = MakeGeometry(1, hq, hkv, 64, 7, DType::kBFloat16, 64);
+    auto cache = MakeCache(g);
+    ForwardModel model(g, DType::kFloat32, hq);
+    const std::string what = absl::StrCat(hq, "/", hkv);
+    ExpectClose(model.Run(*cache, 0, {{1, 0, 45, 45}, {2, 0, 9, 1}}), DType::kFloat32, what);
+    ExpectClose(model.Run(*cache, 0, {{1, 45, 3, 3}, {2, 9, 1, 1}}), DType::kFloat32, what);
+  }
+}
+
 TEST(CpuAttentionTest, LongSequenceDecode) {
   CacheGeometry g = MakeGeometry(1, 8, 1, 64, 16, DType::kBFloat16, 700);
   auto cache = MakeCache(g);

@@ -387,6 +387,33 @@ TEST_F(CudaKernelTest, PrefillTileEdges) {
   }
 }
 
+// GQA ratios that are not powers of two and head counts of real models (28/4, 40/8, 12/4,
+// 6/1, 24/2, 20/1): tiles whose rows cross query boundaries at odd places, in decode, wide
+// decode, prefill and chunked prefill, with odd page sizes.
+TEST_F(CudaKernelTest, OddGqaRatios) {
+  struct Shape {
+    int kv_heads, gqa, head_dim, page_size;
+  };
+  const Shape shapes[] = {{4, 7, 128, 16}, {8, 5, 128, 3}, {4, 3, 64, 1},
+                          {1, 6, 256, 32}, {2, 12, 128, 7}, {1, 20, 64, 16}};
+  int index = 0;
+  for (const Shape& sh : shapes) {
+    CaseSpec c;
+    c.num_kv_heads = sh.kv_heads;
+    c.gqa = sh.gqa;
+    c.head_dim = sh.head_dim;
+    c.page_size = sh.page_size;
+    c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
+    c.q_dtype = index % 3 == 0 ? DType::kFloat32 : c.cache_dtype;
+    c.causal = index % 4 != 3;
+    c.steps = MixedSteps(900 + 31 * index);
+    c.steps.push_back({{3, 3}, {2, 2}, {130, 130}, {1, 1}, {0, 2}});  // 2-3 query decode, prefill
+    c.seed = 7000 + index;
+    RunCase(*backend_, c);
+    ++index;
+  }
+}
+
 // Two threads running Forward on different layers of one pool at once.
 TEST_F(CudaKernelTest, ConcurrentForwards) {
   std::vector<std::thread> threads;

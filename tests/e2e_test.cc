@@ -3,6 +3,8 @@
 // health, and graceful shutdown.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include <grpcpp/create_channel.h>
 
 #include "client/client.h"
@@ -279,6 +281,87 @@ TEST_F(E2ETest, ConcurrentClientsOnSeveralCaches) {
     EXPECT_EQ(client_->GetCache(id)->stats().forward_calls(), 10);
     EXPECT_TRUE(client_->DeleteCache(id).ok());
   }
+}
+
+// Random, mostly malformed Forwards: whatever the answer, the server stays up, and a refused
+// request leaves the cache's pages and sequences exactly as they were.
+TEST_F(E2ETest, RandomRequestsNeverCrashOrLeak) {
+  const std::string id = client_->CreateCache(SmallConfig())->cache_id();
+  std::mt19937 rng(20261129);
+  auto pick = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+  int accepted = 0;
+  std::map<std::pair<int, int>, int64_t> len;  // (layer, seq) -> tokens, from accepted Forwards
+  for (int iter = 0; iter < 300; ++iter) {
+    // Half the requests are built valid from what the cache holds; the rest are random.
+    const bool valid = pick(0, 1) == 0;
+    v1::ForwardRequest r;
+    r.set_cache_id(id);
+    r.set_layer(valid ? pick(0, 1) : pick(-1, 2));
+    int64_t total_q = 0, total_new = 0;
+    const int num_spans = valid ? pick(1, 2) : pick(0, 3);
+    const int first_seq = pick(0, 3);
+    for (int i = 0; i < num_spans; ++i) {
+      v1::Span* sp = r.add_spans();
+      if (valid) {
+        const int seq = (first_seq + i) % 4;
+        const int64_t have = len[{r.layer(), seq}];
+        sp->set_seq_id(static_cast<uint64_t>(seq));
+        sp->set_start(pick(0, static_cast<int>(have)));
+        sp->set_num_new_tokens(pick(1, 4));
+        sp->set_num_queries(pick(0, static_cast<int>(sp->start()) + sp->num_new_tokens()));
+      } else {
+        sp->set_seq_id(static_cast<uint64_t>(pick(0, 3)));
+        sp->set_start(pick(-2, 12));
+        sp->set_num_new_tokens(pick(-1, 9));
+        sp->set_num_queries(pick(-1, 9));
+      }
+      total_q += std::max(0, sp->num_queries());
+      total_new += std::max(0, sp->num_new_tokens());
+    }
+    auto tensor = [&](int64_t rows, int heads) {
+      // Usually well-formed; sometimes a wrong dtype, dim or byte count.
+      const int fault = valid ? 9 : pick(0, 9);
+      const v1::DType dtype = fault == 0 ? static_cast<v1::DType>(pick(0, 6)) : v1::BFLOAT16;
+      std::vector<int64_t> shape = {rows, heads, 64};
+      if (fault == 1) shape[pick(0, 2)] += pick(-3, 3);
+      if (fault == 2) shape.push_back(1);
+      v1::Tensor t = MakeTensor(v1::BFLOAT16, {rows, heads, 64},
+                                std::vector<float>(rows * heads * 64, 0.25f * pick(-4, 4)));
+      t.set_dtype(dtype);
+      t.clear_shape();
+      for (int64_t d : shape) t.add_shape(d);
+      if (fault == 3 && !t.data().empty()) t.mutable_data()->resize(t.data().size() - pick(1, 3));
+      return t;
+    };
+    if (valid || pick(0, 9) > 0) *r.mutable_q() = tensor(total_q, 4);
+    if (total_new > 0 || pick(0, 3) == 0) {
+      *r.mutable_k() = tensor(total_new, 2);
+      *r.mutable_v() = tensor(total_new, 2);
+    }
+    if (!valid && pick(0, 4) == 0) r.mutable_options()->set_sm_scale(pick(-1, 1) * 0.5f);
+    const v1::CacheStats before = client_->GetCache(id)->stats();
+    absl::StatusOr<v1::ForwardResponse> resp = client_->Forward(r);
+    const v1::CacheStats after = client_->GetCache(id)->stats();
+    if (resp.ok()) {
+      ++accepted;
+      for (const v1::Span& sp : r.spans()) {
+        if (sp.num_new_tokens() > 0) len[{r.layer(), static_cast<int>(sp.seq_id())}] = sp.start() + sp.num_new_tokens();
+      }
+      for (float x : *TensorToFloats(resp->out())) ASSERT_FALSE(std::isnan(x)) << r.DebugString();
+    } else {
+      ASSERT_NE(resp.status().code(), absl::StatusCode::kInternal) << resp.status();
+      ASSERT_NE(resp.status().code(), absl::StatusCode::kUnavailable) << resp.status();
+      EXPECT_EQ(after.used_pages(), before.used_pages()) << resp.status();
+      EXPECT_EQ(after.live_sequences(), before.live_sequences()) << resp.status();
+    }
+    if (after.used_pages() > 6) {
+      ASSERT_TRUE(client_->ReleaseSequences(id, {0, 1, 2, 3}).ok());
+      len.clear();
+    }
+  }
+  EXPECT_GT(accepted, 50);  // the valid half mostly goes through
+  EXPECT_TRUE(*client_->CheckHealth());
+  ASSERT_TRUE(client_->DeleteCache(id).ok());
 }
 
 TEST(E2EShutdownTest, ShutdownRefusesNewRpcs) {

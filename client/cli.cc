@@ -45,7 +45,7 @@ namespace {
 using pagedattn::v1::CacheConfig;
 
 constexpr char kUsage[] =
-    "pagedattn-cli: command-line client of a pagedattn server.\n\n"
+    "command-line client of a pagedattn server.\n\n"
     "usage: pagedattn-cli [flags] <command> [args]\n\n"
     "commands:\n"
     "  info                     server version, backend, device and capability table\n"

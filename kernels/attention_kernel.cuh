@@ -187,6 +187,58 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
   }
 }
 
+// Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
+// 8-wide n tile, o_half selecting the row's pair): to out/lse for an unsplit tile, to the
+// partial buffers of its split otherwise. Shared by the decode and prefill tile kernels.
+template <int D>
+__device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
+                                             const AttentionWorkItem& item,
+                                             const AttentionSpan& span, int kv_head, int group,
+                                             int tile_row, int span_row, int quad_col,
+                                             const float (&o)[D / 8][4], int o_half, float inv,
+                                             float lse) {
+  float* dst;
+  float* lse_dst;
+  if (item.partial_row < 0) {
+    const int64_t out_row =
+        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+    dst = p.out + out_row * D;
+    lse_dst = p.lse ? p.lse + out_row : nullptr;
+  } else {
+    const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
+    dst = p.partial_out + part_row * D;
+    lse_dst = p.partial_lse + part_row;
+  }
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) {
+    *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
+        make_float2(o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+  }
+  if (lse_dst && quad_col == 0) *lse_dst = lse;
+}
+
+// Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
+// by every thread of the block after its partials are written.
+template <int D>
+__device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
+                                                 const AttentionWorkItem& item,
+                                                 const AttentionSpan& span, int kv_head,
+                                                 int group) {
+  if (item.partial_row < 0) return;
+  __shared__ int is_last_split;
+  const AttentionMergeTask task = p.merge_tasks[item.merge_task];
+  int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
+  __threadfence();  // this split's partials are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+  __syncthreads();
+  if (is_last_split) {
+    __threadfence();
+    MergeSplits<D>(p, task, span, kv_head, group);
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+  }
+}
+
 // ---- Device body --------------------------------------------------------------------------
 
 template <typename T, int D, int MW, int KW, int STAGES>
@@ -457,41 +509,10 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
     const float lse =
         row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * 0.6931471805599453f : -INFINITY;
-    float* dst;
-    float* lse_dst;
-    if (item.partial_row < 0) {
-      const int64_t out_row =
-          (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
-      dst = p.out + out_row * D;
-      lse_dst = p.lse ? p.lse + out_row : nullptr;
-    } else {
-      const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
-      dst = p.partial_out + part_row * D;
-      lse_dst = p.partial_lse + part_row;
-    }
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
-          make_float2(o[dt][2 * i] * inv, o[dt][2 * i + 1] * inv);
-    }
-    if (lse_dst && quad_col == 0) *lse_dst = lse;
+    WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
   }
 
-  // Split-KV: the last split of a tile to finish merges all of them (no second launch).
-  if (item.partial_row >= 0) {
-    __shared__ int is_last_split;
-    const AttentionMergeTask task = p.merge_tasks[item.merge_task];
-    int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
-    __threadfence();  // this split's partials are visible before it is counted
-    __syncthreads();
-    if (tid == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-    __syncthreads();
-    if (is_last_split) {
-      __threadfence();
-      MergeSplits<D>(p, task, span, kv_head, group);
-      if (tid == 0) *counter = 0;  // ready for the next launch
-    }
-  }
+  MergeIfLastSplit<D>(p, item, span, kv_head, group);
 }
 
 // ---- Kernel and launcher ------------------------------------------------------------------

@@ -350,42 +350,12 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const float lse = sum > 0.f
                             ? (row_max[mt][i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
                             : -INFINITY;
-      float* dst;
-      float* lse_dst;
-      if (item.partial_row < 0) {
-        const int64_t out_row =
-            (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
-        dst = p.out + out_row * D;
-        lse_dst = p.lse ? p.lse + out_row : nullptr;
-      } else {
-        const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
-        dst = p.partial_out + part_row * D;
-        lse_dst = p.partial_lse + part_row;
-      }
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
-            make_float2(o[mt][dt][2 * i] * inv, o[mt][dt][2 * i + 1] * inv);
-      }
-      if (lse_dst && quad_col == 0) *lse_dst = lse;
+      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i, inv,
+                      lse);
     }
   }
 
-  // Split-KV: the last split of a tile to finish merges all of them (no second launch).
-  if (item.partial_row >= 0) {
-    __shared__ int is_last_split;
-    const AttentionMergeTask task = p.merge_tasks[item.merge_task];
-    int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
-    __threadfence();  // this split's partials are visible before it is counted
-    __syncthreads();
-    if (tid == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-    __syncthreads();
-    if (is_last_split) {
-      __threadfence();
-      MergeSplits<D>(p, task, span, kv_head, group);
-      if (tid == 0) *counter = 0;  // ready for the next launch
-    }
-  }
+  MergeIfLastSplit<D>(p, item, span, kv_head, group);
 }
 
 template <typename T, int D>

@@ -536,6 +536,25 @@ __global__ void __launch_bounds__(128)
   AttentionTileBody<T, D, MW, KW, STAGES>(params, TileItems<MW>(params));
 }
 
+// Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a
+// per-device attribute; `raised` is the kernel's own flags). `what` names it in errors.
+template <typename Kernel>
+LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem,
+                                std::atomic<bool> (&raised)[kMaxDevices], const char* what) {
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess && (device >= kMaxDevices || !raised[device].load())) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err == cudaSuccess && device < kMaxDevices) raised[device].store(true);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(") + what +
+                                   "): " + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
 template <typename T, int D, int MW, int KW, int STAGES>
 LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
@@ -543,27 +562,14 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   if (num_items == 0) return LaunchStatus::Ok();
   auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES>;
   constexpr size_t smem = Cfg::SmemBytes();
-  // The shared-memory limit is a per-device attribute: raise it once per device.
   static std::atomic<bool> smem_raised[kMaxDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess && (device >= kMaxDevices || !smem_raised[device].load())) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err == cudaSuccess && device < kMaxDevices) smem_raised[device].store(true);
-  }
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(paged attention): ") +
-                                   cudaGetErrorString(err));
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
+      !st.ok()) {
+    return st;
   }
   const dim3 grid(num_items, params.num_kv_heads);
   kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("paged attention launch: ") +
-                                   cudaGetErrorString(err));
-  }
-  return LaunchStatus::Ok();
+  return LastLaunchStatus("paged attention");
 }
 
 template <typename T, int D, int MW, int KW>

@@ -2,6 +2,8 @@
 // backend maps a failed LaunchStatus to an absl::Status (unsupported -> INVALID_ARGUMENT).
 #pragma once
 
+#include <cuda_runtime_api.h>
+
 #include <string>
 #include <utility>
 
@@ -29,5 +31,14 @@ class LaunchStatus {
   Code code_ = Code::kOk;
   std::string message_;
 };
+
+// The status of the launch just made (cudaGetLastError), naming the kernel.
+inline LaunchStatus LastLaunchStatus(const char* what) {
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string(what) + " launch: " + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
 
 }  // namespace pagedattn::kernels

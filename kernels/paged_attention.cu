@@ -14,14 +14,6 @@
 namespace pagedattn::kernels {
 namespace {
 
-LaunchStatus CheckLaunch(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string(what) + " launch: " + cudaGetErrorString(err));
-  }
-  return LaunchStatus::Ok();
-}
-
 __device__ __forceinline__ float ToFloat(float x) { return x; }
 __device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
 __device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
@@ -109,7 +101,7 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
       const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
       const dim3 grid(GridFor(work, kThreads), 2);
       AppendKvKernel<Src, Dst><<<grid, kThreads, 0, stream>>>(params);
-      return CheckLaunch("append K/V");
+      return LastLaunchStatus("append K/V");
     });
   });
 }
@@ -167,7 +159,7 @@ LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType ds
       constexpr int kThreads = 256;
       ConvertKernel<Src, Dst><<<GridFor(n, kThreads), kThreads, 0, stream>>>(
           static_cast<const Src*>(src), static_cast<Dst*>(dst), n);
-      return CheckLaunch("convert");
+      return LastLaunchStatus("convert");
     });
   });
 }

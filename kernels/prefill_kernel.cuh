@@ -372,16 +372,9 @@ LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t
   auto kernel = PagedPrefillTileKernel<T, D>;
   constexpr size_t smem = Cfg::SmemBytes();
   static std::atomic<bool> smem_raised[kMaxDevices];
-  int device = 0;
-  cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess && (device >= kMaxDevices || !smem_raised[device].load())) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                               static_cast<int>(smem));
-    if (err == cudaSuccess && device < kMaxDevices) smem_raised[device].store(true);
-  }
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(prefill attention): ") +
-                                   cudaGetErrorString(err));
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "prefill attention");
+      !st.ok()) {
+    return st;
   }
   const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
   if (blocks > INT32_MAX) {
@@ -389,12 +382,7 @@ LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t
                                      std::to_string(blocks) + ")");
   }
   kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(params);
-  err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("prefill attention launch: ") +
-                                   cudaGetErrorString(err));
-  }
-  return LaunchStatus::Ok();
+  return LastLaunchStatus("prefill attention");
 }
 
 #define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \

@@ -2,6 +2,7 @@
 // caches). One file per head_dim so the heavy instantiations compile in parallel.
 #include "kernels/attention_kernel.cuh"
 #include "kernels/prefill_kernel.cuh"
+#include "kernels/prefill_wgmma.cuh"
 
 namespace pagedattn::kernels {
 
@@ -9,5 +10,7 @@ PAGEDATTN_INSTANTIATE_ATTENTION(__half, 256)
 PAGEDATTN_INSTANTIATE_ATTENTION(__nv_bfloat16, 256)
 PAGEDATTN_INSTANTIATE_PREFILL(__half, 256)
 PAGEDATTN_INSTANTIATE_PREFILL(__nv_bfloat16, 256)
+PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(__half, 256)
+PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(__nv_bfloat16, 256)
 
 }  // namespace pagedattn::kernels

@@ -112,9 +112,17 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
-// The prefill tile kernel (kernels/prefill_kernel.cuh), instantiated beside them.
+// The prefill tile kernels, instantiated beside them: the portable one on mma.sync
+// (kernels/prefill_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
+// (kernels/prefill_wgmma.cuh, sm_90a builds on 9.0 devices).
 template <typename T, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
+template <typename T, int D>
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream);
+
+// Whether this build carries sm_90a code and the current device is compute capability 9.0
+// (kernels/paged_attention.cu; answered once per device).
+bool HopperPrefillAvailable();
 
 // Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
 inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
@@ -134,6 +142,9 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       }
       if (shape == TileShape::kDecodeWide) {
         return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream);
+      }
+      if (params.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable()) {
+        return LaunchPrefillTilesWgmma<T, D>(params, stream);
       }
       return LaunchPrefillTiles<T, D>(params, stream);
     });

@@ -4,8 +4,10 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "kernels/dispatch.h"
@@ -120,6 +122,28 @@ LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blo
   }
   *target_blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
   return LaunchStatus::Ok();
+}
+
+bool HopperPrefillAvailable() {
+#ifdef PAGEDATTN_HAVE_SM90A
+  constexpr int kMaxDevices = 64;
+  static std::atomic<int8_t> cached[kMaxDevices];  // 0 unknown, 1 yes, -1 no
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (device < kMaxDevices && cached[device].load() != 0) return cached[device].load() > 0;
+  // PAGEDATTN_PREFILL_KERNEL=portable: the mma.sync prefill kernel everywhere (an escape hatch
+  // for operators, and how the tests run the portable kernel on a Hopper GPU).
+  const char* forced = std::getenv("PAGEDATTN_PREFILL_KERNEL");
+  int major = 0, minor = 0;
+  const bool yes = !(forced != nullptr && std::string(forced) == "portable") &&
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
+      major == 9 && minor == 0;
+  if (device < kMaxDevices) cached[device].store(yes ? 1 : -1);
+  return yes;
+#else
+  return false;
+#endif
 }
 
 LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream) {

@@ -118,6 +118,11 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
 // target_blocks to plan for.
 LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks);
 
+// Which prefill tile kernel runs: kAuto picks the Hopper (wgmma) kernel where the build and
+// the device have it, the portable (mma.sync) one elsewhere; kPortable forces the portable one
+// (tests and benchmarks compare the two on the same GPU).
+enum class PrefillPath : int32_t { kAuto = 0, kPortable = 1 };
+
 struct PagedAttentionParams {
   DType kv_dtype = DType::kUnspecified;
   int32_t num_q_heads = 0;
@@ -127,6 +132,7 @@ struct PagedAttentionParams {
   FastDivmod page_div;  // Set by LaunchPagedAttention from page_size.
   bool causal = true;
   float sm_scale = 0.f;
+  PrefillPath prefill_path = PrefillPath::kAuto;
 
   const void* k_cache =
       nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]

@@ -10,6 +10,11 @@
 //                   [--q-heads 32]
 //                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
+//                   [--prefill-path auto|portable] [--no-read-roofline]
+//
+//   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
+//   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
+//   Prefill rows name the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -27,6 +32,7 @@
 #include <vector>
 
 #include "kernels/attention_kernel.cuh"
+#include "kernels/dispatch.h"
 #include "kernels/paged_attention.h"
 #include "tests/reference.h"
 
@@ -59,6 +65,8 @@ struct Config {
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
+  PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
+  bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
   std::string json;
 };
 
@@ -81,6 +89,31 @@ __global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
       data[i] = __float2half_rn(f);
     }
   }
+}
+
+// The roofline of a decode row: read n 16-byte words once (what the kernel must read, but
+// contiguous and with nothing else to do). The sum goes out only if it is an impossible value,
+// so the reads cannot be optimized away.
+__global__ void __launch_bounds__(512) StreamRead(const uint4* a, const uint4* b, int64_t n,
+                                                  unsigned* sink) {
+  unsigned acc = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 x[4], y[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      x[u] = __ldcs(a + i + u * stride);
+      y[u] = __ldcs(b + i + u * stride);
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w ^ y[u].x ^ y[u].w;
+  }
+  for (; i < n; i += stride) {
+    const uint4 x = __ldcs(a + i), y = __ldcs(b + i);
+    acc ^= x.x ^ x.w ^ y.x ^ y.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
 }
 
 float HostToFloat(DType t, uint16_t bits) {
@@ -190,6 +223,15 @@ Config ParseFlags(int argc, char** argv) {
       c.stages = std::atoi(next().c_str());
     else if (a == "--rotate")
       c.rotate = std::atoi(next().c_str());
+    else if (a == "--prefill-path") {
+      const std::string v = next();
+      if (v != "auto" && v != "portable") {
+        std::fprintf(stderr, "--prefill-path must be auto or portable (got %s)\n", v.c_str());
+        std::exit(2);
+      }
+      c.prefill_path = v == "portable" ? PrefillPath::kPortable : PrefillPath::kAuto;
+    } else if (a == "--no-read-roofline")
+      c.read_roofline = false;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
                    a.c_str());
@@ -298,6 +340,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   };
   PagedAttentionParams p;
   p.kv_dtype = cfg.dtype;
+  p.prefill_path = cfg.prefill_path;
   p.num_q_heads = Hq;
   p.num_kv_heads = Hkv;
   p.head_dim = D;
@@ -427,6 +470,37 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   BENCH_CHECK_CUDA(cudaEventElapsedTime(&b2b_ms, start, stop));
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
+
+  // Decode: the same K and V bytes read by StreamRead, timed the same way; the best of a few
+  // grid sizes (blocks of 512 threads per SM), so the row carries the shape's own roofline.
+  double read_t = 0;
+  int read_blocks_per_sm = 0;
+  if (!cfg.prefill && cfg.read_roofline) {
+    unsigned* sink = nullptr;
+    BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
+    const int64_t words = pool_bytes / 16;
+    for (int per_sm : {1, 2, 4}) {
+      std::vector<float> rt;
+      for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
+        BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
+        StreamRead<<<prop.multiProcessorCount * per_sm, 512, 0, stream>>>(
+            static_cast<const uint4*>(k_pools[it % copies]),
+            static_cast<const uint4*>(v_pools[it % copies]), words, sink);
+        BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+        BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+        float ms = 0;
+        BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        if (it >= cfg.warmup) rt.push_back(ms);
+      }
+      std::sort(rt.begin(), rt.end());
+      const double med = rt[rt.size() / 2] * 1e-3;
+      if (read_t == 0 || med < read_t) {
+        read_t = med;
+        read_blocks_per_sm = per_sm;
+      }
+    }
+    cudaFree(sink);
+  }
   int64_t positions = 0;
   for (int c : ctx) positions += c;
   const double kv_bytes = 2.0 * positions * Hkv * D * esize;
@@ -442,9 +516,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                   "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
                   "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
                   "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
-                  "\"blocks\": %zu}",
+                  "\"blocks\": %zu, \"kernel\": \"%s\"}",
                   B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
-                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, worst_err, blocks);
+                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, worst_err, blocks,
+                  cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma"
+                                                                                     : "mma.sync");
   } else {
     const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
     std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
@@ -454,11 +530,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
         "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
         "\"kv_chunk\": %d, "
-        "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d}",
+        "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
+        "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d}",
         B, ctx_field.c_str(), Hq, Hkv, D, ps,
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
         b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk, blocks, copies,
-        static_cast<long long>(positions), cfg.stages);
+        static_cast<long long>(positions), cfg.stages, read_t * 1e6,
+        read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm);
   }
 
   for (int r = 0; r < copies; ++r) {

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# One GPU-machine call for docs/PERFORMANCE.md: the layout, kernel (both prefill kernels),
+# end-to-end and parity tests, then pagedattn-bench (prefill on the Hopper and the portable
+# kernel, page sizes, decode with its read roofline) and peers.py, so every ratio compares
+# numbers taken on the same card in the same call.
+#
+#   here:   scripts/build.sh build && ../shared/device/stage.sh .stage build/tests/kernel_tests \
+#             build/tests/wgmma_layout_test build/tests/e2e_tests build/tests/backend_parity_test \
+#             build/server/pagedattn-server build/client/pagedattn-cli build/kernels/bench/pagedattn-bench
+#   there:  bash kernels/bench/run_h200_suite.sh .stage $OUT        (carry [".stage"])
+#   here:   python3 kernels/bench/compare.py OUT/decode.json OUT/peers.json
+#
+# SKIP_TESTS=1 leaves the tests out; PEERS=0 leaves peers.py out.
+set -uo pipefail
+stage=$1
+out=$2
+b=$stage/bin
+source "$stage/env.sh"
+export PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  {
+    timeout 60 "$b/wgmma_layout_test"; echo "wgmma_layout_test rc=$?"
+    timeout 240 "$b/kernel_tests"; echo "kernel_tests rc=$?"
+    PAGEDATTN_PREFILL_KERNEL=portable timeout 120 "$b/kernel_tests" --gtest_filter='*Prefill*:*Mixed*:*Odd*'
+    echo "kernel_tests(portable prefill) rc=$?"
+    [ -x "$b/e2e_tests" ] && { PAGEDATTN_E2E_BACKEND=cuda timeout 200 "$b/e2e_tests"; echo "e2e_tests(cuda) rc=$?"; }
+    [ -x "$b/backend_parity_test" ] && { timeout 100 "$b/backend_parity_test"; echo "backend_parity_test rc=$?"; }
+  } > "$out/tests.log" 2>&1
+  grep -E "rc=|^\[  (FAILED|PASSED)|Failure|is .*want" "$out/tests.log" | head -40
+fi
+
+run() { local name=$1; shift; timeout 120 "$b/pagedattn-bench" "$@" --json "$out/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
+run prefill --suite prefill
+run prefill_portable --suite prefill --prefill-path portable
+run prefill_p128 --suite prefill --page-size 128
+run prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
+run prefill_d64 --suite prefill --head-dim 64 --cases "2,8192" --reps 10
+run prefill_d256 --suite prefill --head-dim 256 --cases "2,8192" --reps 10
+run prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 10
+run decode
+cat "$out"/prefill*.json | grep -o '"batch[^}]*' | sed 's/"q_heads.*"time_us"/ .. "time_us"/'
+grep -o '"batch[^,]*, "ctx[^,]*\|"tbps[^,]*\|"read_tbps[^,]*' "$out/decode.json" | paste - - - 
+if [ "${PEERS:-1}" != 0 ]; then
+  timeout 300 python3 "$stage/peers.py" --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
+  grep -o '"suite[^,]*, "batch[^,]*, "[a-z]*": [0-9]*\|"peer[^,]*\|"tflops[^,]*\|"tbps[^,]*\|"read_tbps[^,]*' "$out/peers.json" | paste -s -d' ' | sed 's/"suite/\n"suite/g'
+fi

@@ -1,0 +1,440 @@
+// The Hopper prefill tile kernel: the prefill tile of kernels/prefill_kernel.cuh with its two
+// matrix products on warpgroup MMA (wgmma, sm_90a). Included only by the per-head-dim .cu files.
+//
+// A block takes one prefill work item (kPrefillTileRows = 128 query rows of one kv head) with
+// two warpgroups of 64 rows each. K/V tiles of 64 positions are gathered through the page table
+// with 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in the
+// 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a [rows][D] tile is
+// its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8).
+// Per tile and warpgroup:
+//   S = Q.K^T:  wgmma m64n64k16, A = Q and B = K from shared memory (both K-major), D/16 steps;
+//   online softmax in registers (exp2, scale folded into an FMA), masks only where needed;
+//   O += P.V:   wgmma m64n64k16, A = P from registers (the S accumulator layout re-packed),
+//               B = V from shared memory (MN-major: the transpose bit), D/64 column slices.
+// Accumulators stay in the mma.sync fragment layout, so the output and split-KV code is shared
+// with the portable kernels (WriteTileRow, MergeIfLastSplit).
+//
+// Device code exists only when compiled for sm_90a (__CUDA_ARCH_FEAT_SM90_ALL); the host picks
+// this kernel only when the build has sm_90a (PAGEDATTN_HAVE_SM90A) and the device is 9.0.
+#pragma once
+
+#include "kernels/prefill_kernel.cuh"
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PAGEDATTN_WGMMA_DEVICE 1
+#else
+#define PAGEDATTN_WGMMA_DEVICE 0
+#endif
+
+namespace pagedattn::kernels {
+
+template <typename T, int D>
+struct WgmmaPrefillConfig {
+  static constexpr int kRows = kPrefillTileRows;  // query rows per block
+  static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
+  static constexpr int kGroups = kRows / kGroupRows;
+  static constexpr int kThreads = kGroups * 128;
+  static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage (the S tile's N)
+  static constexpr int kSlices = D / 64;       // 64-column slices (128-byte swizzle blocks)
+  static constexpr int kStages = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
+  static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
+  static constexpr int kTileElems = kTileKv * D;
+  static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
+  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
+  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  // The swizzle pattern repeats every 1024 bytes and wgmma assumes blocks aligned to it; the
+  // dynamic shared memory base is aligned at run time, hence the slack.
+  static constexpr size_t kAlign = 1024;
+  static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes + kAlign; }
+  static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
+  static_assert(kTileElems * sizeof(T) % kAlign == 0, "tiles keep the 1024-byte alignment");
+  static_assert(SmemBytes() <= 227 * 1024, "fits one SM's shared memory");
+};
+
+// Element offset of (row, 16-byte chunk) in a [R][D] tile in the 128-byte-swizzle layout.
+template <int R>
+__device__ __forceinline__ int Sw128Offset(int row, int chunk) {
+  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+#if PAGEDATTN_WGMMA_DEVICE
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, and 1024 bytes between
+// consecutive groups of 8 rows (the stride field; the leading field is set to the same value,
+// which is what it means wherever an operand spans more than one 8-row group along K of an
+// MN-major tile, and unused otherwise since every operand here is one 64-column slice wide).
+__device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr) {
+  return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{1024 >> 4} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
+// issue or wait (the asm statements above do not name the registers the hardware writes).
+__device__ __forceinline__ void FenceRegs(float (&d)[8][4]) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+__device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
+}
+
+__device__ __forceinline__ void ProxyFenceShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#define PAGEDATTN_WGMMA_D32                                                                      \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define PAGEDATTN_WGMMA_D32_OPERANDS(d)                                                        \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),    \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+      "+f"(d[7][2]), "+f"(d[7][3])
+
+template <typename T>
+struct WgmmaTypeName;
+template <>
+struct WgmmaTypeName<__nv_bfloat16> {
+  static constexpr bool kBf16 = true;
+};
+template <>
+struct WgmmaTypeName<__half> {
+  static constexpr bool kBf16 = false;
+};
+
+// d (64 x 64, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  if constexpr (WgmmaTypeName<T>::kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D32
+        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PAGEDATTN_WGMMA_D32
+        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+
+// d (64 x 64, f32) += A (64 x 16, registers: the mma.sync A fragment of this warp's 16 rows) *
+// B (16 x 64, shared, MN-major).
+template <typename T>
+__device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4],
+                                        uint64_t desc_b) {
+  if constexpr (WgmmaTypeName<T>::kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D32
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PAGEDATTN_WGMMA_D32
+        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
+        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+}
+
+#undef PAGEDATTN_WGMMA_D32
+#undef PAGEDATTN_WGMMA_D32_OPERANDS
+
+template <typename T, int D>
+__device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  constexpr int kSlices = Cfg::kSlices;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t smem_base =
+      (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
+  unsigned char* smem_aligned = smem_raw + (smem_base - SmemAddr(smem_raw));
+  T* smem_kv = reinterpret_cast<T*>(smem_aligned);
+  T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
+  const uint32_t kv_base = smem_base;
+  const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
+
+  // Items are sorted longest first; the kv heads of one item run side by side.
+  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const AttentionWorkItem item = p.prefill_items[blockIdx.x / p.num_kv_heads];
+  const AttentionSpan span = item.span_info;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int span_rows = span.num_queries * group;
+  const int first_q_pos = span.kv_len - span.num_queries;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+
+  // ---- K/V pipeline (as in the portable prefill tile; the stores use the swizzle-128 layout).
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int32_t* pages = p.page_table + span.page_table_offset;
+  __shared__ int32_t page_ids[Cfg::kStages][Cfg::kTileKv];
+  auto load_page_id = [&](int tile) {
+    const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
+    return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
+               ? pages[p.page_div.Div(pos)]
+               : 0;
+  };
+  auto issue_tile = [&](int tile) {
+    const int stage = tile % Cfg::kStages;
+    T* sk = smem_kv + stage * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileElems;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+      const int64_t offset =
+          ((int64_t{page_ids[stage][row]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
+          copy_chunk * 8;
+      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
+      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+    }
+  };
+  {
+    int32_t first_ids[Cfg::kStages];
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages; ++s) first_ids[s] = load_page_id(s);
+    if (tid < Cfg::kTileKv) {
+#pragma unroll
+      for (int s = 0; s < Cfg::kStages; ++s) page_ids[s][tid] = first_ids[s];
+    }
+    __syncthreads();
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      if (s < num_tiles) issue_tile(s);
+      CpAsyncCommit();
+    }
+  }
+
+  // ---- Q tile -> shared memory as T, swizzle-128 layout. Rows past the span are zero.
+  for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
+    const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
+    const int span_row = item.row_start + r;
+    uint4 packed = make_uint4(0, 0, 0, 0);
+    if (span_row < span_rows) {
+      const int query = span_row / group, head = kv_head * group + span_row % group;
+      const float4* src = reinterpret_cast<const float4*>(
+          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
+      const float4 lo = src[0], hi = src[1];
+      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
+                          PackPair<T>(hi.z, hi.w));
+    }
+    *reinterpret_cast<uint4*>(smem_q + Sw128Offset<Cfg::kRows>(r, chunk)) = packed;
+  }
+
+  // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
+  // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
+  float o[D / 8][4];
+#pragma unroll
+  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  int q_pos[2];
+  const int warp_first_row = item.row_start + wg * Cfg::kGroupRows + wg_warp * 16;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int span_row = warp_first_row + quad_row + 8 * i;
+    q_pos[i] =
+        span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
+  }
+  // A warpgroup's wgmma's are collective: the skip decision uses the warpgroup's rows (uniform
+  // over its four warps); the mask decision is per warp.
+  const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
+  const int wg_last_row = min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1);
+  const int wg_max_pos = wg_first_row >= span_rows
+                             ? -1
+                             : (p.causal ? first_q_pos + wg_last_row / group : INT32_MAX - 1);
+  const int warp_min_pos = warp_first_row >= span_rows
+                               ? -1
+                               : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+
+  constexpr uint32_t kRowBytes = 128;  // one row of a 64-column slice
+  const uint32_t q_wg_base = q_base + wg * Cfg::kGroupRows * kRowBytes;
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1);
+    CpAsyncCommit();
+    const int32_t next_id = load_page_id(tile + Cfg::kStages);
+    CpAsyncWait<Cfg::kStages - 1>();
+    ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma (async proxy)
+    __syncthreads();
+    const uint32_t k_base = kv_base + (tile % Cfg::kStages) * Cfg::kStageElems * sizeof(T);
+    const uint32_t v_base = k_base + Cfg::kTileElems * sizeof(T);
+    const int pos0 = item.kv_start + tile * Cfg::kTileKv;
+
+    if (pos0 <= wg_max_pos) {  // warpgroup-uniform: skip tiles none of its rows can see
+      // S = Q K^T over 64 positions, D/16 k steps of 16 dims.
+      float s[8][4];
+      WgmmaFence();
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk) {
+        const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
+        WgmmaSS<T>(s,
+                   Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
+                   Sw128Desc(k_base + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegs(s);
+
+      // Masks only where the tile crosses the item's end or this warp's causal diagonal.
+      if (pos0 + Cfg::kTileKv > item.kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+            if (pos >= item.kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
+          }
+      }
+
+      // Online softmax: new row max, rescaled sum, P = 2^(s*scale - max).
+      float alpha[2];
+      bool max_moved = false;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float mx = row_max[i];
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+        max_moved |= mx != row_max[i];
+        alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
+        row_max[i] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 8; ++nt) {
+          s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+          s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
+          sum += s[nt][2 * i] + s[nt][2 * i + 1];
+        }
+        row_sum[i] = row_sum[i] * alpha[i] + sum;
+      }
+      uint32_t pa[4][4];  // P as the A operand: k step kp covers positions 16kp..16kp+15
+#pragma unroll
+      for (int kp = 0; kp < 4; ++kp) {
+        pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
+        pa[kp][1] = PackPair<T>(s[2 * kp][2], s[2 * kp][3]);
+        pa[kp][2] = PackPair<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
+        pa[kp][3] = PackPair<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+      }
+      if (__any_sync(0xffffffffu, max_moved)) {
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          o[dt][0] *= alpha[0];
+          o[dt][1] *= alpha[0];
+          o[dt][2] *= alpha[1];
+          o[dt][3] *= alpha[1];
+        }
+      }
+
+      // O += P V: per 16-position k step, one wgmma per 64-column slice of V.
+#pragma unroll
+      for (int kp = 0; kp < 4; ++kp) FenceRegs(pa[kp]);
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
+      WgmmaFence();
+#pragma unroll
+      for (int kp = 0; kp < 4; ++kp) {
+#pragma unroll
+        for (int sl = 0; sl < kSlices; ++sl) {
+          WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
+                     Sw128Desc(v_base + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+        }
+      }
+      WgmmaCommit();
+      WgmmaWait<0>();
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
+    }
+    if (tid < Cfg::kTileKv) page_ids[tile % Cfg::kStages][tid] = next_id;
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  }
+  CpAsyncWait<0>();
+
+  // ---- Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    float sum = row_sum[i];
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    const int tile_row = wg * Cfg::kGroupRows + wg_warp * 16 + quad_row + 8 * i;
+    const int span_row = item.row_start + tile_row;
+    if (span_row >= span_rows) continue;
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse =
+        sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
+  }
+
+  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+}
+
+#endif  // PAGEDATTN_WGMMA_DEVICE
+
+template <typename T, int D>
+__global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
+    PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
+#if PAGEDATTN_WGMMA_DEVICE
+  WgmmaPrefillBody<T, D>(params);
+#else
+  __trap();  // never launched: the host picks this kernel only for sm_90a builds on sm_90
+#endif
+}
+
+template <typename T, int D>
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
+  auto kernel = PagedPrefillWgmmaKernel<T, D>;
+  constexpr size_t smem = Cfg::SmemBytes();
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "prefill attention (wgmma)");
+      !st.ok()) {
+    return st;
+  }
+  const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
+  if (blocks > INT32_MAX) {
+    return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
+                                     std::to_string(blocks) + ")");
+  }
+  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(params);
+  return LastLaunchStatus("prefill attention (wgmma)");
+}
+
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D) \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t);
+
+}  // namespace pagedattn::kernels

@@ -34,9 +34,17 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage (the S tile's N)
-  static constexpr int kSlices = D / 64;       // 64-column slices (128-byte swizzle blocks)
-  static constexpr int kStages = D == 64 ? 4 : (D == 128 ? 3 : 2);
+  // Positions per pipeline stage (the S tile's N): 64, or 32 at head_dim 256 so that four
+  // stages fit beside its 64 KiB Q tile. Four stages: V of tile j and K of tile j + 1 are read
+  // while tiles j + 2 and j + 3 load.
+#ifdef PAGEDATTN_WGMMA_WIDE_TILE  // experiment: 128-position tiles at head_dim <= 128
+  static constexpr int kTileKv = D == 256 ? 32 : 128;
+  static constexpr int kStages = D == 256 ? 4 : 3;
+#else
+  static constexpr int kTileKv = D == 256 ? 32 : 64;
+  static constexpr int kStages = 4;
+#endif
+  static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
   static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
@@ -49,7 +57,7 @@ struct WgmmaPrefillConfig {
   static constexpr size_t kAlign = 1024;
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes + kAlign; }
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
-  static_assert(kTileElems * sizeof(T) % kAlign == 0, "tiles keep the 1024-byte alignment");
+  static_assert(kTileKv * 128 % kAlign == 0, "slices keep the 1024-byte alignment");
   static_assert(SmemBytes() <= 227 * 1024, "fits one SM's shared memory");
 };
 
@@ -82,9 +90,10 @@ __device__ __forceinline__ void WgmmaWait() {
 }
 // Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
 // issue or wait (the asm statements above do not name the registers the hardware writes).
-__device__ __forceinline__ void FenceRegs(float (&d)[8][4]) {
+template <int N>
+__device__ __forceinline__ void FenceRegs(float (&d)[N][4]) {
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < N; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
@@ -140,6 +149,79 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint6
   }
 }
 
+#define PAGEDATTN_WGMMA_D16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define PAGEDATTN_WGMMA_D16_OPERANDS(d)                                                        \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),    \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+
+// d (64 x 32, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 32, shared, K-major).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  if constexpr (WgmmaTypeName<T>::kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D16
+        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D16_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " PAGEDATTN_WGMMA_D16
+        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D16_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+#undef PAGEDATTN_WGMMA_D16
+#undef PAGEDATTN_WGMMA_D16_OPERANDS
+
+#define PAGEDATTN_WGMMA_D64 \
+  "{" \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "}"
+#define PAGEDATTN_WGMMA_D64_OPERANDS(d) \
+      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+      "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+      "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
+      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), \
+      "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
+      "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+
+// d (64 x 128, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  if constexpr (WgmmaTypeName<T>::kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D64
+        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PAGEDATTN_WGMMA_D64
+        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
+        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  }
+}
+#undef PAGEDATTN_WGMMA_D64
+#undef PAGEDATTN_WGMMA_D64_OPERANDS
+
 // d (64 x 64, f32) += A (64 x 16, registers: the mma.sync A fragment of this warp's 16 rows) *
 // B (16 x 64, shared, MN-major).
 template <typename T>
@@ -169,13 +251,15 @@ template <typename T, int D>
 __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   constexpr int kSlices = Cfg::kSlices;
+  constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
+  constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
+  constexpr int kS = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const uint32_t smem_base =
       (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
   unsigned char* smem_aligned = smem_raw + (smem_base - SmemAddr(smem_raw));
   T* smem_kv = reinterpret_cast<T*>(smem_aligned);
   T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
-  const uint32_t kv_base = smem_base;
   const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
 
   // Items are sorted longest first; the kv heads of one item run side by side.
@@ -191,12 +275,14 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
   // ---- K/V pipeline (as in the portable prefill tile; the stores use the swizzle-128 layout).
+  // Tile t is issued kS - 1 tiles ahead, into stage t % kS; page ids go through shared memory,
+  // one slot per stage, loaded kS tiles ahead.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
-  __shared__ int32_t page_ids[Cfg::kStages][Cfg::kTileKv];
+  __shared__ int32_t page_ids[kS][Cfg::kTileKv];
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
     return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
@@ -204,7 +290,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
                : 0;
   };
   auto issue_tile = [&](int tile) {
-    const int stage = tile % Cfg::kStages;
+    const int stage = tile % kS;
     T* sk = smem_kv + stage * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileElems;
 #pragma unroll
@@ -222,16 +308,16 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     }
   };
   {
-    int32_t first_ids[Cfg::kStages];
+    int32_t first_ids[kS];
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages; ++s) first_ids[s] = load_page_id(s);
+    for (int s = 0; s < kS; ++s) first_ids[s] = load_page_id(s);
     if (tid < Cfg::kTileKv) {
 #pragma unroll
-      for (int s = 0; s < Cfg::kStages; ++s) page_ids[s][tid] = first_ids[s];
+      for (int s = 0; s < kS; ++s) page_ids[s][tid] = first_ids[s];
     }
     __syncthreads();
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+    for (int s = 0; s < kS - 1; ++s) {
       if (s < num_tiles) issue_tile(s);
       CpAsyncCommit();
     }
@@ -267,13 +353,16 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     q_pos[i] =
         span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
   }
-  // A warpgroup's wgmma's are collective: the skip decision uses the warpgroup's rows (uniform
-  // over its four warps); the mask decision is per warp.
+  // A warpgroup's wgmma's are collective, so what it computes is decided per warpgroup: the
+  // first wg_tiles tiles (under a causal mask the tiles a row group sees are a prefix). Masks
+  // are decided per warp.
   const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
   const int wg_last_row = min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1);
   const int wg_max_pos = wg_first_row >= span_rows
                              ? -1
                              : (p.causal ? first_q_pos + wg_last_row / group : INT32_MAX - 1);
+  const int wg_tiles =
+      wg_max_pos < item.kv_start ? 0 : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
   const int warp_min_pos = warp_first_row >= span_rows
                                ? -1
                                : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
@@ -281,106 +370,153 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
 
   constexpr uint32_t kRowBytes = 128;  // one row of a 64-column slice
   const uint32_t q_wg_base = q_base + wg * Cfg::kGroupRows * kRowBytes;
-
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1);
-    CpAsyncCommit();
-    const int32_t next_id = load_page_id(tile + Cfg::kStages);
-    CpAsyncWait<Cfg::kStages - 1>();
-    ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma (async proxy)
-    __syncthreads();
-    const uint32_t k_base = kv_base + (tile % Cfg::kStages) * Cfg::kStageElems * sizeof(T);
-    const uint32_t v_base = k_base + Cfg::kTileElems * sizeof(T);
-    const int pos0 = item.kv_start + tile * Cfg::kTileKv;
-
-    if (pos0 <= wg_max_pos) {  // warpgroup-uniform: skip tiles none of its rows can see
-      // S = Q K^T over 64 positions, D/16 k steps of 16 dims.
-      float s[8][4];
-      WgmmaFence();
+  auto k_addr = [&](int tile) {
+    return smem_base + static_cast<uint32_t>((tile % kS) * Cfg::kStageElems * sizeof(T));
+  };
+  auto v_addr = [&](int tile) {
+    return k_addr(tile) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
+  };
+  // S = Q K^T of one tile: D/16 k steps; issued, not waited for.
+  auto issue_s = [&](float(&s)[kNT][4], int tile) {
+    const uint32_t kb = k_addr(tile);
 #pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk) {
-        const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
-        WgmmaSS<T>(s,
-                   Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
-                   Sw128Desc(k_base + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
-      }
-      WgmmaCommit();
-      WgmmaWait<0>();
-      FenceRegs(s);
-
-      // Masks only where the tile crosses the item's end or this warp's causal diagonal.
-      if (pos0 + Cfg::kTileKv > item.kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
-            if (pos >= item.kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
-          }
-      }
-
-      // Online softmax: new row max, rescaled sum, P = 2^(s*scale - max).
-      float alpha[2];
-      bool max_moved = false;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        float mx = row_max[i];
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
-        max_moved |= mx != row_max[i];
-        alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
-        row_max[i] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int nt = 0; nt < 8; ++nt) {
-          s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-          s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-          sum += s[nt][2 * i] + s[nt][2 * i + 1];
-        }
-        row_sum[i] = row_sum[i] * alpha[i] + sum;
-      }
-      uint32_t pa[4][4];  // P as the A operand: k step kp covers positions 16kp..16kp+15
-#pragma unroll
-      for (int kp = 0; kp < 4; ++kp) {
-        pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
-        pa[kp][1] = PackPair<T>(s[2 * kp][2], s[2 * kp][3]);
-        pa[kp][2] = PackPair<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
-        pa[kp][3] = PackPair<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
-      }
-      if (__any_sync(0xffffffffu, max_moved)) {
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[dt][0] *= alpha[0];
-          o[dt][1] *= alpha[0];
-          o[dt][2] *= alpha[1];
-          o[dt][3] *= alpha[1];
-        }
-      }
-
-      // O += P V: per 16-position k step, one wgmma per 64-column slice of V.
-#pragma unroll
-      for (int kp = 0; kp < 4; ++kp) FenceRegs(pa[kp]);
-#pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
-      WgmmaFence();
-#pragma unroll
-      for (int kp = 0; kp < 4; ++kp) {
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl) {
-          WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
-                     Sw128Desc(v_base + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
-        }
-      }
-      WgmmaCommit();
-      WgmmaWait<0>();
-#pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
+      WgmmaSS<T>(s, Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
+                 Sw128Desc(kb + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
     }
-    if (tid < Cfg::kTileKv) page_ids[tile % Cfg::kStages][tid] = next_id;
-    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  };
+  // O += P V of one tile: per 16-position k step, one wgmma per 64-column slice of V.
+  auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
+    const uint32_t vb = v_addr(tile);
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp)
+#pragma unroll
+      for (int sl = 0; sl < kSlices; ++sl)
+        WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
+                   Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+  };
+  // Mask, online softmax of one tile's S into P (the A operand layout of P.V), and the factor
+  // O must be rescaled by; the running max and sum are updated here.
+  auto softmax = [&](float(&s)[kNT][4], int tile, uint32_t(&pa)[kKP][4], float(&alpha)[2]) {
+    const int pos0 = item.kv_start + tile * Cfg::kTileKv;
+    if (pos0 + Cfg::kTileKv > item.kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+          if (pos >= item.kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = row_max[i];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+      alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
+      row_max[i] = mx;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
+        sum += s[nt][2 * i] + s[nt][2 * i + 1];
+      }
+      row_sum[i] = row_sum[i] * alpha[i] + sum;
+    }
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp) {
+      pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
+      pa[kp][1] = PackPair<T>(s[2 * kp][2], s[2 * kp][3]);
+      pa[kp][2] = PackPair<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
+      pa[kp][3] = PackPair<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+    }
+  };
+  auto rescale_o = [&](const float(&alpha)[2]) {
+    // Only when some row's max moved: after the first tiles of a long range it rarely does.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+      }
+    }
+  };
+  auto fence_o = [&]() {
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
+  };
+  auto fence_p = [&](uint32_t(&pa)[kKP][4]) {
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);
+  };
+
+  // ---- Main loop, software-pipelined within the warpgroup: while O += P_j V_j runs on the
+  // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
+  // Iteration j needs V of tile j and K of tile j + 1 resident; tile j + kS - 1 is issued
+  // after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has waited for.
+  uint32_t pa[kKP][4];
+  CpAsyncWait<kS - 2>();  // tile 0
+  ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
+  __syncthreads();
+  if (wg_tiles > 0) {
+    float s[kNT][4];
+    WgmmaFence();
+    issue_s(s, 0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegs(s);
+    float alpha[2];
+    softmax(s, 0, pa, alpha);  // O is still zero: no rescale
+  }
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    const int32_t next_id = load_page_id(tile + kS);
+    CpAsyncWait<kS - 3>();  // tile + 1
+    ProxyFenceShared();
+    __syncthreads();
+    if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+    CpAsyncCommit();
+
+    const bool has_cur = tile < wg_tiles, has_next = tile + 1 < wg_tiles;  // warpgroup-uniform
+    float s[kNT][4];
+    if (has_cur) {
+      fence_o();
+      fence_p(pa);
+      WgmmaFence();
+      if (has_next) {
+        issue_s(s, tile + 1);
+        WgmmaCommit();
+      }
+      issue_pv(pa, tile);
+      WgmmaCommit();
+      if (has_next) {
+        WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
+        FenceRegs(s);
+        uint32_t pa_next[kKP][4];
+        float alpha[2];
+        softmax(s, tile + 1, pa_next, alpha);
+        WgmmaWait<0>();
+        fence_o();
+        fence_p(pa);  // pa stays allocated until its P.V is done
+        rescale_o(alpha);
+#pragma unroll
+        for (int kp = 0; kp < kKP; ++kp)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pa[kp][e] = pa_next[kp][e];
+      } else {
+        WgmmaWait<0>();
+        fence_o();
+        fence_p(pa);
+      }
+    }
+    // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
+    if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
   }
   CpAsyncWait<0>();
 

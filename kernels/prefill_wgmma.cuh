@@ -461,7 +461,50 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
   // Iteration j needs V of tile j and K of tile j + 1 resident; tile j + kS - 1 is issued
   // after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has waited for.
-  uint32_t pa[kKP][4];
+  // One iteration: P of `tile` is in pa; the softmax of tile + 1 writes pa_next. The loop
+  // below alternates the two buffers (no register copies between wgmma's: ptxas would
+  // serialize them).
+  auto step = [&](int tile, uint32_t(&pa)[kKP][4], uint32_t(&pa_next)[kKP][4]) {
+    const int32_t next_id = load_page_id(tile + kS);
+    CpAsyncWait<kS - 3>();  // tile + 1
+    ProxyFenceShared();
+    __syncthreads();
+    if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+    CpAsyncCommit();
+    // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
+    // serializes wgmma's whose groups stay open across a branch).
+    if (tile + 1 < wg_tiles) {
+      float s[kNT][4];
+      fence_o();
+      fence_p(pa);
+      WgmmaFence();
+      issue_s(s, tile + 1);
+      WgmmaCommit();
+      issue_pv(pa, tile);
+      WgmmaCommit();
+      WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
+      FenceRegs(s);
+      float alpha[2];
+      softmax(s, tile + 1, pa_next, alpha);
+      WgmmaWait<0>();
+      fence_o();
+      fence_p(pa);  // pa stays allocated until its P.V is done
+      rescale_o(alpha);
+    } else if (tile < wg_tiles) {
+      fence_o();
+      fence_p(pa);
+      WgmmaFence();
+      issue_pv(pa, tile);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      fence_o();
+      fence_p(pa);
+    }
+    // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
+    if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+  };
+
+  uint32_t pa0[kKP][4], pa1[kKP][4];
   CpAsyncWait<kS - 2>();  // tile 0
   ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
   __syncthreads();
@@ -473,50 +516,11 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     WgmmaWait<0>();
     FenceRegs(s);
     float alpha[2];
-    softmax(s, 0, pa, alpha);  // O is still zero: no rescale
+    softmax(s, 0, pa0, alpha);  // O is still zero: no rescale
   }
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    const int32_t next_id = load_page_id(tile + kS);
-    CpAsyncWait<kS - 3>();  // tile + 1
-    ProxyFenceShared();
-    __syncthreads();
-    if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
-    CpAsyncCommit();
-
-    const bool has_cur = tile < wg_tiles, has_next = tile + 1 < wg_tiles;  // warpgroup-uniform
-    float s[kNT][4];
-    if (has_cur) {
-      fence_o();
-      fence_p(pa);
-      WgmmaFence();
-      if (has_next) {
-        issue_s(s, tile + 1);
-        WgmmaCommit();
-      }
-      issue_pv(pa, tile);
-      WgmmaCommit();
-      if (has_next) {
-        WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
-        FenceRegs(s);
-        uint32_t pa_next[kKP][4];
-        float alpha[2];
-        softmax(s, tile + 1, pa_next, alpha);
-        WgmmaWait<0>();
-        fence_o();
-        fence_p(pa);  // pa stays allocated until its P.V is done
-        rescale_o(alpha);
-#pragma unroll
-        for (int kp = 0; kp < kKP; ++kp)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pa[kp][e] = pa_next[kp][e];
-      } else {
-        WgmmaWait<0>();
-        fence_o();
-        fence_p(pa);
-      }
-    }
-    // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
-    if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+  for (int tile = 0; tile < num_tiles; tile += 2) {
+    step(tile, pa0, pa1);
+    if (tile + 1 < num_tiles) step(tile + 1, pa1, pa0);
   }
   CpAsyncWait<0>();
 

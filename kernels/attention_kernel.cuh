@@ -239,6 +239,48 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   }
 }
 
+// Q tile -> shared memory, converted to T; rows past the span are zero. A thread issues all
+// its loads (up to kMaxBatch chunks at a time) before it converts and stores any, so the tile costs one
+// global-memory latency rather than one per chunk. offset(row, chunk) is the element offset of
+// a 16-byte chunk in the kernel's shared-memory layout.
+template <typename T, int D, int kRows, int kThreads, int kMaxBatch = 8, typename Offset>
+__device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
+                                          const AttentionWorkItem& item, const AttentionSpan& span,
+                                          int kv_head, int group, int span_rows, T* smem_q,
+                                          Offset offset) {
+  constexpr int kChunks = D / 8;
+  static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
+  constexpr int kPerThread = kRows * kChunks / kThreads;
+  constexpr int kBatch = kPerThread < kMaxBatch ? kPerThread : kMaxBatch;
+  static_assert(kPerThread % kBatch == 0, "whole batches");
+#pragma unroll 1
+  for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
+    float4 lo[kBatch], hi[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = threadIdx.x + (b0 + i) * kThreads;
+      const int r = c / kChunks, chunk = c % kChunks;
+      const int span_row = item.row_start + r;
+      lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (span_row < span_rows) {
+        const int query = span_row / group, head = kv_head * group + span_row % group;
+        const float4* src = reinterpret_cast<const float4*>(
+            p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
+        lo[i] = src[0];
+        hi[i] = src[1];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = threadIdx.x + (b0 + i) * kThreads;
+      const int r = c / kChunks, chunk = c % kChunks;
+      *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
+          make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
+                     PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
+    }
+  }
+}
+
 // ---- Device body --------------------------------------------------------------------------
 
 template <typename T, int D, int MW, int KW, int STAGES>
@@ -309,21 +351,10 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   int next_pages[Cfg::kRowsPerThread];
   fetch_pages(Cfg::kStages - 1, next_pages);
 
-  // Q tile -> shared memory, converted to T. Rows past the span are zero.
-  for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
-    const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
-    const int span_row = item.row_start + r;
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (span_row < span_rows) {
-      const int query = span_row / group, head = kv_head * group + span_row % group;
-      const float4* src = reinterpret_cast<const float4*>(
-          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
-      const float4 lo = src[0], hi = src[1];
-      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
-                          PackPair<T>(hi.z, hi.w));
-    }
-    *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
-  }
+  // Q tile -> shared memory, converted to T, while those copies fly.
+  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+      p, item, span, kv_head, group, span_rows, smem_q,
+      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
   // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
   // of each 8-wide n tile.

@@ -34,16 +34,18 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  // Positions per pipeline stage (the S tile's N): 64, or 32 at head_dim 256 so that four
-  // stages fit beside its 64 KiB Q tile. Four stages: V of tile j and K of tile j + 1 are read
-  // while tiles j + 2 and j + 3 load.
+  // Positions per pipeline stage (the S tile's N). Pipelined, four stages: V of tile j and K
+  // of tile j + 1 are read while tiles j + 2 and j + 3 load.
 #ifdef PAGEDATTN_WGMMA_WIDE_TILE  // experiment: 128-position tiles at head_dim <= 128
-  static constexpr int kTileKv = D == 256 ? 32 : 128;
-  static constexpr int kStages = D == 256 ? 4 : 3;
+  static constexpr int kTileKv = D == 256 ? 64 : 128;
+  static constexpr int kStages = D == 256 ? 2 : 3;
 #else
-  static constexpr int kTileKv = D == 256 ? 32 : 64;
-  static constexpr int kStages = 4;
+  static constexpr int kTileKv = 64;
+  static constexpr int kStages = D == 256 ? 2 : 4;
 #endif
+  // Three stages or more: S of tile j + 1 overlaps P.V of tile j. Two (head_dim 256, whose
+  // 64 KiB Q tile leaves room for two 64 KiB stages): one tile at a time.
+  static constexpr bool kPipelined = kStages >= 3;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
@@ -323,21 +325,10 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     }
   }
 
-  // ---- Q tile -> shared memory as T, swizzle-128 layout. Rows past the span are zero.
-  for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
-    const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
-    const int span_row = item.row_start + r;
-    uint4 packed = make_uint4(0, 0, 0, 0);
-    if (span_row < span_rows) {
-      const int query = span_row / group, head = kv_head * group + span_row % group;
-      const float4* src = reinterpret_cast<const float4*>(
-          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
-      const float4 lo = src[0], hi = src[1];
-      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
-                          PackPair<T>(hi.z, hi.w));
-    }
-    *reinterpret_cast<uint4*>(smem_q + Sw128Offset<Cfg::kRows>(r, chunk)) = packed;
-  }
+  // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
+  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+      p, item, span, kv_head, group, span_rows, smem_q,
+      [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
@@ -461,66 +452,100 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
   // Iteration j needs V of tile j and K of tile j + 1 resident; tile j + kS - 1 is issued
   // after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has waited for.
-  // One iteration: P of `tile` is in pa; the softmax of tile + 1 writes pa_next. The loop
-  // below alternates the two buffers (no register copies between wgmma's: ptxas would
-  // serialize them).
-  auto step = [&](int tile, uint32_t(&pa)[kKP][4], uint32_t(&pa_next)[kKP][4]) {
-    const int32_t next_id = load_page_id(tile + kS);
-    CpAsyncWait<kS - 3>();  // tile + 1
-    ProxyFenceShared();
+  if constexpr (Cfg::kPipelined) {
+    // One iteration: P of `tile` is in pa; the softmax of tile + 1 writes pa_next. The loop
+    // below alternates the two buffers (no register copies between wgmma's: ptxas would
+    // serialize them).
+    auto step = [&](int tile, uint32_t(&pa)[kKP][4], uint32_t(&pa_next)[kKP][4]) {
+      const int32_t next_id = load_page_id(tile + kS);
+      CpAsyncWait<kS - 3>();  // tile + 1
+      ProxyFenceShared();
+      __syncthreads();
+      if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+      CpAsyncCommit();
+      // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
+      // serializes wgmma's whose groups stay open across a branch).
+      if (tile + 1 < wg_tiles) {
+        float s[kNT][4];
+        fence_o();
+        fence_p(pa);
+        WgmmaFence();
+        issue_s(s, tile + 1);
+        WgmmaCommit();
+        issue_pv(pa, tile);
+        WgmmaCommit();
+        WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
+        FenceRegs(s);
+        float alpha[2];
+        softmax(s, tile + 1, pa_next, alpha);
+        WgmmaWait<0>();
+        fence_o();
+        fence_p(pa);  // pa stays allocated until its P.V is done
+        rescale_o(alpha);
+      } else if (tile < wg_tiles) {
+        fence_o();
+        fence_p(pa);
+        WgmmaFence();
+        issue_pv(pa, tile);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        fence_o();
+        fence_p(pa);
+      }
+      // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
+      if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+    };
+    uint32_t pa0[kKP][4], pa1[kKP][4];
+    CpAsyncWait<kS - 2>();  // tile 0
+    ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
     __syncthreads();
-    if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
-    CpAsyncCommit();
-    // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
-    // serializes wgmma's whose groups stay open across a branch).
-    if (tile + 1 < wg_tiles) {
+    if (wg_tiles > 0) {
       float s[kNT][4];
-      fence_o();
-      fence_p(pa);
       WgmmaFence();
-      issue_s(s, tile + 1);
+      issue_s(s, 0);
       WgmmaCommit();
-      issue_pv(pa, tile);
-      WgmmaCommit();
-      WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
+      WgmmaWait<0>();
       FenceRegs(s);
       float alpha[2];
-      softmax(s, tile + 1, pa_next, alpha);
-      WgmmaWait<0>();
-      fence_o();
-      fence_p(pa);  // pa stays allocated until its P.V is done
-      rescale_o(alpha);
-    } else if (tile < wg_tiles) {
-      fence_o();
-      fence_p(pa);
-      WgmmaFence();
-      issue_pv(pa, tile);
-      WgmmaCommit();
-      WgmmaWait<0>();
-      fence_o();
-      fence_p(pa);
+      softmax(s, 0, pa0, alpha);  // O is still zero: no rescale
     }
-    // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
-    if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
-  };
-
-  uint32_t pa0[kKP][4], pa1[kKP][4];
-  CpAsyncWait<kS - 2>();  // tile 0
-  ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
-  __syncthreads();
-  if (wg_tiles > 0) {
-    float s[kNT][4];
-    WgmmaFence();
-    issue_s(s, 0);
-    WgmmaCommit();
-    WgmmaWait<0>();
-    FenceRegs(s);
-    float alpha[2];
-    softmax(s, 0, pa0, alpha);  // O is still zero: no rescale
-  }
-  for (int tile = 0; tile < num_tiles; tile += 2) {
-    step(tile, pa0, pa1);
-    if (tile + 1 < num_tiles) step(tile + 1, pa1, pa0);
+    for (int tile = 0; tile < num_tiles; tile += 2) {
+      step(tile, pa0, pa1);
+      if (tile + 1 < num_tiles) step(tile + 1, pa1, pa0);
+    }
+  } else {
+    // One tile at a time: issue tile + kS - 1 into the stage the last iteration read, then
+    // S, softmax and P.V of this tile.
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+      CpAsyncCommit();
+      const int32_t next_id = load_page_id(tile + kS);
+      CpAsyncWait<kS - 1>();
+      ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma
+      __syncthreads();
+      if (tile < wg_tiles) {
+        float s[kNT][4];
+        WgmmaFence();
+        issue_s(s, tile);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        FenceRegs(s);
+        uint32_t pa[kKP][4];
+        float alpha[2];
+        softmax(s, tile, pa, alpha);
+        rescale_o(alpha);
+        fence_o();
+        fence_p(pa);
+        WgmmaFence();
+        issue_pv(pa, tile);
+        WgmmaCommit();
+        WgmmaWait<0>();
+        fence_o();
+        fence_p(pa);
+      }
+      if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+      __syncthreads();  // the stage is overwritten by the next iteration's copies
+    }
   }
   CpAsyncWait<0>();
 

@@ -36,16 +36,18 @@ struct WgmmaPrefillConfig {
   static constexpr int kThreads = kGroups * 128;
   // Positions per pipeline stage (the S tile's N). Pipelined, four stages: V of tile j and K
   // of tile j + 1 are read while tiles j + 2 and j + 3 load.
-#ifdef PAGEDATTN_WGMMA_WIDE_TILE  // experiment: 128-position tiles at head_dim <= 128
-  static constexpr int kTileKv = D == 256 ? 64 : 128;
-  static constexpr int kStages = D == 256 ? 2 : 3;
-#else
-  static constexpr int kTileKv = 64;
-  static constexpr int kStages = D == 256 ? 2 : 4;
+#ifndef PAGEDATTN_WGMMA_VARIANT  // build-time experiments; 0 is what ships
+#define PAGEDATTN_WGMMA_VARIANT 0
 #endif
-  // Three stages or more: S of tile j + 1 overlaps P.V of tile j. Two (head_dim 256, whose
-  // 64 KiB Q tile leaves room for two 64 KiB stages): one tile at a time.
-  static constexpr bool kPipelined = kStages >= 3;
+  // (positions per tile, stages, pipelined) per head_dim.
+  static constexpr int kVariant = PAGEDATTN_WGMMA_VARIANT;
+  static constexpr int kTileKv = D == 128 ? (kVariant == 2 ? 64 : 128)
+                                 : D == 64 ? (kVariant == 1 ? 128 : 64)
+                                           : 64;
+  static constexpr int kStages = D == 128 ? (kVariant == 2 ? 5 : 3)
+                                 : D == 64 ? (kVariant == 1 ? 5 : (kVariant == 2 ? 6 : 4))
+                                           : 2;
+  static constexpr bool kPipelined = D == 64 ? kVariant != 0 : kStages >= 3;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers

@@ -34,20 +34,15 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  // Positions per pipeline stage (the S tile's N). Pipelined, four stages: V of tile j and K
-  // of tile j + 1 are read while tiles j + 2 and j + 3 load.
-#ifndef PAGEDATTN_WGMMA_VARIANT  // build-time experiments; 0 is what ships
-#define PAGEDATTN_WGMMA_VARIANT 0
-#endif
-  // (positions per tile, stages, pipelined) per head_dim.
-  static constexpr int kVariant = PAGEDATTN_WGMMA_VARIANT;
-  static constexpr int kTileKv = D == 128 ? (kVariant == 2 ? 64 : 128)
-                                 : D == 64 ? (kVariant == 1 ? 128 : 64)
-                                           : 64;
-  static constexpr int kStages = D == 128 ? (kVariant == 2 ? 5 : 3)
-                                 : D == 64 ? (kVariant == 1 ? 5 : (kVariant == 2 ? 6 : 4))
-                                           : 2;
-  static constexpr bool kPipelined = D == 64 ? kVariant != 0 : kStages >= 3;
+  // Tile shape per head_dim, the fastest of those measured on the H200 (docs/PERFORMANCE.md):
+  //   d128: 128-position tiles, 3 stages, pipelined (64/5 pipelined: 8% slower at 4 x 4096);
+  //   d64:  64-position tiles, 4 stages, one tile at a time (128/5 and 64/6 pipelined: 14-26%
+  //         slower: its products are too small to hide the softmax behind);
+  //   d256: 64-position tiles, 2 stages (all its 64 KiB Q tile leaves room for), one at a time.
+  static constexpr int kTileKv = D == 128 ? 128 : 64;
+  static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
+  // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
+  static constexpr bool kPipelined = D == 128;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers

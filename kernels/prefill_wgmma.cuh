@@ -72,8 +72,8 @@ __device__ __forceinline__ int Sw128Offset(int row, int chunk) {
 // consecutive groups of 8 rows (the stride field; the leading field is set to the same value,
 // which is what it means wherever an operand spans more than one 8-row group along K of an
 // MN-major tile, and unused otherwise since every operand here is one 64-column slice wide).
-__device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr) {
-  return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{1024 >> 4} << 16) |
+__device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leading_bytes = 1024) {
+  return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
@@ -218,8 +218,6 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint
         : "l"(desc_a), "l"(desc_b), "r"(accumulate));
   }
 }
-#undef PAGEDATTN_WGMMA_D64
-#undef PAGEDATTN_WGMMA_D64_OPERANDS
 
 // d (64 x 64, f32) += A (64 x 16, registers: the mma.sync A fragment of this warp's 16 rows) *
 // B (16 x 64, shared, MN-major).
@@ -244,6 +242,30 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4]
 }
 
 #undef PAGEDATTN_WGMMA_D32
+
+// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, shared, MN-major: two 64-column
+// slices, the descriptor's leading byte offset apart).
+template <typename T>
+__device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4],
+                                        uint64_t desc_b) {
+  if constexpr (WgmmaTypeName<T>::kBf16) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PAGEDATTN_WGMMA_D64
+        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  }
+}
+#undef PAGEDATTN_WGMMA_D64
+#undef PAGEDATTN_WGMMA_D64_OPERANDS
 #undef PAGEDATTN_WGMMA_D32_OPERANDS
 
 template <typename T, int D>
@@ -378,11 +400,18 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
     const uint32_t vb = v_addr(tile);
 #pragma unroll
-    for (int kp = 0; kp < kKP; ++kp)
+    for (int kp = 0; kp < kKP; ++kp) {
+#ifdef PAGEDATTN_WGMMA_PV_N128
+      if constexpr (D == 128) {
+        WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
+        continue;
+      }
+#endif
 #pragma unroll
       for (int sl = 0; sl < kSlices; ++sl)
         WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
                    Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+    }
   };
   // Mask, online softmax of one tile's S into P (the A operand layout of P.V), and the factor
   // O must be rescaled by; the running max and sum are updated here.
@@ -458,8 +487,11 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       CpAsyncWait<kS - 3>();  // tile + 1
       ProxyFenceShared();
       __syncthreads();
-      if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
-      CpAsyncCommit();
+      // The copies of tile + kS - 1 are issued while this warpgroup's wgmma's run.
+      auto issue_next = [&]() {
+        if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+        CpAsyncCommit();
+      };
       // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
       // serializes wgmma's whose groups stay open across a branch).
       if (tile + 1 < wg_tiles) {
@@ -471,6 +503,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
         WgmmaCommit();
         issue_pv(pa, tile);
         WgmmaCommit();
+        issue_next();
         WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
         FenceRegs(s);
         float alpha[2];
@@ -485,9 +518,12 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
         WgmmaFence();
         issue_pv(pa, tile);
         WgmmaCommit();
+        issue_next();
         WgmmaWait<0>();
         fence_o();
         fence_p(pa);
+      } else {
+        issue_next();
       }
       // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
       if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;

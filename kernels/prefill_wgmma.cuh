@@ -68,10 +68,10 @@ __device__ __forceinline__ int Sw128Offset(int row, int chunk) {
 
 #if PAGEDATTN_WGMMA_DEVICE
 
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, and 1024 bytes between
-// consecutive groups of 8 rows (the stride field; the leading field is set to the same value,
-// which is what it means wherever an operand spans more than one 8-row group along K of an
-// MN-major tile, and unused otherwise since every operand here is one 64-column slice wide).
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, 1024 bytes between
+// consecutive groups of 8 rows (the stride field), and the leading field: for an MN-major
+// operand wider than one 64-column slice (P.V at head_dim 128), the bytes between slices;
+// unused by K-major operands (a k16 step stays inside one 128-byte row).
 __device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leading_bytes = 1024) {
   return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
@@ -401,16 +401,15 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     const uint32_t vb = v_addr(tile);
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
-#ifdef PAGEDATTN_WGMMA_PV_N128
       if constexpr (D == 128) {
+        // One m64n128 wgmma over both slices (2% faster than two n64's on the H200).
         WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
-        continue;
-      }
-#endif
+      } else {
 #pragma unroll
-      for (int sl = 0; sl < kSlices; ++sl)
-        WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
-                   Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+        for (int sl = 0; sl < kSlices; ++sl)
+          WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
+                     Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+      }
     }
   };
   // Mask, online softmax of one tile's S into P (the A operand layout of P.V), and the factor

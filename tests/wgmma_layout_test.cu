@@ -1,6 +1,7 @@
 // The Hopper prefill kernel's building blocks alone (kernels/prefill_wgmma.cuh): one warpgroup
 // computes S = A.B^T with both operands in swizzle-128 shared memory, and O = P.V with P in
-// registers (the mma.sync A fragment) and V in shared memory read MN-major, against a float64
+// registers (the mma.sync A fragment) and V in shared memory read MN-major (one 64-column
+// slice, and two slices in one m64n128 wgmma), against a float64
 // product on the host. When a layout is wrong, the failure names the first wrong element and
 // where its value came from. Skips without a compute capability 9.0 GPU or an sm_90a build.
 #include <cuda_bf16.h>
@@ -22,8 +23,9 @@ namespace {
 constexpr int kM = 64, kN = 64, kD = 128;  // S: M x N over D; O: M x 64 over N positions
 
 __global__ void LayoutProbeKernel(const __nv_bfloat16* a, const __nv_bfloat16* b,
-                                  const __nv_bfloat16* p, const __nv_bfloat16* v, float* s_out,
-                                  float* o_out) {
+                                  const __nv_bfloat16* p, const __nv_bfloat16* v,
+                                  const __nv_bfloat16* v2, float* s_out, float* o_out,
+                                  float* o2_out) {
 #if PAGEDATTN_WGMMA_DEVICE
   __shared__ __align__(1024) __nv_bfloat16 sa[kM * kD];
   __shared__ __align__(1024) __nv_bfloat16 sb[kN * kD];
@@ -79,11 +81,36 @@ __global__ void LayoutProbeKernel(const __nv_bfloat16* a, const __nv_bfloat16* b
   WgmmaWait<0>();
   FenceRegs(o);
 
+  // The same P times a 128-column V in one m64n128 wgmma: slices kN * 128 bytes apart (in
+  // sa's space, free once S is done: static shared memory stays under 48 KiB).
+  __nv_bfloat16* sv2 = sa;
+  __syncthreads();
+  for (int c = tid; c < kN * 128 / 8; c += 128) {
+    const int r = c / 16, chunk = c % 16;
+    *reinterpret_cast<uint4*>(sv2 + Sw128Offset<kN>(r, chunk)) =
+        *reinterpret_cast<const uint4*>(v2 + r * 128 + chunk * 8);
+  }
+  ProxyFenceShared();
+  __syncthreads();
+  float o2[16][4] = {};
+  FenceRegs(o2);
+  WgmmaFence();
+  for (int kp = 0; kp < 4; ++kp)
+    WgmmaRS<__nv_bfloat16>(o2, pa[kp], Sw128Desc(SmemAddr(sv2) + kp * 16 * 128, kN * 128));
+  WgmmaCommit();
+  WgmmaWait<0>();
+  FenceRegs(o2);
+
   for (int j = 0; j < 8; ++j)
     for (int e = 0; e < 4; ++e) {
       const int row = row0 + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
       s_out[row * kN + col] = s[j][e];
       o_out[row * 64 + col] = o[j][e];
+    }
+  for (int j = 0; j < 16; ++j)
+    for (int e = 0; e < 4; ++e) {
+      const int row = row0 + 8 * (e >> 1), col = 8 * j + 2 * t + (e & 1);
+      o2_out[row * 128 + col] = o2[j][e];
     }
 #endif
 }
@@ -150,15 +177,19 @@ TEST(WgmmaLayout, SharedAndRegisterOperands) {
   std::vector<double> a, b, p, v;
   auto ha = RandomBf16(kM * kD, rng, &a), hb = RandomBf16(kN * kD, rng, &b),
        hp = RandomBf16(kM * kN, rng, &p), hv = RandomBf16(kN * 64, rng, &v);
-  auto *da = Upload(ha), *db = Upload(hb), *dp = Upload(hp), *dv = Upload(hv);
-  float *ds = nullptr, *dout = nullptr;
+  std::vector<double> v2;
+  auto hv2 = RandomBf16(kN * 128, rng, &v2);
+  auto *da = Upload(ha), *db = Upload(hb), *dp = Upload(hp), *dv = Upload(hv), *dv2 = Upload(hv2);
+  float *ds = nullptr, *dout = nullptr, *dout2 = nullptr;
   ASSERT_EQ(cudaMalloc(&ds, kM * kN * sizeof(float)), cudaSuccess);
   ASSERT_EQ(cudaMalloc(&dout, kM * 64 * sizeof(float)), cudaSuccess);
-  LayoutProbeKernel<<<1, 128>>>(da, db, dp, dv, ds, dout);
+  ASSERT_EQ(cudaMalloc(&dout2, kM * 128 * sizeof(float)), cudaSuccess);
+  LayoutProbeKernel<<<1, 128>>>(da, db, dp, dv, dv2, ds, dout, dout2);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  std::vector<float> s(kM * kN), o(kM * 64);
+  std::vector<float> s(kM * kN), o(kM * 64), o2(kM * 128);
   ASSERT_EQ(cudaMemcpy(s.data(), ds, s.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
   ASSERT_EQ(cudaMemcpy(o.data(), dout, o.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(o2.data(), dout2, o2.size() * 4, cudaMemcpyDeviceToHost), cudaSuccess);
 
   std::vector<double> want_s(kM * kN, 0.0), want_o(kM * 64, 0.0);
   for (int r = 0; r < kM; ++r)
@@ -169,8 +200,14 @@ TEST(WgmmaLayout, SharedAndRegisterOperands) {
       for (int k = 0; k < kN; ++k) want_o[r * 64 + c] += p[r * kN + k] * v[k * 64 + c];
   ExpectProduct("S = A.B^T (both K-major)", s, want_s, kM, kN);
   ExpectProduct("O = P.V (P in registers, V MN-major)", o, want_o, kM, 64);
+  std::vector<double> want_o2(kM * 128, 0.0);
+  for (int r = 0; r < kM; ++r)
+    for (int c = 0; c < 128; ++c)
+      for (int k = 0; k < kN; ++k) want_o2[r * 128 + c] += p[r * kN + k] * v2[k * 128 + c];
+  ExpectProduct("O = P.V over two slices (m64n128, leading byte offset)", o2, want_o2, kM, 128);
   for (void* ptr : {static_cast<void*>(da), static_cast<void*>(db), static_cast<void*>(dp),
-                    static_cast<void*>(dv), static_cast<void*>(ds), static_cast<void*>(dout)})
+                    static_cast<void*>(dv), static_cast<void*>(dv2), static_cast<void*>(ds),
+                    static_cast<void*>(dout), static_cast<void*>(dout2)})
     cudaFree(ptr);
 }
 

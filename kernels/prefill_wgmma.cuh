@@ -96,9 +96,19 @@ __device__ __forceinline__ void FenceRegs(float (&d)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
+__device__ __forceinline__ void FenceRegs(float (&a)[2]) {
+  asm volatile("" : "+f"(a[0]), "+f"(a[1])::"memory");
+}
 __device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
+}
+
+// Stores two values to shared memory (a per-thread scratch slot), so that the instructions
+// producing them are scheduled before whatever follows (ptxas does not move wgmma waits above
+// shared-memory stores).
+__device__ __forceinline__ void PinBeforeWait(uint32_t slot, const float (&v)[2]) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(slot), "f"(v[0]), "f"(v[1]) : "memory");
 }
 
 __device__ __forceinline__ void ProxyFenceShared() {
@@ -295,20 +305,32 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   const int wg = warp >> 2, wg_warp = warp & 3;
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
-  // ---- K/V pipeline (as in the portable prefill tile; the stores use the swizzle-128 layout).
-  // Tile t is issued kS - 1 tiles ahead, into stage t % kS; page ids go through shared memory,
-  // one slot per stage, loaded kS tiles ahead.
+  // ---- K/V pipeline: tile t is issued kS - 1 tiles ahead, into stage t % kS, by all threads,
+  // each copying 16-byte chunk copy_chunk of kRowsPerThread rows (swizzle-128 layout). The
+  // element offset of each position's K/V row goes through shared memory, one slot per stage,
+  // computed kS tiles ahead by the thread of that position (page-table load, page division):
+  // a copy then costs one shared load and two adds.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
-  __shared__ int32_t page_ids[kS][Cfg::kTileKv];
+  __shared__ int64_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
+  __shared__ float2 pin_slots[Cfg::kThreads];        // PinBeforeWait's scratch
+  const uint32_t sink = SmemAddr(&pin_slots[tid]);
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
     return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
                ? pages[p.page_div.Div(pos)]
-               : 0;
+               : -1;
+  };
+  auto store_row_base = [&](int tile, int32_t page_id) {
+    if (tid >= Cfg::kTileKv) return;
+    const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
+    const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+    row_base[tile % kS][tid] =
+        page_id < 0 ? -1
+                    : ((int64_t{page_id} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D;
   };
   auto issue_tile = [&](int tile) {
     const int stage = tile % kS;
@@ -317,25 +339,20 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
-      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
-      const bool valid = pos < item.kv_end;
-      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
-      const int64_t offset =
-          ((int64_t{page_ids[stage][row]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
-          copy_chunk * 8;
+      const int64_t base = row_base[stage][row];
+      const bool valid = base >= 0;
+      const int64_t offset = (valid ? base : 0) + copy_chunk * 8;
       const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
-      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
+      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
     }
   };
   {
     int32_t first_ids[kS];
 #pragma unroll
     for (int s = 0; s < kS; ++s) first_ids[s] = load_page_id(s);
-    if (tid < Cfg::kTileKv) {
 #pragma unroll
-      for (int s = 0; s < kS; ++s) page_ids[s][tid] = first_ids[s];
-    }
+    for (int s = 0; s < kS; ++s) store_row_base(s, first_ids[s]);
     __syncthreads();
 #pragma unroll
     for (int s = 0; s < kS - 1; ++s) {
@@ -414,7 +431,11 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   };
   // Mask, online softmax of one tile's S into P (the A operand layout of P.V), and the factor
   // O must be rescaled by; the running max and sum are updated here.
-  auto softmax = [&](float(&s)[kNT][4], int tile, uint32_t(&pa)[kKP][4], float(&alpha)[2]) {
+  // softmax_exp: mask, new row max, s <- 2^(s*scale - max) in place, running sum; alpha is the
+  // factor O must be rescaled by. pack_p: P as the A operand of P.V (k step kp covers
+  // positions 16kp..16kp+15). They are apart so that P's registers, the operand of the P.V in
+  // flight, are written only after it is waited for, while the exponentials run beside it.
+  auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
     const int pos0 = item.kv_start + tile * Cfg::kTileKv;
     if (pos0 + Cfg::kTileKv > item.kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
 #pragma unroll
@@ -444,6 +465,8 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       }
       row_sum[i] = row_sum[i] * alpha[i] + sum;
     }
+  };
+  auto pack_p = [&](const float(&s)[kNT][4], uint32_t(&pa)[kKP][4]) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
       pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
@@ -478,10 +501,10 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   // Iteration j needs V of tile j and K of tile j + 1 resident; tile j + kS - 1 is issued
   // after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has waited for.
   if constexpr (Cfg::kPipelined) {
-    // One iteration: P of `tile` is in pa; the softmax of tile + 1 writes pa_next. The loop
-    // below alternates the two buffers (no register copies between wgmma's: ptxas would
-    // serialize them).
-    auto step = [&](int tile, uint32_t(&pa)[kKP][4], uint32_t(&pa_next)[kKP][4]) {
+    // One iteration: P of `tile` is in pa. S of tile + 1 and P.V of tile are issued together;
+    // the exponentials of tile + 1 run while P.V is in flight; then O is rescaled and P packed.
+    uint32_t pa[kKP][4];
+    auto step = [&](int tile) {
       const int32_t next_id = load_page_id(tile + kS);
       CpAsyncWait<kS - 3>();  // tile + 1
       ProxyFenceShared();
@@ -506,11 +529,16 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
         WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
         FenceRegs(s);
         float alpha[2];
-        softmax(s, tile + 1, pa_next, alpha);
+        softmax_exp(s, tile + 1, alpha);
+        // ptxas schedules the wait below as early as it can, which would put it above the
+        // exponentials and end their overlap with the P.V in flight; a shared-memory store of
+        // the running sums (which depend on every exponential) pins them above it.
+        PinBeforeWait(sink, row_sum);
         WgmmaWait<0>();
         fence_o();
-        fence_p(pa);  // pa stays allocated until its P.V is done
+        fence_p(pa);
         rescale_o(alpha);
+        pack_p(s, pa);
       } else if (tile < wg_tiles) {
         fence_o();
         fence_p(pa);
@@ -524,10 +552,9 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       } else {
         issue_next();
       }
-      // Slot tile % kS held tile's ids, read when tile was issued; it now takes tile + kS's.
-      if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+      // Slot tile % kS held tile's offsets, read when tile was issued; it now takes tile + kS's.
+      store_row_base(tile + kS, next_id);
     };
-    uint32_t pa0[kKP][4], pa1[kKP][4];
     CpAsyncWait<kS - 2>();  // tile 0
     ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
     __syncthreads();
@@ -539,12 +566,10 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       WgmmaWait<0>();
       FenceRegs(s);
       float alpha[2];
-      softmax(s, 0, pa0, alpha);  // O is still zero: no rescale
+      softmax_exp(s, 0, alpha);  // O is still zero: no rescale
+      pack_p(s, pa);
     }
-    for (int tile = 0; tile < num_tiles; tile += 2) {
-      step(tile, pa0, pa1);
-      if (tile + 1 < num_tiles) step(tile + 1, pa1, pa0);
-    }
+    for (int tile = 0; tile < num_tiles; ++tile) step(tile);
   } else {
     // One tile at a time: issue tile + kS - 1 into the stage the last iteration read, then
     // S, softmax and P.V of this tile.
@@ -564,7 +589,8 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
         FenceRegs(s);
         uint32_t pa[kKP][4];
         float alpha[2];
-        softmax(s, tile, pa, alpha);
+        softmax_exp(s, tile, alpha);
+        pack_p(s, pa);
         rescale_o(alpha);
         fence_o();
         fence_p(pa);
@@ -575,7 +601,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
         fence_o();
         fence_p(pa);
       }
-      if (tid < Cfg::kTileKv) page_ids[tile % kS][tid] = next_id;
+      store_row_base(tile + kS, next_id);
       __syncthreads();  // the stage is overwritten by the next iteration's copies
     }
   }

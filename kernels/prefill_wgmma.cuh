@@ -57,7 +57,8 @@ struct WgmmaPrefillConfig {
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes + kAlign; }
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
   static_assert(kTileKv * 128 % kAlign == 0, "slices keep the 1024-byte alignment");
-  static_assert(SmemBytes() <= 227 * 1024, "fits one SM's shared memory");
+  // Dynamic plus static (row indices, flags: under 2 KiB) shared memory fit one SM's 227 KiB.
+  static_assert(SmemBytes() + 2048 <= 227 * 1024, "fits one SM's shared memory");
 };
 
 // Element offset of (row, 16-byte chunk) in a [R][D] tile in the 128-byte-swizzle layout.
@@ -307,7 +308,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
 
   // ---- K/V pipeline: tile t is issued kS - 1 tiles ahead, into stage t % kS, by all threads,
   // each copying 16-byte chunk copy_chunk of kRowsPerThread rows (swizzle-128 layout). The
-  // element offset of each position's K/V row goes through shared memory, one slot per stage,
+  // pool row of each position's K/V goes through shared memory, one slot per stage,
   // computed kS tiles ahead by the thread of that position (page-table load, page division):
   // a copy then costs one shared load and two adds.
   const T* k_cache = static_cast<const T*>(p.k_cache);
@@ -315,9 +316,12 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
-  __shared__ int64_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
-  __shared__ float2 pin_slots[Cfg::kThreads];        // PinBeforeWait's scratch
-  const uint32_t sink = SmemAddr(&pin_slots[tid]);
+  // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
+  // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
+  // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
+  __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
+  __shared__ float2 pin_slot;                      // PinBeforeWait's scratch (one for all)
+  const uint32_t sink = SmemAddr(&pin_slot);
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
     return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
@@ -329,8 +333,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
     const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
     row_base[tile % kS][tid] =
-        page_id < 0 ? -1
-                    : ((int64_t{page_id} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D;
+        page_id < 0 ? -1 : (page_id * p.num_kv_heads + kv_head) * p.page_size + in_page;
   };
   auto issue_tile = [&](int tile) {
     const int stage = tile % kS;
@@ -339,9 +342,9 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
-      const int64_t base = row_base[stage][row];
+      const int32_t base = row_base[stage][row];
       const bool valid = base >= 0;
-      const int64_t offset = (valid ? base : 0) + copy_chunk * 8;
+      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
       const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
       CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
       CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);

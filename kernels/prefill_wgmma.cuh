@@ -449,24 +449,34 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
           if (pos >= item.kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
         }
     }
+    // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
+    // dependent adds behind: two per scheduler).
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      float mx = row_max[i];
+      float part[kNT];
 #pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) mx = fmaxf(mx, fmaxf(s[nt][2 * i], s[nt][2 * i + 1]));
+      for (int nt = 0; nt < kNT; ++nt) part[nt] = fmaxf(s[nt][2 * i], s[nt][2 * i + 1]);
+#pragma unroll
+      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] = fmaxf(part[nt], part[nt + level]);
+      float mx = fmaxf(row_max[i], part[0]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
       const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
       alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
       row_max[i] = mx;
-      float sum = 0.f;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
         s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
         s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-        sum += s[nt][2 * i] + s[nt][2 * i + 1];
+        part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
       }
-      row_sum[i] = row_sum[i] * alpha[i] + sum;
+#pragma unroll
+      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
+      row_sum[i] = row_sum[i] * alpha[i] + part[0];
     }
   };
   auto pack_p = [&](const float(&s)[kNT][4], uint32_t(&pa)[kKP][4]) {

@@ -239,20 +239,23 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   }
 }
 
-// Q tile -> shared memory, converted to T; rows past the span are zero. QTileBatch holds kBatch
-// of a thread's 16-byte chunks (chunk c = threadIdx.x + (b0 + i) * kThreads): Load issues their
-// global loads, Store converts and stores them, so a kernel can issue the loads early and store
-// later. offset(row, chunk) is the element offset of a chunk in the kernel's layout.
-template <typename T, int D, int kRows, int kThreads, int kBatch>
-struct QTileBatch {
-  static constexpr int kChunks = D / 8;
+// Q tile -> shared memory, converted to T; rows past the span are zero. A thread issues all
+// its loads (up to kMaxBatch chunks at a time) before it converts and stores any, so the tile costs one
+// global-memory latency rather than one per chunk. offset(row, chunk) is the element offset of
+// a 16-byte chunk in the kernel's shared-memory layout.
+template <typename T, int D, int kRows, int kThreads, int kMaxBatch = 8, typename Offset>
+__device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
+                                          const AttentionWorkItem& item, const AttentionSpan& span,
+                                          int kv_head, int group, int span_rows, T* smem_q,
+                                          Offset offset) {
+  constexpr int kChunks = D / 8;
   static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
-  static constexpr int kPerThread = kRows * kChunks / kThreads;
-  float4 lo[kBatch], hi[kBatch];
-
-  __device__ __forceinline__ void Load(const PagedAttentionParams& p, const AttentionWorkItem& item,
-                                       const AttentionSpan& span, int kv_head, int group,
-                                       int span_rows, int b0) {
+  constexpr int kPerThread = kRows * kChunks / kThreads;
+  constexpr int kBatch = kPerThread < kMaxBatch ? kPerThread : kMaxBatch;
+  static_assert(kPerThread % kBatch == 0, "whole batches");
+#pragma unroll 1
+  for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
+    float4 lo[kBatch], hi[kBatch];
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int c = threadIdx.x + (b0 + i) * kThreads;
@@ -267,9 +270,6 @@ struct QTileBatch {
         hi[i] = src[1];
       }
     }
-  }
-  template <typename Offset>
-  __device__ __forceinline__ void Store(T* smem_q, int b0, Offset offset) const {
 #pragma unroll
     for (int i = 0; i < kBatch; ++i) {
       const int c = threadIdx.x + (b0 + i) * kThreads;
@@ -278,24 +278,6 @@ struct QTileBatch {
           make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
                      PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
     }
-  }
-};
-
-// The whole Q tile, kMaxBatch chunks at a time: one global-memory latency per batch rather than
-// one per chunk.
-template <typename T, int D, int kRows, int kThreads, int kMaxBatch = 8, typename Offset>
-__device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
-                                          const AttentionWorkItem& item, const AttentionSpan& span,
-                                          int kv_head, int group, int span_rows, T* smem_q,
-                                          Offset offset, int first_chunk = 0) {
-  constexpr int kPerThread = (kRows * (D / 8)) / kThreads;
-  constexpr int kBatch = kPerThread < kMaxBatch ? kPerThread : kMaxBatch;
-  static_assert(kPerThread % kBatch == 0, "whole batches");
-#pragma unroll 1
-  for (int b0 = first_chunk; b0 < kPerThread; b0 += kBatch) {
-    QTileBatch<T, D, kRows, kThreads, kBatch> batch;
-    batch.Load(p, item, span, kv_head, group, span_rows, b0);
-    batch.Store(smem_q, b0, offset);
   }
 }
 

@@ -350,15 +350,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
     }
   };
-  // Prologue: the first Q loads go out first (their address needs no page table), then the
-  // page ids of the first stages, then those stages' copies; Q is converted and stored while
-  // the copies fly.
-  auto q_offset = [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); };
-  constexpr int kQPerThread = Cfg::kRows * Cfg::kChunks / Cfg::kThreads;
-  constexpr int kQEarly = kQPerThread < 8 ? kQPerThread : 8;
   {
-    QTileBatch<T, D, Cfg::kRows, Cfg::kThreads, kQEarly> q_early;
-    q_early.Load(p, item, span, kv_head, group, span_rows, 0);
     int32_t first_ids[kS];
 #pragma unroll
     for (int s = 0; s < kS; ++s) first_ids[s] = load_page_id(s);
@@ -370,12 +362,12 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       if (s < num_tiles) issue_tile(s);
       CpAsyncCommit();
     }
-    q_early.Store(smem_q, 0, q_offset);
   }
-  if constexpr (kQPerThread > kQEarly) {
-    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(p, item, span, kv_head, group, span_rows, smem_q,
-                                               q_offset, kQEarly);
-  }
+
+  // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
+  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+      p, item, span, kv_head, group, span_rows, smem_q,
+      [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).

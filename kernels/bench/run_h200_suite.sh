@@ -8,7 +8,7 @@
 #             build/tests/wgmma_layout_test build/tests/e2e_tests build/tests/backend_parity_test \
 #             build/server/pagedattn-server build/client/pagedattn-cli build/kernels/bench/pagedattn-bench
 #   there:  bash kernels/bench/run_h200_suite.sh .stage $OUT        (carry [".stage"])
-#   here:   python3 kernels/bench/compare.py OUT/decode.json OUT/peers.json
+#   here:   python3 kernels/bench/compare.py OUT/ours.json OUT/peers.json
 #
 # SKIP_TESTS=1 leaves the tests out; PEERS=0 leaves peers.py out.
 set -uo pipefail
@@ -27,22 +27,49 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     echo "kernel_tests(portable prefill) rc=$?"
     [ -x "$b/e2e_tests" ] && { PAGEDATTN_E2E_BACKEND=cuda timeout 200 "$b/e2e_tests"; echo "e2e_tests(cuda) rc=$?"; }
     [ -x "$b/backend_parity_test" ] && { timeout 100 "$b/backend_parity_test"; echo "backend_parity_test rc=$?"; }
+    if [ -x "$b/pagedattn-server" ] && [ -x "$b/pagedattn-cli" ]; then
+      "$b/pagedattn-server" --listen=127.0.0.1:50051 --health_listen=127.0.0.1:50052 &
+      server=$!
+      sleep 3
+      timeout 60 "$b/pagedattn-cli" --target=127.0.0.1:50051 smoke; echo "cli smoke rc=$?"
+      kill -TERM "$server"; wait "$server"; echo "server exit rc=$?"
+    fi
   } > "$out/tests.log" 2>&1
-  grep -E "rc=|^\[  (FAILED|PASSED)|Failure|is .*want" "$out/tests.log" | head -40
+  grep -E "rc=|^\[  (FAILED|PASSED)|Failure|is .*want|PASS|FAIL" "$out/tests.log" | head -40
 fi
 
-run() { local name=$1; shift; timeout 120 "$b/pagedattn-bench" "$@" --json "$out/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
+tmp=$(mktemp -d)
+run() { local name=$1; shift; timeout 120 "$b/pagedattn-bench" "$@" --json "$tmp/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
 run prefill --suite prefill
 run prefill_portable --suite prefill --prefill-path portable
 run prefill_p128 --suite prefill --page-size 128
 run prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
-run prefill_d64 --suite prefill --head-dim 64 --cases "2,8192" --reps 10
-run prefill_d256 --suite prefill --head-dim 256 --cases "2,8192" --reps 10
-run prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 10
+run prefill_d64 --suite prefill --head-dim 64 --cases "4,4096 2,8192" --reps 20
+run prefill_d256 --suite prefill --head-dim 256 --cases "4,4096 2,8192" --reps 20
+run prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 20
 run decode
-cat "$out"/prefill*.json | grep -o '"batch[^}]*' | sed 's/"q_heads.*"time_us"/ .. "time_us"/'
-grep -o '"batch[^,]*, "ctx[^,]*\|"tbps[^,]*\|"read_tbps[^,]*' "$out/decode.json" | paste - - - 
+run decode_p64 --page-size 64 --no-read-roofline
+run decode_p128 --page-size 128 --no-read-roofline
+run decode_p1 --page-size 1 --cases "1,32768 16,4096" --no-read-roofline
+run decode_mqa --q-heads 32 --kv-heads 1 --cases "1,131072" --no-read-roofline
+# One file of rows, each tagged with the run it came from.
+python3 - "$tmp" "$out/ours.json" <<'PY'
+import json, os, sys
+rows = []
+for name in sorted(os.listdir(sys.argv[1])):
+    for r in json.load(open(os.path.join(sys.argv[1], name))):
+        r["variant"] = name[:-5]
+        rows.append(r)
+json.dump(rows, open(sys.argv[2], "w"), indent=1)
+for r in rows:
+    v = r.get("tflops", r.get("tbps"))
+    print(r["variant"], r["batch"], r.get("seqlen", r.get("ctx")), r.get("head_dim"), r.get("kernel", ""), v, r.get("read_tbps", ""))
+PY
 if [ "${PEERS:-1}" != 0 ]; then
   timeout 300 python3 "$stage/peers.py" --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
-  grep -o '"suite[^,]*, "batch[^,]*, "[a-z]*": [0-9]*\|"peer[^,]*\|"tflops[^,]*\|"tbps[^,]*\|"read_tbps[^,]*' "$out/peers.json" | paste -s -d' ' | sed 's/"suite/\n"suite/g'
+  python3 - "$out/peers.json" <<'PY'
+import json, sys
+for r in json.load(open(sys.argv[1])):
+    print(r.get("suite"), r.get("batch"), r.get("seqlen", r.get("ctx")), r.get("peer"), r.get("tflops", r.get("tbps")))
+PY
 fi

@@ -145,12 +145,28 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     first = last;
   }
 
-  // Prefill blocks run longest first, so the short (causal, early) tiles fill the last wave
-  // instead of one long tile running alone at the end; the sort is stable, so tiles of
-  // equal length stay split-major and side by side.
+  // Prefill blocks run span by span (the span with the longest block first), and longest
+  // first within a span. Longest first, so the short (causal, early) tiles fill the last wave
+  // instead of one long tile running alone at the end. Span by span, so that the blocks running
+  // at once read the same K/V prefix and share it through L2: sorting all spans' blocks by
+  // length together puts one block of each length of every span side by side, and at 4 x 4096
+  // each wave then read four times as many distinct K/V bytes (DRAM-latency bound). Blocks are
+  // scheduled as SMs free up, so there is no wave boundary between spans. The sorts are
+  // stable: tiles of equal length stay split-major and side by side.
+  auto length = [](const AttentionWorkItem& it) { return it.kv_end - it.kv_start; };
+  std::vector<int32_t> span_longest(num_spans, 0);
+  for (const AttentionWorkItem& it : work->prefill_items) {
+    span_longest[it.span] = std::max(span_longest[it.span], length(it));
+  }
   std::stable_sort(work->prefill_items.begin(), work->prefill_items.end(),
-                   [](const AttentionWorkItem& a, const AttentionWorkItem& b) {
-                     return a.kv_end - a.kv_start > b.kv_end - b.kv_start;
+                   [&](const AttentionWorkItem& a, const AttentionWorkItem& b) {
+                     if (a.span != b.span) {
+                       if (span_longest[a.span] != span_longest[b.span]) {
+                         return span_longest[a.span] > span_longest[b.span];
+                       }
+                       return a.span < b.span;
+                     }
+                     return length(a) > length(b);
                    });
 }
 

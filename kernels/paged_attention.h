@@ -102,7 +102,7 @@ inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk m
 struct AttentionWork {
   std::vector<AttentionWorkItem> decode_items;       // 16-row tiles
   std::vector<AttentionWorkItem> decode_wide_items;  // 32-row tiles
-  std::vector<AttentionWorkItem> prefill_items;      // 128-row tiles, longest first
+  std::vector<AttentionWorkItem> prefill_items;      // 128-row tiles, by span, longest first
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
   int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.

@@ -485,5 +485,27 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   }
 }
 
+// Prefill blocks run span by span, the span with the longest block first, and longest first
+// within a span (load balance and L2 reuse of a span's K/V prefix; kernels/attention_plan.cc).
+TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
+  // Span 1 is the longest; span 0 and 2 tie on their longest block (span order decides).
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 100000, &work, 64);
+  ASSERT_FALSE(work.prefill_items.empty());
+  std::vector<int> span_order;
+  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
+    const auto& it = work.prefill_items[i];
+    EXPECT_NE(it.span, 3) << "a one-query span is a decode tile";
+    if (span_order.empty() || span_order.back() != it.span) span_order.push_back(it.span);
+    if (i > 0 && work.prefill_items[i - 1].span == it.span) {
+      const auto& prev = work.prefill_items[i - 1];
+      EXPECT_GE(prev.kv_end - prev.kv_start, it.kv_end - it.kv_start) << "item " << i;
+    }
+  }
+  EXPECT_EQ(span_order, (std::vector<int>{1, 0, 2})) << "each span once, longest span first";
+}
+
 }  // namespace
 }  // namespace pagedattn

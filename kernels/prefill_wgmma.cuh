@@ -331,7 +331,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   auto store_row_base = [&](int tile, int32_t page_id) {
     if (tid >= Cfg::kTileKv) return;
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
-    const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+    const int32_t in_page = pos - static_cast<int32_t>(p.page_div.Div(pos)) * p.page_size;
     row_base[tile % kS][tid] =
         page_id < 0 ? -1 : (page_id * p.num_kv_heads + kv_head) * p.page_size + in_page;
   };

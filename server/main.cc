@@ -25,6 +25,10 @@ ABSL_FLAG(int64_t, max_message_mb, 512,
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC");
 ABSL_FLAG(int, cpu_threads, 0, "worker threads of the CPU backend (0: one per hardware thread)");
+ABSL_FLAG(std::string, prefill_kernel, "auto",
+          "auto | portable. The CUDA backend's prefill kernel: auto runs the Hopper (wgmma) kernel "
+          "on compute 9.0 GPUs when the build has sm_90a, the portable (mma.sync) kernel "
+          "elsewhere; portable always runs the latter");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish before they are cancelled");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64, "CreateCache beyond this many caches per tenant "
@@ -95,6 +99,7 @@ int main(int argc, char** argv) {
   options.backend = absl::GetFlag(FLAGS_backend);
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  options.prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel);
   options.limits.max_caches_per_tenant = absl::GetFlag(FLAGS_max_caches_per_tenant);
   options.limits.max_total_pool_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_max_total_pool_gb) * (1ull << 30));

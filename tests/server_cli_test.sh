@@ -8,6 +8,10 @@ log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
 . "$(dirname "$0")/lib.sh"
 
+# A bad flag value stops the server at start with an error that names it.
+out=$("$server" --listen=127.0.0.1:0 --backend=cpu --prefill_kernel=fastest 2>&1) && fail "bad --prefill_kernel accepted"
+grep -q "prefill_kernel must be one of auto, portable (got 'fastest')" <<<"$out" || fail "bad --prefill_kernel: $out"
+
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &
 pid=$!

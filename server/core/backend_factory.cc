@@ -11,14 +11,19 @@ namespace pagedattn {
 
 bool BuiltWithCuda() { return PAGEDATTN_WITH_CUDA != 0; }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads,
+                                                       const std::string& prefill_kernel) {
+  if (prefill_kernel != "auto" && prefill_kernel != "portable") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "prefill_kernel must be one of auto, portable (got '", prefill_kernel, "')"));
+  }
   if (choice == "cpu") return std::make_unique<CpuBackend>(cpu_threads);
   if (choice != "auto" && choice != "cuda") {
     return absl::InvalidArgumentError(
         absl::StrCat("backend must be one of auto, cuda, cpu (got '", choice, "')"));
   }
 #if PAGEDATTN_WITH_CUDA
-  if (CudaDeviceCount() > 0) return CreateCudaBackend();
+  if (CudaDeviceCount() > 0) return CreateCudaBackend(prefill_kernel == "portable");
   if (choice == "cuda") {
     return absl::FailedPreconditionError("--backend=cuda but no CUDA GPU is visible to this process");
   }

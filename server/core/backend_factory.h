@@ -15,6 +15,9 @@ bool BuiltWithCuda();
 
 // choice: "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when
 // the build has no CUDA or no GPU is visible.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads = 0);
+// prefill_kernel (CUDA backend only): "auto" (the Hopper wgmma kernel where the build and the
+// GPU have it, the portable one elsewhere) or "portable"; anything else is INVALID_ARGUMENT.
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads = 0,
+                                                       const std::string& prefill_kernel = "auto");
 
 }  // namespace pagedattn

@@ -145,7 +145,8 @@ struct Layout {
 
 class CudaBackend final : public Backend {
  public:
-  explicit CudaBackend(int device_count) : device_count_(device_count) {}
+  CudaBackend(int device_count, bool portable_prefill)
+      : device_count_(device_count), portable_prefill_(portable_prefill) {}
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string name() const override { return "cuda"; }
@@ -356,6 +357,7 @@ class CudaBackend final : public Backend {
       p.page_size = g.page_size;
       p.causal = plan.causal;
       p.sm_scale = plan.sm_scale;
+      p.prefill_path = portable_prefill_ ? k::PrefillPath::kPortable : k::PrefillPath::kAuto;
       p.k_cache = pool.k(plan.layer);
       p.v_cache = pool.v(plan.layer);
       p.page_table = reinterpret_cast<const int32_t*>(d + L.page_table);
@@ -397,6 +399,7 @@ class CudaBackend final : public Backend {
   }
 
   const int device_count_;
+  const bool portable_prefill_;  // --prefill_kernel=portable
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Workspace>> free_;
 };
@@ -412,12 +415,12 @@ int CudaDeviceCount() {
   return count;
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend() {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(bool portable_prefill) {
   const int count = CudaDeviceCount();
   if (count == 0) {
     return absl::FailedPreconditionError("no CUDA GPU is visible (cudaGetDeviceCount found none)");
   }
-  return std::unique_ptr<Backend>(new CudaBackend(count));
+  return std::unique_ptr<Backend>(new CudaBackend(count, portable_prefill));
 }
 
 }  // namespace pagedattn

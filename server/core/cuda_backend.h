@@ -13,7 +13,8 @@ namespace pagedattn {
 int CudaDeviceCount();
 
 // The CUDA backend over every visible GPU (a cache picks one through CacheGeometry::device).
-// FAILED_PRECONDITION when no GPU is visible.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend();
+// FAILED_PRECONDITION when no GPU is visible. portable_prefill: prefill tiles always run on the
+// portable (mma.sync) kernel, never the Hopper (wgmma) one.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(bool portable_prefill = false);
 
 }  // namespace pagedattn

@@ -62,7 +62,7 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const Se
     if (!auth.ok()) return auth.status();
     s->auth_ = *std::move(auth);
   }
-  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options.backend, options.cpu_threads);
+  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options.backend, options.cpu_threads, options.prefill_kernel);
   if (!backend.ok()) return backend.status();
   s->backend_ = *std::move(backend);
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), options.limits);

@@ -367,24 +367,29 @@ __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
   PrefillTileBody<T, D>(params);
 }
 
-template <typename T, int D>
-LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
-  using Cfg = PrefillTileConfig<T, D>;
+// Launches a prefill tile kernel: one block per (work item, kv head), items in order and the
+// kv heads of one item side by side. Shared by the portable and the Hopper prefill kernels.
+template <typename Kernel>
+LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem,
+                               std::atomic<bool> (&smem_raised)[kMaxDevices], const char* what,
+                               const PagedAttentionParams& params, cudaStream_t stream) {
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
-  auto kernel = PagedPrefillTileKernel<T, D>;
-  constexpr size_t smem = Cfg::SmemBytes();
-  static std::atomic<bool> smem_raised[kMaxDevices];
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "prefill attention");
-      !st.ok()) {
-    return st;
-  }
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
   const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
   if (blocks > INT32_MAX) {
     return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
                                      std::to_string(blocks) + ")");
   }
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(params);
-  return LastLaunchStatus("prefill attention");
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(params);
+  return LastLaunchStatus(what);
+}
+
+template <typename T, int D>
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+  using Cfg = PrefillTileConfig<T, D>;
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  return LaunchPrefillGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                           smem_raised, "prefill attention", params, stream);
 }
 
 #define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \

@@ -159,35 +159,6 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint6
   }
 }
 
-#define PAGEDATTN_WGMMA_D16 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define PAGEDATTN_WGMMA_D16_OPERANDS(d)                                                        \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),    \
-      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
-
-// d (64 x 32, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 32, shared, K-major).
-template <typename T>
-__device__ __forceinline__ void WgmmaSS(float (&d)[4][4], uint64_t desc_a, uint64_t desc_b,
-                                        int accumulate) {
-  if constexpr (WgmmaTypeName<T>::kBf16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D16
-        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n32k16.f32.f16.f16 " PAGEDATTN_WGMMA_D16
-        ", %16, %17, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D16_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
-}
-#undef PAGEDATTN_WGMMA_D16
-#undef PAGEDATTN_WGMMA_D16_OPERANDS
 
 #define PAGEDATTN_WGMMA_D64 \
   "{" \
@@ -653,21 +624,9 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 template <typename T, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = WgmmaPrefillConfig<T, D>;
-  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
-  auto kernel = PagedPrefillWgmmaKernel<T, D>;
-  constexpr size_t smem = Cfg::SmemBytes();
   static std::atomic<bool> smem_raised[kMaxDevices];
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "prefill attention (wgmma)");
-      !st.ok()) {
-    return st;
-  }
-  const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
-  if (blocks > INT32_MAX) {
-    return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
-                                     std::to_string(blocks) + ")");
-  }
-  kernel<<<static_cast<unsigned>(blocks), Cfg::kThreads, smem, stream>>>(params);
-  return LastLaunchStatus("prefill attention (wgmma)");
+  return LaunchPrefillGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                           smem_raised, "prefill attention (wgmma)", params, stream);
 }
 
 #define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D) \

@@ -240,10 +240,10 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
 }
 
 // Q tile -> shared memory, converted to T; rows past the span are zero. A thread issues all
-// its loads (up to kMaxBatch chunks at a time) before it converts and stores any, so the tile costs one
+// its loads (up to 8 chunks at a time) before it converts and stores any, so the tile costs one
 // global-memory latency rather than one per chunk. offset(row, chunk) is the element offset of
 // a 16-byte chunk in the kernel's shared-memory layout.
-template <typename T, int D, int kRows, int kThreads, int kMaxBatch = 8, typename Offset>
+template <typename T, int D, int kRows, int kThreads, typename Offset>
 __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           const AttentionWorkItem& item, const AttentionSpan& span,
                                           int kv_head, int group, int span_rows, T* smem_q,
@@ -251,7 +251,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
   constexpr int kChunks = D / 8;
   static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
   constexpr int kPerThread = kRows * kChunks / kThreads;
-  constexpr int kBatch = kPerThread < kMaxBatch ? kPerThread : kMaxBatch;
+  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
   static_assert(kPerThread % kBatch == 0, "whole batches");
 #pragma unroll 1
   for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {

@@ -121,7 +121,8 @@ template <typename T, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream);
 
 // Whether this build carries sm_90a code and the current device is compute capability 9.0
-// (kernels/paged_attention.cu; answered once per device).
+// (kernels/paged_attention.cu; answered once per device). Callers choose against it through
+// PagedAttentionParams::prefill_path (the server's --prefill_kernel).
 bool HopperPrefillAvailable();
 
 // Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.

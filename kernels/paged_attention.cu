@@ -7,7 +7,6 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "kernels/dispatch.h"
@@ -131,11 +130,8 @@ bool HopperPrefillAvailable() {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (device < kMaxDevices && cached[device].load() != 0) return cached[device].load() > 0;
-  // PAGEDATTN_PREFILL_KERNEL=portable: the mma.sync prefill kernel everywhere (an escape hatch
-  // for operators, and how the tests run the portable kernel on a Hopper GPU).
-  const char* forced = std::getenv("PAGEDATTN_PREFILL_KERNEL");
   int major = 0, minor = 0;
-  const bool yes = !(forced != nullptr && std::string(forced) == "portable") &&
+  const bool yes =
       cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess &&
       cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) == cudaSuccess &&
       major == 9 && minor == 0;

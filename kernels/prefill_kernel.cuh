@@ -60,7 +60,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kPipelineBytes);
 
-  // Items are sorted longest first; the kv heads of one item run side by side.
+  // Items run in the planner's order (by span, longest first); the kv heads of one item run
+  // side by side.
   const int kv_head = blockIdx.x % p.num_kv_heads;
   const AttentionWorkItem item = p.prefill_items[blockIdx.x / p.num_kv_heads];
   const AttentionSpan span = item.span_info;

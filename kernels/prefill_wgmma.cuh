@@ -18,6 +18,8 @@
 // this kernel only when the build has sm_90a (PAGEDATTN_HAVE_SM90A) and the device is 9.0.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/prefill_kernel.cuh"
 
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -97,9 +99,6 @@ __device__ __forceinline__ void FenceRegs(float (&d)[N][4]) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
 }
-__device__ __forceinline__ void FenceRegs(float (&a)[2]) {
-  asm volatile("" : "+f"(a[0]), "+f"(a[1])::"memory");
-}
 __device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
@@ -127,39 +126,6 @@ __device__ __forceinline__ void ProxyFenceShared() {
       "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
       "+f"(d[7][2]), "+f"(d[7][3])
 
-template <typename T>
-struct WgmmaTypeName;
-template <>
-struct WgmmaTypeName<__nv_bfloat16> {
-  static constexpr bool kBf16 = true;
-};
-template <>
-struct WgmmaTypeName<__half> {
-  static constexpr bool kBf16 = false;
-};
-
-// d (64 x 64, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 64, shared, K-major).
-template <typename T>
-__device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
-                                        int accumulate) {
-  if constexpr (WgmmaTypeName<T>::kBf16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D32
-        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PAGEDATTN_WGMMA_D32
-        ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
-  }
-}
-
-
 #define PAGEDATTN_WGMMA_D64 \
   "{" \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -180,75 +146,86 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint6
       "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
       "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
-// d (64 x 128, f32) = [d +] A (64 x 16, shared, K-major) * B (16 x 128, shared, K-major).
+// The wgmma's this kernel issues, as one asm statement each. TY is the PTX element type
+// (bf16, f16); DLIST/DOPS the accumulator registers; the operand numbers after them follow.
+// A and B from shared memory (both K-major); the predicate scales D by 0 (first k step) or 1.
+#define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                               \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", %" NA ", %" NB \
+               ", p, 1, 1, 0, 0;\n}\n"                                                        \
+               : DOPS                                                                         \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+// A from registers (the mma.sync A fragment of the warp's 16 rows), B from shared memory read
+// MN-major (transpose bit); D accumulates.
+#define PAGEDATTN_WGMMA_RS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                  \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                                \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA     \
+               "}, %" NB ", p, 1, 1, 1;\n}\n"                                                  \
+               : DOPS                                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+
+template <typename T>
+inline constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
+
+// d (64 x 64, f32) = [d +] A (64 x 16) * B (16 x 64).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  if constexpr (kIsBf16<T>) {
+    PAGEDATTN_WGMMA_SS("m64n64k16", "bf16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
+                       "32", "33", "34");
+  } else {
+    PAGEDATTN_WGMMA_SS("m64n64k16", "f16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
+                       "32", "33", "34");
+  }
+}
+
+// d (64 x 128, f32) = [d +] A (64 x 16) * B (16 x 128).
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
                                         int accumulate) {
-  if constexpr (WgmmaTypeName<T>::kBf16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D64
-        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+  if constexpr (kIsBf16<T>) {
+    PAGEDATTN_WGMMA_SS("m64n128k16", "bf16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
+                       "64", "65", "66");
   } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PAGEDATTN_WGMMA_D64
-        ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
-        : "l"(desc_a), "l"(desc_b), "r"(accumulate));
+    PAGEDATTN_WGMMA_SS("m64n128k16", "f16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
+                       "64", "65", "66");
   }
 }
 
-// d (64 x 64, f32) += A (64 x 16, registers: the mma.sync A fragment of this warp's 16 rows) *
-// B (16 x 64, shared, MN-major).
+// d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, MN-major).
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4],
                                         uint64_t desc_b) {
-  if constexpr (WgmmaTypeName<T>::kBf16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D32
-        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  if constexpr (kIsBf16<T>) {
+    PAGEDATTN_WGMMA_RS("m64n64k16", "bf16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
+                       "32, %33, %34, %35", "36", "37");
   } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " PAGEDATTN_WGMMA_D32
-        ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-        : PAGEDATTN_WGMMA_D32_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    PAGEDATTN_WGMMA_RS("m64n64k16", "f16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
+                       "32, %33, %34, %35", "36", "37");
   }
 }
 
-#undef PAGEDATTN_WGMMA_D32
-
-// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, shared, MN-major: two 64-column
-// slices, the descriptor's leading byte offset apart).
+// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, MN-major: two 64-column slices,
+// the descriptor's leading byte offset apart).
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4],
                                         uint64_t desc_b) {
-  if constexpr (WgmmaTypeName<T>::kBf16) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " PAGEDATTN_WGMMA_D64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+  if constexpr (kIsBf16<T>) {
+    PAGEDATTN_WGMMA_RS("m64n128k16", "bf16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
+                       "64, %65, %66, %67", "68", "69");
   } else {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " PAGEDATTN_WGMMA_D64
-        ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-        : PAGEDATTN_WGMMA_D64_OPERANDS(d)
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1));
+    PAGEDATTN_WGMMA_RS("m64n128k16", "f16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
+                       "64, %65, %66, %67", "68", "69");
   }
 }
+
+#undef PAGEDATTN_WGMMA_SS
+#undef PAGEDATTN_WGMMA_RS
+#undef PAGEDATTN_WGMMA_D32
+#undef PAGEDATTN_WGMMA_D32_OPERANDS
 #undef PAGEDATTN_WGMMA_D64
 #undef PAGEDATTN_WGMMA_D64_OPERANDS
-#undef PAGEDATTN_WGMMA_D32_OPERANDS
 
 template <typename T, int D>
 __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) {
@@ -265,7 +242,8 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
   const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
 
-  // Items are sorted longest first; the kv heads of one item run side by side.
+  // Items run in the planner's order (by span, longest first); the kv heads of one item run
+  // side by side.
   const int kv_head = blockIdx.x % p.num_kv_heads;
   const AttentionWorkItem item = p.prefill_items[blockIdx.x / p.num_kv_heads];
   const AttentionSpan span = item.span_info;
@@ -471,10 +449,7 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
       }
     }
   };
-  auto fence_o = [&]() {
-#pragma unroll
-    for (int sl = 0; sl < kSlices; ++sl) FenceRegs(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]));
-  };
+  auto fence_o = [&]() { FenceRegs(o); };
   auto fence_p = [&](uint32_t(&pa)[kKP][4]) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <future>
 #include <limits>
@@ -233,7 +234,11 @@ class CudaKernelTest : public ::testing::Test {
  protected:
   void SetUp() override {
     SKIP_WITHOUT_GPU();
-    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend();
+    // PAGEDATTN_PREFILL_KERNEL=portable runs every case on the portable prefill kernel (what
+    // the server's --prefill_kernel=portable does), so both kernels are tested on a Hopper GPU.
+    const char* prefill = std::getenv("PAGEDATTN_PREFILL_KERNEL");
+    absl::StatusOr<std::unique_ptr<Backend>> b =
+        CreateCudaBackend(prefill != nullptr && std::string(prefill) == "portable");
     ASSERT_TRUE(b.ok()) << b.status();
     backend_ = std::move(*b);
   }

@@ -347,7 +347,11 @@ TEST_F(E2ETest, RandomRequestsNeverCrashOrLeak) {
       for (const v1::Span& sp : r.spans()) {
         if (sp.num_new_tokens() > 0) len[{r.layer(), static_cast<int>(sp.seq_id())}] = sp.start() + sp.num_new_tokens();
       }
-      for (float x : *TensorToFloats(resp->out())) ASSERT_FALSE(std::isnan(x)) << r.DebugString();
+      // Held in a variable: `for (x : *TensorToFloats(...))` would iterate a vector inside a
+      // temporary destroyed before the loop runs (a dangling read that failed this test once).
+      const absl::StatusOr<std::vector<float>> out = TensorToFloats(resp->out());
+      ASSERT_TRUE(out.ok()) << out.status();
+      for (float x : *out) ASSERT_FALSE(std::isnan(x)) << r.DebugString();
     } else {
       ASSERT_NE(resp.status().code(), absl::StatusCode::kInternal) << resp.status();
       ASSERT_NE(resp.status().code(), absl::StatusCode::kUnavailable) << resp.status();

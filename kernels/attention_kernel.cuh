@@ -224,7 +224,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
                                                  int group) {
-  if (item.partial_row < 0) return;
+  if (item.partial_row < 0 || p.separate_merge) return;
   __shared__ int is_last_split;
   const AttentionMergeTask task = p.merge_tasks[item.merge_task];
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
@@ -624,6 +624,88 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   }
   return LaunchStatus::Ok();
 }
+
+// ---- The separate merge (PagedAttentionParams::separate_merge) ------------------------------
+
+// One block per (merge task, row, kv head): the block's warps take the splits in turn, each lane
+// D/32 consecutive dims, so the partial rows of all splits are read with 8 warps' loads in
+// flight rather than one warp's; the warps' sums are added in shared memory.
+inline constexpr int kMergeThreads = 256;
+
+template <int D>
+__global__ void __launch_bounds__(kMergeThreads)
+    MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
+  constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
+  const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
+  const int r = blockIdx.y, kv_head = blockIdx.z;
+  if (r >= task.num_rows) return;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* lse = p.partial_lse + int64_t{kv_head} * p.partial_rows + task.partial_row + r;
+  const float* part = p.partial_out + (int64_t{kv_head} * p.partial_rows + task.partial_row + r) * D;
+  __shared__ float red[kWarps][D];
+  __shared__ float red_max[kWarps], red_sum[kWarps];
+
+  // The largest split LSE: the weights' common base.
+  float max_lse = -INFINITY;
+  for (int s = threadIdx.x; s < task.num_splits; s += kMergeThreads)
+    max_lse = fmaxf(max_lse, __ldcg(lse + int64_t{s} * task.row_stride));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+  if (lane == 0) red_max[warp] = max_lse;
+  __syncthreads();
+  max_lse = red_max[0];
+#pragma unroll
+  for (int w = 1; w < kWarps; ++w) max_lse = fmaxf(max_lse, red_max[w]);
+  const float base = max_lse == -INFINITY ? 0.f : max_lse;
+
+  float acc[kDims];
+#pragma unroll
+  for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
+  float weight_sum = 0.f;  // the same in every lane of the warp
+#pragma unroll 4
+  for (int s = warp; s < task.num_splits; s += kWarps) {
+    const int64_t row = int64_t{s} * task.row_stride;
+    const float w = __expf(__ldcg(lse + row) - base);
+    const float* src = part + row * D + lane * kDims;
+#pragma unroll
+    for (int j = 0; j < kDims; j += 2) {
+      const float2 v = __ldcg(reinterpret_cast<const float2*>(src + j));
+      acc[j] += w * v.x;
+      acc[j + 1] += w * v.y;
+    }
+    weight_sum += w;
+  }
+#pragma unroll
+  for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = acc[j];
+  if (lane == 0) red_sum[warp] = weight_sum;
+  __syncthreads();
+
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += red_sum[w];
+  const float inv = total > 0.f ? 1.f / total : 0.f;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int span_row = task.row_start + r;
+  const int64_t out_row =
+      (task.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+  for (int d = threadIdx.x; d < D; d += kMergeThreads) {
+    float sum = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) sum += red[w][d];
+    p.out[out_row * D + d] = sum * inv;
+  }
+  if (p.lse && threadIdx.x == 0) p.lse[out_row] = total > 0.f ? base + __logf(total) : -INFINITY;
+}
+
+template <int D>
+LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream) {
+  const dim3 grid(params.num_merge_tasks, params.merge_rows, params.num_kv_heads);
+  MergeSplitsKernel<D><<<grid, kMergeThreads, 0, stream>>>(params);
+  return LastLaunchStatus("split-KV merge");
+}
+
+#define PAGEDATTN_INSTANTIATE_MERGE(D) \
+  template LaunchStatus LaunchMergeSplits<D>(const PagedAttentionParams&, cudaStream_t);
 
 // Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
 #define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \

@@ -25,6 +25,10 @@ constexpr int64_t kMergeCost = 32;
 // The split that finishes last merges its tile alone, reading num_splits * rows partial rows
 // at the very end of the launch; each (split, row) costs about one position of streaming.
 constexpr int64_t kMergeCostPerSplitRow = 1;
+// The separate merge kernel (AttentionWork::separate_merge): a launch and its blocks' start,
+// then each block reads its row of every split with 8 warps.
+constexpr int64_t kSeparateMergeCost = 256;
+constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 
 }  // namespace
 
@@ -35,6 +39,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->prefill_items.clear();
   work->merge_tasks.clear();
   work->partial_rows = 0;
+  work->separate_merge = false;
+  work->merge_rows = 0;
   const int group = num_q_heads / num_kv_heads;
 
   std::vector<Tile> tiles;
@@ -64,12 +70,25 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   auto round_chunk = [&](int64_t c) {
     return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
   };
+  // Split-KV merge tail of a chunk: in the tile kernels (the largest task's splits * rows) or in
+  // a kernel of its own (a fixed cost plus the most splits any row has); the cheaper one.
+  auto merge_tails = [&](int64_t chunk) {
+    int64_t in_kernel = 0, most_splits = 0;
+    for (const Tile& t : tiles) {
+      const int64_t n = CeilDiv(t.kv_end, chunk);
+      if (n < 2) continue;
+      in_kernel = std::max(in_kernel, n * t.num_rows * kMergeCostPerSplitRow);
+      most_splits = std::max(most_splits, n);
+    }
+    const int64_t separate =
+        most_splits == 0 ? 0 : kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
+    return std::make_pair(in_kernel, separate);
+  };
   auto estimate = [&](int64_t chunk) {
-    int64_t units = 0, max_cost = 0, merge_tail = 0;
+    int64_t units = 0, max_cost = 0;
     double total_cost = 0;
     for (const Tile& t : tiles) {
       const int64_t n = CeilDiv(t.kv_end, chunk);
-      if (n > 1) merge_tail = std::max(merge_tail, n * t.num_rows * kMergeCostPerSplitRow);
       units += n;
       total_cost +=
           static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
@@ -78,9 +97,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     units *= num_kv_heads;
     total_cost *= num_kv_heads;
     const double waves = static_cast<double>(CeilDiv(units, blocks));
+    const auto [in_kernel, separate] = merge_tails(chunk);
     return std::max(static_cast<double>(max_cost),
                     waves * total_cost / std::max<int64_t>(units, 1)) +
-           static_cast<double>(merge_tail);
+           static_cast<double>(std::min(in_kernel, separate));
   };
   static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
                                     28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};
@@ -97,6 +117,9 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     if (c == floor_chunk) break;
   }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
+  const auto [in_kernel_merge, separate_merge] = merge_tails(chunk);
+  work->separate_merge = separate_merge < in_kernel_merge;
+  work->merge_rows = 0;
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
   // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.
@@ -114,9 +137,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
         const int tile_rows = tile.tile_rows;
         partial_base[t - first] = static_cast<int32_t>(work->partial_rows);
         task_index[t - first] = static_cast<int32_t>(work->merge_tasks.size());
-        work->merge_tasks.push_back({tile.span, tile.row_start, tile.num_rows,
-                                     static_cast<int32_t>(splits),
+        work->merge_tasks.push_back({spans[tile.span].q_offset, tile.span, tile.row_start,
+                                     tile.num_rows, static_cast<int32_t>(splits),
                                      static_cast<int32_t>(work->partial_rows), tile_rows});
+        work->merge_rows = std::max(work->merge_rows, tile.num_rows);
         work->partial_rows += splits * tile_rows;
       }
     }

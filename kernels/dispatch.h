@@ -112,6 +112,11 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
+// The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
+// per (merge task, row, kv head); instantiated beside the tile kernels for each head_dim.
+template <int D>
+LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream);
+
 // The prefill tile kernels, instantiated beside them: the portable one on mma.sync
 // (kernels/prefill_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
 // (kernels/prefill_wgmma.cuh, sm_90a builds on 9.0 devices).

@@ -145,7 +145,7 @@ bool HopperPrefillAvailable() {
 LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream) {
   if (LaunchStatus st = CheckPageSize(in.page_size); !st.ok()) return st;
   if (LaunchStatus st = CheckGqa(in.num_q_heads, in.num_kv_heads); !st.ok()) return st;
-  if (in.num_merge_tasks > 0 && in.merge_counters == nullptr) {
+  if (in.num_merge_tasks > 0 && in.merge_counters == nullptr && !in.separate_merge) {
     return LaunchStatus::Unsupported("split-KV work needs merge_counters");
   }
   PagedAttentionParams params = in;
@@ -165,6 +165,10 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
     if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
       return st;
     }
+  }
+  if (params.separate_merge && params.num_merge_tasks > 0) {
+    return DispatchHeadDim(params.head_dim,
+                           [&](auto d) { return LaunchMergeSplits<decltype(d)::value>(params, stream); });
   }
   return LaunchStatus::Ok();
 }

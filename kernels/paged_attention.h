@@ -77,8 +77,10 @@ struct AttentionWorkItem {
 };
 
 // Combines num_splits partial results of one tile (split s at partial_row + s * row_stride);
-// done by whichever split finishes last.
+// done by whichever split finishes last, or by the merge kernel after the tile kernels when the
+// plan says separate_merge.
 struct AttentionMergeTask {
+  int64_t q_offset = 0;  // spans[span].q_offset: where the tile's rows go in out / lse.
   int32_t span = 0;
   int32_t row_start = 0;
   int32_t num_rows = 0;
@@ -106,6 +108,13 @@ struct AttentionWork {
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
   int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.
+  // Where the splits are merged. In the tile kernels, the last split of a tile merges all of its
+  // rows alone, a serial tail of num_splits * rows partial rows at the end of the launch; cheap
+  // for the usual decode tile (4-8 rows) but not for a wide one cut in hundreds of splits
+  // (32 q heads on 1 kv head). separate_merge: a second kernel merges every (task, row, kv
+  // head) in its own block instead, at the price of a launch.
+  bool separate_merge = false;
+  int32_t merge_rows = 0;  // Rows of the largest merge task.
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
@@ -155,11 +164,16 @@ struct PagedAttentionParams {
   float* partial_lse = nullptr;  // [num_kv_heads][partial_rows]
   int64_t partial_rows = 0;
   // [num_merge_tasks][num_kv_heads] split counters: zero before a launch, zero again after it
-  // (the last split of a tile merges the tile and resets its counter).
+  // (the last split of a tile merges the tile and resets its counter). Unused with
+  // separate_merge.
   int32_t* merge_counters = nullptr;
+  bool separate_merge = false;  // AttentionWork::separate_merge
+  int32_t merge_rows = 0;       // AttentionWork::merge_rows
+
 };
 
-// Runs the decode-shape tiles, then the prefill-shape tiles; split tiles merge themselves.
+// Runs the decode-shape tiles, then the prefill-shape tiles; split tiles merge themselves, or
+// (separate_merge) a merge kernel runs after them.
 LaunchStatus LaunchPagedAttention(const PagedAttentionParams& params, cudaStream_t stream);
 
 // ---- Conversion ---------------------------------------------------------------------------

@@ -352,6 +352,27 @@ TEST_F(CudaKernelTest, MqaAndWideHeadDim256) {
   RunCase(*backend_, c);
 }
 
+// 32 q heads on 1 kv head with a long history: the planner cuts each wide tile in many splits
+// and merges them in the separate merge kernel (checked against the planner below), here with
+// one and two queries per span, every head_dim, LSE returned, twice in a row.
+TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
+  int target = 0;
+  ASSERT_TRUE(kernels::AttentionTargetBlocks(DType::kBFloat16, 128, &target).ok());
+  for (int head_dim : {64, 128, 256}) {
+    CaseSpec c;
+    c.head_dim = head_dim;
+    c.num_kv_heads = 1;
+    c.gqa = 32;
+    c.page_size = 16;
+    c.steps = {{{30000, 0}, {6000, 0}}, {{1, 1}, {2, 2}}, {{1, 1}, {1, 1}}};
+    std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 2, 6002}};
+    kernels::AttentionWork work;
+    kernels::PlanAttentionWork(spans.data(), 2, 32, 1, true, target, &work);
+    ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
+    RunCase(*backend_, c);
+  }
+}
+
 // Long chunked prefill against 10k of history, and a non-causal prefill.
 TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   CaseSpec c;
@@ -490,6 +511,26 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   }
 }
 
+// Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
+// their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
+TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, 264, &work);
+  EXPECT_TRUE(work.separate_merge);
+  EXPECT_GE(work.decode_wide_items.size(), 200u) << "kv_chunk " << work.kv_chunk;
+  EXPECT_EQ(work.merge_rows, 32);
+  ASSERT_EQ(work.merge_tasks.size(), 1u);
+  EXPECT_EQ(work.merge_tasks[0].num_splits, static_cast<int>(work.decode_wide_items.size()));
+
+  spans = {{7, 0, 1, 32768}};
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, 264, &work);
+  EXPECT_FALSE(work.separate_merge);
+  EXPECT_EQ(work.merge_rows, 4);
+  ASSERT_FALSE(work.merge_tasks.empty());
+  EXPECT_EQ(work.merge_tasks[0].q_offset, 7);
+}
+
 // Prefill blocks run span by span, the span with the longest block first, and longest first
 // within a span (load balance and L2 reuse of a span's K/V prefix; kernels/attention_plan.cc).
 TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
@@ -497,7 +538,7 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 100000, &work, 64);
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 264, &work, 64);
   ASSERT_FALSE(work.prefill_items.empty());
   std::vector<int> span_order;
   for (size_t i = 0; i < work.prefill_items.size(); ++i) {

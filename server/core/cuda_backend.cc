@@ -372,6 +372,8 @@ class CudaBackend final : public Backend {
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
       p.merge_tasks = reinterpret_cast<const k::AttentionMergeTask*>(d + L.merge_tasks);
       p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
+      p.separate_merge = work.separate_merge;
+      p.merge_rows = work.merge_rows;
       p.partial_out = reinterpret_cast<float*>(d + L.partial_out);
       p.partial_lse = reinterpret_cast<float*>(d + L.partial_lse);
       p.partial_rows = work.partial_rows;

@@ -26,8 +26,10 @@ constexpr int64_t kMergeCost = 32;
 // at the very end of the launch; each (split, row) costs about one position of streaming.
 constexpr int64_t kMergeCostPerSplitRow = 1;
 // The separate merge kernel (AttentionWork::separate_merge): a launch and its blocks' start,
-// then each block reads its row of every split with 8 warps.
-constexpr int64_t kSeparateMergeCost = 256;
+// then each block reads its row of every split with 8 warps. Measured on the H200 (bench
+// --merge separate, 2026-11-29): 1.5-2.5 us slower than the in-kernel merge for 2-8 splits of
+// 4 rows, even at 32 x 4 split rows, 2.8 us faster at 32 x 8.
+constexpr int64_t kSeparateMergeCost = 128;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 
 }  // namespace

@@ -11,6 +11,7 @@
 //                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
+//                   [--merge planned|separate]   (separate: the split-KV merge kernel always)
 //
 //   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
 //   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
@@ -62,6 +63,7 @@ struct Config {
   int warmup = 10, reps = 50, check_seqs = 2;
   double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
   int min_chunk = 256;
+  bool separate_merge = false;  // --merge separate: override the plan's choice of merge
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
@@ -230,6 +232,13 @@ Config ParseFlags(int argc, char** argv) {
         std::exit(2);
       }
       c.prefill_path = v == "portable" ? PrefillPath::kPortable : PrefillPath::kAuto;
+    } else if (a == "--merge") {
+      const std::string v = next();
+      if (v != "planned" && v != "separate") {
+        std::fprintf(stderr, "--merge must be planned or separate (got %s)\n", v.c_str());
+        std::exit(2);
+      }
+      c.separate_merge = v == "separate";
     } else if (a == "--no-read-roofline")
       c.read_roofline = false;
     else {
@@ -331,6 +340,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   AttentionWork work;
   target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
   PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk);
+  if (cfg.separate_merge) work.separate_merge = true;
 
   auto upload = [](const void* src, size_t bytes) {
     void* d = nullptr;
@@ -531,12 +541,14 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
         "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
         "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
-        "\"kv_chunk\": %d, "
+        "\"kv_chunk\": %d, \"merge\": \"%s\", "
         "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
         "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d}",
         B, ctx_field.c_str(), Hq, Hkv, D, ps,
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
-        b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk, blocks, copies,
+        b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
+        work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
+        blocks, copies,
         static_cast<long long>(positions), cfg.stages, read_t * 1e6,
         read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm);
   }

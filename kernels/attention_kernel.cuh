@@ -217,9 +217,19 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
   if (lse_dst && quad_col == 0) *lse_dst = lse;
 }
 
+// Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
+// their output is wrong): the shipped kernels are EXP = 0.
+enum DecodeExperiment : int {
+  kExpNoCompute = 1,      // stream the tiles, skip S, softmax and P.V
+  kExpNoMerge = 2,        // skip the split-KV merge (the count and the last split's merge)
+  kExpLinearPages = 4,    // page ids from the position, no page-table loads (batch 1 only)
+  kExpNoQ = 8,            // skip the Q tile load
+  kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
+};
+
 // Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
 // by every thread of the block after its partials are written.
-template <int D>
+template <int D, int EXP = 0>
 __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
@@ -234,7 +244,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   __syncthreads();
   if (is_last_split) {
     __threadfence();
-    MergeSplits<D>(p, task, span, kv_head, group);
+    if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D>(p, task, span, kv_head, group);
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
   }
 }
@@ -283,7 +293,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 
 // ---- Device body --------------------------------------------------------------------------
 
-template <typename T, int D, int MW, int KW, int STAGES>
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                   const AttentionWorkItem* items) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
@@ -315,7 +325,12 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
-      ids[i] = (tile < num_tiles && pos < item.kv_end) ? pages[p.page_div.Div(pos)] : 0;
+      const bool valid = tile < num_tiles && pos < item.kv_end;
+      if constexpr ((EXP & kExpLinearPages) != 0) {
+        ids[i] = valid ? static_cast<int>(p.page_div.Div(pos)) : 0;
+      } else {
+        ids[i] = valid ? pages[p.page_div.Div(pos)] : 0;
+      }
     }
   };
   auto issue_tile = [&](int tile, const int(&ids)[Cfg::kRowsPerThread]) {
@@ -352,7 +367,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   fetch_pages(Cfg::kStages - 1, next_pages);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
-  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+  if constexpr ((EXP & kExpNoQ) == 0) LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
       p, item, span, kv_head, group, span_rows, smem_q,
       [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
@@ -403,6 +418,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int row0 = kw * Cfg::kWarpKv + step * 16;  // first position row in the tile
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
       if (pos0 >= item.kv_end || pos0 > warp_max_pos) continue;  // warp-uniform
+      if constexpr ((EXP & kExpNoCompute) != 0) continue;
 
       // S = Q K^T over 16 positions: two n8 tiles.
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -543,7 +559,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
   }
 
-  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+  if constexpr ((EXP & kExpNoMerge) == 0) MergeIfLastSplit<D, EXP>(p, item, span, kv_head, group);
 }
 
 // ---- Kernel and launcher ------------------------------------------------------------------
@@ -561,10 +577,10 @@ inline int NumTileItems(const PagedAttentionParams& p) {
 
 inline constexpr int kMaxDevices = 64;
 
-template <typename T, int D, int MW, int KW, int STAGES>
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES>(params, TileItems<MW>(params));
+  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params));
 }
 
 // Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a
@@ -586,12 +602,12 @@ LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem,
   return LaunchStatus::Ok();
 }
 
-template <typename T, int D, int MW, int KW, int STAGES>
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
-  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES>;
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
   constexpr size_t smem = Cfg::SmemBytes();
   static std::atomic<bool> smem_raised[kMaxDevices];
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");

@@ -51,7 +51,9 @@ run decode
 run decode_p64 --page-size 64 --no-read-roofline
 run decode_p128 --page-size 128 --no-read-roofline
 run decode_p1 --page-size 1 --cases "1,32768 16,4096" --no-read-roofline
-run decode_mqa --q-heads 32 --kv-heads 1 --cases "1,131072" --no-read-roofline
+# Few kv heads (wide tiles, many splits, the separate merge), with peers.py rows of the same shapes.
+run decode_kv1 --kv-heads 1 --cases "1,32768 8,4096 1,131072" --no-read-roofline
+run decode_kv2 --kv-heads 2 --cases "1,32768 2,16384" --no-read-roofline
 # One file of rows, each tagged with the run it came from.
 python3 - "$tmp" "$out/ours.json" <<'PY'
 import json, os, sys
@@ -67,6 +69,17 @@ for r in rows:
 PY
 if [ "${PEERS:-1}" != 0 ]; then
   timeout 300 python3 "$stage/peers.py" --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
+  timeout 100 python3 "$stage/peers.py" --no-limits --prefill none --kv-heads 1 \
+    --decode "1,32768 8,4096 1,131072" --out "$tmp/peers_kv1.json" >> "$out/peers.log" 2>&1
+  timeout 100 python3 "$stage/peers.py" --no-limits --prefill none --kv-heads 2 \
+    --decode "1,32768 2,16384" --out "$tmp/peers_kv2.json" >> "$out/peers.log" 2>&1
+  python3 - "$out/peers.json" "$tmp"/peers_kv*.json <<'PY'
+import json, sys
+rows = json.load(open(sys.argv[1]))
+for extra in sys.argv[2:]:
+    rows += json.load(open(extra))
+json.dump(rows, open(sys.argv[1], "w"), indent=1)
+PY
   python3 - "$out/peers.json" <<'PY'
 import json, sys
 for r in json.load(open(sys.argv[1])):

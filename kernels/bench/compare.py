@@ -53,15 +53,16 @@ def main():
     for r in peers:
         if r.get("suite") == "decode" and "tbps" in r:
             by_shape.setdefault(key(r), {})[r["peer"]] = r
-    print("| batch x ctx | page | dtype | pagedattn us | pagedattn TB/s | cudnn TB/s | flash TB/s "
-          "| gather_flash TB/s | vs cudnn | of HBM read |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| batch x ctx | q/kv heads | head_dim | page | dtype | pagedattn us | pagedattn TB/s "
+          "| cudnn TB/s | flash TB/s | gather_flash TB/s | vs cudnn | of HBM read |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (r for r in ours if r.get("suite", "decode") == "decode"):
         p = by_shape.get(key(r), {})
         tb = lambda name: f"{p[name]['tbps']:.2f}" if name in p else "-"
         ratio = f"{p['cudnn']['time_us'] / r['time_us']:.2f}x" if "cudnn" in p else "-"
         frac = f"{r['tbps'] / read:.0%}" if read else "-"
-        print(f"| {r['batch']} x {r['ctx']} | {r['page_size']} | {r['dtype']} | {r['time_us']:.1f} "
+        print(f"| {r['batch']} x {r['ctx']} | {r['q_heads']}/{r['kv_heads']} | {r['head_dim']} "
+              f"| {r['page_size']} | {r['dtype']} | {r['time_us']:.1f} "
               f"| {r['tbps']:.2f} | {tb('cudnn')} | {tb('flash')} | {tb('gather_flash')} | {ratio} | {frac} |")
     prefill_table(ours, peers)
     if limits:

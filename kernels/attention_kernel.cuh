@@ -126,6 +126,24 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+// acc += w * (this lane's kDims floats of one partial O row), read through L2.
+template <int kDims>
+__device__ __forceinline__ void AccumulateSplitRow(float (&acc)[kDims], const float* src, float w) {
+#pragma unroll
+  for (int d = 0; d < kDims; d += 2) {
+    const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
+    acc[d] += w * v.x;
+    acc[d + 1] += w * v.y;
+  }
+}
+
+// Row of out / lse for row span_row (= query * group + head in group) of the span whose first
+// query is at q_offset.
+__device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int64_t q_offset,
+                                             int span_row, int kv_head, int group) {
+  return (q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+}
+
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
 // per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
 // Each lane holds the weight of one split, so the loop over splits issues only the O loads.
@@ -162,21 +180,14 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       for (int j = 0; j < n; ++j) {
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
         const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
-        const float* src = part_out + row * D + lane * kDims;
-#pragma unroll
-        for (int d = 0; d < kDims; d += 2) {
-          const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
-          acc[d] += w * v.x;
-          acc[d + 1] += w * v.y;
-        }
+        AccumulateSplitRow<kDims>(acc, part_out + row * D + lane * kDims, w);
       }
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
     const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
     const int span_row = task.row_start + r;
-    const int64_t out_row =
-        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
     float* dst = p.out + out_row * D + lane * kDims;
 #pragma unroll
     for (int d = 0; d < kDims; d += 2) {
@@ -200,8 +211,7 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
   float* dst;
   float* lse_dst;
   if (item.partial_row < 0) {
-    const int64_t out_row =
-        (span.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
     dst = p.out + out_row * D;
     lse_dst = p.lse ? p.lse + out_row : nullptr;
   } else {
@@ -682,13 +692,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int s = warp; s < task.num_splits; s += kWarps) {
     const int64_t row = int64_t{s} * task.row_stride;
     const float w = __expf(__ldcg(lse + row) - base);
-    const float* src = part + row * D + lane * kDims;
-#pragma unroll
-    for (int j = 0; j < kDims; j += 2) {
-      const float2 v = __ldcg(reinterpret_cast<const float2*>(src + j));
-      acc[j] += w * v.x;
-      acc[j + 1] += w * v.y;
-    }
+    AccumulateSplitRow<kDims>(acc, part + row * D + lane * kDims, w);
     weight_sum += w;
   }
 #pragma unroll
@@ -702,8 +706,7 @@ __global__ void __launch_bounds__(kMergeThreads)
   const float inv = total > 0.f ? 1.f / total : 0.f;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_row = task.row_start + r;
-  const int64_t out_row =
-      (task.q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+  const int64_t out_row = OutputRow(p, task.q_offset, span_row, kv_head, group);
   for (int d = threadIdx.x; d < D; d += kMergeThreads) {
     float sum = 0.f;
 #pragma unroll

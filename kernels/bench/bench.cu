@@ -12,6 +12,9 @@
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
 //                   [--merge planned|separate]   (separate: the split-KV merge kernel always)
+//   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
+//                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
+//                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
 //
 //   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
 //   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.

@@ -73,17 +73,23 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
   };
   // Split-KV merge tail of a chunk: in the tile kernels (the largest task's splits * rows) or in
-  // a kernel of its own (a fixed cost plus the most splits any row has); the cheaper one.
+  // a kernel of its own (a fixed cost plus the most splits any row has); the cheaper one. The
+  // separate merge was measured for decode tiles only: a plan that splits a prefill tile keeps
+  // the in-kernel merge (and so the prefill plans measured before it).
   auto merge_tails = [&](int64_t chunk) {
     int64_t in_kernel = 0, most_splits = 0;
+    bool prefill_split = false;
     for (const Tile& t : tiles) {
       const int64_t n = CeilDiv(t.kv_end, chunk);
       if (n < 2) continue;
       in_kernel = std::max(in_kernel, n * t.num_rows * kMergeCostPerSplitRow);
       most_splits = std::max(most_splits, n);
+      prefill_split |= t.tile_rows == kPrefillTileRows;
     }
     const int64_t separate =
-        most_splits == 0 ? 0 : kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
+        most_splits == 0 || prefill_split
+            ? in_kernel
+            : kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
     return std::make_pair(in_kernel, separate);
   };
   auto estimate = [&](int64_t chunk) {

@@ -529,6 +529,15 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   EXPECT_EQ(work.merge_rows, 4);
   ASSERT_FALSE(work.merge_tasks.empty());
   EXPECT_EQ(work.merge_tasks[0].q_offset, 7);
+
+  // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
+  // tiles only), even beside a wide decode tile that would want the separate one.
+  spans = {{0, 0, 300, 10000}, {300, 700, 1, 131072}};
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, 264, &work);
+  bool prefill_split = false;
+  for (const auto& it : work.prefill_items) prefill_split |= it.partial_row >= 0;
+  ASSERT_TRUE(prefill_split) << "kv_chunk " << work.kv_chunk;
+  EXPECT_FALSE(work.separate_merge);
 }
 
 // Prefill blocks run span by span, the span with the longest block first, and longest first
@@ -538,7 +547,7 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 264, &work, 64);
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 100000, &work, 64);
   ASSERT_FALSE(work.prefill_items.empty());
   std::vector<int> span_order;
   for (size_t i = 0; i < work.prefill_items.size(); ++i) {

@@ -147,13 +147,14 @@ __device__ __forceinline__ void ProxyFenceShared() {
       "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
 
 // The wgmma's this kernel issues, as one asm statement each. TY is the PTX element type
-// (bf16, f16); DLIST/DOPS the accumulator registers; the operand numbers after them follow.
+// (bf16, f16); DLIST the accumulator register list, DOPS the macro naming the accumulator
+// operands of d; the operand numbers after them follow.
 // A and B from shared memory (both K-major); the predicate scales D by 0 (first k step) or 1.
 #define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                 \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                               \
                "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", %" NA ", %" NB \
                ", p, 1, 1, 0, 0;\n}\n"                                                        \
-               : DOPS                                                                         \
+               : DOPS(d)                                                                      \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 // A from registers (the mma.sync A fragment of the warp's 16 rows), B from shared memory read
 // MN-major (transpose bit); D accumulates.
@@ -161,8 +162,15 @@ __device__ __forceinline__ void ProxyFenceShared() {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                                \
                "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA     \
                "}, %" NB ", p, 1, 1, 1;\n}\n"                                                  \
-               : DOPS                                                                          \
+               : DOPS(d)                                                                       \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+// OP for T's PTX element type (the caller's template parameter T).
+#define PAGEDATTN_WGMMA_TYPED(OP, SHAPE, ...) \
+  if constexpr (kIsBf16<T>) {                 \
+    OP(SHAPE, "bf16", __VA_ARGS__);           \
+  } else {                                    \
+    OP(SHAPE, "f16", __VA_ARGS__);            \
+  }
 
 template <typename T>
 inline constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
@@ -171,39 +179,24 @@ inline constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
                                         int accumulate) {
-  if constexpr (kIsBf16<T>) {
-    PAGEDATTN_WGMMA_SS("m64n64k16", "bf16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
-                       "32", "33", "34");
-  } else {
-    PAGEDATTN_WGMMA_SS("m64n64k16", "f16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
-                       "32", "33", "34");
-  }
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n64k16", PAGEDATTN_WGMMA_D32,
+                        PAGEDATTN_WGMMA_D32_OPERANDS, "32", "33", "34")
 }
 
 // d (64 x 128, f32) = [d +] A (64 x 16) * B (16 x 128).
 template <typename T>
 __device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
                                         int accumulate) {
-  if constexpr (kIsBf16<T>) {
-    PAGEDATTN_WGMMA_SS("m64n128k16", "bf16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
-                       "64", "65", "66");
-  } else {
-    PAGEDATTN_WGMMA_SS("m64n128k16", "f16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
-                       "64", "65", "66");
-  }
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n128k16", PAGEDATTN_WGMMA_D64,
+                        PAGEDATTN_WGMMA_D64_OPERANDS, "64", "65", "66")
 }
 
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, MN-major).
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4],
                                         uint64_t desc_b) {
-  if constexpr (kIsBf16<T>) {
-    PAGEDATTN_WGMMA_RS("m64n64k16", "bf16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
-                       "32, %33, %34, %35", "36", "37");
-  } else {
-    PAGEDATTN_WGMMA_RS("m64n64k16", "f16", PAGEDATTN_WGMMA_D32, PAGEDATTN_WGMMA_D32_OPERANDS(d),
-                       "32, %33, %34, %35", "36", "37");
-  }
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n64k16", PAGEDATTN_WGMMA_D32,
+                        PAGEDATTN_WGMMA_D32_OPERANDS, "32, %33, %34, %35", "36", "37")
 }
 
 // d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, MN-major: two 64-column slices,
@@ -211,15 +204,11 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4]
 template <typename T>
 __device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4],
                                         uint64_t desc_b) {
-  if constexpr (kIsBf16<T>) {
-    PAGEDATTN_WGMMA_RS("m64n128k16", "bf16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
-                       "64, %65, %66, %67", "68", "69");
-  } else {
-    PAGEDATTN_WGMMA_RS("m64n128k16", "f16", PAGEDATTN_WGMMA_D64, PAGEDATTN_WGMMA_D64_OPERANDS(d),
-                       "64, %65, %66, %67", "68", "69");
-  }
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n128k16", PAGEDATTN_WGMMA_D64,
+                        PAGEDATTN_WGMMA_D64_OPERANDS, "64, %65, %66, %67", "68", "69")
 }
 
+#undef PAGEDATTN_WGMMA_TYPED
 #undef PAGEDATTN_WGMMA_SS
 #undef PAGEDATTN_WGMMA_RS
 #undef PAGEDATTN_WGMMA_D32

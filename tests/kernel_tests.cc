@@ -352,24 +352,33 @@ TEST_F(CudaKernelTest, MqaAndWideHeadDim256) {
   RunCase(*backend_, c);
 }
 
-// 32 q heads on 1 kv head with a long history: the planner cuts each wide tile in many splits
-// and merges them in the separate merge kernel (checked against the planner below), here with
-// one and two queries per span, every head_dim, LSE returned, twice in a row.
+// Wide decode tiles (32 rows) on 1 kv head with a long history: the planner cuts each tile in
+// many splits and merges them in the separate merge kernel (checked against the planner, with
+// the target the backend uses for this dtype and head_dim), every head_dim, LSE returned: 32 q
+// heads with one query per span, and 16 with two (32 rows again), each over two decode steps.
+// (A span of more rows is a prefill tile, and a split prefill tile keeps the in-kernel merge.)
 TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
-  int target = 0;
-  ASSERT_TRUE(kernels::AttentionTargetBlocks(DType::kBFloat16, 128, &target).ok());
   for (int head_dim : {64, 128, 256}) {
-    CaseSpec c;
-    c.head_dim = head_dim;
-    c.num_kv_heads = 1;
-    c.gqa = 32;
-    c.page_size = 16;
-    c.steps = {{{30000, 0}, {6000, 0}}, {{1, 1}, {2, 2}}, {{1, 1}, {1, 1}}};
-    std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 2, 6002}};
-    kernels::AttentionWork work;
-    kernels::PlanAttentionWork(spans.data(), 2, 32, 1, true, target, &work);
-    ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
-    RunCase(*backend_, c);
+    for (int gqa : {32, 16}) {
+      const int queries = kernels::kDecodeWideTileRows / gqa;
+      CaseSpec c;
+      c.head_dim = head_dim;
+      c.num_kv_heads = 1;
+      c.gqa = gqa;
+      c.page_size = 16;
+      c.steps = {{{30000, 0}, {6000, 0}},
+                 {{queries, queries}, {queries, queries}},
+                 {{queries, queries}, {queries, queries}}};
+      int target = 0;
+      ASSERT_TRUE(kernels::AttentionTargetBlocks(c.cache_dtype, head_dim, &target).ok());
+      std::vector<kernels::AttentionSpan> spans = {{0, 0, queries, 30000 + queries},
+                                                   {queries, 1876, queries, 6000 + queries}};
+      kernels::AttentionWork work;
+      kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, target, &work);
+      ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
+      ASSERT_TRUE(work.prefill_items.empty());
+      RunCase(*backend_, c);
+    }
   }
 }
 

@@ -72,28 +72,18 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   auto round_chunk = [&](int64_t c) {
     return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
   };
-  // Split-KV merge tail of a chunk: in the tile kernels (the largest task's splits * rows) or in
-  // a kernel of its own (a fixed cost plus the most splits any row has); the cheaper one. The
-  // separate merge was measured for decode tiles only: a plan that splits a prefill tile keeps
-  // the in-kernel merge (and so the prefill plans measured before it).
-  auto merge_tails = [&](int64_t chunk) {
-    int64_t in_kernel = 0, most_splits = 0;
-    bool prefill_split = false;
-    for (const Tile& t : tiles) {
-      const int64_t n = CeilDiv(t.kv_end, chunk);
-      if (n < 2) continue;
-      in_kernel = std::max(in_kernel, n * t.num_rows * kMergeCostPerSplitRow);
-      most_splits = std::max(most_splits, n);
-      prefill_split |= t.tile_rows == kPrefillTileRows;
-    }
-    const int64_t separate =
-        most_splits == 0 || prefill_split
-            ? in_kernel
-            : kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
-    return std::make_pair(in_kernel, separate);
+  // The estimate of a chunk, and where its splits are merged: in the tile kernels (a tail of the
+  // largest task's splits * rows) or in a kernel of its own (a fixed cost plus the most splits
+  // any row has), whichever is cheaper. The separate merge was measured for decode tiles only:
+  // a plan that splits a prefill tile keeps the in-kernel merge (and the prefill plans measured
+  // before it).
+  struct Estimate {
+    double cost;
+    bool separate_merge;
   };
   auto estimate = [&](int64_t chunk) {
-    int64_t units = 0, max_cost = 0;
+    int64_t units = 0, max_cost = 0, in_kernel_merge = 0, most_splits = 0;
+    bool prefill_split = false;
     double total_cost = 0;
     for (const Tile& t : tiles) {
       const int64_t n = CeilDiv(t.kv_end, chunk);
@@ -101,23 +91,31 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
       total_cost +=
           static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
       max_cost = std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.kv_end) + kBlockStartCost);
+      if (n > 1) {
+        in_kernel_merge = std::max(in_kernel_merge, n * t.num_rows * kMergeCostPerSplitRow);
+        most_splits = std::max(most_splits, n);
+        prefill_split |= t.tile_rows == kPrefillTileRows;
+      }
     }
     units *= num_kv_heads;
     total_cost *= num_kv_heads;
     const double waves = static_cast<double>(CeilDiv(units, blocks));
-    const auto [in_kernel, separate] = merge_tails(chunk);
-    return std::max(static_cast<double>(max_cost),
-                    waves * total_cost / std::max<int64_t>(units, 1)) +
-           static_cast<double>(std::min(in_kernel, separate));
+    const int64_t separate_merge =
+        kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
+    const bool separate = most_splits > 0 && !prefill_split && separate_merge < in_kernel_merge;
+    return Estimate{std::max(static_cast<double>(max_cost),
+                             waves * total_cost / std::max<int64_t>(units, 1)) +
+                        static_cast<double>(separate ? separate_merge : in_kernel_merge),
+                    separate};
   };
   static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
                                     28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};
   int64_t chunk = round_chunk(max_end);
-  double best = estimate(chunk);
+  double best = estimate(chunk).cost;
   for (int k : kPieces) {
     const int64_t c = round_chunk(CeilDiv(max_end, k));
     if (c >= chunk) continue;
-    const double e = estimate(c);
+    const double e = estimate(c).cost;
     if (e < best * 0.99) {  // a split must buy at least 1%
       best = e;
       chunk = c;
@@ -125,8 +123,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     if (c == floor_chunk) break;
   }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
-  const auto [in_kernel_merge, separate_merge] = merge_tails(chunk);
-  work->separate_merge = separate_merge < in_kernel_merge;
+  work->separate_merge = estimate(chunk).separate_merge;
   work->merge_rows = 0;
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the

@@ -2,6 +2,9 @@
 // the tiles alone cannot fill the GPU, each tile's KV range into equal chunks.
 #include <algorithm>
 #include <cstdint>
+#include <functional>
+#include <queue>
+#include <utility>
 
 #include "kernels/paged_attention.h"
 
@@ -31,6 +34,9 @@ constexpr int64_t kMergeCostPerSplitRow = 1;
 // 4 rows, even at 32 x 4 split rows, 2.8 us faster at 32 x 8.
 constexpr int64_t kSeparateMergeCost = 128;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
+// A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first
+// S and softmax (not overlapped), its output and the Q load of the next.
+constexpr int64_t kPrefillJobCost = 128;
 
 }  // namespace
 
@@ -40,6 +46,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->decode_wide_items.clear();
   work->prefill_items.clear();
   work->merge_tasks.clear();
+  work->prefill_jobs.clear();
+  work->prefill_job_start.clear();
   work->partial_rows = 0;
   work->separate_merge = false;
   work->merge_rows = 0;
@@ -197,6 +205,41 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
                      }
                      return length(a) > length(b);
                    });
+}
+
+void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
+  work->prefill_jobs.clear();
+  work->prefill_job_start.clear();
+  const int64_t num_jobs = static_cast<int64_t>(work->prefill_items.size()) * num_kv_heads;
+  if (blocks <= 0 || num_jobs == 0) return;
+  const int grid = static_cast<int>(std::min<int64_t>(blocks, num_jobs));
+  // List scheduling in the planner's order (by span, longest first; the kv heads of an item side
+  // by side): what the hardware's block scheduler did with one block per job, decided here so
+  // that every block knows its next job while it runs the current one. Ties go to the lower
+  // block, so the first `grid` jobs start on blocks 0, 1, ... in order.
+  using Load = std::pair<int64_t, int>;  // (estimated end, block)
+  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> free_at;
+  for (int b = 0; b < grid; ++b) free_at.push({0, b});
+  std::vector<std::vector<AttentionPrefillJob>> per_block(grid);
+  for (const AttentionWorkItem& item : work->prefill_items) {
+    const int64_t cost = int64_t{item.kv_end} - item.kv_start + kPrefillJobCost;
+    for (int h = 0; h < num_kv_heads; ++h) {
+      const auto [end, b] = free_at.top();
+      free_at.pop();
+      AttentionPrefillJob job;
+      job.item = item;
+      job.kv_head = h;
+      per_block[b].push_back(job);
+      free_at.push({end + cost, b});
+    }
+  }
+  work->prefill_jobs.reserve(num_jobs);
+  work->prefill_job_start.reserve(grid + 1);
+  for (const std::vector<AttentionPrefillJob>& jobs : per_block) {
+    work->prefill_job_start.push_back(static_cast<int32_t>(work->prefill_jobs.size()));
+    work->prefill_jobs.insert(work->prefill_jobs.end(), jobs.begin(), jobs.end());
+  }
+  work->prefill_job_start.push_back(static_cast<int32_t>(work->prefill_jobs.size()));
 }
 
 }  // namespace pagedattn::kernels

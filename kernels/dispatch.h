@@ -124,11 +124,16 @@ template <typename T, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
 template <typename T, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream);
+template <typename T, int D>
+LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm);
 
 // Whether this build carries sm_90a code and the current device is compute capability 9.0
 // (kernels/paged_attention.cu; answered once per device). Callers choose against it through
 // PagedAttentionParams::prefill_path (the server's --prefill_kernel).
 bool HopperPrefillAvailable();
+inline bool UseHopperPrefill(PrefillPath path) {
+  return path == PrefillPath::kAuto && HopperPrefillAvailable();
+}
 
 // Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
 inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
@@ -149,7 +154,7 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       if (shape == TileShape::kDecodeWide) {
         return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream);
       }
-      if (params.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable()) {
+      if (UseHopperPrefill(params.prefill_path)) {
         return LaunchPrefillTilesWgmma<T, D>(params, stream);
       }
       return LaunchPrefillTiles<T, D>(params, stream);
@@ -163,6 +168,16 @@ inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(blocks_per_sm);
+    });
+  });
+}
+
+inline LaunchStatus DispatchPrefillWgmmaOccupancy(DType kv_dtype, int head_dim,
+                                                  int* blocks_per_sm) {
+  return DispatchKvDType(kv_dtype, [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchHeadDim(head_dim, [&](auto d) {
+      return PrefillWgmmaOccupancy<T, decltype(d)::value>(blocks_per_sm);
     });
   });
 }

@@ -107,19 +107,41 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
   });
 }
 
-LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks) {
-  int blocks_per_sm = 0;
-  if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &blocks_per_sm); !st.ok()) {
-    return st;
-  }
-  int device = 0, sms = 0;
+namespace {
+
+LaunchStatus MultiprocessorCount(int* sms) {
+  int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess)
-    err = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(sms, cudaDevAttrMultiProcessorCount, device);
   if (err != cudaSuccess) {
     return LaunchStatus::CudaError(std::string("multiprocessor count: ") + cudaGetErrorString(err));
   }
+  return LaunchStatus::Ok();
+}
+
+}  // namespace
+
+LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks) {
+  int blocks_per_sm = 0, sms = 0;
+  if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &blocks_per_sm); !st.ok()) {
+    return st;
+  }
+  if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
   *target_blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  return LaunchStatus::Ok();
+}
+
+LaunchStatus PrefillScheduleBlocks(DType kv_dtype, int head_dim, PrefillPath path, int* blocks) {
+  *blocks = 0;
+  if (!UseHopperPrefill(path)) return LaunchStatus::Ok();
+  int blocks_per_sm = 0, sms = 0;
+  if (LaunchStatus st = DispatchPrefillWgmmaOccupancy(kv_dtype, head_dim, &blocks_per_sm);
+      !st.ok()) {
+    return st;
+  }
+  if (blocks_per_sm == 0) return LaunchStatus::Ok();  // one block per item at this head_dim
+  if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
+  *blocks = sms * blocks_per_sm;
   return LaunchStatus::Ok();
 }
 

@@ -76,6 +76,15 @@ struct AttentionWorkItem {
   int32_t merge_task = -1;  // Index of the tile's merge task when split.
 };
 
+// One job of the persistent Hopper prefill kernel: a prefill work item for one kv head, copied
+// whole so that a block reads its next job with one load (no item lookup behind it).
+struct AttentionPrefillJob {
+  AttentionWorkItem item;
+  int32_t kv_head = 0;
+  int32_t reserved = 0;
+};
+static_assert(sizeof(AttentionPrefillJob) % 4 == 0, "the kernel copies jobs word by word");
+
 // Combines num_splits partial results of one tile (split s at partial_row + s * row_stride);
 // done by whichever split finishes last, or by the merge kernel after the tile kernels when the
 // plan says separate_merge.
@@ -115,6 +124,11 @@ struct AttentionWork {
   // head) in its own block instead, at the price of a launch.
   bool separate_merge = false;
   int32_t merge_rows = 0;  // Rows of the largest merge task.
+  // The persistent Hopper prefill kernel's schedule (SchedulePrefillJobs): block b runs
+  // prefill_jobs[prefill_job_start[b] .. prefill_job_start[b + 1]) in that order. Empty when
+  // no schedule was asked for (the portable prefill kernel runs one block per item and head).
+  std::vector<AttentionPrefillJob> prefill_jobs;
+  std::vector<int32_t> prefill_job_start;
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
@@ -122,6 +136,12 @@ struct AttentionWork {
 // min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256);
+
+// Deals the prefill items x kv heads to `blocks` persistent blocks (greedy, in the planner's
+// order: each job goes to the block that is free first by an estimate of its length), so that
+// each block's jobs run back to back and the next job's K/V loads overlap the end of the last.
+// blocks <= 0 clears the schedule.
+void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work);
 
 // Blocks the paged attention kernel runs at once on this device (SMs * blocks per SM): the
 // target_blocks to plan for.
@@ -131,6 +151,11 @@ LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blo
 // the device have it, the portable (mma.sync) one elsewhere; kPortable forces the portable one
 // (tests and benchmarks compare the two on the same GPU).
 enum class PrefillPath : int32_t { kAuto = 0, kPortable = 1 };
+
+// Blocks the persistent Hopper prefill kernel keeps resident on this device (SMs * blocks per
+// SM) when `path` picks it and this head_dim runs persistent (128), 0 otherwise (the portable
+// kernel, or one block per item): the `blocks` for SchedulePrefillJobs.
+LaunchStatus PrefillScheduleBlocks(DType kv_dtype, int head_dim, PrefillPath path, int* blocks);
 
 struct PagedAttentionParams {
   DType kv_dtype = DType::kUnspecified;
@@ -169,6 +194,11 @@ struct PagedAttentionParams {
   int32_t* merge_counters = nullptr;
   bool separate_merge = false;  // AttentionWork::separate_merge
   int32_t merge_rows = 0;       // AttentionWork::merge_rows
+  // AttentionWork's prefill schedule; the Hopper prefill kernel needs it (one block each of
+  // num_prefill_blocks).
+  const AttentionPrefillJob* prefill_jobs = nullptr;
+  const int32_t* prefill_job_start = nullptr;  // num_prefill_blocks + 1 entries
+  int32_t num_prefill_blocks = 0;
 
 };
 

@@ -1,9 +1,12 @@
 // The Hopper prefill tile kernel: the prefill tile of kernels/prefill_kernel.cuh with its two
 // matrix products on warpgroup MMA (wgmma, sm_90a). Included only by the per-head-dim .cu files.
 //
-// A block takes one prefill work item (kPrefillTileRows = 128 query rows of one kv head) with
-// two warpgroups of 64 rows each. K/V tiles of 64 positions are gathered through the page table
-// with 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in the
+// A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, run by
+// two warpgroups of 64 rows each. At head_dim 128 a block is persistent: it runs the jobs the
+// host dealt it (SchedulePrefillJobs) back to back, its K/V pipeline running on across jobs so
+// that the next job's first tiles and its Q load while the last one ends; at 64 and 256 a block
+// runs one job. K/V tiles (64 or 128 positions) are gathered through the page table with
+// 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in the
 // 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a [rows][D] tile is
 // its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8).
 // Per tile and warpgroup:
@@ -45,6 +48,12 @@ struct WgmmaPrefillConfig {
   static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
   static constexpr bool kPipelined = D == 128;
+  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody): one per SM, each
+  // taking its jobs from the host's schedule back to back, so the next job's first K/V tiles
+  // load during the last one's end. The others run one block per item and kv head
+  // (WgmmaPrefillItemBody): measured persistent too, they were 2-8% slower (head_dim 64 keeps
+  // two blocks per SM that way, which hide each other's waits).
+  static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
   static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
@@ -216,10 +225,152 @@ __device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4
 #undef PAGEDATTN_WGMMA_D64
 #undef PAGEDATTN_WGMMA_D64_OPERANDS
 
+// The arithmetic of one warpgroup's tile, shared by both bodies below.
 template <typename T, int D>
-__device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) {
+struct WgmmaTileMath {
   using Cfg = WgmmaPrefillConfig<T, D>;
-  constexpr int kSlices = Cfg::kSlices;
+  static constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
+  static constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
+  static constexpr uint32_t kRowBytes = 128;     // one row of a 64-column slice
+
+  // S = Q K^T of one tile (this warpgroup's Q rows at q_wg_base, the K tile at kb): D/16 k
+  // steps; issued, not waited for.
+  __device__ __forceinline__ static void IssueS(float (&s)[kNT][4], uint32_t q_wg_base,
+                                                uint32_t kb) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
+      WgmmaSS<T>(s, Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
+                 Sw128Desc(kb + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
+    }
+  }
+
+  // O += P V of one tile (the V tile at vb): per 16-position k step, one wgmma per 64-column
+  // slice of V.
+  __device__ __forceinline__ static void IssuePV(float (&o)[D / 8][4],
+                                                 const uint32_t (&pa)[kKP][4], uint32_t vb) {
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp) {
+      if constexpr (D == 128) {
+        // One m64n128 wgmma over both slices (2% faster than two n64's on the H200).
+        WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
+      } else {
+#pragma unroll
+        for (int sl = 0; sl < Cfg::kSlices; ++sl)
+          WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
+                     Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+      }
+    }
+  }
+
+  // Mask (positions pos0.. of the tile: past kv_end, or past a row's q_pos), new row max,
+  // s <- 2^(s*scale - max) in place, running sum; alpha is the factor O must be rescaled by.
+  // Apart from PackP so that P's registers, the operand of a P.V in flight, can be written
+  // after it is waited for while the exponentials run beside it.
+  __device__ __forceinline__ static void SoftmaxExp(float (&s)[kNT][4], int pos0, int kv_end,
+                                                    int warp_min_pos, const int (&q_pos)[2],
+                                                    int quad_col, float scale_log2,
+                                                    float (&row_max)[2], float (&row_sum)[2],
+                                                    float (&alpha)[2]) {
+    if (pos0 + Cfg::kTileKv > kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+          if (pos >= kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
+        }
+    }
+    // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
+    // dependent adds behind: two per scheduler).
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float part[kNT];
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) part[nt] = fmaxf(s[nt][2 * i], s[nt][2 * i + 1]);
+#pragma unroll
+      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] = fmaxf(part[nt], part[nt + level]);
+      float mx = fmaxf(row_max[i], part[0]);
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+      alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
+      row_max[i] = mx;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
+        part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
+      }
+#pragma unroll
+      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
+      row_sum[i] = row_sum[i] * alpha[i] + part[0];
+    }
+  }
+
+  // P as the A operand of P.V (k step kp covers positions 16kp..16kp+15).
+  __device__ __forceinline__ static void PackP(const float (&s)[kNT][4], uint32_t (&pa)[kKP][4]) {
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp) {
+      pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
+      pa[kp][1] = PackPair<T>(s[2 * kp][2], s[2 * kp][3]);
+      pa[kp][2] = PackPair<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
+      pa[kp][3] = PackPair<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
+    }
+  }
+
+  __device__ __forceinline__ static void RescaleO(float (&o)[D / 8][4], const float (&alpha)[2]) {
+    // Only when some row's max moved: after the first tiles of a long range it rarely does.
+    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        o[dt][0] *= alpha[0];
+        o[dt][1] *= alpha[0];
+        o[dt][2] *= alpha[1];
+        o[dt][3] *= alpha[1];
+      }
+    }
+  }
+
+  __device__ __forceinline__ static void FenceP(uint32_t (&pa)[kKP][4]) {
+#pragma unroll
+    for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);
+  }
+
+  // Normalize and write this thread's two rows: to out/lse for an unsplit tile, to the partial
+  // buffers otherwise.
+  __device__ __forceinline__ static void WriteRows(const PagedAttentionParams& p,
+                                                   const AttentionWorkItem& item,
+                                                   const AttentionSpan& span, int kv_head,
+                                                   int group, int span_rows, int first_tile_row,
+                                                   int quad_col, const float (&o)[D / 8][4],
+                                                   const float (&row_max)[2],
+                                                   const float (&row_sum)[2], float scale_log2) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float sum = row_sum[i];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int tile_row = first_tile_row + 8 * i;
+      const int span_row = item.row_start + tile_row;
+      if (span_row >= span_rows) continue;
+      const float inv = sum > 0.f ? 1.f / sum : 0.f;
+      const float lse =
+          sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
+    }
+  }
+};
+
+template <typename T, int D>
+__device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams& p) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  using M = WgmmaTileMath<T, D>;
+  static_assert(!Cfg::kPipelined, "the pipelined tile runs in the persistent body");
   constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
   constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
   constexpr int kS = Cfg::kStages;
@@ -344,233 +495,385 @@ __device__ __forceinline__ void WgmmaPrefillBody(const PagedAttentionParams& p) 
   auto v_addr = [&](int tile) {
     return k_addr(tile) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
   };
-  // S = Q K^T of one tile: D/16 k steps; issued, not waited for.
-  auto issue_s = [&](float(&s)[kNT][4], int tile) {
-    const uint32_t kb = k_addr(tile);
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
-      WgmmaSS<T>(s, Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
-                 Sw128Desc(kb + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
-    }
-  };
-  // O += P V of one tile: per 16-position k step, one wgmma per 64-column slice of V.
-  auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
-    const uint32_t vb = v_addr(tile);
-#pragma unroll
-    for (int kp = 0; kp < kKP; ++kp) {
-      if constexpr (D == 128) {
-        // One m64n128 wgmma over both slices (2% faster than two n64's on the H200).
-        WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
-      } else {
-#pragma unroll
-        for (int sl = 0; sl < kSlices; ++sl)
-          WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
-                     Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
-      }
-    }
-  };
-  // Mask, online softmax of one tile's S into P (the A operand layout of P.V), and the factor
-  // O must be rescaled by; the running max and sum are updated here.
-  // softmax_exp: mask, new row max, s <- 2^(s*scale - max) in place, running sum; alpha is the
-  // factor O must be rescaled by. pack_p: P as the A operand of P.V (k step kp covers
-  // positions 16kp..16kp+15). They are apart so that P's registers, the operand of the P.V in
-  // flight, are written only after it is waited for, while the exponentials run beside it.
+  auto issue_s = [&](float(&s)[kNT][4], int tile) { M::IssueS(s, q_wg_base, k_addr(tile)); };
+  auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) { M::IssuePV(o, pa, v_addr(tile)); };
   auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-    const int pos0 = item.kv_start + tile * Cfg::kTileKv;
-    if (pos0 + Cfg::kTileKv > item.kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
-          if (pos >= item.kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
-        }
-    }
-    // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
-    // dependent adds behind: two per scheduler).
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      float part[kNT];
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) part[nt] = fmaxf(s[nt][2 * i], s[nt][2 * i + 1]);
-#pragma unroll
-      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
-#pragma unroll
-        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] = fmaxf(part[nt], part[nt + level]);
-      float mx = fmaxf(row_max[i], part[0]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
-      alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
-      row_max[i] = mx;
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-        part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
-      }
-#pragma unroll
-      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
-#pragma unroll
-        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
-      row_sum[i] = row_sum[i] * alpha[i] + part[0];
-    }
-  };
-  auto pack_p = [&](const float(&s)[kNT][4], uint32_t(&pa)[kKP][4]) {
-#pragma unroll
-    for (int kp = 0; kp < kKP; ++kp) {
-      pa[kp][0] = PackPair<T>(s[2 * kp][0], s[2 * kp][1]);
-      pa[kp][1] = PackPair<T>(s[2 * kp][2], s[2 * kp][3]);
-      pa[kp][2] = PackPair<T>(s[2 * kp + 1][0], s[2 * kp + 1][1]);
-      pa[kp][3] = PackPair<T>(s[2 * kp + 1][2], s[2 * kp + 1][3]);
-    }
-  };
-  auto rescale_o = [&](const float(&alpha)[2]) {
-    // Only when some row's max moved: after the first tiles of a long range it rarely does.
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        o[dt][0] *= alpha[0];
-        o[dt][1] *= alpha[0];
-        o[dt][2] *= alpha[1];
-        o[dt][3] *= alpha[1];
-      }
-    }
+    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, warp_min_pos, q_pos,
+                  quad_col, scale_log2, row_max, row_sum, alpha);
   };
   auto fence_o = [&]() { FenceRegs(o); };
-  auto fence_p = [&](uint32_t(&pa)[kKP][4]) {
-#pragma unroll
-    for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);
-  };
 
-  // ---- Main loop, software-pipelined within the warpgroup: while O += P_j V_j runs on the
-  // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
-  // Iteration j needs V of tile j and K of tile j + 1 resident; tile j + kS - 1 is issued
-  // after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has waited for.
-  if constexpr (Cfg::kPipelined) {
-    // One iteration: P of `tile` is in pa. S of tile + 1 and P.V of tile are issued together;
-    // the exponentials of tile + 1 run while P.V is in flight; then O is rescaled and P packed.
+  // ---- Main loop: one tile at a time, issue tile + kS - 1 into the stage the last iteration
+  // read, then S, softmax and P.V of this tile.
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
+    CpAsyncCommit();
+    const int32_t next_id = load_page_id(tile + kS);
+    CpAsyncWait<kS - 1>();
+    ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma
+    __syncthreads();
+    if (tile < wg_tiles) {
+      float s[kNT][4];
+      WgmmaFence();
+      issue_s(s, tile);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      FenceRegs(s);
+      uint32_t pa[kKP][4];
+      float alpha[2];
+      softmax_exp(s, tile, alpha);
+      M::PackP(s, pa);
+      M::RescaleO(o, alpha);
+      fence_o();
+      M::FenceP(pa);
+      WgmmaFence();
+      issue_pv(pa, tile);
+      WgmmaCommit();
+      WgmmaWait<0>();
+      fence_o();
+      M::FenceP(pa);
+    }
+    store_row_base(tile + kS, next_id);
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  }
+  CpAsyncWait<0>();
+
+  // ---- Normalize and write.
+  M::WriteRows(p, item, span, kv_head, group, span_rows,
+               wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
+               scale_log2);
+
+  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+}
+
+
+template <typename T, int D>
+__device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  using M = WgmmaTileMath<T, D>;
+  static_assert(Cfg::kPipelined, "the one-tile-at-a-time loop runs in the per-item body");
+  constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
+  constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
+  constexpr int kS = Cfg::kStages;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  const uint32_t smem_base =
+      (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
+  unsigned char* smem_aligned = smem_raw + (smem_base - SmemAddr(smem_raw));
+  T* smem_kv = reinterpret_cast<T*>(smem_aligned);
+  T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
+  const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
+
+  // This block's jobs (item, kv head), in the host's order (SchedulePrefillJobs).
+  const int job_begin = p.prefill_job_start[blockIdx.x];
+  const int job_end = p.prefill_job_start[blockIdx.x + 1];
+  if (job_begin >= job_end) return;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+
+  // ---- Jobs in shared memory: a ring of kRing records, job j in slot (j - job_begin) % kRing.
+  // The K/V pipeline runs ahead of the arithmetic, across job boundaries (below), by at most kS
+  // tiles, so the jobs in use at once are the arithmetic's, the pipeline's and the next one:
+  // each job is copied in when the pipeline enters the one before it, from a register loaded
+  // one job earlier still (threads tid < kJobWords, one word each), so the copy never waits.
+  constexpr int kRing = kS + 3;
+  constexpr int kJobWords = sizeof(AttentionPrefillJob) / 4;
+  static_assert(kRing >= kS + 3, "the ring holds every job in use");
+  static_assert(kJobWords <= Cfg::kThreads, "one word per thread");
+  __shared__ AttentionPrefillJob ring[kRing];
+  auto job_word = [&](int j) {
+    return reinterpret_cast<const int32_t*>(p.prefill_jobs + j)[tid];
+  };
+  auto set_ring_word = [&](int slot, int32_t w) {
+    reinterpret_cast<int32_t*>(&ring[slot])[tid] = w;
+  };
+  int32_t ahead_word = 0;  // word tid of job (the pipeline's job + 2)
+  if (tid < kJobWords) {
+    set_ring_word(0, job_word(job_begin));
+    if (job_begin + 1 < job_end) set_ring_word(1, job_word(job_begin + 1));
+    if (job_begin + 2 < job_end) ahead_word = job_word(job_begin + 2);
+  }
+  __syncthreads();
+
+  // ---- K/V pipeline: one stream of tiles over all the block's jobs, stream tile g in stage
+  // g % kS, issued kS - 1 tiles ahead by all threads, each copying 16-byte chunk copy_chunk of
+  // kRowsPerThread rows (swizzle-128 layout). The pool row of each position goes through
+  // shared memory (row_base, one slot per stage), computed kS tiles ahead by the thread of that
+  // position from the cursor (below), which walks the jobs tile by tile. A copy then costs one
+  // shared load and two adds, and never needs to know which job its tile belongs to.
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  auto tiles_of = [](const AttentionWorkItem& item) {
+    return (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  };
+  // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
+  // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
+  // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
+  __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
+  __shared__ float2 pin_slot;                      // PinBeforeWait's scratch (one for all)
+  const uint32_t sink = SmemAddr(&pin_slot);
+  // The cursor: job pj (ring slot pslot), this thread's position ppos in it (tid's of the tile),
+  // the job's end pend (INT32_MIN past the last job: no more pages), tiles left in the job.
+  int pj = job_begin, pslot = 0;
+  int ppos = ring[0].item.kv_start + tid, pend = ring[0].item.kv_end;
+  int pleft = tiles_of(ring[0].item);
+  auto load_page_id = [&]() -> int32_t {
+    if (tid >= Cfg::kTileKv || ppos >= pend) return -1;
+    return p.page_table[ring[pslot].item.span_info.page_table_offset + p.page_div.Div(ppos)];
+  };
+  auto store_row_base = [&](int stage, int32_t page_id) {
+    if (tid >= Cfg::kTileKv) return;
+    int32_t row = -1;
+    if (page_id >= 0) {
+      const int32_t in_page = ppos - static_cast<int32_t>(p.page_div.Div(ppos)) * p.page_size;
+      row = (page_id * p.num_kv_heads + ring[pslot].kv_head) * p.page_size + in_page;
+    }
+    row_base[stage][tid] = row;
+  };
+  // The cursor's next tile; entering a job copies the one after it into the ring (visible
+  // after the next barrier, a step before the cursor can reach it).
+  auto advance = [&]() {
+    ppos += Cfg::kTileKv;
+    if (--pleft > 0) return;
+    if (++pj >= job_end) {
+      pend = INT32_MIN;
+      pleft = INT32_MAX;
+      return;
+    }
+    pslot = pslot == kRing - 1 ? 0 : pslot + 1;
+    ppos = ring[pslot].item.kv_start + tid;
+    pend = ring[pslot].item.kv_end;
+    pleft = tiles_of(ring[pslot].item);
+    if (tid < kJobWords && pj + 1 < job_end) {
+      set_ring_word(pslot == kRing - 1 ? 0 : pslot + 1, ahead_word);
+      if (pj + 2 < job_end) ahead_word = job_word(pj + 2);
+    }
+  };
+  auto issue_tile = [&](int g) {
+    const int stage = g % kS;
+    T* sk = smem_kv + stage * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileElems;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int32_t base = row_base[stage][row];
+      const bool valid = base >= 0;
+      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
+      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
+      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
+    }
+  };
+  // The first kS tiles' rows and the first kS - 1 tiles' copies. Page ids load side by side
+  // when the first job has kS tiles or more; otherwise the cursor crosses jobs, with a barrier
+  // after each step of it (the next job's record).
+  if (pleft >= kS) {
+    int32_t ids[kS];
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      ids[s] = load_page_id();
+      ppos += Cfg::kTileKv;
+    }
+    ppos -= kS * Cfg::kTileKv;
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      store_row_base(s, ids[s]);
+      advance();
+    }
+    __syncthreads();
+  } else {
+#pragma unroll 1
+    for (int s = 0; s < kS; ++s) {
+      store_row_base(s, load_page_id());
+      advance();
+      __syncthreads();
+    }
+  }
+#pragma unroll
+  for (int s = 0; s < kS - 1; ++s) {
+    issue_tile(s);
+    CpAsyncCommit();
+  }
+  auto load_q = [&](const AttentionPrefillJob& job) {
+    const int span_rows = job.item.span_info.num_queries * group;
+    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+        p, job.item, job.item.span_info, job.kv_head, group, span_rows, smem_q,
+        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
+  };
+  // ---- Q tile of the first job -> shared memory as T, while the first copies fly. The next
+  // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
+  load_q(ring[0]);
+
+  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+  constexpr uint32_t kRowBytes = 128;  // one row of a 64-column slice
+  const uint32_t q_wg_base = q_base + wg * Cfg::kGroupRows * kRowBytes;
+  auto k_addr = [&](int g) {
+    return smem_base + static_cast<uint32_t>((g % kS) * Cfg::kStageElems * sizeof(T));
+  };
+  auto v_addr = [&](int g) {
+    return k_addr(g) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
+  };
+  // S = Q K^T of stream tile g; issued, not waited for.
+  auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, k_addr(g)); };
+
+  int g0 = 0;     // stream index of the current job's first tile
+  int cslot = 0;  // the current job's ring slot
+#pragma unroll 1
+  for (int ck = job_begin; ck < job_end; ++ck, cslot = cslot == kRing - 1 ? 0 : cslot + 1) {
+    const AttentionPrefillJob& job = ring[cslot];
+    const AttentionWorkItem& item = job.item;
+    const AttentionSpan& span = item.span_info;
+    const int kv_head = job.kv_head;
+    const int span_rows = span.num_queries * group;
+    const int first_q_pos = span.kv_len - span.num_queries;
+    const int num_tiles = tiles_of(item);
+    const int kv_start = item.kv_start, kv_end = item.kv_end;
+    const bool has_next = ck + 1 < job_end;
+
+    // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its
+    // warpgroup's 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator
+    // layout).
+    float o[D / 8][4];
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    int q_pos[2];
+    const int warp_first_row = item.row_start + wg * Cfg::kGroupRows + wg_warp * 16;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int span_row = warp_first_row + quad_row + 8 * i;
+      q_pos[i] = span_row >= span_rows ? -1
+                                       : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
+    }
+    // A warpgroup's wgmma's are collective, so what it computes is decided per warpgroup: the
+    // first wg_tiles tiles (under a causal mask the tiles a row group sees are a prefix). Masks
+    // are decided per warp.
+    const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
+    const int wg_last_row = min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1);
+    const int wg_max_pos = wg_first_row >= span_rows
+                               ? -1
+                               : (p.causal ? first_q_pos + wg_last_row / group : INT32_MAX - 1);
+    const int wg_tiles =
+        wg_max_pos < kv_start ? 0 : min(num_tiles, (wg_max_pos - kv_start) / Cfg::kTileKv + 1);
+    const int warp_min_pos = warp_first_row >= span_rows
+                                 ? -1
+                                 : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+
+    // O += P V of job tile `tile` (stream g0 + tile).
+    auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
+      M::IssuePV(o, pa, v_addr(g0 + tile));
+    };
+    auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
+      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, warp_min_pos, q_pos, quad_col,
+                    scale_log2, row_max, row_sum, alpha);
+    };
+    auto fence_o = [&]() { FenceRegs(o); };
+    // The stream tile kS - 1 ahead of g (whichever job it belongs to), as one commit group.
+    auto issue_ahead = [&](int g) {
+      issue_tile(g + kS - 1);
+      CpAsyncCommit();
+    };
+    // Stage g % kS held stream tile g's rows, read when it was issued; it now takes the
+    // cursor's tile (g + kS), whose page id was loaded at the start of the step. Done while
+    // the step's wgmma's run, off the path between them.
+    auto produce = [&](int g, int32_t page_id) {
+      store_row_base(g % kS, page_id);
+      advance();
+    };
+    // In the job's last step, after its barrier: no S reads Q any more, so the next job's Q
+    // tile is loaded (beside the last P.V when there is one).
+    auto next_q = [&](int tile) {
+      if (tile == num_tiles - 1 && has_next) load_q(ring[cslot == kRing - 1 ? 0 : cslot + 1]);
+    };
+
+    // ---- Main loop, software-pipelined within the warpgroup: while O += P_j V_j runs on the
+    // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
+    // Iteration j needs V of tile j and K of tile j + 1 resident; stream tile g + kS - 1 is
+    // issued after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has
+    // waited for.
+    // One iteration: P of `tile` is in pa. S of tile + 1 and P.V of tile are issued
+    // together; the exponentials of tile + 1 run while P.V is in flight; then O is rescaled
+    // and P packed.
     uint32_t pa[kKP][4];
     auto step = [&](int tile) {
-      const int32_t next_id = load_page_id(tile + kS);
-      CpAsyncWait<kS - 3>();  // tile + 1
+      const int g = g0 + tile;
+      const int32_t next_id = load_page_id();
+      CpAsyncWait<kS - 3>();  // stream tile g + 1
       ProxyFenceShared();
       __syncthreads();
-      // The copies of tile + kS - 1 are issued while this warpgroup's wgmma's run.
-      auto issue_next = [&]() {
-        if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
-        CpAsyncCommit();
-      };
       // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
       // serializes wgmma's whose groups stay open across a branch).
       if (tile + 1 < wg_tiles) {
         float s[kNT][4];
         fence_o();
-        fence_p(pa);
+        M::FenceP(pa);
         WgmmaFence();
-        issue_s(s, tile + 1);
+        issue_s(s, g + 1);
         WgmmaCommit();
         issue_pv(pa, tile);
         WgmmaCommit();
-        issue_next();
+        issue_ahead(g);
+        produce(g, next_id);
         WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
         FenceRegs(s);
         float alpha[2];
         softmax_exp(s, tile + 1, alpha);
         // ptxas schedules the wait below as early as it can, which would put it above the
-        // exponentials and end their overlap with the P.V in flight; a shared-memory store of
-        // the running sums (which depend on every exponential) pins them above it.
+        // exponentials and end their overlap with the P.V in flight; a shared-memory store
+        // of the running sums (which depend on every exponential) pins them above it.
         PinBeforeWait(sink, row_sum);
         WgmmaWait<0>();
         fence_o();
-        fence_p(pa);
-        rescale_o(alpha);
-        pack_p(s, pa);
+        M::FenceP(pa);
+        M::RescaleO(o, alpha);
+        M::PackP(s, pa);
       } else if (tile < wg_tiles) {
         fence_o();
-        fence_p(pa);
+        M::FenceP(pa);
         WgmmaFence();
         issue_pv(pa, tile);
         WgmmaCommit();
-        issue_next();
+        issue_ahead(g);
+        produce(g, next_id);
+        next_q(tile);
         WgmmaWait<0>();
         fence_o();
-        fence_p(pa);
+        M::FenceP(pa);
       } else {
-        issue_next();
+        issue_ahead(g);
+        produce(g, next_id);
+        next_q(tile);
       }
-      // Slot tile % kS held tile's offsets, read when tile was issued; it now takes tile + kS's.
-      store_row_base(tile + kS, next_id);
     };
-    CpAsyncWait<kS - 2>();  // tile 0
-    ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma (async proxy)
+    CpAsyncWait<kS - 2>();  // stream tile g0
+    ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma
     __syncthreads();
     if (wg_tiles > 0) {
       float s[kNT][4];
       WgmmaFence();
-      issue_s(s, 0);
+      issue_s(s, g0);
       WgmmaCommit();
       WgmmaWait<0>();
       FenceRegs(s);
       float alpha[2];
       softmax_exp(s, 0, alpha);  // O is still zero: no rescale
-      pack_p(s, pa);
+      M::PackP(s, pa);
     }
+#pragma unroll 1
     for (int tile = 0; tile < num_tiles; ++tile) step(tile);
-  } else {
-    // One tile at a time: issue tile + kS - 1 into the stage the last iteration read, then
-    // S, softmax and P.V of this tile.
-    for (int tile = 0; tile < num_tiles; ++tile) {
-      if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
-      CpAsyncCommit();
-      const int32_t next_id = load_page_id(tile + kS);
-      CpAsyncWait<kS - 1>();
-      ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma
-      __syncthreads();
-      if (tile < wg_tiles) {
-        float s[kNT][4];
-        WgmmaFence();
-        issue_s(s, tile);
-        WgmmaCommit();
-        WgmmaWait<0>();
-        FenceRegs(s);
-        uint32_t pa[kKP][4];
-        float alpha[2];
-        softmax_exp(s, tile, alpha);
-        pack_p(s, pa);
-        rescale_o(alpha);
-        fence_o();
-        fence_p(pa);
-        WgmmaFence();
-        issue_pv(pa, tile);
-        WgmmaCommit();
-        WgmmaWait<0>();
-        fence_o();
-        fence_p(pa);
-      }
-      store_row_base(tile + kS, next_id);
-      __syncthreads();  // the stage is overwritten by the next iteration's copies
-    }
-  }
-  CpAsyncWait<0>();
+    g0 += num_tiles;
 
-  // ---- Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    float sum = row_sum[i];
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    const int tile_row = wg * Cfg::kGroupRows + wg_warp * 16 + quad_row + 8 * i;
-    const int span_row = item.row_start + tile_row;
-    if (span_row >= span_rows) continue;
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse =
-        sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
-    WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
-  }
+    // ---- Normalize and write.
+    M::WriteRows(p, item, span, kv_head, group, span_rows,
+                 wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
+                 scale_log2);
 
-  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+    MergeIfLastSplit<D>(p, item, span, kv_head, group);
+  }
+  CpAsyncWait<0>();  // the zero-filled copies past the last job
 }
 
 #endif  // PAGEDATTN_WGMMA_DEVICE
@@ -579,21 +882,71 @@ template <typename T, int D>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
-  WgmmaPrefillBody<T, D>(params);
+  if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
+    WgmmaPrefillPersistentBody<T, D>(params);
+  } else {
+    WgmmaPrefillItemBody<T, D>(params);
+  }
 #else
   __trap();  // never launched: the host picks this kernel only for sm_90a builds on sm_90
 #endif
 }
 
+// Persistent configurations: one block per schedule entry (num_prefill_blocks, from
+// SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
+// kv head.
 template <typename T, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = WgmmaPrefillConfig<T, D>;
+  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
+  if constexpr (!Cfg::kPersistent) {
+    static std::atomic<bool> smem_raised[kMaxDevices];
+    return LaunchPrefillGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                             smem_raised, "prefill attention (wgmma)", params, stream);
+  }
+  if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
+      params.num_prefill_blocks <= 0) {
+    return LaunchStatus::Unsupported(
+        "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
+        "PrefillScheduleBlocks gives)");
+  }
+  auto kernel = PagedPrefillWgmmaKernel<T, D>;
   static std::atomic<bool> smem_raised[kMaxDevices];
-  return LaunchPrefillGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                           smem_raised, "prefill attention (wgmma)", params, stream);
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, Cfg::SmemBytes(), smem_raised,
+                                           "prefill attention (wgmma)");
+      !st.ok()) {
+    return st;
+  }
+  kernel<<<static_cast<unsigned>(params.num_prefill_blocks), Cfg::kThreads, Cfg::SmemBytes(),
+           stream>>>(params);
+  return LastLaunchStatus("prefill attention (wgmma)");
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D) \
-  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t);
+// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers);
+// 0 for a configuration that runs one block per item (no schedule).
+template <typename T, int D>
+LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  *blocks_per_sm = 0;
+  if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
+  auto kernel = PagedPrefillWgmmaKernel<T, D>;
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, Cfg::SmemBytes(), smem_raised,
+                                           "prefill attention (wgmma)");
+      !st.ok()) {
+    return st;
+  }
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      blocks_per_sm, kernel, Cfg::kThreads, Cfg::SmemBytes());
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
+                                   cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t); \
+  template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
 
 }  // namespace pagedattn::kernels

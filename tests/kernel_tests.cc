@@ -15,6 +15,7 @@
 #include <random>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <vector>
 
 #include "kernels/paged_attention.h"
@@ -569,6 +570,67 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
     }
   }
   EXPECT_EQ(span_order, (std::vector<int>{1, 0, 2})) << "each span once, longest span first";
+}
+
+// The persistent prefill kernel's schedule: every (item, kv head) exactly once, the first jobs
+// on blocks 0, 1, ... in the planner's order, each block's jobs in that order, and the blocks'
+// estimated work within one job of each other (greedy list scheduling).
+TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 264, &work);
+  ASSERT_FALSE(work.prefill_items.empty());
+  constexpr int kHeads = 8, kBlocks = 132;
+  kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);
+  const size_t num_jobs = work.prefill_items.size() * kHeads;
+  ASSERT_EQ(work.prefill_jobs.size(), num_jobs);
+  ASSERT_EQ(work.prefill_job_start.size(), static_cast<size_t>(kBlocks + 1));
+  EXPECT_EQ(work.prefill_job_start.front(), 0);
+  EXPECT_EQ(work.prefill_job_start.back(), static_cast<int32_t>(num_jobs));
+
+  // Job (item i, head h) is the planner's job i * kHeads + h; find each in the schedule.
+  auto key = [](const kernels::AttentionWorkItem& it, int h) {
+    return std::make_tuple(it.span, it.row_start, it.kv_start, h);
+  };
+  std::map<std::tuple<int, int, int, int>, int> order;
+  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
+    for (int h = 0; h < kHeads; ++h) order[key(work.prefill_items[i], h)] = i * kHeads + h;
+  }
+  ASSERT_EQ(order.size(), num_jobs) << "planner jobs are distinct";
+  std::vector<int> seen(num_jobs, 0);
+  int64_t min_load = INT64_MAX, max_load = 0, longest_job = 0;
+  for (int b = 0; b < kBlocks; ++b) {
+    int64_t load = 0;
+    int prev = -1;
+    for (int j = work.prefill_job_start[b]; j < work.prefill_job_start[b + 1]; ++j) {
+      const kernels::AttentionPrefillJob& job = work.prefill_jobs[j];
+      ASSERT_TRUE(order.count(key(job.item, job.kv_head)));
+      const int k = order[key(job.item, job.kv_head)];
+      ++seen[k];
+      if (j == work.prefill_job_start[b]) {
+        EXPECT_EQ(k, b) << "block " << b << "'s first job";
+      }
+      EXPECT_GT(k, prev) << "block " << b << " runs its jobs in the planner's order";
+      prev = k;
+      const int64_t cost = job.item.kv_end - job.item.kv_start + 128;  // the planner's estimate
+      load += cost;
+      longest_job = std::max(longest_job, cost);
+    }
+    min_load = std::min(min_load, load);
+    max_load = std::max(max_load, load);
+  }
+  for (size_t k = 0; k < num_jobs; ++k) EXPECT_EQ(seen[k], 1) << "job " << k;
+  // A job goes to the block with the least estimated work (positions + 128 per job), so no
+  // block ends more than one job after the least loaded one.
+  EXPECT_LE(max_load - min_load, longest_job);
+
+  // Fewer jobs than blocks: one block per job; no blocks: no schedule.
+  kernels::SchedulePrefillJobs(kHeads, 100000, &work);
+  EXPECT_EQ(work.prefill_job_start.size(), num_jobs + 1);
+  kernels::SchedulePrefillJobs(kHeads, 0, &work);
+  EXPECT_TRUE(work.prefill_jobs.empty());
+  EXPECT_TRUE(work.prefill_job_start.empty());
 }
 
 }  // namespace

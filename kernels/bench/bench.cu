@@ -13,6 +13,8 @@
 //                   [--prefill-path auto|portable] [--no-read-roofline]
 //                   [--merge planned|separate]   (separate: the split-KV merge kernel always)
 //   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
+//                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
+//                     as the GPU holds at once; a number >= jobs gives one block per job)
 //                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
 //                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
 //
@@ -66,6 +68,7 @@ struct Config {
   int warmup = 10, reps = 50, check_seqs = 2;
   double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
   int min_chunk = 256;
+  int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
   bool separate_merge = false;  // --merge separate: override the plan's choice of merge
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
@@ -225,6 +228,8 @@ Config ParseFlags(int argc, char** argv) {
       c.blocks_scale = std::atof(next().c_str());
     else if (a == "--min-chunk")
       c.min_chunk = std::atoi(next().c_str());
+    else if (a == "--prefill-blocks")
+      c.prefill_blocks = std::atoi(next().c_str());
     else if (a == "--stages")
       c.stages = std::atoi(next().c_str());
     else if (a == "--rotate")
@@ -364,6 +369,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
   PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk);
   if (cfg.separate_merge) work.separate_merge = true;
+  int prefill_blocks = 0;
+  CheckLaunch(PrefillScheduleBlocks(cfg.dtype, D, cfg.prefill_path, &prefill_blocks),
+              "prefill occupancy");
+  if (prefill_blocks > 0 && cfg.prefill_blocks > 0) prefill_blocks = cfg.prefill_blocks;
+  SchedulePrefillJobs(Hkv, prefill_blocks, &work);
 
   auto upload = [](const void* src, size_t bytes) {
     void* d = nullptr;
@@ -393,6 +403,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.prefill_items = static_cast<const AttentionWorkItem*>(
       upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
   p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
+  p.prefill_jobs = static_cast<const AttentionPrefillJob*>(
+      upload(work.prefill_jobs.data(), work.prefill_jobs.size() * sizeof(AttentionPrefillJob)));
+  p.prefill_job_start = static_cast<const int32_t*>(
+      upload(work.prefill_job_start.data(), work.prefill_job_start.size() * sizeof(int32_t)));
+  p.num_prefill_blocks = work.prefill_job_start.empty()
+                             ? 0
+                             : static_cast<int32_t>(work.prefill_job_start.size() - 1);
   p.merge_tasks = static_cast<const AttentionMergeTask*>(
       upload(work.merge_tasks.data(), work.merge_tasks.size() * sizeof(AttentionMergeTask)));
   p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
@@ -541,8 +558,12 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   const double kv_bytes = 2.0 * positions * Hkv * D * esize;
 
   char row[768];
+  // Blocks launched: one per decode item and kv head, and the prefill kernel's (one per
+  // schedule entry when persistent, one per item and kv head otherwise).
   const size_t blocks =
-      (work.decode_items.size() + work.decode_wide_items.size() + work.prefill_items.size()) * Hkv;
+      (work.decode_items.size() + work.decode_wide_items.size()) * Hkv +
+      (p.num_prefill_blocks > 0 ? static_cast<size_t>(p.num_prefill_blocks)
+                                : work.prefill_items.size() * Hkv);
   if (cfg.prefill) {
     double flops = 0;
     for (int c : ctx) flops += 4.0 * Hq * double(c) * c * D * 0.5;  // causal: half the square
@@ -587,6 +608,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   cudaFree(const_cast<AttentionWorkItem*>(p.decode_items));
   cudaFree(const_cast<AttentionWorkItem*>(p.decode_wide_items));
   cudaFree(const_cast<AttentionWorkItem*>(p.prefill_items));
+  cudaFree(const_cast<AttentionPrefillJob*>(p.prefill_jobs));
+  cudaFree(const_cast<int32_t*>(p.prefill_job_start));
   cudaFree(const_cast<AttentionMergeTask*>(p.merge_tasks));
   cudaFree(p.partial_out);
   cudaFree(p.partial_lse);

@@ -53,8 +53,12 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 class CudaKvPool final : public KvPool {
  public:
-  CudaKvPool(int device, char* base, int64_t layer_bytes, int target_blocks)
-      : device_(device), base_(base), layer_bytes_(layer_bytes), target_blocks_(target_blocks) {}
+  CudaKvPool(int device, char* base, int64_t layer_bytes, int target_blocks, int prefill_blocks)
+      : device_(device),
+        base_(base),
+        layer_bytes_(layer_bytes),
+        target_blocks_(target_blocks),
+        prefill_blocks_(prefill_blocks) {}
   ~CudaKvPool() override {
     int current = 0;
     cudaGetDevice(&current);
@@ -66,12 +70,15 @@ class CudaKvPool final : public KvPool {
   void* k(int layer) const { return base_ + 2 * layer * layer_bytes_; }
   void* v(int layer) const { return base_ + (2 * layer + 1) * layer_bytes_; }
   int target_blocks() const { return target_blocks_; }
+  // Persistent blocks of the Hopper prefill kernel (0: the portable kernel runs).
+  int prefill_blocks() const { return prefill_blocks_; }
 
  private:
   int device_;
   char* base_;
   int64_t layer_bytes_;
   int target_blocks_;
+  int prefill_blocks_;
 };
 
 // A stream with pinned host and device scratch buffers that grow to the largest Forward seen.
@@ -136,7 +143,8 @@ struct Workspace {
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
   size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0, prefill_items = 0,
-         merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
+         prefill_jobs = 0, prefill_job_start = 0, merge_tasks = 0, q = 0, k = 0, v = 0,
+         input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
   // Host only, after the inputs: the results.
@@ -176,6 +184,9 @@ class CudaBackend final : public Backend {
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
     int target_blocks = 0;
     PAGEDATTN_LAUNCH_RETURN(k::AttentionTargetBlocks(g.kv_dtype, g.head_dim, &target_blocks));
+    int prefill_blocks = 0;
+    PAGEDATTN_LAUNCH_RETURN(
+        k::PrefillScheduleBlocks(g.kv_dtype, g.head_dim, PrefillPath(), &prefill_blocks));
     size_t free_bytes = 0, total_bytes = 0;
     PAGEDATTN_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
     const int64_t want = g.TotalBytes();
@@ -194,7 +205,7 @@ class CudaBackend final : public Backend {
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
-    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, target_blocks));
+    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, target_blocks, prefill_blocks));
   }
 
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
@@ -261,6 +272,7 @@ class CudaBackend final : public Backend {
     if (plan.total_queries > 0) {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
                            pool.target_blocks(), &work);
+      k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
     }
 
     const size_t q_elems = static_cast<size_t>(plan.total_queries) * Hq * D;
@@ -282,6 +294,8 @@ class CudaBackend final : public Backend {
     L.decode_items = take(work.decode_items.size() * sizeof(k::AttentionWorkItem));
     L.decode_wide_items = take(work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     L.prefill_items = take(work.prefill_items.size() * sizeof(k::AttentionWorkItem));
+    L.prefill_jobs = take(work.prefill_jobs.size() * sizeof(k::AttentionPrefillJob));
+    L.prefill_job_start = take(work.prefill_job_start.size() * sizeof(int32_t));
     L.merge_tasks = take(work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
     L.q = take(q_bytes);
     L.k = take(kv_bytes);
@@ -315,6 +329,10 @@ class CudaBackend final : public Backend {
         work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     put(L.prefill_items, work.prefill_items.data(),
         work.prefill_items.size() * sizeof(k::AttentionWorkItem));
+    put(L.prefill_jobs, work.prefill_jobs.data(),
+        work.prefill_jobs.size() * sizeof(k::AttentionPrefillJob));
+    put(L.prefill_job_start, work.prefill_job_start.data(),
+        work.prefill_job_start.size() * sizeof(int32_t));
     put(L.merge_tasks, work.merge_tasks.data(),
         work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
     if (q_bytes > 0) put(L.q, io.q, q_bytes);
@@ -357,7 +375,7 @@ class CudaBackend final : public Backend {
       p.page_size = g.page_size;
       p.causal = plan.causal;
       p.sm_scale = plan.sm_scale;
-      p.prefill_path = portable_prefill_ ? k::PrefillPath::kPortable : k::PrefillPath::kAuto;
+      p.prefill_path = PrefillPath();
       p.k_cache = pool.k(plan.layer);
       p.v_cache = pool.v(plan.layer);
       p.page_table = reinterpret_cast<const int32_t*>(d + L.page_table);
@@ -370,6 +388,10 @@ class CudaBackend final : public Backend {
       p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
       p.prefill_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.prefill_items);
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
+      p.prefill_jobs = reinterpret_cast<const k::AttentionPrefillJob*>(d + L.prefill_jobs);
+      p.prefill_job_start = reinterpret_cast<const int32_t*>(d + L.prefill_job_start);
+      p.num_prefill_blocks =
+          work.prefill_job_start.empty() ? 0 : static_cast<int32_t>(work.prefill_job_start.size() - 1);
       p.merge_tasks = reinterpret_cast<const k::AttentionMergeTask*>(d + L.merge_tasks);
       p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
       p.separate_merge = work.separate_merge;
@@ -401,6 +423,10 @@ class CudaBackend final : public Backend {
   }
 
   const int device_count_;
+  k::PrefillPath PrefillPath() const {
+    return portable_prefill_ ? k::PrefillPath::kPortable : k::PrefillPath::kAuto;
+  }
+
   const bool portable_prefill_;  // --prefill_kernel=portable
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Workspace>> free_;

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Same-call A/B of two pagedattn-bench binaries on the prefill shapes, in alternating rounds,
+# then peers.py's prefill rows (flash, flex, cudnn) of the same call.
+#
+#   there:  bash kernels/bench/ab_prefill.sh .stage $OUT .stage/bin/pagedattn-bench-old [ROUNDS]
+#   here:   python3 kernels/bench/compare.py OUT/ab.json OUT/peers.json
+# Rows carry "variant": new, new_1job (one block per job: --prefill-blocks 1000000), old.
+set -uo pipefail
+stage=$1
+out=$2
+old=$3
+rounds=${4:-2}
+b=$stage/bin
+source "$stage/env.sh"
+tmp=$(mktemp -d)
+bench() { local name=$1 bin=$2; shift 2; timeout 120 "$bin" "$@" --json "$tmp/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
+for r in $(seq 1 "$rounds"); do
+  bench "new_r$r" "$b/pagedattn-bench" --suite prefill
+  bench "old_r$r" "$old" --suite prefill
+  bench "new_1job_r$r" "$b/pagedattn-bench" --suite prefill --prefill-blocks 1000000
+done
+for d in 64 256; do
+  bench "new_d$d" "$b/pagedattn-bench" --suite prefill --head-dim $d --cases "4,4096 2,8192" --reps 20
+  bench "new_1job_d$d" "$b/pagedattn-bench" --suite prefill --head-dim $d --cases "4,4096 2,8192" --reps 20 --prefill-blocks 1000000
+  bench "old_d$d" "$old" --suite prefill --head-dim $d --cases "4,4096 2,8192" --reps 20
+done
+bench new_p1 "$b/pagedattn-bench" --suite prefill --page-size 1 --cases "1,4096" --reps 10
+bench new_p128 "$b/pagedattn-bench" --suite prefill --page-size 128
+python3 - "$tmp" "$out/ab.json" <<'PY'
+import json, os, sys
+rows = []
+for name in sorted(os.listdir(sys.argv[1])):
+    for r in json.load(open(os.path.join(sys.argv[1], name))):
+        r["variant"] = name[:-5]
+        rows.append(r)
+json.dump(rows, open(sys.argv[2], "w"), indent=1)
+for r in rows:
+    print(r["variant"], r["batch"], r["seqlen"], r["head_dim"], r.get("blocks"), "%.1f" % r["tflops"],
+          "b2b_us=%.1f" % r["b2b_time_us"], "err=%.2g" % r["max_rel_err"])
+PY
+if [ "${PEERS:-1}" != 0 ]; then
+  timeout 200 python3 "$stage/peers.py" --decode none --no-limits --out "$out/peers.json" > "$out/peers.log" 2>&1
+  echo "peers rc=$?"
+  python3 -c "
+import json,sys
+for r in json.load(open('$out/peers.json')): print(r.get('suite'), r.get('batch'), r.get('seqlen'), r.get('peer'), r.get('tflops'))"
+fi

@@ -233,6 +233,96 @@ struct WgmmaTileMath {
   static constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
   static constexpr uint32_t kRowBytes = 128;     // one row of a 64-column slice
 
+  // The dynamic shared memory: kStages K/V stages, then the Q tile, from a base aligned to the
+  // swizzle pattern's 1024 bytes.
+  struct Smem {
+    uint32_t base;    // shared-state address of stage 0
+    T* kv;            // the stages
+    T* q;             // the Q tile
+    uint32_t q_base;  // its shared-state address
+    // Shared-state addresses of stage `stage`'s K and V tiles, and of warpgroup wg's Q rows.
+    __device__ __forceinline__ uint32_t k_addr(int stage) const {
+      return base + static_cast<uint32_t>(stage * Cfg::kStageElems * sizeof(T));
+    }
+    __device__ __forceinline__ uint32_t v_addr(int stage) const {
+      return k_addr(stage) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
+    }
+    __device__ __forceinline__ uint32_t q_rows(int wg) const {
+      return q_base + wg * Cfg::kGroupRows * kRowBytes;
+    }
+  };
+  __device__ __forceinline__ static Smem SmemOf(unsigned char* smem_raw) {
+    const uint32_t base =
+        (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
+    unsigned char* aligned = smem_raw + (base - SmemAddr(smem_raw));
+    return {base, reinterpret_cast<T*>(aligned),
+            reinterpret_cast<T*>(aligned + Cfg::kPipelineBytes),
+            base + static_cast<uint32_t>(Cfg::kPipelineBytes)};
+  }
+
+  // What a thread's rows see and what its warp and warpgroup compute, for one item: rows
+  // quad_row and quad_row + 8 of the warp's 16 in its warpgroup's 64.
+  struct Rows {
+    int q_pos[2];      // last visible position of each row (-1: past the span)
+    int wg_tiles;      // the warpgroup's tiles: its wgmma's are collective, so what it computes
+                       // is decided per warpgroup (under a causal mask, a prefix of the tiles)
+    int warp_min_pos;  // last visible position of the warp's first row: masks are decided per
+                       // warp, and a tile ending at or before it needs none
+  };
+  __device__ __forceinline__ static Rows RowsOf(const PagedAttentionParams& p,
+                                                const AttentionWorkItem& item, int group,
+                                                int num_tiles, int wg, int wg_warp, int quad_row) {
+    const AttentionSpan& span = item.span_info;
+    const int span_rows = span.num_queries * group;
+    const int first_q_pos = span.kv_len - span.num_queries;
+    auto last_visible = [&](int span_row) {
+      return span_row >= span_rows ? -1
+                                   : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
+    };
+    Rows r;
+    const int warp_first_row = item.row_start + wg * Cfg::kGroupRows + wg_warp * 16;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) r.q_pos[i] = last_visible(warp_first_row + quad_row + 8 * i);
+    const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
+    const int wg_max_pos = wg_first_row >= span_rows
+                               ? -1
+                               : last_visible(min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1));
+    r.wg_tiles = wg_max_pos < item.kv_start
+                     ? 0
+                     : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
+    r.warp_min_pos = last_visible(warp_first_row);
+    return r;
+  }
+
+  // Copies one K/V tile into stage `stage` (16-byte cp.async, swizzle-128 layout): this thread's
+  // chunk copy_chunk of rows copy_row0 + i * kRowStep, from pool rows `rows` (-1: zero-filled).
+  __device__ __forceinline__ static void IssueKvTile(T* smem_kv, const int32_t (&rows)[Cfg::kTileKv],
+                                                     int stage, const T* k_cache,
+                                                     const T* v_cache, int copy_chunk,
+                                                     int copy_row0) {
+    T* sk = smem_kv + stage * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileElems;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int32_t base = rows[row];
+      const bool valid = base >= 0;
+      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
+      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
+      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
+      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
+    }
+  }
+
+  // The Q tile of an item and kv head -> shared memory as T.
+  __device__ __forceinline__ static void LoadQ(const PagedAttentionParams& p,
+                                               const AttentionWorkItem& item, int kv_head,
+                                               int group, T* smem_q) {
+    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+        p, item, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
+        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
+  }
+
   // S = Q K^T of one tile (this warpgroup's Q rows at q_wg_base, the K tile at kb): D/16 k
   // steps; issued, not waited for.
   __device__ __forceinline__ static void IssueS(float (&s)[kNT][4], uint32_t q_wg_base,
@@ -371,16 +461,10 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
   static_assert(!Cfg::kPipelined, "the pipelined tile runs in the persistent body");
-  constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
-  constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
-  constexpr int kS = Cfg::kStages;
+  constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t smem_base =
-      (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
-  unsigned char* smem_aligned = smem_raw + (smem_base - SmemAddr(smem_raw));
-  T* smem_kv = reinterpret_cast<T*>(smem_aligned);
-  T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
-  const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
+  const typename M::Smem smem = M::SmemOf(smem_raw);
+  T* smem_kv = smem.kv;
 
   // Items run in the planner's order (by span, longest first); the kv heads of one item run
   // side by side.
@@ -389,7 +473,6 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_rows = span.num_queries * group;
-  const int first_q_pos = span.kv_len - span.num_queries;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, wg_warp = warp & 3;
@@ -425,19 +508,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
         page_id < 0 ? -1 : (page_id * p.num_kv_heads + kv_head) * p.page_size + in_page;
   };
   auto issue_tile = [&](int tile) {
-    const int stage = tile % kS;
-    T* sk = smem_kv + stage * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileElems;
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const int32_t base = row_base[stage][row];
-      const bool valid = base >= 0;
-      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
-      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
-      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
-    }
+    M::IssueKvTile(smem_kv, row_base[tile % kS], tile % kS, k_cache, v_cache, copy_chunk,
+                   copy_row0);
   };
   {
     int32_t first_ids[kS];
@@ -454,9 +526,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   }
 
   // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
-  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
-      p, item, span, kv_head, group, span_rows, smem_q,
-      [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
+  M::LoadQ(p, item, kv_head, group, smem.q);
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
@@ -464,42 +534,19 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-  int q_pos[2];
-  const int warp_first_row = item.row_start + wg * Cfg::kGroupRows + wg_warp * 16;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const int span_row = warp_first_row + quad_row + 8 * i;
-    q_pos[i] =
-        span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
-  }
-  // A warpgroup's wgmma's are collective, so what it computes is decided per warpgroup: the
-  // first wg_tiles tiles (under a causal mask the tiles a row group sees are a prefix). Masks
-  // are decided per warp.
-  const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
-  const int wg_last_row = min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1);
-  const int wg_max_pos = wg_first_row >= span_rows
-                             ? -1
-                             : (p.causal ? first_q_pos + wg_last_row / group : INT32_MAX - 1);
-  const int wg_tiles =
-      wg_max_pos < item.kv_start ? 0 : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
-  const int warp_min_pos = warp_first_row >= span_rows
-                               ? -1
-                               : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+  const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
+  const int wg_tiles = rows.wg_tiles;
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-
-  constexpr uint32_t kRowBytes = 128;  // one row of a 64-column slice
-  const uint32_t q_wg_base = q_base + wg * Cfg::kGroupRows * kRowBytes;
-  auto k_addr = [&](int tile) {
-    return smem_base + static_cast<uint32_t>((tile % kS) * Cfg::kStageElems * sizeof(T));
+  const uint32_t q_wg_base = smem.q_rows(wg);
+  auto issue_s = [&](float(&s)[kNT][4], int tile) {
+    M::IssueS(s, q_wg_base, smem.k_addr(tile % kS));
   };
-  auto v_addr = [&](int tile) {
-    return k_addr(tile) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
+  auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
+    M::IssuePV(o, pa, smem.v_addr(tile % kS));
   };
-  auto issue_s = [&](float(&s)[kNT][4], int tile) { M::IssueS(s, q_wg_base, k_addr(tile)); };
-  auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) { M::IssuePV(o, pa, v_addr(tile)); };
   auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, warp_min_pos, q_pos,
-                  quad_col, scale_log2, row_max, row_sum, alpha);
+    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows.warp_min_pos,
+                  rows.q_pos, quad_col, scale_log2, row_max, row_sum, alpha);
   };
   auto fence_o = [&]() { FenceRegs(o); };
 
@@ -552,16 +599,10 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
   static_assert(Cfg::kPipelined, "the one-tile-at-a-time loop runs in the per-item body");
-  constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
-  constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
-  constexpr int kS = Cfg::kStages;
+  constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  const uint32_t smem_base =
-      (SmemAddr(smem_raw) + uint32_t{Cfg::kAlign - 1}) & ~uint32_t{Cfg::kAlign - 1};
-  unsigned char* smem_aligned = smem_raw + (smem_base - SmemAddr(smem_raw));
-  T* smem_kv = reinterpret_cast<T*>(smem_aligned);
-  T* smem_q = reinterpret_cast<T*>(smem_aligned + Cfg::kPipelineBytes);
-  const uint32_t q_base = smem_base + static_cast<uint32_t>(Cfg::kPipelineBytes);
+  const typename M::Smem smem = M::SmemOf(smem_raw);
+  T* smem_kv = smem.kv;
 
   // This block's jobs (item, kv head), in the host's order (SchedulePrefillJobs).
   const int job_begin = p.prefill_job_start[blockIdx.x];
@@ -653,19 +694,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     }
   };
   auto issue_tile = [&](int g) {
-    const int stage = g % kS;
-    T* sk = smem_kv + stage * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileElems;
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const int32_t base = row_base[stage][row];
-      const bool valid = base >= 0;
-      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
-      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
-      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
-    }
+    M::IssueKvTile(smem_kv, row_base[g % kS], g % kS, k_cache, v_cache, copy_chunk, copy_row0);
   };
   // The first kS tiles' rows and the first kS - 1 tiles' copies. Page ids load side by side
   // when the first job has kS tiles or more; otherwise the cursor crosses jobs, with a barrier
@@ -698,26 +727,18 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     CpAsyncCommit();
   }
   auto load_q = [&](const AttentionPrefillJob& job) {
-    const int span_rows = job.item.span_info.num_queries * group;
-    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
-        p, job.item, job.item.span_info, job.kv_head, group, span_rows, smem_q,
-        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
+    M::LoadQ(p, job.item, job.kv_head, group, smem.q);
   };
   // ---- Q tile of the first job -> shared memory as T, while the first copies fly. The next
   // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
   load_q(ring[0]);
 
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-  constexpr uint32_t kRowBytes = 128;  // one row of a 64-column slice
-  const uint32_t q_wg_base = q_base + wg * Cfg::kGroupRows * kRowBytes;
-  auto k_addr = [&](int g) {
-    return smem_base + static_cast<uint32_t>((g % kS) * Cfg::kStageElems * sizeof(T));
-  };
-  auto v_addr = [&](int g) {
-    return k_addr(g) + static_cast<uint32_t>(Cfg::kTileElems * sizeof(T));
-  };
+  const uint32_t q_wg_base = smem.q_rows(wg);
   // S = Q K^T of stream tile g; issued, not waited for.
-  auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, k_addr(g)); };
+  auto issue_s = [&](float(&s)[kNT][4], int g) {
+    M::IssueS(s, q_wg_base, smem.k_addr(g % kS));
+  };
 
   int g0 = 0;     // stream index of the current job's first tile
   int cslot = 0;  // the current job's ring slot
@@ -728,7 +749,6 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     const AttentionSpan& span = item.span_info;
     const int kv_head = job.kv_head;
     const int span_rows = span.num_queries * group;
-    const int first_q_pos = span.kv_len - span.num_queries;
     const int num_tiles = tiles_of(item);
     const int kv_start = item.kv_start, kv_end = item.kv_end;
     const bool has_next = ck + 1 < job_end;
@@ -740,35 +760,16 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 #pragma unroll
     for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
-    int q_pos[2];
-    const int warp_first_row = item.row_start + wg * Cfg::kGroupRows + wg_warp * 16;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int span_row = warp_first_row + quad_row + 8 * i;
-      q_pos[i] = span_row >= span_rows ? -1
-                                       : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
-    }
-    // A warpgroup's wgmma's are collective, so what it computes is decided per warpgroup: the
-    // first wg_tiles tiles (under a causal mask the tiles a row group sees are a prefix). Masks
-    // are decided per warp.
-    const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
-    const int wg_last_row = min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1);
-    const int wg_max_pos = wg_first_row >= span_rows
-                               ? -1
-                               : (p.causal ? first_q_pos + wg_last_row / group : INT32_MAX - 1);
-    const int wg_tiles =
-        wg_max_pos < kv_start ? 0 : min(num_tiles, (wg_max_pos - kv_start) / Cfg::kTileKv + 1);
-    const int warp_min_pos = warp_first_row >= span_rows
-                                 ? -1
-                                 : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+    const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
+    const int wg_tiles = rows.wg_tiles;
 
     // O += P V of job tile `tile` (stream g0 + tile).
     auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
-      M::IssuePV(o, pa, v_addr(g0 + tile));
+      M::IssuePV(o, pa, smem.v_addr((g0 + tile) % kS));
     };
     auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, warp_min_pos, q_pos, quad_col,
-                    scale_log2, row_max, row_sum, alpha);
+      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, rows.warp_min_pos, rows.q_pos,
+                    quad_col, scale_log2, row_max, row_sum, alpha);
     };
     auto fence_o = [&]() { FenceRegs(o); };
     // The stream tile kS - 1 ahead of g (whichever job it belongs to), as one commit group.

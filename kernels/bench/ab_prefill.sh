@@ -26,18 +26,8 @@ for d in 64 256; do
 done
 bench new_p1 "$b/pagedattn-bench" --suite prefill --page-size 1 --cases "1,4096" --reps 10
 bench new_p128 "$b/pagedattn-bench" --suite prefill --page-size 128
-python3 - "$tmp" "$out/ab.json" <<'PY'
-import json, os, sys
-rows = []
-for name in sorted(os.listdir(sys.argv[1])):
-    for r in json.load(open(os.path.join(sys.argv[1], name))):
-        r["variant"] = name[:-5]
-        rows.append(r)
-json.dump(rows, open(sys.argv[2], "w"), indent=1)
-for r in rows:
-    print(r["variant"], r["batch"], r["seqlen"], r["head_dim"], r.get("blocks"), "%.1f" % r["tflops"],
-          "b2b_us=%.1f" % r["b2b_time_us"], "err=%.2g" % r["max_rel_err"])
-PY
+# One file of rows, each tagged with the run it came from.
+python3 "$(dirname "$0")/merge_rows.py" "$tmp" "$out/ab.json"
 if [ "${PEERS:-1}" != 0 ]; then
   timeout 200 python3 "$stage/peers.py" --decode none --no-limits --out "$out/peers.json" > "$out/peers.log" 2>&1
   echo "peers rc=$?"

@@ -55,18 +55,7 @@ run decode_p1 --page-size 1 --cases "1,32768 16,4096" --no-read-roofline
 run decode_kv1 --kv-heads 1 --cases "1,32768 8,4096 1,131072" --no-read-roofline
 run decode_kv2 --kv-heads 2 --cases "1,32768 2,16384" --no-read-roofline
 # One file of rows, each tagged with the run it came from.
-python3 - "$tmp" "$out/ours.json" <<'PY'
-import json, os, sys
-rows = []
-for name in sorted(os.listdir(sys.argv[1])):
-    for r in json.load(open(os.path.join(sys.argv[1], name))):
-        r["variant"] = name[:-5]
-        rows.append(r)
-json.dump(rows, open(sys.argv[2], "w"), indent=1)
-for r in rows:
-    v = r.get("tflops", r.get("tbps"))
-    print(r["variant"], r["batch"], r.get("seqlen", r.get("ctx")), r.get("head_dim"), r.get("kernel", ""), v, r.get("read_tbps", ""))
-PY
+python3 "$(dirname "$0")/merge_rows.py" "$tmp" "$out/ours.json"
 if [ "${PEERS:-1}" != 0 ]; then
   timeout 300 python3 "$stage/peers.py" --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
   timeout 100 python3 "$stage/peers.py" --no-limits --prefill none --kv-heads 1 \

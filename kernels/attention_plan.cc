@@ -220,26 +220,25 @@ void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
   using Load = std::pair<int64_t, int>;  // (estimated end, block)
   std::priority_queue<Load, std::vector<Load>, std::greater<Load>> free_at;
   for (int b = 0; b < grid; ++b) free_at.push({0, b});
-  std::vector<std::vector<AttentionPrefillJob>> per_block(grid);
-  for (const AttentionWorkItem& item : work->prefill_items) {
-    const int64_t cost = int64_t{item.kv_end} - item.kv_start + kPrefillJobCost;
-    for (int h = 0; h < num_kv_heads; ++h) {
-      const auto [end, b] = free_at.top();
-      free_at.pop();
-      AttentionPrefillJob job;
-      job.item = item;
-      job.kv_head = h;
-      per_block[b].push_back(job);
-      free_at.push({end + cost, b});
-    }
+  std::vector<int32_t> owner(num_jobs);  // job i * num_kv_heads + h -> its block
+  std::vector<int32_t> start(grid + 1, 0);
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    const AttentionWorkItem& item = work->prefill_items[j / num_kv_heads];
+    const auto [end, b] = free_at.top();
+    free_at.pop();
+    owner[j] = b;
+    ++start[b + 1];
+    free_at.push({end + int64_t{item.kv_end} - item.kv_start + kPrefillJobCost, b});
   }
-  work->prefill_jobs.reserve(num_jobs);
-  work->prefill_job_start.reserve(grid + 1);
-  for (const std::vector<AttentionPrefillJob>& jobs : per_block) {
-    work->prefill_job_start.push_back(static_cast<int32_t>(work->prefill_jobs.size()));
-    work->prefill_jobs.insert(work->prefill_jobs.end(), jobs.begin(), jobs.end());
+  // Block-major, each block's jobs in the planner's order (a counting sort by owner).
+  for (int b = 0; b < grid; ++b) start[b + 1] += start[b];
+  work->prefill_job_start = start;
+  work->prefill_jobs.resize(num_jobs);
+  for (int64_t j = 0; j < num_jobs; ++j) {
+    AttentionPrefillJob& job = work->prefill_jobs[start[owner[j]]++];
+    job.item = work->prefill_items[j / num_kv_heads];
+    job.kv_head = static_cast<int32_t>(j % num_kv_heads);
   }
-  work->prefill_job_start.push_back(static_cast<int32_t>(work->prefill_jobs.size()));
 }
 
 }  // namespace pagedattn::kernels

@@ -186,7 +186,7 @@ class CudaBackend final : public Backend {
     PAGEDATTN_LAUNCH_RETURN(k::AttentionTargetBlocks(g.kv_dtype, g.head_dim, &target_blocks));
     int prefill_blocks = 0;
     PAGEDATTN_LAUNCH_RETURN(
-        k::PrefillScheduleBlocks(g.kv_dtype, g.head_dim, PrefillPath(), &prefill_blocks));
+        k::PrefillScheduleBlocks(g.kv_dtype, g.head_dim, prefill_path(), &prefill_blocks));
     size_t free_bytes = 0, total_bytes = 0;
     PAGEDATTN_CUDA_RETURN(cudaMemGetInfo(&free_bytes, &total_bytes), "cudaMemGetInfo");
     const int64_t want = g.TotalBytes();
@@ -205,7 +205,8 @@ class CudaBackend final : public Backend {
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
-    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, target_blocks, prefill_blocks));
+    return std::unique_ptr<KvPool>(
+        new CudaKvPool(g.device, base, layer_bytes, target_blocks, prefill_blocks));
   }
 
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
@@ -375,7 +376,7 @@ class CudaBackend final : public Backend {
       p.page_size = g.page_size;
       p.causal = plan.causal;
       p.sm_scale = plan.sm_scale;
-      p.prefill_path = PrefillPath();
+      p.prefill_path = prefill_path();
       p.k_cache = pool.k(plan.layer);
       p.v_cache = pool.v(plan.layer);
       p.page_table = reinterpret_cast<const int32_t*>(d + L.page_table);
@@ -423,7 +424,7 @@ class CudaBackend final : public Backend {
   }
 
   const int device_count_;
-  k::PrefillPath PrefillPath() const {
+  k::PrefillPath prefill_path() const {
     return portable_prefill_ ? k::PrefillPath::kPortable : k::PrefillPath::kAuto;
   }
 

@@ -109,7 +109,8 @@ struct AttentionTileConfig {
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
-  static constexpr size_t kReduceFloats = size_t{KW} * kRows * (D + 2);  // O, max, sum per warp
+  static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
+  static constexpr size_t kReduceFloats = size_t{KW} * kRows * (kRedStride + 2);  // O, max, sum
   static constexpr size_t kReduceBytes = KW > 1 ? kReduceFloats * sizeof(float) : 0;
   static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
   static constexpr size_t SmemBytes() {
@@ -126,15 +127,38 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   return row * D + ((chunk ^ (row & 7)) << 3);
 }
 
+// acc += w * v for one lane's kDims floats of a partial O row.
+template <int kDims>
+struct SplitRowSlice {
+  static_assert(kDims % 2 == 0, "whole float2s");
+  static constexpr int kVec = kDims % 4 == 0 ? 4 : 2;
+  float v[kDims];
+  // Loads the slice at src through L2 (partials come from other blocks) in 16-byte loads where
+  // the slice allows.
+  __device__ __forceinline__ void Load(const float* src) {
+#pragma unroll
+    for (int d = 0; d < kDims; d += kVec) {
+      if constexpr (kVec == 4) {
+        const float4 x = __ldcg(reinterpret_cast<const float4*>(src + d));
+        v[d] = x.x, v[d + 1] = x.y, v[d + 2] = x.z, v[d + 3] = x.w;
+      } else {
+        const float2 x = __ldcg(reinterpret_cast<const float2*>(src + d));
+        v[d] = x.x, v[d + 1] = x.y;
+      }
+    }
+  }
+  __device__ __forceinline__ void AddTo(float (&acc)[kDims], float w) const {
+#pragma unroll
+    for (int d = 0; d < kDims; ++d) acc[d] += w * v[d];
+  }
+};
+
 // acc += w * (this lane's kDims floats of one partial O row), read through L2.
 template <int kDims>
 __device__ __forceinline__ void AccumulateSplitRow(float (&acc)[kDims], const float* src, float w) {
-#pragma unroll
-  for (int d = 0; d < kDims; d += 2) {
-    const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
-    acc[d] += w * v.x;
-    acc[d + 1] += w * v.y;
-  }
+  SplitRowSlice<kDims> x;
+  x.Load(src);
+  x.AddTo(acc, w);
 }
 
 // Row of out / lse for row span_row (= query * group + head in group) of the span whose first
@@ -152,13 +176,18 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
   constexpr int kDims = D / 32;
+  constexpr int kBatch = D == 128 ? 16 : 8;  // splits whose O slices are loaded at once
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
   for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
-    float max_lse = -INFINITY;
-    for (int s = lane; s < task.num_splits; s += 32) {
-      max_lse = fmaxf(max_lse, __ldcg(part_lse + task.partial_row + s * task.row_stride + r));
+    const float* lse_r = part_lse + task.partial_row + r;  // split s at lse_r[s * row_stride]
+    // Lane s holds split s's LSE of the first 32 splits: one load serves the max and the weight.
+    const float lse0 =
+        lane < task.num_splits ? __ldcg(lse_r + int64_t{lane} * task.row_stride) : -INFINITY;
+    float max_lse = lse0;
+    for (int s = lane + 32; s < task.num_splits; s += 32) {
+      max_lse = fmaxf(max_lse, __ldcg(lse_r + int64_t{s} * task.row_stride));
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1)
@@ -170,17 +199,24 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
     for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
     for (int s0 = 0; s0 < task.num_splits; s0 += 32) {
       const int n = min(32, task.num_splits - s0);
-      const float my_weight =
-          lane < n
-              ? __expf(__ldcg(part_lse + task.partial_row + (s0 + lane) * task.row_stride + r) -
-                       base)
-              : 0.f;
+      const float lse_s = s0 == 0 ? lse0
+                                  : (lane < n ? __ldcg(lse_r + int64_t{s0 + lane} * task.row_stride)
+                                              : -INFINITY);
+      const float my_weight = lane < n ? __expf(lse_s - base) : 0.f;
       weight_sum += my_weight;
-#pragma unroll 8
-      for (int j = 0; j < n; ++j) {
-        const float w = __shfl_sync(0xffffffffu, my_weight, j);
-        const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
-        AccumulateSplitRow<kDims>(acc, part_out + row * D + lane * kDims, w);
+      // kBatch splits' slices in flight at once, then their weighted sum.
+      for (int j0 = 0; j0 < n; j0 += kBatch) {
+        SplitRowSlice<kDims> x[kBatch];
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const int64_t row = task.partial_row + int64_t{s0 + j0 + j} * task.row_stride + r;
+          if (j0 + j < n) x[j].Load(part_out + row * D + lane * kDims);
+        }
+#pragma unroll
+        for (int j = 0; j < kBatch; ++j) {
+          const float w = __shfl_sync(0xffffffffu, my_weight, j0 + j);
+          if (j0 + j < n) x[j].AddTo(acc, w);
+        }
       }
     }
 #pragma unroll
@@ -235,7 +271,23 @@ enum DecodeExperiment : int {
   kExpLinearPages = 4,    // page ids from the position, no page-table loads (batch 1 only)
   kExpNoQ = 8,            // skip the Q tile load
   kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
+  kExpTimeline = 32,      // stamp %globaltimer at each phase of each block (g_decode_timeline)
 };
+
+// --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
+// done, partials written, merge done, SM id, 1 if this block merged. Bench only.
+inline constexpr int kTimelineSlots = 8;
+static __device__ unsigned long long* g_decode_timeline;
+template <int EXP>
+__device__ __forceinline__ void TimelineStamp(int slot) {
+  if constexpr ((EXP & kExpTimeline) != 0) {
+    if (threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] = t;
+    }
+  }
+}
 
 // Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
 // by every thread of the block after its partials are written.
@@ -256,6 +308,12 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
     __threadfence();
     if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D>(p, task, span, kv_head, group);
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    if constexpr ((EXP & kExpTimeline) != 0) {
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 7] = 1;
+      }
+    }
   }
 }
 
@@ -313,6 +371,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                    ? Cfg::kPipelineBytes
                                                    : Cfg::kReduceBytes));
 
+  TimelineStamp<EXP>(0);
   const AttentionWorkItem item = items[blockIdx.x];
   const int kv_head = blockIdx.y;
   const AttentionSpan span = item.span_info;
@@ -375,6 +434,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   }
   int next_pages[Cfg::kRowsPerThread];
   fetch_pages(Cfg::kStages - 1, next_pages);
+  TimelineStamp<EXP>(1);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
   if constexpr ((EXP & kExpNoQ) == 0) LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
@@ -414,6 +474,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     fetch_pages(tile + Cfg::kStages, next_pages);
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
+    if (tile == 0) TimelineStamp<EXP>(2);
     if constexpr (Cfg::kQInRegisters) {
       if (tile == 0) {
 #pragma unroll
@@ -498,6 +559,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     __syncthreads();  // the stage is overwritten by the next iteration's copies
   }
   CpAsyncWait<0>();
+  TimelineStamp<EXP>(3);
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -505,71 +567,83 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
   }
 
-  // Warps that split the KV tiles combine their (max, sum, O) through shared memory.
-  if constexpr (KW > 1) {
-    __syncthreads();
-    float* red_o = reinterpret_cast<float*>(smem_raw);  // [KW][kRows][D]
-    float* red_max = red_o + KW * Cfg::kRows * D;       // [KW][kRows]
-    float* red_sum = red_max + KW * Cfg::kRows;         // [KW][kRows]
+  // The KW warps that split each KV tile combine their (max, sum, O) through shared memory:
+  // each stores its state for the tile's live rows (rows past the span are skipped), then all
+  // threads combine 4-dim slices of those rows and write them, normalized, as float4 stores: to
+  // out/lse for an unsplit tile, to the partial buffers of its split otherwise.
+  static_assert(KW > 1, "the decode tiles split each KV tile among warps");
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  float* red_o = reinterpret_cast<float*>(smem_raw);             // [KW][kRows][kRedStride]
+  float* red_max = red_o + KW * Cfg::kRows * Cfg::kRedStride;  // [KW][kRows]
+  float* red_sum = red_max + KW * Cfg::kRows;                  // [KW][kRows]
+  const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = mw * 16 + quad_row + 8 * i;
-      if (quad_col == 0) {
-        red_max[kw * Cfg::kRows + r] = row_max[i];
-        red_sum[kw * Cfg::kRows + r] = row_sum[i];
-      }
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        *reinterpret_cast<float2*>(red_o + (kw * Cfg::kRows + r) * D + dt * 8 + 2 * quad_col) =
-            make_float2(o[dt][2 * i], o[dt][2 * i + 1]);
-      }
+  for (int i = 0; i < 2; ++i) {
+    const int r = mw * 16 + quad_row + 8 * i;
+    if (r >= live_rows) continue;
+    if (quad_col == 0) {
+      red_max[kw * Cfg::kRows + r] = row_max[i];
+      red_sum[kw * Cfg::kRows + r] = row_sum[i];
     }
-    __syncthreads();
 #pragma unroll
-    for (int i = 0; i < 2 && kw == 0; ++i) {
-      const int r = mw * 16 + quad_row + 8 * i;
-      float m = -INFINITY;
-#pragma unroll
-      for (int w = 0; w < KW; ++w) m = fmaxf(m, red_max[w * Cfg::kRows + r]);
-      const float base = m == -INFINITY ? 0.f : m;
-      float factor[KW];
-      float sum = 0.f;
-#pragma unroll
-      for (int w = 0; w < KW; ++w) {
-        factor[w] = exp2f(red_max[w * Cfg::kRows + r] - base);
-        sum += red_sum[w * Cfg::kRows + r] * factor[w];
-      }
-      row_max[i] = m;
-      row_sum[i] = sum;
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-        float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int w = 0; w < KW; ++w) {
-          const float2 v = *reinterpret_cast<const float2*>(red_o + (w * Cfg::kRows + r) * D +
-                                                            dt * 8 + 2 * quad_col);
-          acc.x += v.x * factor[w];
-          acc.y += v.y * factor[w];
-        }
-        o[dt][2 * i] = acc.x;
-        o[dt][2 * i + 1] = acc.y;
-      }
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<float2*>(red_o + (kw * Cfg::kRows + r) * Cfg::kRedStride + dt * 8 +
+                                 2 * quad_col) = make_float2(o[dt][2 * i], o[dt][2 * i + 1]);
     }
   }
-
-  // Normalize and write: to out/lse for an unsplit tile, to the partial buffers otherwise.
+  __syncthreads();
+  constexpr int kQuads = D / 4;
+  for (int e = tid; e < live_rows * kQuads; e += Cfg::kThreads) {
+    const int r = e / kQuads, c = (e % kQuads) * 4;
+    float m = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < 2 && kw == 0; ++i) {
-    const int tile_row = mw * 16 + quad_row + 8 * i;
-    const int span_row = item.row_start + tile_row;
-    if (span_row >= span_rows) continue;
-    const float inv = row_sum[i] > 0.f ? 1.f / row_sum[i] : 0.f;
-    const float lse =
-        row_sum[i] > 0.f ? (row_max[i] + __log2f(row_sum[i])) * 0.6931471805599453f : -INFINITY;
-    WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
+    for (int w = 0; w < KW; ++w) m = fmaxf(m, red_max[w * Cfg::kRows + r]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < KW; ++w) {
+      const float f = exp2f(red_max[w * Cfg::kRows + r] - base);
+      sum += red_sum[w * Cfg::kRows + r] * f;
+      const float4 v =
+          *reinterpret_cast<const float4*>(red_o + (w * Cfg::kRows + r) * Cfg::kRedStride + c);
+      acc.x += v.x * f;
+      acc.y += v.y * f;
+      acc.z += v.z * f;
+      acc.w += v.w * f;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse = sum > 0.f ? (m + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    float* dst;
+    float* lse_dst;
+    if (item.partial_row < 0) {
+      const int64_t out_row = OutputRow(p, span.q_offset, item.row_start + r, kv_head, group);
+      dst = p.out + out_row * D;
+      lse_dst = p.lse ? p.lse + out_row : nullptr;
+    } else {
+      const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + r;
+      dst = p.partial_out + part_row * D;
+      lse_dst = p.partial_lse + part_row;
+    }
+    *reinterpret_cast<float4*>(dst + c) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (lse_dst && c == 0) *lse_dst = lse;
   }
 
+  if constexpr ((EXP & kExpTimeline) != 0) {
+    __syncthreads();
+    TimelineStamp<EXP>(4);
+    if (threadIdx.x == 0) {
+      unsigned smid;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 6] = smid;
+    }
+  }
   if constexpr ((EXP & kExpNoMerge) == 0) MergeIfLastSplit<D, EXP>(p, item, span, kv_head, group);
+  if constexpr ((EXP & kExpTimeline) != 0) {
+    __syncthreads();
+    TimelineStamp<EXP>(5);
+  }
 }
 
 // ---- Kernel and launcher ------------------------------------------------------------------

@@ -130,6 +130,24 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     }
     if (c == floor_chunk) break;
   }
+  // One wave exactly: a decode-only plan may also cut the longest range into as many equal
+  // pieces as the blocks hold per tile, at any position (the decode tiles mask a split's ends),
+  // so that 1 x 32768 on 8 kv heads runs 264 splits of 993 positions rather than 256 of 1024
+  // with 8 of the GPU's 264 block slots idle.
+  const int64_t tile_units = static_cast<int64_t>(tiles.size()) * num_kv_heads;
+  const bool decode_only = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
+    return t.tile_rows <= kDecodeWideTileRows;
+  });
+  if (decode_only && tile_units > 0 && blocks / tile_units >= 2) {
+    const int64_t c = std::max(floor_chunk, CeilDiv(max_end, blocks / tile_units));
+    if (c < chunk) {
+      const double e = estimate(c).cost;
+      if (e < best * 0.99) {
+        best = e;
+        chunk = c;
+      }
+    }
+  }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
   work->separate_merge = estimate(chunk).separate_merge;
   work->merge_rows = 0;

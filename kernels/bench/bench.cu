@@ -17,6 +17,9 @@
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
 //                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
 //                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
+//                     [--exp 32|34|47]  the shipped decode (or --exp 2 / 15) stamping each
+//                     block's phases: prints "timeline" rows (quantiles over blocks, us from
+//                     the first block's start) and the launch floor (empty kernel, plain read)
 //
 //   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
 //   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
@@ -124,6 +127,8 @@ __global__ void __launch_bounds__(512) StreamRead(const uint4* a, const uint4* b
   }
   if (acc == 0x9E3779B9u) *sink = acc;
 }
+
+__global__ void EmptyKernel() {}
 
 float HostToFloat(DType t, uint16_t bits) {
   if (t == DType::kBFloat16) {
@@ -283,7 +288,11 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
       case 8: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 8>(p, stream);
       case 15: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
       case 16: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
-      default: return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15 or 16");
+      case 32: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
+      case 34: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
+      case 47: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
+      default:
+        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34 or 47");
     }
   }
   if (cfg.stages == 0) return LaunchPagedAttention(p, stream);
@@ -304,6 +313,113 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
     default:
       return LaunchStatus::Unsupported("--stages must be 2..5");
   }
+}
+
+// --exp 32/34/47: five launches, each printed as quantiles over blocks of every phase stamp
+// (us from the earliest block entry), with the launch's event time; then the launch floor:
+// an empty kernel and StreamRead of the pool's bytes, per event-timed launch and back to back.
+void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_t stream,
+                   unsigned long long* timeline, int blocks, const void* k, const void* v,
+                   int64_t pool_bytes, int sms, const std::string& raw_path) {
+  cudaEvent_t a, b;
+  BENCH_CHECK_CUDA(cudaEventCreate(&a));
+  BENCH_CHECK_CUDA(cudaEventCreate(&b));
+  const char* names[6] = {"entry", "issued", "first_tile", "tiles_done", "partials", "end"};
+  std::vector<unsigned long long> h(size_t{kTimelineSlots} * blocks);
+  for (int run = 0; run < 5; ++run) {
+    BENCH_CHECK_CUDA(cudaMemset(timeline, 0, h.size() * 8));
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
+    CheckLaunch(Launch(cfg, p, stream), "paged attention");
+    BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    BENCH_CHECK_CUDA(cudaMemcpy(h.data(), timeline, h.size() * 8, cudaMemcpyDeviceToHost));
+    unsigned long long t0 = ~0ull;
+    for (int i = 0; i < blocks; ++i) t0 = std::min(t0, h[static_cast<size_t>(i) * kTimelineSlots]);
+    std::printf("{\"timeline\": %d, \"event_us\": %.2f, \"blocks\": %d", run, ms * 1e3, blocks);
+    for (int slot = 0; slot < 6; ++slot) {
+      std::vector<double> us;
+      for (int i = 0; i < blocks; ++i) {
+        const unsigned long long t = h[static_cast<size_t>(i) * kTimelineSlots + slot];
+        if (t >= t0) us.push_back((t - t0) * 1e-3);
+      }
+      std::sort(us.begin(), us.end());
+      if (us.empty()) continue;
+      auto q = [&](double f) { return us[std::min(us.size() - 1, size_t(f * us.size()))]; };
+      std::printf(", \"%s\": [%.2f, %.2f, %.2f, %.2f, %.2f]", names[slot], us.front(), q(0.1),
+                  q(0.5), q(0.9), us.back());
+    }
+    // The merging blocks' end, and the spread of block ends per SM load.
+    double merge_end = 0, one_block_sm_end = 0;
+    std::vector<int> per_sm(1024, 0);
+    for (int i = 0; i < blocks; ++i) per_sm[h[static_cast<size_t>(i) * kTimelineSlots + 6] & 1023]++;
+    for (int i = 0; i < blocks; ++i) {
+      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
+      if (r[7] == 1) merge_end = std::max(merge_end, (r[5] - t0) * 1e-3);
+      if (per_sm[r[6] & 1023] == 1) one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
+    }
+    std::printf(", \"merge_end\": %.2f, \"one_block_sm_tiles_done_max\": %.2f}\n", merge_end,
+                one_block_sm_end);
+    // The last run's stamps, one line per block (ns from the earliest entry), for analysis.
+    if (run == 4 && !raw_path.empty()) {
+      FILE* f = std::fopen(raw_path.c_str(), "w");
+      if (f) {
+        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end\n");
+        const int gx = blocks / p.num_kv_heads;
+        for (int i = 0; i < blocks; ++i) {
+          const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
+          std::fprintf(f, "%d,%d,%llu,%llu", i % gx, i / gx, r[6], r[7]);
+          for (int slot = 0; slot < 6; ++slot) std::fprintf(f, ",%lld", (long long)(r[slot] - t0));
+          std::fprintf(f, "\n");
+        }
+        std::fclose(f);
+      }
+    }
+  }
+  // Launch floor.
+  auto median_event = [&](auto launch) {
+    std::vector<float> ts;
+    for (int it = 0; it < 60; ++it) {
+      BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
+      launch();
+      BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
+      BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+      float ms = 0;
+      BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+      if (it >= 10) ts.push_back(ms * 1e3f);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+  };
+  auto b2b = [&](auto launch) {
+    BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
+    for (int it = 0; it < 20; ++it) launch();
+    BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
+    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    return ms * 1e3f / 20;
+  };
+  unsigned* sink = nullptr;
+  BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
+  auto empty = [&] { EmptyKernel<<<1, 32, 0, stream>>>(); };
+  auto empty_full = [&] { EmptyKernel<<<sms * 2, 128, 0, stream>>>(); };
+  auto read = [&] {
+    StreamRead<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(k),
+                                            static_cast<const uint4*>(v), pool_bytes / 16, sink);
+  };
+  std::printf("{\"launch_floor\": 1, \"empty_event_us\": %.2f, \"empty_b2b_us\": %.2f, "
+              "\"empty_264_event_us\": %.2f, \"read_event_us\": %.2f, \"read_b2b_us\": %.2f, "
+              "\"kernel_event_us\": %.2f, \"kernel_b2b_us\": %.2f}\n",
+              median_event(empty), b2b(empty), median_event(empty_full), median_event(read),
+              b2b(read), median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
+              b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
+  std::fflush(stdout);
+  cudaFree(sink);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
 }
 
 std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_index) {
@@ -425,6 +541,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
       cudaMemset(p.merge_counters, 0, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
   cudaStream_t stream;
   BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
+  // --exp 32/34/47: the kernel stamps each block's phases into this buffer.
+  const int timeline_blocks = static_cast<int>(work.decode_items.size()) * Hkv;
+  unsigned long long* timeline = nullptr;
+  if (cfg.exp & kExpTimeline) {
+    BENCH_CHECK_CUDA(cudaMalloc(&timeline, size_t{8} * kTimelineSlots * timeline_blocks));
+    BENCH_CHECK_CUDA(cudaMemcpyToSymbol(g_decode_timeline, &timeline, sizeof(timeline)));
+  }
 
   // Correctness first: poison, run on copy 0, compare sampled sequences with the reference.
   BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
@@ -522,6 +645,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   BENCH_CHECK_CUDA(cudaEventElapsedTime(&b2b_ms, start, stop));
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
+  if (timeline) {
+    PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,
+                  prop.multiProcessorCount,
+                  cfg.json.empty() ? "" : cfg.json + ".case" + std::to_string(case_index) + ".csv");
+  }
 
   // Decode: the same K and V bytes read by StreamRead, timed the same way; the best of a few
   // grid sizes (blocks of 512 threads per SM), so the row carries the shape's own roofline.
@@ -614,6 +742,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   cudaFree(p.partial_out);
   cudaFree(p.partial_lse);
   cudaFree(p.merge_counters);
+  cudaFree(timeline);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);

@@ -161,6 +161,34 @@ __device__ __forceinline__ void AccumulateSplitRow(float (&acc)[kDims], const fl
   x.AddTo(acc, w);
 }
 
+// Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
+// their output is wrong): the shipped kernels are EXP = 0.
+enum DecodeExperiment : int {
+  kExpNoCompute = 1,      // stream the tiles, skip S, softmax and P.V
+  kExpNoMerge = 2,        // skip the split-KV merge (the count and the last split's merge)
+  kExpLinearPages = 4,    // page ids from the position, no page-table loads (batch 1 only)
+  kExpNoQ = 8,            // skip the Q tile load
+  kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
+  kExpTimeline = 32,      // stamp %globaltimer at each phase of each block (g_decode_timeline)
+  kExpOneFence = 64,      // split counted by one thread's fence after the barrier
+};
+
+// --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
+// done, partials written, end, SM id, 1 if this block merged; then (merging block) split
+// counted, LSE max known, O sums done. Bench only.
+inline constexpr int kTimelineSlots = 12;
+static __device__ unsigned long long* g_decode_timeline;
+template <int EXP>
+__device__ __forceinline__ void TimelineStamp(int slot) {
+  if constexpr ((EXP & kExpTimeline) != 0) {
+    if (threadIdx.x == 0) {
+      unsigned long long t;
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] = t;
+    }
+  }
+}
+
 // Row of out / lse for row span_row (= query * group + head in group) of the span whose first
 // query is at q_offset.
 __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int64_t q_offset,
@@ -170,57 +198,57 @@ __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int6
 
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
 // per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
-// Each lane holds the weight of one split, so the loop over splits issues only the O loads.
-template <int D>
+// The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
+// together, merged online (the running max rescales what came before), so each batch costs
+// one L2 round trip and none waits for a max over all splits first.
+template <int D, int EXP = 0>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
   constexpr int kDims = D / 32;
-  constexpr int kBatch = D == 128 ? 16 : 8;  // splits whose O slices are loaded at once
+  // Splits per batch: 32 or 33 splits (one wave of 264 blocks on 8 kv heads) take two.
+  constexpr int kBatch = D == 128 ? 17 : 9;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
   for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
     const float* lse_r = part_lse + task.partial_row + r;  // split s at lse_r[s * row_stride]
-    // Lane s holds split s's LSE of the first 32 splits: one load serves the max and the weight.
-    const float lse0 =
-        lane < task.num_splits ? __ldcg(lse_r + int64_t{lane} * task.row_stride) : -INFINITY;
-    float max_lse = lse0;
-    for (int s = lane + 32; s < task.num_splits; s += 32) {
-      max_lse = fmaxf(max_lse, __ldcg(lse_r + int64_t{s} * task.row_stride));
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
-    const float base = max_lse == -INFINITY ? 0.f : max_lse;
-    float weight_sum = 0.f;
+    float run_max = -INFINITY, weight_sum = 0.f;
     float acc[kDims];
 #pragma unroll
     for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
-    for (int s0 = 0; s0 < task.num_splits; s0 += 32) {
-      const int n = min(32, task.num_splits - s0);
-      const float lse_s = s0 == 0 ? lse0
-                                  : (lane < n ? __ldcg(lse_r + int64_t{s0 + lane} * task.row_stride)
-                                              : -INFINITY);
-      const float my_weight = lane < n ? __expf(lse_s - base) : 0.f;
-      weight_sum += my_weight;
-      // kBatch splits' slices in flight at once, then their weighted sum.
-      for (int j0 = 0; j0 < n; j0 += kBatch) {
-        SplitRowSlice<kDims> x[kBatch];
+    for (int s0 = 0; s0 < task.num_splits; s0 += kBatch) {
+      const int n = min(kBatch, task.num_splits - s0);
+      const float my_lse =
+          lane < n ? __ldcg(lse_r + int64_t{s0 + lane} * task.row_stride) : -INFINITY;
+      SplitRowSlice<kDims> x[kBatch];
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const int64_t row = task.partial_row + int64_t{s0 + j0 + j} * task.row_stride + r;
-          if (j0 + j < n) x[j].Load(part_out + row * D + lane * kDims);
-        }
+      for (int j = 0; j < kBatch; ++j) {
+        const int64_t row = task.partial_row + int64_t{s0 + j} * task.row_stride + r;
+        if (j < n) x[j].Load(part_out + row * D + lane * kDims);
+      }
+      float batch_max = my_lse;
 #pragma unroll
-        for (int j = 0; j < kBatch; ++j) {
-          const float w = __shfl_sync(0xffffffffu, my_weight, j0 + j);
-          if (j0 + j < n) x[j].AddTo(acc, w);
-        }
+      for (int o = 16; o > 0; o >>= 1)
+        batch_max = fmaxf(batch_max, __shfl_xor_sync(0xffffffffu, batch_max, o));
+      const float new_max = fmaxf(run_max, batch_max);
+      const float base = new_max == -INFINITY ? 0.f : new_max;
+      const float alpha = __expf(run_max - base);  // 0 on the first batch (run_max = -inf)
+      run_max = new_max;
+      const float my_weight = lane < n ? __expf(my_lse - base) : 0.f;
+      float batch_sum = my_weight;
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) batch_sum += __shfl_xor_sync(0xffffffffu, batch_sum, o);
+      weight_sum = weight_sum * alpha + batch_sum;
+#pragma unroll
+      for (int d = 0; d < kDims; ++d) acc[d] *= alpha;
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        if (j < n) x[j].AddTo(acc, w);
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
+    if (r == 0) TimelineStamp<EXP>(10);
     const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
     const int span_row = task.row_start + r;
     const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
@@ -230,7 +258,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
     }
     if (p.lse && lane == 0)
-      p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+      p.lse[out_row] = weight_sum > 0.f ? run_max + __logf(weight_sum) : -INFINITY;
   }
 }
 
@@ -263,32 +291,6 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
   if (lse_dst && quad_col == 0) *lse_dst = lse;
 }
 
-// Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
-// their output is wrong): the shipped kernels are EXP = 0.
-enum DecodeExperiment : int {
-  kExpNoCompute = 1,      // stream the tiles, skip S, softmax and P.V
-  kExpNoMerge = 2,        // skip the split-KV merge (the count and the last split's merge)
-  kExpLinearPages = 4,    // page ids from the position, no page-table loads (batch 1 only)
-  kExpNoQ = 8,            // skip the Q tile load
-  kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
-  kExpTimeline = 32,      // stamp %globaltimer at each phase of each block (g_decode_timeline)
-};
-
-// --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
-// done, partials written, merge done, SM id, 1 if this block merged. Bench only.
-inline constexpr int kTimelineSlots = 8;
-static __device__ unsigned long long* g_decode_timeline;
-template <int EXP>
-__device__ __forceinline__ void TimelineStamp(int slot) {
-  if constexpr ((EXP & kExpTimeline) != 0) {
-    if (threadIdx.x == 0) {
-      unsigned long long t;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] = t;
-    }
-  }
-}
-
 // Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
 // by every thread of the block after its partials are written.
 template <int D, int EXP = 0>
@@ -300,13 +302,22 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   __shared__ int is_last_split;
   const AttentionMergeTask task = p.merge_tasks[item.merge_task];
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
-  __threadfence();  // this split's partials are visible before it is counted
+  if constexpr ((EXP & kExpOneFence) != 0) {
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      __threadfence();
+      is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    }
+  } else {
+    __threadfence();  // this split's partials are visible before it is counted
+    __syncthreads();
+    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+  }
   __syncthreads();
-  if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-  __syncthreads();
+  TimelineStamp<EXP>(8);
   if (is_last_split) {
     __threadfence();
-    if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D>(p, task, span, kv_head, group);
+    if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D, EXP>(p, task, span, kv_head, group);
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
     if constexpr ((EXP & kExpTimeline) != 0) {
       __syncthreads();

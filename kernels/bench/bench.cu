@@ -291,8 +291,9 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
       case 32: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
       case 34: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
       case 47: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
+      case 96: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 96>(p, stream);
       default:
-        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34 or 47");
+        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34, 47 or 96");
     }
   }
   if (cfg.stages == 0) return LaunchPagedAttention(p, stream);
@@ -360,18 +361,31 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
       if (r[7] == 1) merge_end = std::max(merge_end, (r[5] - t0) * 1e-3);
       if (per_sm[r[6] & 1023] == 1) one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
     }
+    // The last merging block's phases: partials written, counted, LSE max, O sums, end.
+    const unsigned long long* last = nullptr;
+    for (int i = 0; i < blocks; ++i) {
+      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
+      if (r[7] == 1 && (!last || r[5] > last[5])) last = r;
+    }
+    if (last) {
+      std::printf(", \"last_merge\": [%.2f, %.2f, %.2f, %.2f, %.2f]", (last[4] - t0) * 1e-3,
+                  (last[8] - t0) * 1e-3, (last[9] - t0) * 1e-3, (last[10] - t0) * 1e-3,
+                  (last[5] - t0) * 1e-3);
+    }
     std::printf(", \"merge_end\": %.2f, \"one_block_sm_tiles_done_max\": %.2f}\n", merge_end,
                 one_block_sm_end);
     // The last run's stamps, one line per block (ns from the earliest entry), for analysis.
     if (run == 4 && !raw_path.empty()) {
       FILE* f = std::fopen(raw_path.c_str(), "w");
       if (f) {
-        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end\n");
+        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums\n");
         const int gx = blocks / p.num_kv_heads;
         for (int i = 0; i < blocks; ++i) {
           const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
           std::fprintf(f, "%d,%d,%llu,%llu", i % gx, i / gx, r[6], r[7]);
-          for (int slot = 0; slot < 6; ++slot) std::fprintf(f, ",%lld", (long long)(r[slot] - t0));
+          for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10}) {
+            std::fprintf(f, ",%lld", r[slot] ? static_cast<long long>(r[slot] - t0) : -1ll);
+          }
           std::fprintf(f, "\n");
         }
         std::fclose(f);

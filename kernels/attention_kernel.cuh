@@ -78,6 +78,20 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, b
                "r"(src_size)
                : "memory");
 }
+// CpAsync16 with an L2 cache policy (a createpolicy value).
+__device__ __forceinline__ void CpAsync16Policy(uint32_t smem_addr, const void* src, bool valid,
+                                                uint64_t policy) {
+  const int src_size = valid ? 16 : 0;
+  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
+               "l"(src), "r"(src_size), "l"(policy)
+               : "memory");
+}
+// The L2 policy of data read once: its lines are the first evicted.
+__device__ __forceinline__ uint64_t EvictFirstPolicy() {
+  uint64_t policy;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
 __device__ __forceinline__ void CpAsyncCommit() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
@@ -170,7 +184,6 @@ enum DecodeExperiment : int {
   kExpNoQ = 8,            // skip the Q tile load
   kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
   kExpTimeline = 32,      // stamp %globaltimer at each phase of each block (g_decode_timeline)
-  kExpOneFence = 64,      // split counted by one thread's fence after the barrier
 };
 
 // --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
@@ -302,21 +315,17 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   __shared__ int is_last_split;
   const AttentionMergeTask task = p.merge_tasks[item.merge_task];
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
-  if constexpr ((EXP & kExpOneFence) != 0) {
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      __threadfence();
-      is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-    }
-  } else {
-    __threadfence();  // this split's partials are visible before it is counted
-    __syncthreads();
-    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+  __threadfence();  // this split's partials are visible before it is counted
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    // The last split reads the others' partials after the barrier below: the counting thread's
+    // fence orders those reads after the count (each writer fenced before counting).
+    if (is_last_split) __threadfence();
   }
   __syncthreads();
   TimelineStamp<EXP>(8);
   if (is_last_split) {
-    __threadfence();
     if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D, EXP>(p, task, span, kv_head, group);
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
     if constexpr ((EXP & kExpTimeline) != 0) {
@@ -397,6 +406,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // Pipeline: each thread copies the same 16-byte chunk column of kRowsPerThread rows.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
+  // K and V are read once per launch (each (span, kv head) has one decode tile): their lines
+  // leave L2 first, so the work items, page table and split partials stay there.
+  const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
@@ -426,8 +438,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
           ((int64_t{ids[i]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
           copy_chunk * 8;
       const int smem_off = SwizzledOffset<D>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
-      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+      CpAsync16Policy(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid, read_once);
+      CpAsync16Policy(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid, read_once);
     }
   };
 

@@ -5,7 +5,8 @@
 #
 #   there:  bash kernels/bench/ab_decode.sh .stage $OUT .stage/bin/pagedattn-bench-old [ROUNDS]
 #   here:   python3 kernels/bench/compare.py OUT/ab.json OUT/peers.json
-# Rows carry "variant": the run's name (new_r1, old_r1, new_d64, ...).
+# Rows carry "variant": the run's name (new_r1, old_r1, new_d64, ...). EXTRA="--exp 64" adds a
+# third binary run per round (variant newx_rN) with those flags.
 set -uo pipefail
 stage=$1
 out=$2
@@ -18,6 +19,7 @@ bench() { local name=$1 bin=$2; shift 2; timeout 150 "$bin" "$@" --json "$tmp/$n
 for r in $(seq 1 "$rounds"); do
   bench "new_r$r" "$b/pagedattn-bench" --no-read-roofline
   bench "old_r$r" "$old" --no-read-roofline
+  [ -n "${EXTRA:-}" ] && bench "newx_r$r" "$b/pagedattn-bench" --no-read-roofline $EXTRA
 done
 for d in 64 256; do
   bench "new_d$d" "$b/pagedattn-bench" --head-dim $d --no-read-roofline --reps 30

@@ -291,9 +291,8 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
       case 32: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
       case 34: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
       case 47: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
-      case 96: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 96>(p, stream);
       default:
-        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34, 47 or 96");
+        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34 or 47");
     }
   }
   if (cfg.stages == 0) return LaunchPagedAttention(p, stream);

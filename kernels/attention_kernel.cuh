@@ -214,13 +214,16 @@ __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int6
 // The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
 // together, merged online (the running max rescales what came before), so each batch costs
 // one L2 round trip and none waits for a max over all splits first.
-template <int D, int EXP = 0>
+// Splits per merge batch in the decode tiles: at head_dim 128, 32 or 33 splits (one wave of 264
+// blocks on 8 kv heads) take two batches.
+constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 17 : 9; }
+
+template <int D, int kBatch, int EXP = 0>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
   constexpr int kDims = D / 32;
-  // Splits per batch: 32 or 33 splits (one wave of 264 blocks on 8 kv heads) take two.
-  constexpr int kBatch = D == 128 ? 17 : 9;
+  static_assert(kBatch >= 1 && kBatch <= 32, "one LSE per lane");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
@@ -275,6 +278,68 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
   }
 }
 
+// The merge of the prefill tiles, whose registers the batched merge above would spill (it did at
+// head_dim 128: 255 registers and a 184-byte stack in the Hopper prefill kernel): the LSE max
+// first, then the O rows eight splits at a time in float2 loads. Split prefill tiles are rare
+// (chunked prefill over a long history); their merge is not on the decode path.
+template <int D>
+__device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p,
+                                                   const AttentionMergeTask& task,
+                                                   const AttentionSpan& span, int kv_head,
+                                                   int group) {
+  constexpr int kDims = D / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
+  const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
+  for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
+    float max_lse = -INFINITY;
+    for (int s = lane; s < task.num_splits; s += 32) {
+      max_lse = fmaxf(max_lse, __ldcg(part_lse + task.partial_row + s * task.row_stride + r));
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
+    const float base = max_lse == -INFINITY ? 0.f : max_lse;
+    float weight_sum = 0.f;
+    float acc[kDims];
+#pragma unroll
+    for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
+    for (int s0 = 0; s0 < task.num_splits; s0 += 32) {
+      const int n = min(32, task.num_splits - s0);
+      const float my_weight =
+          lane < n
+              ? __expf(__ldcg(part_lse + task.partial_row + (s0 + lane) * task.row_stride + r) -
+                       base)
+              : 0.f;
+      weight_sum += my_weight;
+#pragma unroll 8
+      for (int j = 0; j < n; ++j) {
+        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
+        const float* src = part_out + row * D + lane * kDims;
+#pragma unroll
+        for (int d = 0; d < kDims; d += 2) {
+          const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
+          acc[d] += w * v.x;
+          acc[d + 1] += w * v.y;
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
+    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+    const int span_row = task.row_start + r;
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+    float* dst = p.out + out_row * D + lane * kDims;
+#pragma unroll
+    for (int d = 0; d < kDims; d += 2) {
+      *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
+    }
+    if (p.lse && lane == 0)
+      p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+  }
+}
+
 // Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
 // 8-wide n tile, o_half selecting the row's pair): to out/lse for an unsplit tile, to the
 // partial buffers of its split otherwise. Shared by the decode and prefill tile kernels.
@@ -305,8 +370,10 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
 }
 
 // Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
-// by every thread of the block after its partials are written.
-template <int D, int EXP = 0>
+// by every thread of the block after its partials are written. kBatch: the batched merge's
+// splits per batch (decode tiles), or kTwoPassMerge (prefill tiles: MergeSplitsTwoPass).
+inline constexpr int kTwoPassMerge = 0;
+template <int D, int kBatch, int EXP = 0>
 __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
@@ -317,21 +384,35 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
   __threadfence();  // this split's partials are visible before it is counted
   __syncthreads();
-  if (threadIdx.x == 0) {
-    is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-    // The last split reads the others' partials after the barrier below: the counting thread's
-    // fence orders those reads after the count (each writer fenced before counting).
-    if (is_last_split) __threadfence();
-  }
-  __syncthreads();
-  TimelineStamp<EXP>(8);
-  if (is_last_split) {
-    if constexpr ((EXP & kExpNoMergeReads) == 0) MergeSplits<D, EXP>(p, task, span, kv_head, group);
-    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-    if constexpr ((EXP & kExpTimeline) != 0) {
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 7] = 1;
+  if constexpr (kBatch == kTwoPassMerge) {
+    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    __syncthreads();
+    if (is_last_split) {
+      __threadfence();
+      MergeSplitsTwoPass<D>(p, task, span, kv_head, group);
+      if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    }
+    return;
+  } else {
+    if (threadIdx.x == 0) {
+      is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+      // The last split reads the others' partials after the barrier below: the counting
+      // thread's fence orders those reads after the count (each writer fenced before counting).
+      if (is_last_split) __threadfence();
+    }
+    __syncthreads();
+    TimelineStamp<EXP>(8);
+    if (is_last_split) {
+      if constexpr ((EXP & kExpNoMergeReads) == 0) {
+        MergeSplits<D, kBatch, EXP>(p, task, span, kv_head, group);
+      }
+      if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+      if constexpr ((EXP & kExpTimeline) != 0) {
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 7] =
+              1;
+        }
       }
     }
   }
@@ -662,7 +743,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 6] = smid;
     }
   }
-  if constexpr ((EXP & kExpNoMerge) == 0) MergeIfLastSplit<D, EXP>(p, item, span, kv_head, group);
+  if constexpr ((EXP & kExpNoMerge) == 0) {
+    MergeIfLastSplit<D, DecodeMergeBatch(D), EXP>(p, item, span, kv_head, group);
+  }
   if constexpr ((EXP & kExpTimeline) != 0) {
     __syncthreads();
     TimelineStamp<EXP>(5);

@@ -358,7 +358,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     }
   }
 
-  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
 template <typename T, int D>

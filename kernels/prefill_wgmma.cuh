@@ -590,7 +590,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
                wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
                scale_log2);
 
-  MergeIfLastSplit<D>(p, item, span, kv_head, group);
+  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
 
@@ -872,7 +872,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
                  wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
                  scale_log2);
 
-    MergeIfLastSplit<D>(p, item, span, kv_head, group);
+    MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
   }
   CpAsyncWait<0>();  // the zero-filled copies past the last job
 }

@@ -521,6 +521,27 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   }
 }
 
+// One long decode on 8 kv heads fills the 264 block slots with equal splits cut at any position
+// (not only at 64-position tiles), each position in exactly one split, the splits contiguous.
+TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, 264, &work);
+  ASSERT_EQ(work.decode_items.size(), 33u) << "kv_chunk " << work.kv_chunk;
+  EXPECT_EQ(work.kv_chunk, 993);
+  int32_t next = 0;
+  for (const auto& it : work.decode_items) {
+    EXPECT_EQ(it.kv_start, next);
+    EXPECT_LE(it.kv_end - it.kv_start, 993);
+    next = it.kv_end;
+  }
+  EXPECT_EQ(next, 32768);
+  // A prefill tile in the plan keeps chunks at whole KV tiles.
+  std::vector<kernels::AttentionSpan> mixed = {{0, 0, 1, 32768}, {1, 2048, 100, 1000}};
+  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, 264, &work);
+  EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
+}
+
 // Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
 // their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {

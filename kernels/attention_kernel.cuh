@@ -209,6 +209,27 @@ __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int6
   return (q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
 }
 
+// A merged row r of a task, out of one warp (lane: D/32 consecutive dims): acc / weight_sum to
+// out, base + log(weight_sum) to lse. Shared by both merges.
+template <int D>
+__device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
+                                               const AttentionMergeTask& task,
+                                               const AttentionSpan& span, int kv_head, int group,
+                                               int r, const float (&acc)[D / 32], float weight_sum,
+                                               float base) {
+  constexpr int kDims = D / 32;
+  const int lane = threadIdx.x & 31;
+  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
+  const int span_row = task.row_start + r;
+  const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+  float* dst = p.out + out_row * D + lane * kDims;
+#pragma unroll
+  for (int d = 0; d < kDims; d += 2) {
+    *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
+  }
+  if (p.lse && lane == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+}
+
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
 // per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
 // The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
@@ -265,16 +286,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       }
     }
     if (r == 0) TimelineStamp<EXP>(10);
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-    const int span_row = task.row_start + r;
-    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-    float* dst = p.out + out_row * D + lane * kDims;
-#pragma unroll
-    for (int d = 0; d < kDims; d += 2) {
-      *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
-    }
-    if (p.lse && lane == 0)
-      p.lse[out_row] = weight_sum > 0.f ? run_max + __logf(weight_sum) : -INFINITY;
+    WriteMergedRow<D>(p, task, span, kv_head, group, r, acc, weight_sum, run_max);
   }
 }
 
@@ -327,16 +339,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
-    const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
-    const int span_row = task.row_start + r;
-    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-    float* dst = p.out + out_row * D + lane * kDims;
-#pragma unroll
-    for (int d = 0; d < kDims; d += 2) {
-      *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
-    }
-    if (p.lse && lane == 0)
-      p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+    WriteMergedRow<D>(p, task, span, kv_head, group, r, acc, weight_sum, base);
   }
 }
 

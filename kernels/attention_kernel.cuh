@@ -467,8 +467,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
-                                                  const AttentionWorkItem* items,
-                                                  const int32_t* first_page_ids) {
+                                                  const AttentionWorkItem* items) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
@@ -478,12 +477,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
 
   TimelineStamp<EXP>(0);
   const AttentionWorkItem item = items[blockIdx.x];
-  // Lane j: the item's j-th page id from kv_start (AttachFirstPages), loaded beside the item.
-  static_assert(kFirstPages <= 32 && (kFirstPages & (kFirstPages - 1)) == 0, "lanes, a mask");
-  const int lane_first_page =
-      first_page_ids ? __ldg(first_page_ids + int64_t{blockIdx.x} * kFirstPages +
-                             (threadIdx.x & (kFirstPages - 1)))
-                     : -1;
   const int kv_head = blockIdx.y;
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -516,20 +509,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       }
     }
   };
-  // The prologue's tiles take their page ids from the lanes that hold the item's first ones
-  // (all lanes run the shuffles); rows past those, or with none attached, read the table.
-  auto fetch_first_pages = [&](int tile, int(&ids)[Cfg::kRowsPerThread]) {
-    const int first_page = static_cast<int>(p.page_div.Div(item.kv_start));
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
-      const bool valid = tile < num_tiles && pos < item.kv_end;
-      const int page = static_cast<int>(p.page_div.Div(pos));
-      const int rel = page - first_page;
-      const int attached = __shfl_sync(0xffffffffu, lane_first_page, rel & (kFirstPages - 1));
-      ids[i] = !valid ? 0 : (rel < kFirstPages && attached >= 0 ? attached : pages[page]);
-    }
-  };
   auto issue_tile = [&](int tile, const int(&ids)[Cfg::kRowsPerThread]) {
     T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileKv * D;
@@ -553,7 +532,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   {
     int first_pages[Cfg::kStages - 1][Cfg::kRowsPerThread];
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_first_pages(s, first_pages[s]);
+    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_pages[s]);
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
       if (s < num_tiles) issue_tile(s, first_pages[s]);
@@ -785,10 +764,6 @@ __host__ __device__ inline const AttentionWorkItem* TileItems(const PagedAttenti
   return MW == 1 ? p.decode_items : (MW == 2 ? p.decode_wide_items : p.prefill_items);
 }
 template <int MW>
-__host__ __device__ inline const int32_t* TileFirstPages(const PagedAttentionParams& p) {
-  return MW == 1 ? p.decode_first_pages : (MW == 2 ? p.decode_wide_first_pages : nullptr);
-}
-template <int MW>
 inline int NumTileItems(const PagedAttentionParams& p) {
   return MW == 1 ? p.num_decode_items : (MW == 2 ? p.num_decode_wide_items : p.num_prefill_items);
 }
@@ -798,8 +773,7 @@ inline constexpr int kMaxDevices = 64;
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
-                                               TileFirstPages<MW>(params));
+  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params));
 }
 
 // Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a

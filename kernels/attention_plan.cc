@@ -40,22 +40,6 @@ constexpr int64_t kPrefillJobCost = 128;
 
 }  // namespace
 
-void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work) {
-  auto attach = [&](const std::vector<AttentionWorkItem>& items, std::vector<int32_t>* ids) {
-    ids->assign(items.size() * kFirstPages, -1);
-    for (size_t i = 0; i < items.size(); ++i) {
-      const AttentionWorkItem& it = items[i];
-      const int64_t first = it.kv_start / page_size;
-      const int64_t end = (int64_t{it.kv_end} + page_size - 1) / page_size;
-      for (int64_t j = 0; j < kFirstPages && first + j < end; ++j) {
-        (*ids)[i * kFirstPages + j] = page_table[it.span_info.page_table_offset + first + j];
-      }
-    }
-  };
-  attach(work->decode_items, &work->decode_first_pages);
-  attach(work->decode_wide_items, &work->decode_wide_first_pages);
-}
-
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk) {
   work->decode_items.clear();
@@ -64,8 +48,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->merge_tasks.clear();
   work->prefill_jobs.clear();
   work->prefill_job_start.clear();
-  work->decode_first_pages.clear();
-  work->decode_wide_first_pages.clear();
   work->partial_rows = 0;
   work->separate_merge = false;
   work->merge_rows = 0;

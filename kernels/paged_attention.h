@@ -130,22 +130,7 @@ struct AttentionWork {
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
   std::vector<AttentionPrefillJob> prefill_jobs;
   std::vector<int32_t> prefill_job_start;
-  // AttachFirstPages: per decode / wide decode item, the page ids of its first kFirstPages pages
-  // from kv_start ([items][kFirstPages], -1 past the item's range). Empty: not attached.
-  std::vector<int32_t> decode_first_pages;
-  std::vector<int32_t> decode_wide_first_pages;
 };
-
-// Page ids per decode item that AttachFirstPages copies next to the items: at page 16, the
-// first 256 positions, more than any decode tile's prologue (its first pipeline stages) reads.
-inline constexpr int kFirstPages = 16;
-
-// Copies each decode item's first page ids out of the host page table (the one uploaded as
-// PagedAttentionParams::page_table, with page_size positions per page) into
-// work->decode_first_pages / decode_wide_first_pages. With them uploaded, a decode block's first
-// K/V copies wait on one round trip (its item and its page ids, loaded side by side) rather than
-// two in a row (the item, then the page table).
-void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work);
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
 // range into chunks (flash-decoding), so that about target_blocks blocks carry equal work.
@@ -197,10 +182,6 @@ struct PagedAttentionParams {
   int32_t num_decode_items = 0;
   const AttentionWorkItem* decode_wide_items = nullptr;
   int32_t num_decode_wide_items = 0;
-  // AttentionWork::decode_first_pages / decode_wide_first_pages; null: the blocks read their
-  // first page ids from page_table.
-  const int32_t* decode_first_pages = nullptr;
-  const int32_t* decode_wide_first_pages = nullptr;
   const AttentionWorkItem* prefill_items = nullptr;
   int32_t num_prefill_items = 0;
   const AttentionMergeTask* merge_tasks = nullptr;

@@ -542,33 +542,6 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
 }
 
-// Each decode item carries the page ids of its first kFirstPages pages from kv_start, as the page
-// table has them, and -1 past its range.
-TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstIds) {
-  const int page_size = 16;
-  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}, {1, 2048, 1, 40}};
-  std::vector<int32_t> table(2048 + 3);
-  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(7919 * i % 100003);
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 8, /*causal=*/true, 264, &work);
-  kernels::AttachFirstPages(table.data(), page_size, &work);
-  ASSERT_EQ(work.decode_first_pages.size(), work.decode_items.size() * kernels::kFirstPages);
-  int short_items = 0;
-  for (size_t i = 0; i < work.decode_items.size(); ++i) {
-    const auto& it = work.decode_items[i];
-    const int64_t first = it.kv_start / page_size;
-    const int64_t pages = (it.kv_end + page_size - 1) / page_size - first;
-    for (int j = 0; j < kernels::kFirstPages; ++j) {
-      const int32_t want =
-          j < pages ? table[it.span_info.page_table_offset + first + j] : int32_t{-1};
-      EXPECT_EQ(work.decode_first_pages[i * kernels::kFirstPages + j], want)
-          << "item " << i << " page " << j;
-    }
-    short_items += pages < kernels::kFirstPages;
-  }
-  EXPECT_GE(short_items, 1);  // the 40-position span: 3 pages, then -1
-}
-
 // Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
 // their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {

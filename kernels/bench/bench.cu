@@ -519,7 +519,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
               "prefill occupancy");
   if (prefill_blocks > 0 && cfg.prefill_blocks > 0) prefill_blocks = cfg.prefill_blocks;
   SchedulePrefillJobs(Hkv, prefill_blocks, &work);
-  AttachFirstPages(table.data(), ps, &work);
 
   auto upload = [](const void* src, size_t bytes) {
     void* d = nullptr;
@@ -546,10 +545,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(
       work.decode_wide_items.data(), work.decode_wide_items.size() * sizeof(AttentionWorkItem)));
   p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
-  p.decode_first_pages = static_cast<const int32_t*>(
-      upload(work.decode_first_pages.data(), work.decode_first_pages.size() * 4));
-  p.decode_wide_first_pages = static_cast<const int32_t*>(
-      upload(work.decode_wide_first_pages.data(), work.decode_wide_first_pages.size() * 4));
   p.prefill_items = static_cast<const AttentionWorkItem*>(
       upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
   p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
@@ -769,8 +764,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   cudaFree(p.lse);
   cudaFree(const_cast<AttentionWorkItem*>(p.decode_items));
   cudaFree(const_cast<AttentionWorkItem*>(p.decode_wide_items));
-  cudaFree(const_cast<int32_t*>(p.decode_first_pages));
-  cudaFree(const_cast<int32_t*>(p.decode_wide_first_pages));
   cudaFree(const_cast<AttentionWorkItem*>(p.prefill_items));
   cudaFree(const_cast<AttentionPrefillJob*>(p.prefill_jobs));
   cudaFree(const_cast<int32_t*>(p.prefill_job_start));

@@ -143,8 +143,8 @@ struct Workspace {
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
   size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0, prefill_items = 0,
-         decode_first_pages = 0, decode_wide_first_pages = 0, prefill_jobs = 0,
-         prefill_job_start = 0, merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
+         prefill_jobs = 0, prefill_job_start = 0, merge_tasks = 0, q = 0, k = 0, v = 0,
+         input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
   // Host only, after the inputs: the results.
@@ -274,7 +274,6 @@ class CudaBackend final : public Backend {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
                            pool.target_blocks(), &work);
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
-      k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }
 
     const size_t q_elems = static_cast<size_t>(plan.total_queries) * Hq * D;
@@ -296,8 +295,6 @@ class CudaBackend final : public Backend {
     L.decode_items = take(work.decode_items.size() * sizeof(k::AttentionWorkItem));
     L.decode_wide_items = take(work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     L.prefill_items = take(work.prefill_items.size() * sizeof(k::AttentionWorkItem));
-    L.decode_first_pages = take(work.decode_first_pages.size() * sizeof(int32_t));
-    L.decode_wide_first_pages = take(work.decode_wide_first_pages.size() * sizeof(int32_t));
     L.prefill_jobs = take(work.prefill_jobs.size() * sizeof(k::AttentionPrefillJob));
     L.prefill_job_start = take(work.prefill_job_start.size() * sizeof(int32_t));
     L.merge_tasks = take(work.merge_tasks.size() * sizeof(k::AttentionMergeTask));
@@ -333,10 +330,6 @@ class CudaBackend final : public Backend {
         work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
     put(L.prefill_items, work.prefill_items.data(),
         work.prefill_items.size() * sizeof(k::AttentionWorkItem));
-    put(L.decode_first_pages, work.decode_first_pages.data(),
-        work.decode_first_pages.size() * sizeof(int32_t));
-    put(L.decode_wide_first_pages, work.decode_wide_first_pages.data(),
-        work.decode_wide_first_pages.size() * sizeof(int32_t));
     put(L.prefill_jobs, work.prefill_jobs.data(),
         work.prefill_jobs.size() * sizeof(k::AttentionPrefillJob));
     put(L.prefill_job_start, work.prefill_job_start.data(),
@@ -394,8 +387,6 @@ class CudaBackend final : public Backend {
       p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
       p.decode_wide_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.decode_wide_items);
       p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
-      p.decode_first_pages = reinterpret_cast<const int32_t*>(d + L.decode_first_pages);
-      p.decode_wide_first_pages = reinterpret_cast<const int32_t*>(d + L.decode_wide_first_pages);
       p.prefill_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.prefill_items);
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
       p.prefill_jobs = reinterpret_cast<const k::AttentionPrefillJob*>(d + L.prefill_jobs);

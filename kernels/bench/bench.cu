@@ -307,18 +307,24 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
     return LaunchStatus::Unsupported("--stages variants exist for bf16, head_dim 128 decode only");
   }
   p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  LaunchStatus st = LaunchStatus::Unsupported("--stages must be 2..5");
   switch (cfg.stages) {
     case 2:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
+      break;
     case 3:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
+      break;
     case 4:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
+      break;
     case 5:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
-    default:
-      return LaunchStatus::Unsupported("--stages must be 2..5");
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
+      break;
   }
+  // The plan's separate merge, as LaunchPagedAttention runs it after the tiles.
+  if (st.ok() && p.separate_merge && p.num_merge_tasks > 0) st = LaunchMergeSplits<128>(p, stream);
+  return st;
 }
 
 // --exp 32/34/47: five launches, each printed as quantiles over blocks of every phase stamp

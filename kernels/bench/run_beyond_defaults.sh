@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Decode beyond the default configuration, pagedattn-bench and peers.py on the same shapes in one
+# call: head_dim 64 and 256, 64 q / 8 kv heads, MHA (32 / 32), float16.
+#
+#   there:  bash kernels/bench/run_beyond_defaults.sh .stage $OUT          (carry [".stage"])
+#   here:   python3 kernels/bench/compare.py OUT/ours.json OUT/peers.json
+set -uo pipefail
+stage=$1
+out=$2
+b=$stage/bin
+source "$stage/env.sh"
+export PYTHONUNBUFFERED=1
+tmp=$(mktemp -d)
+mkdir -p "$tmp/ours" "$tmp/peers"
+both() {  # name, shapes, then flags shared by pagedattn-bench and peers.py
+  local name=$1 shapes=$2
+  shift 2
+  timeout 150 "$b/pagedattn-bench" --cases "$shapes" --no-read-roofline --reps 30 "$@" \
+    --json "$tmp/ours/$name.json" > /dev/null || echo "bench $name failed rc=$?"
+  timeout 150 python3 "$stage/peers.py" --decode "$shapes" --prefill none --no-limits "$@" \
+    --out "$tmp/peers/$name.json" > /dev/null 2>> "$out/peers.log" || echo "peers $name failed rc=$?"
+}
+defaults="1,32768 16,4096 64,4096 256,2048 128,8192"
+both d64 "$defaults" --head-dim 64
+both d256 "$defaults" --head-dim 256
+both gqa8 "1,32768 16,4096 64,4096" --q-heads 64 --kv-heads 8
+both mha "1,32768 16,4096 64,2048" --q-heads 32 --kv-heads 32
+both f16 "1,32768 256,2048" --dtype float16
+python3 "$(dirname "$0")/merge_rows.py" "$tmp/ours" "$out/ours.json" > /dev/null
+python3 -c "
+import json, os, sys
+rows = []
+for n in sorted(os.listdir('$tmp/peers')):
+    rows += json.load(open(os.path.join('$tmp/peers', n)))
+json.dump(rows, open('$out/peers.json', 'w'), indent=1)"
+python3 "$(dirname "$0")/compare.py" "$out/ours.json" "$out/peers.json"

@@ -237,17 +237,19 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 // one L2 round trip and none waits for a max over all splits first.
 // Splits per merge batch in the decode tiles: at head_dim 128, 32 or 33 splits (one wave of 264
 // blocks on 8 kv heads) take two batches.
-constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 17 : 9; }
+constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }
 
 template <int D, int kBatch, int EXP = 0>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
   constexpr int kDims = D / 32;
-  static_assert(kBatch >= 1 && kBatch <= 32, "one LSE per lane");
+  constexpr int kLseRegs = (kBatch + 31) / 32;  // lane j: LSEs of splits j, j + 32 of a batch
+  static_assert(kBatch >= 1 && kBatch <= 64, "at most two LSEs per lane");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
+  const int64_t out_step = int64_t{task.row_stride} * D;  // floats between splits' O rows
   for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
     const float* lse_r = part_lse + task.partial_row + r;  // split s at lse_r[s * row_stride]
     float run_max = -INFINITY, weight_sum = 0.f;
@@ -256,15 +258,24 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
     for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
     for (int s0 = 0; s0 < task.num_splits; s0 += kBatch) {
       const int n = min(kBatch, task.num_splits - s0);
-      const float my_lse =
-          lane < n ? __ldcg(lse_r + int64_t{s0 + lane} * task.row_stride) : -INFINITY;
+      float my_lse[kLseRegs];
+#pragma unroll
+      for (int h = 0; h < kLseRegs; ++h) {
+        const int j = lane + 32 * h;
+        my_lse[h] = j < n ? __ldcg(lse_r + int64_t{s0 + j} * task.row_stride) : -INFINITY;
+      }
+      // The O slices of the batch, one pointer stepped from split to split.
       SplitRowSlice<kDims> x[kBatch];
+      const float* src =
+          part_out + (task.partial_row + int64_t{s0} * task.row_stride + r) * D + lane * kDims;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const int64_t row = task.partial_row + int64_t{s0 + j} * task.row_stride + r;
-        if (j < n) x[j].Load(part_out + row * D + lane * kDims);
+        if (j < n) x[j].Load(src);
+        src += out_step;
       }
-      float batch_max = my_lse;
+      float batch_max = my_lse[0];
+#pragma unroll
+      for (int h = 1; h < kLseRegs; ++h) batch_max = fmaxf(batch_max, my_lse[h]);
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1)
         batch_max = fmaxf(batch_max, __shfl_xor_sync(0xffffffffu, batch_max, o));
@@ -272,8 +283,13 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       const float base = new_max == -INFINITY ? 0.f : new_max;
       const float alpha = __expf(run_max - base);  // 0 on the first batch (run_max = -inf)
       run_max = new_max;
-      const float my_weight = lane < n ? __expf(my_lse - base) : 0.f;
-      float batch_sum = my_weight;
+      float my_weight[kLseRegs];
+      float batch_sum = 0.f;
+#pragma unroll
+      for (int h = 0; h < kLseRegs; ++h) {
+        my_weight[h] = lane + 32 * h < n ? __expf(my_lse[h] - base) : 0.f;
+        batch_sum += my_weight[h];
+      }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) batch_sum += __shfl_xor_sync(0xffffffffu, batch_sum, o);
       weight_sum = weight_sum * alpha + batch_sum;
@@ -281,7 +297,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       for (int d = 0; d < kDims; ++d) acc[d] *= alpha;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        const float w = __shfl_sync(0xffffffffu, my_weight, j);
+        const float w = __shfl_sync(0xffffffffu, my_weight[j / 32], j % 32);
         if (j < n) x[j].AddTo(acc, w);
       }
     }

@@ -191,14 +191,19 @@ enum DecodeExperiment : int {
 // counted, LSE max known, O sums done. Bench only.
 inline constexpr int kTimelineSlots = 12;
 static __device__ unsigned long long* g_decode_timeline;
+// Thread 0 stores value in this block's timeline slot.
+__device__ __forceinline__ void TimelineStore(int slot, unsigned long long value) {
+  if (threadIdx.x == 0) {
+    g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] =
+        value;
+  }
+}
 template <int EXP>
 __device__ __forceinline__ void TimelineStamp(int slot) {
   if constexpr ((EXP & kExpTimeline) != 0) {
-    if (threadIdx.x == 0) {
-      unsigned long long t;
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] = t;
-    }
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    TimelineStore(slot, t);
   }
 }
 
@@ -359,6 +364,25 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
   }
 }
 
+// Where row tile_row (span row span_row) of a work item's tile goes: out / lse (lse null when
+// not asked for) for an unsplit tile, the partial buffers of its split otherwise.
+template <int D>
+__device__ __forceinline__ void TileRowDestination(const PagedAttentionParams& p,
+                                                   const AttentionWorkItem& item,
+                                                   const AttentionSpan& span, int kv_head,
+                                                   int group, int tile_row, int span_row,
+                                                   float*& dst, float*& lse_dst) {
+  if (item.partial_row < 0) {
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+    dst = p.out + out_row * D;
+    lse_dst = p.lse ? p.lse + out_row : nullptr;
+  } else {
+    const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
+    dst = p.partial_out + part_row * D;
+    lse_dst = p.partial_lse + part_row;
+  }
+}
+
 // Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
 // 8-wide n tile, o_half selecting the row's pair): to out/lse for an unsplit tile, to the
 // partial buffers of its split otherwise. Shared by the decode and prefill tile kernels.
@@ -371,15 +395,7 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
                                              float lse) {
   float* dst;
   float* lse_dst;
-  if (item.partial_row < 0) {
-    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-    dst = p.out + out_row * D;
-    lse_dst = p.lse ? p.lse + out_row : nullptr;
-  } else {
-    const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
-    dst = p.partial_out + part_row * D;
-    lse_dst = p.partial_lse + part_row;
-  }
+  TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
 #pragma unroll
   for (int dt = 0; dt < D / 8; ++dt) {
     *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
@@ -428,10 +444,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
       if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
       if constexpr ((EXP & kExpTimeline) != 0) {
         __syncthreads();
-        if (threadIdx.x == 0) {
-          g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 7] =
-              1;
-        }
+        TimelineStore(7, 1);  // this block merged
       }
     }
   }
@@ -739,15 +752,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     const float lse = sum > 0.f ? (m + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
     float* dst;
     float* lse_dst;
-    if (item.partial_row < 0) {
-      const int64_t out_row = OutputRow(p, span.q_offset, item.row_start + r, kv_head, group);
-      dst = p.out + out_row * D;
-      lse_dst = p.lse ? p.lse + out_row : nullptr;
-    } else {
-      const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + r;
-      dst = p.partial_out + part_row * D;
-      lse_dst = p.partial_lse + part_row;
-    }
+    TileRowDestination<D>(p, item, span, kv_head, group, r, item.row_start + r, dst, lse_dst);
     *reinterpret_cast<float4*>(dst + c) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (lse_dst && c == 0) *lse_dst = lse;
@@ -756,11 +761,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   if constexpr ((EXP & kExpTimeline) != 0) {
     __syncthreads();
     TimelineStamp<EXP>(4);
-    if (threadIdx.x == 0) {
-      unsigned smid;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-      g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + 6] = smid;
-    }
+    unsigned smid;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
+    TimelineStore(6, smid);
   }
   if constexpr ((EXP & kExpNoMerge) == 0) {
     MergeIfLastSplit<D, DecodeMergeBatch(D), EXP>(p, item, span, kv_head, group);

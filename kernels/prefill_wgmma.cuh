@@ -294,6 +294,15 @@ struct WgmmaTileMath {
     return r;
   }
 
+  // A thread's rows before their first tile: O zero, no max, no sum.
+  __device__ __forceinline__ static void StartRows(float (&o)[D / 8][4], float (&row_max)[2],
+                                                   float (&row_sum)[2]) {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+
   // Copies one K/V tile into stage `stage` (16-byte cp.async, swizzle-128 layout): this thread's
   // chunk copy_chunk of rows copy_row0 + i * kRowStep, from pool rows `rows` (-1: zero-filled).
   __device__ __forceinline__ static void IssueKvTile(T* smem_kv, const int32_t (&rows)[Cfg::kTileKv],
@@ -530,10 +539,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
-  float o[D / 8][4];
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-  float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+  float o[D / 8][4], row_max[2], row_sum[2];
+  M::StartRows(o, row_max, row_sum);
   const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = rows.wg_tiles;
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
@@ -756,10 +763,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its
     // warpgroup's 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator
     // layout).
-    float o[D / 8][4];
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
-    float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
+    float o[D / 8][4], row_max[2], row_sum[2];
+    M::StartRows(o, row_max, row_sum);
     const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
     const int wg_tiles = rows.wg_tiles;
 

@@ -5,17 +5,12 @@
 #
 #   there:  bash kernels/bench/ab_decode.sh .stage $OUT .stage/bin/pagedattn-bench-old [ROUNDS]
 #   here:   python3 kernels/bench/compare.py OUT/ab.json OUT/peers.json
-# Rows carry "variant": the run's name (new_r1, old_r1, new_d64, ...). EXTRA="--exp 64" adds a
-# third binary run per round (variant newx_rN) with those flags.
+# Rows carry "variant": the run's name (new_r1, old_r1, new_d64, ...). EXTRA="--stages 2" adds
+# a run of the new binary per round with those flags (variant newx_rN).
 set -uo pipefail
-stage=$1
-out=$2
+source "$(dirname "$0")/lib.sh"
 old=$3
 rounds=${4:-2}
-b=$stage/bin
-source "$stage/env.sh"
-tmp=$(mktemp -d)
-bench() { local name=$1 bin=$2; shift 2; timeout 150 "$bin" "$@" --json "$tmp/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
 for r in $(seq 1 "$rounds"); do
   bench "new_r$r" "$b/pagedattn-bench" --no-read-roofline
   bench "old_r$r" "$old" --no-read-roofline

@@ -6,14 +6,9 @@
 #   here:   python3 kernels/bench/compare.py OUT/ab.json OUT/peers.json
 # Rows carry "variant": new, new_1job (one block per job: --prefill-blocks 1000000), old.
 set -uo pipefail
-stage=$1
-out=$2
+source "$(dirname "$0")/lib.sh"
 old=$3
 rounds=${4:-2}
-b=$stage/bin
-source "$stage/env.sh"
-tmp=$(mktemp -d)
-bench() { local name=$1 bin=$2; shift 2; timeout 120 "$bin" "$@" --json "$tmp/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
 for r in $(seq 1 "$rounds"); do
   bench "new_r$r" "$b/pagedattn-bench" --suite prefill
   bench "old_r$r" "$old" --suite prefill

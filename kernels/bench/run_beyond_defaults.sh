@@ -5,18 +5,12 @@
 #   there:  bash kernels/bench/run_beyond_defaults.sh .stage $OUT          (carry [".stage"])
 #   here:   python3 kernels/bench/compare.py OUT/ours.json OUT/peers.json
 set -uo pipefail
-stage=$1
-out=$2
-b=$stage/bin
-source "$stage/env.sh"
-export PYTHONUNBUFFERED=1
-tmp=$(mktemp -d)
-mkdir -p "$tmp/ours" "$tmp/peers"
+source "$(dirname "$0")/lib.sh"
+mkdir -p "$tmp/peers"
 both() {  # name, shapes, then flags shared by pagedattn-bench and peers.py
   local name=$1 shapes=$2
   shift 2
-  timeout 150 "$b/pagedattn-bench" --cases "$shapes" --no-read-roofline --reps 30 "$@" \
-    --json "$tmp/ours/$name.json" > /dev/null || echo "bench $name failed rc=$?"
+  bench "ours/$name" "$b/pagedattn-bench" --cases "$shapes" --no-read-roofline --reps 30 "$@"
   timeout 150 python3 "$stage/peers.py" --decode "$shapes" --prefill none --no-limits "$@" \
     --out "$tmp/peers/$name.json" > /dev/null 2>> "$out/peers.log" || echo "peers $name failed rc=$?"
 }

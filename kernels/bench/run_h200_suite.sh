@@ -12,11 +12,7 @@
 #
 # SKIP_TESTS=1 leaves the tests out; PEERS=0 leaves peers.py out.
 set -uo pipefail
-stage=$1
-out=$2
-b=$stage/bin
-source "$stage/env.sh"
-export PYTHONUNBUFFERED=1
+source "$(dirname "$0")/lib.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
@@ -38,8 +34,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   grep -E "rc=|^\[  (FAILED|PASSED)|Failure|is .*want|PASS|FAIL" "$out/tests.log" | head -40
 fi
 
-tmp=$(mktemp -d)
-run() { local name=$1; shift; timeout 120 "$b/pagedattn-bench" "$@" --json "$tmp/$name.json" > /dev/null || echo "bench $name failed rc=$?"; }
+run() { bench "$1" "$b/pagedattn-bench" "${@:2}"; }
 run prefill --suite prefill
 run prefill_portable --suite prefill --prefill-path portable
 run prefill_p128 --suite prefill --page-size 128

@@ -198,16 +198,21 @@ Config ParseFlags(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--cases")
-      cases = next();
-    else if (a == "--suite") {
-      const std::string suite = next();
-      if (suite != "decode" && suite != "prefill") {
-        std::fprintf(stderr, "--suite must be decode or prefill (got %s)\n", suite.c_str());
+    // A flag of two values: false for the first, true for the second, exit 2 for anything else.
+    auto second_of = [&](const char* first, const char* second) {
+      const std::string v = next();
+      if (v != first && v != second) {
+        std::fprintf(stderr, "%s must be %s or %s (got %s)\n", a.c_str(), first, second,
+                     v.c_str());
         std::exit(2);
       }
-      c.prefill = suite == "prefill";
-    } else if (a == "--ragged")
+      return v == second;
+    };
+    if (a == "--cases")
+      cases = next();
+    else if (a == "--suite")
+      c.prefill = second_of("decode", "prefill");
+    else if (a == "--ragged")
       ragged = next();
     else if (a == "--q-heads")
       c.q_heads = std::atoi(next().c_str());
@@ -217,17 +222,9 @@ Config ParseFlags(int argc, char** argv) {
       c.head_dim = std::atoi(next().c_str());
     else if (a == "--page-size")
       c.page_size = std::atoi(next().c_str());
-    else if (a == "--dtype") {
-      const std::string d = next();
-      if (d == "bfloat16")
-        c.dtype = DType::kBFloat16;
-      else if (d == "float16")
-        c.dtype = DType::kFloat16;
-      else {
-        std::fprintf(stderr, "--dtype must be bfloat16 or float16 (got %s)\n", d.c_str());
-        std::exit(2);
-      }
-    } else if (a == "--warmup")
+    else if (a == "--dtype")
+      c.dtype = second_of("bfloat16", "float16") ? DType::kFloat16 : DType::kBFloat16;
+    else if (a == "--warmup")
       c.warmup = std::atoi(next().c_str());
     else if (a == "--reps")
       c.reps = std::atoi(next().c_str());
@@ -245,21 +242,12 @@ Config ParseFlags(int argc, char** argv) {
       c.stages = std::atoi(next().c_str());
     else if (a == "--rotate")
       c.rotate = std::atoi(next().c_str());
-    else if (a == "--prefill-path") {
-      const std::string v = next();
-      if (v != "auto" && v != "portable") {
-        std::fprintf(stderr, "--prefill-path must be auto or portable (got %s)\n", v.c_str());
-        std::exit(2);
-      }
-      c.prefill_path = v == "portable" ? PrefillPath::kPortable : PrefillPath::kAuto;
-    } else if (a == "--merge") {
-      const std::string v = next();
-      if (v != "planned" && v != "separate") {
-        std::fprintf(stderr, "--merge must be planned or separate (got %s)\n", v.c_str());
-        std::exit(2);
-      }
-      c.separate_merge = v == "separate";
-    } else if (a == "--exp")
+    else if (a == "--prefill-path")
+      c.prefill_path =
+          second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
+    else if (a == "--merge")
+      c.separate_merge = second_of("planned", "separate");
+    else if (a == "--exp")
       c.exp = std::atoi(next().c_str());
     else if (a == "--no-read-roofline")
       c.read_roofline = false;

@@ -150,7 +150,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
   work->separate_merge = estimate(chunk).separate_merge;
-  work->merge_rows = 0;
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
   // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.

@@ -130,6 +130,11 @@ struct AttentionWork {
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
   std::vector<AttentionPrefillJob> prefill_jobs;
   std::vector<int32_t> prefill_job_start;
+
+  // Blocks of the prefill schedule (PagedAttentionParams::num_prefill_blocks); 0 without one.
+  int32_t num_prefill_blocks() const {
+    return prefill_job_start.empty() ? 0 : static_cast<int32_t>(prefill_job_start.size() - 1);
+  }
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV

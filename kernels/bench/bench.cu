@@ -546,9 +546,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
       upload(work.prefill_jobs.data(), work.prefill_jobs.size() * sizeof(AttentionPrefillJob)));
   p.prefill_job_start = static_cast<const int32_t*>(
       upload(work.prefill_job_start.data(), work.prefill_job_start.size() * sizeof(int32_t)));
-  p.num_prefill_blocks = work.prefill_job_start.empty()
-                             ? 0
-                             : static_cast<int32_t>(work.prefill_job_start.size() - 1);
+  p.num_prefill_blocks = work.num_prefill_blocks();
   p.merge_tasks = static_cast<const AttentionMergeTask*>(
       upload(work.merge_tasks.data(), work.merge_tasks.size() * sizeof(AttentionMergeTask)));
   p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());

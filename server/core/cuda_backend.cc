@@ -391,8 +391,7 @@ class CudaBackend final : public Backend {
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
       p.prefill_jobs = reinterpret_cast<const k::AttentionPrefillJob*>(d + L.prefill_jobs);
       p.prefill_job_start = reinterpret_cast<const int32_t*>(d + L.prefill_job_start);
-      p.num_prefill_blocks =
-          work.prefill_job_start.empty() ? 0 : static_cast<int32_t>(work.prefill_job_start.size() - 1);
+      p.num_prefill_blocks = work.num_prefill_blocks();
       p.merge_tasks = reinterpret_cast<const k::AttentionMergeTask*>(d + L.merge_tasks);
       p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
       p.separate_merge = work.separate_merge;

@@ -898,6 +898,15 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 #endif
 }
 
+// The Hopper prefill kernel's shared-memory limit, raised once per device for the launcher and
+// the occupancy query alike.
+template <typename T, int D>
+LaunchStatus RaiseWgmmaPrefillSmemLimit() {
+  static std::atomic<bool> smem_raised[kMaxDevices];
+  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, D>, WgmmaPrefillConfig<T, D>::SmemBytes(),
+                            smem_raised, "prefill attention (wgmma)");
+}
+
 // Persistent configurations: one block per schedule entry (num_prefill_blocks, from
 // SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
 // kv head.
@@ -916,15 +925,9 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
         "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
         "PrefillScheduleBlocks gives)");
   }
-  auto kernel = PagedPrefillWgmmaKernel<T, D>;
-  static std::atomic<bool> smem_raised[kMaxDevices];
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, Cfg::SmemBytes(), smem_raised,
-                                           "prefill attention (wgmma)");
-      !st.ok()) {
-    return st;
-  }
-  kernel<<<static_cast<unsigned>(params.num_prefill_blocks), Cfg::kThreads, Cfg::SmemBytes(),
-           stream>>>(params);
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
+  PagedPrefillWgmmaKernel<T, D><<<static_cast<unsigned>(params.num_prefill_blocks),
+                                  Cfg::kThreads, Cfg::SmemBytes(), stream>>>(params);
   return LastLaunchStatus("prefill attention (wgmma)");
 }
 
@@ -935,15 +938,9 @@ LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
   if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
-  auto kernel = PagedPrefillWgmmaKernel<T, D>;
-  static std::atomic<bool> smem_raised[kMaxDevices];
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, Cfg::SmemBytes(), smem_raised,
-                                           "prefill attention (wgmma)");
-      !st.ok()) {
-    return st;
-  }
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks_per_sm, kernel, Cfg::kThreads, Cfg::SmemBytes());
+      blocks_per_sm, PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes());
   if (err != cudaSuccess) {
     return LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
                                    cudaGetErrorString(err));

@@ -315,6 +315,20 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
   return st;
 }
 
+// Milliseconds between two events recorded around launch() on stream (the host waits for the
+// second): one launch's time as peers.py takes it, or back-to-back launches' when launch()
+// issues several.
+template <typename Launcher>
+float EventMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launcher&& launch) {
+  BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
+  launch();
+  BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
+  BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
+  float ms = 0;
+  BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+  return ms;
+}
+
 // --exp 32/34/47: five launches, each printed as quantiles over blocks of every phase stamp
 // (us from the earliest block entry), with the launch's event time; then the launch floor:
 // an empty kernel and StreamRead of the pool's bytes, per event-timed launch and back to back.
@@ -329,12 +343,8 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   for (int run = 0; run < 5; ++run) {
     BENCH_CHECK_CUDA(cudaMemset(timeline, 0, h.size() * 8));
     BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
-    CheckLaunch(Launch(cfg, p, stream), "paged attention");
-    BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+    const float ms =
+        EventMs(stream, a, b, [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
     BENCH_CHECK_CUDA(cudaMemcpy(h.data(), timeline, h.size() * 8, cudaMemcpyDeviceToHost));
     unsigned long long t0 = ~0ull;
     for (int i = 0; i < blocks; ++i) t0 = std::min(t0, h[static_cast<size_t>(i) * kTimelineSlots]);
@@ -395,25 +405,16 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   auto median_event = [&](auto launch) {
     std::vector<float> ts;
     for (int it = 0; it < 60; ++it) {
-      BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
-      launch();
-      BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
-      BENCH_CHECK_CUDA(cudaEventSynchronize(b));
-      float ms = 0;
-      BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
+      const float ms = EventMs(stream, a, b, launch);
       if (it >= 10) ts.push_back(ms * 1e3f);
     }
     std::sort(ts.begin(), ts.end());
     return ts[ts.size() / 2];
   };
   auto b2b = [&](auto launch) {
-    BENCH_CHECK_CUDA(cudaEventRecord(a, stream));
-    for (int it = 0; it < 20; ++it) launch();
-    BENCH_CHECK_CUDA(cudaEventRecord(b, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(b));
-    float ms = 0;
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, a, b));
-    return ms * 1e3f / 20;
+    return EventMs(stream, a, b, [&] {
+             for (int it = 0; it < 20; ++it) launch();
+           }) * 1e3f / 20;
   };
   unsigned* sink = nullptr;
   BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
@@ -644,26 +645,19 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
     p.k_cache = k_pools[it % copies];
     p.v_cache = v_pools[it % copies];
-    BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-    CheckLaunch(Launch(cfg, p, stream), "paged attention");
-    BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-    BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-    float ms = 0;
-    BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+    const float ms = EventMs(stream, start, stop,
+                             [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
     if (it >= cfg.warmup) times.push_back(ms);
   }
   // Also back to back (no host gap between launches): the kernels' own time, for diagnosis.
   constexpr int kBackToBack = 20;
-  BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-  for (int it = 0; it < kBackToBack; ++it) {
-    p.k_cache = k_pools[it % copies];
-    p.v_cache = v_pools[it % copies];
-    CheckLaunch(Launch(cfg, p, stream), "paged attention");
-  }
-  BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-  BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-  float b2b_ms = 0;
-  BENCH_CHECK_CUDA(cudaEventElapsedTime(&b2b_ms, start, stop));
+  const float b2b_ms = EventMs(stream, start, stop, [&] {
+    for (int it = 0; it < kBackToBack; ++it) {
+      p.k_cache = k_pools[it % copies];
+      p.v_cache = v_pools[it % copies];
+      CheckLaunch(Launch(cfg, p, stream), "paged attention");
+    }
+  });
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
   if (timeline) {
@@ -683,14 +677,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     for (int per_sm : {1, 2, 4}) {
       std::vector<float> rt;
       for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
-        BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
-        StreamRead<<<prop.multiProcessorCount * per_sm, 512, 0, stream>>>(
-            static_cast<const uint4*>(k_pools[it % copies]),
-            static_cast<const uint4*>(v_pools[it % copies]), words, sink);
-        BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
-        BENCH_CHECK_CUDA(cudaEventSynchronize(stop));
-        float ms = 0;
-        BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
+        const float ms = EventMs(stream, start, stop, [&] {
+          StreamRead<<<prop.multiProcessorCount * per_sm, 512, 0, stream>>>(
+              static_cast<const uint4*>(k_pools[it % copies]),
+              static_cast<const uint4*>(v_pools[it % copies]), words, sink);
+        });
         if (it >= cfg.warmup) rt.push_back(ms);
       }
       std::sort(rt.begin(), rt.end());

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
 
 namespace pagedattn::kernels {
@@ -795,17 +796,36 @@ __global__ void __launch_bounds__(128)
   AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params));
 }
 
+// One kernel's record of the devices whose shared-memory limit it has raised. Once every
+// device has it, a launch asks nothing of the runtime (cudaGetDevice is host time before the
+// launch, and the launch's host time is the GPU's when it is idle).
+struct SmemLimitFlags {
+  std::atomic<bool> device[kMaxDevices] = {};
+  std::atomic<int> raised_devices{0};
+};
+
+inline int CudaDeviceCountOnce() {
+  static const int count = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : -1;
+  }();
+  return count;
+}
+
 // Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a
 // per-device attribute; `raised` is the kernel's own flags). `what` names it in errors.
 template <typename Kernel>
-LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem,
-                                std::atomic<bool> (&raised)[kMaxDevices], const char* what) {
+LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& raised,
+                                const char* what) {
+  if (raised.raised_devices.load() == CudaDeviceCountOnce()) return LaunchStatus::Ok();
   int device = 0;
   cudaError_t err = cudaGetDevice(&device);
-  if (err == cudaSuccess && (device >= kMaxDevices || !raised[device].load())) {
+  if (err == cudaSuccess && (device >= kMaxDevices || !raised.device[device].load())) {
     err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                static_cast<int>(smem));
-    if (err == cudaSuccess && device < kMaxDevices) raised[device].store(true);
+    if (err == cudaSuccess && device < kMaxDevices && !raised.device[device].exchange(true)) {
+      raised.raised_devices.fetch_add(1);
+    }
   }
   if (err != cudaSuccess) {
     return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(") + what +
@@ -821,14 +841,14 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   if (num_items == 0) return LaunchStatus::Ok();
   auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
   constexpr size_t smem = Cfg::SmemBytes();
-  static std::atomic<bool> smem_raised[kMaxDevices];
+  static SmemLimitFlags smem_raised;
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
       !st.ok()) {
     return st;
   }
   const dim3 grid(num_items, params.num_kv_heads);
-  kernel<<<grid, Cfg::kThreads, smem, stream>>>(params);
-  return LastLaunchStatus("paged attention");
+  return LaunchKernelWithParams(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
+                                "paged attention");
 }
 
 template <typename T, int D, int MW, int KW>
@@ -921,8 +941,8 @@ __global__ void __launch_bounds__(kMergeThreads)
 template <int D>
 LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream) {
   const dim3 grid(params.num_merge_tasks, params.merge_rows, params.num_kv_heads);
-  MergeSplitsKernel<D><<<grid, kMergeThreads, 0, stream>>>(params);
-  return LastLaunchStatus("split-KV merge");
+  return LaunchKernelWithParams(MergeSplitsKernel<D>, grid, dim3(kMergeThreads), 0, stream, params,
+                                "split-KV merge");
 }
 
 #define PAGEDATTN_INSTANTIATE_MERGE(D) \

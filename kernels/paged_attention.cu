@@ -10,6 +10,7 @@
 #include <string>
 
 #include "kernels/dispatch.h"
+#include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
 
 namespace pagedattn::kernels {
@@ -101,8 +102,8 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
       constexpr int kThreads = 256;
       const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
       const dim3 grid(GridFor(work, kThreads), 2);
-      AppendKvKernel<Src, Dst><<<grid, kThreads, 0, stream>>>(params);
-      return LastLaunchStatus("append K/V");
+      return LaunchKernelWithParams(AppendKvKernel<Src, Dst>, grid, dim3(kThreads), 0, stream,
+                                    params, "append K/V");
     });
   });
 }

@@ -372,7 +372,7 @@ __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
 // kv heads of one item side by side. Shared by the portable and the Hopper prefill kernels.
 template <typename Kernel>
 LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem,
-                               std::atomic<bool> (&smem_raised)[kMaxDevices], const char* what,
+                               SmemLimitFlags& smem_raised, const char* what,
                                const PagedAttentionParams& params, cudaStream_t stream) {
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
@@ -381,14 +381,14 @@ LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem,
     return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
                                      std::to_string(blocks) + ")");
   }
-  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(params);
-  return LastLaunchStatus(what);
+  return LaunchKernelWithParams(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem,
+                                stream, params, what);
 }
 
 template <typename T, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = PrefillTileConfig<T, D>;
-  static std::atomic<bool> smem_raised[kMaxDevices];
+  static SmemLimitFlags smem_raised;
   return LaunchPrefillGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
                            smem_raised, "prefill attention", params, stream);
 }

@@ -902,7 +902,7 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 // the occupancy query alike.
 template <typename T, int D>
 LaunchStatus RaiseWgmmaPrefillSmemLimit() {
-  static std::atomic<bool> smem_raised[kMaxDevices];
+  static SmemLimitFlags smem_raised;
   return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, D>, WgmmaPrefillConfig<T, D>::SmemBytes(),
                             smem_raised, "prefill attention (wgmma)");
 }
@@ -915,7 +915,7 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
   using Cfg = WgmmaPrefillConfig<T, D>;
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if constexpr (!Cfg::kPersistent) {
-    static std::atomic<bool> smem_raised[kMaxDevices];
+    static SmemLimitFlags smem_raised;
     return LaunchPrefillGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
                              smem_raised, "prefill attention (wgmma)", params, stream);
   }
@@ -926,9 +926,10 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
         "PrefillScheduleBlocks gives)");
   }
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  PagedPrefillWgmmaKernel<T, D><<<static_cast<unsigned>(params.num_prefill_blocks),
-                                  Cfg::kThreads, Cfg::SmemBytes(), stream>>>(params);
-  return LastLaunchStatus("prefill attention (wgmma)");
+  return LaunchKernelWithParams(PagedPrefillWgmmaKernel<T, D>,
+                                dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+                                dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params,
+                                "prefill attention (wgmma)");
 }
 
 // Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers);

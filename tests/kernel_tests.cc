@@ -18,6 +18,9 @@
 #include <tuple>
 #include <vector>
 
+#include <cuda_runtime.h>
+
+#include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
 #include "server/core/backend.h"
 #include "server/core/cuda_backend.h"
@@ -465,6 +468,116 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   }
   for (auto& th : threads) th.join();
   for (double e : errs) EXPECT_LE(e, 1e-2);
+}
+
+// Kernels go through cached one-node graphs (kernels/graph_launch.h): Forward after Forward,
+// with grids and parameters that change from one to the next (split decode, prefill, chunked
+// prefill, then a decode-only step), they must give exactly what plain launches give.
+TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
+  struct Restore {
+    ~Restore() { kernels::SetGraphLaunch(true); }
+  } restore;
+  CaseSpec c;
+  c.seed = 91;
+  c.steps = MixedSteps(3000);
+  c.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
+  c.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
+  kernels::SetGraphLaunch(false);
+  const double plain = RunCase(*backend_, c);
+  kernels::SetGraphLaunch(true);
+  const double graph = RunCase(*backend_, c);
+  EXPECT_LE(graph, 1e-2);
+  EXPECT_EQ(plain, graph) << "graph launches changed the outputs";
+}
+
+// A launch into a stream that the caller is capturing is recorded by that capture as a kernel
+// node (not launched, not a nested graph), and the captured graph does the launch's work.
+TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
+  constexpr int kTokens = 5, kHeads = 2, kDim = 64, kPage = 16, kPages = 2;
+  std::vector<float> k(kTokens * kHeads * kDim), v(k.size());
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> uni(-1.f, 1.f);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = uni(rng);
+    v[i] = uni(rng);
+  }
+  const std::vector<int64_t> slots = {17, 3, 30, 0, 16};
+  const size_t pool_elems = size_t{kPages} * kHeads * kPage * kDim;
+  float *dk = nullptr, *dv = nullptr;
+  uint16_t *kc = nullptr, *vc = nullptr;
+  int64_t* dslots = nullptr;
+  ASSERT_EQ(cudaMalloc(&dk, k.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dv, v.size() * 4), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&kc, pool_elems * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&vc, pool_elems * 2), cudaSuccess);
+  ASSERT_EQ(cudaMalloc(&dslots, slots.size() * 8), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dk, k.data(), k.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dv, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(dslots, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice),
+            cudaSuccess);
+  ASSERT_EQ(cudaMemset(kc, 0xFF, pool_elems * 2), cudaSuccess);  // NaN until written
+  ASSERT_EQ(cudaMemset(vc, 0xFF, pool_elems * 2), cudaSuccess);
+  kernels::AppendParams p;
+  p.k = dk;
+  p.v = dv;
+  p.src_dtype = DType::kFloat32;
+  p.k_cache = kc;
+  p.v_cache = vc;
+  p.cache_dtype = DType::kBFloat16;
+  p.slots = dslots;
+  p.num_tokens = kTokens;
+  p.num_kv_heads = kHeads;
+  p.head_dim = kDim;
+  p.page_size = kPage;
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  const kernels::LaunchStatus st = kernels::LaunchAppendKv(p, stream);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.ok()) << st.message();
+  size_t num_nodes = 0;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &num_nodes), cudaSuccess);
+  ASSERT_EQ(num_nodes, 1u);
+  cudaGraphNode_t node;
+  ASSERT_EQ(cudaGraphGetNodes(graph, &node, &num_nodes), cudaSuccess);
+  cudaGraphNodeType type;
+  ASSERT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
+  EXPECT_EQ(type, cudaGraphNodeTypeKernel);
+
+  // Nothing ran during the capture; the captured graph writes every row.
+  std::vector<uint16_t> got(pool_elems);
+  ASSERT_EQ(cudaMemcpy(got.data(), kc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_TRUE(std::isnan(LoadAsFloat(DType::kBFloat16, got.data(), 0)));
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  std::vector<uint16_t> got_v(pool_elems);
+  ASSERT_EQ(cudaMemcpy(got.data(), kc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  ASSERT_EQ(cudaMemcpy(got_v.data(), vc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+  for (int t = 0; t < kTokens; ++t) {
+    const int64_t page = slots[t] / kPage, in_page = slots[t] % kPage;
+    for (int h = 0; h < kHeads; ++h) {
+      for (int d = 0; d < kDim; ++d) {
+        const int64_t at = ((page * kHeads + h) * kPage + in_page) * kDim + d;
+        const int64_t src = (int64_t{t} * kHeads + h) * kDim + d;
+        ASSERT_EQ(LoadAsFloat(DType::kBFloat16, got.data(), at), RoundTo(DType::kBFloat16, k[src]))
+            << "token " << t << " head " << h << " dim " << d;
+        ASSERT_EQ(LoadAsFloat(DType::kBFloat16, got_v.data(), at),
+                  RoundTo(DType::kBFloat16, v[src]));
+      }
+    }
+  }
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+  cudaFree(dk);
+  cudaFree(dv);
+  cudaFree(kc);
+  cudaFree(vc);
+  cudaFree(dslots);
 }
 
 TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {

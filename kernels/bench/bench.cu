@@ -12,6 +12,8 @@
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
 //                   [--merge planned|separate]   (separate: the split-KV merge kernel always)
+//                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
+//                     the row's "launch" says which
 //   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
@@ -26,9 +28,11 @@
 //   Prefill rows name the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -79,6 +83,7 @@ struct Config {
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
+  bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
   std::string json;
 };
 
@@ -129,6 +134,15 @@ __global__ void __launch_bounds__(512) StreamRead(const uint4* a, const uint4* b
 }
 
 __global__ void EmptyKernel() {}
+// Holds one SM for ns nanoseconds (%globaltimer): queued before a launch, it keeps the GPU busy
+// while the host submits that launch, so the launch's own host latency is hidden.
+__global__ void SpinKernel(long long ns) {
+  long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  do {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+}
 // An empty kernel launched as the decode tile is (its parameters, grid and shared memory).
 __global__ void __launch_bounds__(128)
     EmptyParamsKernel(const __grid_constant__ PagedAttentionParams params) {
@@ -247,6 +261,8 @@ Config ParseFlags(int argc, char** argv) {
           second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
     else if (a == "--merge")
       c.separate_merge = second_of("planned", "separate");
+    else if (a == "--launch")
+      c.graph_launch = !second_of("graph", "plain");
     else if (a == "--exp")
       c.exp = std::atoi(next().c_str());
     else if (a == "--no-read-roofline")
@@ -441,6 +457,96 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
               b2b(read), median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
               b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
   std::fflush(stdout);
+  // Where the per-launch floor goes: the host's time in one Launch() call and one event record
+  // (steady clock, median); the kernel timed behind a 30 us spin that keeps the GPU busy while
+  // the host submits it (minus the spin alone); and the kernel as a one-node CUDA graph.
+  auto host_us = [&](auto call) {
+    std::vector<double> ts;
+    for (int it = 0; it < 60; ++it) {
+      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+      const auto t0 = std::chrono::steady_clock::now();
+      call();
+      const auto t1 = std::chrono::steady_clock::now();
+      if (it >= 10) ts.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
+    }
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+  };
+  const double host_launch = host_us([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); });
+  const double host_record = host_us([&] { BENCH_CHECK_CUDA(cudaEventRecord(a, stream)); });
+  constexpr long long kSpinNs = 30000;
+  const float spin_alone = median_event([&] { SpinKernel<<<1, 32, 0, stream>>>(kSpinNs); });
+  const float spin_kernel = median_event([&] {
+    SpinKernel<<<1, 32, 0, stream>>>(kSpinNs);
+    CheckLaunch(Launch(cfg, p, stream), "attention");
+  });
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  BENCH_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  CheckLaunch(Launch(cfg, p, stream), "attention");
+  BENCH_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  BENCH_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  BENCH_CHECK_CUDA(cudaGraphUpload(exec, stream));
+  const float graph_event = median_event([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+  const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+  // The same decode tile launched through each host path, host time and event time each.
+  auto tile_kernel = PagedAttentionTileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>;
+  const dim3 tile_grid(p.num_decode_items, p.num_kv_heads);
+  PagedAttentionParams lp = p;
+  lp.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  void* args[] = {&lp};
+  auto via_runtime = [&] {
+    BENCH_CHECK_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(tile_kernel), tile_grid,
+                                      dim3(128), args, tile_smem, stream));
+  };
+  cudaFunction_t fn;
+  BENCH_CHECK_CUDA(cudaGetFuncBySymbol(&fn, reinterpret_cast<const void*>(tile_kernel)));
+  auto via_driver = [&] {
+    if (cuLaunchKernel(reinterpret_cast<CUfunction>(fn), tile_grid.x, tile_grid.y, 1, 128, 1, 1,
+                       tile_smem, stream, args, nullptr) != CUDA_SUCCESS) {
+      std::fprintf(stderr, "cuLaunchKernel failed\n");
+      std::exit(1);
+    }
+  };
+  auto via_chevrons = [&] { tile_kernel<<<tile_grid, 128, tile_smem, stream>>>(lp); };
+  // A one-node graph whose node takes this launch's parameters before each launch.
+  cudaGraphNode_t node;
+  size_t num_nodes = 1;
+  BENCH_CHECK_CUDA(cudaGraphGetNodes(graph, &node, &num_nodes));
+  cudaKernelNodeParams knp = {};
+  knp.func = reinterpret_cast<void*>(tile_kernel);
+  knp.gridDim = tile_grid;
+  knp.blockDim = dim3(128);
+  knp.sharedMemBytes = static_cast<unsigned>(tile_smem);
+  knp.kernelParams = args;
+  auto via_graph_update = [&] {
+    BENCH_CHECK_CUDA(cudaGraphExecKernelNodeSetParams(exec, node, &knp));
+    BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  };
+  int dev = 0;
+  std::printf("{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
+              "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
+              "\"driver\": %.2f, \"graph_update\": %.2f}",
+              host_us([&] { (void)cudaGetDevice(&dev); }), host_us([&] { (void)cudaGetLastError(); }),
+              host_us(empty), host_us(empty_like_tile), host_us(via_chevrons),
+              host_us(via_runtime), host_us(via_driver), host_us(via_graph_update));
+  std::printf(", \"event_us\": {\"chevrons\": %.2f, \"runtime\": %.2f, \"driver\": %.2f, "
+              "\"graph_update\": %.2f, \"graph\": %.2f, \"launch\": %.2f}}\n",
+              median_event(via_chevrons), median_event(via_runtime), median_event(via_driver),
+              median_event(via_graph_update), median_event([&] {
+                BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream));
+              }),
+              median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
+  std::printf("{\"launch_path\": 1, \"host_launch_us\": %.2f, \"host_event_record_us\": %.2f, "
+              "\"spin_alone_event_us\": %.2f, \"spin_then_kernel_event_us\": %.2f, "
+              "\"kernel_behind_spin_us\": %.2f, \"graph_event_us\": %.2f, "
+              "\"host_graph_launch_us\": %.2f}\n",
+              host_launch, host_record, spin_alone, spin_kernel, spin_kernel - spin_alone,
+              graph_event, host_graph);
+  std::fflush(stdout);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
   cudaFree(sink);
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -712,11 +818,12 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                   "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
                   "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
                   "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
-                  "\"blocks\": %zu, \"kernel\": \"%s\"}",
+                  "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\"}",
                   B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
                   t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, worst_err, blocks,
                   cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma"
-                                                                                     : "mma.sync");
+                                                                                     : "mma.sync",
+                  cfg.graph_launch ? "graph" : "plain");
   } else {
     const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
     std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
@@ -725,14 +832,14 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
         "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
         "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
-        "\"kv_chunk\": %d, \"merge\": \"%s\", "
+        "\"kv_chunk\": %d, \"merge\": \"%s\", \"launch\": \"%s\", "
         "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
         "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d}",
         B, ctx_field.c_str(), Hq, Hkv, D, ps,
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
         b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
         work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
-        blocks, copies,
+        cfg.graph_launch ? "graph" : "plain", blocks, copies,
         static_cast<long long>(positions), cfg.stages, read_t * 1e6,
         read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm);
   }
@@ -767,6 +874,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
 int main(int argc, char** argv) {
   using namespace pagedattn::kernels;
   const Config cfg = ParseFlags(argc, argv);
+  SetGraphLaunch(cfg.graph_launch);
   std::vector<std::string> rows;
   for (size_t i = 0; i < cfg.cases.size(); ++i) {
     rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i)));

@@ -16,7 +16,7 @@ std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
 // One cached launch: the graph of one kernel node and what that node was last given.
 struct CachedLaunch {
   int device = -1;  // -1: a created stream (it fixes the device)
-  cudaStream_t stream = nullptr;
+  unsigned long long stream_id = 0;  // cudaStreamGetId: never reused, unlike a handle
   const void* func = nullptr;
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
@@ -96,8 +96,14 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
   if (capture != cudaStreamCaptureStatusNone) {
     return PlainLaunch(func, grid, block, smem, stream, params, what);
   }
-  // A created stream belongs to one device; the special handles (0, legacy, per-thread) mean
-  // the current device's stream, so for them the device is part of the key.
+  // The key is the stream's id (a destroyed stream's handle may come back for a stream of
+  // another device; its id does not) and the kernel. A created stream belongs to one device; the
+  // special handles (0, legacy, per-thread) mean the current device's stream, so for them the
+  // device is part of the key.
+  unsigned long long stream_id = 0;
+  if (cudaError_t err = cudaStreamGetId(stream, &stream_id); err != cudaSuccess) {
+    return Error(what, "cudaStreamGetId", err);
+  }
   int device = -1;
   if (stream == nullptr || stream == cudaStreamLegacy || stream == cudaStreamPerThread) {
     if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
@@ -111,7 +117,7 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
   std::vector<CachedLaunch>& cache = *g_cache;
   CachedLaunch* hit = nullptr;
   for (CachedLaunch& c : cache) {
-    if (c.device == device && c.stream == stream && c.func == func) {
+    if (c.device == device && c.stream_id == stream_id && c.func == func) {
       hit = &c;
       break;
     }
@@ -150,7 +156,7 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
     }
     CachedLaunch c;
     c.device = device;
-    c.stream = stream;
+    c.stream_id = stream_id;
     c.func = func;
     c.grid = grid;
     c.block = block;

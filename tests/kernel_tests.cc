@@ -490,50 +490,94 @@ TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   EXPECT_EQ(plain, graph) << "graph launches changed the outputs";
 }
 
+// Random K/V rows appended to a small bf16 pool through LaunchAppendKv; Check() compares every
+// appended row with the input rounded to bf16.
+class AppendCase {
+ public:
+  static constexpr int kTokens = 5, kHeads = 2, kDim = 64, kPage = 16, kPages = 2;
+  explicit AppendCase(uint32_t seed) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    for (float& x : k_) x = uni(rng);
+    for (float& x : v_) x = uni(rng);
+    std::shuffle(slots_.begin(), slots_.end(), rng);
+    ok_ = cudaMalloc(&dk_, sizeof(k_)) == cudaSuccess &&
+          cudaMalloc(&dv_, sizeof(v_)) == cudaSuccess &&
+          cudaMalloc(&kc_, kPoolElems * 2) == cudaSuccess &&
+          cudaMalloc(&vc_, kPoolElems * 2) == cudaSuccess &&
+          cudaMalloc(&dslots_, kTokens * 8) == cudaSuccess &&
+          cudaMemcpy(dk_, k_, sizeof(k_), cudaMemcpyHostToDevice) == cudaSuccess &&
+          cudaMemcpy(dv_, v_, sizeof(v_), cudaMemcpyHostToDevice) == cudaSuccess &&
+          cudaMemcpy(dslots_, slots_.data(), kTokens * 8, cudaMemcpyHostToDevice) == cudaSuccess &&
+          cudaMemset(kc_, 0xFF, kPoolElems * 2) == cudaSuccess &&  // NaN until written
+          cudaMemset(vc_, 0xFF, kPoolElems * 2) == cudaSuccess;
+    p_.k = dk_;
+    p_.v = dv_;
+    p_.src_dtype = DType::kFloat32;
+    p_.k_cache = kc_;
+    p_.v_cache = vc_;
+    p_.cache_dtype = DType::kBFloat16;
+    p_.slots = dslots_;
+    p_.num_tokens = kTokens;
+    p_.num_kv_heads = kHeads;
+    p_.head_dim = kDim;
+    p_.page_size = kPage;
+  }
+  ~AppendCase() {
+    cudaFree(dk_);
+    cudaFree(dv_);
+    cudaFree(kc_);
+    cudaFree(vc_);
+    cudaFree(dslots_);
+  }
+  bool ok() const { return ok_; }
+  const kernels::AppendParams& params() const { return p_; }
+  bool FirstRowWritten() const {
+    uint16_t first = 0;
+    cudaMemcpy(&first, kc_, 2, cudaMemcpyDeviceToHost);
+    return !std::isnan(LoadAsFloat(DType::kBFloat16, &first, 0));
+  }
+  // Every appended K and V element equals its input rounded to bf16.
+  void Check() const {
+    std::vector<uint16_t> kc(kPoolElems), vc(kPoolElems);
+    ASSERT_EQ(cudaMemcpy(kc.data(), kc_, kPoolElems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    ASSERT_EQ(cudaMemcpy(vc.data(), vc_, kPoolElems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
+    for (int t = 0; t < kTokens; ++t) {
+      const int64_t page = slots_[t] / kPage, in_page = slots_[t] % kPage;
+      for (int h = 0; h < kHeads; ++h) {
+        for (int d = 0; d < kDim; ++d) {
+          const int64_t at = ((page * kHeads + h) * kPage + in_page) * kDim + d;
+          const int64_t src = (int64_t{t} * kHeads + h) * kDim + d;
+          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, kc.data(), at), RoundTo(DType::kBFloat16, k_[src]))
+              << "token " << t << " head " << h << " dim " << d;
+          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, vc.data(), at), RoundTo(DType::kBFloat16, v_[src]))
+              << "token " << t << " head " << h << " dim " << d;
+        }
+      }
+    }
+  }
+
+ private:
+  static constexpr size_t kPoolElems = size_t{kPages} * kHeads * kPage * kDim;
+  float k_[kTokens * kHeads * kDim];
+  float v_[kTokens * kHeads * kDim];
+  std::vector<int64_t> slots_ = {17, 3, 30, 0, 16};
+  float *dk_ = nullptr, *dv_ = nullptr;
+  uint16_t *kc_ = nullptr, *vc_ = nullptr;
+  int64_t* dslots_ = nullptr;
+  kernels::AppendParams p_;
+  bool ok_ = false;
+};
+
 // A launch into a stream that the caller is capturing is recorded by that capture as a kernel
 // node (not launched, not a nested graph), and the captured graph does the launch's work.
 TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
-  constexpr int kTokens = 5, kHeads = 2, kDim = 64, kPage = 16, kPages = 2;
-  std::vector<float> k(kTokens * kHeads * kDim), v(k.size());
-  std::mt19937 rng(5);
-  std::uniform_real_distribution<float> uni(-1.f, 1.f);
-  for (size_t i = 0; i < k.size(); ++i) {
-    k[i] = uni(rng);
-    v[i] = uni(rng);
-  }
-  const std::vector<int64_t> slots = {17, 3, 30, 0, 16};
-  const size_t pool_elems = size_t{kPages} * kHeads * kPage * kDim;
-  float *dk = nullptr, *dv = nullptr;
-  uint16_t *kc = nullptr, *vc = nullptr;
-  int64_t* dslots = nullptr;
-  ASSERT_EQ(cudaMalloc(&dk, k.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dv, v.size() * 4), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&kc, pool_elems * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&vc, pool_elems * 2), cudaSuccess);
-  ASSERT_EQ(cudaMalloc(&dslots, slots.size() * 8), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dk, k.data(), k.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dv, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(dslots, slots.data(), slots.size() * 8, cudaMemcpyHostToDevice),
-            cudaSuccess);
-  ASSERT_EQ(cudaMemset(kc, 0xFF, pool_elems * 2), cudaSuccess);  // NaN until written
-  ASSERT_EQ(cudaMemset(vc, 0xFF, pool_elems * 2), cudaSuccess);
-  kernels::AppendParams p;
-  p.k = dk;
-  p.v = dv;
-  p.src_dtype = DType::kFloat32;
-  p.k_cache = kc;
-  p.v_cache = vc;
-  p.cache_dtype = DType::kBFloat16;
-  p.slots = dslots;
-  p.num_tokens = kTokens;
-  p.num_kv_heads = kHeads;
-  p.head_dim = kDim;
-  p.page_size = kPage;
-
+  AppendCase append(5);
+  ASSERT_TRUE(append.ok());
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const kernels::LaunchStatus st = kernels::LaunchAppendKv(p, stream);
+  const kernels::LaunchStatus st = kernels::LaunchAppendKv(append.params(), stream);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_TRUE(st.ok()) << st.message();
@@ -545,39 +589,16 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
   cudaGraphNodeType type;
   ASSERT_EQ(cudaGraphNodeGetType(node, &type), cudaSuccess);
   EXPECT_EQ(type, cudaGraphNodeTypeKernel);
+  EXPECT_FALSE(append.FirstRowWritten()) << "the launch ran during the capture";
 
-  // Nothing ran during the capture; the captured graph writes every row.
-  std::vector<uint16_t> got(pool_elems);
-  ASSERT_EQ(cudaMemcpy(got.data(), kc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  EXPECT_TRUE(std::isnan(LoadAsFloat(DType::kBFloat16, got.data(), 0)));
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  std::vector<uint16_t> got_v(pool_elems);
-  ASSERT_EQ(cudaMemcpy(got.data(), kc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  ASSERT_EQ(cudaMemcpy(got_v.data(), vc, pool_elems * 2, cudaMemcpyDeviceToHost), cudaSuccess);
-  for (int t = 0; t < kTokens; ++t) {
-    const int64_t page = slots[t] / kPage, in_page = slots[t] % kPage;
-    for (int h = 0; h < kHeads; ++h) {
-      for (int d = 0; d < kDim; ++d) {
-        const int64_t at = ((page * kHeads + h) * kPage + in_page) * kDim + d;
-        const int64_t src = (int64_t{t} * kHeads + h) * kDim + d;
-        ASSERT_EQ(LoadAsFloat(DType::kBFloat16, got.data(), at), RoundTo(DType::kBFloat16, k[src]))
-            << "token " << t << " head " << h << " dim " << d;
-        ASSERT_EQ(LoadAsFloat(DType::kBFloat16, got_v.data(), at),
-                  RoundTo(DType::kBFloat16, v[src]));
-      }
-    }
-  }
+  append.Check();
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
-  cudaFree(dk);
-  cudaFree(dv);
-  cudaFree(kc);
-  cudaFree(vc);
-  cudaFree(dslots);
 }
 
 TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {

@@ -525,6 +525,19 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream));
   };
   int dev = 0;
+  cudaStreamCaptureStatus capture;
+  const double host_capture_query =
+      host_us([&] { BENCH_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture)); });
+  const double host_with_params = host_us([&] {
+    CheckLaunch(LaunchKernelWithParams(tile_kernel, tile_grid, dim3(128), tile_smem, stream, lp,
+                                       "tile"),
+                "tile");
+  });
+  const double host_bare_graph =
+      host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
+  std::printf("{\"host_parts_us\": {\"stream_is_capturing\": %.2f, \"launch_kernel_with_params\": "
+              "%.2f, \"bare_graph_launch\": %.2f}}\n",
+              host_capture_query, host_with_params, host_bare_graph);
   std::printf("{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
               "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
               "\"driver\": %.2f, \"graph_update\": %.2f}",

@@ -69,6 +69,68 @@ void Destroy(CachedLaunch& c) {
 
 bool SameDim(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == b.z; }
 
+// The helpers below run with g_mu held.
+CachedLaunch* Find(int device, unsigned long long stream_id, const void* func) {
+  for (CachedLaunch& c : *g_cache) {
+    if (c.device == device && c.stream_id == stream_id && c.func == func) return &c;
+  }
+  return nullptr;
+}
+
+bool SameLaunch(const CachedLaunch& c, dim3 grid, dim3 block, size_t smem,
+                const unsigned char* params, size_t params_bytes) {
+  return SameDim(c.grid, grid) && SameDim(c.block, block) && c.smem == smem &&
+         c.params.size() == params_bytes && std::memcmp(c.params.data(), params, params_bytes) == 0;
+}
+
+void Remember(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+              size_t params_bytes) {
+  c.grid = node.gridDim;
+  c.block = node.blockDim;
+  c.smem = node.sharedMemBytes;
+  c.params.assign(params, params + params_bytes);
+}
+
+// Gives c's node this launch's grid, shared memory and parameters; false if it cannot.
+bool Update(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+            size_t params_bytes) {
+  if (cudaGraphExecKernelNodeSetParams(c.exec, c.node, &node) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  Remember(c, node, params, params_bytes);
+  return true;
+}
+
+// A new one-node graph for this launch, instantiated (nothing held when it fails).
+cudaError_t Build(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+                  size_t params_bytes) {
+  cudaError_t err = cudaGraphCreate(&c.graph, 0);
+  if (err == cudaSuccess) err = cudaGraphAddKernelNode(&c.node, c.graph, nullptr, 0, &node);
+  if (err == cudaSuccess) err = cudaGraphInstantiate(&c.exec, c.graph, 0);
+  if (err != cudaSuccess) {
+    Destroy(c);
+    return err;
+  }
+  Remember(c, node, params, params_bytes);
+  return cudaSuccess;
+}
+
+// Drops an entry (a launch still in flight finishes: the exec is freed after it).
+void Forget(CachedLaunch* c) {
+  Destroy(*c);
+  if (c != &g_cache->back()) *c = std::move(g_cache->back());
+  g_cache->pop_back();
+}
+
+CachedLaunch* LeastRecentlyUsed() {
+  CachedLaunch* oldest = &g_cache->front();
+  for (CachedLaunch& c : *g_cache) {
+    if (c.last_use < oldest->last_use) oldest = &c;
+  }
+  return oldest;
+}
+
 }  // namespace
 
 void SetGraphLaunch(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
@@ -112,66 +174,26 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
   }
   const auto* bytes = static_cast<const unsigned char*>(params);
   void* args[] = {const_cast<void*>(params)};
+  const cudaKernelNodeParams node = NodeParams(func, grid, block, smem, args);
 
   std::lock_guard<std::mutex> lock(g_mu);
-  std::vector<CachedLaunch>& cache = *g_cache;
-  CachedLaunch* hit = nullptr;
-  for (CachedLaunch& c : cache) {
-    if (c.device == device && c.stream_id == stream_id && c.func == func) {
-      hit = &c;
-      break;
-    }
-  }
-  if (hit != nullptr) {
-    const bool same = SameDim(hit->grid, grid) && SameDim(hit->block, block) &&
-                      hit->smem == smem && hit->params.size() == params_bytes &&
-                      std::memcmp(hit->params.data(), bytes, params_bytes) == 0;
-    if (!same) {
-      const cudaKernelNodeParams node = NodeParams(func, grid, block, smem, args);
-      if (cudaError_t err = cudaGraphExecKernelNodeSetParams(hit->exec, hit->node, &node);
-          err != cudaSuccess) {
-        // This node cannot take that update: forget it and build a new graph below.
-        (void)cudaGetLastError();
-        Destroy(*hit);
-        *hit = cache.back();
-        cache.pop_back();
-        hit = nullptr;
-      } else {
-        hit->grid = grid;
-        hit->block = block;
-        hit->smem = smem;
-        hit->params.assign(bytes, bytes + params_bytes);
-      }
-    }
+  CachedLaunch* hit = Find(device, stream_id, func);
+  if (hit != nullptr && !SameLaunch(*hit, grid, block, smem, bytes, params_bytes) &&
+      !Update(*hit, node, bytes, params_bytes)) {
+    Forget(hit);  // this node cannot take the update: a new graph below
+    hit = nullptr;
   }
   if (hit == nullptr) {
-    if (cache.size() >= kMaxCachedLaunches) {
-      size_t oldest = 0;
-      for (size_t i = 1; i < cache.size(); ++i) {
-        if (cache[i].last_use < cache[oldest].last_use) oldest = i;
-      }
-      Destroy(cache[oldest]);
-      cache[oldest] = cache.back();
-      cache.pop_back();
-    }
     CachedLaunch c;
     c.device = device;
     c.stream_id = stream_id;
     c.func = func;
-    c.grid = grid;
-    c.block = block;
-    c.smem = smem;
-    c.params.assign(bytes, bytes + params_bytes);
-    const cudaKernelNodeParams node = NodeParams(func, grid, block, smem, args);
-    cudaError_t err = cudaGraphCreate(&c.graph, 0);
-    if (err == cudaSuccess) err = cudaGraphAddKernelNode(&c.node, c.graph, nullptr, 0, &node);
-    if (err == cudaSuccess) err = cudaGraphInstantiate(&c.exec, c.graph, 0);
-    if (err != cudaSuccess) {
-      Destroy(c);
+    if (cudaError_t err = Build(c, node, bytes, params_bytes); err != cudaSuccess) {
       return Error(what, "building its graph", err);
     }
-    cache.push_back(std::move(c));
-    hit = &cache.back();
+    if (g_cache->size() >= kMaxCachedLaunches) Forget(LeastRecentlyUsed());
+    g_cache->push_back(std::move(c));
+    hit = &g_cache->back();
   }
   hit->last_use = ++g_clock;
   if (cudaError_t err = cudaGraphLaunch(hit->exec, stream); err != cudaSuccess) {

@@ -19,7 +19,9 @@ struct Step {
 
 TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
   if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
-  if (!CreateBackend("cuda").ok()) GTEST_SKIP() << "no CUDA GPU visible: " << CreateBackend("cuda").status();
+  if (absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend({.backend = "cuda"}); !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
+  }
   std::unique_ptr<PagedAttnServer> servers[2];
   std::unique_ptr<Client> clients[2];
   std::string caches[2];

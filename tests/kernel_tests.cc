@@ -242,7 +242,7 @@ class CudaKernelTest : public ::testing::Test {
     // the server's --prefill_kernel=portable does), so both kernels are tested on a Hopper GPU.
     const char* prefill = std::getenv("PAGEDATTN_PREFILL_KERNEL");
     absl::StatusOr<std::unique_ptr<Backend>> b =
-        CreateCudaBackend(prefill != nullptr && std::string(prefill) == "portable");
+        CreateCudaBackend({.portable_prefill = prefill != nullptr && std::string(prefill) == "portable"});
     ASSERT_TRUE(b.ok()) << b.status();
     backend_ = std::move(*b);
   }

@@ -13,11 +13,17 @@ namespace pagedattn {
 // True when this binary was built with the CUDA backend.
 bool BuiltWithCuda();
 
-// choice: "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when
-// the build has no CUDA or no GPU is visible.
-// prefill_kernel (CUDA backend only): "auto" (the Hopper wgmma kernel where the build and the
-// GPU have it, the portable one elsewhere) or "portable"; anything else is INVALID_ARGUMENT.
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& choice, int cpu_threads = 0,
-                                                       const std::string& prefill_kernel = "auto");
+struct BackendOptions {
+  // "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when the build
+  // has no CUDA or no GPU is visible.
+  std::string backend = "auto";
+  int cpu_threads = 0;  // CPU backend workers (0: one per hardware thread)
+  // CUDA only: "auto" (the Hopper wgmma kernel where the build and the GPU have it, the
+  // portable one elsewhere) or "portable"; anything else is INVALID_ARGUMENT.
+  std::string prefill_kernel = "auto";
+  bool graph_launch = true;  // CUDA only: CudaBackendOptions::graph_launch
+};
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
 
 }  // namespace pagedattn

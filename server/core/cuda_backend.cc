@@ -14,6 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
+#include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
 
 namespace pagedattn {
@@ -443,12 +444,14 @@ int CudaDeviceCount() {
   return count;
 }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(bool portable_prefill) {
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options) {
   const int count = CudaDeviceCount();
   if (count == 0) {
     return absl::FailedPreconditionError("no CUDA GPU is visible (cudaGetDeviceCount found none)");
   }
-  return std::unique_ptr<Backend>(new CudaBackend(count, portable_prefill));
+  // Off stays off (PAGEDATTN_GRAPH_LAUNCH=0 in the environment also turns it off).
+  if (!options.graph_launch) k::SetGraphLaunch(false);
+  return std::unique_ptr<Backend>(new CudaBackend(count, options.portable_prefill));
 }
 
 }  // namespace pagedattn

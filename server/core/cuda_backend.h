@@ -12,9 +12,16 @@ namespace pagedattn {
 // GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
 int CudaDeviceCount();
 
+struct CudaBackendOptions {
+  // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
+  bool portable_prefill = false;
+  // false: every kernel by a plain launch instead of a cached one-node CUDA graph
+  // (kernels/graph_launch.h). The setting is the process's: it holds for every backend.
+  bool graph_launch = true;
+};
+
 // The CUDA backend over every visible GPU (a cache picks one through CacheGeometry::device).
-// FAILED_PRECONDITION when no GPU is visible. portable_prefill: prefill tiles always run on the
-// portable (mma.sync) kernel, never the Hopper (wgmma) one.
-absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(bool portable_prefill = false);
+// FAILED_PRECONDITION when no GPU is visible.
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options = {});
 
 }  // namespace pagedattn

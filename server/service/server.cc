@@ -62,7 +62,11 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const Se
     if (!auth.ok()) return auth.status();
     s->auth_ = *std::move(auth);
   }
-  absl::StatusOr<std::unique_ptr<Backend>> backend = CreateBackend(options.backend, options.cpu_threads, options.prefill_kernel);
+  absl::StatusOr<std::unique_ptr<Backend>> backend =
+      CreateBackend({.backend = options.backend,
+                     .cpu_threads = options.cpu_threads,
+                     .prefill_kernel = options.prefill_kernel,
+                     .graph_launch = options.graph_launch});
   if (!backend.ok()) return backend.status();
   s->backend_ = *std::move(backend);
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), options.limits);

@@ -23,6 +23,7 @@ struct ServerOptions {
   int64_t max_message_bytes = 512 << 20;  // Largest request/response.
   int cpu_threads = 0;                    // CPU backend workers (0: one per core).
   std::string prefill_kernel = "auto";    // CUDA prefill kernel: auto | portable
+  bool graph_launch = true;               // CUDA: kernels through cached graphs (false: plain)
   CacheManagerLimits limits;
   // TLS for the main port: both set = TLS; tls_client_ca also set = mTLS (client certs
   // required and verified against it). PEM file paths.

@@ -569,6 +569,19 @@ class AppendCase {
   bool ok_ = false;
 };
 
+// --graph_launch=false reaches the kernels: a backend created without graph launches turns them
+// off for the process.
+TEST_F(CudaKernelTest, BackendWithoutGraphLaunchTurnsThemOff) {
+  struct Restore {
+    ~Restore() { kernels::SetGraphLaunch(true); }
+  } restore;
+  kernels::SetGraphLaunch(true);
+  ASSERT_TRUE(kernels::GraphLaunchEnabled());
+  absl::StatusOr<std::unique_ptr<Backend>> plain = CreateCudaBackend({.graph_launch = false});
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  EXPECT_FALSE(kernels::GraphLaunchEnabled());
+}
+
 // A launch into a stream that the caller is capturing is recorded by that capture as a kernel
 // node (not launched, not a nested graph), and the captured graph does the launch's work.
 TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {

@@ -132,6 +132,10 @@ int main(int argc, char** argv) {
                mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
                mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
                pagedattn::BuiltWithCuda() ? "yes" : "no");
+  if (backend.name() == "cuda") {
+    spdlog::info("CUDA kernels: prefill {}, launches {}", options.prefill_kernel,
+                 pagedattn::CudaLaunchMode());
+  }
   spdlog::info("security: {}; auth: {}; health port: {}; metrics: {}",
                (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",
                (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",

@@ -12,6 +12,10 @@ namespace pagedattn {
 // GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
 int CudaDeviceCount();
 
+// Whether the CUDA kernels launch through cached graphs now (CudaBackendOptions::graph_launch,
+// PAGEDATTN_GRAPH_LAUNCH).
+bool CudaGraphLaunches();
+
 struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;

@@ -2,7 +2,6 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <mutex>
 #include <string>
@@ -11,7 +10,7 @@
 namespace pagedattn::kernels {
 namespace {
 
-std::atomic<int> g_enabled{-1};  // -1: not yet read from the environment
+std::atomic<bool> g_enabled{true};
 
 // One cached launch: the graph of one kernel node and what that node was last given.
 struct CachedLaunch {
@@ -133,19 +132,9 @@ CachedLaunch* LeastRecentlyUsed() {
 
 }  // namespace
 
-void SetGraphLaunch(bool enabled) { g_enabled.store(enabled ? 1 : 0); }
+void SetGraphLaunch(bool enabled) { g_enabled.store(enabled); }
 
-bool GraphLaunchEnabled() {
-  int e = g_enabled.load();
-  if (e < 0) {
-    const char* env = std::getenv("PAGEDATTN_GRAPH_LAUNCH");
-    e = (env != nullptr && std::strcmp(env, "0") == 0) ? 0 : 1;
-    int expected = -1;
-    g_enabled.compare_exchange_strong(expected, e);
-    e = g_enabled.load();
-  }
-  return e == 1;
-}
+bool GraphLaunchEnabled() { return g_enabled.load(); }
 
 LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
                                     cudaStream_t stream, const void* params, size_t params_bytes,

@@ -9,8 +9,7 @@
 // The kernel runs in full either way; only the host's submission path changes.
 //
 // A stream being captured into the caller's own graph gets a plain launch (the capture records
-// it). PAGEDATTN_GRAPH_LAUNCH=0 in the environment, or SetGraphLaunch(false), makes every launch
-// plain.
+// it). SetGraphLaunch(false) makes every launch plain (the server's --graph_launch=false).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -21,7 +20,7 @@
 
 namespace pagedattn::kernels {
 
-// Whether launches go through cached graphs (default: yes, unless PAGEDATTN_GRAPH_LAUNCH=0).
+// Whether launches go through cached graphs (default: yes). For the whole process.
 void SetGraphLaunch(bool enabled);
 bool GraphLaunchEnabled();
 

@@ -451,8 +451,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
   if (count == 0) {
     return absl::FailedPreconditionError("no CUDA GPU is visible (cudaGetDeviceCount found none)");
   }
-  // Off stays off (PAGEDATTN_GRAPH_LAUNCH=0 in the environment also turns it off).
-  if (!options.graph_launch) k::SetGraphLaunch(false);
+  k::SetGraphLaunch(options.graph_launch);
   return std::unique_ptr<Backend>(new CudaBackend(count, options.portable_prefill));
 }
 

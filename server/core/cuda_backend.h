@@ -12,15 +12,14 @@ namespace pagedattn {
 // GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
 int CudaDeviceCount();
 
-// Whether the CUDA kernels launch through cached graphs now (CudaBackendOptions::graph_launch,
-// PAGEDATTN_GRAPH_LAUNCH).
+// Whether the CUDA kernels launch through cached graphs now (the last backend created says).
 bool CudaGraphLaunches();
 
 struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;
   // false: every kernel by a plain launch instead of a cached one-node CUDA graph
-  // (kernels/graph_launch.h). The setting is the process's: it holds for every backend.
+  // (kernels/graph_launch.h). The setting is the process's: the last backend created sets it.
   bool graph_launch = true;
 };
 

@@ -19,7 +19,7 @@
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
 //                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
 //                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
-//                     [--exp 32|34|47]  the shipped decode (or --exp 2 / 15) stamping each
+//                     [--exp 32|33|34|47]  the shipped decode (or --exp 1 / 2 / 15) stamping each
 //                     block's phases: prints "timeline" rows (quantiles over blocks, us from
 //                     the first block's start) and the launch floor (empty kernel, plain read)
 //
@@ -299,10 +299,11 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
       case 15: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
       case 16: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
       case 32: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
+      case 33: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 33>(p, stream);
       case 34: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
       case 47: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
       default:
-        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 34 or 47");
+        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 33, 34 or 47");
     }
   }
   if (cfg.stages == 0) return LaunchPagedAttention(p, stream);

@@ -134,7 +134,7 @@ int main(int argc, char** argv) {
                pagedattn::BuiltWithCuda() ? "yes" : "no");
   if (backend.name() == "cuda") {
     spdlog::info("CUDA kernels: prefill {}, launches {}", options.prefill_kernel,
-                 pagedattn::CudaLaunchMode());
+                 options.graph_launch ? "through cached graphs" : "plain");
   }
   spdlog::info("security: {}; auth: {}; health port: {}; metrics: {}",
                (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",

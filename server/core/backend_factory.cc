@@ -11,14 +11,6 @@ namespace pagedattn {
 
 bool BuiltWithCuda() { return PAGEDATTN_WITH_CUDA != 0; }
 
-std::string CudaLaunchMode() {
-#if PAGEDATTN_WITH_CUDA
-  return CudaGraphLaunches() ? "cached graphs" : "plain";
-#else
-  return "none";
-#endif
-}
-
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options) {
   const std::string& choice = options.backend;
   if (options.prefill_kernel != "auto" && options.prefill_kernel != "portable") {

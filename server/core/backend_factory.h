@@ -13,10 +13,6 @@ namespace pagedattn {
 // True when this binary was built with the CUDA backend.
 bool BuiltWithCuda();
 
-// How the CUDA backend's kernels are launched now: "cached graphs" or "plain"; "none" in a
-// build without CUDA.
-std::string CudaLaunchMode();
-
 struct BackendOptions {
   // "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when the build
   // has no CUDA or no GPU is visible.

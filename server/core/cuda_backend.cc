@@ -444,8 +444,6 @@ int CudaDeviceCount() {
   return count;
 }
 
-bool CudaGraphLaunches() { return k::GraphLaunchEnabled(); }
-
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options) {
   const int count = CudaDeviceCount();
   if (count == 0) {

@@ -12,9 +12,6 @@ namespace pagedattn {
 // GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
 int CudaDeviceCount();
 
-// Whether the CUDA kernels launch through cached graphs now (the last backend created says).
-bool CudaGraphLaunches();
-
 struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;

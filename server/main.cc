@@ -31,7 +31,7 @@ ABSL_FLAG(std::string, prefill_kernel, "auto",
           "elsewhere; portable always runs the latter");
 ABSL_FLAG(bool, graph_launch, true,
           "CUDA backend: launch kernels through cached one-node CUDA graphs (about 2 us of host "
-          "time per launch instead of 4, which an idle GPU waits for). false launches them "
+          "time per launch instead of 4-5, which an idle GPU waits for). false launches them "
           "plainly (an escape hatch)");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish before they are cancelled");

@@ -168,14 +168,6 @@ struct SplitRowSlice {
   }
 };
 
-// acc += w * (this lane's kDims floats of one partial O row), read through L2.
-template <int kDims>
-__device__ __forceinline__ void AccumulateSplitRow(float (&acc)[kDims], const float* src, float w) {
-  SplitRowSlice<kDims> x;
-  x.Load(src);
-  x.AddTo(acc, w);
-}
-
 // Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
 // their output is wrong): the shipped kernels are EXP = 0.
 enum DecodeExperiment : int {
@@ -206,6 +198,20 @@ __device__ __forceinline__ void TimelineStamp(int slot) {
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
     TimelineStore(slot, t);
   }
+}
+
+// Programmatic dependent launch (sm_90+; no-ops when nothing is launched that way): a kernel
+// lets the dependent kernel after it be scheduled, and the dependent waits until the kernel
+// before it has completed and its writes are visible.
+__device__ __forceinline__ void AllowDependentLaunch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+__device__ __forceinline__ void WaitForPrerequisiteGrids() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
 }
 
 // Row of out / lse for row span_row (= query * group + head in group) of the span whose first
@@ -506,6 +512,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                    : Cfg::kReduceBytes));
 
   TimelineStamp<EXP>(0);
+  // A separate merge launched after these tiles (LaunchKernelPairWithParams) may be scheduled
+  // now: its blocks wait for this grid's end in griddepcontrol.wait.
+  AllowDependentLaunch();
   const AttentionWorkItem item = items[blockIdx.x];
   const int kv_head = blockIdx.y;
   const AttentionSpan span = item.span_info;
@@ -834,8 +843,11 @@ LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& rais
   return LaunchStatus::Ok();
 }
 
+// then: a kernel to launch right after the tiles, programmatically dependent on them (the
+// separate merge); null for none.
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
-LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream) {
+LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream,
+                                        const KernelLaunch* then = nullptr) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
@@ -847,13 +859,20 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
     return st;
   }
   const dim3 grid(num_items, params.num_kv_heads);
+  if (then != nullptr) {
+    const KernelLaunch tiles = {reinterpret_cast<const void*>(kernel), grid, dim3(Cfg::kThreads),
+                                smem};
+    return LaunchKernelPairWithParams(tiles, *then, stream, &params, sizeof(params),
+                                      "paged attention and split-KV merge");
+  }
   return LaunchKernelWithParams(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
                                 "paged attention");
 }
 
 template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream) {
-  return LaunchAttentionTilesStaged<T, D, MW, KW, DefaultStages(D)>(params, stream);
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                  const KernelLaunch* then) {
+  return LaunchAttentionTilesStaged<T, D, MW, KW, DefaultStages(D)>(params, stream, then);
 }
 
 template <typename T, int D, int MW, int KW>
@@ -875,15 +894,20 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
 
 // ---- The separate merge (PagedAttentionParams::separate_merge) ------------------------------
 
-// One block per (merge task, row, kv head): the block's warps take the splits in turn, each lane
-// D/32 consecutive dims, so the partial rows of all splits are read with 8 warps' loads in
-// flight rather than one warp's; the warps' sums are added in shared memory.
+// One block per (merge task, row, kv head): warp w merges splits w, w + 8, ... of the row online,
+// each split's LSE and O slice loaded together (the loop is unrolled by four, so four splits'
+// loads can be in flight), so the partial rows of all splits are read with 8 warps' loads in
+// flight rather than one warp's; the warps' (max, sum, O) are combined in shared memory.
+// At most 64 registers, so that a block fits beside two decode tile blocks on an SM and is
+// resident, waiting, before they end (LaunchKernelPairWithParams).
 inline constexpr int kMergeThreads = 256;
 
 template <int D>
-__global__ void __launch_bounds__(kMergeThreads)
+__global__ void __launch_bounds__(kMergeThreads, 4)
     MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
   constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
+  // Launched right after the tiles (LaunchKernelPairWithParams), it may start before they end.
+  WaitForPrerequisiteGrids();
   const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
   const int r = blockIdx.y, kv_head = blockIdx.z;
   if (r >= task.num_rows) return;
@@ -893,38 +917,46 @@ __global__ void __launch_bounds__(kMergeThreads)
   __shared__ float red[kWarps][D];
   __shared__ float red_max[kWarps], red_sum[kWarps];
 
-  // The largest split LSE: the weights' common base.
-  float max_lse = -INFINITY;
-  for (int s = threadIdx.x; s < task.num_splits; s += kMergeThreads)
-    max_lse = fmaxf(max_lse, __ldcg(lse + int64_t{s} * task.row_stride));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) max_lse = fmaxf(max_lse, __shfl_xor_sync(0xffffffffu, max_lse, o));
-  if (lane == 0) red_max[warp] = max_lse;
-  __syncthreads();
-  max_lse = red_max[0];
-#pragma unroll
-  for (int w = 1; w < kWarps; ++w) max_lse = fmaxf(max_lse, red_max[w]);
-  const float base = max_lse == -INFINITY ? 0.f : max_lse;
-
+  float run_max = -INFINITY, weight_sum = 0.f;  // weight_sum and acc relative to run_max
   float acc[kDims];
 #pragma unroll
   for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
-  float weight_sum = 0.f;  // the same in every lane of the warp
 #pragma unroll 4
   for (int s = warp; s < task.num_splits; s += kWarps) {
     const int64_t row = int64_t{s} * task.row_stride;
-    const float w = __expf(__ldcg(lse + row) - base);
-    AccumulateSplitRow<kDims>(acc, part + row * D + lane * kDims, w);
-    weight_sum += w;
+    const float split_lse = __ldcg(lse + row);
+    SplitRowSlice<kDims> x;
+    x.Load(part + row * D + lane * kDims);
+    const float new_max = fmaxf(run_max, split_lse);
+    const float base = new_max == -INFINITY ? 0.f : new_max;
+    const float alpha = __expf(run_max - base);  // 0 while run_max is -inf
+    const float w = __expf(split_lse - base);
+    run_max = new_max;
+    weight_sum = weight_sum * alpha + w;
+#pragma unroll
+    for (int j = 0; j < kDims; ++j) acc[j] *= alpha;
+    x.AddTo(acc, w);
   }
 #pragma unroll
   for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = acc[j];
-  if (lane == 0) red_sum[warp] = weight_sum;
+  if (lane == 0) {
+    red_max[warp] = run_max;
+    red_sum[warp] = weight_sum;
+  }
   __syncthreads();
 
+  // The warps' sums rescaled to the largest of their maxima.
+  float max_all = -INFINITY;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) max_all = fmaxf(max_all, red_max[w]);
+  const float base = max_all == -INFINITY ? 0.f : max_all;
+  float scale[kWarps];
   float total = 0.f;
 #pragma unroll
-  for (int w = 0; w < kWarps; ++w) total += red_sum[w];
+  for (int w = 0; w < kWarps; ++w) {
+    scale[w] = __expf(red_max[w] - base);  // 0 for a warp that had no split
+    total += red_sum[w] * scale[w];
+  }
   const float inv = total > 0.f ? 1.f / total : 0.f;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_row = task.row_start + r;
@@ -932,28 +964,38 @@ __global__ void __launch_bounds__(kMergeThreads)
   for (int d = threadIdx.x; d < D; d += kMergeThreads) {
     float sum = 0.f;
 #pragma unroll
-    for (int w = 0; w < kWarps; ++w) sum += red[w][d];
+    for (int w = 0; w < kWarps; ++w) sum += red[w][d] * scale[w];
     p.out[out_row * D + d] = sum * inv;
   }
   if (p.lse && threadIdx.x == 0) p.lse[out_row] = total > 0.f ? base + __logf(total) : -INFINITY;
 }
 
 template <int D>
+KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
+  return {reinterpret_cast<const void*>(MergeSplitsKernel<D>),
+          dim3(params.num_merge_tasks, params.merge_rows, params.num_kv_heads),
+          dim3(kMergeThreads), 0};
+}
+
+template <int D>
 LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream) {
-  const dim3 grid(params.num_merge_tasks, params.merge_rows, params.num_kv_heads);
-  return LaunchKernelWithParams(MergeSplitsKernel<D>, grid, dim3(kMergeThreads), 0, stream, params,
+  const KernelLaunch k = MergeSplitsLaunch<D>(params);
+  return LaunchKernelWithParams(MergeSplitsKernel<D>, k.grid, k.block, k.smem, stream, params,
                                 "split-KV merge");
 }
 
-#define PAGEDATTN_INSTANTIATE_MERGE(D) \
-  template LaunchStatus LaunchMergeSplits<D>(const PagedAttentionParams&, cudaStream_t);
+#define PAGEDATTN_INSTANTIATE_MERGE(D)                                                  \
+  template LaunchStatus LaunchMergeSplits<D>(const PagedAttentionParams&, cudaStream_t); \
+  template KernelLaunch MergeSplitsLaunch<D>(const PagedAttentionParams&);
 
 // Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
 #define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \
   template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&, \
-                                                         cudaStream_t);               \
+                                                         cudaStream_t,                \
+                                                         const KernelLaunch*);        \
   template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&, \
-                                                         cudaStream_t);               \
+                                                         cudaStream_t,                \
+                                                         const KernelLaunch*);        \
   template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*);
 
 }  // namespace pagedattn::kernels

@@ -28,10 +28,12 @@ constexpr int64_t kMergeCost = 32;
 // The split that finishes last merges its tile alone, reading num_splits * rows partial rows
 // at the very end of the launch; each (split, row) costs about one position of streaming.
 constexpr int64_t kMergeCostPerSplitRow = 1;
-// The separate merge kernel (AttentionWork::separate_merge): a launch and its blocks' start,
-// then each block reads its row of every split with 8 warps. Measured on the H200 (bench
-// --merge separate, 2026-11-29): 1.5-2.5 us slower than the in-kernel merge for 2-8 splits of
-// 4 rows, even at 32 x 4 split rows, 2.8 us faster at 32 x 8.
+// The separate merge kernel (AttentionWork::separate_merge): launched with the tiles as one
+// programmatically dependent pair, its blocks wait for the tiles' end, then each reads its row
+// of every split with 8 warps. Measured on the H200 (bench --merge separate, 2026-11-29, after
+// the pairing): 1.7 us slower than the in-kernel merge at 2 splits x 4 rows (16 x 4096), equal
+// at 33 x 4 (1 x 32768); before the pairing it was 1.5-2.5 us slower at 2-33 splits of 4 rows
+// and 2.8 us faster at 32 x 8.
 constexpr int64_t kSeparateMergeCost = 128;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 // A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first

@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "kernels/capabilities.h"
+#include "kernels/graph_launch.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"
 
@@ -107,8 +108,11 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
 
 // The attention tile kernels, instantiated in kernels/attention_d{64,128,256}.cu for
 // T in {__half, __nv_bfloat16} and the two warp layouts below.
+// then: a kernel launched right after the tiles that may start before they end (the separate
+// merge, LaunchKernelPairWithParams); null for none.
 template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream);
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                  const KernelLaunch* then);
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
@@ -116,6 +120,9 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 // per (merge task, row, kv head); instantiated beside the tile kernels for each head_dim.
 template <int D>
 LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream);
+// The separate merge's kernel and grid, for LaunchAttentionTiles' `then`.
+template <int D>
+KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 
 // The prefill tile kernels, instantiated beside them: the portable one on mma.sync
 // (kernels/prefill_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
@@ -142,17 +149,19 @@ static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecode
 
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
+// then (decode shapes only): see LaunchAttentionTiles.
 inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, TileShape shape,
-                                           cudaStream_t stream) {
+                                           cudaStream_t stream,
+                                           const KernelLaunch* then = nullptr) {
   return DispatchKvDType(params.kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(params.head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       if (shape == TileShape::kDecode) {
-        return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream);
+        return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream, then);
       }
       if (shape == TileShape::kDecodeWide) {
-        return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream);
+        return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream, then);
       }
       if (UseHopperPrefill(params.prefill_path)) {
         return LaunchPrefillTilesWgmma<T, D>(params, stream);

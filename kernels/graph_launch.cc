@@ -12,16 +12,17 @@ namespace {
 
 std::atomic<bool> g_enabled{true};
 
-// One cached launch: the graph of one kernel node and what that node was last given.
+// One cached launch: the graph of one kernel node (or of two, the second programmatically
+// dependent on the first) and what those nodes were last given.
 struct CachedLaunch {
   int device = -1;  // -1: a created stream (it fixes the device)
   unsigned long long stream_id = 0;  // cudaStreamGetId: never reused, unlike a handle
-  const void* func = nullptr;
+  int num_nodes = 0;
+  const void* funcs[2] = {nullptr, nullptr};
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
-  cudaGraphNode_t node = nullptr;
-  dim3 grid, block;
-  size_t smem = 0;
+  cudaGraphNode_t nodes[2] = {nullptr, nullptr};
+  KernelLaunch launches[2];
   std::vector<unsigned char> params;
   uint64_t last_use = 0;
 };
@@ -48,13 +49,32 @@ LaunchStatus PlainLaunch(const void* func, dim3 grid, dim3 block, size_t smem, c
   return LaunchStatus::Ok();
 }
 
-cudaKernelNodeParams NodeParams(const void* func, dim3 grid, dim3 block, size_t smem,
-                                void** args) {
+// A plain launch that may start before the stream's previous kernel ends (see
+// LaunchKernelPairWithParams).
+LaunchStatus PlainDependentLaunch(const KernelLaunch& k, cudaStream_t stream, const void* params,
+                                  const char* what) {
+  void* args[] = {const_cast<void*>(params)};
+  cudaLaunchAttribute attribute = {};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = k.grid;
+  config.blockDim = k.block;
+  config.dynamicSmemBytes = k.smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelExC(&config, k.func, args);
+  if (err != cudaSuccess) return Error(what, "cudaLaunchKernelEx (programmatic)", err);
+  return LaunchStatus::Ok();
+}
+
+cudaKernelNodeParams NodeParams(const KernelLaunch& k, void** args) {
   cudaKernelNodeParams node = {};
-  node.func = const_cast<void*>(func);
-  node.gridDim = grid;
-  node.blockDim = block;
-  node.sharedMemBytes = static_cast<unsigned>(smem);
+  node.func = const_cast<void*>(k.func);
+  node.gridDim = k.grid;
+  node.blockDim = k.block;
+  node.sharedMemBytes = static_cast<unsigned>(k.smem);
   node.kernelParams = args;
   return node;
 }
@@ -68,50 +88,73 @@ void Destroy(CachedLaunch& c) {
 
 bool SameDim(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == b.z; }
 
-// The helpers below run with g_mu held.
-CachedLaunch* Find(int device, unsigned long long stream_id, const void* func) {
+bool SameKernelLaunch(const KernelLaunch& a, const KernelLaunch& b) {
+  return a.func == b.func && SameDim(a.grid, b.grid) && SameDim(a.block, b.block) &&
+         a.smem == b.smem;
+}
+
+// The helpers below run with g_mu held. k: the launch's kernels (num_nodes of them).
+CachedLaunch* Find(int device, unsigned long long stream_id, const KernelLaunch* k,
+                   int num_nodes) {
   for (CachedLaunch& c : *g_cache) {
-    if (c.device == device && c.stream_id == stream_id && c.func == func) return &c;
+    if (c.device != device || c.stream_id != stream_id || c.num_nodes != num_nodes) continue;
+    bool same = true;
+    for (int i = 0; i < num_nodes; ++i) same = same && c.funcs[i] == k[i].func;
+    if (same) return &c;
   }
   return nullptr;
 }
 
-bool SameLaunch(const CachedLaunch& c, dim3 grid, dim3 block, size_t smem,
-                const unsigned char* params, size_t params_bytes) {
-  return SameDim(c.grid, grid) && SameDim(c.block, block) && c.smem == smem &&
-         c.params.size() == params_bytes && std::memcmp(c.params.data(), params, params_bytes) == 0;
+bool SameLaunch(const CachedLaunch& c, const KernelLaunch* k, const unsigned char* params,
+                size_t params_bytes) {
+  for (int i = 0; i < c.num_nodes; ++i) {
+    if (!SameKernelLaunch(c.launches[i], k[i])) return false;
+  }
+  return c.params.size() == params_bytes && std::memcmp(c.params.data(), params, params_bytes) == 0;
 }
 
-void Remember(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+void Remember(CachedLaunch& c, const KernelLaunch* k, const unsigned char* params,
               size_t params_bytes) {
-  c.grid = node.gridDim;
-  c.block = node.blockDim;
-  c.smem = node.sharedMemBytes;
+  for (int i = 0; i < c.num_nodes; ++i) c.launches[i] = k[i];
   c.params.assign(params, params + params_bytes);
 }
 
-// Gives c's node this launch's grid, shared memory and parameters; false if it cannot.
-bool Update(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+// Gives c's nodes this launch's grids, shared memory and parameters; false if they cannot.
+bool Update(CachedLaunch& c, const KernelLaunch* k, void** args, const unsigned char* params,
             size_t params_bytes) {
-  if (cudaGraphExecKernelNodeSetParams(c.exec, c.node, &node) != cudaSuccess) {
-    (void)cudaGetLastError();
-    return false;
+  for (int i = 0; i < c.num_nodes; ++i) {
+    const cudaKernelNodeParams node = NodeParams(k[i], args);
+    if (cudaGraphExecKernelNodeSetParams(c.exec, c.nodes[i], &node) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
   }
-  Remember(c, node, params, params_bytes);
+  Remember(c, k, params, params_bytes);
   return true;
 }
 
-// A new one-node graph for this launch, instantiated (nothing held when it fails).
-cudaError_t Build(CachedLaunch& c, const cudaKernelNodeParams& node, const unsigned char* params,
+// A new graph for this launch, instantiated (nothing held when it fails): one kernel node, or
+// two joined by a programmatic edge (the first's launch_dependents lets the second start).
+cudaError_t Build(CachedLaunch& c, const KernelLaunch* k, void** args, const unsigned char* params,
                   size_t params_bytes) {
   cudaError_t err = cudaGraphCreate(&c.graph, 0);
-  if (err == cudaSuccess) err = cudaGraphAddKernelNode(&c.node, c.graph, nullptr, 0, &node);
+  for (int i = 0; i < c.num_nodes && err == cudaSuccess; ++i) {
+    const cudaKernelNodeParams node = NodeParams(k[i], args);
+    c.funcs[i] = k[i].func;
+    err = cudaGraphAddKernelNode(&c.nodes[i], c.graph, nullptr, 0, &node);
+  }
+  if (err == cudaSuccess && c.num_nodes == 2) {
+    cudaGraphEdgeData edge = {};
+    edge.from_port = cudaGraphKernelNodePortProgrammatic;
+    edge.type = cudaGraphDependencyTypeProgrammatic;
+    err = cudaGraphAddDependencies(c.graph, &c.nodes[0], &c.nodes[1], &edge, 1);
+  }
   if (err == cudaSuccess) err = cudaGraphInstantiate(&c.exec, c.graph, 0);
   if (err != cudaSuccess) {
     Destroy(c);
     return err;
   }
-  Remember(c, node, params, params_bytes);
+  Remember(c, k, params, params_bytes);
   return cudaSuccess;
 }
 
@@ -136,21 +179,26 @@ void SetGraphLaunch(bool enabled) { g_enabled.store(enabled); }
 
 bool GraphLaunchEnabled() { return g_enabled.load(); }
 
-LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
-                                    cudaStream_t stream, const void* params, size_t params_bytes,
-                                    const char* what) {
-  if (!GraphLaunchEnabled()) return PlainLaunch(func, grid, block, smem, stream, params, what);
+namespace {
+
+// Whether stream is being captured (then every launch is plain, and the capture records it).
+LaunchStatus Capturing(cudaStream_t stream, bool* capturing, const char* what) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaError_t err = cudaStreamIsCapturing(stream, &capture); err != cudaSuccess) {
     return Error(what, "cudaStreamIsCapturing", err);
   }
-  if (capture != cudaStreamCaptureStatusNone) {
-    return PlainLaunch(func, grid, block, smem, stream, params, what);
-  }
+  *capturing = capture != cudaStreamCaptureStatusNone;
+  return LaunchStatus::Ok();
+}
+
+// Launches the cached graph of these num_nodes kernels on stream, building or updating it
+// first when this launch differs from its last one.
+LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
+                         const void* params, size_t params_bytes, const char* what) {
   // The key is the stream's id (a destroyed stream's handle may come back for a stream of
-  // another device; its id does not) and the kernel. A created stream belongs to one device; the
-  // special handles (0, legacy, per-thread) mean the current device's stream, so for them the
-  // device is part of the key.
+  // another device; its id does not) and the kernels. A created stream belongs to one device;
+  // the special handles (0, legacy, per-thread) mean the current device's stream, so for them
+  // the device is part of the key.
   unsigned long long stream_id = 0;
   if (cudaError_t err = cudaStreamGetId(stream, &stream_id); err != cudaSuccess) {
     return Error(what, "cudaStreamGetId", err);
@@ -163,21 +211,20 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
   }
   const auto* bytes = static_cast<const unsigned char*>(params);
   void* args[] = {const_cast<void*>(params)};
-  const cudaKernelNodeParams node = NodeParams(func, grid, block, smem, args);
 
   std::lock_guard<std::mutex> lock(g_mu);
-  CachedLaunch* hit = Find(device, stream_id, func);
-  if (hit != nullptr && !SameLaunch(*hit, grid, block, smem, bytes, params_bytes) &&
-      !Update(*hit, node, bytes, params_bytes)) {
-    Forget(hit);  // this node cannot take the update: a new graph below
+  CachedLaunch* hit = Find(device, stream_id, k, num_nodes);
+  if (hit != nullptr && !SameLaunch(*hit, k, bytes, params_bytes) &&
+      !Update(*hit, k, args, bytes, params_bytes)) {
+    Forget(hit);  // these nodes cannot take the update: a new graph below
     hit = nullptr;
   }
   if (hit == nullptr) {
     CachedLaunch c;
     c.device = device;
     c.stream_id = stream_id;
-    c.func = func;
-    if (cudaError_t err = Build(c, node, bytes, params_bytes); err != cudaSuccess) {
+    c.num_nodes = num_nodes;
+    if (cudaError_t err = Build(c, k, args, bytes, params_bytes); err != cudaSuccess) {
       return Error(what, "building its graph", err);
     }
     if (g_cache->size() >= kMaxCachedLaunches) Forget(LeastRecentlyUsed());
@@ -189,6 +236,46 @@ LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, siz
     return Error(what, "cudaGraphLaunch", err);
   }
   return LaunchStatus::Ok();
+}
+
+}  // namespace
+
+LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
+                                    cudaStream_t stream, const void* params, size_t params_bytes,
+                                    const char* what) {
+  bool capturing = false;
+  if (GraphLaunchEnabled()) {
+    if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
+  }
+  if (!GraphLaunchEnabled() || capturing) {
+    return PlainLaunch(func, grid, block, smem, stream, params, what);
+  }
+  const KernelLaunch k = {func, grid, block, smem};
+  return GraphLaunch(&k, 1, stream, params, params_bytes, what);
+}
+
+LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
+                                        cudaStream_t stream, const void* params,
+                                        size_t params_bytes, const char* what) {
+  bool capturing = false;
+  if (GraphLaunchEnabled()) {
+    if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
+    if (!capturing) {
+      const KernelLaunch k[2] = {first, second};
+      return GraphLaunch(k, 2, stream, params, params_bytes, what);
+    }
+  }
+  if (LaunchStatus st =
+          PlainLaunch(first.func, first.grid, first.block, first.smem, stream, params, what);
+      !st.ok()) {
+    return st;
+  }
+  // A capture records the two as kernel nodes in plain stream order (second's wait is then a
+  // no-op).
+  if (capturing) {
+    return PlainLaunch(second.func, second.grid, second.block, second.smem, stream, params, what);
+  }
+  return PlainDependentLaunch(second, stream, params, what);
 }
 
 }  // namespace pagedattn::kernels

@@ -37,4 +37,23 @@ LaunchStatus LaunchKernelWithParams(void (*kernel)(Params), dim3 grid, dim3 bloc
                                 &params, sizeof(Params), what);
 }
 
+// One kernel of LaunchKernelPairWithParams.
+struct KernelLaunch {
+  const void* func = nullptr;
+  dim3 grid, block;
+  size_t smem = 0;
+};
+
+// Launches first, then second, both taking the same parameter, with a programmatic dependency
+// (PDL): second's blocks may be scheduled once every block of first has executed
+// griddepcontrol.launch_dependents (or exited), and second must execute griddepcontrol.wait
+// before it reads anything first wrote (the wait returns once first has completed and its
+// writes are visible). So second's launch and block start-up overlap first's run, and second
+// starts working as soon as first ends. Through a cached two-node graph with a programmatic
+// edge, or, where graph launches are off or the stream is being captured, two launches (the
+// second with cudaLaunchAttributeProgrammaticStreamSerialization).
+LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
+                                        cudaStream_t stream, const void* params,
+                                        size_t params_bytes, const char* what);
+
 }  // namespace pagedattn::kernels

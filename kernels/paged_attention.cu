@@ -173,23 +173,43 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   }
   PagedAttentionParams params = in;
   params.page_div = FastDivmod(static_cast<uint32_t>(in.page_size));
-  if (params.num_decode_items > 0) {
-    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecode, stream); !st.ok()) {
-      return st;
-    }
-  }
-  if (params.num_decode_wide_items > 0) {
-    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecodeWide, stream);
+  // A separate merge goes with the launch before it when that is a decode tile launch: one
+  // launch of both, the merge's blocks scheduled while the tiles run (LaunchKernelPairWithParams).
+  const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;
+  KernelLaunch merge;
+  if (separate_merge) {
+    if (LaunchStatus st = DispatchHeadDim(params.head_dim, [&](auto d) {
+          merge = MergeSplitsLaunch<decltype(d)::value>(params);
+          return LaunchStatus::Ok();
+        });
         !st.ok()) {
       return st;
     }
+  }
+  const bool merge_after_decode = separate_merge && params.num_prefill_items == 0;
+  if (params.num_decode_items > 0) {
+    const bool last = merge_after_decode && params.num_decode_wide_items == 0;
+    if (LaunchStatus st =
+            DispatchAttentionTiles(params, TileShape::kDecode, stream, last ? &merge : nullptr);
+        !st.ok()) {
+      return st;
+    }
+    if (last) return LaunchStatus::Ok();
+  }
+  if (params.num_decode_wide_items > 0) {
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecodeWide, stream,
+                                                 merge_after_decode ? &merge : nullptr);
+        !st.ok()) {
+      return st;
+    }
+    if (merge_after_decode) return LaunchStatus::Ok();
   }
   if (params.num_prefill_items > 0) {
     if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
       return st;
     }
   }
-  if (params.separate_merge && params.num_merge_tasks > 0) {
+  if (separate_merge) {
     return DispatchHeadDim(params.head_dim,
                            [&](auto d) { return LaunchMergeSplits<decltype(d)::value>(params, stream); });
   }

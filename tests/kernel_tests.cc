@@ -473,21 +473,37 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
 // Kernels go through cached one-node graphs (kernels/graph_launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
 // prefill, then a decode-only step), they must give exactly what plain launches give.
+// The second case is split decode merged by the separate merge kernel, which goes with the
+// tiles as one launch (a two-node graph with a programmatic edge, or two plain launches, the
+// merge's with programmatic stream serialization).
 TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   struct Restore {
     ~Restore() { kernels::SetGraphLaunch(true); }
   } restore;
-  CaseSpec c;
-  c.seed = 91;
-  c.steps = MixedSteps(3000);
-  c.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
-  c.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
-  kernels::SetGraphLaunch(false);
-  const double plain = RunCase(*backend_, c);
-  kernels::SetGraphLaunch(true);
-  const double graph = RunCase(*backend_, c);
-  EXPECT_LE(graph, 1e-2);
-  EXPECT_EQ(plain, graph) << "graph launches changed the outputs";
+  CaseSpec mixed;
+  mixed.seed = 91;
+  mixed.steps = MixedSteps(3000);
+  mixed.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
+  mixed.steps.push_back({{1, 1}, {1, 1}, {1, 1}, {1, 1}, {1, 1}});
+  CaseSpec separate_merge;
+  separate_merge.seed = 92;
+  separate_merge.num_kv_heads = 1;
+  separate_merge.gqa = 32;
+  separate_merge.steps = {{{30000, 0}, {5000, 0}}, {{1, 1}, {1, 1}}, {{1, 1}, {1, 1}}};
+  for (const CaseSpec& c : {mixed, separate_merge}) {
+    kernels::SetGraphLaunch(false);
+    const double plain = RunCase(*backend_, c);
+    kernels::SetGraphLaunch(true);
+    const double graph = RunCase(*backend_, c);
+    EXPECT_LE(graph, 1e-2);
+    EXPECT_EQ(plain, graph) << "graph launches changed the outputs, seed " << c.seed;
+  }
+  int target = 0;
+  ASSERT_TRUE(kernels::AttentionTargetBlocks(separate_merge.cache_dtype, 128, &target).ok());
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 1, 5001}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, target, &work);
+  EXPECT_TRUE(work.separate_merge) << "the second case no longer reaches the separate merge";
 }
 
 // Random K/V rows appended to a small bf16 pool through LaunchAppendKv; Check() compares every
@@ -609,6 +625,124 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
   ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
   append.Check();
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Split decode whose plan merges in the separate kernel, launched straight through
+// LaunchPagedAttention: the tiles and the merge go as one launch (kernels/graph_launch.h).
+// Into a captured stream the pair is recorded as two kernel nodes in stream order; replaying the
+// captured graph gives exactly what the direct launch gave.
+class SeparateMergeLaunch {
+ public:
+  static constexpr int kQHeads = 32, kDim = 128, kPage = 16, kLen = 20000;
+  SeparateMergeLaunch() {
+    const int pages = (kLen + kPage - 1) / kPage;
+    std::mt19937 rng(7);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    std::vector<uint16_t> kv(size_t{pages} * kPage * kDim);
+    std::vector<int32_t> table(pages);
+    std::iota(table.begin(), table.end(), 0);
+    std::shuffle(table.begin(), table.end(), rng);
+    std::vector<float> q(kQHeads * kDim);
+    for (float& x : q) x = uni(rng);
+    kernels::AttentionSpan span{0, 0, 1, kLen};
+    int target = 0;
+    ok_ = kernels::AttentionTargetBlocks(DType::kBFloat16, kDim, &target).ok();
+    kernels::PlanAttentionWork(&span, 1, kQHeads, 1, /*causal=*/true, target, &work_);
+    p_.kv_dtype = DType::kBFloat16;
+    p_.num_q_heads = kQHeads;
+    p_.num_kv_heads = 1;
+    p_.head_dim = kDim;
+    p_.page_size = kPage;
+    p_.sm_scale = 1.f / std::sqrt(float{kDim});
+    for (int kv_index = 0; kv_index < 2; ++kv_index) {
+      for (uint16_t& x : kv) StoreFromFloat(DType::kBFloat16, &x, 0, uni(rng));
+      (kv_index == 0 ? p_.k_cache : p_.v_cache) = Upload(kv.data(), kv.size() * 2);
+    }
+    p_.page_table = static_cast<const int32_t*>(Upload(table.data(), table.size() * 4));
+    p_.q = static_cast<const float*>(Upload(q.data(), q.size() * 4));
+    p_.out = static_cast<float*>(Upload(nullptr, q.size() * 4));
+    p_.lse = static_cast<float*>(Upload(nullptr, kQHeads * 4));
+    p_.decode_wide_items = static_cast<const kernels::AttentionWorkItem*>(Upload(
+        work_.decode_wide_items.data(),
+        work_.decode_wide_items.size() * sizeof(kernels::AttentionWorkItem)));
+    p_.num_decode_wide_items = static_cast<int32_t>(work_.decode_wide_items.size());
+    p_.merge_tasks = static_cast<const kernels::AttentionMergeTask*>(
+        Upload(work_.merge_tasks.data(),
+               work_.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)));
+    p_.num_merge_tasks = static_cast<int32_t>(work_.merge_tasks.size());
+    p_.separate_merge = work_.separate_merge;
+    p_.merge_rows = work_.merge_rows;
+    p_.partial_out = static_cast<float*>(Upload(nullptr, work_.partial_rows * kDim * 4));
+    p_.partial_lse = static_cast<float*>(Upload(nullptr, work_.partial_rows * 4));
+    p_.partial_rows = work_.partial_rows;
+  }
+  ~SeparateMergeLaunch() {
+    for (void* b : buffers_) cudaFree(b);
+  }
+  bool ok() const { return ok_; }
+  const kernels::AttentionWork& work() const { return work_; }
+  const kernels::PagedAttentionParams& params() const { return p_; }
+  // out and lse, NaN first so that an unwritten element shows.
+  void Poison() {
+    ok_ = ok_ && cudaMemset(p_.out, 0xFF, kQHeads * kDim * 4) == cudaSuccess &&
+          cudaMemset(p_.lse, 0xFF, kQHeads * 4) == cudaSuccess;
+  }
+  std::vector<float> Result() {
+    std::vector<float> r(kQHeads * (kDim + 1));
+    ok_ = ok_ &&
+          cudaMemcpy(r.data(), p_.out, kQHeads * kDim * 4, cudaMemcpyDeviceToHost) == cudaSuccess &&
+          cudaMemcpy(r.data() + kQHeads * kDim, p_.lse, kQHeads * 4, cudaMemcpyDeviceToHost) ==
+              cudaSuccess;
+    return r;
+  }
+
+ private:
+  void* Upload(const void* src, size_t bytes) {
+    void* d = nullptr;
+    ok_ = ok_ && cudaMalloc(&d, std::max<size_t>(bytes, 4)) == cudaSuccess;
+    if (ok_) buffers_.push_back(d);
+    if (ok_ && src) ok_ = cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice) == cudaSuccess;
+    return d;
+  }
+  kernels::AttentionWork work_;
+  kernels::PagedAttentionParams p_;
+  std::vector<void*> buffers_;
+  bool ok_ = true;
+};
+
+TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
+  SeparateMergeLaunch launch;
+  ASSERT_TRUE(launch.ok());
+  ASSERT_TRUE(launch.work().separate_merge) << "the case no longer plans the separate merge";
+  ASSERT_TRUE(launch.work().decode_items.empty() && launch.work().prefill_items.empty());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+
+  launch.Poison();
+  kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), stream);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const std::vector<float> direct = launch.Result();
+  ASSERT_TRUE(launch.ok());
+  for (float x : direct) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
+
+  launch.Poison();
+  ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+  st = kernels::LaunchPagedAttention(launch.params(), stream);
+  cudaGraph_t graph = nullptr;
+  ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+  ASSERT_TRUE(st.ok()) << st.message();
+  size_t num_nodes = 0;
+  ASSERT_EQ(cudaGraphGetNodes(graph, nullptr, &num_nodes), cudaSuccess);
+  EXPECT_EQ(num_nodes, 2u) << "the tiles and the merge";
+  cudaGraphExec_t exec = nullptr;
+  ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+  ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  EXPECT_EQ(launch.Result(), direct) << "the captured launch differs from the direct one";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);

@@ -837,12 +837,21 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   ASSERT_EQ(work.merge_tasks.size(), 1u);
   EXPECT_EQ(work.merge_tasks[0].num_splits, static_cast<int>(work.decode_wide_items.size()));
 
+  // 33 splits of 4 rows (one decode on 8 kv heads) merge separately; 2 splits of 4 rows (16
+  // decodes) in the tile kernel.
   spans = {{7, 0, 1, 32768}};
   kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, 264, &work);
-  EXPECT_FALSE(work.separate_merge);
+  EXPECT_TRUE(work.separate_merge);
   EXPECT_EQ(work.merge_rows, 4);
   ASSERT_FALSE(work.merge_tasks.empty());
   EXPECT_EQ(work.merge_tasks[0].q_offset, 7);
+  EXPECT_EQ(work.merge_tasks[0].num_splits, 33);
+  spans.clear();
+  for (int i = 0; i < 16; ++i) spans.push_back({i, i * 256, 1, 4096});
+  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, 264, &work);
+  ASSERT_FALSE(work.merge_tasks.empty());
+  EXPECT_EQ(work.merge_tasks[0].num_splits, 2);
+  EXPECT_FALSE(work.separate_merge);
 
   // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
   // tiles only), even beside a wide decode tile that would want the separate one.

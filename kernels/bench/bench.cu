@@ -11,7 +11,8 @@
 //                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
-//                   [--merge planned|separate]   (separate: the split-KV merge kernel always)
+//                   [--merge planned|separate|in-kernel]   where split-KV tiles are merged (the
+//                     plan's choice, the separate merge kernel, or the tile kernel's last split)
 //                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
 //                     the row's "launch" says which
 //   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
@@ -76,7 +77,7 @@ struct Config {
   double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
   int min_chunk = 256;
   int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
-  bool separate_merge = false;  // --merge separate: override the plan's choice of merge
+  std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
   int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
@@ -259,8 +260,15 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--prefill-path")
       c.prefill_path =
           second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
-    else if (a == "--merge")
-      c.separate_merge = second_of("planned", "separate");
+    else if (a == "--merge") {
+      const std::string v = next();
+      if (v != "planned" && v != "separate" && v != "in-kernel") {
+        std::fprintf(stderr, "--merge must be planned, separate or in-kernel (got %s)\n",
+                     v.c_str());
+        std::exit(2);
+      }
+      c.merge = v;
+    }
     else if (a == "--launch")
       c.graph_launch = !second_of("graph", "plain");
     else if (a == "--exp")
@@ -628,7 +636,9 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   AttentionWork work;
   target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
   PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk);
-  if (cfg.separate_merge) work.separate_merge = true;
+  if (cfg.merge != "planned") work.separate_merge = cfg.merge == "separate";
+  // The --exp variants are of the decode tile with its in-kernel merge.
+  if (cfg.exp != 0) work.separate_merge = false;
   int prefill_blocks = 0;
   CheckLaunch(PrefillScheduleBlocks(cfg.dtype, D, cfg.prefill_path, &prefill_blocks),
               "prefill occupancy");

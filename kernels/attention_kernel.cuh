@@ -135,6 +135,15 @@ struct AttentionTileConfig {
   static_assert(kTileKv * kChunks % kThreads == 0, "copy chunks divide among threads");
 };
 
+// Element offset, in the K or V pool ([page][kv_head][page_size][D]), of 16-byte chunk `chunk`
+// of KV position pos of kv head kv_head, pos lying in page page_id.
+template <int D>
+__device__ __forceinline__ int64_t KvChunkOffset(const PagedAttentionParams& p, int page_id,
+                                                 int pos, int kv_head, int chunk) {
+  const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+  return ((int64_t{page_id} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D + chunk * 8;
+}
+
 // Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile: the chunk index is
 // XORed with row % 8 so that the eight rows an ldmatrix reads hit eight different bank groups.
 template <int D>
@@ -556,10 +565,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int row = copy_row0 + i * Cfg::kRowStep;
       const int pos = item.kv_start + tile * Cfg::kTileKv + row;
       const bool valid = pos < item.kv_end;
-      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
-      const int64_t offset =
-          ((int64_t{ids[i]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
-          copy_chunk * 8;
+      const int64_t offset = KvChunkOffset<D>(p, ids[i], pos, kv_head, copy_chunk);
       const int smem_off = SwizzledOffset<D>(row, copy_chunk);
       CpAsync16Policy(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid, read_once);
       CpAsync16Policy(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid, read_once);

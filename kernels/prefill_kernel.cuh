@@ -97,10 +97,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const int row = copy_row0 + i * Cfg::kRowStep;
       const int pos = item.kv_start + tile * Cfg::kTileKv + row;
       const bool valid = pos < item.kv_end;
-      const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
-      const int64_t offset =
-          ((int64_t{page_ids[stage][row]} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D +
-          copy_chunk * 8;
+      const int64_t offset = KvChunkOffset<D>(p, page_ids[stage][row], pos, kv_head, copy_chunk);
       const int smem_off = SwizzledOffset<D>(row, copy_chunk);
       CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
       CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);

@@ -18,7 +18,6 @@ struct CachedLaunch {
   int device = -1;  // -1: a created stream (it fixes the device)
   unsigned long long stream_id = 0;  // cudaStreamGetId: never reused, unlike a handle
   int num_nodes = 0;
-  const void* funcs[2] = {nullptr, nullptr};
   cudaGraph_t graph = nullptr;
   cudaGraphExec_t exec = nullptr;
   cudaGraphNode_t nodes[2] = {nullptr, nullptr};
@@ -99,7 +98,7 @@ CachedLaunch* Find(int device, unsigned long long stream_id, const KernelLaunch*
   for (CachedLaunch& c : *g_cache) {
     if (c.device != device || c.stream_id != stream_id || c.num_nodes != num_nodes) continue;
     bool same = true;
-    for (int i = 0; i < num_nodes; ++i) same = same && c.funcs[i] == k[i].func;
+    for (int i = 0; i < num_nodes; ++i) same = same && c.launches[i].func == k[i].func;
     if (same) return &c;
   }
   return nullptr;
@@ -140,7 +139,6 @@ cudaError_t Build(CachedLaunch& c, const KernelLaunch* k, void** args, const uns
   cudaError_t err = cudaGraphCreate(&c.graph, 0);
   for (int i = 0; i < c.num_nodes && err == cudaSuccess; ++i) {
     const cudaKernelNodeParams node = NodeParams(k[i], args);
-    c.funcs[i] = k[i].func;
     err = cudaGraphAddKernelNode(&c.nodes[i], c.graph, nullptr, 0, &node);
   }
   if (err == cudaSuccess && c.num_nodes == 2) {

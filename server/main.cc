@@ -30,7 +30,7 @@ ABSL_FLAG(std::string, prefill_kernel, "auto",
           "on compute 9.0 GPUs when the build has sm_90a, the portable (mma.sync) kernel "
           "elsewhere; portable always runs the latter");
 ABSL_FLAG(bool, graph_launch, true,
-          "CUDA backend: launch kernels through cached one-node CUDA graphs (about 2 us of host "
+          "CUDA backend: launch kernels through cached CUDA graphs (about 2 us of host "
           "time per launch instead of 4-5, which an idle GPU waits for). false launches them "
           "plainly (an escape hatch)");
 ABSL_FLAG(double, shutdown_grace_s, 10,

@@ -470,7 +470,7 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   for (double e : errs) EXPECT_LE(e, 1e-2);
 }
 
-// Kernels go through cached one-node graphs (kernels/graph_launch.h): Forward after Forward,
+// Kernels go through cached graphs (kernels/graph_launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
 // prefill, then a decode-only step), they must give exactly what plain launches give.
 // The second case is split decode merged by the separate merge kernel, which goes with the

@@ -15,7 +15,7 @@ int CudaDeviceCount();
 struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;
-  // false: every kernel by a plain launch instead of a cached one-node CUDA graph
+  // false: every kernel by a plain launch instead of through a cached CUDA graph
   // (kernels/graph_launch.h). The setting is the process's: the last backend created sets it.
   bool graph_launch = true;
 };

@@ -32,10 +32,10 @@ constexpr int64_t kMergeCostPerSplitRow = 1;
 // programmatically dependent pair, its blocks wait for the tiles' end, then each reads its row
 // of every split with 8 warps. Measured on the H200 (bench --merge separate against the planned
 // in-kernel merge, 2026-11-29, after the pairing): 1.7 us slower at 2 splits x 4 rows
-// (16 x 4096); at 33 x 4 (1 x 32768) 0.0-0.4 us faster back to back and 0.1-1.0 us per launch,
-// in each of five rounds over two calls. Before the pairing it was 1.5-2.5 us slower at 2-33
-// splits of 4 rows and 2.8 us faster at 32 x 8. The crossover lies between: 96 puts it at 28
-// splits of 4 rows (13 of 8).
+// (16 x 4096); at 33 x 4 (1 x 32768) 0.04-0.55 us faster back to back in each of eight rounds
+// over three calls (per launch -0.5 to +1.3 us). Before the pairing it was 1.5-2.5 us slower
+// at 2-33 splits of 4 rows and 2.8 us faster at 32 x 8. The crossover lies between: 96 puts it
+// at 28 splits of 4 rows (13 of 8).
 constexpr int64_t kSeparateMergeCost = 96;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 // A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first

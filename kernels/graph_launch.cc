@@ -40,18 +40,10 @@ LaunchStatus Error(const char* what, const char* step, cudaError_t err) {
                                  "): " + cudaGetErrorString(err));
 }
 
-LaunchStatus PlainLaunch(const void* func, dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                         const void* params, const char* what) {
-  void* args[] = {const_cast<void*>(params)};
-  const cudaError_t err = cudaLaunchKernel(func, grid, block, args, smem, stream);
-  if (err != cudaSuccess) return Error(what, "cudaLaunchKernel", err);
-  return LaunchStatus::Ok();
-}
-
-// A plain launch that may start before the stream's previous kernel ends (see
-// LaunchKernelPairWithParams).
-LaunchStatus PlainDependentLaunch(const KernelLaunch& k, cudaStream_t stream, const void* params,
-                                  const char* what) {
+// A launch without a graph. after_previous: it may start before the stream's previous kernel
+// ends (programmatic stream serialization; see LaunchKernelPairWithParams).
+LaunchStatus PlainLaunch(const KernelLaunch& k, cudaStream_t stream, const void* params,
+                         const char* what, bool after_previous = false) {
   void* args[] = {const_cast<void*>(params)};
   cudaLaunchAttribute attribute = {};
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -62,9 +54,9 @@ LaunchStatus PlainDependentLaunch(const KernelLaunch& k, cudaStream_t stream, co
   config.dynamicSmemBytes = k.smem;
   config.stream = stream;
   config.attrs = &attribute;
-  config.numAttrs = 1;
+  config.numAttrs = after_previous ? 1 : 0;
   const cudaError_t err = cudaLaunchKernelExC(&config, k.func, args);
-  if (err != cudaSuccess) return Error(what, "cudaLaunchKernelEx (programmatic)", err);
+  if (err != cudaSuccess) return Error(what, "cudaLaunchKernelEx", err);
   return LaunchStatus::Ok();
 }
 
@@ -241,15 +233,13 @@ LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stre
 LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
                                     cudaStream_t stream, const void* params, size_t params_bytes,
                                     const char* what) {
+  const KernelLaunch k = {func, grid, block, smem};
   bool capturing = false;
   if (GraphLaunchEnabled()) {
     if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
+    if (!capturing) return GraphLaunch(&k, 1, stream, params, params_bytes, what);
   }
-  if (!GraphLaunchEnabled() || capturing) {
-    return PlainLaunch(func, grid, block, smem, stream, params, what);
-  }
-  const KernelLaunch k = {func, grid, block, smem};
-  return GraphLaunch(&k, 1, stream, params, params_bytes, what);
+  return PlainLaunch(k, stream, params, what);
 }
 
 LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
@@ -263,17 +253,10 @@ LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelL
       return GraphLaunch(k, 2, stream, params, params_bytes, what);
     }
   }
-  if (LaunchStatus st =
-          PlainLaunch(first.func, first.grid, first.block, first.smem, stream, params, what);
-      !st.ok()) {
-    return st;
-  }
+  if (LaunchStatus st = PlainLaunch(first, stream, params, what); !st.ok()) return st;
   // A capture records the two as kernel nodes in plain stream order (second's wait is then a
   // no-op).
-  if (capturing) {
-    return PlainLaunch(second.func, second.grid, second.block, second.smem, stream, params, what);
-  }
-  return PlainDependentLaunch(second, stream, params, what);
+  return PlainLaunch(second, stream, params, what, /*after_previous=*/!capturing);
 }
 
 }  // namespace pagedattn::kernels

@@ -256,8 +256,8 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 // The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
 // together, merged online (the running max rescales what came before), so each batch costs
 // one L2 round trip and none waits for a max over all splits first.
-// Splits per merge batch in the decode tiles: at head_dim 128, 32 or 33 splits (one wave of 264
-// blocks on 8 kv heads) take two batches.
+// Splits per merge batch in the decode tiles: at head_dim 128, up to 33 splits (one wave of 264
+// blocks on 8 kv heads) take one batch.
 constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }
 
 template <int D, int kBatch, int EXP = 0>
@@ -435,33 +435,24 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
   __threadfence();  // this split's partials are visible before it is counted
   __syncthreads();
-  if constexpr (kBatch == kTwoPassMerge) {
-    if (threadIdx.x == 0) is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-    __syncthreads();
-    if (is_last_split) {
-      __threadfence();
+  if (threadIdx.x == 0) {
+    is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
+    // The last split reads the others' partials after the barrier below: the counting
+    // thread's fence orders those reads after the count (each writer fenced before counting).
+    if (is_last_split) __threadfence();
+  }
+  __syncthreads();
+  TimelineStamp<EXP>(8);
+  if (is_last_split) {
+    if constexpr (kBatch == kTwoPassMerge) {
       MergeSplitsTwoPass<D>(p, task, span, kv_head, group);
-      if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    } else if constexpr ((EXP & kExpNoMergeReads) == 0) {
+      MergeSplits<D, kBatch, EXP>(p, task, span, kv_head, group);
     }
-    return;
-  } else {
-    if (threadIdx.x == 0) {
-      is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
-      // The last split reads the others' partials after the barrier below: the counting
-      // thread's fence orders those reads after the count (each writer fenced before counting).
-      if (is_last_split) __threadfence();
-    }
-    __syncthreads();
-    TimelineStamp<EXP>(8);
-    if (is_last_split) {
-      if constexpr ((EXP & kExpNoMergeReads) == 0) {
-        MergeSplits<D, kBatch, EXP>(p, task, span, kv_head, group);
-      }
-      if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-      if constexpr ((EXP & kExpTimeline) != 0) {
-        __syncthreads();
-        TimelineStore(7, 1);  // this block merged
-      }
+    if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
+    if constexpr ((EXP & kExpTimeline) != 0) {
+      __syncthreads();
+      TimelineStore(7, 1);  // this block merged
     }
   }
 }
@@ -986,7 +977,7 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
 template <int D>
 LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream) {
   const KernelLaunch k = MergeSplitsLaunch<D>(params);
-  return LaunchKernelWithParams(MergeSplitsKernel<D>, k.grid, k.block, k.smem, stream, params,
+  return LaunchKernelWithParams(k.func, k.grid, k.block, k.smem, stream, &params, sizeof(params),
                                 "split-KV merge");
 }
 

@@ -687,6 +687,16 @@ class SeparateMergeLaunch {
   bool ok() const { return ok_; }
   const kernels::AttentionWork& work() const { return work_; }
   const kernels::PagedAttentionParams& params() const { return p_; }
+  // New random queries (seed) into the q buffer, in stream order.
+  void SetQ(uint32_t seed, cudaStream_t stream) {
+    std::mt19937 rng(seed);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    host_q_.resize(kQHeads * kDim);
+    for (float& x : host_q_) x = uni(rng);
+    ok_ = ok_ && cudaMemcpyAsync(const_cast<float*>(p_.q), host_q_.data(), host_q_.size() * 4,
+                                 cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+          cudaStreamSynchronize(stream) == cudaSuccess;
+  }
   // out and lse, NaN first so that an unwritten element shows.
   void Poison() {
     ok_ = ok_ && cudaMemset(p_.out, 0xFF, kQHeads * kDim * 4) == cudaSuccess &&
@@ -711,6 +721,7 @@ class SeparateMergeLaunch {
   }
   kernels::AttentionWork work_;
   kernels::PagedAttentionParams p_;
+  std::vector<float> host_q_;
   std::vector<void*> buffers_;
   bool ok_ = true;
 };
@@ -747,6 +758,37 @@ TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
   EXPECT_EQ(launch.Result(), direct) << "the captured launch differs from the direct one";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+// Launch after launch of the tiles and the separate merge with other queries each time: every
+// result is the one a first launch of those queries gave (nothing of one launch's partials or
+// split state leaks into the next).
+TEST_F(CudaKernelTest, SeparateMergeLaunchesBackToBack) {
+  SeparateMergeLaunch launch;
+  ASSERT_TRUE(launch.ok());
+  ASSERT_TRUE(launch.work().separate_merge) << "the case no longer plans the separate merge";
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  std::vector<float> first[2];
+  for (int round = 0; round < 6; ++round) {
+    for (int which = 0; which < 2; ++which) {
+      launch.SetQ(100 + which, stream);
+      launch.Poison();
+      const kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), stream);
+      ASSERT_TRUE(st.ok()) << st.message();
+      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      std::vector<float> result = launch.Result();
+      ASSERT_TRUE(launch.ok());
+      if (round == 0) {
+        for (float x : result) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
+        first[which] = std::move(result);
+      } else {
+        ASSERT_EQ(result, first[which]) << "round " << round << ", queries " << which;
+      }
+    }
+  }
+  EXPECT_NE(first[0], first[1]) << "the two query sets gave one result: the test shows nothing";
   cudaStreamDestroy(stream);
 }
 

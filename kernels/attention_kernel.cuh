@@ -527,28 +527,52 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
   // Pipeline: each thread copies the same 16-byte chunk column of kRowsPerThread rows.
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
   // K and V are read once per launch (each (span, kv head) has one decode tile): their lines
   // leave L2 first, so the work items, page table and split partials stay there.
   const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
-  // Page ids are loaded one tile ahead of their copies so their latency stays hidden.
-  auto fetch_pages = [&](int tile, int(&ids)[Cfg::kRowsPerThread]) {
+  // A chunk's byte offset in the pool is page id * page_bytes (one 32 x 32 -> 64-bit multiply)
+  // plus its offset within the page: the kv head's rows, the position's row, the chunk.
+  const char* k_bytes = static_cast<const char*>(p.k_cache);
+  const char* v_bytes = static_cast<const char*>(p.v_cache);
+  constexpr uint32_t kRowBytes = D * sizeof(T);
+  static_assert(uint64_t{kMaxNumHeads} * kMaxPageSize * kRowBytes <= uint64_t{1} << 32,
+                "a page of every kv head is addressed in 32 bits");
+  const uint32_t page_bytes = static_cast<uint32_t>(p.num_kv_heads * p.page_size) * kRowBytes;
+  const uint32_t head_chunk_bytes =
+      static_cast<uint32_t>(kv_head * p.page_size) * kRowBytes + copy_chunk * 16;
+  // The rows a thread copies of one tile: their page ids, loaded one tile ahead of the copies so
+  // that their latency stays hidden, and (up to 8 rows a thread, head_dim <= 128, where the
+  // registers allow) their byte offsets within the page, found with the ids; with more rows the
+  // offsets are found again when the copies are issued. Rows past the range: page id 0 and
+  // offset 0, so that every address stays in the pool.
+  constexpr bool kKeepOffsets = Cfg::kRowsPerThread <= 8;
+  struct TileRows {
+    int id[Cfg::kRowsPerThread];
+    uint32_t offset[kKeepOffsets ? Cfg::kRowsPerThread : 1];
+  };
+  auto in_page_offset = [&](int pos) {
+    return head_chunk_bytes + (pos - p.page_div.Div(pos) * p.page_size) * kRowBytes;
+  };
+  auto fetch_pages = [&](int tile, TileRows& rows) {
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
       const bool valid = tile < num_tiles && pos < item.kv_end;
+      const uint32_t page = p.page_div.Div(pos);
       if constexpr ((EXP & kExpLinearPages) != 0) {
-        ids[i] = valid ? static_cast<int>(p.page_div.Div(pos)) : 0;
+        rows.id[i] = valid ? static_cast<int>(page) : 0;
       } else {
-        ids[i] = valid ? pages[p.page_div.Div(pos)] : 0;
+        rows.id[i] = valid ? pages[page] : 0;
+      }
+      if constexpr (kKeepOffsets) {
+        rows.offset[i] = valid ? head_chunk_bytes + (pos - page * p.page_size) * kRowBytes : 0;
       }
     }
   };
-  auto issue_tile = [&](int tile, const int(&ids)[Cfg::kRowsPerThread]) {
+  auto issue_tile = [&](int tile, const TileRows& rows) {
     T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileKv * D;
 #pragma unroll
@@ -556,27 +580,34 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int row = copy_row0 + i * Cfg::kRowStep;
       const int pos = item.kv_start + tile * Cfg::kTileKv + row;
       const bool valid = pos < item.kv_end;
-      const int64_t offset = KvChunkOffset<D>(p, ids[i], pos, kv_head, copy_chunk);
+      uint32_t in_page;
+      if constexpr (kKeepOffsets) {
+        in_page = rows.offset[i];
+      } else {
+        in_page = valid ? in_page_offset(pos) : 0;
+      }
+      const uint64_t offset =
+          static_cast<uint64_t>(static_cast<uint32_t>(rows.id[i])) * page_bytes + in_page;
       const int smem_off = SwizzledOffset<D>(row, copy_chunk);
-      CpAsync16Policy(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid, read_once);
-      CpAsync16Policy(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid, read_once);
+      CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
+      CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
     }
   };
 
   // Prologue: all page ids of the first stages in flight at once, then their copies, then the
   // next stage's ids; Q is loaded while those copies fly.
   {
-    int first_pages[Cfg::kStages - 1][Cfg::kRowsPerThread];
+    TileRows first_rows[Cfg::kStages - 1];
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_pages[s]);
+    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s]);
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
-      if (s < num_tiles) issue_tile(s, first_pages[s]);
+      if (s < num_tiles) issue_tile(s, first_rows[s]);
       CpAsyncCommit();
     }
   }
-  int next_pages[Cfg::kRowsPerThread];
-  fetch_pages(Cfg::kStages - 1, next_pages);
+  TileRows next_rows;
+  fetch_pages(Cfg::kStages - 1, next_rows);
   TimelineStamp<EXP>(1);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
@@ -612,9 +643,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   };
 
   for (int tile = 0; tile < num_tiles; ++tile) {
-    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_pages);
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_rows);
     CpAsyncCommit();
-    fetch_pages(tile + Cfg::kStages, next_pages);
+    fetch_pages(tile + Cfg::kStages, next_rows);
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
     if (tile == 0) TimelineStamp<EXP>(2);

@@ -501,6 +501,13 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 
 // ---- Device body --------------------------------------------------------------------------
 
+// The decode tile's lazy softmax base may trail the row's max by up to this much (log2 units):
+// P <= 2^8 before normalization. Lazy at head_dim 128 and 256, where skipping the rescale of O
+// (D/4 multiplies a thread per step) made 1 x 32768 0.6 us faster; at head_dim 64 the vote and
+// branch cost more than the 16 multiplies they save (1-2% slower on the H200).
+inline constexpr float kRescaleSlack = 8.f;
+constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
+
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                   const AttentionWorkItem* items) {
@@ -694,28 +701,44 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
         }
       }
 
-      // Online softmax: new row max, rescale the running sum and O, P = 2^(s - max).
+      // Online softmax, P = 2^(s - base). With LazyRescale(D) the base (row_max) is raised to
+      // the row's max only when some row of the warp has a score more than kRescaleSlack above
+      // its base, and O and the running sum are rescaled then only. Otherwise P stays below
+      // 2^kRescaleSlack, well within f32 and the P operand's exponent range, and the common
+      // step (the max settles after the first tiles) skips the rescale of O. Without it, every
+      // step raises the base to the max and rescales.
+      float mx[2];
+      bool raise = false;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float mx = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        const float new_max = fmaxf(row_max[i], mx);
-        const float base = new_max == -INFINITY ? 0.f : new_max;
-        const float alpha = exp2f(row_max[i] - base);
-        row_max[i] = new_max;
+        mx[i] = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        raise = raise || mx[i] > row_max[i] + kRescaleSlack;
+      }
+      if (!LazyRescale(D) || __any_sync(0xffffffffu, raise)) {
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          const float new_max = fmaxf(row_max[i], mx[i]);
+          const float alpha = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+          row_max[i] = new_max;
+          row_sum[i] *= alpha;
+#pragma unroll
+          for (int dt = 0; dt < D / 8; ++dt) {
+            o[dt][2 * i] *= alpha;
+            o[dt][2 * i + 1] *= alpha;
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const float base = row_max[i] == -INFINITY ? 0.f : row_max[i];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
           s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
         }
-        row_sum[i] =
-            row_sum[i] * alpha + s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-          o[dt][2 * i] *= alpha;
-          o[dt][2 * i + 1] *= alpha;
-        }
+        row_sum[i] += s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
       }
 
       // O += P V: P's accumulator layout is the A operand layout of the next mma.

@@ -54,6 +54,8 @@ struct CaseSpec {
   // steps[s][i]: sequence i in Forward s. Every Forward's output is checked.
   std::vector<std::vector<SpanSpec>> steps;
   uint32_t seed = 1;
+  // K at position p scaled by 1 + k_ramp * p / 1024: scores that grow along the sequence.
+  float k_ramp = 0.f;
 };
 
 std::string Describe(const CaseSpec& c) {
@@ -143,8 +145,9 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
                              s.pages.begin() + sp.num_pages);
       // New K/V rows: random in the wire dtype; the cache holds them rounded to its dtype.
       for (int64_t e = 0; e < int64_t{sp.num_new_tokens} * Hkv * D; ++e) {
+        const float k_scale = 1.f + c.k_ramp * static_cast<float>(s.len + e / (Hkv * D)) / 1024.f;
         for (int kv = 0; kv < 2; ++kv) {
-          const float wire = RoundTo(c.kv_wire_dtype, uni(rng));
+          const float wire = RoundTo(c.kv_wire_dtype, uni(rng) * (kv == 0 ? k_scale : 1.f));
           auto& bytes = kv == 0 ? k_bytes : v_bytes;
           const size_t at = bytes.size();
           bytes.resize(at + kv_size);
@@ -283,6 +286,23 @@ TEST_F(CudaKernelTest, SweepPageSizeHeadDimGqa) {
         ++index;
       }
     }
+  }
+}
+
+// Scores that grow along the sequence (K scaled up with the position, to ~40x at the end) make
+// the decode tile raise its lazy softmax base again and again, each time by far more than its
+// slack; head_dim 64 rescales at every step. Split and unsplit decode, q exact in the cache
+// dtype so that scores of tens of nats carry no rounding of q.
+TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
+  for (int d : {64, 128, 256}) {
+    CaseSpec c;
+    c.head_dim = d;
+    c.q_dtype = c.cache_dtype;
+    c.kv_wire_dtype = DType::kBFloat16;
+    c.k_ramp = 7.f;
+    c.steps = {{{6000, 1}, {700, 1}}, {{1, 1}, {1, 1}}};
+    c.seed = 77 + d;
+    RunCase(*backend_, c);
   }
 }
 

@@ -289,17 +289,19 @@ TEST_F(CudaKernelTest, SweepPageSizeHeadDimGqa) {
   }
 }
 
-// Scores that grow along the sequence (K scaled up with the position, to ~40x at the end) make
-// the decode tile raise its lazy softmax base again and again, each time by far more than its
-// slack; head_dim 64 rescales at every step. Split and unsplit decode, q exact in the cache
-// dtype so that scores of tens of nats carry no rounding of q.
+// Scores that grow steeply along the sequence (K scaled up with the position, 1 + p / 4) make
+// the decode tile raise its lazy softmax base again and again, by far more than its slack: a
+// base left where a split's first tile put it would overflow 2^(s - base) within that split
+// (a kernel that never raised it failed here; one with the slack alone passed before the ramp
+// was this steep). head_dim 64 rescales at every step. Split and unsplit decode, q exact in
+// the cache dtype so that scores of thousands carry no rounding of q.
 TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
   for (int d : {64, 128, 256}) {
     CaseSpec c;
     c.head_dim = d;
     c.q_dtype = c.cache_dtype;
     c.kv_wire_dtype = DType::kBFloat16;
-    c.k_ramp = 7.f;
+    c.k_ramp = 256.f;
     c.steps = {{{6000, 1}, {700, 1}}, {{1, 1}, {1, 1}}};
     c.seed = 77 + d;
     RunCase(*backend_, c);

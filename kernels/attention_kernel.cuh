@@ -503,8 +503,8 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 
 // The decode tile's lazy softmax base may trail the row's max by up to this much (log2 units):
 // P <= 2^8 before normalization. Lazy at head_dim 128 and 256, where skipping the rescale of O
-// (D/4 multiplies a thread per step) made 1 x 32768 0.6 us faster; at head_dim 64 the vote and
-// branch cost more than the 16 multiplies they save (1-2% slower on the H200).
+// (D/2 multiplies a thread per step) made 1 x 32768 0.6 us faster; at head_dim 64 the vote and
+// branch cost more than the 32 multiplies they save (0.8-2.5% slower on the H200).
 inline constexpr float kRescaleSlack = 8.f;
 constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 

@@ -72,14 +72,6 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_
                : "r"(smem_addr));
 }
 
-// The 8x8 b16 matrix whose row lane/4, columns 2*(lane%4) and +1 this thread holds (packed),
-// transposed: this thread gets the same position of the transpose.
-__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
-  uint32_t y;
-  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-  return y;
-}
-
 // 16-byte global -> shared copy; when !valid the destination is zero-filled and src unread.
 __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, bool valid) {
   const int src_size = valid ? 16 : 0;
@@ -516,86 +508,9 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 inline constexpr float kRescaleSlack = 8.f;
 constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 
-// One warp's 16 positions (rows row0.. of the stage's K and V tiles) in the 8-row decode tile
-// (AttentionTileBody's SWAP): S^T = K Q^T (16 positions x 8 rows), masked and scaled, the online
-// softmax per row (a row's positions lie across the lanes of one quad_col), then
-// O^T += V^T P^T. q_b[kc][0..1]: Q's B operand per k step; o[m] (m < D/16): O^T's m-th 16 dims;
-// row state for rows 2 * quad_col and + 1.
-template <typename T, int D>
-__device__ __forceinline__ void SwappedStep(const uint32_t (&q_b)[D / 16][4], const T* sk,
-                                            const T* sv, int row0, int pos0, int kv_end,
-                                            const int (&q_pos)[2], float scale_log2,
-                                            float (&o)[D / 8][4], float (&row_max)[2],
-                                            float (&row_sum)[2]) {
-  const int lane = threadIdx.x & 31, quad_row = lane >> 2;
-  float st[4] = {0.f, 0.f, 0.f, 0.f};  // (position quad_row, + 8) x (row 2 * quad_col, + 1)
-#pragma unroll
-  for (int kc = 0; kc < D / 16; ++kc) {
-    uint32_t a[4];
-    const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
-    LdMatrixX4(a, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
-    Mma16816<T>(st, a, q_b[kc][0], q_b[kc][1]);
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) {
-    const int pos = pos0 + quad_row + 8 * (e >> 1);
-    const bool visible = pos < kv_end && pos <= q_pos[e & 1];
-    st[e] = visible ? st[e] * scale_log2 : -INFINITY;
-  }
-  // The online softmax of AttentionTileBody, per row across the 8 lanes of its quad_col.
-  float mx[2];
-  bool raise = false;
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    mx[i] = fmaxf(st[i], st[2 + i]);
-#pragma unroll
-    for (int o_lane = 4; o_lane < 32; o_lane <<= 1) {
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o_lane));
-    }
-    raise = raise || mx[i] > row_max[i] + kRescaleSlack;
-  }
-  if (!LazyRescale(D) || __any_sync(0xffffffffu, raise)) {
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const float new_max = fmaxf(row_max[i], mx[i]);
-      const float alpha = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
-      row_max[i] = new_max;
-      row_sum[i] *= alpha;
-#pragma unroll
-      for (int m = 0; m < D / 16; ++m) {
-        o[m][i] *= alpha;
-        o[m][2 + i] *= alpha;
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < 2; ++i) {
-    const float base = row_max[i] == -INFINITY ? 0.f : row_max[i];
-    st[i] = exp2f(st[i] - base);
-    st[2 + i] = exp2f(st[2 + i] - base);
-    row_sum[i] += st[i] + st[2 + i];
-  }
-  // P^T's two 8-position halves, transposed: the B operand (positions x rows) of O^T += V^T P^T.
-  const uint32_t b0 = MovMatrixTrans(PackPair<T>(st[0], st[1]));
-  const uint32_t b1 = MovMatrixTrans(PackPair<T>(st[2], st[3]));
-#pragma unroll
-  for (int m = 0; m < D / 16; ++m) {
-    uint32_t a[4];
-    const int r = row0 + (lane & 7) + 8 * (lane >> 4);
-    LdMatrixX4Trans(a, SmemAddr(sv + SwizzledOffset<D>(r, 2 * m + ((lane >> 3) & 1))));
-    Mma16816<T>(o[m], a, b0, b1);
-  }
-}
-
-// SWAP (the 8-row decode tile: MW 1, items of at most 8 rows, head_dim <= 128): S^T = K Q^T and
-// O^T += V^T P^T, so that the positions fill the m16 side of each mma and the rows its n8 side,
-// instead of 16 rows of which a GQA group of 4 fills a quarter: half the mma instructions, half
-// the accumulators and exponentials. P^T goes from the accumulator layout to the B operand
-// through movmatrix.
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0, bool SWAP = false>
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                   const AttentionWorkItem* items) {
-  static_assert(!SWAP || (MW == 1 && D <= 128), "the 8-row tile: one row warp, Q in registers");
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
@@ -714,13 +629,10 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY};
   float row_sum[2] = {0.f, 0.f};
-  // The last position row i of this thread may see (-1: no row). Its rows: quad_row and
-  // quad_row + 8 of the warp's 16, or with SWAP 2 * quad_col and + 1 of the tile's 8.
   int q_pos[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int span_row =
-        item.row_start + (SWAP ? 2 * quad_col + i : mw * 16 + quad_row + 8 * i);
+    const int span_row = item.row_start + mw * 16 + quad_row + 8 * i;
     q_pos[i] = span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX);
   }
   // Last position any row of this warp may see: sub-tiles past it are skipped.
@@ -744,20 +656,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
     if (tile == 0) TimelineStamp<EXP>(2);
-    if constexpr (SWAP) {
-      // Q as the B operand of S^T (rows 0-7, dims of k step kc in q_frag[kc][0..1]).
-      if (tile == 0) {
-#pragma unroll
-        for (int j = 0; j < D / 32; ++j) {
-          uint32_t b[4];
-          LdMatrixX4(b, SmemAddr(warp_q + SwizzledOffset<D>(lane & 7, 4 * j + (lane >> 3))));
-          q_frag[2 * j][0] = b[0];
-          q_frag[2 * j][1] = b[1];
-          q_frag[2 * j + 1][0] = b[2];
-          q_frag[2 * j + 1][1] = b[3];
-        }
-      }
-    } else if constexpr (Cfg::kQInRegisters) {
+    if constexpr (Cfg::kQInRegisters) {
       if (tile == 0) {
 #pragma unroll
         for (int kc = 0; kc < D / 16; ++kc) load_q_frag(kc, q_frag[kc]);
@@ -772,11 +671,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
       if (pos0 >= item.kv_end || pos0 > warp_max_pos) continue;  // warp-uniform
       if constexpr ((EXP & kExpNoCompute) != 0) continue;
-      if constexpr (SWAP) {
-        SwappedStep<T, D>(q_frag, sk, sv, row0, pos0, item.kv_end, q_pos, scale_log2, o,
-                          row_max, row_sum);
-        continue;
-      }
 
       // S = Q K^T over 16 positions: two n8 tiles.
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
@@ -864,13 +758,10 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   CpAsyncWait<0>();
   TimelineStamp<EXP>(3);
 
-  // Each row's sum over the lanes that hold its positions.
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-#pragma unroll
-    for (int o_lane = SWAP ? 4 : 1; o_lane < (SWAP ? 32 : 4); o_lane <<= 1) {
-      row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], o_lane);
-    }
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 1);
+    row_sum[i] += __shfl_xor_sync(0xffffffffu, row_sum[i], 2);
   }
 
   // The KW warps that split each KV tile combine their (max, sum, O) through shared memory:
@@ -883,26 +774,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   float* red_max = red_o + KW * Cfg::kRows * Cfg::kRedStride;  // [KW][kRows]
   float* red_sum = red_max + KW * Cfg::kRows;                  // [KW][kRows]
   const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
-  if constexpr (SWAP) {
-    // O^T: this thread holds dims 16m + quad_row (and + 8) of rows 2 * quad_col and + 1.
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int r = 2 * quad_col + i;
-      if (r >= live_rows) continue;
-      if (quad_row == 0) {
-        red_max[kw * Cfg::kRows + r] = row_max[i];
-        red_sum[kw * Cfg::kRows + r] = row_sum[i];
-      }
-      float* dst = red_o + (kw * Cfg::kRows + r) * Cfg::kRedStride + quad_row;
-#pragma unroll
-      for (int m = 0; m < D / 16; ++m) {
-        dst[16 * m] = o[m][i];
-        dst[16 * m + 8] = o[m][2 + i];
-      }
-    }
-  }
-#pragma unroll
-  for (int i = 0; i < (SWAP ? 0 : 2); ++i) {
+  for (int i = 0; i < 2; ++i) {
     const int r = mw * 16 + quad_row + 8 * i;
     if (r >= live_rows) continue;
     if (quad_col == 0) {
@@ -977,17 +850,10 @@ inline int NumTileItems(const PagedAttentionParams& p) {
 
 inline constexpr int kMaxDevices = 64;
 
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0, bool SWAP = false>
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES, EXP, SWAP>(params, TileItems<MW>(params));
-}
-
-// Whether a launch of the 16-row decode tiles runs as the 8-row tile (AttentionTileBody's SWAP):
-// every decode item has at most 8 rows (the planner's max_decode_rows), at head_dim <= 128.
-template <int D, int MW, int EXP>
-bool UseEightRowTile(const PagedAttentionParams& params) {
-  return MW == 1 && D <= 128 && EXP == 0 && params.max_decode_rows <= 8;
+  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params));
 }
 
 // One kernel's record of the devices whose shared-memory limit it has raised. Once every
@@ -1036,15 +902,10 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
-  constexpr bool kHasEightRowTile = MW == 1 && D <= 128 && EXP == 0;
-  const bool eight_rows = UseEightRowTile<D, MW, EXP>(params);
-  auto kernel = eight_rows ? PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP, kHasEightRowTile>
-                           : PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
+  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
   constexpr size_t smem = Cfg::SmemBytes();
-  static SmemLimitFlags smem_raised, smem_raised_eight_rows;
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem,
-                                           eight_rows ? smem_raised_eight_rows : smem_raised,
-                                           "paged attention");
+  static SmemLimitFlags smem_raised;
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
       !st.ok()) {
     return st;
   }

@@ -55,7 +55,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->partial_rows = 0;
   work->separate_merge = false;
   work->merge_rows = 0;
-  work->max_decode_rows = 0;
   const int group = num_q_heads / num_kv_heads;
 
   std::vector<Tile> tiles;
@@ -177,11 +176,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
                                      static_cast<int32_t>(work->partial_rows), tile_rows});
         work->merge_rows = std::max(work->merge_rows, tile.num_rows);
         work->partial_rows += splits * tile_rows;
-      }
-    }
-    for (size_t t = first; t < last; ++t) {
-      if (tiles[t].tile_rows == kDecodeTileRows) {
-        work->max_decode_rows = std::max(work->max_decode_rows, tiles[t].num_rows);
       }
     }
     for (int64_t s = 0; s < max_splits; ++s) {

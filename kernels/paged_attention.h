@@ -125,9 +125,6 @@ struct AttentionWork {
   // head) in its own block instead, at the price of a launch.
   bool separate_merge = false;
   int32_t merge_rows = 0;  // Rows of the largest merge task.
-  // Rows of the largest 16-row decode item; at most 8 runs them as 8-row tiles (positions on
-  // the mma's 16-wide side, rows on its 8-wide side: half the tensor-core work for GQA <= 8).
-  int32_t max_decode_rows = 0;
   // The persistent Hopper prefill kernel's schedule (SchedulePrefillJobs): block b runs
   // prefill_jobs[prefill_job_start[b] .. prefill_job_start[b + 1]) in that order. Empty when
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
@@ -203,9 +200,6 @@ struct PagedAttentionParams {
   int32_t* merge_counters = nullptr;
   bool separate_merge = false;  // AttentionWork::separate_merge
   int32_t merge_rows = 0;       // AttentionWork::merge_rows
-  // AttentionWork::max_decode_rows; the 16-row tiles run as 8-row tiles when it is at most 8.
-  // The default runs them as 16-row tiles, right for any items.
-  int32_t max_decode_rows = kDecodeTileRows;
   // AttentionWork's prefill schedule; the Hopper prefill kernel needs it (one block each of
   // num_prefill_blocks).
   const AttentionPrefillJob* prefill_jobs = nullptr;

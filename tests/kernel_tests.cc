@@ -699,7 +699,6 @@ class SeparateMergeLaunch {
     p_.num_merge_tasks = static_cast<int32_t>(work_.merge_tasks.size());
     p_.separate_merge = work_.separate_merge;
     p_.merge_rows = work_.merge_rows;
-    p_.max_decode_rows = work_.max_decode_rows;
     p_.partial_out = static_cast<float*>(Upload(nullptr, work_.partial_rows * kDim * 4));
     p_.partial_lse = static_cast<float*>(Upload(nullptr, work_.partial_rows * 4));
     p_.partial_rows = work_.partial_rows;
@@ -894,30 +893,6 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
 
 // Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
 // their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
-// max_decode_rows (which picks the 8-row decode tile at launch) is the most rows any 16-row
-// decode item has: one query of GQA 4 or 8 stays within 8 rows; three queries of GQA 4 do not;
-// a span in the 32-row or prefill tiles does not count.
-TEST(AttentionPlan, MaxDecodeRowsOfTheSixteenRowItems) {
-  struct Case {
-    std::vector<kernels::AttentionSpan> spans;
-    int q_heads, kv_heads, want;
-  };
-  const Case cases[] = {
-      {{{0, 0, 1, 5000}, {1, 400, 1, 300}}, 32, 8, 4},
-      {{{0, 0, 1, 5000}}, 64, 8, 8},
-      {{{0, 0, 1, 5000}, {1, 400, 3, 300}}, 32, 8, 12},
-      {{{0, 0, 1, 5000}, {1, 400, 8, 300}, {9, 700, 200, 900}}, 32, 8, 4},  // 32 and 128 rows
-      {{{0, 0, 40, 900}}, 32, 8, 0},  // prefill tiles only
-  };
-  for (const Case& c : cases) {
-    kernels::AttentionWork work;
-    kernels::PlanAttentionWork(c.spans.data(), static_cast<int>(c.spans.size()), c.q_heads,
-                               c.kv_heads, /*causal=*/true, 264, &work);
-    EXPECT_EQ(work.max_decode_rows, c.want) << c.spans.size() << " spans, " << c.q_heads << "/"
-                                            << c.kv_heads << " heads";
-  }
-}
-
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
   kernels::AttentionWork work;

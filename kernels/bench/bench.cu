@@ -683,7 +683,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
   p.separate_merge = work.separate_merge;
   p.merge_rows = work.merge_rows;
-  p.max_decode_rows = work.max_decode_rows;
   BENCH_CHECK_CUDA(
       cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.partial_lse, std::max<int64_t>(1, work.partial_rows * Hkv) * 4));

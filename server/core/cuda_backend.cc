@@ -397,7 +397,6 @@ class CudaBackend final : public Backend {
       p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
       p.separate_merge = work.separate_merge;
       p.merge_rows = work.merge_rows;
-      p.max_decode_rows = work.max_decode_rows;
       p.partial_out = reinterpret_cast<float*>(d + L.partial_out);
       p.partial_lse = reinterpret_cast<float*>(d + L.partial_lse);
       p.partial_rows = work.partial_rows;

@@ -560,8 +560,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     int id[Cfg::kRowsPerThread];
     uint32_t offset[kKeepOffsets ? Cfg::kRowsPerThread : 1];
   };
-  auto in_page_offset = [&](int pos) {
-    return head_chunk_bytes + (pos - p.page_div.Div(pos) * p.page_size) * kRowBytes;
+  auto in_page_offset = [&](int pos, uint32_t page) {  // page: pos / page_size
+    return head_chunk_bytes + (pos - page * p.page_size) * kRowBytes;
   };
   auto fetch_pages = [&](int tile, TileRows& rows) {
 #pragma unroll
@@ -575,7 +575,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
         rows.id[i] = valid ? pages[page] : 0;
       }
       if constexpr (kKeepOffsets) {
-        rows.offset[i] = valid ? head_chunk_bytes + (pos - page * p.page_size) * kRowBytes : 0;
+        rows.offset[i] = valid ? in_page_offset(pos, page) : 0;
       }
     }
   };
@@ -591,7 +591,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       if constexpr (kKeepOffsets) {
         in_page = rows.offset[i];
       } else {
-        in_page = valid ? in_page_offset(pos) : 0;
+        in_page = valid ? in_page_offset(pos, p.page_div.Div(pos)) : 0;
       }
       const uint64_t offset =
           static_cast<uint64_t>(static_cast<uint32_t>(rows.id[i])) * page_bytes + in_page;

@@ -828,6 +828,10 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   const double kv_bytes = 2.0 * positions * Hkv * D * esize;
 
   char row[768];
+  // The error as a JSON value: an --exp variant's output can be NaN or infinite, which JSON
+  // has no number for.
+  char err_field[32] = "null";
+  if (std::isfinite(worst_err)) std::snprintf(err_field, sizeof(err_field), "%.3g", worst_err);
   // Blocks launched: one per decode item and kv head, and the prefill kernel's (one per
   // schedule entry when persistent, one per item and kv head otherwise).
   const size_t blocks =
@@ -841,10 +845,10 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                   "{\"suite\": \"prefill\", \"batch\": %d, \"seqlen\": %d, \"q_heads\": %d, "
                   "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
                   "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
-                  "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
+                  "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
                   "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\"}",
                   B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
-                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, worst_err, blocks,
+                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, err_field, blocks,
                   cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma"
                                                                                      : "mma.sync",
                   cfg.graph_launch ? "graph" : "plain");
@@ -855,13 +859,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         row, sizeof(row),
         "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
         "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
-        "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %.3g, "
+        "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
         "\"kv_chunk\": %d, \"merge\": \"%s\", \"launch\": \"%s\", "
         "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
         "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d}",
         B, ctx_field.c_str(), Hq, Hkv, D, ps,
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
-        b2b_ms * 1e3 / kBackToBack, worst_err, work.kv_chunk,
+        b2b_ms * 1e3 / kBackToBack, err_field, work.kv_chunk,
         work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
         cfg.graph_launch ? "graph" : "plain", blocks, copies,
         static_cast<long long>(positions), cfg.stages, read_t * 1e6,

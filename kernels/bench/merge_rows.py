@@ -9,6 +9,11 @@ import os
 import sys
 
 
+def err_text(err):
+    """max_rel_err as printed; null (an --exp variant's NaN or infinite error) as "none"."""
+    return "none" if err is None else "%.2g" % err
+
+
 def main():
     src, out = sys.argv[1], sys.argv[2]
     rows = []
@@ -23,7 +28,7 @@ def main():
         value = r.get("tflops", r.get("tbps"))
         print(r["variant"], r["batch"], r.get("seqlen", r.get("ctx")), r.get("head_dim"),
               r.get("kernel", ""), value, "b2b_us=%.1f" % r.get("b2b_time_us", 0),
-              "err=%.2g" % r.get("max_rel_err", 0), r.get("read_tbps", ""))
+              "err=" + err_text(r.get("max_rel_err", 0)), r.get("read_tbps", ""))
 
 
 if __name__ == "__main__":

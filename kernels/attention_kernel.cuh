@@ -101,6 +101,15 @@ __device__ __forceinline__ void CpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
 }
 
+// 2^x on the SFU alone (ex2.approx.ftz: no range fix-up around it); 2^-inf = 0.
+// Results below 2^-126 flush to 0: a softmax weight that small adds nothing to a sum that
+// holds its row's largest weight (1 when the base was set, up to 2^kRescaleSlack).
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -672,8 +681,11 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       if (pos0 >= item.kv_end || pos0 > warp_max_pos) continue;  // warp-uniform
       if constexpr ((EXP & kExpNoCompute) != 0) continue;
 
-      // S = Q K^T over 16 positions: two n8 tiles.
+      // S = Q K^T over 16 positions: two n8 tiles, each summed over head_dim in two
+      // accumulators (even and odd k chunks) up to head_dim 128, so that the dependent mma chain
+      // before the softmax is D/32 deep rather than D/16 (at 256 the registers are spent).
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
         uint32_t a[4];
@@ -686,8 +698,16 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
         uint32_t b[4];
         const int r = row0 + (lane & 7) + 8 * (lane >> 4);
         LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
-        Mma16816<T>(s[0], a, b[0], b[1]);
-        Mma16816<T>(s[1], a, b[2], b[3]);
+        float(&acc)[2][4] = (D <= 128 && (kc & 1)) ? s_odd : s;
+        Mma16816<T>(acc[0], a, b[0], b[1]);
+        Mma16816<T>(acc[1], a, b[2], b[3]);
+      }
+      if constexpr (D <= 128) {
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][e] += s_odd[nt][e];
+        }
       }
 
       // Mask (split end, causal) and scale to log2 units.
@@ -706,21 +726,23 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       // its base, and O and the running sum are rescaled then only. Otherwise P stays below
       // 2^kRescaleSlack, well within f32 and the P operand's exponent range, and the common
       // step (the max settles after the first tiles) skips the rescale of O. Without it, every
-      // step raises the base to the max and rescales.
+      // step raises the base to the max and rescales. Each thread tests its own scores (some
+      // score of a row is over the bar exactly when the row's max is), so the row's max across
+      // its quad of threads is found only when the base is raised.
       float mx[2];
       bool raise = false;
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
         mx[i] = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
-        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
         raise = raise || mx[i] > row_max[i] + kRescaleSlack;
       }
       if (!LazyRescale(D) || __any_sync(0xffffffffu, raise)) {
 #pragma unroll
         for (int i = 0; i < 2; ++i) {
+          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+          mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
           const float new_max = fmaxf(row_max[i], mx[i]);
-          const float alpha = exp2f(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+          const float alpha = FastExp2(row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
           row_max[i] = new_max;
           row_sum[i] *= alpha;
 #pragma unroll
@@ -735,8 +757,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
         const float base = row_max[i] == -INFINITY ? 0.f : row_max[i];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          s[nt][2 * i] = exp2f(s[nt][2 * i] - base);
-          s[nt][2 * i + 1] = exp2f(s[nt][2 * i + 1] - base);
+          s[nt][2 * i] = FastExp2(s[nt][2 * i] - base);
+          s[nt][2 * i + 1] = FastExp2(s[nt][2 * i + 1] - base);
         }
         row_sum[i] += s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
       }

@@ -43,13 +43,6 @@ struct PrefillTileConfig {
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
 };
 
-// 2^x on the SFU alone (ex2.approx.ftz: no range fix-up around it); 2^-inf = 0.
-__device__ __forceinline__ float FastExp2(float x) {
-  float y;
-  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
-  return y;
-}
-
 template <typename T, int D>
 __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   using Cfg = PrefillTileConfig<T, D>;

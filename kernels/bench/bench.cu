@@ -412,11 +412,11 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     if (run == 4 && !raw_path.empty()) {
       FILE* f = std::fopen(raw_path.c_str(), "w");
       if (f) {
+        // x: the work item (the split), y: the kv head (AttentionTileGrid is item-major).
         std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums\n");
-        const int gx = blocks / p.num_kv_heads;
         for (int i = 0; i < blocks; ++i) {
           const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-          std::fprintf(f, "%d,%d,%llu,%llu", i % gx, i / gx, r[6], r[7]);
+          std::fprintf(f, "%d,%d,%llu,%llu", i / p.num_kv_heads, i % p.num_kv_heads, r[6], r[7]);
           for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10}) {
             std::fprintf(f, ",%lld", r[slot] ? static_cast<long long>(r[slot] - t0) : -1ll);
           }
@@ -501,7 +501,7 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   // The same decode tile launched through each host path, host time and event time each.
   auto tile_kernel = PagedAttentionTileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>;
-  const dim3 tile_grid(p.num_decode_items, p.num_kv_heads);
+  const dim3 tile_grid = AttentionTileGrid(p.num_decode_items, p.num_kv_heads);
   PagedAttentionParams lp = p;
   lp.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
   void* args[] = {&lp};

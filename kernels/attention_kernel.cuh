@@ -531,7 +531,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // A separate merge launched after these tiles (LaunchKernelPairWithParams) may be scheduled
   // now: its blocks wait for this grid's end in griddepcontrol.wait.
   AllowDependentLaunch();
-  // Blocks go item-major (AttentionTileGrid): the kv heads of one work item are neighbours in
+  // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages.
   const AttentionWorkItem item = items[blockIdx.x / p.num_kv_heads];
@@ -919,11 +919,6 @@ LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& rais
   return LaunchStatus::Ok();
 }
 
-// The tile kernels' grid: one block per (work item, kv head), item-major (AttentionTileBody).
-inline dim3 AttentionTileGrid(int num_items, int num_kv_heads) {
-  return dim3(static_cast<unsigned>(num_items) * static_cast<unsigned>(num_kv_heads));
-}
-
 // then: a kernel to launch right after the tiles, programmatically dependent on them (the
 // separate merge); null for none.
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
@@ -939,12 +934,11 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
       !st.ok()) {
     return st;
   }
-  if (int64_t{num_items} * params.num_kv_heads > INT32_MAX) {
-    return LaunchStatus::Unsupported("paged attention: " + std::to_string(num_items) +
-                                     " tiles x " + std::to_string(params.num_kv_heads) +
-                                     " kv heads is over 2^31 - 1 blocks; split the batch");
+  unsigned blocks = 0;
+  if (LaunchStatus st = TileGridBlocks(num_items, params.num_kv_heads, &blocks); !st.ok()) {
+    return st;
   }
-  const dim3 grid = AttentionTileGrid(num_items, params.num_kv_heads);
+  const dim3 grid(blocks);
   if (then != nullptr) {
     const KernelLaunch tiles = {reinterpret_cast<const void*>(kernel), grid, dim3(Cfg::kThreads),
                                 smem};

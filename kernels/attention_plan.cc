@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <functional>
 #include <queue>
+#include <string>
 #include <utility>
 
 #include "kernels/paged_attention.h"
@@ -43,6 +44,17 @@ constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 constexpr int64_t kPrefillJobCost = 128;
 
 }  // namespace
+
+LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks) {
+  const int64_t n = num_items * num_kv_heads;
+  if (n > INT32_MAX) {
+    return LaunchStatus::Unsupported("paged attention: " + std::to_string(num_items) +
+                                     " tiles x " + std::to_string(num_kv_heads) +
+                                     " kv heads is over 2^31 - 1 blocks; split the batch");
+  }
+  *blocks = static_cast<unsigned>(n);
+  return LaunchStatus::Ok();
+}
 
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk) {

@@ -143,6 +143,12 @@ struct AttentionWork {
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256);
 
+// The decode tile kernels run one block per (work item, kv head) in a one-dimensional grid,
+// item-major (the kv heads of an item next to each other, so that the blocks running at once
+// read whole pages). Its size: the block count, or an error naming both numbers when it is over
+// the 2^31 - 1 blocks one grid dimension takes.
+LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks);
+
 // Deals the prefill items x kv heads to `blocks` persistent blocks (greedy, in the planner's
 // order: each job goes to the block that is free first by an estimate of its length), so that
 // each block's jobs run back to back and the next job's K/V loads overlap the end of the last.

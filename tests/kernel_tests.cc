@@ -891,6 +891,20 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
 }
 
+// The tile grid is one block per (work item, kv head) in one dimension: its size, and a refusal
+// naming both numbers once it would pass the 2^31 - 1 blocks of a grid dimension.
+TEST(AttentionPlan, TileGridBlocksFitOneDimension) {
+  unsigned blocks = 0;
+  ASSERT_TRUE(kernels::TileGridBlocks(33, 8, &blocks).ok());
+  EXPECT_EQ(blocks, 264u);
+  ASSERT_TRUE(kernels::TileGridBlocks(int64_t{1} << 21, 1023, &blocks).ok());
+  EXPECT_EQ(blocks, (1u << 21) * 1023u);
+  const kernels::LaunchStatus over = kernels::TileGridBlocks(int64_t{1} << 21, 1024, &blocks);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.message().find("2097152 tiles x 1024 kv heads"), std::string::npos)
+      << over.message();
+}
+
 // Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
 // their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {

@@ -412,7 +412,7 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     if (run == 4 && !raw_path.empty()) {
       FILE* f = std::fopen(raw_path.c_str(), "w");
       if (f) {
-        // x: the work item (the split), y: the kv head (AttentionTileGrid is item-major).
+        // x: the work item (the split), y: the kv head (TileGridBlocks: item-major).
         std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums\n");
         for (int i = 0; i < blocks; ++i) {
           const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
@@ -501,7 +501,9 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   // The same decode tile launched through each host path, host time and event time each.
   auto tile_kernel = PagedAttentionTileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>;
-  const dim3 tile_grid = AttentionTileGrid(p.num_decode_items, p.num_kv_heads);
+  unsigned tile_blocks = 0;
+  CheckLaunch(TileGridBlocks(p.num_decode_items, p.num_kv_heads, &tile_blocks), "tile grid");
+  const dim3 tile_grid(tile_blocks);
   PagedAttentionParams lp = p;
   lp.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
   void* args[] = {&lp};

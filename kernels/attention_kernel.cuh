@@ -1057,15 +1057,7 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
           dim3(kMergeThreads), 0};
 }
 
-template <int D>
-LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream) {
-  const KernelLaunch k = MergeSplitsLaunch<D>(params);
-  return LaunchKernelWithParams(k.func, k.grid, k.block, k.smem, stream, &params, sizeof(params),
-                                "split-KV merge");
-}
-
-#define PAGEDATTN_INSTANTIATE_MERGE(D)                                                  \
-  template LaunchStatus LaunchMergeSplits<D>(const PagedAttentionParams&, cudaStream_t); \
+#define PAGEDATTN_INSTANTIATE_MERGE(D) \
   template KernelLaunch MergeSplitsLaunch<D>(const PagedAttentionParams&);
 
 // Explicit instantiation of both decode tile shapes for one (dtype, head_dim).

@@ -117,10 +117,8 @@ template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
 
 // The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
-// per (merge task, row, kv head); instantiated beside the tile kernels for each head_dim.
-template <int D>
-LaunchStatus LaunchMergeSplits(const PagedAttentionParams& params, cudaStream_t stream);
-// The separate merge's kernel and grid, for LaunchAttentionTiles' `then`.
+// per (merge task, row, kv head): its kernel and grid, for LaunchAttentionTiles' `then` (or a
+// launch of its own after prefill tiles); instantiated beside the tile kernels for each head_dim.
 template <int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 

@@ -209,9 +209,9 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
       return st;
     }
   }
-  if (separate_merge) {
-    return DispatchHeadDim(params.head_dim,
-                           [&](auto d) { return LaunchMergeSplits<decltype(d)::value>(params, stream); });
+  if (separate_merge) {  // after prefill tiles: a launch of its own
+    return LaunchKernelWithParams(merge.func, merge.grid, merge.block, merge.smem, stream, &params,
+                                  sizeof(params), "split-KV merge");
   }
   return LaunchStatus::Ok();
 }

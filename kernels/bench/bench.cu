@@ -320,23 +320,29 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
     return LaunchStatus::Unsupported("--stages variants exist for bf16, head_dim 128 decode only");
   }
   p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  // The plan's separate merge goes with the tiles as one dependent launch, as
+  // LaunchPagedAttention launches it.
+  KernelLaunch merge;
+  const KernelLaunch* then = nullptr;
+  if (p.separate_merge && p.num_merge_tasks > 0) {
+    merge = MergeSplitsLaunch<128>(p);
+    then = &merge;
+  }
   LaunchStatus st = LaunchStatus::Unsupported("--stages must be 2..5");
   switch (cfg.stages) {
     case 2:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
       break;
     case 3:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
       break;
     case 4:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
       break;
     case 5:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream);
+      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
       break;
   }
-  // The plan's separate merge, as LaunchPagedAttention runs it after the tiles.
-  if (st.ok() && p.separate_merge && p.num_merge_tasks > 0) st = LaunchMergeSplits<128>(p, stream);
   return st;
 }
 

@@ -409,6 +409,25 @@ TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
   }
 }
 
+// A long decode on one kv head beside a prefill span: the decode tiles' splits go to the
+// separate merge, which then runs as a launch of its own after the prefill tiles.
+TEST_F(CudaKernelTest, SeparateMergeAfterPrefillTiles) {
+  for (int gqa : {16, 32}) {  // decode tiles, wide decode tiles
+    CaseSpec c;
+    c.num_kv_heads = 1;
+    c.gqa = gqa;
+    c.steps = {{{30000, 0}, {400, 0}}, {{1, 1}, {64, 64}}};
+    int target = 0;
+    ASSERT_TRUE(kernels::AttentionTargetBlocks(c.cache_dtype, c.head_dim, &target).ok());
+    std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 64, 464}};
+    kernels::AttentionWork work;
+    kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, target, &work);
+    ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
+    ASSERT_FALSE(work.prefill_items.empty()) << "the case no longer has prefill tiles";
+    RunCase(*backend_, c);
+  }
+}
+
 // Long chunked prefill against 10k of history, and a non-causal prefill.
 TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   CaseSpec c;

@@ -5,6 +5,7 @@
 #
 #   there:  bash kernels/bench/ab_decode.sh .stage $OUT .stage/bin/pagedattn-bench-old [ROUNDS]
 #   here:   python3 kernels/bench/compare.py OUT/ab.json OUT/peers.json
+#           python3 kernels/bench/rounds.py OUT/ab.json   (each variant's rounds side by side)
 # Rows carry "variant": the run's name (new_r1, old_r1, new_d64, ...). EXTRA="--stages 2" adds
 # a run of the new binary per round with those flags (variant newx_rN).
 set -uo pipefail

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Decode beyond the default configuration, pagedattn-bench and peers.py on the same shapes in one
 # call: head_dim 64 and 256, 64 q / 8 kv heads, MHA (32 / 32), float16, and group sizes other
-# than 4: 28 q / 4 kv (7), 40 q / 8 kv (5), 16 q / 8 kv (2), 8 q / 1 kv (8 on one kv head).
+# than 4: 28 q / 4 kv (7), 40 q / 8 kv (5), 16 q / 8 kv (2), 8 q / 1 kv (8 on one kv head);
+# short contexts (small) and longer ones (long) at the default heads.
 #
 #   there:  bash kernels/bench/run_beyond_defaults.sh .stage $OUT          (carry [".stage"])
 #           ONLY="gqa7 gqa5" bash kernels/bench/run_beyond_defaults.sh ...  (those groups only)
@@ -27,6 +28,8 @@ both gqa7 "1,32768 16,4096 64,4096 128,8192" --q-heads 28 --kv-heads 4
 both gqa5 "1,32768 16,4096 64,4096" --q-heads 40 --kv-heads 8
 both gqa2 "1,32768 16,4096 64,4096" --q-heads 16 --kv-heads 8
 both kv1gqa8 "1,32768 16,4096 64,4096" --q-heads 8 --kv-heads 1
+both small "4,512 8,2048 32,1024 64,512 256,512"
+both long "1,131072 2,65536 4,32768 8,16384"
 python3 "$(dirname "$0")/merge_rows.py" "$tmp/ours" "$out/ours.json" > /dev/null
 python3 -c "
 import json, os, sys

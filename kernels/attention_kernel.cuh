@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/device_once.h"
 #include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
 
@@ -873,8 +874,6 @@ inline int NumTileItems(const PagedAttentionParams& p) {
   return MW == 1 ? p.num_decode_items : (MW == 2 ? p.num_decode_wide_items : p.num_prefill_items);
 }
 
-inline constexpr int kMaxDevices = 64;
-
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
@@ -888,14 +887,6 @@ struct SmemLimitFlags {
   std::atomic<bool> device[kMaxDevices] = {};
   std::atomic<int> raised_devices{0};
 };
-
-inline int CudaDeviceCountOnce() {
-  static const int count = [] {
-    int n = 0;
-    return cudaGetDeviceCount(&n) == cudaSuccess ? n : -1;
-  }();
-  return count;
-}
 
 // Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a
 // per-device attribute; `raised` is the kernel's own flags). `what` names it in errors.

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <string>
 
+#include "kernels/device_once.h"
 #include "kernels/dispatch.h"
 #include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
@@ -148,7 +149,6 @@ LaunchStatus PrefillScheduleBlocks(DType kv_dtype, int head_dim, PrefillPath pat
 
 bool HopperPrefillAvailable() {
 #ifdef PAGEDATTN_HAVE_SM90A
-  constexpr int kMaxDevices = 64;
   static std::atomic<int8_t> cached[kMaxDevices];  // 0 unknown, 1 yes, -1 no
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;

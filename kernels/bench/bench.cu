@@ -290,14 +290,18 @@ Config ParseFlags(int argc, char** argv) {
   return c;
 }
 
-// The shipped entry point, or (--stages) a decode-tile variant built into this binary.
+// The shipped entry point, or (--exp, --stages) a decode-tile variant built into this binary.
 LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
+  if (cfg.exp == 0 && cfg.stages == 0) return LaunchPagedAttention(p, stream);
+  const char* flag = cfg.exp != 0 ? "--exp" : "--stages";
+  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0 ||
+      p.num_decode_wide_items > 0 || (cfg.exp != 0 && p.separate_merge)) {
+    return LaunchStatus::Unsupported(std::string(flag) +
+                                     " variants exist for bf16, head_dim 128 decode only");
+  }
+  // The variants call a tile launcher directly: first what LaunchPagedAttention does before it.
+  p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
   if (cfg.exp != 0) {
-    if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0 ||
-        p.num_decode_wide_items > 0 || p.separate_merge) {
-      return LaunchStatus::Unsupported("--exp variants exist for bf16, head_dim 128 decode only");
-    }
-    p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
     switch (cfg.exp) {
       case 1: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
       case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 2>(p, stream);
@@ -314,12 +318,6 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
         return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 33, 34 or 47");
     }
   }
-  if (cfg.stages == 0) return LaunchPagedAttention(p, stream);
-  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0 ||
-      p.num_decode_wide_items > 0) {
-    return LaunchStatus::Unsupported("--stages variants exist for bf16, head_dim 128 decode only");
-  }
-  p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
   // The plan's separate merge goes with the tiles as one dependent launch, as
   // LaunchPagedAttention launches it.
   KernelLaunch merge;
@@ -328,22 +326,13 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
     merge = MergeSplitsLaunch<128>(p);
     then = &merge;
   }
-  LaunchStatus st = LaunchStatus::Unsupported("--stages must be 2..5");
   switch (cfg.stages) {
-    case 2:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
-      break;
-    case 3:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
-      break;
-    case 4:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
-      break;
-    case 5:
-      st = LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
-      break;
+    case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
+    case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
+    case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
+    case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
+    default: return LaunchStatus::Unsupported("--stages must be 2..5");
   }
-  return st;
 }
 
 // Milliseconds between two events recorded around launch() on stream (the host waits for the

@@ -228,35 +228,40 @@ LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stre
   return LaunchStatus::Ok();
 }
 
+// num_nodes kernels (1 or 2) as one launch, each after the one before it (programmatically for
+// the second: LaunchKernelPairWithParams): through their cached graph, or plain launches when
+// graph launches are off or the stream is being captured (a capture records them as kernel
+// nodes in plain stream order, the second's wait then a no-op).
+LaunchStatus LaunchKernels(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
+                           const void* params, size_t params_bytes, const char* what) {
+  bool capturing = false;
+  if (GraphLaunchEnabled()) {
+    if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
+    if (!capturing) return GraphLaunch(k, num_nodes, stream, params, params_bytes, what);
+  }
+  for (int i = 0; i < num_nodes; ++i) {
+    const bool after_previous = i > 0 && !capturing;
+    if (LaunchStatus st = PlainLaunch(k[i], stream, params, what, after_previous); !st.ok()) {
+      return st;
+    }
+  }
+  return LaunchStatus::Ok();
+}
+
 }  // namespace
 
 LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
                                     cudaStream_t stream, const void* params, size_t params_bytes,
                                     const char* what) {
   const KernelLaunch k = {func, grid, block, smem};
-  bool capturing = false;
-  if (GraphLaunchEnabled()) {
-    if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
-    if (!capturing) return GraphLaunch(&k, 1, stream, params, params_bytes, what);
-  }
-  return PlainLaunch(k, stream, params, what);
+  return LaunchKernels(&k, 1, stream, params, params_bytes, what);
 }
 
 LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
                                         cudaStream_t stream, const void* params,
                                         size_t params_bytes, const char* what) {
-  bool capturing = false;
-  if (GraphLaunchEnabled()) {
-    if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
-    if (!capturing) {
-      const KernelLaunch k[2] = {first, second};
-      return GraphLaunch(k, 2, stream, params, params_bytes, what);
-    }
-  }
-  if (LaunchStatus st = PlainLaunch(first, stream, params, what); !st.ok()) return st;
-  // A capture records the two as kernel nodes in plain stream order (second's wait is then a
-  // no-op).
-  return PlainLaunch(second, stream, params, what, /*after_previous=*/!capturing);
+  const KernelLaunch k[2] = {first, second};
+  return LaunchKernels(k, 2, stream, params, params_bytes, what);
 }
 
 }  // namespace pagedattn::kernels

@@ -187,6 +187,27 @@ struct SplitRowSlice {
   }
 };
 
+// One lane's running merge of split partials (online over the splits): weight_sum and acc (its
+// kDims dims of the O sum) are relative to e^run_max. Rebase raises the base to cover a
+// split LSE (or a batch's largest), rescales what came before, and returns the base to take
+// the new weights against (0 while every LSE so far is -inf, so that nothing is scaled by NaN).
+template <int kDims>
+struct SplitMergeState {
+  float run_max = -INFINITY;
+  float weight_sum = 0.f;
+  float acc[kDims] = {};
+  __device__ __forceinline__ float Rebase(float lse) {
+    const float new_max = fmaxf(run_max, lse);
+    const float base = new_max == -INFINITY ? 0.f : new_max;
+    const float alpha = __expf(run_max - base);  // 0 while run_max is -inf
+    run_max = new_max;
+    weight_sum *= alpha;
+#pragma unroll
+    for (int d = 0; d < kDims; ++d) acc[d] *= alpha;
+    return base;
+  }
+};
+
 // Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
 // their output is wrong): the shipped kernels are EXP = 0.
 enum DecodeExperiment : int {
@@ -283,10 +304,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
   const int64_t out_step = int64_t{task.row_stride} * D;  // floats between splits' O rows
   for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
     const float* lse_r = part_lse + task.partial_row + r;  // split s at lse_r[s * row_stride]
-    float run_max = -INFINITY, weight_sum = 0.f;
-    float acc[kDims];
-#pragma unroll
-    for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
+    SplitMergeState<kDims> m;
     for (int s0 = 0; s0 < task.num_splits; s0 += kBatch) {
       const int n = min(kBatch, task.num_splits - s0);
       float my_lse[kLseRegs];
@@ -310,10 +328,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1)
         batch_max = fmaxf(batch_max, __shfl_xor_sync(0xffffffffu, batch_max, o));
-      const float new_max = fmaxf(run_max, batch_max);
-      const float base = new_max == -INFINITY ? 0.f : new_max;
-      const float alpha = __expf(run_max - base);  // 0 on the first batch (run_max = -inf)
-      run_max = new_max;
+      const float base = m.Rebase(batch_max);
       float my_weight[kLseRegs];
       float batch_sum = 0.f;
 #pragma unroll
@@ -323,17 +338,15 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) batch_sum += __shfl_xor_sync(0xffffffffu, batch_sum, o);
-      weight_sum = weight_sum * alpha + batch_sum;
-#pragma unroll
-      for (int d = 0; d < kDims; ++d) acc[d] *= alpha;
+      m.weight_sum += batch_sum;
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const float w = __shfl_sync(0xffffffffu, my_weight[j / 32], j % 32);
-        if (j < n) x[j].AddTo(acc, w);
+        if (j < n) x[j].AddTo(m.acc, w);
       }
     }
     if (r == 0) TimelineStamp<EXP>(10);
-    WriteMergedRow<D>(p, task, span, kv_head, group, r, acc, weight_sum, run_max);
+    WriteMergedRow<D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
   }
 }
 
@@ -988,31 +1001,22 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   __shared__ float red[kWarps][D];
   __shared__ float red_max[kWarps], red_sum[kWarps];
 
-  float run_max = -INFINITY, weight_sum = 0.f;  // weight_sum and acc relative to run_max
-  float acc[kDims];
-#pragma unroll
-  for (int j = 0; j < kDims; ++j) acc[j] = 0.f;
+  SplitMergeState<kDims> m;
 #pragma unroll 4
   for (int s = warp; s < task.num_splits; s += kWarps) {
     const int64_t row = int64_t{s} * task.row_stride;
     const float split_lse = __ldcg(lse + row);
     SplitRowSlice<kDims> x;
     x.Load(part + row * D + lane * kDims);
-    const float new_max = fmaxf(run_max, split_lse);
-    const float base = new_max == -INFINITY ? 0.f : new_max;
-    const float alpha = __expf(run_max - base);  // 0 while run_max is -inf
-    const float w = __expf(split_lse - base);
-    run_max = new_max;
-    weight_sum = weight_sum * alpha + w;
-#pragma unroll
-    for (int j = 0; j < kDims; ++j) acc[j] *= alpha;
-    x.AddTo(acc, w);
+    const float w = __expf(split_lse - m.Rebase(split_lse));
+    m.weight_sum += w;
+    x.AddTo(m.acc, w);
   }
 #pragma unroll
-  for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = acc[j];
+  for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = m.acc[j];
   if (lane == 0) {
-    red_max[warp] = run_max;
-    red_sum[warp] = weight_sum;
+    red_max[warp] = m.run_max;
+    red_sum[warp] = m.weight_sum;
   }
   __syncthreads();
 

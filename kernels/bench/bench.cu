@@ -680,10 +680,9 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
       cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.partial_lse, std::max<int64_t>(1, work.partial_rows * Hkv) * 4));
   p.partial_rows = work.partial_rows;
-  BENCH_CHECK_CUDA(
-      cudaMalloc(&p.merge_counters, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
-  BENCH_CHECK_CUDA(
-      cudaMemset(p.merge_counters, 0, std::max<size_t>(1, work.merge_tasks.size() * Hkv) * 4));
+  const int64_t num_counters = static_cast<int64_t>(work.merge_tasks.size()) * Hkv;
+  BENCH_CHECK_CUDA(cudaMalloc(&p.merge_counters, std::max<int64_t>(1, num_counters) * 4));
+  BENCH_CHECK_CUDA(cudaMemset(p.merge_counters, 0, std::max<int64_t>(1, num_counters) * 4));
   cudaStream_t stream;
   BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
   // --exp 32/34/47: the kernel stamps each block's phases into this buffer.
@@ -695,14 +694,28 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   }
 
   // Correctness first: poison, run on copy 0, compare sampled sequences with the reference.
-  BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
-  p.k_cache = k_pools[0];
-  p.v_cache = v_pools[0];
-  CheckLaunch(Launch(cfg, p, stream), "paged attention");
-  BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  // Once before timing and once after it, each time also checking that the launch left the
+  // split counters at zero (a launch that left one behind would show in the second check).
   std::vector<float> out(q.size());
-  BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
-  double worst_err = 0;
+  auto run_on_copy0 = [&] {
+    BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
+    p.k_cache = k_pools[0];
+    p.v_cache = v_pools[0];
+    CheckLaunch(Launch(cfg, p, stream), "paged attention");
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
+    std::vector<int32_t> counters(num_counters);
+    BENCH_CHECK_CUDA(cudaMemcpy(counters.data(), p.merge_counters, num_counters * 4,
+                                cudaMemcpyDeviceToHost));
+    if (std::any_of(counters.begin(), counters.end(), [](int32_t c) { return c != 0; }) &&
+        (cfg.exp & kExpNoMerge) == 0) {
+      std::fprintf(stderr, "case %d: a split counter is not zero after a launch\n", case_index);
+      std::exit(1);
+    }
+  };
+  run_on_copy0();
+  // The float64 reference of each checked query row: its row in out, then its Hq * D values.
+  std::vector<std::pair<int64_t, std::vector<double>>> refs;
   std::vector<int> check;
   for (int i = 0; i < std::min(cfg.check_seqs, B); ++i) {
     check.push_back(
@@ -740,19 +753,28 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     }
     for (int pos : check_pos) {
       const int64_t row = cfg.prefill ? q_offset[b] + pos : q_offset[b];
-      std::vector<double> ref(int64_t{Hq} * D), got(ref.size()), ref_lse(Hq);
+      std::vector<double> ref(int64_t{Hq} * D), ref_lse(Hq);
       testing::ReferenceAttention(q.data() + row * Hq * D, k.data(), v.data(), 1, pos + 1, Hq, Hkv,
                                   D, true, p.sm_scale, ref.data(), ref_lse.data());
+      refs.emplace_back(row, std::move(ref));
+    }
+  }
+  // The largest relative error of out's checked rows (infinite where one holds a NaN).
+  auto max_error = [&] {
+    double worst = 0;
+    for (const auto& [row, ref] : refs) {
+      std::vector<double> got(ref.size());
       int64_t nans = 0;
       for (size_t e = 0; e < ref.size(); ++e) {
         got[e] = out[row * Hq * D + e];
         nans += std::isnan(got[e]);
       }
-      const double err =
-          nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size());
-      worst_err = std::max(worst_err, err);
+      worst = std::max(worst, nans ? INFINITY
+                                   : testing::RelativeError(got.data(), ref.data(), ref.size()));
     }
-  }
+    return worst;
+  };
+  double worst_err = max_error();
   const double tol = cfg.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
   if (!(worst_err <= tol) && cfg.exp == 0) {
     std::fprintf(stderr, "case %d: relative error %.3g exceeds %.1g: not timing a wrong kernel\n",
@@ -783,6 +805,14 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   });
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
+  // The same check after all those launches.
+  run_on_copy0();
+  worst_err = std::max(worst_err, max_error());
+  if (!(worst_err <= tol) && cfg.exp == 0) {
+    std::fprintf(stderr, "case %d: relative error %.3g after timing exceeds %.1g\n", case_index,
+                 worst_err, tol);
+    std::exit(1);
+  }
   if (timeline) {
     PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,
                   prop.multiProcessorCount,

@@ -1,6 +1,6 @@
 // pagedattn-bench: times the paged attention kernels alone (no server) on random data with pages
-// scattered in random order, checks the output against the float64 reference first, and prints
-// one JSON row per case with the keys of ../shared/device/peers.py.
+// scattered in random order, checks the output against the float64 reference before and after
+// timing, and prints one JSON row per case with the keys of ../shared/device/peers.py.
 //
 //   --suite decode (default): one query per sequence; "B,C" = B sequences of C positions.
 //   --suite prefill: causal prefill, every position a query; "B,L" = B sequences of L tokens

@@ -9,16 +9,16 @@
 set -uo pipefail
 here=$(dirname "$0")
 source "$here/lib.sh" .stage "$OUT"
-bash "$here/run_tests.sh" .stage "$OUT"
+bash "$here/run_tests.sh" "$stage" "$out"
 bench decode "$b/pagedattn-bench"
-timeout 200 python3 .stage/peers.py --prefill none --out $OUT/peers_decode.json > $OUT/peers.log 2>&1; echo "peers rc=$?"
+timeout 200 python3 "$stage/peers.py" --prefill none --out "$out/peers_decode.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
 for r in 1 2 3; do
   for m in planned in-kernel; do
     bench "merge/${m}_r$r" "$b/pagedattn-bench" --cases "1,32768" --merge $m --no-read-roofline
   done
 done
-python3 "$here/merge_rows.py" "$tmp/merge" "$OUT/merge_ab.json" > /dev/null
-python3 "$here/rounds.py" "$OUT/merge_ab.json"
-mkdir -p $OUT/beyond; bash "$here/run_beyond_defaults.sh" .stage $OUT/beyond 2>&1 | tail -40
-python3 "$here/merge_rows.py" "$tmp" "$OUT/decode.json" > /dev/null
-python3 "$here/compare.py" $OUT/decode.json $OUT/peers_decode.json 2>&1 | grep -E "^\| [0-9]|Limits"
+python3 "$here/merge_rows.py" "$tmp/merge" "$out/merge_ab.json" > /dev/null
+python3 "$here/rounds.py" "$out/merge_ab.json"
+mkdir -p "$out/beyond"; bash "$here/run_beyond_defaults.sh" "$stage" "$out/beyond" 2>&1 | tail -40
+python3 "$here/merge_rows.py" "$tmp" "$out/decode.json" > /dev/null
+python3 "$here/compare.py" "$out/decode.json" "$out/peers_decode.json" 2>&1 | grep -E "^\| [0-9]|Limits"

@@ -17,6 +17,7 @@
 #include <cfloat>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "kernels/device_once.h"
 #include "kernels/graph_launch.h"
@@ -221,8 +222,10 @@ enum DecodeExperiment : int {
 
 // --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
 // done, partials written, end, SM id, 1 if this block merged; then (merging block) split
-// counted, LSE max known, O sums done. Bench only.
-inline constexpr int kTimelineSlots = 12;
+// counted, LSE max known, O sums done; then the start's probes: the work item in, the first
+// tile's page ids in (page-table path), the first tile's copies issued, the item's first pages
+// in. Bench only.
+inline constexpr int kTimelineSlots = 16;
 static __device__ unsigned long long* g_decode_timeline;
 // Thread 0 stores value in this block's timeline slot.
 __device__ __forceinline__ void TimelineStore(int slot, unsigned long long value) {
@@ -533,7 +536,8 @@ constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
-                                                  const AttentionWorkItem* items) {
+                                                  const AttentionWorkItem* items,
+                                                  const ItemFirstPages* first_pages) {
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
@@ -548,8 +552,13 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages.
-  const AttentionWorkItem item = items[blockIdx.x / p.num_kv_heads];
-  const int kv_head = blockIdx.x % p.num_kv_heads;
+  const uint32_t item_index = p.kv_heads_div.Div(blockIdx.x);  // no division before the load
+  const AttentionWorkItem item = items[item_index];
+  if constexpr ((EXP & kExpTimeline) != 0) {  // the item has arrived (slot 12)
+    if (item.kv_end == -7 && item.kv_start == -7) asm volatile("trap;");
+    TimelineStamp<EXP>(12);
+  }
+  const int kv_head = static_cast<int>(blockIdx.x - item_index * p.num_kv_heads);
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_rows = span.num_queries * group;
@@ -589,7 +598,20 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   auto in_page_offset = [&](int pos, uint32_t page) {  // page: pos / page_size
     return head_chunk_bytes + (pos - page * p.page_size) * kRowBytes;
   };
-  auto fetch_pages = [&](int tile, TileRows& rows) {
+  // The item's first pages (AttachFirstPages), lane j holding page j: loaded beside the item, so
+  // the first tiles' copies wait for no page-table load.
+  const bool pages_attached = first_pages != nullptr;
+  const int lane_first_page = pages_attached && lane < kItemPages
+                                  ? first_pages[item_index].ids[lane]
+                                  : 0;
+  const uint32_t first_page = p.page_div.Div(item.kv_start);
+  if constexpr ((EXP & kExpTimeline) != 0) {  // the first pages have arrived (slot 15)
+    if (__shfl_sync(0xffffffffu, lane_first_page, 31) == -7) asm volatile("trap;");
+    TimelineStamp<EXP>(15);
+  }
+  // from_item: the page ids from the item's first pages (the prologue, when they hold its tiles'
+  // pages: carry_first below), otherwise from the page table.
+  auto fetch_pages = [&](int tile, TileRows& rows, auto from_item) {
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
@@ -597,6 +619,9 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const uint32_t page = p.page_div.Div(pos);
       if constexpr ((EXP & kExpLinearPages) != 0) {
         rows.id[i] = valid ? static_cast<int>(page) : 0;
+      } else if constexpr (decltype(from_item)::value) {
+        const int carried = __shfl_sync(0xffffffffu, lane_first_page, (page - first_page) & 31);
+        rows.id[i] = valid ? carried : 0;
       } else {
         rows.id[i] = valid ? pages[page] : 0;
       }
@@ -627,20 +652,45 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     }
   };
 
-  // Prologue: all page ids of the first stages in flight at once, then their copies, then the
-  // next stage's ids; Q is loaded while those copies fly.
-  {
+  // Prologue: the first kStages - 1 tiles' copies, then the next tile's page ids; Q is loaded
+  // while those copies fly. When the item's first pages hold every page of the prologue's
+  // kStages tiles (a block-uniform test), the ids come from them and each tile's copies go out as
+  // soon as its ids are known (the prologue is bound by its instructions, not by loads);
+  // otherwise all ids of the first tiles are loaded at once from the page table, then copied.
+  const bool carry_first =
+      pages_attached &&
+      p.page_div.Div(min(item.kv_start + Cfg::kStages * Cfg::kTileKv, item.kv_end) - 1) -
+              first_page <
+          kItemPages;
+  TileRows next_rows;
+  if (carry_first) {
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      TileRows rows;
+      fetch_pages(s, rows, std::true_type{});
+      if (s < num_tiles) issue_tile(s, rows);
+      CpAsyncCommit();
+      if (s == 0) TimelineStamp<EXP>(14);  // the first tile's copies issued
+    }
+    fetch_pages(Cfg::kStages - 1, next_rows, std::true_type{});
+  } else {
     TileRows first_rows[Cfg::kStages - 1];
 #pragma unroll
-    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s]);
+    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s], std::false_type{});
+    if constexpr ((EXP & kExpTimeline) != 0) {  // the first tile's page ids (slot 13)
+      if (first_rows[0].id[0] == -7 && first_rows[0].id[Cfg::kRowsPerThread - 1] == -7) {
+        asm volatile("trap;");
+      }
+      TimelineStamp<EXP>(13);
+    }
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
       if (s < num_tiles) issue_tile(s, first_rows[s]);
       CpAsyncCommit();
+      if (s == 0) TimelineStamp<EXP>(14);  // the first tile's copies issued
     }
+    fetch_pages(Cfg::kStages - 1, next_rows, std::false_type{});
   }
-  TileRows next_rows;
-  fetch_pages(Cfg::kStages - 1, next_rows);
   TimelineStamp<EXP>(1);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
@@ -678,7 +728,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   for (int tile = 0; tile < num_tiles; ++tile) {
     if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_rows);
     CpAsyncCommit();
-    fetch_pages(tile + Cfg::kStages, next_rows);
+    fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
     if (tile == 0) TimelineStamp<EXP>(2);
@@ -883,6 +933,11 @@ __host__ __device__ inline const AttentionWorkItem* TileItems(const PagedAttenti
   return MW == 1 ? p.decode_items : (MW == 2 ? p.decode_wide_items : p.prefill_items);
 }
 template <int MW>
+__host__ __device__ inline const ItemFirstPages* TileFirstPages(const PagedAttentionParams& p) {
+  static_assert(MW == 1 || MW == 2, "decode tile shapes: 16 or 32 rows");
+  return MW == 1 ? p.decode_first_pages : p.decode_wide_first_pages;
+}
+template <int MW>
 inline int NumTileItems(const PagedAttentionParams& p) {
   return MW == 1 ? p.num_decode_items : (MW == 2 ? p.num_decode_wide_items : p.num_prefill_items);
 }
@@ -890,7 +945,25 @@ inline int NumTileItems(const PagedAttentionParams& p) {
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params));
+  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
+                                              TileFirstPages<MW>(params));
+}
+// The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
+// 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
+// blocks and waits there (LaunchKernelPairWithParams). TileKernel picks the one a shape uses.
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+__global__ void __maxnreg__(192)
+    PagedAttentionTileKernel192(const __grid_constant__ PagedAttentionParams params) {
+  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
+                                              TileFirstPages<MW>(params));
+}
+template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+constexpr auto TileKernel() {
+  if constexpr (D == 128 && MW == 1) {
+    return PagedAttentionTileKernel192<T, D, MW, KW, STAGES, EXP>;
+  } else {
+    return PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
+  }
 }
 
 // One kernel's record of the devices whose shared-memory limit it has raised. Once every
@@ -931,7 +1004,7 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
   const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
-  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
+  auto kernel = TileKernel<T, D, MW, KW, STAGES, EXP>();
   constexpr size_t smem = Cfg::SmemBytes();
   static SmemLimitFlags smem_raised;
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
@@ -962,7 +1035,7 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   using Cfg = AttentionTileConfig<T, D, MW, KW>;
-  auto kernel = PagedAttentionTileKernel<T, D, MW, KW, DefaultStages(D)>;
+  auto kernel = TileKernel<T, D, MW, KW, DefaultStages(D)>();
   constexpr size_t smem = Cfg::SmemBytes();
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
@@ -990,11 +1063,13 @@ template <int D>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
   constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
-  // Launched right after the tiles (LaunchKernelPairWithParams), it may start before they end.
-  WaitForPrerequisiteGrids();
+  // Launched right after the tiles (LaunchKernelPairWithParams), it may start before they end:
+  // its task (written before the launch, by the host) is read while they run, so that only the
+  // partials' loads follow the wait for their grid's end.
   const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
   const int r = blockIdx.y, kv_head = blockIdx.z;
   if (r >= task.num_rows) return;
+  WaitForPrerequisiteGrids();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* lse = p.partial_lse + int64_t{kv_head} * p.partial_rows + task.partial_row + r;
   const float* part = p.partial_out + (int64_t{kv_head} * p.partial_rows + task.partial_row + r) * D;

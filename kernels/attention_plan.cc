@@ -45,6 +45,23 @@ constexpr int64_t kPrefillJobCost = 128;
 
 }  // namespace
 
+void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work) {
+  auto attach = [&](const std::vector<AttentionWorkItem>& items,
+                    std::vector<ItemFirstPages>* first_pages) {
+    first_pages->assign(items.size(), ItemFirstPages{});
+    for (size_t i = 0; i < items.size(); ++i) {
+      const AttentionSpan& span = items[i].span_info;
+      const int64_t span_pages = (int64_t{span.kv_len} + page_size - 1) / page_size;
+      const int64_t first = items[i].kv_start / page_size;
+      for (int j = 0; j < kItemPages && first + j < span_pages; ++j) {
+        (*first_pages)[i].ids[j] = page_table[span.page_table_offset + first + j];
+      }
+    }
+  };
+  attach(work->decode_items, &work->decode_first_pages);
+  attach(work->decode_wide_items, &work->decode_wide_first_pages);
+}
+
 LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks) {
   const int64_t n = num_items * num_kv_heads;
   if (n > INT32_MAX) {
@@ -60,6 +77,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk) {
   work->decode_items.clear();
   work->decode_wide_items.clear();
+  work->decode_first_pages.clear();  // AttachFirstPages fills them for these items
+  work->decode_wide_first_pages.clear();
   work->prefill_items.clear();
   work->merge_tasks.clear();
   work->prefill_jobs.clear();

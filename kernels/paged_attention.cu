@@ -172,7 +172,7 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
     return LaunchStatus::Unsupported("split-KV work needs merge_counters");
   }
   PagedAttentionParams params = in;
-  params.page_div = FastDivmod(static_cast<uint32_t>(in.page_size));
+  SetDivisors(&params);
   // A separate merge goes with the launch before it when that is a decode tile launch: one
   // launch of both, the merge's blocks scheduled while the tiles run (LaunchKernelPairWithParams).
   const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;

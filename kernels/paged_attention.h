@@ -76,6 +76,14 @@ struct AttentionWorkItem {
   int32_t merge_task = -1;  // Index of the tile's merge task when split.
 };
 
+// The page-table entries of a decode work item's first kItemPages pages, from the page holding
+// its kv_start on (0 past its span's last page; AttachFirstPages): with them the tile's first
+// copies wait for no page-table load after the item's. At most 32 (a warp's lanes hold one each).
+inline constexpr int kItemPages = 32;
+struct ItemFirstPages {
+  int32_t ids[kItemPages] = {};
+};
+
 // One job of the persistent Hopper prefill kernel: a prefill work item for one kv head, copied
 // whole so that a block reads its next job with one load (no item lookup behind it).
 struct AttentionPrefillJob {
@@ -114,6 +122,9 @@ inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk m
 struct AttentionWork {
   std::vector<AttentionWorkItem> decode_items;       // 16-row tiles
   std::vector<AttentionWorkItem> decode_wide_items;  // 32-row tiles
+  // Beside each decode item, its first pages (AttachFirstPages; empty when not attached).
+  std::vector<ItemFirstPages> decode_first_pages;
+  std::vector<ItemFirstPages> decode_wide_first_pages;
   std::vector<AttentionWorkItem> prefill_items;      // 128-row tiles, by span, longest first
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
@@ -142,6 +153,10 @@ struct AttentionWork {
 // min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
                        bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256);
+
+// Fills decode_first_pages and decode_wide_first_pages from page_table, the launch's page table
+// as the spans index it (host memory).
+void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work);
 
 // The decode tile kernels run one block per (work item, kv head) in a one-dimensional grid,
 // item-major (the kv heads of an item next to each other, so that the blocks running at once
@@ -175,7 +190,8 @@ struct PagedAttentionParams {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t page_size = 0;
-  FastDivmod page_div;  // Set by LaunchPagedAttention from page_size.
+  FastDivmod page_div;      // SetDivisors (LaunchPagedAttention): page_size,
+  FastDivmod kv_heads_div;  // and num_kv_heads.
   bool causal = true;
   float sm_scale = 0.f;
   PrefillPath prefill_path = PrefillPath::kAuto;
@@ -193,6 +209,9 @@ struct PagedAttentionParams {
   int32_t num_decode_items = 0;
   const AttentionWorkItem* decode_wide_items = nullptr;
   int32_t num_decode_wide_items = 0;
+  // AttentionWork's decode_first_pages / decode_wide_first_pages; null: page ids from page_table.
+  const ItemFirstPages* decode_first_pages = nullptr;
+  const ItemFirstPages* decode_wide_first_pages = nullptr;
   const AttentionWorkItem* prefill_items = nullptr;
   int32_t num_prefill_items = 0;
   const AttentionMergeTask* merge_tasks = nullptr;
@@ -213,6 +232,13 @@ struct PagedAttentionParams {
   int32_t num_prefill_blocks = 0;
 
 };
+
+// Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as
+// LaunchPagedAttention does before it launches anything.
+inline void SetDivisors(PagedAttentionParams* p) {
+  p->page_div = FastDivmod(static_cast<uint32_t>(p->page_size));
+  p->kv_heads_div = FastDivmod(static_cast<uint32_t>(p->num_kv_heads));
+}
 
 // Runs the decode-shape tiles, then the prefill-shape tiles; split tiles merge themselves, or
 // (separate_merge) a merge kernel runs after them.

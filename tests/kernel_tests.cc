@@ -910,6 +910,38 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
 }
 
+// Beside each decode item go the page ids of its first kItemPages pages (from the page holding
+// kv_start), 0 past its span's last page.
+TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
+  constexpr int kPage = 16;
+  // Span 0: 1000 positions (63 pages) from table entry 0; span 1: 40 positions (3 pages) from
+  // entry 63; span 2: a prefill of 200 queries (13 pages) from entry 66.
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 1000}, {1, 63, 1, 40}, {2, 66, 200, 200}};
+  std::vector<int32_t> table(79);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(1000 + 7 * i);
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, 264, &work, 64);
+  ASSERT_GT(work.decode_items.size(), 2u) << "span 0 no longer splits";
+  ASSERT_FALSE(work.prefill_items.empty());
+  EXPECT_TRUE(work.decode_first_pages.empty()) << "attached only when asked";
+  kernels::AttachFirstPages(table.data(), kPage, &work);
+  ASSERT_EQ(work.decode_first_pages.size(), work.decode_items.size());
+  ASSERT_EQ(work.decode_wide_first_pages.size(), work.decode_wide_items.size());
+  for (size_t i = 0; i < work.decode_items.size(); ++i) {
+    const auto& it = work.decode_items[i];
+    const auto& sp = spans[it.span];
+    const int64_t span_pages = (sp.kv_len + kPage - 1) / kPage;
+    for (int j = 0; j < kernels::kItemPages; ++j) {
+      const int64_t page = it.kv_start / kPage + j;
+      const int32_t want = page < span_pages ? table[sp.page_table_offset + page] : 0;
+      EXPECT_EQ(work.decode_first_pages[i].ids[j], want)
+          << "span " << it.span << " kv_start " << it.kv_start << " page " << j;
+    }
+  }
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, 264, &work, 64);
+  EXPECT_TRUE(work.decode_first_pages.empty()) << "a new plan drops the last one's pages";
+}
+
 // The tile grid is one block per (work item, kv head) in one dimension: its size, and a refusal
 // naming both numbers once it would pass the 2^31 - 1 blocks of a grid dimension.
 TEST(AttentionPlan, TileGridBlocksFitOneDimension) {

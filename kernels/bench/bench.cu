@@ -15,6 +15,8 @@
 //                     plan's choice, the separate merge kernel, or the tile kernel's last split)
 //                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
 //                     the row's "launch" says which
+//                   [--first-pages on|off]  decode items carry their first page ids
+//                     (AttachFirstPages; off: every page id from the page table)
 //   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
@@ -85,6 +87,7 @@ struct Config {
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
   bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
+  bool first_pages = true;    // --first-pages off: decode items without their first page ids
   std::string json;
 };
 
@@ -271,6 +274,8 @@ Config ParseFlags(int argc, char** argv) {
     }
     else if (a == "--launch")
       c.graph_launch = !second_of("graph", "plain");
+    else if (a == "--first-pages")
+      c.first_pages = !second_of("on", "off");
     else if (a == "--exp")
       c.exp = std::atoi(next().c_str());
     else if (a == "--no-read-roofline")
@@ -300,7 +305,7 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
                                      " variants exist for bf16, head_dim 128 decode only");
   }
   // The variants call a tile launcher directly: first what LaunchPagedAttention does before it.
-  p.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  SetDivisors(&p);
   if (cfg.exp != 0) {
     switch (cfg.exp) {
       case 1: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
@@ -408,11 +413,11 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
       FILE* f = std::fopen(raw_path.c_str(), "w");
       if (f) {
         // x: the work item (the split), y: the kv head (TileGridBlocks: item-major).
-        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums\n");
+        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums,item,ids,first_issued,first_pages\n");
         for (int i = 0; i < blocks; ++i) {
           const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
           std::fprintf(f, "%d,%d,%llu,%llu", i / p.num_kv_heads, i % p.num_kv_heads, r[6], r[7]);
-          for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10}) {
+          for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 15}) {
             std::fprintf(f, ",%lld", r[slot] ? static_cast<long long>(r[slot] - t0) : -1ll);
           }
           std::fprintf(f, "\n");
@@ -495,12 +500,12 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   const float graph_event = median_event([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
   // The same decode tile launched through each host path, host time and event time each.
-  auto tile_kernel = PagedAttentionTileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>;
+  auto tile_kernel = TileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>();
   unsigned tile_blocks = 0;
   CheckLaunch(TileGridBlocks(p.num_decode_items, p.num_kv_heads, &tile_blocks), "tile grid");
   const dim3 tile_grid(tile_blocks);
   PagedAttentionParams lp = p;
-  lp.page_div = FastDivmod(static_cast<uint32_t>(p.page_size));
+  SetDivisors(&lp);
   void* args[] = {&lp};
   auto via_runtime = [&] {
     BENCH_CHECK_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(tile_kernel), tile_grid,
@@ -637,6 +642,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
               "prefill occupancy");
   if (prefill_blocks > 0 && cfg.prefill_blocks > 0) prefill_blocks = cfg.prefill_blocks;
   SchedulePrefillJobs(Hkv, prefill_blocks, &work);
+  if (cfg.first_pages) AttachFirstPages(table.data(), ps, &work);
 
   auto upload = [](const void* src, size_t bytes) {
     void* d = nullptr;
@@ -657,12 +663,30 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.lse, total_q * Hq * 4));
-  p.decode_items = static_cast<const AttentionWorkItem*>(
-      upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
+  // The decode items and their first pages in one buffer, one after the other, as the server's
+  // workspace holds them.
+  {
+    const size_t items_bytes = work.decode_items.size() * sizeof(AttentionWorkItem);
+    const size_t pages_at = (items_bytes + 255) / 256 * 256;
+    std::vector<unsigned char> bytes(pages_at + work.decode_first_pages.size() * sizeof(ItemFirstPages));
+    if (items_bytes) std::memcpy(bytes.data(), work.decode_items.data(), items_bytes);
+    if (!work.decode_first_pages.empty()) {
+      std::memcpy(bytes.data() + pages_at, work.decode_first_pages.data(),
+                  work.decode_first_pages.size() * sizeof(ItemFirstPages));
+    }
+    auto* d = static_cast<unsigned char*>(upload(bytes.data(), bytes.size()));
+    p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d);
+    if (cfg.first_pages) p.decode_first_pages = reinterpret_cast<const ItemFirstPages*>(d + pages_at);
+  }
   p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
   p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(
       work.decode_wide_items.data(), work.decode_wide_items.size() * sizeof(AttentionWorkItem)));
   p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
+  if (cfg.first_pages) {
+    p.decode_wide_first_pages = static_cast<const ItemFirstPages*>(
+        upload(work.decode_wide_first_pages.data(),
+               work.decode_wide_first_pages.size() * sizeof(ItemFirstPages)));
+  }
   p.prefill_items = static_cast<const AttentionWorkItem*>(
       upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
   p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());

@@ -143,7 +143,8 @@ struct Workspace {
 // Byte offsets of one Forward's sections in the staging buffers. Inputs (metadata then
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
-  size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0, prefill_items = 0,
+  size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0,
+         decode_first_pages = 0, decode_wide_first_pages = 0, prefill_items = 0,
          prefill_jobs = 0, prefill_job_start = 0, merge_tasks = 0, q = 0, k = 0, v = 0,
          input_end = 0;
   // Device only.
@@ -275,6 +276,7 @@ class CudaBackend final : public Backend {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
                            pool.target_blocks(), &work);
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
+      k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }
 
     const size_t q_elems = static_cast<size_t>(plan.total_queries) * Hq * D;
@@ -295,6 +297,9 @@ class CudaBackend final : public Backend {
     L.slots = take(slots.size() * sizeof(int64_t));
     L.decode_items = take(work.decode_items.size() * sizeof(k::AttentionWorkItem));
     L.decode_wide_items = take(work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
+    L.decode_first_pages = take(work.decode_first_pages.size() * sizeof(k::ItemFirstPages));
+    L.decode_wide_first_pages =
+        take(work.decode_wide_first_pages.size() * sizeof(k::ItemFirstPages));
     L.prefill_items = take(work.prefill_items.size() * sizeof(k::AttentionWorkItem));
     L.prefill_jobs = take(work.prefill_jobs.size() * sizeof(k::AttentionPrefillJob));
     L.prefill_job_start = take(work.prefill_job_start.size() * sizeof(int32_t));
@@ -329,6 +334,10 @@ class CudaBackend final : public Backend {
         work.decode_items.size() * sizeof(k::AttentionWorkItem));
     put(L.decode_wide_items, work.decode_wide_items.data(),
         work.decode_wide_items.size() * sizeof(k::AttentionWorkItem));
+    put(L.decode_first_pages, work.decode_first_pages.data(),
+        work.decode_first_pages.size() * sizeof(k::ItemFirstPages));
+    put(L.decode_wide_first_pages, work.decode_wide_first_pages.data(),
+        work.decode_wide_first_pages.size() * sizeof(k::ItemFirstPages));
     put(L.prefill_items, work.prefill_items.data(),
         work.prefill_items.size() * sizeof(k::AttentionWorkItem));
     put(L.prefill_jobs, work.prefill_jobs.data(),
@@ -388,6 +397,14 @@ class CudaBackend final : public Backend {
       p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
       p.decode_wide_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.decode_wide_items);
       p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
+      if (!work.decode_first_pages.empty()) {
+        p.decode_first_pages =
+            reinterpret_cast<const k::ItemFirstPages*>(d + L.decode_first_pages);
+      }
+      if (!work.decode_wide_first_pages.empty()) {
+        p.decode_wide_first_pages =
+            reinterpret_cast<const k::ItemFirstPages*>(d + L.decode_wide_first_pages);
+      }
       p.prefill_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.prefill_items);
       p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
       p.prefill_jobs = reinterpret_cast<const k::AttentionPrefillJob*>(d + L.prefill_jobs);

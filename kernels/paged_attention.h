@@ -80,6 +80,7 @@ struct AttentionWorkItem {
 // its kv_start on (0 past its span's last page; AttachFirstPages): with them the tile's first
 // copies wait for no page-table load after the item's. At most 32 (a warp's lanes hold one each).
 inline constexpr int kItemPages = 32;
+static_assert(kItemPages <= 32, "a warp's lanes hold an item's first pages, one each");
 struct ItemFirstPages {
   int32_t ids[kItemPages] = {};
 };

@@ -663,26 +663,26 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.lse, total_q * Hq * 4));
-  // The decode items and their first pages in one buffer, one after the other, as the server's
-  // workspace holds them.
+  // The decode items and their first pages in one buffer, one after the other (the server's
+  // workspace holds them a few sections apart).
   {
     const size_t items_bytes = work.decode_items.size() * sizeof(AttentionWorkItem);
+    const size_t pages_bytes = work.decode_first_pages.size() * sizeof(ItemFirstPages);
     const size_t pages_at = (items_bytes + 255) / 256 * 256;
-    std::vector<unsigned char> bytes(pages_at + work.decode_first_pages.size() * sizeof(ItemFirstPages));
+    std::vector<unsigned char> bytes(pages_at + pages_bytes);
     if (items_bytes) std::memcpy(bytes.data(), work.decode_items.data(), items_bytes);
-    if (!work.decode_first_pages.empty()) {
-      std::memcpy(bytes.data() + pages_at, work.decode_first_pages.data(),
-                  work.decode_first_pages.size() * sizeof(ItemFirstPages));
+    if (pages_bytes) {
+      std::memcpy(bytes.data() + pages_at, work.decode_first_pages.data(), pages_bytes);
     }
     auto* d = static_cast<unsigned char*>(upload(bytes.data(), bytes.size()));
     p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d);
-    if (cfg.first_pages) p.decode_first_pages = reinterpret_cast<const ItemFirstPages*>(d + pages_at);
+    if (pages_bytes) p.decode_first_pages = reinterpret_cast<const ItemFirstPages*>(d + pages_at);
   }
   p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
   p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(
       work.decode_wide_items.data(), work.decode_wide_items.size() * sizeof(AttentionWorkItem)));
   p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
-  if (cfg.first_pages) {
+  if (!work.decode_wide_first_pages.empty()) {
     p.decode_wide_first_pages = static_cast<const ItemFirstPages*>(
         upload(work.decode_wide_first_pages.data(),
                work.decode_wide_first_pages.size() * sizeof(ItemFirstPages)));

@@ -705,6 +705,7 @@ class SeparateMergeLaunch {
       (kv_index == 0 ? p_.k_cache : p_.v_cache) = Upload(kv.data(), kv.size() * 2);
     }
     p_.page_table = static_cast<const int32_t*>(Upload(table.data(), table.size() * 4));
+    table_ = std::move(table);
     p_.q = static_cast<const float*>(Upload(q.data(), q.size() * 4));
     p_.out = static_cast<float*>(Upload(nullptr, q.size() * 4));
     p_.lse = static_cast<float*>(Upload(nullptr, kQHeads * 4));
@@ -728,6 +729,13 @@ class SeparateMergeLaunch {
   bool ok() const { return ok_; }
   const kernels::AttentionWork& work() const { return work_; }
   const kernels::PagedAttentionParams& params() const { return p_; }
+  // The work items' first page ids (AttachFirstPages), uploaded beside them, as the server does.
+  void AttachFirstPages() {
+    kernels::AttachFirstPages(table_.data(), kPage, &work_);
+    p_.decode_wide_first_pages = static_cast<const kernels::ItemFirstPages*>(
+        Upload(work_.decode_wide_first_pages.data(),
+               work_.decode_wide_first_pages.size() * sizeof(kernels::ItemFirstPages)));
+  }
   // New random queries (seed) into the q buffer, in stream order.
   void SetQ(uint32_t seed, cudaStream_t stream) {
     std::mt19937 rng(seed);
@@ -762,6 +770,7 @@ class SeparateMergeLaunch {
   }
   kernels::AttentionWork work_;
   kernels::PagedAttentionParams p_;
+  std::vector<int32_t> table_;
   std::vector<float> host_q_;
   std::vector<void*> buffers_;
   bool ok_ = true;
@@ -831,6 +840,30 @@ TEST_F(CudaKernelTest, SeparateMergeLaunchesBackToBack) {
   }
   EXPECT_NE(first[0], first[1]) << "the two query sets gave one result: the test shows nothing";
   cudaStreamDestroy(stream);
+}
+
+// A decode tile's first copies take their page ids from the ids carried beside the work items
+// or from the page table: the same pages, so bit for bit the same result.
+TEST_F(CudaKernelTest, CarriedFirstPagesGiveTheLoadedPagesResult) {
+  SeparateMergeLaunch launch;
+  ASSERT_TRUE(launch.ok());
+  ASSERT_FALSE(launch.work().decode_wide_items.empty()) << "the case no longer has decode tiles";
+  launch.Poison();
+  kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> loaded = launch.Result();
+  ASSERT_TRUE(launch.ok());
+  for (float x : loaded) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
+
+  launch.AttachFirstPages();
+  ASSERT_EQ(launch.work().decode_wide_first_pages.size(), launch.work().decode_wide_items.size());
+  ASSERT_NE(launch.params().decode_wide_first_pages, nullptr);
+  launch.Poison();
+  st = kernels::LaunchPagedAttention(launch.params(), nullptr);
+  ASSERT_TRUE(st.ok()) << st.message();
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  EXPECT_EQ(launch.Result(), loaded) << "carried page ids gave another result";
 }
 
 TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {

@@ -10,7 +10,8 @@
 #   there:  bash kernels/bench/run_h200_suite.sh .stage $OUT        (carry [".stage"])
 #   here:   python3 kernels/bench/compare.py OUT/ours.json OUT/peers.json
 #
-# SKIP_TESTS=1 leaves the tests out; PEERS=0 leaves peers.py out.
+# SKIP_TESTS=1 leaves the tests out; PREFILL=0 the prefill runs (ours and peers.py's); PEERS=0
+# leaves peers.py out.
 set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
@@ -18,13 +19,15 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 if [ "${SKIP_TESTS:-0}" != 1 ]; then bash "$(dirname "$0")/run_tests.sh" "$stage" "$out"; fi
 
 run() { bench "$1" "$b/pagedattn-bench" "${@:2}"; }
-run prefill --suite prefill
-run prefill_portable --suite prefill --prefill-path portable
-run prefill_p128 --suite prefill --page-size 128
-run prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
-run prefill_d64 --suite prefill --head-dim 64 --cases "4,4096 2,8192" --reps 20
-run prefill_d256 --suite prefill --head-dim 256 --cases "4,4096 2,8192" --reps 20
-run prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 20
+if [ "${PREFILL:-1}" != 0 ]; then
+  run prefill --suite prefill
+  run prefill_portable --suite prefill --prefill-path portable
+  run prefill_p128 --suite prefill --page-size 128
+  run prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
+  run prefill_d64 --suite prefill --head-dim 64 --cases "4,4096 2,8192" --reps 20
+  run prefill_d256 --suite prefill --head-dim 256 --cases "4,4096 2,8192" --reps 20
+  run prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 20
+fi
 run decode
 run decode_p64 --page-size 64 --no-read-roofline
 run decode_p128 --page-size 128 --no-read-roofline
@@ -35,7 +38,9 @@ run decode_kv2 --kv-heads 2 --cases "1,32768 2,16384" --no-read-roofline
 # One file of rows, each tagged with the run it came from.
 python3 "$(dirname "$0")/merge_rows.py" "$tmp" "$out/ours.json"
 if [ "${PEERS:-1}" != 0 ]; then
-  timeout 300 python3 "$stage/peers.py" --out "$out/peers.json" > "$out/peers.log" 2>&1; echo "peers rc=$?"
+  peers_prefill=(); [ "${PREFILL:-1}" = 0 ] && peers_prefill=(--prefill none)
+  timeout 300 python3 "$stage/peers.py" "${peers_prefill[@]}" --out "$out/peers.json" > "$out/peers.log" 2>&1
+  echo "peers rc=$?"
   timeout 100 python3 "$stage/peers.py" --no-limits --prefill none --kv-heads 1 \
     --decode "1,32768 8,4096 1,131072" --out "$tmp/peers_kv1.json" >> "$out/peers.log" 2>&1
   timeout 100 python3 "$stage/peers.py" --no-limits --prefill none --kv-heads 2 \

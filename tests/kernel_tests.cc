@@ -729,9 +729,14 @@ class SeparateMergeLaunch {
   bool ok() const { return ok_; }
   const kernels::AttentionWork& work() const { return work_; }
   const kernels::PagedAttentionParams& params() const { return p_; }
-  // The work items' first page ids (AttachFirstPages), uploaded beside them, as the server does.
-  void AttachFirstPages() {
+  // The work items' first page ids (AttachFirstPages), uploaded beside them, as the server does;
+  // wrong_first: each item's first id replaced by its second (that page read twice, the first
+  // not at all: a wrong table, for a test's control).
+  void AttachFirstPages(bool wrong_first = false) {
     kernels::AttachFirstPages(table_.data(), kPage, &work_);
+    if (wrong_first) {
+      for (kernels::ItemFirstPages& f : work_.decode_wide_first_pages) f.ids[0] = f.ids[1];
+    }
     p_.decode_wide_first_pages = static_cast<const kernels::ItemFirstPages*>(
         Upload(work_.decode_wide_first_pages.data(),
                work_.decode_wide_first_pages.size() * sizeof(kernels::ItemFirstPages)));
@@ -843,27 +848,30 @@ TEST_F(CudaKernelTest, SeparateMergeLaunchesBackToBack) {
 }
 
 // A decode tile's first copies take their page ids from the ids carried beside the work items
-// or from the page table: the same pages, so bit for bit the same result.
+// or from the page table: the same pages, so bit for bit the same result. The control: carried
+// ids with each item's first id wrong must change the result (else the kernel did not use them,
+// and the equality would show nothing).
 TEST_F(CudaKernelTest, CarriedFirstPagesGiveTheLoadedPagesResult) {
   SeparateMergeLaunch launch;
   ASSERT_TRUE(launch.ok());
   ASSERT_FALSE(launch.work().decode_wide_items.empty()) << "the case no longer has decode tiles";
-  launch.Poison();
-  kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), nullptr);
-  ASSERT_TRUE(st.ok()) << st.message();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const std::vector<float> loaded = launch.Result();
+  auto run = [&] {
+    launch.Poison();
+    const kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), nullptr);
+    EXPECT_TRUE(st.ok()) << st.message();
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    return launch.Result();
+  };
+  const std::vector<float> loaded = run();
   ASSERT_TRUE(launch.ok());
   for (float x : loaded) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
 
-  launch.AttachFirstPages();
+  launch.AttachFirstPages(/*wrong_first=*/true);
   ASSERT_EQ(launch.work().decode_wide_first_pages.size(), launch.work().decode_wide_items.size());
-  ASSERT_NE(launch.params().decode_wide_first_pages, nullptr);
-  launch.Poison();
-  st = kernels::LaunchPagedAttention(launch.params(), nullptr);
-  ASSERT_TRUE(st.ok()) << st.message();
-  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  EXPECT_EQ(launch.Result(), loaded) << "carried page ids gave another result";
+  EXPECT_NE(run(), loaded) << "wrong carried page ids changed nothing: they are not used";
+  launch.AttachFirstPages();
+  EXPECT_EQ(run(), loaded) << "carried page ids gave another result";
+  ASSERT_TRUE(launch.ok());
 }
 
 TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {

@@ -663,20 +663,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
   BENCH_CHECK_CUDA(cudaMalloc(&p.lse, total_q * Hq * 4));
-  // The decode items and their first pages in one buffer, one after the other (the server's
-  // workspace holds them a few sections apart).
-  {
-    const size_t items_bytes = work.decode_items.size() * sizeof(AttentionWorkItem);
-    const size_t pages_bytes = work.decode_first_pages.size() * sizeof(ItemFirstPages);
-    const size_t pages_at = (items_bytes + 255) / 256 * 256;
-    std::vector<unsigned char> bytes(pages_at + pages_bytes);
-    if (items_bytes) std::memcpy(bytes.data(), work.decode_items.data(), items_bytes);
-    if (pages_bytes) {
-      std::memcpy(bytes.data() + pages_at, work.decode_first_pages.data(), pages_bytes);
-    }
-    auto* d = static_cast<unsigned char*>(upload(bytes.data(), bytes.size()));
-    p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d);
-    if (pages_bytes) p.decode_first_pages = reinterpret_cast<const ItemFirstPages*>(d + pages_at);
+  p.decode_items = static_cast<const AttentionWorkItem*>(
+      upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
+  if (!work.decode_first_pages.empty()) {
+    p.decode_first_pages = static_cast<const ItemFirstPages*>(upload(
+        work.decode_first_pages.data(), work.decode_first_pages.size() * sizeof(ItemFirstPages)));
   }
   p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
   p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(

@@ -299,10 +299,13 @@ Config ParseFlags(int argc, char** argv) {
 LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
   if (cfg.exp == 0 && cfg.stages == 0) return LaunchPagedAttention(p, stream);
   const char* flag = cfg.exp != 0 ? "--exp" : "--stages";
-  if (cfg.dtype != DType::kBFloat16 || p.head_dim != 128 || p.num_prefill_items > 0 ||
-      p.num_decode_wide_items > 0 || (cfg.exp != 0 && p.separate_merge)) {
+  const bool d64_stages = cfg.exp == 0 && p.head_dim == 64;
+  if (cfg.dtype != DType::kBFloat16 || (p.head_dim != 128 && !d64_stages) ||
+      p.num_prefill_items > 0 || p.num_decode_wide_items > 0 ||
+      (cfg.exp != 0 && p.separate_merge)) {
     return LaunchStatus::Unsupported(std::string(flag) +
-                                     " variants exist for bf16, head_dim 128 decode only");
+                                     " variants exist for bf16 decode only, head_dim 128 (and "
+                                     "64 for --stages 3..5)");
   }
   // The variants call a tile launcher directly: first what LaunchPagedAttention does before it.
   SetDivisors(&p);
@@ -328,8 +331,16 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
   KernelLaunch merge;
   const KernelLaunch* then = nullptr;
   if (p.separate_merge && p.num_merge_tasks > 0) {
-    merge = MergeSplitsLaunch<128>(p);
+    merge = d64_stages ? MergeSplitsLaunch<64>(p) : MergeSplitsLaunch<128>(p);
     then = &merge;
+  }
+  if (d64_stages) {
+    switch (cfg.stages) {
+      case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 3>(p, stream, then);
+      case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 4>(p, stream, then);
+      case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 5>(p, stream, then);
+      default: return LaunchStatus::Unsupported("--stages must be 3..5 at head_dim 64");
+    }
   }
   switch (cfg.stages) {
     case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);

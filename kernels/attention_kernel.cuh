@@ -118,8 +118,10 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-// Pipeline depth by head_dim: as deep as two blocks per SM allow.
-constexpr int DefaultStages(int head_dim) { return head_dim == 64 ? 4 : (head_dim == 128 ? 3 : 2); }
+// Pipeline depth by head_dim. At 128 and 256: as deep as two blocks per SM allow. At 64: three
+// stages (50 KB), so that four blocks share an SM (as many as 128 registers a thread allow); four
+// stages held it to three blocks and read up to 4% slower at large batches.
+constexpr int DefaultStages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
 
 template <typename T, int D, int MW, int KW, int STAGES = DefaultStages(D)>
 struct AttentionTileConfig {
@@ -1032,23 +1034,6 @@ LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream
   return LaunchAttentionTilesStaged<T, D, MW, KW, DefaultStages(D)>(params, stream, then);
 }
 
-template <typename T, int D, int MW, int KW>
-LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
-  using Cfg = AttentionTileConfig<T, D, MW, KW>;
-  auto kernel = TileKernel<T, D, MW, KW, DefaultStages(D)>();
-  constexpr size_t smem = Cfg::SmemBytes();
-  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(smem));
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel, Cfg::kThreads, smem);
-  }
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") +
-                                   cudaGetErrorString(err));
-  }
-  return LaunchStatus::Ok();
-}
-
 // ---- The separate merge (PagedAttentionParams::separate_merge) ------------------------------
 
 // One block per (merge task, row, kv head): warp w merges splits w, w + 8, ... of the row online,
@@ -1125,6 +1110,43 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
   return {reinterpret_cast<const void*>(MergeSplitsKernel<D>),
           dim3(params.num_merge_tasks, params.merge_rows, params.num_kv_heads),
           dim3(kMergeThreads), 0};
+}
+
+// Tile blocks an SM holds at once with room left for one separate-merge block, whose blocks must
+// be resident, waiting, before the tiles end (LaunchKernelPairWithParams): the blocks per SM the
+// planner counts waves in. Head_dim 128 holds two beside a merge block as it is (<= 192
+// registers); head_dim 64's three-stage tile runs four to an SM, which fill the register file,
+// and its split plans measured faster planned for three (PERFORMANCE.md, thirteenth session).
+template <typename T, int D, int MW, int KW>
+LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
+  auto kernel = TileKernel<T, D, MW, KW, DefaultStages(D)>();
+  constexpr size_t smem = Cfg::SmemBytes();
+  cudaFuncAttributes tile = {}, merge = {};
+  int device = 0, regs_per_sm = 0;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel, Cfg::kThreads, smem);
+  }
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&tile, kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&merge, MergeSplitsKernel<D>);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&regs_per_sm, cudaDevAttrMaxRegistersPerMultiprocessor, device);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") +
+                                   cudaGetErrorString(err));
+  }
+  // Registers are allocated per warp in units of 256, so per thread in multiples of 8.
+  auto block_regs = [](int regs, int threads) { return (regs + 7) / 8 * 8 * threads; };
+  const int tile_regs = block_regs(tile.numRegs, Cfg::kThreads);
+  const int merge_regs = block_regs(merge.numRegs, kMergeThreads);
+  while (*blocks_per_sm > 1 && *blocks_per_sm * tile_regs + merge_regs > regs_per_sm) {
+    --*blocks_per_sm;
+  }
+  return LaunchStatus::Ok();
 }
 
 #define PAGEDATTN_INSTANTIATE_MERGE(D) \

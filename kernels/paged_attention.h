@@ -171,8 +171,8 @@ LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* block
 // blocks <= 0 clears the schedule.
 void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work);
 
-// Blocks the paged attention kernel runs at once on this device (SMs * blocks per SM): the
-// target_blocks to plan for.
+// Blocks the paged attention kernel runs at once on this device with room left on each SM for
+// one separate-merge block (SMs * such blocks per SM): the target_blocks to plan for.
 LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks);
 
 // Which prefill tile kernel runs: kAuto picks the Hopper (wgmma) kernel where the build and

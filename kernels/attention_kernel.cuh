@@ -1112,13 +1112,15 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
           dim3(kMergeThreads), 0};
 }
 
-// Tile blocks an SM holds at once with room left for one separate-merge block, whose blocks must
-// be resident, waiting, before the tiles end (LaunchKernelPairWithParams): the blocks per SM the
-// planner counts waves in. Head_dim 128 holds two beside a merge block as it is (<= 192
-// registers); head_dim 64's three-stage tile runs four to an SM, which fill the register file,
-// and its split plans measured faster planned for three (PERFORMANCE.md, thirteenth session).
+// Tile blocks an SM holds at once (resident), and how many of them leave room for one
+// separate-merge block (beside_merge), whose blocks must be resident, waiting, before the tiles
+// end (LaunchKernelPairWithParams): the planner counts the waves of a split plan in the second,
+// of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
+// as it is (<= 192 registers); head_dim 64's three-stage tile runs four to an SM, which fill the
+// register file, and its split plans measured faster planned for three (PERFORMANCE.md,
+// thirteenth session).
 template <typename T, int D, int MW, int KW>
-LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
+LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge) {
   using Cfg = AttentionTileConfig<T, D, MW, KW>;
   auto kernel = TileKernel<T, D, MW, KW, DefaultStages(D)>();
   constexpr size_t smem = Cfg::SmemBytes();
@@ -1127,7 +1129,7 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          static_cast<int>(smem));
   if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(blocks_per_sm, kernel, Cfg::kThreads, smem);
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, Cfg::kThreads, smem);
   }
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&tile, kernel);
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&merge, MergeSplitsKernel<D>);
@@ -1143,8 +1145,9 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   auto block_regs = [](int regs, int threads) { return (regs + 7) / 8 * 8 * threads; };
   const int tile_regs = block_regs(tile.numRegs, Cfg::kThreads);
   const int merge_regs = block_regs(merge.numRegs, kMergeThreads);
-  while (*blocks_per_sm > 1 && *blocks_per_sm * tile_regs + merge_regs > regs_per_sm) {
-    --*blocks_per_sm;
+  *beside_merge = *resident;
+  while (*beside_merge > 1 && *beside_merge * tile_regs + merge_regs > regs_per_sm) {
+    --*beside_merge;
   }
   return LaunchStatus::Ok();
 }
@@ -1160,6 +1163,6 @@ LaunchStatus AttentionTileOccupancy(int* blocks_per_sm) {
   template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&, \
                                                          cudaStream_t,                \
                                                          const KernelLaunch*);        \
-  template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*);
+  template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*, int*);
 
 }  // namespace pagedattn::kernels

@@ -74,7 +74,8 @@ LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* block
 }
 
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, int target_blocks, AttentionWork* work, int min_chunk) {
+                       bool causal, int target_blocks, AttentionWork* work, int min_chunk,
+                       int unsplit_blocks) {
   work->decode_items.clear();
   work->decode_wide_items.clear();
   work->decode_first_pages.clear();  // AttachFirstPages fills them for these items
@@ -104,11 +105,13 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     }
   }
 
-  // The split-KV chunk: blocks run in waves of target_blocks, so a launch lasts about
+  // The split-KV chunk: blocks run in waves of target_blocks (of unsplit_blocks when nothing is
+  // split: no merge block needs room beside them), so a launch lasts about
   // max(longest block, waves * mean block); each block also pays a fixed start-up cost.
   // Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
   // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
   const int64_t blocks = std::max(1, target_blocks);
+  const int64_t whole_blocks = unsplit_blocks > 0 ? unsplit_blocks : blocks;
   const int64_t floor_chunk = std::max(min_chunk, kKvTileRows);
   int64_t max_end = 1;
   for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
@@ -142,7 +145,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     }
     units *= num_kv_heads;
     total_cost *= num_kv_heads;
-    const double waves = static_cast<double>(CeilDiv(units, blocks));
+    const int64_t wave_blocks = most_splits > 0 ? blocks : whole_blocks;
+    const double waves = static_cast<double>(CeilDiv(units, wave_blocks));
     const int64_t separate_merge =
         kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
     const bool separate = most_splits > 0 && !prefill_split && separate_merge < in_kernel_merge;

@@ -114,7 +114,7 @@ template <typename T, int D, int MW, int KW>
 LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                   const KernelLaunch* then);
 template <typename T, int D, int MW, int KW>
-LaunchStatus AttentionTileOccupancy(int* blocks_per_sm);
+LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge);
 
 // The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
 // per (merge task, row, kv head): its kernel and grid, for LaunchAttentionTiles' `then` (or a
@@ -169,12 +169,13 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
   });
 }
 
-inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int* blocks_per_sm) {
+inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int* resident,
+                                               int* beside_merge) {
   return DispatchKvDType(kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(blocks_per_sm);
+      return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(resident, beside_merge);
     });
   });
 }

@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -123,13 +124,16 @@ LaunchStatus MultiprocessorCount(int* sms) {
 
 }  // namespace
 
-LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks) {
-  int blocks_per_sm = 0, sms = 0;
-  if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &blocks_per_sm); !st.ok()) {
+LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
+                                   int* unsplit_blocks) {
+  int resident = 0, beside_merge = 0, sms = 0;
+  if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &resident, &beside_merge);
+      !st.ok()) {
     return st;
   }
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
-  *target_blocks = sms * (blocks_per_sm > 0 ? blocks_per_sm : 1);
+  *target_blocks = sms * std::max(beside_merge, 1);
+  if (unsplit_blocks != nullptr) *unsplit_blocks = sms * std::max(resident, 1);
   return LaunchStatus::Ok();
 }
 

@@ -152,8 +152,11 @@ struct AttentionWork {
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
 // range into chunks (flash-decoding), so that about target_blocks blocks carry equal work.
 // min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
+// unsplit_blocks: the blocks that run at once when nothing is split (no merge block needs room
+// beside the tiles: AttentionTargetBlocks); 0 means target_blocks.
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256);
+                       bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256,
+                       int unsplit_blocks = 0);
 
 // Fills decode_first_pages and decode_wide_first_pages from page_table, the launch's page table
 // as the spans index it (host memory).
@@ -171,9 +174,11 @@ LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* block
 // blocks <= 0 clears the schedule.
 void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work);
 
-// Blocks the paged attention kernel runs at once on this device with room left on each SM for
-// one separate-merge block (SMs * such blocks per SM): the target_blocks to plan for.
-LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks);
+// Blocks of the paged attention kernel that run at once on this device with room left on each
+// SM for one separate-merge block (SMs * such blocks per SM): the target_blocks to plan for;
+// and (unsplit_blocks, when not null) all that run at once: PlanAttentionWork's unsplit_blocks.
+LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
+                                   int* unsplit_blocks = nullptr);
 
 // Which prefill tile kernel runs: kAuto picks the Hopper (wgmma) kernel where the build and
 // the device have it, the portable (mma.sync) one elsewhere; kPortable forces the portable one

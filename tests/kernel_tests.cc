@@ -951,6 +951,32 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
 }
 
+// A plan without splits has no merge, so its waves count every resident block (unsplit_blocks);
+// a split plan's count only those that leave room for a merge block (target_blocks). Head_dim
+// 64 on the H200: 396 and 528.
+TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
+  std::vector<kernels::AttentionSpan> batch;
+  for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
+  kernels::AttentionWork work;
+  // 512 (sequence, kv head) blocks: two waves of 396, so the plan splits...
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, 396, &work);
+  EXPECT_LT(work.kv_chunk, 4096);
+  // ...but one wave of 528: no split, no merge.
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  EXPECT_EQ(work.kv_chunk, 4096);
+  EXPECT_EQ(work.decode_items.size(), 64u);
+  EXPECT_TRUE(work.merge_tasks.empty());
+  // A plan that splits either way is planned in waves of target_blocks alone.
+  std::vector<kernels::AttentionSpan> one = {{0, 0, 1, 32768}};
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, 396, &work);
+  const int32_t chunk = work.kv_chunk;
+  const size_t items = work.decode_items.size();
+  EXPECT_LT(chunk, 32768);
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  EXPECT_EQ(work.kv_chunk, chunk);
+  EXPECT_EQ(work.decode_items.size(), items);
+}
+
 // Beside each decode item go the page ids of its first kItemPages pages (from the page holding
 // kv_start), 0 past its span's last page.
 TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {

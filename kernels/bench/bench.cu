@@ -640,11 +640,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     spans[b] = {q_offset[b], page_offset[b], nq, ctx[b]};
   }
 
-  int target_blocks = 0;
-  CheckLaunch(AttentionTargetBlocks(cfg.dtype, D, &target_blocks), "occupancy");
+  int target_blocks = 0, unsplit_blocks = 0;
+  CheckLaunch(AttentionTargetBlocks(cfg.dtype, D, &target_blocks, &unsplit_blocks), "occupancy");
   AttentionWork work;
   target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
-  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk);
+  unsplit_blocks = std::max(1, static_cast<int>(unsplit_blocks * cfg.blocks_scale));
+  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk,
+                    unsplit_blocks);
   if (cfg.merge != "planned") work.separate_merge = cfg.merge == "separate";
   // The --exp variants are of the decode tile with its in-kernel merge.
   if (cfg.exp != 0) work.separate_merge = false;

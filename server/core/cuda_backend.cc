@@ -54,11 +54,13 @@ size_t AlignUp(size_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
 
 class CudaKvPool final : public KvPool {
  public:
-  CudaKvPool(int device, char* base, int64_t layer_bytes, int target_blocks, int prefill_blocks)
+  CudaKvPool(int device, char* base, int64_t layer_bytes, int target_blocks, int unsplit_blocks,
+             int prefill_blocks)
       : device_(device),
         base_(base),
         layer_bytes_(layer_bytes),
         target_blocks_(target_blocks),
+        unsplit_blocks_(unsplit_blocks),
         prefill_blocks_(prefill_blocks) {}
   ~CudaKvPool() override {
     int current = 0;
@@ -70,7 +72,9 @@ class CudaKvPool final : public KvPool {
   // Layer l's K pool then its V pool, each [num_pages][num_kv_heads][page_size][head_dim].
   void* k(int layer) const { return base_ + 2 * layer * layer_bytes_; }
   void* v(int layer) const { return base_ + (2 * layer + 1) * layer_bytes_; }
+  // PlanAttentionWork's target_blocks and unsplit_blocks (AttentionTargetBlocks).
   int target_blocks() const { return target_blocks_; }
+  int unsplit_blocks() const { return unsplit_blocks_; }
   // Persistent blocks of the Hopper prefill kernel (0: the portable kernel runs).
   int prefill_blocks() const { return prefill_blocks_; }
 
@@ -79,6 +83,7 @@ class CudaKvPool final : public KvPool {
   char* base_;
   int64_t layer_bytes_;
   int target_blocks_;
+  int unsplit_blocks_;
   int prefill_blocks_;
 };
 
@@ -184,8 +189,9 @@ class CudaBackend final : public Backend {
                        DTypeName(g.kv_dtype), ")"));
     }
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
-    int target_blocks = 0;
-    PAGEDATTN_LAUNCH_RETURN(k::AttentionTargetBlocks(g.kv_dtype, g.head_dim, &target_blocks));
+    int target_blocks = 0, unsplit_blocks = 0;
+    PAGEDATTN_LAUNCH_RETURN(
+        k::AttentionTargetBlocks(g.kv_dtype, g.head_dim, &target_blocks, &unsplit_blocks));
     int prefill_blocks = 0;
     PAGEDATTN_LAUNCH_RETURN(
         k::PrefillScheduleBlocks(g.kv_dtype, g.head_dim, prefill_path(), &prefill_blocks));
@@ -208,7 +214,7 @@ class CudaBackend final : public Backend {
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
     return std::unique_ptr<KvPool>(
-        new CudaKvPool(g.device, base, layer_bytes, target_blocks, prefill_blocks));
+        new CudaKvPool(g.device, base, layer_bytes, target_blocks, unsplit_blocks, prefill_blocks));
   }
 
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
@@ -274,7 +280,7 @@ class CudaBackend final : public Backend {
     k::AttentionWork work;
     if (plan.total_queries > 0) {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
-                           pool.target_blocks(), &work);
+                           pool.target_blocks(), &work, /*min_chunk=*/256, pool.unsplit_blocks());
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
       k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }

@@ -105,13 +105,16 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     }
   }
 
-  // The split-KV chunk: blocks run in waves of target_blocks (of unsplit_blocks when nothing is
-  // split: no merge block needs room beside them), so a launch lasts about
-  // max(longest block, waves * mean block); each block also pays a fixed start-up cost.
-  // Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
+  // The split-KV chunk: blocks run in waves of target_blocks (of unsplit_blocks when a
+  // decode-only plan splits nothing: no merge block needs room beside its tiles), so a launch
+  // lasts about max(longest block, waves * mean block); each block also pays a fixed start-up
+  // cost. Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
   // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
+  const bool decode_only = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
+    return t.tile_rows <= kDecodeWideTileRows;
+  });
   const int64_t blocks = std::max(1, target_blocks);
-  const int64_t whole_blocks = unsplit_blocks > 0 ? unsplit_blocks : blocks;
+  const int64_t whole_blocks = unsplit_blocks > 0 && decode_only ? unsplit_blocks : blocks;
   const int64_t floor_chunk = std::max(min_chunk, kKvTileRows);
   int64_t max_end = 1;
   for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
@@ -174,9 +177,6 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   // so that 1 x 32768 on 8 kv heads runs 264 splits of 993 positions rather than 256 of 1024
   // with 8 of the GPU's 264 block slots idle.
   const int64_t tile_units = static_cast<int64_t>(tiles.size()) * num_kv_heads;
-  const bool decode_only = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
-    return t.tile_rows <= kDecodeWideTileRows;
-  });
   if (decode_only && tile_units > 0 && blocks / tile_units >= 2) {
     const int64_t c = std::max(floor_chunk, CeilDiv(max_end, blocks / tile_units));
     if (c < chunk) {

@@ -975,6 +975,15 @@ TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, 396, &work, 256, 528);
   EXPECT_EQ(work.kv_chunk, chunk);
   EXPECT_EQ(work.decode_items.size(), items);
+  // So is a plan with a prefill tile (the prefill kernels' residency is not the decode tile's):
+  // 56 decode tiles and one of 32 queries x 4 heads, 456 blocks, split as with 396 alone.
+  std::vector<kernels::AttentionSpan> mixed(batch.begin(), batch.begin() + 56);
+  mixed.push_back({56, 56 * 256, 32, 4096});
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, 396, &work);
+  const int32_t mixed_chunk = work.kv_chunk;
+  EXPECT_LT(mixed_chunk, 4096);
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  EXPECT_EQ(work.kv_chunk, mixed_chunk);
 }
 
 // Beside each decode item go the page ids of its first kItemPages pages (from the page holding

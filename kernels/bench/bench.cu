@@ -17,7 +17,8 @@
 //                     the row's "launch" says which
 //                   [--first-pages on|off]  decode items carry their first page ids
 //                     (AttachFirstPages; off: every page id from the page table)
-//   Exploration only: [--stages 2..5] [--blocks-scale F] [--min-chunk N] [--rotate N]
+//   Exploration only: [--stages 2..5 (head_dim 64: 3..5)] [--blocks-scale F] [--min-chunk N]
+//                     [--rotate N]
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
 //                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
@@ -76,12 +77,12 @@ struct Config {
   int q_heads = 32, kv_heads = 8, head_dim = 128, page_size = 16;
   DType dtype = DType::kBFloat16;
   int warmup = 10, reps = 50, check_seqs = 2;
-  double blocks_scale = 1.0;  // exploration only: scales the planner's target block count
+  double blocks_scale = 1.0;  // exploration only: scales the planner's two block counts
   int min_chunk = 256;
   int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
-  int stages = 0;  // exploration only: a pipeline depth other than the shipped one (bf16, d128)
+  int stages = 0;  // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel

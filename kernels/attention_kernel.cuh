@@ -118,9 +118,10 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-// Pipeline depth by head_dim. At 128 and 256: as deep as two blocks per SM allow. At 64: three
-// stages (50 KB), so that four blocks share an SM (as many as 128 registers a thread allow); four
-// stages held it to three blocks and read up to 4% slower at large batches.
+// Pipeline depth by head_dim. At 128: three stages (100 KB), two blocks an SM; at 256: two (136
+// KB), one block. At 64: three stages (50 KB), so that four blocks share an SM (as many as 128
+// registers a thread allow); four stages held it to three blocks and read up to 4% slower at
+// large batches.
 constexpr int DefaultStages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
 
 template <typename T, int D, int MW, int KW, int STAGES = DefaultStages(D)>

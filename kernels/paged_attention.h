@@ -154,9 +154,10 @@ struct AttentionWork {
 // min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
 // unsplit_blocks: the blocks that run at once when nothing is split (no merge block needs room
 // beside the tiles: AttentionTargetBlocks); 0 means target_blocks.
+inline constexpr int kDefaultMinChunk = 256;
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, int target_blocks, AttentionWork* work, int min_chunk = 256,
-                       int unsplit_blocks = 0);
+                       bool causal, int target_blocks, AttentionWork* work,
+                       int min_chunk = kDefaultMinChunk, int unsplit_blocks = 0);
 
 // Fills decode_first_pages and decode_wide_first_pages from page_table, the launch's page table
 // as the spans index it (host memory).

@@ -78,7 +78,7 @@ struct Config {
   DType dtype = DType::kBFloat16;
   int warmup = 10, reps = 50, check_seqs = 2;
   double blocks_scale = 1.0;  // exploration only: scales the planner's two block counts
-  int min_chunk = 256;
+  int min_chunk = kDefaultMinChunk;
   int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested

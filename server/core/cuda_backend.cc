@@ -280,7 +280,8 @@ class CudaBackend final : public Backend {
     k::AttentionWork work;
     if (plan.total_queries > 0) {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
-                           pool.target_blocks(), &work, /*min_chunk=*/256, pool.unsplit_blocks());
+                           pool.target_blocks(), &work, k::kDefaultMinChunk,
+                           pool.unsplit_blocks());
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
       k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }

@@ -254,6 +254,19 @@ __device__ __forceinline__ void AllowDependentLaunch() {
   asm volatile("griddepcontrol.launch_dependents;");
 #endif
 }
+
+// This block's work item and kv head in an item-major grid (TileGridBlocks: the kv heads of one
+// work item are neighbours in launch order), by a multiply-shift (kv_heads_div) rather than an
+// integer division, so that nothing slow stands before the item's load.
+struct ItemMajorBlock {
+  uint32_t item;
+  int kv_head;
+};
+__device__ __forceinline__ ItemMajorBlock ItemMajor(const PagedAttentionParams& p) {
+  const uint32_t item = p.kv_heads_div.Div(blockIdx.x);
+  return {item, static_cast<int>(blockIdx.x - item * p.num_kv_heads)};
+}
+
 __device__ __forceinline__ void WaitForPrerequisiteGrids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -555,13 +568,14 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages.
-  const uint32_t item_index = p.kv_heads_div.Div(blockIdx.x);  // no division before the load
+  const ItemMajorBlock block = ItemMajor(p);
+  const uint32_t item_index = block.item;
   const AttentionWorkItem item = items[item_index];
   if constexpr ((EXP & kExpTimeline) != 0) {  // the item has arrived (slot 12)
     if (item.kv_end == -7 && item.kv_start == -7) asm volatile("trap;");
     TimelineStamp<EXP>(12);
   }
-  const int kv_head = static_cast<int>(blockIdx.x - item_index * p.num_kv_heads);
+  const int kv_head = block.kv_head;
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_rows = span.num_queries * group;

@@ -477,8 +477,9 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
 
   // Items run in the planner's order (by span, longest first); the kv heads of one item run
   // side by side.
-  const int kv_head = blockIdx.x % p.num_kv_heads;
-  const AttentionWorkItem item = p.prefill_items[blockIdx.x / p.num_kv_heads];
+  const ItemMajorBlock block = ItemMajor(p);
+  const int kv_head = block.kv_head;
+  const AttentionWorkItem item = p.prefill_items[block.item];
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_rows = span.num_queries * group;

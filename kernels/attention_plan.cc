@@ -74,8 +74,7 @@ LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* block
 }
 
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, int target_blocks, AttentionWork* work, int min_chunk,
-                       int unsplit_blocks) {
+                       bool causal, const AttentionPlanLimits& limits, AttentionWork* work) {
   work->decode_items.clear();
   work->decode_wide_items.clear();
   work->decode_first_pages.clear();  // AttachFirstPages fills them for these items
@@ -113,9 +112,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   const bool decode_only = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
     return t.tile_rows <= kDecodeWideTileRows;
   });
-  const int64_t blocks = std::max(1, target_blocks);
-  const int64_t whole_blocks = unsplit_blocks > 0 && decode_only ? unsplit_blocks : blocks;
-  const int64_t floor_chunk = std::max(min_chunk, kKvTileRows);
+  const int64_t blocks = std::max(1, limits.target_blocks);
+  const int64_t whole_blocks =
+      limits.unsplit_blocks > 0 && decode_only ? limits.unsplit_blocks : blocks;
+  const int64_t floor_chunk = std::max(limits.min_chunk, kKvTileRows);
   int64_t max_end = 1;
   for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
   auto round_chunk = [&](int64_t c) {

@@ -149,15 +149,23 @@ struct AttentionWork {
   }
 };
 
-// Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
-// range into chunks (flash-decoding), so that about target_blocks blocks carry equal work.
-// min_chunk (a multiple of kKvTileRows) bounds how finely KV is split; tests lower it.
-// unsplit_blocks: the blocks that run at once when nothing is split (no merge block needs room
-// beside the tiles: AttentionTargetBlocks); 0 means target_blocks.
+// How PlanAttentionWork may spread a launch's work over the GPU.
 inline constexpr int kDefaultMinChunk = 256;
+struct AttentionPlanLimits {
+  // The blocks that carry equal work when KV is split: the tile blocks that run at once beside
+  // one merge block (AttentionTargetBlocks).
+  int target_blocks = 0;
+  // The blocks that run at once when nothing is split (no merge block needs room beside the
+  // tiles: AttentionTargetBlocks); 0 means target_blocks.
+  int unsplit_blocks = 0;
+  // How finely KV is split: a multiple of kKvTileRows; tests lower it.
+  int min_chunk = kDefaultMinChunk;
+};
+
+// Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
+// range into chunks (flash-decoding), so that about limits.target_blocks blocks carry equal work.
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, int target_blocks, AttentionWork* work,
-                       int min_chunk = kDefaultMinChunk, int unsplit_blocks = 0);
+                       bool causal, const AttentionPlanLimits& limits, AttentionWork* work);
 
 // Fills decode_first_pages and decode_wide_first_pages from page_table, the launch's page table
 // as the spans index it (host memory).

@@ -401,7 +401,8 @@ TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
       std::vector<kernels::AttentionSpan> spans = {{0, 0, queries, 30000 + queries},
                                                    {queries, 1876, queries, 6000 + queries}};
       kernels::AttentionWork work;
-      kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, target, &work);
+      kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true,
+                                 {.target_blocks = target}, &work);
       ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
       ASSERT_TRUE(work.prefill_items.empty());
       RunCase(*backend_, c);
@@ -421,7 +422,8 @@ TEST_F(CudaKernelTest, SeparateMergeAfterPrefillTiles) {
     ASSERT_TRUE(kernels::AttentionTargetBlocks(c.cache_dtype, c.head_dim, &target).ok());
     std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 64, 464}};
     kernels::AttentionWork work;
-    kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, target, &work);
+    kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, {.target_blocks = target},
+                               &work);
     ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
     ASSERT_FALSE(work.prefill_items.empty()) << "the case no longer has prefill tiles";
     RunCase(*backend_, c);
@@ -545,7 +547,8 @@ TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   ASSERT_TRUE(kernels::AttentionTargetBlocks(separate_merge.cache_dtype, 128, &target).ok());
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 1, 5001}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, target, &work);
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = target},
+                             &work);
   EXPECT_TRUE(work.separate_merge) << "the second case no longer reaches the separate merge";
 }
 
@@ -693,7 +696,8 @@ class SeparateMergeLaunch {
     kernels::AttentionSpan span{0, 0, 1, kLen};
     int target = 0;
     ok_ = kernels::AttentionTargetBlocks(DType::kBFloat16, kDim, &target).ok();
-    kernels::PlanAttentionWork(&span, 1, kQHeads, 1, /*causal=*/true, target, &work_);
+    kernels::PlanAttentionWork(&span, 1, kQHeads, 1, /*causal=*/true, {.target_blocks = target},
+                               &work_);
     p_.kv_dtype = DType::kBFloat16;
     p_.num_q_heads = kQHeads;
     p_.num_kv_heads = 1;
@@ -903,7 +907,8 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   for (bool causal : {true, false}) {
     for (int target : {1, 132, 264, 5000}) {
       kernels::AttentionWork work;
-      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal, target, &work, 64);
+      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal,
+                                 {.target_blocks = target, .min_chunk = 64}, &work);
       // coverage[span][row_start] -> positions covered
       std::map<std::pair<int, int>, int64_t> covered;
       for (const auto* list : {&work.decode_items, &work.decode_wide_items, &work.prefill_items}) {
@@ -933,7 +938,8 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
 TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   ASSERT_EQ(work.decode_items.size(), 33u) << "kv_chunk " << work.kv_chunk;
   EXPECT_EQ(work.kv_chunk, 993);
   int32_t next = 0;
@@ -946,7 +952,8 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   // A prefill tile in the plan keeps chunks at whole KV tiles.
   // (Without that rule this plan would cut 334-position chunks.)
   std::vector<kernels::AttentionSpan> mixed = {{0, 0, 1, 2000}, {1, 2048, 100, 1000}};
-  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   EXPECT_LT(work.kv_chunk, 2000) << "the plan splits";
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
 }
@@ -959,30 +966,35 @@ TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
   kernels::AttentionWork work;
   // 512 (sequence, kv head) blocks: two waves of 396, so the plan splits...
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, 396, &work);
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, {.target_blocks = 396},
+                             &work);
   EXPECT_LT(work.kv_chunk, 4096);
   // ...but one wave of 528: no split, no merge.
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, 4096);
   EXPECT_EQ(work.decode_items.size(), 64u);
   EXPECT_TRUE(work.merge_tasks.empty());
   // A plan that splits either way is planned in waves of target_blocks alone.
   std::vector<kernels::AttentionSpan> one = {{0, 0, 1, 32768}};
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, 396, &work);
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 396}, &work);
   const int32_t chunk = work.kv_chunk;
   const size_t items = work.decode_items.size();
   EXPECT_LT(chunk, 32768);
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, chunk);
   EXPECT_EQ(work.decode_items.size(), items);
   // So is a plan with a prefill tile (the prefill kernels' residency is not the decode tile's):
   // 56 decode tiles and one of 32 queries x 4 heads, 456 blocks, split as with 396 alone.
   std::vector<kernels::AttentionSpan> mixed(batch.begin(), batch.begin() + 56);
   mixed.push_back({56, 56 * 256, 32, 4096});
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, 396, &work);
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, {.target_blocks = 396},
+                             &work);
   const int32_t mixed_chunk = work.kv_chunk;
   EXPECT_LT(mixed_chunk, 4096);
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, 396, &work, 256, 528);
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, mixed_chunk);
 }
 
@@ -996,7 +1008,8 @@ TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
   std::vector<int32_t> table(79);
   for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(1000 + 7 * i);
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, 264, &work, 64);
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+                             {.target_blocks = 264, .min_chunk = 64}, &work);
   ASSERT_GT(work.decode_items.size(), 2u) << "span 0 no longer splits";
   ASSERT_FALSE(work.prefill_items.empty());
   EXPECT_TRUE(work.decode_first_pages.empty()) << "attached only when asked";
@@ -1014,7 +1027,8 @@ TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
           << "span " << it.span << " kv_start " << it.kv_start << " page " << j;
     }
   }
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, 264, &work, 64);
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+                             {.target_blocks = 264, .min_chunk = 64}, &work);
   EXPECT_TRUE(work.decode_first_pages.empty()) << "a new plan drops the last one's pages";
 }
 
@@ -1037,7 +1051,8 @@ TEST(AttentionPlan, TileGridBlocksFitOneDimension) {
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   EXPECT_TRUE(work.separate_merge);
   EXPECT_GE(work.decode_wide_items.size(), 200u) << "kv_chunk " << work.kv_chunk;
   EXPECT_EQ(work.merge_rows, 32);
@@ -1047,7 +1062,8 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   // 33 splits of 4 rows (one decode on 8 kv heads) merge separately; 2 splits of 4 rows (16
   // decodes) in the tile kernel.
   spans = {{7, 0, 1, 32768}};
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   EXPECT_TRUE(work.separate_merge);
   EXPECT_EQ(work.merge_rows, 4);
   ASSERT_FALSE(work.merge_tasks.empty());
@@ -1055,7 +1071,8 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   EXPECT_EQ(work.merge_tasks[0].num_splits, 33);
   spans.clear();
   for (int i = 0; i < 16; ++i) spans.push_back({i, i * 256, 1, 4096});
-  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   ASSERT_FALSE(work.merge_tasks.empty());
   EXPECT_EQ(work.merge_tasks[0].num_splits, 2);
   EXPECT_FALSE(work.separate_merge);
@@ -1063,7 +1080,8 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
   // tiles only), even beside a wide decode tile that would want the separate one.
   spans = {{0, 0, 300, 10000}, {300, 700, 1, 131072}};
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   bool prefill_split = false;
   for (const auto& it : work.prefill_items) prefill_split |= it.partial_row >= 0;
   ASSERT_TRUE(prefill_split) << "kv_chunk " << work.kv_chunk;
@@ -1077,7 +1095,8 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 100000, &work, 64);
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true,
+                             {.target_blocks = 100000, .min_chunk = 64}, &work);
   ASSERT_FALSE(work.prefill_items.empty());
   std::vector<int> span_order;
   for (size_t i = 0; i < work.prefill_items.size(); ++i) {
@@ -1099,7 +1118,8 @@ TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, 264, &work);
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
   ASSERT_FALSE(work.prefill_items.empty());
   constexpr int kHeads = 8, kBlocks = 132;
   kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);

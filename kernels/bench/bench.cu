@@ -646,8 +646,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   AttentionWork work;
   target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
   unsplit_blocks = std::max(1, static_cast<int>(unsplit_blocks * cfg.blocks_scale));
-  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true, target_blocks, &work, cfg.min_chunk,
-                    unsplit_blocks);
+  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true,
+                    {.target_blocks = target_blocks,
+                     .unsplit_blocks = unsplit_blocks,
+                     .min_chunk = cfg.min_chunk},
+                    &work);
   if (cfg.merge != "planned") work.separate_merge = cfg.merge == "separate";
   // The --exp variants are of the decode tile with its in-kernel merge.
   if (cfg.exp != 0) work.separate_merge = false;

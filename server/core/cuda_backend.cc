@@ -72,7 +72,7 @@ class CudaKvPool final : public KvPool {
   // Layer l's K pool then its V pool, each [num_pages][num_kv_heads][page_size][head_dim].
   void* k(int layer) const { return base_ + 2 * layer * layer_bytes_; }
   void* v(int layer) const { return base_ + (2 * layer + 1) * layer_bytes_; }
-  // PlanAttentionWork's target_blocks and unsplit_blocks (AttentionTargetBlocks).
+  // AttentionPlanLimits' target_blocks and unsplit_blocks (AttentionTargetBlocks).
   int target_blocks() const { return target_blocks_; }
   int unsplit_blocks() const { return unsplit_blocks_; }
   // Persistent blocks of the Hopper prefill kernel (0: the portable kernel runs).
@@ -280,8 +280,9 @@ class CudaBackend final : public Backend {
     k::AttentionWork work;
     if (plan.total_queries > 0) {
       k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
-                           pool.target_blocks(), &work, k::kDefaultMinChunk,
-                           pool.unsplit_blocks());
+                           {.target_blocks = pool.target_blocks(),
+                            .unsplit_blocks = pool.unsplit_blocks()},
+                           &work);
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
       k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }

@@ -11,6 +11,10 @@
 //                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
+//                   [--no-flush-l2]  time without first evicting the pools from L2 (by
+//                     default a buffer of 4x the L2 is written before timing: lines of the
+//                     pools left at normal priority by the setup and the check would hit on
+//                     every launch, as the kernels read K and V evict-first); rows: l2_flushed
 //                   [--merge planned|separate|in-kernel]   where split-KV tiles are merged (the
 //                     plan's choice, the separate merge kernel, or the tile kernel's last split)
 //                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
@@ -18,7 +22,8 @@
 //                   [--first-pages on|off]  decode items carry their first page ids
 //                     (AttachFirstPages; off: every page id from the page table)
 //   Exploration only: [--stages 2..5 (head_dim 64: 3..5)] [--blocks-scale F] [--min-chunk N]
-//                     [--rotate N]
+//                     [--rotate N] [--trials K]  (K: after timing, the per-launch median again
+//                     on K fresh pool allocations and on K fresh streams, one "trial" row each)
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
 //                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
@@ -84,9 +89,14 @@ struct Config {
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
   int stages = 0;  // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
   int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
+  int trials = 0;  // exploration only: per-launch medians on fresh pools and fresh streams
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
+  // Before timing, write a buffer of four times the L2 so that no line of the pools stays there
+  // from their setup or the correctness check (the kernels read K and V evict-first, so lines
+  // left at normal priority would hit on every timed launch).
+  bool flush_l2 = true;
   bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
   bool first_pages = true;    // --first-pages off: decode items without their first page ids
   std::string json;
@@ -261,6 +271,8 @@ Config ParseFlags(int argc, char** argv) {
       c.stages = std::atoi(next().c_str());
     else if (a == "--rotate")
       c.rotate = std::atoi(next().c_str());
+    else if (a == "--trials")
+      c.trials = std::atoi(next().c_str());
     else if (a == "--prefill-path")
       c.prefill_path =
           second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
@@ -281,6 +293,8 @@ Config ParseFlags(int argc, char** argv) {
       c.exp = std::atoi(next().c_str());
     else if (a == "--no-read-roofline")
       c.read_roofline = false;
+    else if (a == "--no-flush-l2")
+      c.flush_l2 = false;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
                    a.c_str());
@@ -821,7 +835,17 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   };
   check_output("before timing");
 
-  // Time: median of per-launch CUDA events after warm-up, rotating the pool copies.
+  // Time: median of per-launch CUDA events after warm-up, rotating the pool copies; the L2
+  // holds no line of the pools at normal priority first (--no-flush-l2: as the setup left it).
+  void* l2_scratch = nullptr;
+  const size_t l2_scratch_bytes = 4 * static_cast<size_t>(l2);
+  auto flush_l2 = [&] {
+    if (!cfg.flush_l2) return;
+    if (l2_scratch == nullptr) BENCH_CHECK_CUDA(cudaMalloc(&l2_scratch, l2_scratch_bytes));
+    BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
+    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
+  };
+  flush_l2();
   cudaEvent_t start, stop;
   BENCH_CHECK_CUDA(cudaEventCreate(&start));
   BENCH_CHECK_CUDA(cudaEventCreate(&stop));
@@ -844,6 +868,53 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   });
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
+  // --trials: is the per-launch time a property of the pool's allocation or of the stream (its
+  // cached graph)? The same launch timed on fresh pools (the old ones kept, so that each lands
+  // elsewhere) and on fresh streams, one line each.
+  for (int trial = 0; trial < cfg.trials && !cfg.prefill && copies == 1; ++trial) {
+    auto median_us = [&](cudaStream_t s, int n, bool b2b) {
+      std::vector<float> ts;
+      for (int it = 0; it < cfg.warmup + n; ++it) {
+        const float ms = EventMs(s, start, stop, [&] {
+          for (int j = 0; j < (b2b ? kBackToBack : 1); ++j) {
+            CheckLaunch(Launch(cfg, p, s), "paged attention");
+          }
+        });
+        if (it >= cfg.warmup) ts.push_back(ms * 1e3f / (b2b ? kBackToBack : 1));
+      }
+      std::sort(ts.begin(), ts.end());
+      return ts[ts.size() / 2];
+    };
+    void* k_new = nullptr;
+    void* v_new = nullptr;
+    BENCH_CHECK_CUDA(cudaMalloc(&k_new, pool_bytes));
+    BENCH_CHECK_CUDA(cudaMalloc(&v_new, pool_bytes));
+    BENCH_CHECK_CUDA(cudaMemcpy(k_new, k_pools[0], pool_bytes, cudaMemcpyDeviceToDevice));
+    BENCH_CHECK_CUDA(cudaMemcpy(v_new, v_pools[0], pool_bytes, cudaMemcpyDeviceToDevice));
+    flush_l2();
+    p.k_cache = k_new;
+    p.v_cache = v_new;
+    const float pool_launch = median_us(stream, cfg.reps, false);
+    const float pool_b2b = median_us(stream, 5, true);
+    p.k_cache = k_pools[0];
+    p.v_cache = v_pools[0];
+    cudaStream_t fresh;
+    BENCH_CHECK_CUDA(cudaStreamCreate(&fresh));
+    const float stream_launch = median_us(fresh, cfg.reps, false);
+    const float stream_b2b = median_us(fresh, 5, true);
+    const float again = median_us(stream, cfg.reps, false);
+    std::printf("{\"trial\": %d, \"case\": %d, \"first_us\": %.2f, \"new_pool_us\": %.2f, "
+                "\"new_pool_b2b_us\": %.2f, \"new_stream_us\": %.2f, \"new_stream_b2b_us\": %.2f, "
+                "\"first_again_us\": %.2f}\n",
+                trial, case_index, t * 1e6, pool_launch, pool_b2b, stream_launch, stream_b2b,
+                again);
+    std::fflush(stdout);
+    BENCH_CHECK_CUDA(cudaStreamDestroy(fresh));
+    if (trial % 2 == 1) {  // every other trial frees its pools: the next may reuse the space
+      BENCH_CHECK_CUDA(cudaFree(k_new));
+      BENCH_CHECK_CUDA(cudaFree(v_new));
+    }
+  }
   check_output("after timing");
   if (timeline) {
     PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,
@@ -856,6 +927,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   double read_t = 0;
   int read_blocks_per_sm = 0;
   if (!cfg.prefill && cfg.read_roofline) {
+    flush_l2();  // after the check's reads of the pool
     unsigned* sink = nullptr;
     BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
     const int64_t words = pool_bytes / 16;
@@ -901,12 +973,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                   "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
                   "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
                   "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
-                  "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\"}",
+                  "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\", "
+                  "\"l2_flushed\": %s}",
                   B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
                   t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, err_field, blocks,
                   cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma"
                                                                                      : "mma.sync",
-                  cfg.graph_launch ? "graph" : "plain");
+                  cfg.graph_launch ? "graph" : "plain", cfg.flush_l2 ? "true" : "false");
   } else {
     const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
     std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
@@ -917,16 +990,19 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
         "\"kv_chunk\": %d, \"merge\": \"%s\", \"launch\": \"%s\", "
         "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
-        "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d}",
+        "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d, "
+        "\"l2_flushed\": %s}",
         B, ctx_field.c_str(), Hq, Hkv, D, ps,
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
         b2b_ms * 1e3 / kBackToBack, err_field, work.kv_chunk,
         work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
         cfg.graph_launch ? "graph" : "plain", blocks, copies,
         static_cast<long long>(positions), cfg.stages, read_t * 1e6,
-        read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm);
+        read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
+        cfg.flush_l2 ? "true" : "false");
   }
 
+  if (l2_scratch != nullptr) cudaFree(l2_scratch);
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);
     cudaFree(v_pools[r]);

@@ -12,9 +12,9 @@
 //                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
 //                   [--prefill-path auto|portable] [--no-read-roofline]
 //                   [--no-flush-l2]  time without first evicting the pools from L2 (by
-//                     default a buffer of 4x the L2 is written before timing: lines of the
-//                     pools left at normal priority by the setup and the check would hit on
-//                     every launch, as the kernels read K and V evict-first); rows: l2_flushed
+//                     default a buffer of 4x the L2 is read before timing: lines of the pools
+//                     left at normal priority by the setup and the check would hit on every
+//                     launch, as the kernels read K and V evict-first); rows: l2_flushed
 //                   [--merge planned|separate|in-kernel]   where split-KV tiles are merged (the
 //                     plan's choice, the separate merge kernel, or the tile kernel's last split)
 //                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
@@ -22,6 +22,7 @@
 //                   [--first-pages on|off]  decode items carry their first page ids
 //                     (AttachFirstPages; off: every page id from the page table)
 //   Exploration only: [--stages 2..5 (head_dim 64: 3..5)] [--blocks-scale F] [--min-chunk N]
+//                     [--flush-l2-dirty] (the flush writes its buffer instead of reading it)
 //                     [--rotate N] [--trials K]  (K: after timing, the per-launch median again
 //                     on K fresh pool allocations and on K fresh streams, one "trial" row each)
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
@@ -97,6 +98,7 @@ struct Config {
   // from their setup or the correctness check (the kernels read K and V evict-first, so lines
   // left at normal priority would hit on every timed launch).
   bool flush_l2 = true;
+  bool flush_l2_dirty = false;  // exploration: flush by the memset alone (dirty lines left)
   bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
   bool first_pages = true;    // --first-pages off: decode items without their first page ids
   std::string json;
@@ -121,6 +123,18 @@ __global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
       data[i] = __float2half_rn(f);
     }
   }
+}
+
+// --flush-l2's read: every 16-byte word of a buffer loaded at normal L2 priority, so that the
+// L2 ends up holding clean lines of it and nothing of the pools.
+__global__ void __launch_bounds__(512) TouchRead(const uint4* a, int64_t n, unsigned* sink) {
+  unsigned acc = 0;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 x = a[i];
+    acc ^= x.x ^ x.w;
+  }
+  if (acc == 0x9E3779B9u) *sink = acc;
 }
 
 // The roofline of a decode row: read n 16-byte words once (what the kernel must read, but
@@ -295,6 +309,8 @@ Config ParseFlags(int argc, char** argv) {
       c.read_roofline = false;
     else if (a == "--no-flush-l2")
       c.flush_l2 = false;
+    else if (a == "--flush-l2-dirty")
+      c.flush_l2_dirty = true;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
                    a.c_str());
@@ -839,10 +855,24 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   // holds no line of the pools at normal priority first (--no-flush-l2: as the setup left it).
   void* l2_scratch = nullptr;
   const size_t l2_scratch_bytes = 4 * static_cast<size_t>(l2);
+  // The buffer is written once, then read: the L2 is left with clean lines (no write-backs
+  // for the timed launches to pay), as a server's L2 holds other layers' K and V lines.
+  unsigned* l2_sink = nullptr;
   auto flush_l2 = [&] {
     if (!cfg.flush_l2) return;
-    if (l2_scratch == nullptr) BENCH_CHECK_CUDA(cudaMalloc(&l2_scratch, l2_scratch_bytes));
-    BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
+    if (l2_scratch == nullptr) {
+      BENCH_CHECK_CUDA(cudaMalloc(&l2_scratch, l2_scratch_bytes));
+      BENCH_CHECK_CUDA(cudaMalloc(&l2_sink, sizeof(unsigned)));
+      BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
+    }
+    if (cfg.flush_l2_dirty) {
+      BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
+    } else {
+      TouchRead<<<prop.multiProcessorCount * 4, 512, 0, stream>>>(
+          static_cast<const uint4*>(l2_scratch), static_cast<int64_t>(l2_scratch_bytes / 16),
+          l2_sink);
+      BENCH_CHECK_CUDA(cudaGetLastError());
+    }
     BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
   };
   flush_l2();
@@ -1003,6 +1033,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   }
 
   if (l2_scratch != nullptr) cudaFree(l2_scratch);
+  if (l2_sink != nullptr) cudaFree(l2_sink);
   for (int r = 0; r < copies; ++r) {
     cudaFree(k_pools[r]);
     cudaFree(v_pools[r]);

@@ -94,11 +94,11 @@ struct Config {
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
-  // Before timing, write a buffer of four times the L2 so that no line of the pools stays there
+  // Before timing, read a buffer of four times the L2 so that no line of the pools stays there
   // from their setup or the correctness check (the kernels read K and V evict-first, so lines
   // left at normal priority would hit on every timed launch).
   bool flush_l2 = true;
-  bool flush_l2_dirty = false;  // exploration: flush by the memset alone (dirty lines left)
+  bool flush_l2_dirty = false;  // exploration: the flush writes its buffer (dirty lines left)
   bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
   bool first_pages = true;    // --first-pages off: decode items without their first page ids
   std::string json;
@@ -899,8 +899,9 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   std::sort(times.begin(), times.end());
   const double t = times[times.size() / 2] * 1e-3;
   // --trials: is the per-launch time a property of the pool's allocation or of the stream (its
-  // cached graph)? The same launch timed on fresh pools (the old ones kept, so that each lands
-  // elsewhere) and on fresh streams, one line each.
+  // cached graph)? The same launch timed on fresh pools (every other trial's kept until the
+  // end, so that the next lands elsewhere) and on fresh streams, one line each.
+  std::vector<void*> kept_pools;
   for (int trial = 0; trial < cfg.trials && !cfg.prefill && copies == 1; ++trial) {
     auto median_us = [&](cudaStream_t s, int n, bool b2b) {
       std::vector<float> ts;
@@ -943,8 +944,12 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     if (trial % 2 == 1) {  // every other trial frees its pools: the next may reuse the space
       BENCH_CHECK_CUDA(cudaFree(k_new));
       BENCH_CHECK_CUDA(cudaFree(v_new));
+    } else {
+      kept_pools.push_back(k_new);
+      kept_pools.push_back(v_new);
     }
   }
+  for (void* pool : kept_pools) BENCH_CHECK_CUDA(cudaFree(pool));
   check_output("after timing");
   if (timeline) {
     PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,

@@ -902,6 +902,10 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   // cached graph)? The same launch timed on fresh pools (every other trial's kept until the
   // end, so that the next lands elsewhere) and on fresh streams, one line each.
   std::vector<void*> kept_pools;
+  if (cfg.trials > 0 && (cfg.prefill || copies != 1)) {
+    std::fprintf(stderr, "case %d: --trials runs for decode cases read from one pool copy only\n",
+                 case_index);
+  }
   for (int trial = 0; trial < cfg.trials && !cfg.prefill && copies == 1; ++trial) {
     auto median_us = [&](cudaStream_t s, int n, bool b2b) {
       std::vector<float> ts;

@@ -2,10 +2,10 @@
 //   pagedattn-cli [--target=host:port] <command> [args]
 // Commands: info, health, validate, create-cache, list, describe ID, delete ID, release ID SEQ...,
 // smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
+#include <google/protobuf/util/json_util.h>
+
 #include <cstdio>
 #include <iostream>
-
-#include <google/protobuf/util/json_util.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -77,8 +77,8 @@ int Fail(const absl::Status& s) {
 absl::StatusOr<pagedattn::v1::DType> ParseDType(const std::string& s) {
   pagedattn::v1::DType t;
   if (!pagedattn::v1::DType_Parse(s, &t)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED (got '", s, "')"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED (got '", s, "')"));
   }
   return t;
 }
@@ -204,8 +204,8 @@ int main(int argc, char** argv) {
     std::cout << "smoke against " << options.target << " (backend " << info->backend() << ", "
               << info->device_name() << "), cache " << r->cache_id << ":\n"
               << r->summary << "max relative error " << r->max_rel_error << " (tolerance "
-              << r->tolerance << "), max lse error " << r->max_lse_error << ", "
-              << r->spans_checked << " spans checked\n"
+              << r->tolerance << "), max lse error " << r->max_lse_error << ", " << r->spans_checked
+              << " spans checked\n"
               << (r->passed ? "PASS" : "FAIL") << "\n";
     return r->passed ? 0 : 1;
   } else {

@@ -1,12 +1,12 @@
 // Client implementation: one deadline per RPC, optional TLS and bearer token.
 #include "client/client.h"
 
-#include <fstream>
-#include <sstream>
-
 #include <civetweb.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/security/credentials.h>
+
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -74,10 +74,10 @@ void Client::Prepare(grpc::ClientContext* ctx) const {
   }
 }
 
-#define PAGEDATTN_UNARY(Method, request, Response)         \
-  grpc::ClientContext ctx;                                 \
-  Prepare(&ctx);                                           \
-  Response response;                                       \
+#define PAGEDATTN_UNARY(Method, request, Response)          \
+  grpc::ClientContext ctx;                                  \
+  Prepare(&ctx);                                            \
+  Response response;                                        \
   grpc::Status s = stub_->Method(&ctx, request, &response); \
   if (!s.ok()) return FromGrpcStatus(s);
 
@@ -86,12 +86,14 @@ absl::StatusOr<v1::ServerInfo> Client::GetServerInfo() {
   return response;
 }
 
-absl::StatusOr<v1::ValidateCacheConfigResponse> Client::ValidateCacheConfig(const v1::CacheConfig& config) {
+absl::StatusOr<v1::ValidateCacheConfigResponse> Client::ValidateCacheConfig(
+    const v1::CacheConfig& config) {
   PAGEDATTN_UNARY(ValidateCacheConfig, config, v1::ValidateCacheConfigResponse);
   return response;
 }
 
-absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheConfig& config, const std::string& name) {
+absl::StatusOr<v1::CacheInfo> Client::CreateCache(const v1::CacheConfig& config,
+                                                  const std::string& name) {
   v1::CreateCacheRequest request;
   *request.mutable_config() = config;
   request.set_name(name);
@@ -150,7 +152,8 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
   const size_t colon = target.rfind(':');
   int port = 0;
   if (colon == std::string::npos || !absl::SimpleAtoi(target.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(absl::StrCat("metrics target must be host:port (got '", target, "')"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("metrics target must be host:port (got '", target, "')"));
   }
   const std::string host = target.substr(0, colon);
   mg_init_library(0);
@@ -158,24 +161,28 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
   mg_connection* conn = mg_download(host.c_str(), port, 0, error, sizeof(error),
                                     "GET /metrics HTTP/1.0\r\nHost: %s\r\n\r\n", host.c_str());
   if (conn == nullptr) {
-    return absl::UnavailableError(absl::StrCat("cannot fetch http://", target, "/metrics: ", error));
+    return absl::UnavailableError(
+        absl::StrCat("cannot fetch http://", target, "/metrics: ", error));
   }
   std::string body;
   char buf[4096];
   for (int n; (n = mg_read(conn, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
   const int status = mg_get_response_info(conn)->status_code;
   mg_close_connection(conn);
-  if (status != 200) return absl::UnavailableError(absl::StrCat("GET /metrics answered HTTP ", status));
+  if (status != 200)
+    return absl::UnavailableError(absl::StrCat("GET /metrics answered HTTP ", status));
   return body;
 }
 
-v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape, const std::vector<float>& values) {
+v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape,
+                      const std::vector<float>& values) {
   v1::Tensor t;
   t.set_dtype(dtype);
   for (int64_t d : shape) t.add_shape(d);
   const DType dt = static_cast<DType>(dtype);
   std::string data(values.size() * DTypeSize(dt), '\0');
-  for (size_t i = 0; i < values.size(); ++i) StoreFromFloat(dt, data.data(), static_cast<int64_t>(i), values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    StoreFromFloat(dt, data.data(), static_cast<int64_t>(i), values[i]);
   t.set_data(std::move(data));
   return t;
 }

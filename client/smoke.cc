@@ -82,7 +82,8 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
         kh.push_back(kx);
         vh.push_back(vx);
       }
-      for (int64_t i = 0; i < int64_t{s.num_queries} * Hq * D; ++i) q.push_back(RoundTo(o.q_dtype, normal(rng)));
+      for (int64_t i = 0; i < int64_t{s.num_queries} * Hq * D; ++i)
+        q.push_back(RoundTo(o.q_dtype, normal(rng)));
       total_q += s.num_queries;
       total_new += s.num_new;
     }
@@ -108,12 +109,15 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
       if (s.num_queries == 0) continue;
       const auto& [kh, vh] = kv[{layer, s.seq_id}];
       const int64_t kv_len = s.start + s.num_new;
-      std::vector<double> ref(static_cast<size_t>(s.num_queries) * Hq * D), ref_lse(static_cast<size_t>(s.num_queries) * Hq);
+      std::vector<double> ref(static_cast<size_t>(s.num_queries) * Hq * D),
+          ref_lse(static_cast<size_t>(s.num_queries) * Hq);
       testing::ReferenceAttention(&q[q_row * Hq * D], kh.data(), vh.data(), s.num_queries, kv_len,
                                   Hq, Hkv, D, /*causal=*/true, 1.0 / std::sqrt(double(D)),
                                   ref.data(), ref_lse.data());
-      std::vector<double> got(out->begin() + q_row * Hq * D, out->begin() + (q_row + s.num_queries) * Hq * D);
-      const double err = testing::RelativeError(got.data(), ref.data(), static_cast<int64_t>(got.size()));
+      std::vector<double> got(out->begin() + q_row * Hq * D,
+                              out->begin() + (q_row + s.num_queries) * Hq * D);
+      const double err =
+          testing::RelativeError(got.data(), ref.data(), static_cast<int64_t>(got.size()));
       for (size_t i = 0; i < ref_lse.size(); ++i) {
         const double e = std::abs((*lse)[q_row * Hq + i] - ref_lse[i]);
         report.max_lse_error = std::max(report.max_lse_error, std::isnan(e) ? INFINITY : e);
@@ -123,14 +127,17 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
       q_row += s.num_queries;
     }
     report.max_rel_error = std::max(report.max_rel_error, step_err);
-    absl::StrAppendFormat(&report.summary, "  forward layer %d, %d spans, %d queries: rel err %.3g\n",
-                          layer, spans.size(), total_q, step_err);
+    absl::StrAppendFormat(&report.summary,
+                          "  forward layer %d, %d spans, %d queries: rel err %.3g\n", layer,
+                          spans.size(), total_q, step_err);
   }
-  absl::StatusOr<v1::ReleaseSequencesResponse> rel = client.ReleaseSequences(report.cache_id, {1, 2, 3});
+  absl::StatusOr<v1::ReleaseSequencesResponse> rel =
+      client.ReleaseSequences(report.cache_id, {1, 2, 3});
   if (!rel.ok()) return rel.status();
   absl::StatusOr<v1::CacheInfo> after = client.GetCache(report.cache_id);
   if (!after.ok()) return after.status();
-  const bool released_all = after->stats().used_pages() == 0 && after->stats().live_sequences() == 0;
+  const bool released_all =
+      after->stats().used_pages() == 0 && after->stats().live_sequences() == 0;
   if (!released_all) absl::StrAppend(&report.summary, "  release left pages in use\n");
   absl::StatusOr<int64_t> deleted = client.DeleteCache(report.cache_id);
   if (!deleted.ok()) return deleted.status();

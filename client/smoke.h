@@ -22,13 +22,13 @@ struct SmokeOptions {
 
 struct SmokeReport {
   bool passed = false;
-  double max_rel_error = 0;    // Worst ||out-ref||/||ref|| over the spans checked.
-  double max_lse_error = 0;    // Worst |lse-ref| over all queries and heads.
+  double max_rel_error = 0;  // Worst ||out-ref||/||ref|| over the spans checked.
+  double max_lse_error = 0;  // Worst |lse-ref| over all queries and heads.
   double tolerance = 0;
   int forwards = 0;
   int spans_checked = 0;
   std::string cache_id;
-  std::string summary;         // One line per Forward.
+  std::string summary;  // One line per Forward.
 };
 
 // Creates a cache, runs three Forwards (mixed prefill, decode, chunked prefill, a rewind),

@@ -85,9 +85,10 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, b
 __device__ __forceinline__ void CpAsync16Policy(uint32_t smem_addr, const void* src, bool valid,
                                                 uint64_t policy) {
   const int src_size = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
-               "l"(src), "r"(src_size), "l"(policy)
-               : "memory");
+  asm volatile(
+      "cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
+      "l"(src), "r"(src_size), "l"(policy)
+      : "memory");
 }
 // The L2 policy of data read once: its lines are the first evicted.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
@@ -618,9 +619,8 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // The item's first pages (AttachFirstPages), lane j holding page j: loaded beside the item, so
   // the first tiles' copies wait for no page-table load.
   const bool pages_attached = first_pages != nullptr;
-  const int lane_first_page = pages_attached && lane < kItemPages
-                                  ? first_pages[item_index].ids[lane]
-                                  : 0;
+  const int lane_first_page =
+      pages_attached && lane < kItemPages ? first_pages[item_index].ids[lane] : 0;
   const uint32_t first_page = p.page_div.Div(item.kv_start);
   if constexpr ((EXP & kExpTimeline) != 0) {  // the first pages have arrived (slot 15)
     if (__shfl_sync(0xffffffffu, lane_first_page, 31) == -7) asm volatile("trap;");
@@ -711,9 +711,10 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   TimelineStamp<EXP>(1);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
-  if constexpr ((EXP & kExpNoQ) == 0) LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
-      p, item, span, kv_head, group, span_rows, smem_q,
-      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
+  if constexpr ((EXP & kExpNoQ) == 0)
+    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+        p, item, span, kv_head, group, span_rows, smem_q,
+        [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
   // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
   // of each 8-wide n tile.
@@ -876,7 +877,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   // out/lse for an unsplit tile, to the partial buffers of its split otherwise.
   static_assert(KW > 1, "the decode tiles split each KV tile among warps");
   __syncthreads();  // every warp is done with the pipeline's shared memory
-  float* red_o = reinterpret_cast<float*>(smem_raw);             // [KW][kRows][kRedStride]
+  float* red_o = reinterpret_cast<float*>(smem_raw);           // [KW][kRows][kRedStride]
   float* red_max = red_o + KW * Cfg::kRows * Cfg::kRedStride;  // [KW][kRows]
   float* red_sum = red_max + KW * Cfg::kRows;                  // [KW][kRows]
   const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
@@ -963,7 +964,7 @@ template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
   AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
-                                              TileFirstPages<MW>(params));
+                                               TileFirstPages<MW>(params));
 }
 // The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
 // 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
@@ -972,7 +973,7 @@ template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 __global__ void __maxnreg__(192)
     PagedAttentionTileKernel192(const __grid_constant__ PagedAttentionParams params) {
   AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
-                                              TileFirstPages<MW>(params));
+                                               TileFirstPages<MW>(params));
 }
 template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
 constexpr auto TileKernel() {
@@ -1072,7 +1073,8 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   WaitForPrerequisiteGrids();
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* lse = p.partial_lse + int64_t{kv_head} * p.partial_rows + task.partial_row + r;
-  const float* part = p.partial_out + (int64_t{kv_head} * p.partial_rows + task.partial_row + r) * D;
+  const float* part =
+      p.partial_out + (int64_t{kv_head} * p.partial_rows + task.partial_row + r) * D;
   __shared__ float red[kWarps][D];
   __shared__ float red_max[kWarps], red_sum[kWarps];
 
@@ -1123,8 +1125,8 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
 template <int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
   return {reinterpret_cast<const void*>(MergeSplitsKernel<D>),
-          dim3(params.num_merge_tasks, params.merge_rows, params.num_kv_heads),
-          dim3(kMergeThreads), 0};
+          dim3(params.num_merge_tasks, params.merge_rows, params.num_kv_heads), dim3(kMergeThreads),
+          0};
 }
 
 // Tile blocks an SM holds at once (resident), and how many of them leave room for one
@@ -1171,13 +1173,11 @@ LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge) {
   template KernelLaunch MergeSplitsLaunch<D>(const PagedAttentionParams&);
 
 // Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
-#define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                         \
-  template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&, \
-                                                         cudaStream_t,                \
-                                                         const KernelLaunch*);        \
-  template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&, \
-                                                         cudaStream_t,                \
-                                                         const KernelLaunch*);        \
+#define PAGEDATTN_INSTANTIATE_ATTENTION(T, D)                                                \
+  template LaunchStatus LaunchAttentionTiles<T, D, 1, 4>(const PagedAttentionParams&,        \
+                                                         cudaStream_t, const KernelLaunch*); \
+  template LaunchStatus LaunchAttentionTiles<T, D, 2, 2>(const PagedAttentionParams&,        \
+                                                         cudaStream_t, const KernelLaunch*); \
   template LaunchStatus AttentionTileOccupancy<T, D, 1, 4>(int*, int*);
 
 }  // namespace pagedattn::kernels

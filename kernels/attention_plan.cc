@@ -65,8 +65,8 @@ void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* w
 LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks) {
   const int64_t n = num_items * num_kv_heads;
   if (n > INT32_MAX) {
-    return LaunchStatus::Unsupported("paged attention: " + std::to_string(num_items) +
-                                     " tiles x " + std::to_string(num_kv_heads) +
+    return LaunchStatus::Unsupported("paged attention: " + std::to_string(num_items) + " tiles x " +
+                                     std::to_string(num_kv_heads) +
                                      " kv heads is over 2^31 - 1 blocks; split the batch");
   }
   *blocks = static_cast<unsigned>(n);
@@ -109,9 +109,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   // lasts about max(longest block, waves * mean block); each block also pays a fixed start-up
   // cost. Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
   // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
-  const bool decode_only = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
-    return t.tile_rows <= kDecodeWideTileRows;
-  });
+  const bool decode_only = std::all_of(
+      tiles.begin(), tiles.end(), [](const Tile& t) { return t.tile_rows <= kDecodeWideTileRows; });
   const int64_t blocks = std::max(1, limits.target_blocks);
   const int64_t whole_blocks =
       limits.unsplit_blocks > 0 && decode_only ? limits.unsplit_blocks : blocks;
@@ -153,10 +152,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     const int64_t separate_merge =
         kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
     const bool separate = most_splits > 0 && !prefill_split && separate_merge < in_kernel_merge;
-    return Estimate{std::max(static_cast<double>(max_cost),
-                             waves * total_cost / std::max<int64_t>(units, 1)) +
-                        static_cast<double>(separate ? separate_merge : in_kernel_merge),
-                    separate};
+    return Estimate{
+        std::max(static_cast<double>(max_cost), waves * total_cost / std::max<int64_t>(units, 1)) +
+            static_cast<double>(separate ? separate_merge : in_kernel_merge),
+        separate};
   };
   static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
                                     28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};

@@ -13,20 +13,28 @@ enum class DType : int32_t { kUnspecified = 0, kFloat32 = 1, kFloat16 = 2, kBFlo
 
 constexpr int DTypeSize(DType t) {
   switch (t) {
-    case DType::kFloat32: return 4;
-    case DType::kFloat16: return 2;
-    case DType::kBFloat16: return 2;
-    default: return 0;
+    case DType::kFloat32:
+      return 4;
+    case DType::kFloat16:
+      return 2;
+    case DType::kBFloat16:
+      return 2;
+    default:
+      return 0;
   }
 }
 
 // A C string, so it formats with any string library (absl::string_view is not std's here).
 constexpr const char* DTypeName(DType t) {
   switch (t) {
-    case DType::kFloat32: return "FLOAT32";
-    case DType::kFloat16: return "FLOAT16";
-    case DType::kBFloat16: return "BFLOAT16";
-    default: return "DTYPE_UNSPECIFIED";
+    case DType::kFloat32:
+      return "FLOAT32";
+    case DType::kFloat16:
+      return "FLOAT16";
+    case DType::kBFloat16:
+      return "BFLOAT16";
+    default:
+      return "DTYPE_UNSPECIFIED";
   }
 }
 

@@ -15,7 +15,7 @@ std::atomic<bool> g_enabled{true};
 // One cached launch: the graph of one kernel node (or of two, the second programmatically
 // dependent on the first) and what those nodes were last given.
 struct CachedLaunch {
-  int device = -1;  // -1: a created stream (it fixes the device)
+  int device = -1;                   // -1: a created stream (it fixes the device)
   unsigned long long stream_id = 0;  // cudaStreamGetId: never reused, unlike a handle
   int num_nodes = 0;
   cudaGraph_t graph = nullptr;
@@ -85,8 +85,7 @@ bool SameKernelLaunch(const KernelLaunch& a, const KernelLaunch& b) {
 }
 
 // The helpers below run with g_mu held. k: the launch's kernels (num_nodes of them).
-CachedLaunch* Find(int device, unsigned long long stream_id, const KernelLaunch* k,
-                   int num_nodes) {
+CachedLaunch* Find(int device, unsigned long long stream_id, const KernelLaunch* k, int num_nodes) {
   for (CachedLaunch& c : *g_cache) {
     if (c.device != device || c.stream_id != stream_id || c.num_nodes != num_nodes) continue;
     bool same = true;

@@ -182,10 +182,11 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;
   KernelLaunch merge;
   if (separate_merge) {
-    if (LaunchStatus st = DispatchHeadDim(params.head_dim, [&](auto d) {
-          merge = MergeSplitsLaunch<decltype(d)::value>(params);
-          return LaunchStatus::Ok();
-        });
+    if (LaunchStatus st = DispatchHeadDim(params.head_dim,
+                                          [&](auto d) {
+                                            merge = MergeSplitsLaunch<decltype(d)::value>(params);
+                                            return LaunchStatus::Ok();
+                                          });
         !st.ok()) {
       return st;
     }

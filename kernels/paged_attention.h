@@ -126,7 +126,7 @@ struct AttentionWork {
   // Beside each decode item, its first pages (AttachFirstPages; empty when not attached).
   std::vector<ItemFirstPages> decode_first_pages;
   std::vector<ItemFirstPages> decode_wide_first_pages;
-  std::vector<AttentionWorkItem> prefill_items;      // 128-row tiles, by span, longest first
+  std::vector<AttentionWorkItem> prefill_items;  // 128-row tiles, by span, longest first
   std::vector<AttentionMergeTask> merge_tasks;
   int64_t partial_rows = 0;  // Rows of the partial buffers per kv head.
   int32_t kv_chunk = 0;      // Positions per split (the split-KV chunk), for logs and tests.
@@ -245,7 +245,6 @@ struct PagedAttentionParams {
   const AttentionPrefillJob* prefill_jobs = nullptr;
   const int32_t* prefill_job_start = nullptr;  // num_prefill_blocks + 1 entries
   int32_t num_prefill_blocks = 0;
-
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as

@@ -362,9 +362,9 @@ __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
 // Launches a prefill tile kernel: one block per (work item, kv head), items in order and the
 // kv heads of one item side by side. Shared by the portable and the Hopper prefill kernels.
 template <typename Kernel>
-LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem,
-                               SmemLimitFlags& smem_raised, const char* what,
-                               const PagedAttentionParams& params, cudaStream_t stream) {
+LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem, SmemLimitFlags& smem_raised,
+                               const char* what, const PagedAttentionParams& params,
+                               cudaStream_t stream) {
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
   const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;

@@ -124,54 +124,57 @@ __device__ __forceinline__ void ProxyFenceShared() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
-#define PAGEDATTN_WGMMA_D32                                                                      \
+#define PAGEDATTN_WGMMA_D32                                                                     \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
   "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define PAGEDATTN_WGMMA_D32_OPERANDS(d)                                                        \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),    \
+#define PAGEDATTN_WGMMA_D32_OPERANDS(d)                                                         \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
       "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
       "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
       "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
       "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
       "+f"(d[7][2]), "+f"(d[7][3])
 
-#define PAGEDATTN_WGMMA_D64 \
-  "{" \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+#define PAGEDATTN_WGMMA_D64                                                          \
+  "{"                                                                                \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63" \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
   "}"
-#define PAGEDATTN_WGMMA_D64_OPERANDS(d) \
-      "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), \
-      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
-      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
-      "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), \
+#define PAGEDATTN_WGMMA_D64_OPERANDS(d)                                                           \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),       \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),   \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),   \
+      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),   \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),   \
+      "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),   \
       "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
-      "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), \
-      "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), \
-      "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), \
-      "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),             \
+      "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),             \
+      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),             \
+      "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),             \
+      "+f"(d[15][2]), "+f"(d[15][3])
 
 // The wgmma's this kernel issues, as one asm statement each. TY is the PTX element type
 // (bf16, f16); DLIST the accumulator register list, DOPS the macro naming the accumulator
 // operands of d; the operand numbers after them follow.
 // A and B from shared memory (both K-major); the predicate scales D by 0 (first k step) or 1.
-#define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                 \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                               \
+#define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                             \
+               ", 0;\n"                                                                            \
                "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", %" NA ", %" NB \
-               ", p, 1, 1, 0, 0;\n}\n"                                                        \
-               : DOPS(d)                                                                      \
+               ", p, 1, 1, 0, 0;\n}\n"                                                             \
+               : DOPS(d)                                                                           \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 // A from registers (the mma.sync A fragment of the warp's 16 rows), B from shared memory read
 // MN-major (transpose bit); D accumulates.
-#define PAGEDATTN_WGMMA_RS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                  \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP ", 0;\n"                                \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA     \
-               "}, %" NB ", p, 1, 1, 1;\n}\n"                                                  \
-               : DOPS(d)                                                                       \
+#define PAGEDATTN_WGMMA_RS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                     \
+               ", 0;\n"                                                                    \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA \
+               "}, %" NB ", p, 1, 1, 1;\n}\n"                                              \
+               : DOPS(d)                                                                   \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
 // OP for T's PTX element type (the caller's template parameter T).
 #define PAGEDATTN_WGMMA_TYPED(OP, SHAPE, ...) \
@@ -202,8 +205,7 @@ __device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint
 
 // d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, MN-major).
 template <typename T>
-__device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4],
-                                        uint64_t desc_b) {
+__device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
   PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n64k16", PAGEDATTN_WGMMA_D32,
                         PAGEDATTN_WGMMA_D32_OPERANDS, "32, %33, %34, %35", "36", "37")
 }
@@ -284,9 +286,10 @@ struct WgmmaTileMath {
 #pragma unroll
     for (int i = 0; i < 2; ++i) r.q_pos[i] = last_visible(warp_first_row + quad_row + 8 * i);
     const int wg_first_row = item.row_start + wg * Cfg::kGroupRows;
-    const int wg_max_pos = wg_first_row >= span_rows
-                               ? -1
-                               : last_visible(min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1));
+    const int wg_max_pos =
+        wg_first_row >= span_rows
+            ? -1
+            : last_visible(min(wg_first_row + Cfg::kGroupRows - 1, span_rows - 1));
     r.wg_tiles = wg_max_pos < item.kv_start
                      ? 0
                      : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
@@ -305,10 +308,10 @@ struct WgmmaTileMath {
 
   // Copies one K/V tile into stage `stage` (16-byte cp.async, swizzle-128 layout): this thread's
   // chunk copy_chunk of rows copy_row0 + i * kRowStep, from pool rows `rows` (-1: zero-filled).
-  __device__ __forceinline__ static void IssueKvTile(T* smem_kv, const int32_t (&rows)[Cfg::kTileKv],
-                                                     int stage, const T* k_cache,
-                                                     const T* v_cache, int copy_chunk,
-                                                     int copy_row0) {
+  __device__ __forceinline__ static void IssueKvTile(T* smem_kv,
+                                                     const int32_t (&rows)[Cfg::kTileKv], int stage,
+                                                     const T* k_cache, const T* v_cache,
+                                                     int copy_chunk, int copy_row0) {
     T* sk = smem_kv + stage * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileElems;
 #pragma unroll
@@ -346,8 +349,8 @@ struct WgmmaTileMath {
 
   // O += P V of one tile (the V tile at vb): per 16-position k step, one wgmma per 64-column
   // slice of V.
-  __device__ __forceinline__ static void IssuePV(float (&o)[D / 8][4],
-                                                 const uint32_t (&pa)[kKP][4], uint32_t vb) {
+  __device__ __forceinline__ static void IssuePV(float (&o)[D / 8][4], const uint32_t (&pa)[kKP][4],
+                                                 uint32_t vb) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
       if constexpr (D == 128) {
@@ -502,7 +505,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
   // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
-  __shared__ float2 pin_slot;                      // PinBeforeWait's scratch (one for all)
+  __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
   const uint32_t sink = SmemAddr(&pin_slot);
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
@@ -601,7 +604,6 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-
 template <typename T, int D>
 __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
@@ -632,9 +634,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   static_assert(kRing >= kS + 3, "the ring holds every job in use");
   static_assert(kJobWords <= Cfg::kThreads, "one word per thread");
   __shared__ AttentionPrefillJob ring[kRing];
-  auto job_word = [&](int j) {
-    return reinterpret_cast<const int32_t*>(p.prefill_jobs + j)[tid];
-  };
+  auto job_word = [&](int j) { return reinterpret_cast<const int32_t*>(p.prefill_jobs + j)[tid]; };
   auto set_ring_word = [&](int slot, int32_t w) {
     reinterpret_cast<int32_t*>(&ring[slot])[tid] = w;
   };
@@ -662,7 +662,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
   // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
-  __shared__ float2 pin_slot;                      // PinBeforeWait's scratch (one for all)
+  __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
   const uint32_t sink = SmemAddr(&pin_slot);
   // The cursor: job pj (ring slot pslot), this thread's position ppos in it (tid's of the tile),
   // the job's end pend (INT32_MIN past the last job: no more pages), tiles left in the job.
@@ -744,9 +744,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
   const uint32_t q_wg_base = smem.q_rows(wg);
   // S = Q K^T of stream tile g; issued, not waited for.
-  auto issue_s = [&](float(&s)[kNT][4], int g) {
-    M::IssueS(s, q_wg_base, smem.k_addr(g % kS));
-  };
+  auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, smem.k_addr(g % kS)); };
 
   int g0 = 0;     // stream index of the current job's first tile
   int cslot = 0;  // the current job's ring slot
@@ -927,10 +925,9 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
         "PrefillScheduleBlocks gives)");
   }
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  return LaunchKernelWithParams(PagedPrefillWgmmaKernel<T, D>,
-                                dim3(static_cast<unsigned>(params.num_prefill_blocks)),
-                                dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params,
-                                "prefill attention (wgmma)");
+  return LaunchKernelWithParams(
+      PagedPrefillWgmmaKernel<T, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+      dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params, "prefill attention (wgmma)");
 }
 
 // Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers);
@@ -950,7 +947,7 @@ LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   return LaunchStatus::Ok();
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                \
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                 \
   template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t); \
   template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
 

@@ -35,14 +35,16 @@ ABSL_FLAG(bool, graph_launch, true,
           "plainly (an escape hatch)");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish before they are cancelled");
-ABSL_FLAG(int64_t, max_caches_per_tenant, 64, "CreateCache beyond this many caches per tenant "
+ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
+          "CreateCache beyond this many caches per tenant "
           "fails with RESOURCE_EXHAUSTED (0: no limit)");
 ABSL_FLAG(double, max_total_pool_gb, 0,
           "upper bound on the bytes of all pools together, GiB (0: only device memory limits)");
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
           "largest number of queries plus new tokens in one Forward");
 ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward");
-ABSL_FLAG(std::string, tls_cert, "", "PEM server certificate: serve the main port over TLS (with --tls_key)");
+ABSL_FLAG(std::string, tls_cert, "",
+          "PEM server certificate: serve the main port over TLS (with --tls_key)");
 ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mTLS); needs --tls_cert");
@@ -74,7 +76,9 @@ int main(int argc, char** argv) {
   usage_config.contains_help_flags = [](absl::string_view path) {
     return absl::StrContains(path, "server/main.cc");
   };
-  usage_config.version_string = [] { return std::string("pagedattn-server " PAGEDATTN_VERSION "\n"); };
+  usage_config.version_string = [] {
+    return std::string("pagedattn-server " PAGEDATTN_VERSION "\n");
+  };
   absl::SetFlagsUsageConfig(usage_config);
   absl::ParseCommandLine(argc, argv);
 
@@ -125,32 +129,36 @@ int main(int argc, char** argv) {
   }
   pagedattn::Backend& backend = (*server)->backend();
   absl::StatusOr<pagedattn::MemoryInfo> mem = backend.memory(0);
-  spdlog::info("pagedattn-server {} listening on port {} ({}); backend {} on {} ({} device{}, "
-               "{:.1f} of {:.1f} GiB free); build has CUDA: {}; health SERVING",
-               PAGEDATTN_VERSION, (*server)->port(), options.listen, backend.name(),
-               backend.device_name(), backend.device_count(), backend.device_count() == 1 ? "" : "s",
-               mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
-               mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
-               pagedattn::BuiltWithCuda() ? "yes" : "no");
+  spdlog::info(
+      "pagedattn-server {} listening on port {} ({}); backend {} on {} ({} device{}, "
+      "{:.1f} of {:.1f} GiB free); build has CUDA: {}; health SERVING",
+      PAGEDATTN_VERSION, (*server)->port(), options.listen, backend.name(), backend.device_name(),
+      backend.device_count(), backend.device_count() == 1 ? "" : "s",
+      mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
+      mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
+      pagedattn::BuiltWithCuda() ? "yes" : "no");
   if (backend.name() == "cuda") {
     spdlog::info("CUDA kernels: prefill {}, launches {}", options.prefill_kernel,
                  options.graph_launch ? "through cached graphs" : "plain");
   }
-  spdlog::info("security: {}; auth: {}; health port: {}; metrics: {}",
-               (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",
-               (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",
-                                                (*server)->auth()->num_tenants(), " tenants")
-                                 : std::string("off"),
-               (*server)->health_port() ? absl::StrCat((*server)->health_port()) : std::string("none"),
-               (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
-                                         : std::string("off"));
+  spdlog::info(
+      "security: {}; auth: {}; health port: {}; metrics: {}",
+      (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",
+      (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",
+                                       (*server)->auth()->num_tenants(), " tenants")
+                        : std::string("off"),
+      (*server)->health_port() ? absl::StrCat((*server)->health_port()) : std::string("none"),
+      (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
+                                : std::string("off"));
 
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
-    spdlog::info("received {}: health NOT_SERVING, refusing new RPCs, waiting up to {} s for "
-                 "in-flight ones", sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+    spdlog::info(
+        "received {}: health NOT_SERVING, refusing new RPCs, waiting up to {} s for "
+        "in-flight ones",
+        sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
     (*server)->Shutdown(absl::Seconds(grace));
   });
   (*server)->Wait();

@@ -19,7 +19,8 @@ struct Step {
 
 TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
   if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
-  if (absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend({.backend = "cuda"}); !cuda.ok()) {
+  if (absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend({.backend = "cuda"});
+      !cuda.ok()) {
     GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
   }
   std::unique_ptr<PagedAttnServer> servers[2];
@@ -48,10 +49,13 @@ TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
     caches[i] = info->cache_id();
   }
   const std::vector<Step> steps = {
-      {0, {{1, 0, 300, 300}, {2, 0, 17, 17}, {3, 0, 1000, 1}}},  // prefills, one of them append-only-ish
-      {0, {{1, 300, 1, 1}, {2, 17, 64, 64}, {3, 1000, 1, 1}}},    // decode, chunked prefill, decode
-      {1, {{1, 0, 301, 5}, {4, 0, 33, 33}}},                      // the other layer
-      {0, {{1, 290, 2, 2}, {2, 81, 0, 3}, {3, 1001, 4, 4}}},      // rewind, attend-only, speculative
+      {0,
+       {{1, 0, 300, 300},
+        {2, 0, 17, 17},
+        {3, 0, 1000, 1}}},  // prefills, one of them append-only-ish
+      {0, {{1, 300, 1, 1}, {2, 17, 64, 64}, {3, 1000, 1, 1}}},  // decode, chunked prefill, decode
+      {1, {{1, 0, 301, 5}, {4, 0, 33, 33}}},                    // the other layer
+      {0, {{1, 290, 2, 2}, {2, 81, 0, 3}, {3, 1001, 4, 4}}},    // rewind, attend-only, speculative
   };
   std::mt19937 rng(42);
   std::normal_distribution<float> dist;
@@ -92,10 +96,12 @@ TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
     ASSERT_EQ(out[1].size(), out[0].size());
     std::vector<double> cpu(out[0].begin(), out[0].end()), gpu(out[1].begin(), out[1].end());
     for (double x : gpu) ASSERT_FALSE(std::isnan(x)) << "step " << si;
-    const double err = testing::RelativeError(gpu.data(), cpu.data(), static_cast<int64_t>(cpu.size()));
+    const double err =
+        testing::RelativeError(gpu.data(), cpu.data(), static_cast<int64_t>(cpu.size()));
     EXPECT_LE(err, 1e-2) << "step " << si;
     double lse_err = 0;
-    for (size_t j = 0; j < lse[0].size(); ++j) lse_err = std::max(lse_err, double(std::abs(lse[0][j] - lse[1][j])));
+    for (size_t j = 0; j < lse[0].size(); ++j)
+      lse_err = std::max(lse_err, double(std::abs(lse[0][j] - lse[1][j])));
     EXPECT_LE(lse_err, 1e-2) << "step " << si;
     std::printf("step %zu: cuda vs cpu rel err %.3g, max lse diff %.3g\n", si, err, lse_err);
   }

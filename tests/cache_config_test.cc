@@ -112,7 +112,8 @@ TEST(CacheConfigTest, IssueExampleReportsAllFourViolations) {
   c.num_kv_heads = 5;
   c.kv_dtype = DType::kUnspecified;
   ValidationResult r = ValidateCacheConfig(c, Ctx());
-  EXPECT_EQ(Fields(r), (std::vector<std::string>{"num_q_heads", "head_dim", "page_size", "kv_dtype"}));
+  EXPECT_EQ(Fields(r),
+            (std::vector<std::string>{"num_q_heads", "head_dim", "page_size", "kv_dtype"}));
   absl::Status s = ValidationStatus(r);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
   for (const char* needle : {"page_size", "head_dim", "num_q_heads", "kv_dtype", "4 violations"}) {

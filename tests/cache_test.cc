@@ -59,32 +59,70 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
     std::string needle;
   };
   const std::vector<Case> cases = {
-      {"layer", [](ForwardArgs& a) { a.layer = 4; }, absl::StatusCode::kInvalidArgument, "layer must be in 0..3"},
-      {"no spans", [](ForwardArgs& a) { a.spans.clear(); }, absl::StatusCode::kInvalidArgument, "spans"},
-      {"truncated q", [](ForwardArgs& a) { a.q.size_bytes -= 1; }, absl::StatusCode::kInvalidArgument, "q.data must hold"},
-      {"wrong dtype", [](ForwardArgs& a) { a.q.dtype = DType::kUnspecified; }, absl::StatusCode::kInvalidArgument, "q.dtype"},
-      {"bad dtype value", [](ForwardArgs& a) { a.k.dtype = static_cast<DType>(9); }, absl::StatusCode::kInvalidArgument, "k.dtype"},
-      {"negative dim", [](ForwardArgs& a) { a.q.shape[0] = -3; }, absl::StatusCode::kInvalidArgument, "q.shape"},
-      {"huge dim", [](ForwardArgs& a) { a.q.shape = {int64_t{1} << 62, 4, 64}; }, absl::StatusCode::kInvalidArgument, "q.shape"},
-      {"rank", [](ForwardArgs& a) { a.k.shape = {5, 128}; }, absl::StatusCode::kInvalidArgument, "k.shape"},
-      {"k/v dtype", [](ForwardArgs& a) { a.v.dtype = DType::kBFloat16; a.v.size_bytes /= 2; }, absl::StatusCode::kInvalidArgument, "same dtype"},
-      {"missing kv", [](ForwardArgs& a) { a.k = {}; a.v = {}; }, absl::StatusCode::kInvalidArgument, "k.dtype"},
-      {"queries > length", [](ForwardArgs& a) { a.spans[0].num_queries = 20; }, absl::StatusCode::kInvalidArgument, "num_queries"},
-      {"negative start", [](ForwardArgs& a) { a.spans[0].start = -1; }, absl::StatusCode::kInvalidArgument, "start"},
-      {"negative new", [](ForwardArgs& a) { a.spans[0].num_new_tokens = -1; }, absl::StatusCode::kInvalidArgument, "num_new_tokens"},
-      {"duplicate seq", [](ForwardArgs& a) { a.spans.push_back(a.spans[0]); }, absl::StatusCode::kInvalidArgument, "more than once"},
-      {"sm_scale", [](ForwardArgs& a) { a.sm_scale = -1.f; }, absl::StatusCode::kInvalidArgument, "sm_scale"},
-      {"nan sm_scale", [](ForwardArgs& a) { a.sm_scale = NAN; }, absl::StatusCode::kInvalidArgument, "sm_scale"},
-      {"gap", [](ForwardArgs& a) { a.spans[0].start = 7; }, absl::StatusCode::kFailedPrecondition, "gap"},
-      {"unknown seq", [](ForwardArgs& a) { a.spans[0].seq_id = 99; a.spans[0].start = 3; }, absl::StatusCode::kFailedPrecondition, "gap"},
-      {"too long", [](ForwardArgs& a) { a.spans[0].start = 160; }, absl::StatusCode::kResourceExhausted, "capacity"},
+      {"layer", [](ForwardArgs& a) { a.layer = 4; }, absl::StatusCode::kInvalidArgument,
+       "layer must be in 0..3"},
+      {"no spans", [](ForwardArgs& a) { a.spans.clear(); }, absl::StatusCode::kInvalidArgument,
+       "spans"},
+      {"truncated q", [](ForwardArgs& a) { a.q.size_bytes -= 1; },
+       absl::StatusCode::kInvalidArgument, "q.data must hold"},
+      {"wrong dtype", [](ForwardArgs& a) { a.q.dtype = DType::kUnspecified; },
+       absl::StatusCode::kInvalidArgument, "q.dtype"},
+      {"bad dtype value", [](ForwardArgs& a) { a.k.dtype = static_cast<DType>(9); },
+       absl::StatusCode::kInvalidArgument, "k.dtype"},
+      {"negative dim", [](ForwardArgs& a) { a.q.shape[0] = -3; },
+       absl::StatusCode::kInvalidArgument, "q.shape"},
+      {"huge dim",
+       [](ForwardArgs& a) {
+         a.q.shape = {int64_t{1} << 62, 4, 64};
+       },
+       absl::StatusCode::kInvalidArgument, "q.shape"},
+      {"rank",
+       [](ForwardArgs& a) {
+         a.k.shape = {5, 128};
+       },
+       absl::StatusCode::kInvalidArgument, "k.shape"},
+      {"k/v dtype",
+       [](ForwardArgs& a) {
+         a.v.dtype = DType::kBFloat16;
+         a.v.size_bytes /= 2;
+       },
+       absl::StatusCode::kInvalidArgument, "same dtype"},
+      {"missing kv",
+       [](ForwardArgs& a) {
+         a.k = {};
+         a.v = {};
+       },
+       absl::StatusCode::kInvalidArgument, "k.dtype"},
+      {"queries > length", [](ForwardArgs& a) { a.spans[0].num_queries = 20; },
+       absl::StatusCode::kInvalidArgument, "num_queries"},
+      {"negative start", [](ForwardArgs& a) { a.spans[0].start = -1; },
+       absl::StatusCode::kInvalidArgument, "start"},
+      {"negative new", [](ForwardArgs& a) { a.spans[0].num_new_tokens = -1; },
+       absl::StatusCode::kInvalidArgument, "num_new_tokens"},
+      {"duplicate seq", [](ForwardArgs& a) { a.spans.push_back(a.spans[0]); },
+       absl::StatusCode::kInvalidArgument, "more than once"},
+      {"sm_scale", [](ForwardArgs& a) { a.sm_scale = -1.f; }, absl::StatusCode::kInvalidArgument,
+       "sm_scale"},
+      {"nan sm_scale", [](ForwardArgs& a) { a.sm_scale = NAN; }, absl::StatusCode::kInvalidArgument,
+       "sm_scale"},
+      {"gap", [](ForwardArgs& a) { a.spans[0].start = 7; }, absl::StatusCode::kFailedPrecondition,
+       "gap"},
+      {"unknown seq",
+       [](ForwardArgs& a) {
+         a.spans[0].seq_id = 99;
+         a.spans[0].start = 3;
+       },
+       absl::StatusCode::kFailedPrecondition, "gap"},
+      {"too long", [](ForwardArgs& a) { a.spans[0].start = 160; },
+       absl::StatusCode::kResourceExhausted, "capacity"},
   };
   for (const Case& c : cases) {
     ForwardArgs a = Prefill(1, 5, 5);
     c.mutate(a);
     absl::StatusOr<ForwardResult> r = cache_->Forward(a);
     EXPECT_EQ(r.status().code(), c.code) << c.name << ": " << r.status();
-    EXPECT_NE(r.status().message().find(c.needle), std::string::npos) << c.name << ": " << r.status();
+    EXPECT_NE(r.status().message().find(c.needle), std::string::npos)
+        << c.name << ": " << r.status();
     ExpectUnchanged(before);
   }
 }
@@ -147,8 +185,8 @@ TEST_F(CacheTest, AppendOnlyForwardMayOmitQ) {
 TEST_F(CacheTest, SpeculativeTokensRollBack) {
   ForwardModel model(g_, DType::kFloat32, 8);
   ASSERT_TRUE(model.Run(*cache_, 0, {{1, 0, 10, 10}}).status.ok());
-  ASSERT_TRUE(model.Run(*cache_, 0, {{1, 10, 4, 4}}).status.ok());  // speculative
-  ForwardModel::Outcome o = model.Run(*cache_, 0, {{1, 11, 1, 1}});   // keep 1 of 4, append 1
+  ASSERT_TRUE(model.Run(*cache_, 0, {{1, 10, 4, 4}}).status.ok());   // speculative
+  ForwardModel::Outcome o = model.Run(*cache_, 0, {{1, 11, 1, 1}});  // keep 1 of 4, append 1
   ASSERT_TRUE(o.status.ok());
   EXPECT_LE(o.max_rel_error, 1e-5);
   EXPECT_EQ(model.Length(0, 1), 12);

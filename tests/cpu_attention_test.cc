@@ -43,14 +43,17 @@ TEST_P(CpuAttentionSweep, RaggedMixedBatchesMatchReference) {
     CacheGeometry g = MakeGeometry(2, hkv * gqa, hkv, dim, page, dtype, /*pages=*/600 / page + 40);
     auto cache = MakeCache(g);
     ForwardModel model(g, dtype, /*seed=*/page * 1000 + dim + gqa);
-    const std::string what = absl::StrCat("page ", page, " dim ", dim, " gqa ", gqa, " ", DTypeName(dtype));
+    const std::string what =
+        absl::StrCat("page ", page, " dim ", dim, " gqa ", gqa, " ", DTypeName(dtype));
     // Prefills of ragged lengths (one not a multiple of anything, one of a single token).
-    ExpectClose(model.Run(*cache, 0, {{1, 0, 37, 37}, {2, 0, 1, 1}, {3, 0, 70, 70}}), dtype, what + " prefill");
+    ExpectClose(model.Run(*cache, 0, {{1, 0, 37, 37}, {2, 0, 1, 1}, {3, 0, 70, 70}}), dtype,
+                what + " prefill");
     // Decode, chunked prefill and a fresh prefill in one batch.
-    ExpectClose(model.Run(*cache, 0, {{1, 37, 1, 1}, {2, 1, 50, 50}, {4, 0, 9, 9}}), dtype, what + " mixed");
+    ExpectClose(model.Run(*cache, 0, {{1, 37, 1, 1}, {2, 1, 50, 50}, {4, 0, 9, 9}}), dtype,
+                what + " mixed");
     // Non-causal with a custom scale; a span attending the cache only.
-    ExpectClose(model.Run(*cache, 0, {{3, 70, 5, 5}, {1, 38, 0, 3}}, /*causal=*/false, 0.05f), dtype,
-                what + " non-causal");
+    ExpectClose(model.Run(*cache, 0, {{3, 70, 5, 5}, {1, 38, 0, 3}}, /*causal=*/false, 0.05f),
+                dtype, what + " non-causal");
     // The other layer, with queries fewer than new tokens (chunk end only).
     ExpectClose(model.Run(*cache, 1, {{1, 0, 40, 4}, {2, 0, 3, 0}}), dtype, what + " layer 1");
   }
@@ -71,11 +74,13 @@ TEST(CpuAttentionTest, Float16CacheWithFloat32Io) {
   auto cache = MakeCache(g);
   // The model rounds K/V through the cache dtype, so the output is float32-accurate.
   ForwardModel model(g, DType::kFloat32, 7);
-  ExpectClose(model.Run(*cache, 0, {{1, 0, 100, 100}, {2, 0, 33, 1}}), DType::kFloat32, "f16 cache");
+  ExpectClose(model.Run(*cache, 0, {{1, 0, 100, 100}, {2, 0, 33, 1}}), DType::kFloat32,
+              "f16 cache");
 }
 
 TEST(CpuAttentionTest, OddGqaRatios) {
-  for (const auto& [hq, hkv] : std::vector<std::pair<int, int>>{{28, 4}, {40, 8}, {12, 4}, {6, 1}}) {
+  for (const auto& [hq, hkv] :
+       std::vector<std::pair<int, int>>{{28, 4}, {40, 8}, {12, 4}, {6, 1}}) {
     CacheGeometry g = MakeGeometry(1, hq, hkv, 64, 7, DType::kBFloat16, 64);
     auto cache = MakeCache(g);
     ForwardModel model(g, DType::kFloat32, hq);

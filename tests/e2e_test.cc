@@ -1,11 +1,10 @@
 // End to end: a real server on a free loopback port, driven by the project's client.
 // Every RPC, every error code, rich error details, malformed tensors, atomic failure,
 // health, and graceful shutdown.
+#include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 
 #include <map>
-
-#include <grpcpp/create_channel.h>
 
 #include "client/client.h"
 #include "client/smoke.h"
@@ -105,7 +104,8 @@ TEST_F(E2ETest, ServerInfoHasCapabilityTable) {
   EXPECT_EQ(info->backend(), BackendUnderTest());
   EXPECT_FALSE(info->version().empty());
   EXPECT_GT(info->device_memory_bytes(), 0);
-  EXPECT_EQ(std::vector<int>(info->capabilities().head_dims().begin(), info->capabilities().head_dims().end()),
+  EXPECT_EQ(std::vector<int>(info->capabilities().head_dims().begin(),
+                             info->capabilities().head_dims().end()),
             (std::vector<int>{64, 128, 256}));
   EXPECT_EQ(info->capabilities().min_page_size(), 1);
   EXPECT_EQ(info->capabilities().max_page_size(), 1024);
@@ -345,7 +345,8 @@ TEST_F(E2ETest, RandomRequestsNeverCrashOrLeak) {
     if (resp.ok()) {
       ++accepted;
       for (const v1::Span& sp : r.spans()) {
-        if (sp.num_new_tokens() > 0) len[{r.layer(), static_cast<int>(sp.seq_id())}] = sp.start() + sp.num_new_tokens();
+        if (sp.num_new_tokens() > 0)
+          len[{r.layer(), static_cast<int>(sp.seq_id())}] = sp.start() + sp.num_new_tokens();
       }
       // Held in a variable: `for (x : *TensorToFloats(...))` would iterate a vector inside a
       // temporary destroyed before the loop runs (a dangling read that failed this test once).

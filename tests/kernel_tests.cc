@@ -1,5 +1,6 @@
 // CUDA backend and kernel tests: Forward on the GPU against the float64 reference over page
 // sizes, head dims, GQA ratios, dtypes, ragged decode/prefill/chunked batches. Skips without a GPU.
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -17,8 +18,6 @@
 #include <thread>
 #include <tuple>
 #include <vector>
-
-#include <cuda_runtime.h>
 
 #include "kernels/graph_launch.h"
 #include "kernels/paged_attention.h"
@@ -245,8 +244,8 @@ class CudaKernelTest : public ::testing::Test {
     // PAGEDATTN_PREFILL_KERNEL=portable runs every case on the portable prefill kernel (what
     // the server's --prefill_kernel=portable does), so both kernels are tested on a Hopper GPU.
     const char* prefill = std::getenv("PAGEDATTN_PREFILL_KERNEL");
-    absl::StatusOr<std::unique_ptr<Backend>> b =
-        CreateCudaBackend({.portable_prefill = prefill != nullptr && std::string(prefill) == "portable"});
+    absl::StatusOr<std::unique_ptr<Backend>> b = CreateCudaBackend(
+        {.portable_prefill = prefill != nullptr && std::string(prefill) == "portable"});
     ASSERT_TRUE(b.ok()) << b.status();
     backend_ = std::move(*b);
   }
@@ -477,7 +476,7 @@ TEST_F(CudaKernelTest, OddGqaRatios) {
   struct Shape {
     int kv_heads, gqa, head_dim, page_size;
   };
-  const Shape shapes[] = {{4, 7, 128, 16}, {8, 5, 128, 3}, {4, 3, 64, 1},
+  const Shape shapes[] = {{4, 7, 128, 16}, {8, 5, 128, 3},  {4, 3, 64, 1},
                           {1, 6, 256, 32}, {2, 12, 128, 7}, {1, 20, 64, 16}};
   int index = 0;
   for (const Shape& sh : shapes) {
@@ -610,9 +609,11 @@ class AppendCase {
         for (int d = 0; d < kDim; ++d) {
           const int64_t at = ((page * kHeads + h) * kPage + in_page) * kDim + d;
           const int64_t src = (int64_t{t} * kHeads + h) * kDim + d;
-          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, kc.data(), at), RoundTo(DType::kBFloat16, k_[src]))
+          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, kc.data(), at),
+                    RoundTo(DType::kBFloat16, k_[src]))
               << "token " << t << " head " << h << " dim " << d;
-          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, vc.data(), at), RoundTo(DType::kBFloat16, v_[src]))
+          ASSERT_EQ(LoadAsFloat(DType::kBFloat16, vc.data(), at),
+                    RoundTo(DType::kBFloat16, v_[src]))
               << "token " << t << " head " << h << " dim " << d;
         }
       }
@@ -713,13 +714,12 @@ class SeparateMergeLaunch {
     p_.q = static_cast<const float*>(Upload(q.data(), q.size() * 4));
     p_.out = static_cast<float*>(Upload(nullptr, q.size() * 4));
     p_.lse = static_cast<float*>(Upload(nullptr, kQHeads * 4));
-    p_.decode_wide_items = static_cast<const kernels::AttentionWorkItem*>(Upload(
-        work_.decode_wide_items.data(),
-        work_.decode_wide_items.size() * sizeof(kernels::AttentionWorkItem)));
+    p_.decode_wide_items = static_cast<const kernels::AttentionWorkItem*>(
+        Upload(work_.decode_wide_items.data(),
+               work_.decode_wide_items.size() * sizeof(kernels::AttentionWorkItem)));
     p_.num_decode_wide_items = static_cast<int32_t>(work_.decode_wide_items.size());
-    p_.merge_tasks = static_cast<const kernels::AttentionMergeTask*>(
-        Upload(work_.merge_tasks.data(),
-               work_.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)));
+    p_.merge_tasks = static_cast<const kernels::AttentionMergeTask*>(Upload(
+        work_.merge_tasks.data(), work_.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)));
     p_.num_merge_tasks = static_cast<int32_t>(work_.merge_tasks.size());
     p_.separate_merge = work_.separate_merge;
     p_.merge_rows = work_.merge_rows;
@@ -751,8 +751,9 @@ class SeparateMergeLaunch {
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
     host_q_.resize(kQHeads * kDim);
     for (float& x : host_q_) x = uni(rng);
-    ok_ = ok_ && cudaMemcpyAsync(const_cast<float*>(p_.q), host_q_.data(), host_q_.size() * 4,
-                                 cudaMemcpyHostToDevice, stream) == cudaSuccess &&
+    ok_ = ok_ &&
+          cudaMemcpyAsync(const_cast<float*>(p_.q), host_q_.data(), host_q_.size() * 4,
+                          cudaMemcpyHostToDevice, stream) == cudaSuccess &&
           cudaStreamSynchronize(stream) == cudaSuccess;
   }
   // out and lse, NaN first so that an unwritten element shows.

@@ -26,13 +26,18 @@ class Pki {
     fs::create_directories(dir_);
     const std::string d = dir_.string();
     const std::string script =
-        "set -e; cd '" + d + "'; exec >openssl.log 2>&1\n"
-        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj /CN=test-ca\n"
+        "set -e; cd '" + d +
+        "'; exec >openssl.log 2>&1\n"
+        "openssl req -x509 -newkey rsa:2048 -nodes -keyout ca.key -out ca.pem -days 2 -subj "
+        "/CN=test-ca\n"
         "printf 'subjectAltName=DNS:localhost,IP:127.0.0.1\\n' > san.ext\n"
-        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj /CN=localhost\n"
-        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem -days 2 -extfile san.ext\n"
+        "openssl req -newkey rsa:2048 -nodes -keyout server.key -out server.csr -subj "
+        "/CN=localhost\n"
+        "openssl x509 -req -in server.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out server.pem "
+        "-days 2 -extfile san.ext\n"
         "openssl req -newkey rsa:2048 -nodes -keyout client.key -out client.csr -subj /CN=client\n"
-        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem -days 2\n";
+        "openssl x509 -req -in client.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out client.pem "
+        "-days 2\n";
     std::ofstream(dir_ / "make-certs.sh") << script;
     ok_ = std::system(("bash '" + (dir_ / "make-certs.sh").string() + "'").c_str()) == 0;
   }
@@ -46,7 +51,8 @@ class Pki {
 };
 
 std::string WriteTokens(const std::string& contents) {
-  const std::string path = (fs::temp_directory_path() / ("pagedattn-tokens-" + std::to_string(::getpid()))).string();
+  const std::string path =
+      (fs::temp_directory_path() / ("pagedattn-tokens-" + std::to_string(::getpid()))).string();
   std::ofstream(path) << contents;
   return path;
 }
@@ -127,7 +133,8 @@ class SecurityTest : public ::testing::Test {
     return *Client::Connect(o);
   }
   std::string MetricsText() {
-    absl::StatusOr<std::string> t = FetchMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
+    absl::StatusOr<std::string> t =
+        FetchMetrics(absl::StrCat("127.0.0.1:", server_->metrics_port()));
     EXPECT_TRUE(t.ok()) << t.status();
     return t.value_or("");
   }
@@ -224,7 +231,8 @@ TEST_F(SecurityTest, MetricsMoveWithTraffic) {
   EXPECT_EQ(Sample(after, "pagedattn_tokens_appended_total"), tok0 + 6);
   EXPECT_EQ(Sample(after, "pagedattn_queries_attended_total"), q0 + 6);
   EXPECT_EQ(Sample(after, "pagedattn_forward_latency_seconds_count"), n0 + 2);
-  const std::string labels = absl::StrCat("{cache_id=\"", cache->cache_id(), "\",name=\"metrics\",tenant=\"beta\"}");
+  const std::string labels =
+      absl::StrCat("{cache_id=\"", cache->cache_id(), "\",name=\"metrics\",tenant=\"beta\"}");
   EXPECT_EQ(Sample(after, "pagedattn_cache_pages_used" + labels), 2);  // 6 tokens, page 4
   EXPECT_EQ(Sample(after, "pagedattn_cache_pages_free" + labels), 14);
   EXPECT_EQ(Sample(after, "pagedattn_cache_live_sequences" + labels), 1);
@@ -321,7 +329,8 @@ TEST(TokenFileTest, ParsesAndRejects) {
   EXPECT_FALSE(TokenAuthenticator::FromString("# only comments\n").ok());
   EXPECT_FALSE(TokenAuthenticator::FromString("a b c\n").ok());
   EXPECT_FALSE(TokenAuthenticator::FromString("a\na\n").ok());
-  EXPECT_EQ(TokenAuthenticator::FromFile("/nonexistent").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(TokenAuthenticator::FromFile("/nonexistent").status().code(),
+            absl::StatusCode::kNotFound);
 }
 
 }  // namespace

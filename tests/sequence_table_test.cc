@@ -30,7 +30,7 @@ TEST(SequenceTableTest, RewindShrinksOnlyPastEveryLayer) {
   SequenceTable t(2, 4, 10);
   t.Commit(*t.Reserve(0, {{1, 0, 12}}));  // 3 pages
   t.Commit(*t.Reserve(1, {{1, 0, 5}}));
-  t.Commit(*t.Reserve(0, {{1, 2, 1}}));   // layer 0 rewinds to 3 tokens; layer 1 keeps 5
+  t.Commit(*t.Reserve(0, {{1, 2, 1}}));  // layer 0 rewinds to 3 tokens; layer 1 keeps 5
   EXPECT_EQ(t.Find(1)->layer_len[0], 3);
   EXPECT_EQ(t.Find(1)->pages.size(), 2u);
   EXPECT_EQ(t.pool().num_free(), 8);

@@ -18,7 +18,8 @@ namespace pagedattn::testing {
 
 inline std::vector<char> Encode(DType t, const std::vector<float>& values) {
   std::vector<char> out(values.size() * DTypeSize(t));
-  for (size_t i = 0; i < values.size(); ++i) StoreFromFloat(t, out.data(), static_cast<int64_t>(i), values[i]);
+  for (size_t i = 0; i < values.size(); ++i)
+    StoreFromFloat(t, out.data(), static_cast<int64_t>(i), values[i]);
   return out;
 }
 
@@ -77,10 +78,12 @@ class ForwardModel {
       total_q += s.num_queries;
       total_new += s.num_new;
     }
-    std::vector<char> qb = Encode(io_dtype_, q), kb = Encode(io_dtype_, k), vb = Encode(io_dtype_, v);
+    std::vector<char> qb = Encode(io_dtype_, q), kb = Encode(io_dtype_, k),
+                      vb = Encode(io_dtype_, v);
     ForwardArgs a;
     a.layer = layer;
-    for (const SpanCase& s : spans) a.spans.push_back({s.seq_id, s.start, s.num_new, s.num_queries});
+    for (const SpanCase& s : spans)
+      a.spans.push_back({s.seq_id, s.start, s.num_new, s.num_queries});
     a.q = {io_dtype_, {total_q, Hq, D}, qb.data(), qb.size()};
     if (total_new > 0) {
       a.k = {io_dtype_, {total_new, Hkv, D}, kb.data(), kb.size()};
@@ -102,20 +105,25 @@ class ForwardModel {
       if (s.num_new > 0) {
         kh.resize(static_cast<size_t>(s.start) * Hkv * D);
         vh.resize(kh.size());
-        kh.insert(kh.end(), k.begin() + kv_row * Hkv * D, k.begin() + (kv_row + s.num_new) * Hkv * D);
-        vh.insert(vh.end(), v.begin() + kv_row * Hkv * D, v.begin() + (kv_row + s.num_new) * Hkv * D);
+        kh.insert(kh.end(), k.begin() + kv_row * Hkv * D,
+                  k.begin() + (kv_row + s.num_new) * Hkv * D);
+        vh.insert(vh.end(), v.begin() + kv_row * Hkv * D,
+                  v.begin() + (kv_row + s.num_new) * Hkv * D);
       }
       kv_row += s.num_new;
       if (s.num_queries == 0) continue;
       const int64_t kv_len = s.start + s.num_new;
-      std::vector<double> ref(static_cast<size_t>(s.num_queries) * Hq * D), ref_lse(static_cast<size_t>(s.num_queries) * Hq);
+      std::vector<double> ref(static_cast<size_t>(s.num_queries) * Hq * D),
+          ref_lse(static_cast<size_t>(s.num_queries) * Hq);
       ReferenceAttention(&q[q_row * Hq * D], kh.data(), vh.data(), s.num_queries, kv_len, Hq, Hkv,
                          D, causal, scale, ref.data(), ref_lse.data());
-      std::vector<float> got = Decode(io_dtype_, r->out.data() + q_row * Hq * D * DTypeSize(io_dtype_),
-                                      int64_t{s.num_queries} * Hq * D);
+      std::vector<float> got =
+          Decode(io_dtype_, r->out.data() + q_row * Hq * D * DTypeSize(io_dtype_),
+                 int64_t{s.num_queries} * Hq * D);
       std::vector<double> gotd(got.begin(), got.end());
       for (double x : gotd) o.any_nan |= std::isnan(x);
-      o.max_rel_error = std::max(o.max_rel_error, RelativeError(gotd.data(), ref.data(), static_cast<int64_t>(gotd.size())));
+      o.max_rel_error = std::max(o.max_rel_error, RelativeError(gotd.data(), ref.data(),
+                                                                static_cast<int64_t>(gotd.size())));
       const float* lse = reinterpret_cast<const float*>(r->lse.data()) + q_row * Hq;
       for (size_t i = 0; i < ref_lse.size(); ++i) {
         o.any_nan |= std::isnan(lse[i]);
@@ -128,7 +136,9 @@ class ForwardModel {
 
   int64_t Length(int layer, uint64_t seq) const {
     auto it = kv_.find({layer, seq});
-    return it == kv_.end() ? 0 : static_cast<int64_t>(it->second.first.size()) / (g_.num_kv_heads * g_.head_dim);
+    return it == kv_.end()
+               ? 0
+               : static_cast<int64_t>(it->second.first.size()) / (g_.num_kv_heads * g_.head_dim);
   }
 
  private:

@@ -76,7 +76,8 @@ __global__ void LayoutProbeKernel(const __nv_bfloat16* a, const __nv_bfloat16* b
   }
   FenceRegs(o);
   WgmmaFence();
-  for (int kp = 0; kp < 4; ++kp) WgmmaRS<__nv_bfloat16>(o, pa[kp], Sw128Desc(SmemAddr(sv) + kp * 16 * 128));
+  for (int kp = 0; kp < 4; ++kp)
+    WgmmaRS<__nv_bfloat16>(o, pa[kp], Sw128Desc(SmemAddr(sv) + kp * 16 * 128));
   WgmmaCommit();
   WgmmaWait<0>();
   FenceRegs(o);

@@ -36,9 +36,9 @@
 //   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
 //   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
 //   Prefill rows name the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
-#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -88,9 +88,9 @@ struct Config {
   int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
   int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
-  int stages = 0;  // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
-  int rotate = 0;  // pool copies to rotate among; 0: as many as keep the reads out of L2
-  int trials = 0;  // exploration only: per-launch medians on fresh pools and fresh streams
+  int stages = 0;        // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
+  int rotate = 0;        // pool copies to rotate among; 0: as many as keep the reads out of L2
+  int trials = 0;        // exploration only: per-launch medians on fresh pools and fresh streams
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
@@ -99,8 +99,8 @@ struct Config {
   // left at normal priority would hit on every timed launch).
   bool flush_l2 = true;
   bool flush_l2_dirty = false;  // exploration: the flush writes its buffer (dirty lines left)
-  bool graph_launch = true;   // --launch plain: every kernel by a plain launch (graph_launch.h)
-  bool first_pages = true;    // --first-pages off: decode items without their first page ids
+  bool graph_launch = true;     // --launch plain: every kernel by a plain launch (graph_launch.h)
+  bool first_pages = true;      // --first-pages off: decode items without their first page ids
   std::string json;
 };
 
@@ -140,8 +140,8 @@ __global__ void __launch_bounds__(512) TouchRead(const uint4* a, int64_t n, unsi
 // The roofline of a decode row: read n 16-byte words once (what the kernel must read, but
 // contiguous and with nothing else to do). The sum goes out only if it is an impossible value,
 // so the reads cannot be optimized away.
-__global__ void __launch_bounds__(512) StreamRead(const uint4* a, const uint4* b, int64_t n,
-                                                  unsigned* sink) {
+__global__ void __launch_bounds__(512)
+    StreamRead(const uint4* a, const uint4* b, int64_t n, unsigned* sink) {
   unsigned acc = 0;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
@@ -245,8 +245,7 @@ Config ParseFlags(int argc, char** argv) {
     auto second_of = [&](const char* first, const char* second) {
       const std::string v = next();
       if (v != first && v != second) {
-        std::fprintf(stderr, "%s must be %s or %s (got %s)\n", a.c_str(), first, second,
-                     v.c_str());
+        std::fprintf(stderr, "%s must be %s or %s (got %s)\n", a.c_str(), first, second, v.c_str());
         std::exit(2);
       }
       return v == second;
@@ -288,8 +287,7 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--trials")
       c.trials = std::atoi(next().c_str());
     else if (a == "--prefill-path")
-      c.prefill_path =
-          second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
+      c.prefill_path = second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
     else if (a == "--merge") {
       const std::string v = next();
       if (v != "planned" && v != "separate" && v != "in-kernel") {
@@ -298,8 +296,7 @@ Config ParseFlags(int argc, char** argv) {
         std::exit(2);
       }
       c.merge = v;
-    }
-    else if (a == "--launch")
+    } else if (a == "--launch")
       c.graph_launch = !second_of("graph", "plain");
     else if (a == "--first-pages")
       c.first_pages = !second_of("on", "off");
@@ -342,17 +339,28 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
   SetDivisors(&p);
   if (cfg.exp != 0) {
     switch (cfg.exp) {
-      case 1: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
-      case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 2>(p, stream);
-      case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 3>(p, stream);
-      case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 4>(p, stream);
-      case 8: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 8>(p, stream);
-      case 15: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
-      case 16: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
-      case 32: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
-      case 33: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 33>(p, stream);
-      case 34: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
-      case 47: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
+      case 1:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
+      case 2:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 2>(p, stream);
+      case 3:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 3>(p, stream);
+      case 4:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 4>(p, stream);
+      case 8:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 8>(p, stream);
+      case 15:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
+      case 16:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
+      case 32:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
+      case 33:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 33>(p, stream);
+      case 34:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
+      case 47:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
       default:
         return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 33, 34 or 47");
     }
@@ -367,18 +375,27 @@ LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stre
   }
   if (d64_stages) {
     switch (cfg.stages) {
-      case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 3>(p, stream, then);
-      case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 4>(p, stream, then);
-      case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 5>(p, stream, then);
-      default: return LaunchStatus::Unsupported("--stages must be 3..5 at head_dim 64");
+      case 3:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 3>(p, stream, then);
+      case 4:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 4>(p, stream, then);
+      case 5:
+        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 5>(p, stream, then);
+      default:
+        return LaunchStatus::Unsupported("--stages must be 3..5 at head_dim 64");
     }
   }
   switch (cfg.stages) {
-    case 2: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
-    case 3: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
-    case 4: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
-    case 5: return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
-    default: return LaunchStatus::Unsupported("--stages must be 2..5");
+    case 2:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
+    case 3:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
+    case 4:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
+    case 5:
+      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
+    default:
+      return LaunchStatus::Unsupported("--stages must be 2..5");
   }
 }
 
@@ -431,11 +448,13 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     // The merging blocks' end, and the spread of block ends per SM load.
     double merge_end = 0, one_block_sm_end = 0;
     std::vector<int> per_sm(1024, 0);
-    for (int i = 0; i < blocks; ++i) per_sm[h[static_cast<size_t>(i) * kTimelineSlots + 6] & 1023]++;
+    for (int i = 0; i < blocks; ++i)
+      per_sm[h[static_cast<size_t>(i) * kTimelineSlots + 6] & 1023]++;
     for (int i = 0; i < blocks; ++i) {
       const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
       if (r[7] == 1) merge_end = std::max(merge_end, (r[5] - t0) * 1e-3);
-      if (per_sm[r[6] & 1023] == 1) one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
+      if (per_sm[r[6] & 1023] == 1)
+        one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
     }
     // The last merging block's phases: partials written, counted, LSE max, O sums, end.
     const unsigned long long* last = nullptr;
@@ -455,7 +474,9 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
       FILE* f = std::fopen(raw_path.c_str(), "w");
       if (f) {
         // x: the work item (the split), y: the kv head (TileGridBlocks: item-major).
-        std::fprintf(f, "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_max,o_sums,item,ids,first_issued,first_pages\n");
+        std::fprintf(f,
+                     "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_"
+                     "max,o_sums,item,ids,first_issued,first_pages\n");
         for (int i = 0; i < blocks; ++i) {
           const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
           std::fprintf(f, "%d,%d,%llu,%llu", i / p.num_kv_heads, i % p.num_kv_heads, r[6], r[7]);
@@ -479,9 +500,11 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     return ts[ts.size() / 2];
   };
   auto b2b = [&](auto launch) {
-    return EventMs(stream, a, b, [&] {
-             for (int it = 0; it < 20; ++it) launch();
-           }) * 1e3f / 20;
+    return EventMs(stream, a, b,
+                   [&] {
+                     for (int it = 0; it < 20; ++it) launch();
+                   }) *
+           1e3f / 20;
   };
   unsigned* sink = nullptr;
   BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
@@ -489,9 +512,8 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   auto empty_full = [&] { EmptyKernel<<<sms * 2, 128, 0, stream>>>(); };
   // The decode tile's launch configuration (bf16, head_dim 128, 16-row tiles), empty body.
   const size_t tile_smem = AttentionTileConfig<__nv_bfloat16, 128, 1, 4>::SmemBytes();
-  BENCH_CHECK_CUDA(cudaFuncSetAttribute(EmptyParamsKernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(tile_smem)));
+  BENCH_CHECK_CUDA(cudaFuncSetAttribute(
+      EmptyParamsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(tile_smem)));
   auto empty_like_tile = [&] {
     EmptyParamsKernel<<<dim3(p.num_decode_items, p.num_kv_heads), 128, tile_smem, stream>>>(p);
   };
@@ -499,14 +521,15 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
     StreamRead<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(k),
                                             static_cast<const uint4*>(v), pool_bytes / 16, sink);
   };
-  std::printf("{\"launch_floor\": 1, \"empty_event_us\": %.2f, \"empty_b2b_us\": %.2f, "
-              "\"empty_264_event_us\": %.2f, \"empty_like_tile_event_us\": %.2f, "
-              "\"empty_like_tile_b2b_us\": %.2f, \"read_event_us\": %.2f, \"read_b2b_us\": %.2f, "
-              "\"kernel_event_us\": %.2f, \"kernel_b2b_us\": %.2f}\n",
-              median_event(empty), b2b(empty), median_event(empty_full),
-              median_event(empty_like_tile), b2b(empty_like_tile), median_event(read),
-              b2b(read), median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
-              b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
+  std::printf(
+      "{\"launch_floor\": 1, \"empty_event_us\": %.2f, \"empty_b2b_us\": %.2f, "
+      "\"empty_264_event_us\": %.2f, \"empty_like_tile_event_us\": %.2f, "
+      "\"empty_like_tile_b2b_us\": %.2f, \"read_event_us\": %.2f, \"read_b2b_us\": %.2f, "
+      "\"kernel_event_us\": %.2f, \"kernel_b2b_us\": %.2f}\n",
+      median_event(empty), b2b(empty), median_event(empty_full), median_event(empty_like_tile),
+      b2b(empty_like_tile), median_event(read), b2b(read),
+      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
+      b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
   std::fflush(stdout);
   // Where the per-launch floor goes: the host's time in one Launch() call and one event record
   // (steady clock, median); the kernel timed behind a 30 us spin that keeps the GPU busy while
@@ -582,30 +605,34 @@ void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_
   const double host_capture_query =
       host_us([&] { BENCH_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture)); });
   const double host_with_params = host_us([&] {
-    CheckLaunch(LaunchKernelWithParams(tile_kernel, tile_grid, dim3(128), tile_smem, stream, lp,
-                                       "tile"),
-                "tile");
+    CheckLaunch(
+        LaunchKernelWithParams(tile_kernel, tile_grid, dim3(128), tile_smem, stream, lp, "tile"),
+        "tile");
   });
-  std::printf("{\"host_parts_us\": {\"stream_is_capturing\": %.2f, \"launch_kernel_with_params\": "
-              "%.2f, \"bare_graph_launch\": %.2f}}\n",
-              host_capture_query, host_with_params, host_graph);
-  std::printf("{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
-              "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
-              "\"driver\": %.2f, \"graph_update\": %.2f}",
-              host_us([&] { (void)cudaGetDevice(&dev); }), host_us([&] { (void)cudaGetLastError(); }),
-              host_us(empty), host_us(empty_like_tile), host_us(via_chevrons),
-              host_us(via_runtime), host_us(via_driver), host_us(via_graph_update));
-  std::printf(", \"event_us\": {\"chevrons\": %.2f, \"runtime\": %.2f, \"driver\": %.2f, "
-              "\"graph_update\": %.2f, \"graph\": %.2f, \"launch\": %.2f}}\n",
-              median_event(via_chevrons), median_event(via_runtime), median_event(via_driver),
-              median_event(via_graph_update), graph_event,
-              median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
-  std::printf("{\"launch_path\": 1, \"host_launch_us\": %.2f, \"host_event_record_us\": %.2f, "
-              "\"spin_alone_event_us\": %.2f, \"spin_then_kernel_event_us\": %.2f, "
-              "\"kernel_behind_spin_us\": %.2f, \"graph_event_us\": %.2f, "
-              "\"host_graph_launch_us\": %.2f}\n",
-              host_launch, host_record, spin_alone, spin_kernel, spin_kernel - spin_alone,
-              graph_event, host_graph);
+  std::printf(
+      "{\"host_parts_us\": {\"stream_is_capturing\": %.2f, \"launch_kernel_with_params\": "
+      "%.2f, \"bare_graph_launch\": %.2f}}\n",
+      host_capture_query, host_with_params, host_graph);
+  std::printf(
+      "{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
+      "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
+      "\"driver\": %.2f, \"graph_update\": %.2f}",
+      host_us([&] { (void)cudaGetDevice(&dev); }), host_us([&] { (void)cudaGetLastError(); }),
+      host_us(empty), host_us(empty_like_tile), host_us(via_chevrons), host_us(via_runtime),
+      host_us(via_driver), host_us(via_graph_update));
+  std::printf(
+      ", \"event_us\": {\"chevrons\": %.2f, \"runtime\": %.2f, \"driver\": %.2f, "
+      "\"graph_update\": %.2f, \"graph\": %.2f, \"launch\": %.2f}}\n",
+      median_event(via_chevrons), median_event(via_runtime), median_event(via_driver),
+      median_event(via_graph_update), graph_event,
+      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
+  std::printf(
+      "{\"launch_path\": 1, \"host_launch_us\": %.2f, \"host_event_record_us\": %.2f, "
+      "\"spin_alone_event_us\": %.2f, \"spin_then_kernel_event_us\": %.2f, "
+      "\"kernel_behind_spin_us\": %.2f, \"graph_event_us\": %.2f, "
+      "\"host_graph_launch_us\": %.2f}\n",
+      host_launch, host_record, spin_alone, spin_kernel, spin_kernel - spin_alone, graph_event,
+      host_graph);
   std::fflush(stdout);
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
@@ -768,8 +795,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
     BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
     std::vector<int32_t> counters(num_counters);
-    BENCH_CHECK_CUDA(cudaMemcpy(counters.data(), p.merge_counters, num_counters * 4,
-                                cudaMemcpyDeviceToHost));
+    BENCH_CHECK_CUDA(
+        cudaMemcpy(counters.data(), p.merge_counters, num_counters * 4, cudaMemcpyDeviceToHost));
     if (std::any_of(counters.begin(), counters.end(), [](int32_t c) { return c != 0; }) &&
         (cfg.exp & kExpNoMerge) == 0) {
       std::fprintf(stderr, "case %d: a split counter is not zero after a launch\n", case_index);
@@ -831,8 +858,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         got[e] = out[row * Hq * D + e];
         nans += std::isnan(got[e]);
       }
-      worst = std::max(worst, nans ? INFINITY
-                                   : testing::RelativeError(got.data(), ref.data(), ref.size()));
+      worst = std::max(
+          worst, nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size()));
     }
     return worst;
   };
@@ -844,8 +871,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     run_on_copy0();
     worst_err = std::max(worst_err, max_error());
     if (!(worst_err <= tol) && cfg.exp == 0) {
-      std::fprintf(stderr, "case %d: relative error %.3g %s exceeds %.1g\n", case_index,
-                   worst_err, when, tol);
+      std::fprintf(stderr, "case %d: relative error %.3g %s exceeds %.1g\n", case_index, worst_err,
+                   when, tol);
       std::exit(1);
     }
   };
@@ -938,11 +965,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     const float stream_launch = median_us(fresh, cfg.reps, false);
     const float stream_b2b = median_us(fresh, 5, true);
     const float again = median_us(stream, cfg.reps, false);
-    std::printf("{\"trial\": %d, \"case\": %d, \"first_us\": %.2f, \"new_pool_us\": %.2f, "
-                "\"new_pool_b2b_us\": %.2f, \"new_stream_us\": %.2f, \"new_stream_b2b_us\": %.2f, "
-                "\"first_again_us\": %.2f}\n",
-                trial, case_index, t * 1e6, pool_launch, pool_b2b, stream_launch, stream_b2b,
-                again);
+    std::printf(
+        "{\"trial\": %d, \"case\": %d, \"first_us\": %.2f, \"new_pool_us\": %.2f, "
+        "\"new_pool_b2b_us\": %.2f, \"new_stream_us\": %.2f, \"new_stream_b2b_us\": %.2f, "
+        "\"first_again_us\": %.2f}\n",
+        trial, case_index, t * 1e6, pool_launch, pool_b2b, stream_launch, stream_b2b, again);
     std::fflush(stdout);
     BENCH_CHECK_CUDA(cudaStreamDestroy(fresh));
     if (trial % 2 == 1) {  // every other trial frees its pools: the next may reuse the space
@@ -1000,25 +1027,24 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   if (std::isfinite(worst_err)) std::snprintf(err_field, sizeof(err_field), "%.3g", worst_err);
   // Blocks launched: one per decode item and kv head, and the prefill kernel's (one per
   // schedule entry when persistent, one per item and kv head otherwise).
-  const size_t blocks =
-      (work.decode_items.size() + work.decode_wide_items.size()) * Hkv +
-      (p.num_prefill_blocks > 0 ? static_cast<size_t>(p.num_prefill_blocks)
-                                : work.prefill_items.size() * Hkv);
+  const size_t blocks = (work.decode_items.size() + work.decode_wide_items.size()) * Hkv +
+                        (p.num_prefill_blocks > 0 ? static_cast<size_t>(p.num_prefill_blocks)
+                                                  : work.prefill_items.size() * Hkv);
   if (cfg.prefill) {
     double flops = 0;
     for (int c : ctx) flops += 4.0 * Hq * double(c) * c * D * 0.5;  // causal: half the square
-    std::snprintf(row, sizeof(row),
-                  "{\"suite\": \"prefill\", \"batch\": %d, \"seqlen\": %d, \"q_heads\": %d, "
-                  "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
-                  "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
-                  "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
-                  "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\", "
-                  "\"l2_flushed\": %s}",
-                  B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16",
-                  t * 1e6, flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, err_field, blocks,
-                  cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma"
-                                                                                     : "mma.sync",
-                  cfg.graph_launch ? "graph" : "plain", cfg.flush_l2 ? "true" : "false");
+    std::snprintf(
+        row, sizeof(row),
+        "{\"suite\": \"prefill\", \"batch\": %d, \"seqlen\": %d, \"q_heads\": %d, "
+        "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
+        "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
+        "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
+        "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\", "
+        "\"l2_flushed\": %s}",
+        B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6,
+        flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, err_field, blocks,
+        cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma" : "mma.sync",
+        cfg.graph_launch ? "graph" : "plain", cfg.flush_l2 ? "true" : "false");
   } else {
     const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
     std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
@@ -1035,9 +1061,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
         b2b_ms * 1e3 / kBackToBack, err_field, work.kv_chunk,
         work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
-        cfg.graph_launch ? "graph" : "plain", blocks, copies,
-        static_cast<long long>(positions), cfg.stages, read_t * 1e6,
-        read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
+        cfg.graph_launch ? "graph" : "plain", blocks, copies, static_cast<long long>(positions),
+        cfg.stages, read_t * 1e6, read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
         cfg.flush_l2 ? "true" : "false");
   }
 

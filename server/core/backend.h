@@ -27,7 +27,9 @@ struct CacheGeometry {
   // Elements of one page of K (or V) in one layer: [num_kv_heads][page_size][head_dim].
   int64_t PageElems() const { return int64_t{num_kv_heads} * page_size * head_dim; }
   // Bytes of K plus V for one page across all layers.
-  int64_t BytesPerPage() const { return 2 * int64_t{num_layers} * PageElems() * DTypeSize(kv_dtype); }
+  int64_t BytesPerPage() const {
+    return 2 * int64_t{num_layers} * PageElems() * DTypeSize(kv_dtype);
+  }
   int64_t TotalBytes() const { return BytesPerPage() * num_pages; }
   int32_t GqaRatio() const { return num_q_heads / num_kv_heads; }
 };
@@ -40,14 +42,14 @@ struct MemoryInfo {
 
 // One span of a Forward, resolved against the sequence table. Positions are token indices.
 struct SpanPlan {
-  int64_t start = 0;            // First new position.
-  int32_t num_new_tokens = 0;   // K/V rows to write at start..start+num_new_tokens-1.
-  int32_t num_queries = 0;      // Queries at positions kv_len-num_queries..kv_len-1.
-  int64_t kv_len = 0;           // Positions attended: 0..kv_len-1.
-  int64_t q_offset = 0;         // Row of the span's first query in q / out / lse.
-  int64_t kv_offset = 0;        // Row of the span's first new token in k / v.
-  int64_t page_table_offset = 0;// Index into ForwardPlan::page_table of the span's first page.
-  int32_t num_pages = 0;        // Pages covering 0..kv_len-1 (ceil(kv_len / page_size)).
+  int64_t start = 0;              // First new position.
+  int32_t num_new_tokens = 0;     // K/V rows to write at start..start+num_new_tokens-1.
+  int32_t num_queries = 0;        // Queries at positions kv_len-num_queries..kv_len-1.
+  int64_t kv_len = 0;             // Positions attended: 0..kv_len-1.
+  int64_t q_offset = 0;           // Row of the span's first query in q / out / lse.
+  int64_t kv_offset = 0;          // Row of the span's first new token in k / v.
+  int64_t page_table_offset = 0;  // Index into ForwardPlan::page_table of the span's first page.
+  int32_t num_pages = 0;          // Pages covering 0..kv_len-1 (ceil(kv_len / page_size)).
 };
 
 // Everything a backend needs to run one Forward. Pages are already reserved.
@@ -67,12 +69,12 @@ struct ForwardPlan {
 // Host buffers of one Forward. Inputs are the request's raw bytes (validated shapes).
 struct ForwardIO {
   DType q_dtype = DType::kUnspecified;
-  const void* q = nullptr;    // [total_queries, num_q_heads, head_dim]
+  const void* q = nullptr;               // [total_queries, num_q_heads, head_dim]
   DType kv_dtype = DType::kUnspecified;  // Wire dtype of k and v (may differ from the cache's).
-  const void* k = nullptr;    // [total_new_tokens, num_kv_heads, head_dim]; null when none.
+  const void* k = nullptr;  // [total_new_tokens, num_kv_heads, head_dim]; null when none.
   const void* v = nullptr;
-  void* out = nullptr;        // [total_queries, num_q_heads, head_dim] in q_dtype.
-  float* lse = nullptr;       // [total_queries, num_q_heads]; null unless return_lse.
+  void* out = nullptr;   // [total_queries, num_q_heads, head_dim] in q_dtype.
+  float* lse = nullptr;  // [total_queries, num_q_heads]; null unless return_lse.
 };
 
 // A pool of K/V pages owned by a backend. Layout per layer and per K/V:
@@ -98,8 +100,8 @@ class Backend {
   // Writes each span's new K/V rows into its pages, then computes attention for its queries.
   // The plan and buffers are validated by the caller; a failure here is an internal error.
   // Concurrent calls on the same pool touch different layers (the cache serializes a layer).
-  virtual absl::Status Forward(KvPool& pool, const CacheGeometry& geometry,
-                               const ForwardPlan& plan, const ForwardIO& io) = 0;
+  virtual absl::Status Forward(KvPool& pool, const CacheGeometry& geometry, const ForwardPlan& plan,
+                               const ForwardIO& io) = 0;
 };
 
 }  // namespace pagedattn

@@ -28,7 +28,8 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& opt
                               .graph_launch = options.graph_launch});
   }
   if (choice == "cuda") {
-    return absl::FailedPreconditionError("--backend=cuda but no CUDA GPU is visible to this process");
+    return absl::FailedPreconditionError(
+        "--backend=cuda but no CUDA GPU is visible to this process");
   }
 #else
   if (choice == "cuda") {

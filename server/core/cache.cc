@@ -27,19 +27,20 @@ Cache::Cache(std::string id, std::string name, std::string owner, const CacheGeo
       limits_(limits),
       table_(geometry.num_layers, geometry.page_size, geometry.num_pages) {
   layer_mu_.reserve(static_cast<size_t>(geometry.num_layers));
-  for (int32_t i = 0; i < geometry.num_layers; ++i) layer_mu_.push_back(std::make_unique<absl::Mutex>());
+  for (int32_t i = 0; i < geometry.num_layers; ++i)
+    layer_mu_.push_back(std::make_unique<absl::Mutex>());
 }
 
 absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   const CacheGeometry& g = geometry_;
   if (a.layer < 0 || a.layer >= g.num_layers) {
-    return absl::InvalidArgumentError(absl::StrCat("layer must be in 0..", g.num_layers - 1,
-                                                   " (got ", a.layer, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer must be in 0..", g.num_layers - 1, " (got ", a.layer, ")"));
   }
   if (a.spans.empty()) return absl::InvalidArgumentError("spans must not be empty");
   if (static_cast<int64_t>(a.spans.size()) > limits_.max_spans) {
-    return absl::InvalidArgumentError(absl::StrCat("at most ", limits_.max_spans,
-                                                   " spans per Forward (got ", a.spans.size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "at most ", limits_.max_spans, " spans per Forward (got ", a.spans.size(), ")"));
   }
   const int64_t capacity_tokens = g.num_pages * g.page_size;
   int64_t total_q = 0;
@@ -62,22 +63,22 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     }
     const int64_t kv_len = s.start + s.num_new_tokens;
     if (s.num_queries < 0 || s.num_queries > kv_len) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          where, ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
-          s.num_queries, ")"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(where, ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
+                       s.num_queries, ")"));
     }
     if (kv_len > capacity_tokens) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          where, ": sequence length ", kv_len, " exceeds the cache's capacity of ",
-          capacity_tokens, " tokens (", g.num_pages, " pages x ", g.page_size, ")"));
+      return absl::ResourceExhaustedError(
+          absl::StrCat(where, ": sequence length ", kv_len, " exceeds the cache's capacity of ",
+                       capacity_tokens, " tokens (", g.num_pages, " pages x ", g.page_size, ")"));
     }
     total_q += s.num_queries;
     total_new += s.num_new_tokens;
   }
   if (total_q + total_new > limits_.max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "at most ", limits_.max_tokens, " queries plus new tokens per Forward (got ",
-        total_q + total_new, ")"));
+    return absl::InvalidArgumentError(absl::StrCat("at most ", limits_.max_tokens,
+                                                   " queries plus new tokens per Forward (got ",
+                                                   total_q + total_new, ")"));
   }
   absl::Status s;
   if (total_q == 0 && a.q.empty()) {

@@ -53,26 +53,26 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   };
 
   if (c.num_layers < 1 || c.num_layers > kMaxNumLayers) {
-    violate("num_layers", absl::StrCat("num_layers must be in 1..", kMaxNumLayers, " (got ",
-                                       c.num_layers, ")"));
+    violate("num_layers",
+            absl::StrCat("num_layers must be in 1..", kMaxNumLayers, " (got ", c.num_layers, ")"));
   }
   if (c.num_kv_heads < 1 || c.num_kv_heads > kMaxNumHeads) {
     violate("num_kv_heads", absl::StrCat("num_kv_heads must be in 1..", kMaxNumHeads, " (got ",
                                          c.num_kv_heads, ")"));
   }
   if (c.num_q_heads < 1 || c.num_q_heads > kMaxNumHeads) {
-    violate("num_q_heads", absl::StrCat("num_q_heads must be in 1..", kMaxNumHeads, " (got ",
-                                        c.num_q_heads, ")"));
+    violate("num_q_heads",
+            absl::StrCat("num_q_heads must be in 1..", kMaxNumHeads, " (got ", c.num_q_heads, ")"));
   } else if (c.num_kv_heads >= 1 && c.num_kv_heads <= kMaxNumHeads) {
     if (c.num_q_heads % c.num_kv_heads != 0) {
       // Nearest multiples of num_kv_heads around num_q_heads.
       const int lower = c.num_q_heads / c.num_kv_heads * c.num_kv_heads;
       const int upper = lower + c.num_kv_heads;
       std::string nearest = lower > 0 ? absl::StrCat(lower, " or ", upper) : absl::StrCat(upper);
-      violate("num_q_heads",
-              absl::StrCat("num_q_heads must be a positive multiple of num_kv_heads=",
-                           c.num_kv_heads, " (got ", c.num_q_heads, "; nearest valid: ", nearest,
-                           ")"));
+      violate(
+          "num_q_heads",
+          absl::StrCat("num_q_heads must be a positive multiple of num_kv_heads=", c.num_kv_heads,
+                       " (got ", c.num_q_heads, "; nearest valid: ", nearest, ")"));
     } else if (c.num_q_heads / c.num_kv_heads > kMaxGqaRatio) {
       violate("num_q_heads",
               absl::StrCat("num_q_heads / num_kv_heads must be at most ", kMaxGqaRatio, " (got ",
@@ -82,15 +82,15 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
     }
   }
   if (!IsSupportedHeadDim(c.head_dim)) {
-    violate("head_dim", absl::StrCat("head_dim must be one of ", HeadDimList(), " (got ",
-                                     c.head_dim, "; nearest valid: ", NearestHeadDim(c.head_dim),
-                                     ")"));
+    violate("head_dim",
+            absl::StrCat("head_dim must be one of ", HeadDimList(), " (got ", c.head_dim,
+                         "; nearest valid: ", NearestHeadDim(c.head_dim), ")"));
   }
   if (!IsSupportedPageSize(c.page_size)) {
     const int nearest = c.page_size < kMinPageSize ? kMinPageSize : kMaxPageSize;
-    violate("page_size", absl::StrCat("page_size must be one of ", kMinPageSize, "..",
-                                      kMaxPageSize, " tokens (got ", c.page_size,
-                                      "; nearest valid: ", nearest, ")"));
+    violate("page_size",
+            absl::StrCat("page_size must be one of ", kMinPageSize, "..", kMaxPageSize,
+                         " tokens (got ", c.page_size, "; nearest valid: ", nearest, ")"));
   }
   if (c.kv_dtype == DType::kUnspecified) {
     violate("kv_dtype", absl::StrCat("kv_dtype is required: one of ", KvDTypeList(ctx.backend),
@@ -105,16 +105,17 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
                          ")"));
   }
   if (c.device < 0 || c.device >= ctx.device_count) {
-    violate("device", absl::StrCat("device must be in 0..", ctx.device_count - 1, " (got ",
-                                   c.device, ")"));
+    violate("device",
+            absl::StrCat("device must be in 0..", ctx.device_count - 1, " (got ", c.device, ")"));
   }
   if (c.num_pages.has_value() && c.max_bytes.has_value()) {
     violate("capacity", "set num_pages or max_bytes, not both");
   }
-  if (c.num_pages.has_value() && (*c.num_pages < 1 || *c.num_pages > std::numeric_limits<int32_t>::max())) {
-    violate("num_pages", absl::StrCat("num_pages must be in 1..",
-                                      std::numeric_limits<int32_t>::max(), " (got ", *c.num_pages,
-                                      ")"));
+  if (c.num_pages.has_value() &&
+      (*c.num_pages < 1 || *c.num_pages > std::numeric_limits<int32_t>::max())) {
+    violate("num_pages",
+            absl::StrCat("num_pages must be in 1..", std::numeric_limits<int32_t>::max(), " (got ",
+                         *c.num_pages, ")"));
   }
   if (c.max_bytes.has_value() && *c.max_bytes < 1) {
     violate("max_bytes", absl::StrCat("max_bytes must be positive (got ", *c.max_bytes, ")"));
@@ -140,11 +141,10 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
     g.num_pages = std::min<int64_t>(budget / bytes_per_page, std::numeric_limits<int32_t>::max());
     if (g.num_pages < 1) {
       violate(c.max_bytes.has_value() ? "max_bytes" : "capacity",
-              absl::StrCat(c.max_bytes.has_value() ? "max_bytes" : "free memory", " (",
-                           budget, " bytes) is less than one page (", bytes_per_page,
+              absl::StrCat(c.max_bytes.has_value() ? "max_bytes" : "free memory", " (", budget,
+                           " bytes) is less than one page (", bytes_per_page,
                            " bytes: 2 x num_layers x num_kv_heads x page_size x head_dim x ",
-                           DTypeSize(g.kv_dtype), "); nearest valid max_bytes: ",
-                           bytes_per_page));
+                           DTypeSize(g.kv_dtype), "); nearest valid max_bytes: ", bytes_per_page));
       return r;
     }
   }

@@ -42,7 +42,7 @@ struct ValidationResult {
   CacheGeometry geometry;                  // Resolved config (num_pages set) when no violations.
   int64_t bytes = 0;                       // Pool bytes the config takes.
   int64_t free_bytes = 0;
-  bool fits = false;                       // bytes <= free_bytes.
+  bool fits = false;  // bytes <= free_bytes.
   bool valid() const { return violations.empty(); }
 };
 
@@ -50,7 +50,8 @@ struct ValidationResult {
 inline constexpr double kDefaultPoolFraction = 0.9;
 
 // Checks every rule and resolves capacity. Never allocates.
-ValidationResult ValidateCacheConfig(const CacheConfigRequest& config, const ValidationContext& ctx);
+ValidationResult ValidateCacheConfig(const CacheConfigRequest& config,
+                                     const ValidationContext& ctx);
 
 // INVALID_ARGUMENT listing all violations (message and a structured payload), or
 // RESOURCE_EXHAUSTED naming bytes asked and free, or OK.

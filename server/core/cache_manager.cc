@@ -29,8 +29,8 @@ ValidationContext CacheManager::ContextFor(int32_t device) const {
     ctx.free_bytes = mem.ok() ? mem->free_bytes : 0;
   }
   if (limits_.max_total_pool_bytes > 0) {
-    ctx.free_bytes = std::min(ctx.free_bytes,
-                              std::max<int64_t>(0, limits_.max_total_pool_bytes - total_pool_bytes()));
+    ctx.free_bytes = std::min(
+        ctx.free_bytes, std::max<int64_t>(0, limits_.max_total_pool_bytes - total_pool_bytes()));
   }
   return ctx;
 }
@@ -49,9 +49,9 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   absl::MutexLock create(&create_mu_);
   if (limits_.max_caches_per_tenant > 0 &&
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "at most ", limits_.max_caches_per_tenant,
-        " caches per tenant (--max_caches_per_tenant); delete one first"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("at most ", limits_.max_caches_per_tenant,
+                     " caches per tenant (--max_caches_per_tenant); delete one first"));
   }
   ValidationResult v = Validate(config);
   if (absl::Status s = ValidationStatus(v); !s.ok()) return s;
@@ -81,9 +81,9 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
 
 std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner) const {
   std::vector<std::shared_ptr<Cache>> out = ListAll();
-  out.erase(std::remove_if(out.begin(), out.end(),
-                           [&](const auto& c) { return c->owner() != owner; }),
-            out.end());
+  out.erase(
+      std::remove_if(out.begin(), out.end(), [&](const auto& c) { return c->owner() != owner; }),
+      out.end());
   return out;
 }
 
@@ -94,8 +94,9 @@ std::vector<std::shared_ptr<Cache>> CacheManager::ListAll() const {
     for (const auto& [id, cache] : caches_) out.push_back(cache);
   }
   std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a->created_unix_ms() != b->created_unix_ms() ? a->created_unix_ms() < b->created_unix_ms()
-                                                        : a->id() < b->id();
+    return a->created_unix_ms() != b->created_unix_ms()
+               ? a->created_unix_ms() < b->created_unix_ms()
+               : a->id() < b->id();
   });
   return out;
 }

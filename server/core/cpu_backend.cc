@@ -75,7 +75,8 @@ std::string CpuBackend::device_name() const {
 }
 
 absl::StatusOr<MemoryInfo> CpuBackend::memory(int device) const {
-  if (device != 0) return absl::InvalidArgumentError(absl::StrCat("cpu has device 0 only (got ", device, ")"));
+  if (device != 0)
+    return absl::InvalidArgumentError(absl::StrCat("cpu has device 0 only (got ", device, ")"));
   return HostMemory();
 }
 
@@ -94,8 +95,8 @@ absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeom
   }
 }
 
-absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g,
-                                 const ForwardPlan& plan, const ForwardIO& io) {
+absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
+                                 const ForwardIO& io) {
   auto& pool = static_cast<CpuPool&>(pool_base);
   const int D = g.head_dim;
   const int Hq = g.num_q_heads;

@@ -148,10 +148,9 @@ struct Workspace {
 // Byte offsets of one Forward's sections in the staging buffers. Inputs (metadata then
 // tensors) are laid out identically in host and device memory and move in one copy.
 struct Layout {
-  size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0,
-         decode_first_pages = 0, decode_wide_first_pages = 0, prefill_items = 0,
-         prefill_jobs = 0, prefill_job_start = 0, merge_tasks = 0, q = 0, k = 0, v = 0,
-         input_end = 0;
+  size_t page_table = 0, slots = 0, decode_items = 0, decode_wide_items = 0, decode_first_pages = 0,
+         decode_wide_first_pages = 0, prefill_items = 0, prefill_jobs = 0, prefill_job_start = 0,
+         merge_tasks = 0, q = 0, k = 0, v = 0, input_end = 0;
   // Device only.
   size_t q_f32 = 0, out_f32 = 0, out = 0, lse = 0, partial_out = 0, partial_lse = 0, dev_end = 0;
   // Host only, after the inputs: the results.
@@ -279,10 +278,9 @@ class CudaBackend final : public Backend {
     }
     k::AttentionWork work;
     if (plan.total_queries > 0) {
-      k::PlanAttentionWork(spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
-                           {.target_blocks = pool.target_blocks(),
-                            .unsplit_blocks = pool.unsplit_blocks()},
-                           &work);
+      k::PlanAttentionWork(
+          spans.data(), static_cast<int>(num_spans), Hq, Hkv, plan.causal,
+          {.target_blocks = pool.target_blocks(), .unsplit_blocks = pool.unsplit_blocks()}, &work);
       k::SchedulePrefillJobs(Hkv, pool.prefill_blocks(), &work);
       k::AttachFirstPages(plan.page_table.data(), g.page_size, &work);
     }
@@ -406,8 +404,7 @@ class CudaBackend final : public Backend {
       p.decode_wide_items = reinterpret_cast<const k::AttentionWorkItem*>(d + L.decode_wide_items);
       p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
       if (!work.decode_first_pages.empty()) {
-        p.decode_first_pages =
-            reinterpret_cast<const k::ItemFirstPages*>(d + L.decode_first_pages);
+        p.decode_first_pages = reinterpret_cast<const k::ItemFirstPages*>(d + L.decode_first_pages);
       }
       if (!work.decode_wide_first_pages.empty()) {
         p.decode_wide_first_pages =

@@ -34,9 +34,9 @@ inline uint16_t FloatToHalf(float f) {
   uint32_t u = FloatBits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
-  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);       // NaN
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);      // overflow -> inf
-  if (abs < 0x38800000u) {                                                  // subnormal / zero
+  if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (abs < 0x38800000u) {                                               // subnormal / zero
     // Scale into the subnormal range with a float add that performs the rounding.
     float a = BitsFloat(abs) + 0.5f;  // 0.5 = 2^-1: ulp becomes 2^-24, the half subnormal step
     return static_cast<uint16_t>(sign | (FloatBits(a) - 0x3f000000u));
@@ -75,14 +75,17 @@ inline float LoadAsFloat(DType t, const void* data, int64_t i) {
       std::memcpy(&h, static_cast<const char*>(data) + i * 2, 2);
       return Bf16ToFloat(h);
     }
-    default: return 0.f;
+    default:
+      return 0.f;
   }
 }
 
 // Stores f as element i of a raw buffer of dtype t (rounding to nearest even).
 inline void StoreFromFloat(DType t, void* data, int64_t i, float f) {
   switch (t) {
-    case DType::kFloat32: std::memcpy(static_cast<char*>(data) + i * 4, &f, 4); break;
+    case DType::kFloat32:
+      std::memcpy(static_cast<char*>(data) + i * 4, &f, 4);
+      break;
     case DType::kFloat16: {
       uint16_t h = FloatToHalf(f);
       std::memcpy(static_cast<char*>(data) + i * 2, &h, 2);
@@ -93,7 +96,8 @@ inline void StoreFromFloat(DType t, void* data, int64_t i, float f) {
       std::memcpy(static_cast<char*>(data) + i * 2, &h, 2);
       break;
     }
-    default: break;
+    default:
+      break;
   }
 }
 

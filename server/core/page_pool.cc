@@ -16,7 +16,8 @@ absl::StatusOr<std::vector<int32_t>> PagePool::Allocate(int64_t n) {
     pages.push_back(recycled_.back());
     recycled_.pop_back();
   }
-  while (static_cast<int64_t>(pages.size()) < n) pages.push_back(static_cast<int32_t>(next_unused_++));
+  while (static_cast<int64_t>(pages.size()) < n)
+    pages.push_back(static_cast<int32_t>(next_unused_++));
   return pages;
 }
 

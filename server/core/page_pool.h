@@ -16,7 +16,9 @@ class PagePool {
   explicit PagePool(int64_t num_pages) : num_pages_(num_pages) {}
 
   int64_t num_pages() const { return num_pages_; }
-  int64_t num_free() const { return num_pages_ - next_unused_ + static_cast<int64_t>(recycled_.size()); }
+  int64_t num_free() const {
+    return num_pages_ - next_unused_ + static_cast<int64_t>(recycled_.size());
+  }
   int64_t num_used() const { return num_pages_ - num_free(); }
 
   // n pages, or RESOURCE_EXHAUSTED (and nothing taken) when fewer than n are free.

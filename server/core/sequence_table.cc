@@ -15,9 +15,10 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     auto it = seqs_.find(s.seq_id);
     const int64_t len = it == seqs_.end() ? 0 : it->second.layer_len[layer];
     if (it == seqs_.end() && s.num_new_tokens == 0) {
-      return absl::NotFoundError(absl::StrCat(
-          "sequence ", s.seq_id, " not found (a span with num_new_tokens=0 attends an existing "
-          "sequence; create it by writing tokens at start=0)"));
+      return absl::NotFoundError(
+          absl::StrCat("sequence ", s.seq_id,
+                       " not found (a span with num_new_tokens=0 attends an existing "
+                       "sequence; create it by writing tokens at start=0)"));
     }
     if (s.start > len) {
       return absl::FailedPreconditionError(absl::StrCat(
@@ -37,10 +38,10 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     }
   }
   if (pages_needed > pool_.num_free()) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "out of KV pages: this Forward needs ", pages_needed, " more pages of ", page_size_,
-        " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
-        " are free (release finished sequences or create a larger cache)"));
+    return absl::ResourceExhaustedError(
+        absl::StrCat("out of KV pages: this Forward needs ", pages_needed, " more pages of ",
+                     page_size_, " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
+                     " are free (release finished sequences or create a larger cache)"));
   }
 
   // Phase 2: apply. Cannot fail: the pages are known to be free.

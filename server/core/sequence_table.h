@@ -14,8 +14,8 @@
 namespace pagedattn {
 
 struct Sequence {
-  std::vector<int32_t> pages;       // Page i holds positions [i*page_size, (i+1)*page_size).
-  std::vector<int64_t> layer_len;   // Tokens written per layer.
+  std::vector<int32_t> pages;      // Page i holds positions [i*page_size, (i+1)*page_size).
+  std::vector<int64_t> layer_len;  // Tokens written per layer.
 };
 
 // One span's write request against the table.

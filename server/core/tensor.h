@@ -37,19 +37,19 @@ inline absl::Status CheckTensor(absl::string_view name, const TensorView& t,
         ")"));
   }
   if (t.shape != expected) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ".shape must be [", absl::StrJoin(expected, ", "), "] = [", expected_names,
-        "] (got [", absl::StrJoin(t.shape, ", "), "])"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".shape must be [", absl::StrJoin(expected, ", "), "] = [",
+                     expected_names, "] (got [", absl::StrJoin(t.shape, ", "), "])"));
   }
   // The expected dims are bounded by validated config values, so the product cannot overflow.
   int64_t elems = 1;
   for (int64_t d : expected) elems *= d;
   const int64_t want = elems * DTypeSize(t.dtype);
   if (static_cast<int64_t>(t.size_bytes) != want) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        name, ".data must hold ", want, " bytes (", elems, " x ", DTypeName(t.dtype), " of ",
-        DTypeSize(t.dtype), " bytes) for shape [", absl::StrJoin(expected, ", "), "] (got ",
-        t.size_bytes, " bytes)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(name, ".data must hold ", want, " bytes (", elems, " x ", DTypeName(t.dtype),
+                     " of ", DTypeSize(t.dtype), " bytes) for shape [",
+                     absl::StrJoin(expected, ", "), "] (got ", t.size_bytes, " bytes)"));
   }
   return absl::OkStatus();
 }

@@ -6,7 +6,8 @@
 namespace pagedattn {
 
 ThreadPool::ThreadPool(int num_threads) {
-  for (int i = 1; i < std::max(1, num_threads); ++i) workers_.emplace_back([this] { WorkerLoop(); });
+  for (int i = 1; i < std::max(1, num_threads); ++i)
+    workers_.emplace_back([this] { WorkerLoop(); });
 }
 
 ThreadPool::~ThreadPool() {

@@ -116,8 +116,8 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
   return log.Finish(absl::OkStatus());
 }
 
-grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx, const v1::GetCacheRequest* req,
-                                            v1::CacheInfo* resp) {
+grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx,
+                                            const v1::GetCacheRequest* req, v1::CacheInfo* resp) {
   RpcLog log("GetCache", ctx, metrics_);
   absl::StatusOr<std::string> tenant = Tenant(*ctx);
   if (!tenant.ok()) return log.Finish(tenant.status());
@@ -128,7 +128,8 @@ grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx, const v1::
   return log.Finish(absl::OkStatus());
 }
 
-grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx, const v1::ListCachesRequest*,
+grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx,
+                                              const v1::ListCachesRequest*,
                                               v1::ListCachesResponse* resp) {
   RpcLog log("ListCaches", ctx, metrics_);
   absl::StatusOr<std::string> tenant = Tenant(*ctx);

@@ -12,7 +12,8 @@
 
 namespace pagedattn {
 
-absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(const std::string& path) {
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(
+    const std::string& path) {
   std::ifstream in(path);
   if (!in) return absl::NotFoundError(absl::StrCat("cannot read --auth_tokens_file ", path));
   std::stringstream ss;
@@ -22,24 +23,27 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile
   return a;
 }
 
-absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromString(absl::string_view contents) {
+absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromString(
+    absl::string_view contents) {
   auto a = std::unique_ptr<TokenAuthenticator>(new TokenAuthenticator());
   int line_no = 0;
   for (absl::string_view line : absl::StrSplit(contents, '\n')) {
     ++line_no;
     line = absl::StripAsciiWhitespace(line);
     if (line.empty() || line[0] == '#') continue;
-    std::vector<absl::string_view> parts = absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
+    std::vector<absl::string_view> parts =
+        absl::StrSplit(line, absl::ByAnyChar(" \t"), absl::SkipEmpty());
     if (parts.size() > 2) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("line ", line_no, ": expected 'token' or 'token tenant', got ", parts.size(), " fields"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "line ", line_no, ": expected 'token' or 'token tenant', got ", parts.size(), " fields"));
     }
     const std::string tenant = parts.size() == 2 ? std::string(parts[1]) : "default";
     if (!a->tenants_.emplace(std::string(parts[0]), tenant).second) {
       return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": duplicate token"));
     }
   }
-  if (a->tenants_.empty()) return absl::InvalidArgumentError("no tokens (every line is empty or a comment)");
+  if (a->tenants_.empty())
+    return absl::InvalidArgumentError("no tokens (every line is empty or a comment)");
   return a;
 }
 

@@ -2,10 +2,10 @@
 // caller is the anonymous tenant "". Tokens never appear in logs or error messages.
 #pragma once
 
+#include <grpcpp/server_context.h>
+
 #include <memory>
 #include <string>
-
-#include <grpcpp/server_context.h>
 
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"

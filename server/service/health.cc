@@ -22,7 +22,8 @@ bool HealthServiceImpl::serving() const {
   return serving_;
 }
 
-grpc::Status HealthServiceImpl::Check(grpc::ServerContext*, const grpc::health::v1::HealthCheckRequest* req,
+grpc::Status HealthServiceImpl::Check(grpc::ServerContext*,
+                                      const grpc::health::v1::HealthCheckRequest* req,
                                       HealthCheckResponse* resp) {
   if (!KnownService(req->service())) {
     return grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service " + req->service());
@@ -31,7 +32,8 @@ grpc::Status HealthServiceImpl::Check(grpc::ServerContext*, const grpc::health::
   return grpc::Status::OK;
 }
 
-grpc::Status HealthServiceImpl::Watch(grpc::ServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req,
+grpc::Status HealthServiceImpl::Watch(grpc::ServerContext* ctx,
+                                      const grpc::health::v1::HealthCheckRequest* req,
                                       grpc::ServerWriter<HealthCheckResponse>* writer) {
   HealthCheckResponse resp;
   if (!KnownService(req->service())) {

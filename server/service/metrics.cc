@@ -53,8 +53,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
   int64_t cumulative = 0;
   for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
     cumulative += latency_buckets_[i].load(std::memory_order_relaxed);
-    absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"", kLatencyBuckets[i], "\"} ",
-                    cumulative, "\n");
+    absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"", kLatencyBuckets[i],
+                    "\"} ", cumulative, "\n");
   }
   const int64_t count = latency_count_.load(std::memory_order_relaxed);
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"+Inf\"} ", count, "\n");
@@ -73,8 +73,9 @@ std::string Metrics::Render(const CacheManager& manager) const {
   std::string used, seqs;
   for (const auto& c : caches) {
     const CacheStats s = c->Stats();
-    const std::string labels = absl::StrCat("{cache_id=\"", c->id(), "\",name=\"", Escape(c->name()),
-                                            "\",tenant=\"", Escape(c->owner()), "\"} ");
+    const std::string labels =
+        absl::StrCat("{cache_id=\"", c->id(), "\",name=\"", Escape(c->name()), "\",tenant=\"",
+                     Escape(c->owner()), "\"} ");
     absl::StrAppend(&out, "pagedattn_cache_pages_free", labels, s.free_pages, "\n");
     absl::StrAppend(&used, "pagedattn_cache_pages_used", labels, s.used_pages, "\n");
     absl::StrAppend(&seqs, "pagedattn_cache_live_sequences", labels, s.live_sequences, "\n");
@@ -89,16 +90,16 @@ std::string Metrics::Render(const CacheManager& manager) const {
   if (mem.ok()) {
     Header(&out, "pagedattn_device_memory_used_bytes", "gauge",
            "Device memory in use (all processes) on device 0, or host RAM on the CPU backend.");
-    absl::StrAppend(&out, "pagedattn_device_memory_used_bytes ", mem->total_bytes - mem->free_bytes, "\n");
+    absl::StrAppend(&out, "pagedattn_device_memory_used_bytes ", mem->total_bytes - mem->free_bytes,
+                    "\n");
     Header(&out, "pagedattn_device_memory_total_bytes", "gauge", "Device memory on device 0.");
     absl::StrAppend(&out, "pagedattn_device_memory_total_bytes ", mem->total_bytes, "\n");
   }
   return out;
 }
 
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(const std::string& listen,
-                                                                           const Metrics* metrics,
-                                                                           const CacheManager* manager) {
+absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
+    const std::string& listen, const Metrics* metrics, const CacheManager* manager) {
   static const unsigned init = mg_init_library(0);
   (void)init;
   std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
@@ -126,7 +127,8 @@ MetricsHttpServer::~MetricsHttpServer() {
 int MetricsHttpServer::HandleMetrics(::mg_connection* conn, void* self_ptr) {
   auto* self = static_cast<MetricsHttpServer*>(self_ptr);
   const std::string body = self->metrics_->Render(*self->manager_);
-  mg_send_http_ok(conn, "text/plain; version=0.0.4; charset=utf-8", static_cast<long long>(body.size()));
+  mg_send_http_ok(conn, "text/plain; version=0.0.4; charset=utf-8",
+                  static_cast<long long>(body.size()));
   mg_write(conn, body.data(), body.size());
   return 200;
 }

@@ -2,12 +2,12 @@
 // reflection, the optional plaintext health port and the metrics HTTP endpoint.
 #include "server/service/server.h"
 
-#include <fstream>
-#include <sstream>
-
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+
+#include <fstream>
+#include <sstream>
 
 #include "absl/strings/str_cat.h"
 #include "server/core/backend_factory.h"
@@ -51,7 +51,8 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const S
 
 }  // namespace
 
-absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const ServerOptions& options) {
+absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
+    const ServerOptions& options) {
   std::unique_ptr<PagedAttnServer> s(new PagedAttnServer());
   absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = MainCredentials(options);
   if (!creds.ok()) return creds.status();
@@ -71,7 +72,8 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const Se
   s->backend_ = *std::move(backend);
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), options.limits);
   s->metrics_ = std::make_unique<Metrics>();
-  s->service_ = std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get());
+  s->service_ =
+      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 
@@ -96,7 +98,8 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(const Se
     s->health_server_ = hb.BuildAndStart();
     if (s->health_server_ == nullptr || s->health_port_ == 0) {
       s->server_->Shutdown();
-      return absl::UnavailableError(absl::StrCat("could not listen on --health_listen ", options.health_listen));
+      return absl::UnavailableError(
+          absl::StrCat("could not listen on --health_listen ", options.health_listen));
     }
   }
   if (!options.metrics_listen.empty()) {

@@ -2,10 +2,10 @@
 // reflection) from a plain options struct, and shuts it down gracefully.
 #pragma once
 
+#include <grpcpp/server.h>
+
 #include <memory>
 #include <string>
-
-#include <grpcpp/server.h>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -18,7 +18,7 @@
 namespace pagedattn {
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";  // host:port; port 0 picks a free one.
+  std::string listen = "0.0.0.0:50051";   // host:port; port 0 picks a free one.
   std::string backend = "auto";           // auto | cuda | cpu
   int64_t max_message_bytes = 512 << 20;  // Largest request/response.
   int cpu_threads = 0;                    // CPU backend workers (0: one per core).

@@ -1,4 +1,0 @@
-// Tests use the same float64 oracle as the CLI smoke check (client/reference.h).
-#pragma once
-
-#include "client/reference.h"

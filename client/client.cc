@@ -11,7 +11,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "grpc/health/v1/health.grpc.pb.h"
-#include "server/core/dtype.h"
+#include "common/dtype.h"
 
 namespace pagedattn {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "client/reference.h"
-#include "server/core/dtype.h"
+#include "common/reference.h"
+#include "common/dtype.h"
 
 namespace pagedattn {
 namespace {

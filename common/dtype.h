@@ -5,7 +5,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/capabilities.h"
+#include "common/capabilities.h"
 
 namespace pagedattn {
 

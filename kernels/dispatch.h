@@ -1,5 +1,5 @@
 // The one place where runtime values (cache dtype, wire dtype, head_dim, tile shape) become
-// template instantiations. Checks against the capability table (kernels/capabilities.h), so
+// template instantiations. Checks against the capability table (common/capabilities.h), so
 // every configuration CreateCache accepts has a kernel; a default case names what is missing.
 #pragma once
 
@@ -11,7 +11,7 @@
 #include <string>
 #include <type_traits>
 
-#include "kernels/capabilities.h"
+#include "common/capabilities.h"
 #include "kernels/graph_launch.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"

@@ -7,7 +7,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "kernels/capabilities.h"
+#include "common/capabilities.h"
 #include "kernels/launch_status.h"
 
 namespace pagedattn::kernels {

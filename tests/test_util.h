@@ -11,8 +11,8 @@
 
 #include "absl/status/statusor.h"
 #include "server/core/cache.h"
-#include "server/core/dtype.h"
-#include "tests/reference.h"
+#include "common/dtype.h"
+#include "common/reference.h"
 
 namespace pagedattn::testing {
 

@@ -57,7 +57,7 @@
 #include "kernels/attention_kernel.cuh"
 #include "kernels/dispatch.h"
 #include "kernels/paged_attention.h"
-#include "tests/reference.h"
+#include "common/reference.h"
 
 namespace pagedattn::kernels {
 namespace {

@@ -4,8 +4,8 @@
 # kernel, page sizes, decode with its read roofline) and peers.py, so every ratio compares
 # numbers taken on the same card in the same call.
 #
-#   here:   scripts/build.sh build && ../shared/device/stage.sh .stage build/tests/kernel_tests \
-#             build/tests/wgmma_layout_test build/tests/e2e_tests build/tests/backend_parity_test \
+#   here:   scripts/build.sh build && ../shared/device/stage.sh .stage build/tests/cuda_backend_test \
+#             build/tests/wgmma_layout_test build/tests/e2e_test build/tests/backend_parity_test \
 #             build/server/pagedattn-server build/client/pagedattn-cli build/kernels/bench/pagedattn-bench
 #   there:  bash kernels/bench/run_h200_suite.sh .stage $OUT        (carry [".stage"])
 #   here:   python3 kernels/bench/compare.py OUT/ours.json OUT/peers.json

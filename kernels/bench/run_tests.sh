@@ -9,10 +9,10 @@ set -uo pipefail
 source "$(dirname "$0")/lib.sh"
 {
   [ -x "$b/wgmma_layout_test" ] && { timeout 60 "$b/wgmma_layout_test"; echo "wgmma_layout_test rc=$?"; }
-  timeout 240 "$b/kernel_tests"; echo "kernel_tests rc=$?"
-  PAGEDATTN_PREFILL_KERNEL=portable timeout 120 "$b/kernel_tests" --gtest_filter='*Prefill*:*Mixed*:*Odd*'
-  echo "kernel_tests(portable prefill) rc=$?"
-  [ -x "$b/e2e_tests" ] && { PAGEDATTN_E2E_BACKEND=cuda timeout 200 "$b/e2e_tests"; echo "e2e_tests(cuda) rc=$?"; }
+  timeout 240 "$b/cuda_backend_test"; echo "cuda_backend_test rc=$?"
+  PAGEDATTN_PREFILL_KERNEL=portable timeout 120 "$b/cuda_backend_test" --gtest_filter='*Prefill*:*Mixed*:*Odd*'
+  echo "cuda_backend_test(portable prefill) rc=$?"
+  [ -x "$b/e2e_test" ] && { PAGEDATTN_E2E_BACKEND=cuda timeout 200 "$b/e2e_test"; echo "e2e_test(cuda) rc=$?"; }
   [ -x "$b/backend_parity_test" ] && { timeout 100 "$b/backend_parity_test"; echo "backend_parity_test rc=$?"; }
   if [ -x "$b/pagedattn-server" ] && [ -x "$b/pagedattn-cli" ]; then
     "$b/pagedattn-server" --listen=127.0.0.1:50051 --health_listen=127.0.0.1:50052 &

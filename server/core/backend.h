@@ -9,7 +9,7 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "kernels/capabilities.h"
+#include "common/capabilities.h"
 
 namespace pagedattn {
 

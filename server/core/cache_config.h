@@ -1,5 +1,5 @@
 // CacheConfig validation: every rule a cache must satisfy, checked once, at allocation time,
-// against the capability table (kernels/capabilities.h) and the memory actually free.
+// against the capability table (common/capabilities.h) and the memory actually free.
 #pragma once
 
 #include <cstdint>

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/dtype.h"
+#include "common/dtype.h"
 
 namespace pagedattn {
 namespace {

@@ -9,7 +9,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "kernels/capabilities.h"
+#include "common/capabilities.h"
 
 namespace pagedattn {
 

@@ -23,8 +23,8 @@
 #include "kernels/paged_attention.h"
 #include "server/core/backend.h"
 #include "server/core/cuda_backend.h"
-#include "server/core/dtype.h"
-#include "tests/reference.h"
+#include "common/dtype.h"
+#include "common/reference.h"
 
 namespace pagedattn {
 namespace {

@@ -3,10 +3,10 @@
 # prefix (the layout the Dockerfiles copy from /opt/pagedattn), check every COPY source exists,
 # then start the installed server through the installed entrypoint with environment variables
 # (as the image does) and probe it with the installed CLI, then stop it with SIGTERM.
-#   tests/install_layout_test.sh BUILD_DIR
+#   tests/scripts/install_layout_test.sh BUILD_DIR
 set -euo pipefail
 build=$(realpath "$1")
-repo=$(cd "$(dirname "$0")/.." && pwd)
+repo=$(cd "$(dirname "$0")/../.." && pwd)
 stage=$(mktemp -d)
 log=$(mktemp)
 pid=""

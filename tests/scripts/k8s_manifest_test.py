@@ -3,7 +3,7 @@
 PAGEDATTN_* variable is a real pagedattn-server flag, probes hit the plaintext health port,
 secret paths match mounted keys, one GPU per pod, a headless Service.
 
-  python3 tests/k8s_manifest_test.py build/server/pagedattn-server
+  python3 tests/scripts/k8s_manifest_test.py build/server/pagedattn-server
 """
 import pathlib
 import re
@@ -12,7 +12,7 @@ import sys
 
 import yaml
 
-root = pathlib.Path(__file__).resolve().parent.parent
+root = pathlib.Path(__file__).resolve().parents[2]
 server = sys.argv[1]
 helptext = subprocess.run([server, "--helpfull"], capture_output=True, text=True).stdout
 flags = set(re.findall(r"^\s+--(\w+) \(", helptext, re.M))

@@ -3,7 +3,7 @@
 describe pagedattn.v1.AttentionService, call ValidateCacheConfig with a JSON body, and
 check grpc.health.v1. Needs grpcio, grpcio-reflection and protobuf (tooling, from PyPI).
 
-  python3 tests/reflection_check.py 127.0.0.1:50051
+  python3 tests/scripts/reflection_check.py 127.0.0.1:50051
 """
 import json
 import sys

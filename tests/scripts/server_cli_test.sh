@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The installed binaries as a user runs them: pagedattn-server on a free port, then
 # pagedattn-cli health / info / validate / create-cache / smoke, then SIGTERM -> exit 0.
-#   tests/server_cli_test.sh SERVER_BIN CLI_BIN [REFLECTION_CHECK_PYTHON]
+#   tests/scripts/server_cli_test.sh SERVER_BIN CLI_BIN [REFLECTION_CHECK_PYTHON]
 set -euo pipefail
 server=$1 cli=$2 py=${3:-}
 log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT

@@ -5,7 +5,7 @@
 #include <random>
 
 #include "client/client.h"
-#include "client/reference.h"
+#include "common/reference.h"
 #include "server/core/backend_factory.h"
 #include "server/service/server.h"
 

@@ -11,6 +11,7 @@
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -31,7 +32,8 @@ ABSL_FLAG(int32_t, num_q_heads, 32, "cache config: query heads");
 ABSL_FLAG(int32_t, num_kv_heads, 8, "cache config: KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "cache config: head dim");
 ABSL_FLAG(int32_t, page_size, 16, "cache config: tokens per page");
-ABSL_FLAG(std::string, kv_dtype, "BFLOAT16", "cache config: FLOAT16, BFLOAT16 or FLOAT32");
+ABSL_FLAG(std::string, kv_dtype, "BFLOAT16",
+          "cache config: FLOAT16, BFLOAT16 or FLOAT32 (any case; FLOAT32 on the CPU backend)");
 ABSL_FLAG(int64_t, num_pages, 0, "cache config: pages (0: use --max_bytes or the server default)");
 ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
 ABSL_FLAG(int32_t, device, 0, "cache config: device index");
@@ -74,11 +76,19 @@ int Fail(const absl::Status& s) {
   return 1;
 }
 
+// A bad flag: nothing was sent; exit 2 like any usage error.
+int Usage(const absl::Status& s) {
+  std::cerr << "pagedattn-cli: " << s.message() << "\n";
+  return 2;
+}
+
+// --kv_dtype, case-insensitive; DTYPE_UNSPECIFIED is no choice.
 absl::StatusOr<pagedattn::v1::DType> ParseDType(const std::string& s) {
   pagedattn::v1::DType t;
-  if (!pagedattn::v1::DType_Parse(s, &t)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED (got '", s, "')"));
+  if (!pagedattn::v1::DType_Parse(absl::AsciiStrToUpper(s), &t) ||
+      t == pagedattn::v1::DTYPE_UNSPECIFIED) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16 or FLOAT32 (got '", s, "')"));
   }
   return t;
 }
@@ -93,6 +103,9 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
   absl::StatusOr<pagedattn::v1::DType> t = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!t.ok()) return t.status();
   c.set_kv_dtype(*t);
+  if (absl::GetFlag(FLAGS_num_pages) > 0 && absl::GetFlag(FLAGS_max_bytes) > 0) {
+    return absl::InvalidArgumentError("set --num_pages or --max_bytes, not both");
+  }
   if (absl::GetFlag(FLAGS_num_pages) > 0) c.set_num_pages(absl::GetFlag(FLAGS_num_pages));
   if (absl::GetFlag(FLAGS_max_bytes) > 0) c.set_max_bytes(absl::GetFlag(FLAGS_max_bytes));
   c.set_device(absl::GetFlag(FLAGS_device));
@@ -148,7 +161,7 @@ int main(int argc, char** argv) {
     return *r ? 0 : 1;
   } else if (command == "validate" || command == "create-cache") {
     absl::StatusOr<CacheConfig> config = ConfigFromFlags();
-    if (!config.ok()) return Fail(config.status());
+    if (!config.ok()) return Usage(config.status());
     if (command == "validate") {
       auto r = c.ValidateCacheConfig(*config);
       if (!r.ok()) return Fail(r.status());
@@ -196,7 +209,14 @@ int main(int argc, char** argv) {
       if (line[0] != '#') std::cout << line << "\n";
     }
   } else if (command == "smoke") {
+    absl::StatusOr<CacheConfig> config = ConfigFromFlags();
+    if (!config.ok()) return Usage(config.status());
     pagedattn::SmokeOptions so;
+    so.head_dim = config->head_dim();
+    so.page_size = config->page_size();
+    so.num_q_heads = config->num_q_heads();
+    so.num_kv_heads = config->num_kv_heads();
+    so.kv_dtype = config->kv_dtype();
     auto info = c.GetServerInfo();
     if (!info.ok()) return Fail(info.status());
     auto r = pagedattn::RunSmoke(c, so);

@@ -10,8 +10,8 @@
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "grpc/health/v1/health.grpc.pb.h"
 #include "common/dtype.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 
 namespace pagedattn {
 namespace {

@@ -6,10 +6,11 @@
 #include <map>
 #include <random>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
-#include "common/reference.h"
 #include "common/dtype.h"
+#include "common/reference.h"
 
 namespace pagedattn {
 namespace {
@@ -43,6 +44,15 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   absl::StatusOr<v1::CacheInfo> cache = client.CreateCache(config, "pagedattn-cli smoke");
   if (!cache.ok()) return cache.status();
   report.cache_id = cache->cache_id();
+  absl::StrAppendFormat(
+      &report.summary, "  config: head_dim %d, page_size %d, %d q / %d kv heads, kv_dtype %s\n",
+      o.head_dim, o.page_size, o.num_q_heads, o.num_kv_heads, v1::DType_Name(o.kv_dtype));
+  // Whatever goes wrong below, the cache goes (best effort: the error that ended the run is
+  // the one reported).
+  bool deleted_cache = false;
+  absl::Cleanup delete_cache = [&] {
+    if (!deleted_cache) (void)client.DeleteCache(report.cache_id);
+  };
 
   const int D = o.head_dim, Hq = o.num_q_heads, Hkv = o.num_kv_heads;
   std::mt19937_64 rng(o.seed);
@@ -140,6 +150,7 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
       after->stats().used_pages() == 0 && after->stats().live_sequences() == 0;
   if (!released_all) absl::StrAppend(&report.summary, "  release left pages in use\n");
   absl::StatusOr<int64_t> deleted = client.DeleteCache(report.cache_id);
+  deleted_cache = true;
   if (!deleted.ok()) return deleted.status();
   report.passed = released_all && report.max_rel_error <= report.tolerance &&
                   report.max_lse_error <= 10 * report.tolerance;

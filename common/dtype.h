@@ -20,22 +20,30 @@ inline float BitsFloat(uint32_t u) {
   return f;
 }
 
-// bfloat16: round to nearest even; NaN stays NaN.
+// bfloat16: round to nearest even; NaN stays NaN, infinities stay infinite, and a finite value
+// that would round past the largest bfloat16 saturates to it (a finite input never becomes
+// inf, which would turn attention's sums into NaN).
 inline uint16_t FloatToBf16(float f) {
   uint32_t u = FloatBits(f);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40);
+  if (abs == 0x7f800000u) return static_cast<uint16_t>(u >> 16);
   u += 0x7fffu + ((u >> 16) & 1u);
+  if ((u & 0x7fffffffu) >= 0x7f800000u)
+    return static_cast<uint16_t>(((u >> 16) & 0x8000u) | 0x7f7fu);
   return static_cast<uint16_t>(u >> 16);
 }
 inline float Bf16ToFloat(uint16_t h) { return BitsFloat(uint32_t{h} << 16); }
 
-// IEEE binary16, round to nearest even, with subnormals, infinities and NaN.
+// IEEE binary16, round to nearest even, with subnormals, infinities and NaN; a finite value
+// beyond the largest half (65504) saturates to it rather than becoming inf.
 inline uint16_t FloatToHalf(float f) {
   uint32_t u = FloatBits(f);
   uint32_t sign = (u >> 16) & 0x8000u;
   uint32_t abs = u & 0x7fffffffu;
   if (abs > 0x7f800000u) return static_cast<uint16_t>(sign | 0x7e00u);   // NaN
-  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);  // overflow -> inf
+  if (abs == 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u);  // inf
+  if (abs >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7bffu);  // saturate: 65504
   if (abs < 0x38800000u) {                                               // subnormal / zero
     // Scale into the subnormal range with a float add that performs the rounding.
     float a = BitsFloat(abs) + 0.5f;  // 0.5 = 2^-1: ulp becomes 2^-24, the half subnormal step

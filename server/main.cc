@@ -1,86 +1,299 @@
-// pagedattn-server: flags, logging and signal handling around PagedAttnServer.
-// SIGTERM/SIGINT: health NOT_SERVING, new RPCs refused, in-flight ones finish, exit 0.
+// pagedattn-server: flags (from the command line or PAGEDATTN_<FLAG> variables), logging, and
+// signal handling around PagedAttnServer. SIGTERM/SIGINT: a bounded graceful shutdown, exit 0.
+#include <grpc/support/log.h>
+#include <unistd.h>  // environ
+
+#include <algorithm>
+#include <cmath>
 #include <csignal>
 #include <cstdlib>
+#include <iostream>
+#include <map>
 #include <thread>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
-#include "absl/flags/usage_config.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "server/core/backend_factory.h"
+#include "server/service/address.h"
 #include "server/service/server.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
+namespace pagedattn {
+
+// Flags with a fixed set of values are enums, parsed here (absl's AbslParseFlag protocol).
+bool AbslParseFlag(absl::string_view text, BackendChoice* out, std::string* error) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "auto")
+    *out = BackendChoice::kAuto;
+  else if (t == "cuda")
+    *out = BackendChoice::kCuda;
+  else if (t == "cpu")
+    *out = BackendChoice::kCpu;
+  else {
+    *error = "must be one of auto, cuda, cpu";
+    return false;
+  }
+  return true;
+}
+std::string AbslUnparseFlag(BackendChoice b) {
+  return b == BackendChoice::kCuda ? "cuda" : b == BackendChoice::kCpu ? "cpu" : "auto";
+}
+bool AbslParseFlag(absl::string_view text, PrefillKernel* out, std::string* error) {
+  const std::string t = absl::AsciiStrToLower(text);
+  if (t == "auto")
+    *out = PrefillKernel::kAuto;
+  else if (t == "portable")
+    *out = PrefillKernel::kPortable;
+  else {
+    *error = "must be one of auto, portable";
+    return false;
+  }
+  return true;
+}
+std::string AbslUnparseFlag(PrefillKernel k) {
+  return k == PrefillKernel::kPortable ? "portable" : "auto";
+}
+
+}  // namespace pagedattn
+
+using pagedattn::BackendChoice;
+using pagedattn::PrefillKernel;
+
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "host:port the gRPC service listens on (port 0 picks a free port)");
-ABSL_FLAG(std::string, backend, "auto",
-          "auto | cuda | cpu. auto uses CUDA when this build has it and a GPU is visible, "
-          "otherwise the CPU backend");
+          "host:port (or [ipv6]:port) the gRPC service listens on; port 0 picks a free port "
+          "(the start-up log line says which). A port in use is a start-up error");
+ABSL_FLAG(BackendChoice, backend, BackendChoice::kAuto,
+          "auto | cuda | cpu. auto: CUDA when this build has it and every visible GPU can run "
+          "its kernels, else the CPU backend (with a warning saying why); cuda: refuse to start "
+          "without a usable GPU");
 ABSL_FLAG(int64_t, max_message_mb, 512,
-          "largest request or response in MiB (a Forward carries q, k, v and out)");
+          "largest request or response, MiB (1..2047). A Forward carries q, k and v in and out "
+          "(and lse) back; one whose answer would be larger is refused before anything is written");
+ABSL_FLAG(int64_t, request_memory_mb, 0,
+          "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
+          "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
+          "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: half the "
+          "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
+          "+ 64");
 ABSL_FLAG(std::string, log_level, "info",
-          "trace | debug | info | warn | error | off. debug logs one line per RPC");
+          "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
+          "gRPC's own debug lines");
 ABSL_FLAG(int, cpu_threads, 0, "worker threads of the CPU backend (0: one per hardware thread)");
-ABSL_FLAG(std::string, prefill_kernel, "auto",
-          "auto | portable. The CUDA backend's prefill kernel: auto runs the Hopper (wgmma) kernel "
-          "on compute 9.0 GPUs when the build has sm_90a, the portable (mma.sync) kernel "
-          "elsewhere; portable always runs the latter");
+ABSL_FLAG(PrefillKernel, prefill_kernel, PrefillKernel::kAuto,
+          "auto | portable. The CUDA backend's prefill kernel: auto runs the Hopper (wgmma) "
+          "kernel on compute 9.0 GPUs when the build has sm_90a, the portable (mma.sync) kernel "
+          "elsewhere; portable always runs the latter (an escape hatch)");
 ABSL_FLAG(bool, graph_launch, true,
-          "CUDA backend: launch kernels through cached CUDA graphs (about 2 us of host "
-          "time per launch instead of 4-5, which an idle GPU waits for). false launches them "
-          "plainly (an escape hatch)");
+          "CUDA backend: launch kernels through cached CUDA graphs (about 2 us of host time per "
+          "launch instead of 4-5, which an idle GPU waits for). false launches them plainly (an "
+          "escape hatch)");
 ABSL_FLAG(double, shutdown_grace_s, 10,
-          "on SIGTERM/SIGINT, seconds in-flight RPCs get to finish before they are cancelled");
+          "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, calls in flight "
+          "get this many seconds (0..3600) and are then stopped; the process exits within it");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
-          "CreateCache beyond this many caches per tenant "
-          "fails with RESOURCE_EXHAUSTED (0: no limit)");
+          "CreateCache beyond this many caches per tenant fails with RESOURCE_EXHAUSTED "
+          "(0: no limit)");
 ABSL_FLAG(double, max_total_pool_gb, 0,
           "upper bound on the bytes of all pools together, GiB (0: only device memory limits)");
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
-          "largest number of queries plus new tokens in one Forward");
-ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward");
+          "largest number of queries plus new tokens in one Forward (>= 1)");
+ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward (>= 1)");
 ABSL_FLAG(std::string, tls_cert, "",
-          "PEM server certificate: serve the main port over TLS (with --tls_key)");
-ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert");
+          "PEM server certificate: serve the main port over TLS (with --tls_key). Checked at "
+          "start: readable, parseable, in its validity period, matching the key");
+ABSL_FLAG(std::string, tls_key, "", "PEM private key of --tls_cert (unencrypted)");
 ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mTLS); needs --tls_cert");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of bearer tokens, one per line as 'token [tenant]' (tenant 'default' when "
-          "omitted). Set: every AttentionService call needs 'authorization: Bearer <token>' and "
-          "sees only its tenant's caches; health and reflection stay open");
+          "omitted; tokens of at least 16 characters, e.g. `openssl rand -hex 32`). Set: every "
+          "AttentionService call needs 'authorization: Bearer <token>' and sees only its "
+          "tenant's caches; health and reflection stay open");
 ABSL_FLAG(std::string, health_listen, "",
-          "extra host:port serving only grpc.health.v1 in plaintext (for Kubernetes gRPC probes, "
-          "which cannot speak TLS); empty: none");
+          "extra host:port serving only grpc.health.v1 in plaintext (for Kubernetes gRPC "
+          "probes, which cannot speak TLS); empty: none");
 ABSL_FLAG(std::string, metrics_listen, "",
-          "host:port for Prometheus metrics over HTTP at /metrics; empty: none");
+          "host:port (or [ipv6]:port) for Prometheus metrics over HTTP at /metrics (no auth: "
+          "totals only, see --metrics_per_cache); empty: none");
+ABSL_FLAG(bool, metrics_per_cache, false,
+          "also export per-cache series labelled with cache id, name and tenant. /metrics needs "
+          "no token and a cache id is a capability: turn on only where /metrics is private");
 
 namespace {
+
+constexpr char kEnvPrefix[] = "PAGEDATTN_";
 
 std::string Usage() {
   return "a gRPC attention service with a paged KV cache.\n\n"
          "Holds paged KV caches in GPU memory (or RAM with the CPU backend), validates each\n"
          "cache's config when it is created, and runs paged attention Forward passes.\n"
          "grpc.health.v1 and server reflection are served on the same port.\n\n"
-         "  pagedattn-server --listen=0.0.0.0:50051 --backend=auto --log_level=info\n";
+         "usage: pagedattn-server [--flag=value ...]\n"
+         "  e.g. pagedattn-server --listen=0.0.0.0:50051 --backend=auto --log_level=info\n\n"
+         "Every flag can also be set as an environment variable PAGEDATTN_<FLAG> (upper case,\n"
+         "e.g. PAGEDATTN_LOG_LEVEL=debug); the command line wins. Other PAGEDATTN_* variables\n"
+         "are ignored (and named in the start-up log).\n";
+}
+
+// This program's own flags (not absl's or gRPC's), by name.
+std::map<std::string, absl::CommandLineFlag*> ServerFlags() {
+  std::map<std::string, absl::CommandLineFlag*> out;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StrContains(flag->Filename(), "server/main.cc")) out[std::string(name)] = flag;
+  }
+  return out;
+}
+
+// --help: the usage and every flag with its default, on stdout, exit 0.
+void PrintHelp() {
+  std::cout << "pagedattn-server: " << Usage() << "\nflags:\n";
+  for (const auto& [name, flag] : ServerFlags()) {
+    std::cout << "  --" << name << " (default: " << flag->DefaultValue() << ")\n";
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 96) {
+        std::cout << line << "\n";
+        line = "     ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    std::cout << line << "\n";
+  }
+}
+
+// Sets each flag that has a PAGEDATTN_<FLAG> variable; the command line, parsed after, wins.
+// Returns the PAGEDATTN_* variables that name no flag (for a log line), or exits on a bad value.
+std::vector<std::string> FlagsFromEnvironment() {
+  std::map<std::string, absl::CommandLineFlag*> flags = ServerFlags();
+  std::vector<std::string> ignored;
+  for (char** e = environ; *e != nullptr; ++e) {
+    absl::string_view entry(*e);
+    if (!absl::StartsWith(entry, kEnvPrefix)) continue;
+    const size_t eq = entry.find('=');
+    if (eq == absl::string_view::npos) continue;
+    const std::string var(entry.substr(0, eq));
+    const std::string name = absl::AsciiStrToLower(var.substr(sizeof(kEnvPrefix) - 1));
+    auto it = flags.find(name);
+    if (it == flags.end()) {
+      if (var != "PAGEDATTN_TOKEN") ignored.push_back(var);  // the CLI's token
+      continue;
+    }
+    std::string error;
+    if (!it->second->ParseFrom(entry.substr(eq + 1), &error)) {
+      std::cerr << "pagedattn-server: " << var << ": " << error << "\n";
+      std::exit(2);
+    }
+  }
+  return ignored;
+}
+
+// Every flag value that is out of range, each named (checked before anything starts).
+std::vector<std::string> InvalidFlags() {
+  std::vector<std::string> bad;
+  auto address = [&](const char* flag, const std::string& value, bool optional) {
+    if (optional && value.empty()) return;
+    absl::StatusOr<pagedattn::HostPort> hp = pagedattn::ParseHostPort(flag, value);
+    if (!hp.ok()) bad.emplace_back(hp.status().message());
+  };
+  address("--listen", absl::GetFlag(FLAGS_listen), false);
+  address("--health_listen", absl::GetFlag(FLAGS_health_listen), true);
+  address("--metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true);
+  auto range = [&](const char* flag, double value, double lo, double hi) {
+    if (!(value >= lo && value <= hi)) {  // also false for NaN
+      bad.push_back(absl::StrCat(flag, " must be in ", lo, "..", hi, " (got ", value, ")"));
+    }
+  };
+  range("--max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
+  range("--request_memory_mb", absl::GetFlag(FLAGS_request_memory_mb), 0, 1 << 24);
+  range("--cpu_threads", absl::GetFlag(FLAGS_cpu_threads), 0, 4096);
+  range("--shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), 0, 3600);
+  range("--max_caches_per_tenant", absl::GetFlag(FLAGS_max_caches_per_tenant), 0, 1e9);
+  range("--max_total_pool_gb", absl::GetFlag(FLAGS_max_total_pool_gb), 0, 1e7);
+  range("--max_forward_tokens", absl::GetFlag(FLAGS_max_forward_tokens), 1, 1e12);
+  range("--max_forward_spans", absl::GetFlag(FLAGS_max_forward_spans), 1, 1e9);
+  const int64_t request_mb = absl::GetFlag(FLAGS_request_memory_mb);
+  if (request_mb > 0 && request_mb < absl::GetFlag(FLAGS_max_message_mb)) {
+    bad.push_back(absl::StrCat(
+        "--request_memory_mb (", request_mb, ") must be at least --max_message_mb (",
+        absl::GetFlag(FLAGS_max_message_mb), "): a largest message could never be received"));
+  }
+  return bad;
+}
+
+// gRPC's own log lines go through spdlog, in its format and under --log_level. Errors a caller
+// causes (a failed TLS handshake, a reset connection) are debug lines, and a line repeated
+// within a second is counted instead of printed.
+void GrpcLogToSpdlog(gpr_log_func_args* args) {
+  static absl::Mutex mu;
+  static auto* last_seen = new std::map<std::string, std::pair<absl::Time, int>>();
+  const std::string message = absl::CHexEscape(args->message ? args->message : "");
+  spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
+                                    : args->severity == GPR_LOG_SEVERITY_INFO
+                                        ? spdlog::level::debug
+                                        : spdlog::level::trace;
+  for (const char* caller_caused :
+       {"Handshake failed", "handshake", "ssl_transport_security", "Connection reset",
+        "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
+    if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
+  }
+  if (!spdlog::should_log(level)) return;
+  const std::string key = message.substr(0, 80);
+  const absl::Time now = absl::Now();
+  int suppressed = 0;
+  {
+    absl::MutexLock lock(&mu);
+    if (last_seen->size() > 1000) last_seen->clear();
+    auto& [when, count] = (*last_seen)[key];
+    if (now - when < absl::Seconds(1)) {
+      ++count;
+      return;
+    }
+    suppressed = count;
+    when = now;
+    count = 0;
+  }
+  spdlog::log(level, "grpc: {}{}", message,
+              suppressed > 0 ? absl::StrCat(" (and ", suppressed, " more like it)") : "");
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view a(argv[i]);
+    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+      PrintHelp();
+      return 0;
+    }
+    if (a == "--version" || a == "-version") {
+      std::cout << "pagedattn-server " << PAGEDATTN_VERSION
+                << (pagedattn::BuiltWithCuda() ? " (CUDA and CPU backends)" : " (CPU backend)")
+                << "\n";
+      return 0;
+    }
+  }
   absl::SetProgramUsageMessage(Usage());
-  absl::FlagsUsageConfig usage_config;
-  usage_config.contains_help_flags = [](absl::string_view path) {
-    return absl::StrContains(path, "server/main.cc");
-  };
-  usage_config.version_string = [] {
-    return std::string("pagedattn-server " PAGEDATTN_VERSION "\n");
-  };
-  absl::SetFlagsUsageConfig(usage_config);
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<std::string> ignored_env = FlagsFromEnvironment();
+  const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
+  if (rest.size() > 1) {
+    std::cerr << "pagedattn-server: unexpected argument '" << rest[1]
+              << "' (flags are --name=value; see --help)\n";
+    return 2;
+  }
+  if (const std::vector<std::string> bad = InvalidFlags(); !bad.empty()) {
+    std::cerr << "pagedattn-server: " << absl::StrJoin(bad, "\npagedattn-server: ") << "\n";
+    return 2;
+  }
 
   auto logger = spdlog::stdout_color_mt("pagedattn");
   spdlog::set_default_logger(logger);
@@ -88,12 +301,20 @@ int main(int argc, char** argv) {
   const std::string level_name = absl::GetFlag(FLAGS_log_level);
   const spdlog::level::level_enum level = spdlog::level::from_str(level_name);
   if (level == spdlog::level::off && level_name != "off") {
-    spdlog::error("--log_level must be one of trace, debug, info, warn, error, off (got '{}')",
-                  level_name);
+    std::cerr << "pagedattn-server: --log_level must be one of trace, debug, info, warn, error, "
+                 "off (got '"
+              << level_name << "')\n";
     return 2;
   }
   spdlog::set_level(level);
   spdlog::flush_on(spdlog::level::info);
+  gpr_set_log_function(GrpcLogToSpdlog);
+  gpr_set_log_verbosity(level <= spdlog::level::trace ? GPR_LOG_SEVERITY_DEBUG
+                                                      : GPR_LOG_SEVERITY_ERROR);
+  if (!ignored_env.empty()) {
+    spdlog::info("environment: {} ignored (no such flag; see --help)",
+                 absl::StrJoin(ignored_env, ", "));
+  }
 
   // Block the shutdown signals in every thread; one thread waits for them with sigwait.
   sigset_t signals;
@@ -104,11 +325,12 @@ int main(int argc, char** argv) {
 
   pagedattn::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
-  options.backend = absl::GetFlag(FLAGS_backend);
+  options.backend = {.backend = absl::GetFlag(FLAGS_backend),
+                     .cpu_threads = absl::GetFlag(FLAGS_cpu_threads),
+                     .prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel),
+                     .graph_launch = absl::GetFlag(FLAGS_graph_launch)};
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
-  options.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
-  options.prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel);
-  options.graph_launch = absl::GetFlag(FLAGS_graph_launch);
+  options.request_memory_bytes = absl::GetFlag(FLAGS_request_memory_mb) << 20;
   options.limits.max_caches_per_tenant = absl::GetFlag(FLAGS_max_caches_per_tenant);
   options.limits.max_total_pool_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_max_total_pool_gb) * (1ull << 30));
@@ -120,6 +342,7 @@ int main(int argc, char** argv) {
   options.auth_tokens_file = absl::GetFlag(FLAGS_auth_tokens_file);
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
+  options.metrics_per_cache = absl::GetFlag(FLAGS_metrics_per_cache);
 
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);
@@ -128,18 +351,35 @@ int main(int argc, char** argv) {
     return 1;
   }
   pagedattn::Backend& backend = (*server)->backend();
+  if (!(*server)->backend_fallback_reason().empty()) {
+    spdlog::warn(
+        "--backend=auto: serving on the CPU backend because the CUDA backend cannot "
+        "run here: {}",
+        (*server)->backend_fallback_reason());
+  }
   absl::StatusOr<pagedattn::MemoryInfo> mem = backend.memory(0);
   spdlog::info(
       "pagedattn-server {} listening on port {} ({}); backend {} on {} ({} device{}, "
-      "{:.1f} of {:.1f} GiB free); build has CUDA: {}; health SERVING",
+      "{:.1f} of {:.1f} GiB free for pools); build has CUDA: {}; health SERVING",
       PAGEDATTN_VERSION, (*server)->port(), options.listen, backend.name(), backend.device_name(),
       backend.device_count(), backend.device_count() == 1 ? "" : "s",
       mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
       mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
       pagedattn::BuiltWithCuda() ? "yes" : "no");
-  if (backend.name() == "cuda") {
-    spdlog::info("CUDA kernels: prefill {}, launches {}", options.prefill_kernel,
-                 options.graph_launch ? "through cached graphs" : "plain");
+  if (backend.kind() == pagedattn::BackendKind::kCuda) {
+    std::vector<std::string> ccs;
+    for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
+    spdlog::info("CUDA: compute capability {}; kernels built for {}; prefill {}, launches {}",
+                 absl::StrJoin(ccs, ", "), absl::StrJoin(backend.compiled_architectures(), " "),
+                 AbslUnparseFlag(options.backend.prefill_kernel),
+                 options.backend.graph_launch ? "through cached graphs" : "plain");
+  }
+  spdlog::info("limits: messages up to {} MiB; {} MiB for requests in flight",
+               options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20);
+  if ((*server)->auth() != nullptr && !(*server)->tls()) {
+    spdlog::warn(
+        "bearer tokens travel in plaintext on this port: serve TLS (--tls_cert, "
+        "--tls_key) unless the network path is private");
   }
   spdlog::info(
       "security: {}; auth: {}; health port: {}; metrics: {}",
@@ -155,10 +395,8 @@ int main(int argc, char** argv) {
     int sig = 0;
     sigwait(&signals, &sig);
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
-    spdlog::info(
-        "received {}: health NOT_SERVING, refusing new RPCs, waiting up to {} s for "
-        "in-flight ones",
-        sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+    spdlog::info("received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight",
+                 sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
     (*server)->Shutdown(absl::Seconds(grace));
   });
   (*server)->Wait();

@@ -2,6 +2,7 @@
 // The CPU backend (cpu_backend.h) is the reference; the CUDA backend plugs in the same way.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "common/capabilities.h"
+#include "server/core/stop_token.h"
 
 namespace pagedattn {
 
@@ -50,6 +52,12 @@ struct SpanPlan {
   int64_t kv_offset = 0;          // Row of the span's first new token in k / v.
   int64_t page_table_offset = 0;  // Index into ForwardPlan::page_table of the span's first page.
   int32_t num_pages = 0;          // Pages covering 0..kv_len-1 (ceil(kv_len / page_size)).
+  // The layer's committed length before this Forward. New rows below it overwrite committed
+  // ones (a rewind): a backend that stops must put those back (Backend::Forward).
+  int64_t committed_len = 0;
+
+  // Rows [start, overwrite_end()) hold committed K/V that this Forward overwrites.
+  int64_t overwrite_end() const { return std::min(committed_len, start + int64_t{num_new_tokens}); }
 };
 
 // Everything a backend needs to run one Forward. Pages are already reserved.
@@ -64,6 +72,8 @@ struct ForwardPlan {
   bool causal = true;
   float sm_scale = 0.f;
   bool return_lse = false;
+  // Polled between pieces of work and once more before the backend returns OK.
+  StopToken stop;
 };
 
 // Host buffers of one Forward. Inputs are the request's raw bytes (validated shapes).
@@ -99,12 +109,18 @@ class Backend {
   // can compile for newer GPUs as "compute_80"; empty on the CPU backend.
   virtual std::vector<std::string> compiled_architectures() const { return {}; }
 
-  // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit.
-  virtual absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& geometry) = 0;
+  // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit; the stop
+  // token's status (and nothing held) when the caller gives up while it is being allocated.
+  virtual absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& geometry,
+                                                               const StopToken& stop) = 0;
 
   // Writes each span's new K/V rows into its pages, then computes attention for its queries.
   // The plan and buffers are validated by the caller; a failure here is an internal error.
   // Concurrent calls on the same pool touch different layers (the cache serializes a layer).
+  // Returns OK, after which the cache commits, or an error with every committed row of the
+  // pool as it was: when plan.stop says stop (polled between pieces of work and once more just
+  // before returning OK), the backend puts back the rows it overwrote (SpanPlan::committed_len)
+  // and returns plan.stop's status.
   virtual absl::Status Forward(KvPool& pool, const CacheGeometry& geometry, const ForwardPlan& plan,
                                const ForwardIO& io) = 0;
 };

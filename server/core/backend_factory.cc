@@ -11,33 +11,39 @@ namespace pagedattn {
 
 bool BuiltWithCuda() { return PAGEDATTN_WITH_CUDA != 0; }
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options) {
-  const std::string& choice = options.backend;
-  if (options.prefill_kernel != "auto" && options.prefill_kernel != "portable") {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "prefill_kernel must be one of auto, portable (got '", options.prefill_kernel, "')"));
-  }
-  if (choice == "cpu") return std::make_unique<CpuBackend>(options.cpu_threads);
-  if (choice != "auto" && choice != "cuda") {
-    return absl::InvalidArgumentError(
-        absl::StrCat("backend must be one of auto, cuda, cpu (got '", choice, "')"));
-  }
+absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
+  CreatedBackend created;
+  auto cpu = [&] {
+    created.backend = std::make_unique<CpuBackend>(CpuBackendOptions{
+        .num_threads = options.cpu_threads, .reserved_bytes = options.cpu_reserved_bytes});
+    return std::move(created);
+  };
+  if (options.backend == BackendChoice::kCpu) return cpu();
 #if PAGEDATTN_WITH_CUDA
-  if (CudaDeviceCount() > 0) {
-    return CreateCudaBackend({.portable_prefill = options.prefill_kernel == "portable",
-                              .graph_launch = options.graph_launch});
+  if (CudaDeviceCount() == 0) {
+    if (options.backend == BackendChoice::kCuda) {
+      return absl::FailedPreconditionError(
+          "--backend=cuda but no CUDA GPU is visible to this process");
+    }
+    return cpu();
   }
-  if (choice == "cuda") {
-    return absl::FailedPreconditionError(
-        "--backend=cuda but no CUDA GPU is visible to this process");
+  absl::StatusOr<std::unique_ptr<Backend>> cuda =
+      CreateCudaBackend({.portable_prefill = options.prefill_kernel == PrefillKernel::kPortable,
+                         .graph_launch = options.graph_launch});
+  if (cuda.ok()) {
+    created.backend = *std::move(cuda);
+    return created;
   }
+  if (options.backend == BackendChoice::kCuda) return cuda.status();
+  created.fallback_reason = std::string(cuda.status().message());
+  return cpu();
 #else
-  if (choice == "cuda") {
+  if (options.backend == BackendChoice::kCuda) {
     return absl::FailedPreconditionError(
         "--backend=cuda but this binary was built without CUDA (no nvcc at build time)");
   }
+  return cpu();
 #endif
-  return std::make_unique<CpuBackend>(options.cpu_threads);
 }
 
 }  // namespace pagedattn

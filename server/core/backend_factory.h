@@ -1,7 +1,8 @@
-// Picks and creates the backend: "cuda", "cpu", or "auto" (CUDA when this build has it and a
-// GPU is visible, CPU otherwise).
+// Picks and creates the backend: CUDA, CPU, or auto (CUDA when this build has it and every
+// visible GPU can run its kernels, CPU otherwise, saying why).
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -13,17 +14,27 @@ namespace pagedattn {
 // True when this binary was built with the CUDA backend.
 bool BuiltWithCuda();
 
+enum class BackendChoice { kAuto, kCuda, kCpu };
+// Which CUDA prefill kernel runs: kAuto (the Hopper wgmma kernel where the build and the GPU
+// have it, the portable one elsewhere) or kPortable (always the portable one).
+enum class PrefillKernel { kAuto, kPortable };
+
 struct BackendOptions {
-  // "auto", "cuda" or "cpu". "cuda" fails with FAILED_PRECONDITION (saying why) when the build
-  // has no CUDA or no GPU is visible.
-  std::string backend = "auto";
-  int cpu_threads = 0;  // CPU backend workers (0: one per hardware thread)
-  // CUDA only: "auto" (the Hopper wgmma kernel where the build and the GPU have it, the
-  // portable one elsewhere) or "portable"; anything else is INVALID_ARGUMENT.
-  std::string prefill_kernel = "auto";
-  bool graph_launch = true;  // CUDA only: CudaBackendOptions::graph_launch
+  // kCuda fails with FAILED_PRECONDITION (saying why) when the build has no CUDA, no GPU is
+  // visible, or a visible GPU cannot run this build's kernels.
+  BackendChoice backend = BackendChoice::kAuto;
+  int cpu_threads = 0;             // CPU backend workers (0: one per hardware thread).
+  int64_t cpu_reserved_bytes = 0;  // CPU backend: host memory kept out of pools.
+  PrefillKernel prefill_kernel = PrefillKernel::kAuto;  // CUDA only.
+  bool graph_launch = true;                             // CUDA only: CudaBackendOptions.
 };
 
-absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const BackendOptions& options);
+struct CreatedBackend {
+  std::unique_ptr<Backend> backend;
+  // Set when kAuto fell back to the CPU although the build has CUDA: why (for a warning).
+  std::string fallback_reason;
+};
+
+absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options);
 
 }  // namespace pagedattn

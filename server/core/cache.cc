@@ -42,7 +42,6 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     return absl::InvalidArgumentError(absl::StrCat(
         "at most ", limits_.max_spans, " spans per Forward (got ", a.spans.size(), ")"));
   }
-  const int64_t capacity_tokens = g.num_pages * g.page_size;
   int64_t total_q = 0;
   int64_t total_new = 0;
   absl::flat_hash_set<uint64_t> seen;
@@ -66,11 +65,6 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
       return absl::InvalidArgumentError(
           absl::StrCat(where, ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
                        s.num_queries, ")"));
-    }
-    if (kv_len > capacity_tokens) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat(where, ": sequence length ", kv_len, " exceeds the cache's capacity of ",
-                       capacity_tokens, " tokens (", g.num_pages, " pages x ", g.page_size, ")"));
     }
     total_q += s.num_queries;
     total_new += s.num_new_tokens;
@@ -105,7 +99,28 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     return absl::InvalidArgumentError(
         absl::StrCat("options.sm_scale must be positive and finite (got ", *a.sm_scale, ")"));
   }
+  // The answer must be sendable, or the K/V would be committed for a reply the caller never
+  // gets.
+  const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
+  const int64_t response_bytes = ForwardResponseBytes(g, a);
+  if (limits_.max_response_bytes > 0 && response_bytes > limits_.max_response_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the response would be ", response_bytes, " bytes (", total_q, " queries x ", g.num_q_heads,
+        " heads x ", g.head_dim, " x ", DTypeName(out_dtype), a.return_lse ? ", plus lse" : "",
+        "), over the server's largest message of ", limits_.max_response_bytes,
+        " bytes (--max_message_mb); send fewer queries per Forward"));
+  }
   return absl::OkStatus();
+}
+
+int64_t ForwardResponseBytes(const CacheGeometry& g, const ForwardArgs& a) {
+  int64_t total_q = 0;
+  for (const SpanRequest& s : a.spans) total_q += std::max(0, s.num_queries);
+  const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
+  return total_q * g.num_q_heads *
+             (int64_t{g.head_dim} * DTypeSize(out_dtype) +
+              (a.return_lse ? static_cast<int64_t>(sizeof(float)) : 0)) +
+         kResponseFramingBytes;
 }
 
 ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
@@ -126,6 +141,7 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
     sp.kv_offset = plan.total_new_tokens;
     sp.page_table_offset = static_cast<int64_t>(plan.page_table.size());
     sp.num_pages = static_cast<int32_t>(table_.PagesFor(sp.kv_len));
+    sp.committed_len = r.entries[i].old_len;
     const Sequence* seq = table_.Find(s.seq_id);
     // A reserved span's sequence exists and covers kv_len (an attend-only span of length 0
     // has no pages to list).
@@ -142,12 +158,14 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
   return plan;
 }
 
-absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a) {
+absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopToken& stop) {
   if (absl::Status s = ValidateForward(a); !s.ok()) return s;
   const CacheGeometry& g = geometry_;
 
   absl::ReaderMutexLock structure(&structure_mu_);
   absl::MutexLock layer_lock(layer_mu_[a.layer].get());
+  // Waiting for the layer may have taken the caller's whole deadline.
+  if (absl::Status s = stop.Check(); !s.ok()) return s;
 
   std::vector<SpanWrite> writes;
   writes.reserve(a.spans.size());
@@ -161,6 +179,7 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a) {
     reservation = *std::move(r);
     plan = MakePlan(a, reservation);
   }
+  plan.stop = stop;
 
   ForwardResult result;
   // An append-only request may omit q: its (empty) output then takes the cache dtype.

@@ -57,11 +57,21 @@ struct ReleaseResult {
   std::vector<uint64_t> unknown_seq_ids;
 };
 
-// Forward requests larger than these are refused with INVALID_ARGUMENT (per request).
+// Forward requests larger than these are refused (per request): INVALID_ARGUMENT for spans
+// and tokens, RESOURCE_EXHAUSTED for an answer larger than the transport may send.
 struct ForwardLimits {
   int64_t max_spans = 65536;
-  int64_t max_tokens = 1 << 20;  // Queries plus new tokens.
+  int64_t max_tokens = 1 << 20;    // Queries plus new tokens.
+  int64_t max_response_bytes = 0;  // The server's largest message; 0: no limit.
 };
+
+// Bytes a Forward's response holds beside its tensors' data (field tags, shapes, dtypes),
+// rounded up: what the response-size check adds to out and lse.
+inline constexpr int64_t kResponseFramingBytes = 256;
+
+// Bytes of a Forward's answer: out (in q's dtype; the cache's when q is unset), lse when asked,
+// and kResponseFramingBytes.
+int64_t ForwardResponseBytes(const CacheGeometry& geometry, const ForwardArgs& args);
 
 class Cache {
  public:
@@ -75,8 +85,9 @@ class Cache {
   const CacheGeometry& geometry() const { return geometry_; }
   int64_t created_unix_ms() const { return created_unix_ms_; }
 
-  // Appends and attends. On any error the cache is exactly as it was before the call.
-  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args);
+  // Appends and attends. On any error the cache is exactly as it was before the call; that
+  // includes the stop token's status when the caller gives up before the Forward commits.
+  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args, const StopToken& stop = {});
   // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
   CacheStats Stats() const;

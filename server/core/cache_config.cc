@@ -48,6 +48,9 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
 ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const ValidationContext& ctx) {
   ValidationResult r;
   r.free_bytes = ctx.free_bytes;
+  r.free_bytes_source = ctx.free_bytes_source;
+  if (c.num_pages.has_value()) r.capacity_field = "num_pages";
+  if (c.max_bytes.has_value()) r.capacity_field = "max_bytes";
   auto violate = [&](std::string field, std::string description) {
     r.violations.push_back({std::move(field), std::move(description)});
   };
@@ -178,7 +181,7 @@ absl::Status ValidationStatus(const ValidationResult& result) {
     const CacheGeometry& g = result.geometry;
     return absl::ResourceExhaustedError(absl::StrCat(
         "cache pool needs ", result.bytes, " bytes (", g.num_pages, " pages x ", g.BytesPerPage(),
-        " bytes) but only ", result.free_bytes, " bytes are free on device ", g.device,
+        " bytes) but only ", result.free_bytes, " bytes are ", result.free_bytes_source,
         "; at most ", result.free_bytes / g.BytesPerPage(), " pages would fit"));
   }
   return absl::OkStatus();

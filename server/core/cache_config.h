@@ -35,6 +35,8 @@ struct ValidationContext {
   BackendKind backend = BackendKind::kCpu;
   int device_count = 1;
   int64_t free_bytes = 0;  // Memory free for pools on the requested device.
+  // What free_bytes is, for messages: "free on device 0", or the pool budget that bounds it.
+  std::string free_bytes_source = "free";
 };
 
 struct ValidationResult {
@@ -42,7 +44,11 @@ struct ValidationResult {
   CacheGeometry geometry;                  // Resolved config (num_pages set) when no violations.
   int64_t bytes = 0;                       // Pool bytes the config takes.
   int64_t free_bytes = 0;
-  bool fits = false;  // bytes <= free_bytes.
+  bool fits = false;              // bytes <= free_bytes.
+  std::string free_bytes_source;  // ValidationContext::free_bytes_source.
+  // The field that set the capacity ("num_pages", "max_bytes", or "capacity" for the default):
+  // where a pool that does not fit is reported.
+  std::string capacity_field = "capacity";
   bool valid() const { return violations.empty(); }
 };
 

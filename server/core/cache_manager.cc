@@ -1,14 +1,46 @@
 // CacheManager: the registry of caches and the only place pools are allocated.
 #include "server/core/cache_manager.h"
 
+#include <malloc.h>
+
 #include <algorithm>
 #include <chrono>
 #include <random>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
 namespace pagedattn {
+
+namespace {
+
+// A cache id as received, quoted for an error message: escaped (no control characters reach a
+// log or a terminal) and cut to 64 bytes (a hostile id cannot make the status arbitrarily long).
+absl::Status CacheNotFound(absl::string_view cache_id) {
+  constexpr size_t kShown = 64;
+  std::string shown = absl::CHexEscape(cache_id.substr(0, kShown));
+  if (cache_id.size() > kShown) absl::StrAppend(&shown, "...(", cache_id.size(), " bytes)");
+  return absl::NotFoundError(absl::StrCat("cache '", shown, "' not found"));
+}
+
+}  // namespace
+
+absl::Status ValidateCacheName(absl::string_view name) {
+  if (name.size() > kMaxCacheNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("name must be at most ", kMaxCacheNameBytes,
+                                                   " characters (got ", name.size(), ")"));
+  }
+  for (size_t i = 0; i < name.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(name[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("name must be printable ASCII (0x20..0x7e); character ", i, " is 0x",
+                       absl::Hex(c, absl::kZeroPad2)));
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::string NewCacheId() {
   std::random_device rd;  // getrandom(2) on Linux
@@ -27,10 +59,17 @@ ValidationContext CacheManager::ContextFor(int32_t device) const {
   if (device >= 0 && device < ctx.device_count) {
     absl::StatusOr<MemoryInfo> mem = backend_->memory(device);
     ctx.free_bytes = mem.ok() ? mem->free_bytes : 0;
+    ctx.free_bytes_source = absl::StrCat("free on device ", device);
   }
   if (limits_.max_total_pool_bytes > 0) {
-    ctx.free_bytes = std::min(
-        ctx.free_bytes, std::max<int64_t>(0, limits_.max_total_pool_bytes - total_pool_bytes()));
+    const int64_t used = total_pool_bytes();
+    const int64_t left = std::max<int64_t>(0, limits_.max_total_pool_bytes - used);
+    if (left < ctx.free_bytes) {
+      ctx.free_bytes = left;
+      ctx.free_bytes_source = absl::StrCat(
+          "left of the server's pool budget (--max_total_pool_gb: ", limits_.max_total_pool_bytes,
+          " bytes, ", used, " in use)");
+    }
   }
   return ctx;
 }
@@ -41,11 +80,9 @@ ValidationResult CacheManager::Validate(const CacheConfigRequest& config) const 
 
 absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigRequest& config,
                                                             const std::string& name,
-                                                            const std::string& owner) {
-  if (name.size() > 128) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("name must be at most 128 characters (got ", name.size(), ")"));
-  }
+                                                            const std::string& owner,
+                                                            const StopToken& stop) {
+  if (absl::Status s = ValidateCacheName(name); !s.ok()) return s;
   absl::MutexLock create(&create_mu_);
   if (limits_.max_caches_per_tenant > 0 &&
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
@@ -55,8 +92,10 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   }
   ValidationResult v = Validate(config);
   if (absl::Status s = ValidationStatus(v); !s.ok()) return s;
-  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(v.geometry);
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(v.geometry, stop);
   if (!pool.ok()) return pool.status();
+  // A caller that gave up while the pool was allocated gets no cache it cannot know about.
+  if (absl::Status s = stop.Check(); !s.ok()) return s;
   const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
                              .count();
@@ -74,7 +113,7 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
   auto it = caches_.find(cache_id);
   // Another tenant's cache is indistinguishable from a missing one.
   if (it == caches_.end() || it->second->owner() != owner) {
-    return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
+    return CacheNotFound(cache_id);
   }
   return it->second;
 }
@@ -106,11 +145,14 @@ absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
   absl::MutexLock lock(&mu_);
   auto it = caches_.find(cache_id);
   if (it == caches_.end() || it->second->owner() != owner) {
-    return absl::NotFoundError(absl::StrCat("cache '", cache_id, "' not found"));
+    return CacheNotFound(cache_id);
   }
   const int64_t bytes = it->second->geometry().TotalBytes();
   total_pool_bytes_ -= bytes;
   caches_.erase(it);
+  // Pools are mappings of their own and go back to the system when the last reference drops;
+  // this returns what the heap kept of the cache's bookkeeping and of recent requests.
+  malloc_trim(0);
   return bytes;
 }
 

@@ -30,8 +30,11 @@ class CacheManager {
 
   // Dry run against the memory free now: never allocates.
   ValidationResult Validate(const CacheConfigRequest& config) const;
+  // Validates, then allocates. The stop token is read while the pool is allocated and once
+  // after: a caller that gave up leaves no cache behind.
   absl::StatusOr<std::shared_ptr<Cache>> Create(const CacheConfigRequest& config,
-                                                const std::string& name, const std::string& owner);
+                                                const std::string& name, const std::string& owner,
+                                                const StopToken& stop = {});
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
@@ -52,6 +55,10 @@ class CacheManager {
   absl::flat_hash_map<std::string, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
   int64_t total_pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
+
+// A cache's name is a label for people and logs: at most this many printable ASCII characters.
+inline constexpr size_t kMaxCacheNameBytes = 128;
+absl::Status ValidateCacheName(absl::string_view name);
 
 // 128 random bits from the OS, as 32 hex digits.
 std::string NewCacheId();

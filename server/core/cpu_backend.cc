@@ -2,10 +2,14 @@
 // block) with the block's K/V gathered once into float32 and shared by the GQA group.
 #include "server/core/cpu_backend.h"
 
+#include <sys/mman.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cerrno>
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <new>
@@ -15,18 +19,30 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "server/core/host_memory.h"
 
 namespace pagedattn {
 namespace {
 
 // Queries per work item: large enough that gathering K/V is cheap relative to the math.
 constexpr int kQueryBlock = 64;
+// A pool's pages are faulted in this many bytes at a time, the stop token read in between.
+constexpr size_t kPopulateChunk = size_t{64} << 20;
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
 
+// One anonymous private mapping (zero-filled by the kernel): K of every layer, then V.
 class CpuPool final : public KvPool {
  public:
-  CpuPool(size_t bytes_each) : k(new char[bytes_each]), v(new char[bytes_each]) {}
-  std::unique_ptr<char[]> k;
-  std::unique_ptr<char[]> v;
+  CpuPool(char* base, size_t bytes) : base_(base), bytes_(bytes) {}
+  ~CpuPool() override { munmap(base_, bytes_); }
+  char* k() const { return base_; }
+  char* v() const { return base_ + bytes_ / 2; }
+
+ private:
+  char* base_;
+  size_t bytes_;
 };
 
 struct WorkItem {
@@ -36,29 +52,89 @@ struct WorkItem {
   int32_t q_end;
 };
 
-}  // namespace
-
-MemoryInfo HostMemory() {
-  MemoryInfo m;
-  std::ifstream in("/proc/meminfo");
-  std::string key;
-  int64_t value;
-  std::string unit;
-  while (in >> key >> value >> unit) {
-    if (key == "MemTotal:") m.total_bytes = value * 1024;
-    if (key == "MemAvailable:") m.free_bytes = value * 1024;
+// Faults in [base, base + bytes) so that a pool that does not fit fails now rather than
+// mid-Forward. MADV_POPULATE_WRITE where the kernel has it, else a write to each page.
+absl::Status Populate(char* base, size_t bytes, const StopToken& stop) {
+  const size_t page = static_cast<size_t>(sysconf(_SC_PAGE_SIZE));
+  bool madvise_works = true;
+  for (size_t at = 0; at < bytes; at += kPopulateChunk) {
+    if (absl::Status s = stop.Check(); !s.ok()) return s;
+    const size_t n = std::min(kPopulateChunk, bytes - at);
+    if (madvise_works && madvise(base + at, n, MADV_POPULATE_WRITE) == 0) continue;
+    if (madvise_works && errno == ENOMEM) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("could not fault in ", bytes, " bytes of host memory for the pool"));
+    }
+    madvise_works = false;
+    for (size_t p = 0; p < n; p += page) base[at + p] = 0;
   }
-  if (m.total_bytes == 0) {
-    m.total_bytes = int64_t{sysconf(_SC_PHYS_PAGES)} * sysconf(_SC_PAGE_SIZE);
-    m.free_bytes = int64_t{sysconf(_SC_AVPHYS_PAGES)} * sysconf(_SC_PAGE_SIZE);
-  }
-  return m;
+  return absl::OkStatus();
 }
 
-CpuBackend::CpuBackend(int num_threads)
+// A score that stays finite whatever q, k and sm_scale are: an overflowing dot product or
+// scale saturates (and a NaN one, from inf - inf, counts as -FLT_MAX), so the softmax below
+// never computes inf - inf and a row never comes out NaN from finite inputs.
+float SaturatedScore(float s) {
+  return std::fmin(std::fmax(s, -std::numeric_limits<float>::max()),
+                   std::numeric_limits<float>::max());
+}
+
+// Element offset of (position, kv head) of a span within a layer's K or V pool.
+int64_t RowOffset(const CacheGeometry& g, const ForwardPlan& plan, const SpanPlan& sp, int64_t pos,
+                  int kvh) {
+  const int64_t page = plan.page_table[sp.page_table_offset + pos / g.page_size];
+  return (page * g.num_kv_heads + kvh) * g.page_size * g.head_dim +
+         (pos % g.page_size) * g.head_dim;
+}
+
+// The committed rows a Forward overwrites (rewinds), saved before it writes so that a Forward
+// that is stopped can put them back.
+class OverwrittenRows {
+ public:
+  OverwrittenRows(const CacheGeometry& g, const ForwardPlan& plan, char* k_layer, char* v_layer)
+      : g_(g), plan_(plan), k_layer_(k_layer), v_layer_(v_layer) {}
+
+  void Save() { Move(/*save=*/true); }
+  void Restore() { Move(/*save=*/false); }
+
+ private:
+  void Move(bool save) {
+    const size_t row_bytes = static_cast<size_t>(g_.head_dim) * DTypeSize(g_.kv_dtype);
+    size_t at = 0;
+    for (const SpanPlan& sp : plan_.spans) {
+      for (int64_t pos = sp.start; pos < sp.overwrite_end(); ++pos) {
+        for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
+          const size_t off =
+              static_cast<size_t>(RowOffset(g_, plan_, sp, pos, kvh)) * DTypeSize(g_.kv_dtype);
+          for (char* layer : {k_layer_, v_layer_}) {
+            if (save) {
+              saved_.resize(at + row_bytes);
+              std::memcpy(saved_.data() + at, layer + off, row_bytes);
+            } else {
+              std::memcpy(layer + off, saved_.data() + at, row_bytes);
+            }
+            at += row_bytes;
+          }
+        }
+      }
+    }
+  }
+
+  const CacheGeometry& g_;
+  const ForwardPlan& plan_;
+  char* k_layer_;
+  char* v_layer_;
+  std::vector<char> saved_;
+};
+
+}  // namespace
+
+CpuBackend::CpuBackend(const CpuBackendOptions& options)
     : threads_(std::make_unique<ThreadPool>(
-          num_threads > 0 ? num_threads
-                          : std::max(1, static_cast<int>(std::thread::hardware_concurrency())))) {}
+          options.num_threads > 0
+              ? options.num_threads
+              : std::max(1, static_cast<int>(std::thread::hardware_concurrency())))),
+      reserved_bytes_(std::max<int64_t>(0, options.reserved_bytes)) {}
 
 std::string CpuBackend::device_name() const {
   std::ifstream in("/proc/cpuinfo");
@@ -75,24 +151,24 @@ std::string CpuBackend::device_name() const {
 }
 
 absl::StatusOr<MemoryInfo> CpuBackend::memory(int device) const {
-  if (device != 0)
+  if (device != 0) {
     return absl::InvalidArgumentError(absl::StrCat("cpu has device 0 only (got ", device, ")"));
-  return HostMemory();
+  }
+  const HostMemoryInfo host = HostMemory();
+  return MemoryInfo{host.total_bytes, std::max<int64_t>(0, host.free_bytes - reserved_bytes_)};
 }
 
-absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeometry& g) {
-  const int64_t bytes_each = g.TotalBytes() / 2;
-  try {
-    auto pool = std::make_unique<CpuPool>(static_cast<size_t>(bytes_each));
-    // Touch the memory now so that a pool that does not fit fails here, not mid-Forward,
-    // and so MemAvailable reflects it for the next CreateCache.
-    std::fill_n(pool->k.get(), bytes_each, 0);
-    std::fill_n(pool->v.get(), bytes_each, 0);
-    return pool;
-  } catch (const std::bad_alloc&) {
+absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeometry& g,
+                                                                 const StopToken& stop) {
+  const size_t bytes = static_cast<size_t>(g.TotalBytes());
+  void* base = mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (base == MAP_FAILED) {
     return absl::ResourceExhaustedError(
-        absl::StrCat("could not allocate ", 2 * bytes_each, " bytes of host memory for the pool"));
+        absl::StrCat("could not map ", bytes, " bytes of host memory for the pool"));
   }
+  auto pool = std::make_unique<CpuPool>(static_cast<char*>(base), bytes);
+  if (absl::Status s = Populate(pool->k(), bytes, stop); !s.ok()) return s;
+  return pool;
 }
 
 absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
@@ -103,26 +179,24 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
   const int Hkv = g.num_kv_heads;
   const int group = Hq / Hkv;
   const int esize = DTypeSize(g.kv_dtype);
-  const int64_t page_elems = g.PageElems();
-  const int64_t layer_elems = g.num_pages * page_elems;
-  char* k_layer = pool.k.get() + plan.layer * layer_elems * esize;
-  char* v_layer = pool.v.get() + plan.layer * layer_elems * esize;
+  const int64_t layer_elems = g.num_pages * g.PageElems();
+  char* k_layer = pool.k() + plan.layer * layer_elems * esize;
+  char* v_layer = pool.v() + plan.layer * layer_elems * esize;
+  if (absl::Status s = plan.stop.Check(); !s.ok()) return s;
 
-  // Element offset of (position, kv head) of a span within the layer.
-  auto row_offset = [&](const SpanPlan& sp, int64_t pos, int kvh) {
-    const int64_t page = plan.page_table[sp.page_table_offset + pos / g.page_size];
-    return (page * Hkv + kvh) * g.page_size * D + (pos % g.page_size) * D;
-  };
+  // 0. A rewind overwrites committed rows: keep them until the Forward is sure to commit.
+  OverwrittenRows overwritten(g, plan, k_layer, v_layer);
+  overwritten.Save();
 
   // 1. Append: convert each new row to the cache dtype and store it in its page.
   if (plan.total_new_tokens > 0) {
     threads_->ParallelFor(static_cast<int64_t>(plan.spans.size()), [&](int64_t si) {
       const SpanPlan& sp = plan.spans[si];
+      const int in_size = DTypeSize(io.kv_dtype);
       for (int32_t t = 0; t < sp.num_new_tokens; ++t) {
         for (int kvh = 0; kvh < Hkv; ++kvh) {
           const int64_t src = ((sp.kv_offset + t) * Hkv + kvh) * D;
-          const int64_t dst = row_offset(sp, sp.start + t, kvh);
-          const int in_size = DTypeSize(io.kv_dtype);
+          const int64_t dst = RowOffset(g, plan, sp, sp.start + t, kvh);
           ConvertElements(io.kv_dtype, static_cast<const char*>(io.k) + src * in_size, g.kv_dtype,
                           k_layer + dst * esize, D);
           ConvertElements(io.kv_dtype, static_cast<const char*>(io.v) + src * in_size, g.kv_dtype,
@@ -132,7 +206,8 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     });
   }
 
-  // 2. Attention.
+  // 2. Attention, one (span, kv head, query block) item at a time per worker; the stop token
+  // is read before each item, so a stopped Forward ends within one item's time.
   std::vector<WorkItem> items;
   for (int32_t si = 0; si < static_cast<int32_t>(plan.spans.size()); ++si) {
     const SpanPlan& sp = plan.spans[si];
@@ -142,7 +217,13 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
       }
     }
   }
+  std::atomic<bool> stopped{false};  // A worker saw the stop: the others skip their items.
   threads_->ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t ii) {
+    if (stopped.load(std::memory_order_relaxed)) return;
+    if (!plan.stop.Check().ok()) {
+      stopped.store(true, std::memory_order_relaxed);
+      return;
+    }
     const WorkItem& w = items[ii];
     const SpanPlan& sp = plan.spans[w.span];
     const int64_t first_pos = sp.kv_len - sp.num_queries;  // Position of query 0.
@@ -151,7 +232,7 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     std::vector<float> k(static_cast<size_t>(visible_max) * D);
     std::vector<float> v(static_cast<size_t>(visible_max) * D);
     for (int64_t j = 0; j < visible_max; ++j) {
-      const int64_t off = row_offset(sp, j, w.kv_head);
+      const int64_t off = RowOffset(g, plan, sp, j, w.kv_head);
       for (int d = 0; d < D; ++d) {
         k[j * D + d] = LoadAsFloat(g.kv_dtype, k_layer, off + d);
         v[j * D + d] = LoadAsFloat(g.kv_dtype, v_layer, off + d);
@@ -169,7 +250,7 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
           const float* kj = &k[j * D];
           float s = 0.f;
           for (int d = 0; d < D; ++d) s += q[d] * kj[d];
-          scores[j] = s * plan.sm_scale;
+          scores[j] = SaturatedScore(s * plan.sm_scale);
           m = std::max(m, scores[j]);
         }
         float denom = 0.f;
@@ -186,6 +267,12 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
       }
     }
   });
+  // 3. Commit point: a stop seen now puts the overwritten rows back (new rows past the
+  // committed length are invisible once the cache rolls its lengths back).
+  if (absl::Status s = plan.stop.Check(); !s.ok()) {
+    overwritten.Restore();
+    return s;
+  }
   return absl::OkStatus();
 }
 

@@ -181,7 +181,8 @@ class CudaBackend final : public Backend {
     return MemoryInfo{static_cast<int64_t>(total_bytes), static_cast<int64_t>(free_bytes)};
   }
 
-  absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& g) override {
+  absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& g,
+                                                       const StopToken& /*stop*/) override {
     if (!IsSupportedKvDType(BackendKind::kCuda, g.kv_dtype)) {
       return absl::InvalidArgumentError(
           absl::StrCat("kv_dtype must be FLOAT16 or BFLOAT16 on the CUDA backend (got ",
@@ -219,6 +220,9 @@ class CudaBackend final : public Backend {
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                        const ForwardIO& io) override {
     auto& pool = static_cast<CudaKvPool&>(pool_base);
+    // The kernels take milliseconds and cannot be interrupted: the stop token is read before
+    // anything is written.
+    if (absl::Status st = plan.stop.Check(); !st.ok()) return st;
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
     absl::StatusOr<std::unique_ptr<Workspace>> ws = Acquire(g.device);
     if (!ws.ok()) return ws.status();

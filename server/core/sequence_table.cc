@@ -9,8 +9,9 @@ namespace pagedattn {
 
 absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
                                                    absl::Span<const SpanWrite> spans) {
-  // Phase 1: check everything and count the pages, touching nothing.
-  int64_t pages_needed = 0;
+  // Phase 1: check everything and count the pages, touching nothing. What the request means
+  // (unknown sequences, gaps) is checked before whether it fits, so a request that is wrong in
+  // both ways gets the error that a retry with more pages would not fix.
   for (const SpanWrite& s : spans) {
     auto it = seqs_.find(s.seq_id);
     const int64_t len = it == seqs_.end() ? 0 : it->second.layer_len[layer];
@@ -25,7 +26,18 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
           "span for sequence ", s.seq_id, ": start=", s.start, " leaves a gap: the sequence has ",
           len, " tokens in layer ", layer, " (start must be <= ", len, ")"));
     }
+  }
+  const int64_t capacity_tokens = pool_.num_pages() * page_size_;
+  int64_t pages_needed = 0;
+  for (const SpanWrite& s : spans) {
+    if (s.start + s.num_new_tokens > capacity_tokens) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("sequence ", s.seq_id, ": length ", s.start + s.num_new_tokens,
+                       " exceeds the cache's capacity of ", capacity_tokens, " tokens (",
+                       pool_.num_pages(), " pages x ", page_size_, ")"));
+    }
     if (s.num_new_tokens > 0) {
+      auto it = seqs_.find(s.seq_id);
       int64_t longest = s.start + s.num_new_tokens;
       int64_t have = 0;
       if (it != seqs_.end()) {

@@ -42,10 +42,10 @@ class SequenceTable {
       : num_layers_(num_layers), page_size_(page_size), pool_(num_pages) {}
 
   // Validates every span (sequence exists or is created by a write at 0, no position gap),
-  // checks that enough pages are free for all of them, then grows each sequence and sets
-  // the layer's length to start+num_new_tokens. Fails with nothing changed:
-  // NOT_FOUND (attend-only span on an unknown sequence), FAILED_PRECONDITION (gap),
-  // RESOURCE_EXHAUSTED (pages).
+  // then checks that each fits the pool and that enough pages are free for all of them, then
+  // grows each sequence and sets the layer's length to start+num_new_tokens. Fails with
+  // nothing changed, in this order: NOT_FOUND (attend-only span on an unknown sequence),
+  // FAILED_PRECONDITION (gap), RESOURCE_EXHAUSTED (longer than the pool, or out of pages).
   absl::StatusOr<Reservation> Reserve(int32_t layer, absl::Span<const SpanWrite> spans);
   // Keeps the new lengths; frees pages a rewind left unused.
   void Commit(const Reservation& r);

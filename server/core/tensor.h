@@ -23,6 +23,15 @@ struct TensorView {
   bool empty() const { return dtype == DType::kUnspecified && shape.empty() && size_bytes == 0; }
 };
 
+// A received shape for an error message: at most its first 8 dims, so that a hostile shape
+// cannot make the message (and the status metadata that carries it) arbitrarily long.
+inline std::string ShapeString(const std::vector<int64_t>& shape) {
+  constexpr size_t kMaxDims = 8;
+  if (shape.size() <= kMaxDims) return absl::StrJoin(shape, ", ");
+  return absl::StrCat(absl::StrJoin(shape.begin(), shape.begin() + kMaxDims, ", "), ", ... (",
+                      shape.size(), " dims)");
+}
+
 // OK when t has an I/O dtype, exactly `expected` as shape and prod(shape)*sizeof(dtype) bytes.
 // `expected_names` names each dimension for the error message.
 inline absl::Status CheckTensor(absl::string_view name, const TensorView& t,
@@ -39,7 +48,7 @@ inline absl::Status CheckTensor(absl::string_view name, const TensorView& t,
   if (t.shape != expected) {
     return absl::InvalidArgumentError(
         absl::StrCat(name, ".shape must be [", absl::StrJoin(expected, ", "), "] = [",
-                     expected_names, "] (got [", absl::StrJoin(t.shape, ", "), "])"));
+                     expected_names, "] (got [", ShapeString(t.shape), "])"));
   }
   // The expected dims are bounded by validated config values, so the product cannot overflow.
   int64_t elems = 1;

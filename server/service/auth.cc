@@ -23,6 +23,35 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile
   return a;
 }
 
+absl::Status CheckTokenStrength(absl::string_view token) {
+  // Never quotes the token: error messages reach logs.
+  if (token.size() < kMinTokenLength) {
+    return absl::InvalidArgumentError(absl::StrCat("a token must be at least ", kMinTokenLength,
+                                                   " characters (this one has ", token.size(),
+                                                   "); make one with: openssl rand -hex 32"));
+  }
+  const std::string upper = absl::AsciiStrToUpper(token);
+  for (const char* placeholder : {"REPLACE", "CHANGEME", "PLACEHOLDER", "EXAMPLE"}) {
+    if (absl::StrContains(upper, placeholder)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a token holds placeholder text ('", placeholder,
+                       "'): replace it with a random one (openssl rand -hex 32)"));
+    }
+  }
+  absl::flat_hash_set<char> distinct(token.begin(), token.end());
+  if (distinct.size() < kMinTokenDistinctChars) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a token must use at least ", kMinTokenDistinctChars,
+                     " different characters; make one with: openssl rand -hex 32"));
+  }
+  for (char c : token) {
+    if (!absl::ascii_isgraph(static_cast<unsigned char>(c))) {
+      return absl::InvalidArgumentError("a token is printable ASCII without spaces");
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromString(
     absl::string_view contents) {
   auto a = std::unique_ptr<TokenAuthenticator>(new TokenAuthenticator());
@@ -37,7 +66,16 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromStri
       return absl::InvalidArgumentError(absl::StrCat(
           "line ", line_no, ": expected 'token' or 'token tenant', got ", parts.size(), " fields"));
     }
+    if (absl::Status s = CheckTokenStrength(parts[0]); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": ", s.message()));
+    }
     const std::string tenant = parts.size() == 2 ? std::string(parts[1]) : "default";
+    for (char c : tenant) {
+      if (!absl::ascii_isalnum(static_cast<unsigned char>(c)) && c != '-' && c != '_' && c != '.') {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "line ", line_no, ": a tenant name is letters, digits, '-', '_' and '.' only"));
+      }
+    }
     if (!a->tenants_.emplace(std::string(parts[0]), tenant).second) {
       return absl::InvalidArgumentError(absl::StrCat("line ", line_no, ": duplicate token"));
     }

@@ -13,6 +13,12 @@
 
 namespace pagedattn {
 
+// What a token in the tokens file must be: at least kMinTokenLength printable characters, of
+// at least kMinTokenDistinctChars different ones, and no placeholder text ("REPLACE...").
+inline constexpr size_t kMinTokenLength = 16;
+inline constexpr size_t kMinTokenDistinctChars = 6;
+absl::Status CheckTokenStrength(absl::string_view token);
+
 class TokenAuthenticator {
  public:
   // File format: one token per line, optionally followed by whitespace and a tenant name

@@ -53,6 +53,11 @@ void ToProto(const ValidationResult& r, v1::ValidateCacheConfigResponse* out) {
   }
   out->set_free_bytes(r.free_bytes);
   if (!r.valid()) return;
+  if (!r.fits) {  // CreateCache would answer RESOURCE_EXHAUSTED: the dry run says why
+    auto* pv = out->add_violations();
+    pv->set_field(r.capacity_field);
+    pv->set_description(std::string(ValidationStatus(r).message()));
+  }
   ToProto(r.geometry, out->mutable_resolved_config());
   out->set_num_pages(r.geometry.num_pages);
   out->set_capacity_tokens(r.geometry.num_pages * r.geometry.page_size);

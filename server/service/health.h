@@ -1,26 +1,42 @@
 // HealthServiceImpl: grpc.health.v1 for the whole server ("") and for
 // pagedattn.v1.AttentionService, shared by the main port and the plaintext health port.
+// Callback API: an open Watch stream holds no thread, and the streams at once are bounded.
 #pragma once
 
+#include <cstddef>
+
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace pagedattn {
 
-class HealthServiceImpl final : public grpc::health::v1::Health::Service {
+class HealthServiceImpl final : public grpc::health::v1::Health::CallbackService {
  public:
+  // Watch streams open at once beyond this are refused with RESOURCE_EXHAUSTED: health needs no
+  // token, so an unauthenticated caller must not be able to hold unbounded server state.
+  static constexpr size_t kMaxWatchers = 256;
+
+  ~HealthServiceImpl() override;
+
   void SetServing(bool serving);
   bool serving() const;
 
-  grpc::Status Check(grpc::ServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req,
-                     grpc::health::v1::HealthCheckResponse* resp) override;
-  // Sends the status now and on every change until the call is cancelled.
-  grpc::Status Watch(grpc::ServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req,
-                     grpc::ServerWriter<grpc::health::v1::HealthCheckResponse>* writer) override;
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* ctx,
+                                  const grpc::health::v1::HealthCheckRequest* req,
+                                  grpc::health::v1::HealthCheckResponse* resp) override;
+  // Sends the status now and on every change until the call ends.
+  grpc::ServerWriteReactor<grpc::health::v1::HealthCheckResponse>* Watch(
+      grpc::CallbackServerContext* ctx, const grpc::health::v1::HealthCheckRequest* req) override;
+
+  class Watcher;
 
  private:
+  void Remove(Watcher* w);
+
   mutable absl::Mutex mu_;
   bool serving_ ABSL_GUARDED_BY(mu_) = false;
+  absl::flat_hash_set<Watcher*> watchers_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pagedattn

@@ -1,7 +1,5 @@
-// Metrics rendering (Prometheus text format 0.0.4) and the civetweb handler.
+// Metrics rendering (Prometheus text format 0.0.4).
 #include "server/service/metrics.h"
-
-#include <civetweb.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -69,21 +67,36 @@ std::string Metrics::Render(const CacheManager& manager) const {
   const std::vector<std::shared_ptr<Cache>> caches = manager.ListAll();
   Header(&out, "pagedattn_caches", "gauge", "Live caches.");
   absl::StrAppend(&out, "pagedattn_caches ", caches.size(), "\n");
-  Header(&out, "pagedattn_cache_pages_free", "gauge", "Free pages per cache.");
-  std::string used, seqs;
+  // Totals over every cache; per cache (labelled with its id, name and tenant) only when asked.
+  CacheStats total;
+  std::string free, used, seqs;
   for (const auto& c : caches) {
     const CacheStats s = c->Stats();
+    total.free_pages += s.free_pages;
+    total.used_pages += s.used_pages;
+    total.live_sequences += s.live_sequences;
+    if (!per_cache_) continue;
     const std::string labels =
         absl::StrCat("{cache_id=\"", c->id(), "\",name=\"", Escape(c->name()), "\",tenant=\"",
                      Escape(c->owner()), "\"} ");
-    absl::StrAppend(&out, "pagedattn_cache_pages_free", labels, s.free_pages, "\n");
+    absl::StrAppend(&free, "pagedattn_cache_pages_free", labels, s.free_pages, "\n");
     absl::StrAppend(&used, "pagedattn_cache_pages_used", labels, s.used_pages, "\n");
     absl::StrAppend(&seqs, "pagedattn_cache_live_sequences", labels, s.live_sequences, "\n");
   }
-  Header(&out, "pagedattn_cache_pages_used", "gauge", "Pages held by live sequences per cache.");
-  out += used;
-  Header(&out, "pagedattn_cache_live_sequences", "gauge", "Live sequences per cache.");
-  out += seqs;
+  Header(&out, "pagedattn_pages_free", "gauge", "Free pages, all caches together.");
+  absl::StrAppend(&out, "pagedattn_pages_free ", total.free_pages, "\n");
+  Header(&out, "pagedattn_pages_used", "gauge", "Pages held by live sequences, all caches.");
+  absl::StrAppend(&out, "pagedattn_pages_used ", total.used_pages, "\n");
+  Header(&out, "pagedattn_live_sequences", "gauge", "Live sequences, all caches.");
+  absl::StrAppend(&out, "pagedattn_live_sequences ", total.live_sequences, "\n");
+  if (per_cache_) {
+    Header(&out, "pagedattn_cache_pages_free", "gauge", "Free pages per cache.");
+    out += free;
+    Header(&out, "pagedattn_cache_pages_used", "gauge", "Pages held by live sequences per cache.");
+    out += used;
+    Header(&out, "pagedattn_cache_live_sequences", "gauge", "Live sequences per cache.");
+    out += seqs;
+  }
   Header(&out, "pagedattn_pool_bytes", "gauge", "Bytes of all cache pools.");
   absl::StrAppend(&out, "pagedattn_pool_bytes ", manager.total_pool_bytes(), "\n");
   absl::StatusOr<MemoryInfo> mem = manager.backend().memory(0);
@@ -96,41 +109,6 @@ std::string Metrics::Render(const CacheManager& manager) const {
     absl::StrAppend(&out, "pagedattn_device_memory_total_bytes ", mem->total_bytes, "\n");
   }
   return out;
-}
-
-absl::StatusOr<std::unique_ptr<MetricsHttpServer>> MetricsHttpServer::Start(
-    const std::string& listen, const Metrics* metrics, const CacheManager* manager) {
-  static const unsigned init = mg_init_library(0);
-  (void)init;
-  std::unique_ptr<MetricsHttpServer> s(new MetricsHttpServer());
-  s->metrics_ = metrics;
-  s->manager_ = manager;
-  // civetweb takes "host:port" for IPv4 and "port" for all interfaces.
-  std::string ports = listen;
-  if (ports.rfind("0.0.0.0:", 0) == 0) ports = ports.substr(8);
-  const char* options[] = {"listening_ports", ports.c_str(), "num_threads", "2", nullptr};
-  mg_callbacks callbacks{};
-  s->ctx_ = mg_start(&callbacks, s.get(), options);
-  if (s->ctx_ == nullptr) {
-    return absl::UnavailableError(absl::StrCat("metrics: could not listen on ", listen));
-  }
-  mg_set_request_handler(s->ctx_, "/metrics$", &MetricsHttpServer::HandleMetrics, s.get());
-  mg_server_port port{};
-  if (mg_get_server_ports(s->ctx_, 1, &port) > 0) s->port_ = port.port;
-  return s;
-}
-
-MetricsHttpServer::~MetricsHttpServer() {
-  if (ctx_ != nullptr) mg_stop(ctx_);
-}
-
-int MetricsHttpServer::HandleMetrics(::mg_connection* conn, void* self_ptr) {
-  auto* self = static_cast<MetricsHttpServer*>(self_ptr);
-  const std::string body = self->metrics_->Render(*self->manager_);
-  mg_send_http_ok(conn, "text/plain; version=0.0.4; charset=utf-8",
-                  static_cast<long long>(body.size()));
-  mg_write(conn, body.data(), body.size());
-  return 200;
 }
 
 }  // namespace pagedattn

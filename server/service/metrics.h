@@ -1,5 +1,6 @@
 // Metrics: Prometheus counters and histograms of the service, rendered as text exposition
-// format, and a small embedded HTTP server (civetweb) that serves them at /metrics.
+// format (served at /metrics by an HttpServer). /metrics needs no token, so by default it holds
+// no cache id (a capability), name or tenant: per-cache series are opt-in.
 #pragma once
 
 #include <array>
@@ -15,13 +16,13 @@
 #include "absl/synchronization/mutex.h"
 #include "server/core/cache_manager.h"
 
-struct mg_context;
-struct mg_connection;
-
 namespace pagedattn {
 
 class Metrics {
  public:
+  // per_cache: also series per cache, labelled with its id, name and tenant (--metrics_per_cache).
+  explicit Metrics(bool per_cache = false) : per_cache_(per_cache) {}
+
   // Upper bounds (seconds) of the Forward latency histogram buckets.
   static constexpr std::array<double, 14> kLatencyBuckets = {
       0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5};
@@ -30,10 +31,11 @@ class Metrics {
   // A successful Forward: its latency, K/V rows appended and queries attended.
   void RecordForward(double seconds, int64_t tokens_appended, int64_t queries);
 
-  // The whole exposition: service counters plus per-cache and device gauges read now.
+  // The whole exposition: service counters plus cache and device gauges read now.
   std::string Render(const CacheManager& manager) const;
 
  private:
+  const bool per_cache_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, int64_t> rpcs_ ABSL_GUARDED_BY(mu_);
   std::array<std::atomic<int64_t>, kLatencyBuckets.size()> latency_buckets_{};
@@ -41,26 +43,6 @@ class Metrics {
   std::atomic<int64_t> latency_sum_ns_{0};
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> queries_attended_{0};
-};
-
-// Serves GET /metrics over plain HTTP. Stops on destruction.
-class MetricsHttpServer {
- public:
-  // listen: "host:port" or "port"; port 0 picks a free one.
-  static absl::StatusOr<std::unique_ptr<MetricsHttpServer>> Start(const std::string& listen,
-                                                                  const Metrics* metrics,
-                                                                  const CacheManager* manager);
-  ~MetricsHttpServer();
-  int port() const { return port_; }
-
- private:
-  MetricsHttpServer() = default;
-  static int HandleMetrics(::mg_connection* conn, void* self);
-
-  const Metrics* metrics_ = nullptr;
-  const CacheManager* manager_ = nullptr;
-  mg_context* ctx_ = nullptr;
-  int port_ = 0;
 };
 
 }  // namespace pagedattn

@@ -1,28 +1,24 @@
 // Server assembly: backend, cache manager, auth, metrics, the gRPC service with health and
-// reflection, the optional plaintext health port and the metrics HTTP endpoint.
+// reflection, the optional plaintext health port and the metrics HTTP endpoint; and shutdown.
 #include "server/service/server.h"
 
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 
-#include <fstream>
-#include <sstream>
+#include <algorithm>
 
 #include "absl/strings/str_cat.h"
-#include "server/core/backend_factory.h"
-#include "spdlog/spdlog.h"
+#include "server/core/host_memory.h"
+#include "server/service/tls.h"
 
 namespace pagedattn {
 namespace {
 
-absl::StatusOr<std::string> ReadPem(const std::string& flag, const std::string& path) {
-  std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", flag, " ", path));
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
+// Synchronous handlers hold a thread each while they run; past this many the transport refuses
+// new calls (RESOURCE_EXHAUSTED) instead of the process growing without bound.
+constexpr int kMaxServerThreads = 512;
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const ServerOptions& o) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
@@ -34,22 +30,30 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const S
     }
     return grpc::InsecureServerCredentials();
   }
-  absl::StatusOr<std::string> cert = ReadPem("--tls_cert", o.tls_cert_file);
-  if (!cert.ok()) return cert.status();
-  absl::StatusOr<std::string> key = ReadPem("--tls_key", o.tls_key_file);
-  if (!key.ok()) return key.status();
+  absl::StatusOr<TlsMaterial> tls =
+      LoadTlsMaterial({o.tls_cert_file, o.tls_key_file, o.tls_client_ca_file});
+  if (!tls.ok()) return tls.status();
   grpc::SslServerCredentialsOptions ssl;
-  ssl.pem_key_cert_pairs.push_back({*key, *cert});
+  ssl.pem_key_cert_pairs.push_back({tls->key_pem, tls->cert_pem});
   if (!o.tls_client_ca_file.empty()) {
-    absl::StatusOr<std::string> ca = ReadPem("--tls_client_ca", o.tls_client_ca_file);
-    if (!ca.ok()) return ca.status();
-    ssl.pem_root_certs = *ca;
+    ssl.pem_root_certs = tls->client_ca_pem;
     ssl.client_certificate_request = GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY;
   }
   return grpc::SslServerCredentials(ssl);
 }
 
+// Every gRPC port: one process per port (no SO_REUSEPORT: a second server on a busy port must
+// fail to start, not take half of the first one's connections).
+void CommonArguments(grpc::ServerBuilder& builder) {
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+}
+
 }  // namespace
+
+int64_t RequestMemoryDefault(int64_t max_message_bytes) {
+  const int64_t half = HostMemory().total_bytes / 2;
+  return std::max<int64_t>(64 << 20, std::min(half, 2 * max_message_bytes + (64 << 20)));
+}
 
 absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     const ServerOptions& options) {
@@ -63,48 +67,66 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     if (!auth.ok()) return auth.status();
     s->auth_ = *std::move(auth);
   }
-  absl::StatusOr<std::unique_ptr<Backend>> backend =
-      CreateBackend({.backend = options.backend,
-                     .cpu_threads = options.cpu_threads,
-                     .prefill_kernel = options.prefill_kernel,
-                     .graph_launch = options.graph_launch});
+  const int64_t request_memory = options.request_memory_bytes > 0
+                                     ? options.request_memory_bytes
+                                     : RequestMemoryDefault(options.max_message_bytes);
+  BackendOptions backend_options = options.backend;
+  // Pools must leave room for requests: gRPC's buffers and the Forward data budget.
+  backend_options.cpu_reserved_bytes = 2 * request_memory;
+  absl::StatusOr<CreatedBackend> backend = CreateBackend(backend_options);
   if (!backend.ok()) return backend.status();
-  s->backend_ = *std::move(backend);
-  s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), options.limits);
-  s->metrics_ = std::make_unique<Metrics>();
-  s->service_ =
-      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get());
+  s->backend_ = std::move(backend->backend);
+  s->backend_fallback_reason_ = std::move(backend->fallback_reason);
+  CacheManagerLimits limits = options.limits;
+  limits.forward.max_response_bytes = options.max_message_bytes;
+  s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), limits);
+  s->metrics_ = std::make_unique<Metrics>(options.metrics_per_cache);
+  s->gate_ = std::make_unique<RpcGate>();
+  s->budget_ = std::make_unique<ByteBudget>(request_memory);
+  s->service_ = std::make_unique<AttentionServiceImpl>(
+      s->manager_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(), s->budget_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
   grpc::ServerBuilder builder;
+  CommonArguments(builder);
   builder.AddListeningPort(options.listen, *creds, &s->port_);
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
+  grpc::ResourceQuota quota("pagedattn");
+  quota.Resize(static_cast<size_t>(request_memory));
+  quota.SetMaxThreads(kMaxServerThreads);
+  builder.SetResourceQuota(quota);
   s->server_ = builder.BuildAndStart();
   if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(
-        absl::StrCat("could not listen on ", options.listen, " (address in use or invalid?)"));
+    return absl::UnavailableError(absl::StrCat(
+        "could not listen on --listen=", options.listen,
+        " (in use by another process? see `ss -ltnp`; or not an address of this host)"));
   }
   if (!options.health_listen.empty()) {
     // Kubernetes gRPC probes cannot speak TLS: health alone, in plaintext.
     grpc::ServerBuilder hb;
+    CommonArguments(hb);
     hb.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &s->health_port_);
     hb.RegisterService(s->health_.get());
     s->health_server_ = hb.BuildAndStart();
     if (s->health_server_ == nullptr || s->health_port_ == 0) {
       s->server_->Shutdown();
-      return absl::UnavailableError(
-          absl::StrCat("could not listen on --health_listen ", options.health_listen));
+      return absl::UnavailableError(absl::StrCat(
+          "could not listen on --health_listen=", options.health_listen,
+          " (in use by another process? see `ss -ltnp`; or not an address of this host)"));
     }
   }
   if (!options.metrics_listen.empty()) {
-    absl::StatusOr<std::unique_ptr<MetricsHttpServer>> http =
-        MetricsHttpServer::Start(options.metrics_listen, s->metrics_.get(), s->manager_.get());
+    const Metrics* metrics = s->metrics_.get();
+    const CacheManager* manager = s->manager_.get();
+    absl::StatusOr<std::unique_ptr<HttpServer>> http = HttpServer::Start(
+        options.metrics_listen, "/metrics", "text/plain; version=0.0.4; charset=utf-8",
+        [metrics, manager] { return metrics->Render(*manager); });
     if (!http.ok()) {
       s->server_->Shutdown();
       if (s->health_server_) s->health_server_->Shutdown();
@@ -122,12 +144,26 @@ PagedAttnServer::~PagedAttnServer() {
 }
 
 void PagedAttnServer::Shutdown(absl::Duration grace) {
-  if (shut_down_ || server_ == nullptr) return;
-  shut_down_ = true;
+  {
+    absl::MutexLock lock(&shutdown_mu_);
+    if (shut_down_ || server_ == nullptr) return;
+    shut_down_ = true;
+  }
+  const absl::Time deadline = absl::Now() + std::max(grace, absl::ZeroDuration());
   health_->SetServing(false);
-  const auto deadline = absl::ToChronoTime(absl::Now() + grace);
-  server_->Shutdown(deadline);
-  if (health_server_) health_server_->Shutdown(deadline);
+  gate_->StartDraining();
+  // Calls in flight get the grace period less a margin; then they are told to stop and get the
+  // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
+  const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
+  if (!gate_->WaitIdle(deadline - margin)) {
+    gate_->StopAll();
+    gate_->WaitIdle(deadline);
+  }
+  // Whatever is still open (Watch streams, idle connections, a call that did not stop) is
+  // cancelled now rather than at the end of another wait.
+  const auto now = absl::ToChronoTime(absl::Now());
+  server_->Shutdown(now);
+  if (health_server_) health_server_->Shutdown(now);
 }
 
 void PagedAttnServer::Wait() {

@@ -1,5 +1,5 @@
 // PagedAttnServer: builds and runs the gRPC server (AttentionService, grpc.health.v1,
-// reflection) from a plain options struct, and shuts it down gracefully.
+// reflection) from a plain options struct, and shuts it down within a bounded grace period.
 #pragma once
 
 #include <grpcpp/server.h>
@@ -9,35 +9,45 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "server/core/backend_factory.h"
 #include "server/core/cache_manager.h"
 #include "server/service/attention_service.h"
 #include "server/service/auth.h"
 #include "server/service/health.h"
+#include "server/service/http_server.h"
 #include "server/service/metrics.h"
+#include "server/service/rpc_gate.h"
 
 namespace pagedattn {
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";   // host:port; port 0 picks a free one.
-  std::string backend = "auto";           // auto | cuda | cpu
+  std::string listen = "0.0.0.0:50051";  // host:port; port 0 picks a free one.
+  BackendOptions backend;
   int64_t max_message_bytes = 512 << 20;  // Largest request/response.
-  int cpu_threads = 0;                    // CPU backend workers (0: one per core).
-  std::string prefill_kernel = "auto";    // CUDA prefill kernel: auto | portable
-  bool graph_launch = true;               // CUDA: kernels through cached graphs (false: plain)
+  // Memory for requests in flight: gRPC's buffers (a resource quota: past it, the transport
+  // resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward data held by calls.
+  // 0: RequestMemoryDefault().
+  int64_t request_memory_bytes = 0;
   CacheManagerLimits limits;
   // TLS for the main port: both set = TLS; tls_client_ca also set = mTLS (client certs
-  // required and verified against it). PEM file paths.
+  // required and verified against it). PEM file paths, checked before anything listens.
   std::string tls_cert_file;
   std::string tls_key_file;
   std::string tls_client_ca_file;
   std::string auth_tokens_file;  // Bearer tokens ("token [tenant]" per line); empty = no auth.
   std::string health_listen;     // Extra plaintext port serving grpc.health.v1 only; empty = none.
   std::string metrics_listen;    // Prometheus /metrics over HTTP; empty = none.
+  bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
 };
+
+// Half of the memory this process may use (cgroup limits included), at most twice the largest
+// message plus 64 MiB: room for two largest requests in flight, or many ordinary ones.
+int64_t RequestMemoryDefault(int64_t max_message_bytes);
 
 class PagedAttnServer {
  public:
   // Creates the backend and starts listening; health is SERVING once this returns.
+  // A port in use (by another server too: SO_REUSEPORT is off) is UNAVAILABLE.
   static absl::StatusOr<std::unique_ptr<PagedAttnServer>> Start(const ServerOptions& options);
   ~PagedAttnServer();
 
@@ -48,9 +58,14 @@ class PagedAttnServer {
   const TokenAuthenticator* auth() const { return auth_.get(); }
   Backend& backend() const { return *backend_; }
   CacheManager& manager() const { return *manager_; }
+  int64_t request_memory_bytes() const { return budget_->limit(); }
+  // Why --backend=auto runs on the CPU although the build has CUDA; empty otherwise.
+  const std::string& backend_fallback_reason() const { return backend_fallback_reason_; }
 
-  // Health goes NOT_SERVING, new RPCs are refused, in-flight RPCs get until the deadline,
-  // then they are cancelled. Idempotent.
+  // Health goes NOT_SERVING (on every port), new AttentionService calls are refused with
+  // UNAVAILABLE, calls in flight get most of the grace period to finish, then are told to stop
+  // (a stopped Forward commits nothing), and whatever is still open (Watch streams, calls that
+  // did not stop) is cancelled when the grace period ends. Returns by then. Idempotent.
   void Shutdown(absl::Duration grace);
   // Blocks until the server has shut down.
   void Wait();
@@ -58,19 +73,24 @@ class PagedAttnServer {
  private:
   PagedAttnServer() = default;
 
+  // Declared first, destroyed last: the services below point at them.
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheManager> manager_;
   std::unique_ptr<TokenAuthenticator> auth_;
   std::unique_ptr<Metrics> metrics_;
+  std::unique_ptr<RpcGate> gate_;
+  std::unique_ptr<ByteBudget> budget_;
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<grpc::Server> health_server_;
-  std::unique_ptr<MetricsHttpServer> metrics_http_;
+  std::unique_ptr<HttpServer> metrics_http_;
+  std::string backend_fallback_reason_;
   int port_ = 0;
   int health_port_ = 0;
   bool tls_ = false;
-  bool shut_down_ = false;
+  absl::Mutex shutdown_mu_;
+  bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };
 
 }  // namespace pagedattn

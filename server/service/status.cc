@@ -1,25 +1,42 @@
-// absl::Status -> grpc::Status with rich details.
+// absl::Status -> grpc::Status with rich details, bounded in size.
 #include "server/service/status.h"
 
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "server/core/cache_config.h"
 
 namespace pagedattn {
+namespace {
+
+// s cut to at most max bytes on a UTF-8 character boundary, saying how long it was.
+std::string Bounded(absl::string_view s, size_t max) {
+  if (s.size() <= max) return std::string(s);
+  size_t end = max;
+  while (end > 0 && (static_cast<unsigned char>(s[end]) & 0xc0) == 0x80) --end;
+  return absl::StrCat(s.substr(0, end), "... (", s.size(), " bytes)");
+}
+
+}  // namespace
 
 grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (status.ok()) return grpc::Status::OK;
   // absl and gRPC share the canonical code numbers.
   const auto code = static_cast<grpc::StatusCode>(static_cast<int>(status.code()));
-  const std::string message(status.message());
+  const std::string message = Bounded(status.message(), kMaxStatusMessageBytes);
   std::vector<FieldViolation> violations = FieldViolationsFromStatus(status);
   if (violations.empty()) return grpc::Status(code, message);
 
   google::rpc::BadRequest bad_request;
-  for (const FieldViolation& v : violations) {
+  const size_t shown = std::min(violations.size(), kMaxStatusViolations);
+  for (size_t i = 0; i < shown; ++i) {
     auto* fv = bad_request.add_field_violations();
-    fv->set_field(v.field);
-    fv->set_description(v.description);
+    fv->set_field(Bounded(violations[i].field, kMaxViolationFieldBytes));
+    fv->set_description(Bounded(violations[i].description, kMaxViolationDescriptionBytes));
   }
   google::rpc::Status rich;
   rich.set_code(static_cast<int>(code));

@@ -4,9 +4,20 @@
 
 #include <grpcpp/support/status.h>
 
+#include <cstddef>
+
 #include "absl/status/status.h"
 
 namespace pagedattn {
+
+// A status travels in the response's trailing metadata, which clients cap (8 KiB by default);
+// one that is too long fails the connection's other calls too. So the message (which may
+// quote request data) and the details are bounded: message and details together stay under
+// about 6 KiB even after grpc-message's percent-encoding.
+inline constexpr size_t kMaxStatusMessageBytes = 1024;
+inline constexpr size_t kMaxStatusViolations = 10;
+inline constexpr size_t kMaxViolationFieldBytes = 64;
+inline constexpr size_t kMaxViolationDescriptionBytes = 160;
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 

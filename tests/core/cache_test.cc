@@ -20,7 +20,7 @@ class CacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
     g_ = MakeGeometry(4, 4, 2, 64, 8, DType::kBFloat16, 20);
-    cache_ = std::make_unique<Cache>("c", "", "", g_, *backend_.AllocatePool(g_), &backend_, 0);
+    cache_ = std::make_unique<Cache>("c", "", "", g_, *backend_.AllocatePool(g_, StopToken()), &backend_, 0);
   }
 
   // A valid single-span prefill request over owned buffers.
@@ -43,7 +43,7 @@ class CacheTest : public ::testing::Test {
     EXPECT_EQ(now.live_sequences, before.live_sequences);
   }
 
-  CpuBackend backend_{2};
+  CpuBackend backend_{{.num_threads = 2}};
   CacheGeometry g_;
   std::unique_ptr<Cache> cache_;
   std::vector<char> q_, k_, v_;
@@ -113,8 +113,10 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
          a.spans[0].start = 3;
        },
        absl::StatusCode::kFailedPrecondition, "gap"},
-      {"too long", [](ForwardArgs& a) { a.spans[0].start = 160; },
-       absl::StatusCode::kResourceExhausted, "capacity"},
+      // A gap is reported as a gap even when the span would not fit either: the caller's
+      // mistake, not a capacity problem that more pages would solve.
+      {"gap past capacity", [](ForwardArgs& a) { a.spans[0].start = 160; },
+       absl::StatusCode::kFailedPrecondition, "gap"},
   };
   for (const Case& c : cases) {
     ForwardArgs a = Prefill(1, 5, 5);
@@ -125,6 +127,12 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
         << c.name << ": " << r.status();
     ExpectUnchanged(before);
   }
+  // Longer than the whole pool (20 pages x 8 tokens), without a gap.
+  absl::StatusOr<ForwardResult> too_long = cache_->Forward(Prefill(2, 0, 161));
+  EXPECT_EQ(too_long.status().code(), absl::StatusCode::kResourceExhausted) << too_long.status();
+  EXPECT_NE(too_long.status().message().find("capacity of 160 tokens"), std::string::npos)
+      << too_long.status();
+  ExpectUnchanged(before);
 }
 
 TEST_F(CacheTest, OutOfPagesChangesNothingAndRetryAfterReleaseMatches) {

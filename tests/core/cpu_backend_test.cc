@@ -21,7 +21,7 @@ CpuBackend& SharedBackend() {
 }
 
 std::unique_ptr<Cache> MakeCache(const CacheGeometry& g) {
-  auto pool = SharedBackend().AllocatePool(g);
+  auto pool = SharedBackend().AllocatePool(g, StopToken());
   EXPECT_TRUE(pool.ok());
   return std::make_unique<Cache>("test", "", "", g, *std::move(pool), &SharedBackend(), 0);
 }

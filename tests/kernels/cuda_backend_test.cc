@@ -106,7 +106,7 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
   g.kv_dtype = c.cache_dtype;
   g.device = 0;
   g.num_pages = total_pages;
-  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend.AllocatePool(g);
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend.AllocatePool(g, StopToken());
   EXPECT_TRUE(pool.ok()) << pool.status();
   if (!pool.ok()) return 1.0;
 
@@ -888,7 +888,7 @@ TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {
   g.page_size = 1024;
   g.kv_dtype = DType::kBFloat16;
   g.num_pages = 1 << 16;  // 2^16 * 2 * 64 * 64*1024*256*2 bytes: far beyond any GPU
-  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(g);
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(g, StopToken());
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted) << pool.status();
 }
 

@@ -8,9 +8,26 @@ log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
 . "$(dirname "$0")/lib.sh"
 
-# A bad flag value stops the server at start with an error that names it.
-out=$("$server" --listen=127.0.0.1:0 --backend=cpu --prefill_kernel=fastest 2>&1) && fail "bad --prefill_kernel accepted"
-grep -q "prefill_kernel must be one of auto, portable (got 'fastest')" <<<"$out" || fail "bad --prefill_kernel: $out"
+# A bad flag value stops the server at start (exit 2) with an error that names it; every bad
+# value at once.
+pid=""
+rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --prefill_kernel=fastest 2>&1) || rc=$?
+[ $rc -ne 0 ] || fail "bad --prefill_kernel accepted"
+grep -q "prefill_kernel.*must be one of auto, portable" <<<"$out" || fail "bad --prefill_kernel: $out"
+rc=0; out=$("$server" --listen=127.0.0.1:99999 --cpu_threads=-3 --max_message_mb=0 \
+  --shutdown_grace_s=-5 --max_total_pool_gb=-1 --metrics_listen=nohost 2>&1) || rc=$?
+[ $rc -eq 2 ] || fail "bad flags: exit $rc: $out"
+for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got -3)" \
+         "--max_message_mb must be in 1..2047 (got 0)" "--shutdown_grace_s must be in 0..3600" \
+         "--max_total_pool_gb must be in 0" "--metrics_listen must be host:port"; do
+  grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
+done
+# --help: exit 0, every flag with its default, no path of the build machine.
+out=$("$server" --help) || fail "--help exit code $?"
+grep -q -- "--shutdown_grace_s (default: 10)" <<<"$out" || fail "--help: $out"
+grep -q -- "PAGEDATTN_<FLAG>" <<<"$out" || fail "--help does not explain PAGEDATTN_<FLAG>"
+! grep -q "main.cc\|/work/\|/src/" <<<"$out" || fail "--help shows a build path: $out"
+"$server" --version | grep -q "^pagedattn-server [0-9]" || fail "--version"
 
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &
@@ -20,18 +37,38 @@ port=$(log_port "$log" main)
 t="--target=127.0.0.1:$port"
 echo "server up on port $port"
 
+# A second server on a busy port fails to start, and says so (no SO_REUSEPORT: it would take
+# half of the first one's connections). Same for the health port.
+hport=$(log_port "$log" health)
+rc=0; out=$("$server" --listen=127.0.0.1:$port --backend=cpu 2>&1) || rc=$?
+[ $rc -eq 1 ] || fail "second server on busy port $port: exit $rc: $out"
+grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" || fail "busy port: $out"
+rc=0; out=$("$server" --listen=127.0.0.1:0 --health_listen=127.0.0.1:$hport --backend=cpu 2>&1) || rc=$?
+[ $rc -eq 1 ] || fail "second server on busy health port: exit $rc: $out"
+grep -q "could not listen on --health_listen" <<<"$out" || fail "busy health port: $out"
+
 [ "$("$cli" $t health)" = "SERVING" ] || fail "health is not SERVING"
 "$cli" $t info | grep -q '"backend": "cpu"' || fail "info does not say backend cpu"
 
 # The issue's invalid config: four violations, named in one answer.
 out=$("$cli" $t --page_size=0 --head_dim=100 --num_q_heads=32 --num_kv_heads=5 \
-      --kv_dtype=DTYPE_UNSPECIFIED --num_pages=10 create-cache 2>&1) && fail "invalid config accepted"
-for f in page_size head_dim num_q_heads kv_dtype "4 violations" INVALID_ARGUMENT; do
+      --num_pages=10 create-cache 2>&1) && fail "invalid config accepted"
+for f in page_size head_dim num_q_heads "3 violations" INVALID_ARGUMENT; do
   grep -q "$f" <<<"$out" || fail "create-cache error does not mention $f: $out"
 done
 out=$("$cli" $t --num_pages=1000000000 create-cache 2>&1) && fail "oversized config accepted"
 grep -q "RESOURCE_EXHAUSTED.*bytes are free" <<<"$out" || fail "oversized: $out"
 "$cli" $t --num_layers=2 --num_pages=16 validate | grep -q '"valid": true' || fail "validate"
+# The dry run says why a pool does not fit, as CreateCache would.
+rc=0; out=$("$cli" $t --num_pages=1000000000 validate 2>&1) || rc=$?
+[ $rc -eq 1 ] || fail "validate of an oversized pool: exit $rc"
+grep -q '"field": "num_pages"' <<<"$out" && grep -q "bytes are free" <<<"$out" || fail "validate oversized: $out"
+# CLI config flags: case-insensitive dtypes, UNSPECIFIED not offered, conflicting capacity.
+"$cli" $t --num_layers=2 --num_pages=16 --kv_dtype=bfloat16 validate | grep -q '"valid": true' || fail "lower-case dtype"
+rc=0; out=$("$cli" $t --kv_dtype=int8 validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "FLOAT16, BFLOAT16 or FLOAT32" <<<"$out" && ! grep -q UNSPECIFIED <<<"$out" || fail "bad --kv_dtype: $out"
+rc=0; out=$("$cli" $t --num_pages=16 --max_bytes=100000 validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "not both" <<<"$out" || fail "num_pages and max_bytes: $out"
 
 id=$("$cli" $t --num_layers=2 --num_pages=16 --name=cli-test create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
 [ -n "$id" ] || fail "create-cache printed no cacheId"
@@ -42,12 +79,18 @@ out=$("$cli" $t describe "$id" 2>&1) && fail "describe after delete succeeded"
 grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
 
 "$cli" $t smoke | tee /dev/stderr | tail -1 | grep -qx PASS || fail "smoke"
+# smoke runs the config the flags give, and deletes its cache whatever happens.
+"$cli" $t --head_dim=64 --page_size=7 --num_q_heads=8 --num_kv_heads=2 --kv_dtype=FLOAT16 smoke \
+  > "$log.smoke" || fail "smoke with flags: $(cat "$log.smoke")"
+grep -q "head_dim 64, page_size 7" "$log.smoke" || fail "smoke ignores its flags: $(cat "$log.smoke")"
+rm -f "$log.smoke"
+[ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "smoke left a cache behind"
 
 mport=$(log_port "$log" metrics)
 hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
-grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 4' <<<"$stats" || fail "stats: $stats"
+grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 8' <<<"$stats" || fail "stats: $stats"
 
 if [ -n "$py" ]; then
   "$py" "$(dirname "$0")/reflection_check.py" "127.0.0.1:$port" || fail "reflection check"

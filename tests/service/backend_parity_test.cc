@@ -19,7 +19,7 @@ struct Step {
 
 TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
   if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
-  if (absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateBackend({.backend = "cuda"});
+  if (absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
       !cuda.ok()) {
     GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
   }
@@ -30,7 +30,7 @@ TEST(BackendParityTest, CudaMatchesCpuOverGrpc) {
   for (int i = 0; i < 2; ++i) {
     ServerOptions o;
     o.listen = "127.0.0.1:0";
-    o.backend = backends[i];
+    o.backend.backend = i == 0 ? BackendChoice::kCpu : BackendChoice::kCuda;
     servers[i] = *PagedAttnServer::Start(o);
     ClientOptions c;
     c.target = absl::StrCat("127.0.0.1:", servers[i]->port());

@@ -16,6 +16,11 @@
 namespace pagedattn {
 namespace {
 
+// Tokens of the test tenants (strong enough for the tokens file: 16+ characters).
+constexpr char kAlpha[] = "alpha-3f9c2b7e1d4a8c05";
+constexpr char kAlpha2[] = "alpha-b81e6f0c2a9d4e37";
+constexpr char kBeta[] = "beta-5d2a7c9e0f3b6184";
+
 namespace fs = std::filesystem;
 
 // A CA, a server certificate for 127.0.0.1/localhost and a client certificate.
@@ -100,11 +105,11 @@ class SecurityTest : public ::testing::Test {
   static void SetUpTestSuite() {
     pki_ = new Pki();
     ASSERT_TRUE(pki_->ok()) << "openssl failed; see its log in the temp dir";
-    tokens_ = WriteTokens("# test tokens\ntok-alpha alpha\ntok-beta beta\n\ntok-alpha2 alpha\n");
+    tokens_ = WriteTokens(absl::StrCat("# test tokens\n", kAlpha, " alpha\n", kBeta, " beta\n\n",
+                                       kAlpha2, " alpha\n"));
     ServerOptions o;
     o.listen = "127.0.0.1:0";
-    o.backend = "cpu";
-    o.cpu_threads = 2;
+    o.backend = {.backend = BackendChoice::kCpu, .cpu_threads = 2};
     o.tls_cert_file = pki_->path("server.pem");
     o.tls_key_file = pki_->path("server.key");
     o.auth_tokens_file = tokens_;
@@ -148,14 +153,14 @@ std::string SecurityTest::tokens_;
 PagedAttnServer* SecurityTest::server_ = nullptr;
 
 TEST_F(SecurityTest, PlaintextClientIsRefusedByTlsPort) {
-  auto c = Connect("tok-alpha", /*tls=*/false);
+  auto c = Connect(kAlpha, /*tls=*/false);
   EXPECT_EQ(c->ListCaches().status().code(), absl::StatusCode::kUnavailable);
 }
 
 TEST_F(SecurityTest, MissingOrWrongTokenIsUnauthenticated) {
   EXPECT_EQ(Connect("")->ListCaches().status().code(), absl::StatusCode::kUnauthenticated);
   EXPECT_EQ(Connect("nope")->GetServerInfo().status().code(), absl::StatusCode::kUnauthenticated);
-  EXPECT_TRUE(Connect("tok-alpha")->ListCaches().ok());
+  EXPECT_TRUE(Connect(kAlpha)->ListCaches().ok());
 }
 
 TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
@@ -172,9 +177,9 @@ TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
 }
 
 TEST_F(SecurityTest, TenantsCannotSeeEachOthersCaches) {
-  auto alpha = Connect("tok-alpha");
-  auto alpha2 = Connect("tok-alpha2");  // another token of the same tenant
-  auto beta = Connect("tok-beta");
+  auto alpha = Connect(kAlpha);
+  auto alpha2 = Connect(kAlpha2);  // another token of the same tenant
+  auto beta = Connect(kBeta);
   absl::StatusOr<v1::CacheInfo> a = alpha->CreateCache(SmallConfig(), "alpha's");
   ASSERT_TRUE(a.ok()) << a.status();
   const std::string id = a->cache_id();
@@ -197,7 +202,7 @@ TEST_F(SecurityTest, TokensNeverAppearInLogs) {
   logger->set_level(spdlog::level::trace);
   spdlog::set_default_logger(logger);
   (void)Connect("tok-secret-wrong")->ListCaches();
-  auto alpha = Connect("tok-alpha");
+  auto alpha = Connect(kAlpha);
   auto c = alpha->CreateCache(SmallConfig());
   ASSERT_TRUE(c.ok());
   (void)alpha->DeleteCache(c->cache_id());
@@ -205,11 +210,11 @@ TEST_F(SecurityTest, TokensNeverAppearInLogs) {
   const std::string log = captured.str();
   EXPECT_NE(log.find("UNAUTHENTICATED"), std::string::npos) << log;
   EXPECT_EQ(log.find("tok-secret-wrong"), std::string::npos);
-  EXPECT_EQ(log.find("tok-alpha"), std::string::npos);
+  EXPECT_EQ(log.find(kAlpha), std::string::npos);
 }
 
 TEST_F(SecurityTest, MetricsMoveWithTraffic) {
-  auto beta = Connect("tok-beta");
+  auto beta = Connect(kBeta);
   const std::string before = MetricsText();
   const std::string ok_fwd = "pagedattn_rpcs_total{method=\"Forward\",code=\"OK\"}";
   const std::string bad_fwd = "pagedattn_rpcs_total{method=\"Forward\",code=\"NOT_FOUND\"}";
@@ -231,11 +236,13 @@ TEST_F(SecurityTest, MetricsMoveWithTraffic) {
   EXPECT_EQ(Sample(after, "pagedattn_tokens_appended_total"), tok0 + 6);
   EXPECT_EQ(Sample(after, "pagedattn_queries_attended_total"), q0 + 6);
   EXPECT_EQ(Sample(after, "pagedattn_forward_latency_seconds_count"), n0 + 2);
-  const std::string labels =
-      absl::StrCat("{cache_id=\"", cache->cache_id(), "\",name=\"metrics\",tenant=\"beta\"}");
-  EXPECT_EQ(Sample(after, "pagedattn_cache_pages_used" + labels), 2);  // 6 tokens, page 4
-  EXPECT_EQ(Sample(after, "pagedattn_cache_pages_free" + labels), 14);
-  EXPECT_EQ(Sample(after, "pagedattn_cache_live_sequences" + labels), 1);
+  EXPECT_EQ(Sample(after, "pagedattn_pages_used"), 2);  // 6 tokens, page 4
+  EXPECT_EQ(Sample(after, "pagedattn_pages_free"), 14);
+  EXPECT_EQ(Sample(after, "pagedattn_live_sequences"), 1);
+  // /metrics needs no token: no cache id (a capability), cache name or tenant in it.
+  EXPECT_EQ(after.find(cache->cache_id()), std::string::npos);
+  EXPECT_EQ(after.find("\"metrics\""), std::string::npos);
+  EXPECT_EQ(after.find("beta"), std::string::npos);
   EXPECT_GT(Sample(after, "pagedattn_device_memory_total_bytes"), 0);
   // Every line is a comment or "name{labels} value".
   std::istringstream in(after);
@@ -248,15 +255,40 @@ TEST_F(SecurityTest, MetricsMoveWithTraffic) {
   EXPECT_TRUE(beta->DeleteCache(cache->cache_id()).ok());
 }
 
+// --metrics_per_cache: the per-cache series, labelled with the cache's id, name and tenant.
+TEST(MetricsTest, PerCacheSeriesAreOptIn) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend.backend = BackendChoice::kCpu;
+  o.metrics_listen = "127.0.0.1:0";
+  o.metrics_per_cache = true;
+  auto server = PagedAttnServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  ClientOptions c;
+  c.target = absl::StrCat("127.0.0.1:", (*server)->port());
+  auto client = *Client::Connect(c);
+  auto cache = client->CreateCache(SmallConfig(), "metrics");
+  ASSERT_TRUE(cache.ok());
+  ASSERT_TRUE(client->Forward(Prefill(cache->cache_id(), 1, 6)).ok());
+  absl::StatusOr<std::string> text =
+      FetchMetrics(absl::StrCat("127.0.0.1:", (*server)->metrics_port()));
+  ASSERT_TRUE(text.ok()) << text.status();
+  const std::string labels =
+      absl::StrCat("{cache_id=\"", cache->cache_id(), "\",name=\"metrics\",tenant=\"\"}");
+  EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_used" + labels), 2) << *text;
+  EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_free" + labels), 14);
+  EXPECT_EQ(Sample(*text, "pagedattn_cache_live_sequences" + labels), 1);
+}
+
 TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {
-  auto alpha = Connect("tok-alpha");
+  auto alpha = Connect(kAlpha);
   std::vector<std::string> ids;
   for (int i = 0; i < 2; ++i) ids.push_back(alpha->CreateCache(SmallConfig())->cache_id());
   absl::StatusOr<v1::CacheInfo> third = alpha->CreateCache(SmallConfig());
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(third.status().message().find("caches per tenant"), std::string::npos);
   // Another tenant has its own quota.
-  auto beta = Connect("tok-beta");
+  auto beta = Connect(kBeta);
   auto b = beta->CreateCache(SmallConfig());
   EXPECT_TRUE(b.ok()) << b.status();
   // Tokens per Forward (limit 100): 60 new + 60 queries.
@@ -287,7 +319,7 @@ TEST(MutualTlsTest, ClientCertificateIsRequired) {
   ASSERT_TRUE(pki.ok());
   ServerOptions o;
   o.listen = "127.0.0.1:0";
-  o.backend = "cpu";
+  o.backend.backend = BackendChoice::kCpu;
   o.tls_cert_file = pki.path("server.pem");
   o.tls_key_file = pki.path("server.key");
   o.tls_client_ca_file = pki.path("ca.pem");
@@ -307,7 +339,7 @@ TEST(MutualTlsTest, ClientCertificateIsRequired) {
 TEST(PoolBudgetTest, TotalPoolBytesLimit) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
-  o.backend = "cpu";
+  o.backend.backend = BackendChoice::kCpu;
   o.limits.max_total_pool_bytes = 3 * 16 * 2 * 4 * 64 * 2;  // three caches of SmallConfig
   auto server = PagedAttnServer::Start(o);
   ASSERT_TRUE(server.ok());
@@ -317,20 +349,37 @@ TEST(PoolBudgetTest, TotalPoolBytesLimit) {
   for (int i = 0; i < 3; ++i) ASSERT_TRUE(client->CreateCache(SmallConfig()).ok()) << i;
   absl::StatusOr<v1::CacheInfo> r = client->CreateCache(SmallConfig());
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
-  EXPECT_NE(r.status().message().find("0 bytes are free"), std::string::npos) << r.status();
+  // The message names the flag that bounds it, not the device's memory.
+  EXPECT_NE(r.status().message().find("--max_total_pool_gb"), std::string::npos) << r.status();
 }
 
 TEST(TokenFileTest, ParsesAndRejects) {
-  auto a = TokenAuthenticator::FromString("t1\nt2 team\n# x\n");
-  ASSERT_TRUE(a.ok());
-  EXPECT_EQ(*(*a)->TenantForToken("t1"), "default");
-  EXPECT_EQ(*(*a)->TenantForToken("t2"), "team");
-  EXPECT_EQ((*a)->TenantForToken("t3").status().code(), absl::StatusCode::kUnauthenticated);
+  const std::string t1 = "0123456789abcdef0123", t2 = "fedcba9876543210fedc";
+  auto a = TokenAuthenticator::FromString(t1 + "\n" + t2 + " team\n# x\n");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(*(*a)->TenantForToken(t1), "default");
+  EXPECT_EQ(*(*a)->TenantForToken(t2), "team");
+  EXPECT_EQ((*a)->TenantForToken("0123456789abcdef9999").status().code(),
+            absl::StatusCode::kUnauthenticated);
   EXPECT_FALSE(TokenAuthenticator::FromString("# only comments\n").ok());
-  EXPECT_FALSE(TokenAuthenticator::FromString("a b c\n").ok());
-  EXPECT_FALSE(TokenAuthenticator::FromString("a\na\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString(t1 + " b c\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString(t1 + "\n" + t1 + "\n").ok());
   EXPECT_EQ(TokenAuthenticator::FromFile("/nonexistent").status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// Weak tokens and the manifests' placeholders are refused when the server starts, and the
+// message never quotes the token.
+TEST(TokenFileTest, WeakAndPlaceholderTokensAreRefused) {
+  for (const std::string& weak :
+       {std::string("q7"), std::string("short-token"), std::string("aaaaaaaaaaaaaaaaaaaa"),
+        std::string("REPLACE-WITH-A-LONG-RANDOM-TOKEN"), std::string("changeme-changeme-123")}) {
+    absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a =
+        TokenAuthenticator::FromString(weak + " team-a\n");
+    EXPECT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument) << weak;
+    EXPECT_EQ(a.status().message().find(weak), std::string::npos) << a.status();
+  }
+  EXPECT_FALSE(TokenAuthenticator::FromString("0123456789abcdef0123 bad/tenant\n").ok());
 }
 
 }  // namespace

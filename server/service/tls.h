@@ -1,0 +1,27 @@
+// TLS material checked before the server starts: each file readable, parsed as PEM, the key
+// matching the certificate, the certificate in its validity period, no placeholder text.
+#pragma once
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace pagedattn {
+
+struct TlsFiles {
+  std::string cert_file;       // --tls_cert
+  std::string key_file;        // --tls_key
+  std::string client_ca_file;  // --tls_client_ca (may be empty)
+};
+
+struct TlsMaterial {
+  std::string cert_pem;
+  std::string key_pem;
+  std::string client_ca_pem;  // Empty without --tls_client_ca.
+};
+
+// The files' contents when every check passes; otherwise INVALID_ARGUMENT (or NOT_FOUND for
+// an unreadable file) naming the flag, the file and what is wrong with it.
+absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files);
+
+}  // namespace pagedattn

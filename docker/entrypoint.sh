@@ -1,13 +1,7 @@
 #!/usr/bin/env bash
-# Container entrypoint: every PAGEDATTN_<FLAG> environment variable becomes --<flag>=value
-# for pagedattn-server (PAGEDATTN_LOG_LEVEL=debug -> --log_level=debug); arguments given to
-# the container are appended. PAGEDATTN_TOKEN is the CLI's token and is not passed on.
+# Container entrypoint: runs pagedattn-server with the container's arguments. The server itself
+# reads PAGEDATTN_<FLAG> variables for its own flags only (PAGEDATTN_LOG_LEVEL=debug ->
+# --log_level=debug), so variables Kubernetes injects (service links such as
+# PAGEDATTN_METRICS_PORT=tcp://...) are ignored rather than turned into unknown flags.
 set -euo pipefail
-args=()
-while IFS='=' read -r name value; do
-  case "$name" in
-    PAGEDATTN_TOKEN) continue ;;
-    PAGEDATTN_*) flag=${name#PAGEDATTN_}; args+=("--${flag,,}=${value}") ;;
-  esac
-done < <(env)
-exec pagedattn-server "${args[@]}" "$@"
+exec pagedattn-server "$@"

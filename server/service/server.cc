@@ -51,8 +51,8 @@ void CommonArguments(grpc::ServerBuilder& builder) {
 }  // namespace
 
 int64_t RequestMemoryDefault(int64_t max_message_bytes) {
-  const int64_t half = HostMemory().total_bytes / 2;
-  return std::max<int64_t>(64 << 20, std::min(half, 2 * max_message_bytes + (64 << 20)));
+  const int64_t quarter = HostMemory().total_bytes / 4;
+  return std::max<int64_t>(64 << 20, std::min(quarter, 2 * max_message_bytes + (64 << 20)));
 }
 
 absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(

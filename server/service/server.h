@@ -40,8 +40,8 @@ struct ServerOptions {
   bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
 };
 
-// Half of the memory this process may use (cgroup limits included), at most twice the largest
-// message plus 64 MiB: room for two largest requests in flight, or many ordinary ones.
+// A quarter of the memory this process may use (cgroup limits included), at most twice the
+// largest message plus 64 MiB: room for two largest requests in flight, or many ordinary ones.
 int64_t RequestMemoryDefault(int64_t max_message_bytes);
 
 class PagedAttnServer {
@@ -59,6 +59,8 @@ class PagedAttnServer {
   Backend& backend() const { return *backend_; }
   CacheManager& manager() const { return *manager_; }
   int64_t request_memory_bytes() const { return budget_->limit(); }
+  // AttentionService calls running now (for tests and logs).
+  int64_t calls_in_flight() const { return gate_->in_flight(); }
   // Why --backend=auto runs on the CPU although the build has CUDA; empty otherwise.
   const std::string& backend_fallback_reason() const { return backend_fallback_reason_; }
 

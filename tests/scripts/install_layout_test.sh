@@ -40,13 +40,20 @@ echo "install layout: every COPY source present"
 # Start as the image does: entrypoint + env vars (ports 0: free ones), PATH from the layout.
 PATH="$stage/bin:$PATH" PAGEDATTN_LISTEN=127.0.0.1:0 PAGEDATTN_HEALTH_LISTEN=127.0.0.1:0 \
   PAGEDATTN_METRICS_LISTEN=127.0.0.1:0 PAGEDATTN_BACKEND=cpu PAGEDATTN_LOG_LEVEL=debug \
-  PAGEDATTN_TOKEN=not-a-flag "$stage/bin/pagedattn-entrypoint" --cpu_threads=1 >"$log" 2>&1 &
+  PAGEDATTN_TOKEN=not-a-flag PAGEDATTN_METRICS_PORT=tcp://10.0.0.1:9464 \
+  PAGEDATTN_PAGEDATTN_SERVICE_HOST=10.0.0.1 "$stage/bin/pagedattn-entrypoint" --cpu_threads=1 \
+  >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
+# Kubernetes service-link variables are not flags: ignored (and named), not a crash loop.
+grep -q "environment: PAGEDATTN_METRICS_PORT, PAGEDATTN_PAGEDATTN_SERVICE_HOST ignored" "$log" ||
+  grep -q "environment: PAGEDATTN_PAGEDATTN_SERVICE_HOST, PAGEDATTN_METRICS_PORT ignored" "$log" ||
+  fail "stray PAGEDATTN_* variables not reported as ignored"
 hport=$(log_port "$log" health)
 [ "$("$stage/bin/pagedattn-cli" --target=127.0.0.1:$hport health)" = SERVING ] || fail "health"
 port=$(log_port "$log" main)
 "$stage/bin/pagedattn-cli" --target=127.0.0.1:$port smoke | tail -1 | grep -qx PASS || fail "smoke"
+grep -q "rpc Forward" "$log" || fail "PAGEDATTN_LOG_LEVEL=debug (read by the server itself) was not applied"
 kill -TERM $pid
 rc=0; wait $pid || rc=$?; pid=""
 [ $rc -eq 0 ] || fail "exit code $rc after SIGTERM"

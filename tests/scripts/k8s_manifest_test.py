@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Checks deploy/k8s and docker/compose.yaml against the server they run: every
 PAGEDATTN_* variable is a real pagedattn-server flag, probes hit the plaintext health port,
-secret paths match mounted keys, one GPU per pod, a headless Service.
+secret paths match mounted keys, one GPU per pod, a StatefulSet (stable replica names) behind
+a headless Service, no service-link variables.
 
   python3 tests/scripts/k8s_manifest_test.py build/server/pagedattn-server
 """
@@ -14,8 +15,8 @@ import yaml
 
 root = pathlib.Path(__file__).resolve().parents[2]
 server = sys.argv[1]
-helptext = subprocess.run([server, "--helpfull"], capture_output=True, text=True).stdout
-flags = set(re.findall(r"^\s+--(\w+) \(", helptext, re.M))
+helptext = subprocess.run([server, "--help"], capture_output=True, text=True, check=True).stdout
+flags = set(re.findall(r"^\s+--(\w+) \(default", helptext, re.M))
 assert "listen" in flags and "health_listen" in flags, "could not read the server's flags"
 
 docs = {}
@@ -23,7 +24,7 @@ for f in sorted((root / "deploy/k8s").glob("*.yaml")):
     for d in yaml.safe_load_all(f.read_text()):
         if d and "kind" in d:
             docs[d["kind"]] = d
-for kind in ("Deployment", "Service", "ConfigMap", "Secret"):
+for kind in ("StatefulSet", "Service", "ConfigMap", "Secret"):
     assert kind in docs, f"no {kind} in deploy/k8s"
 
 env = docs["ConfigMap"]["data"]
@@ -32,7 +33,10 @@ for name, value in env.items():
     assert name.startswith("PAGEDATTN_") and flag in flags, f"{name} is not a server flag"
 health_port = int(env["PAGEDATTN_HEALTH_LISTEN"].rsplit(":", 1)[1])
 
-pod = docs["Deployment"]["spec"]["template"]["spec"]
+sts = docs["StatefulSet"]["spec"]
+assert sts["serviceName"] == docs["Service"]["metadata"]["name"], "StatefulSet must name the Service"
+pod = sts["template"]["spec"]
+assert pod.get("enableServiceLinks") is False, "service links inject PAGEDATTN_* variables"
 c = pod["containers"][0]
 assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1", "one GPU per pod"
 for probe in ("startupProbe", "readinessProbe", "livenessProbe"):

@@ -1,0 +1,403 @@
+// What a hostile or unlucky client can do to a running server, end to end on the CPU backend:
+// shutdown during long work, cancelled and timed-out Forwards, answers too large to send,
+// oversized error texts, unauthenticated health streams, forged log lines, orphan caches.
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/generic_stub.h>
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "grpc/health/v1/health.grpc.pb.h"
+#include "server/service/server.h"
+#include "spdlog/sinks/ostream_sink.h"
+#include "spdlog/spdlog.h"
+
+namespace pagedattn {
+namespace {
+
+using grpc::health::v1::HealthCheckRequest;
+using grpc::health::v1::HealthCheckResponse;
+
+constexpr int kHeads = 8, kKvHeads = 2, kHeadDim = 128;
+
+ServerOptions CpuOptions() {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend = {.backend = BackendChoice::kCpu, .cpu_threads = 2};
+  return o;
+}
+
+std::unique_ptr<Client> ConnectTo(const PagedAttnServer& server, absl::Duration timeout,
+                                  const std::string& token = "") {
+  ClientOptions o;
+  o.target = absl::StrCat("127.0.0.1:", server.port());
+  o.timeout = timeout;
+  o.bearer_token = token;
+  return *Client::Connect(o);
+}
+
+v1::CacheConfig Config(int64_t pages) {
+  v1::CacheConfig c;
+  c.set_num_layers(1);
+  c.set_num_q_heads(kHeads);
+  c.set_num_kv_heads(kKvHeads);
+  c.set_head_dim(kHeadDim);
+  c.set_page_size(16);
+  c.set_kv_dtype(v1::BFLOAT16);
+  c.set_num_pages(pages);
+  return c;
+}
+
+std::vector<float> Random(size_t n, uint64_t seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d;
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// One span of seq: n new tokens at start, the last `queries` positions queried.
+v1::ForwardRequest Request(const std::string& cache, uint64_t seq, int64_t start, int n,
+                           int queries, uint64_t seed) {
+  v1::ForwardRequest r;
+  r.set_cache_id(cache);
+  v1::Span* s = r.add_spans();
+  s->set_seq_id(seq);
+  s->set_start(start);
+  s->set_num_new_tokens(n);
+  s->set_num_queries(queries);
+  if (queries > 0) {
+    *r.mutable_q() = MakeTensor(v1::BFLOAT16, {queries, kHeads, kHeadDim},
+                                Random(size_t{1} * queries * kHeads * kHeadDim, seed));
+  }
+  if (n > 0) {
+    const std::vector<int64_t> shape = {n, kKvHeads, kHeadDim};
+    *r.mutable_k() =
+        MakeTensor(v1::BFLOAT16, shape, Random(size_t{1} * n * kKvHeads * kHeadDim, seed + 1));
+    *r.mutable_v() =
+        MakeTensor(v1::BFLOAT16, shape, Random(size_t{1} * n * kKvHeads * kHeadDim, seed + 2));
+  }
+  return r;
+}
+
+// A prefill that keeps the CPU backend busy for seconds (4096 x 4096 causal, 8 heads).
+constexpr int kLongTokens = 4096;
+
+// Waits until the server runs n AttentionService calls (the long Forward is being computed).
+void WaitForCalls(const PagedAttnServer& server, int64_t n) {
+  for (int i = 0; i < 2000 && server.calls_in_flight() != n; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  ASSERT_EQ(server.calls_in_flight(), n);
+}
+
+CacheStats OnlyCacheStats(const PagedAttnServer& server) {
+  std::vector<std::shared_ptr<Cache>> caches = server.manager().ListAll();
+  EXPECT_EQ(caches.size(), 1u);
+  return caches.empty() ? CacheStats{} : caches[0]->Stats();
+}
+
+// SIGTERM during a long Forward: the process must be done within the grace period, and the
+// stopped Forward commits nothing.
+TEST(ShutdownTest, LongForwardIsStoppedWithinTheGracePeriod) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(512))->cache_id();
+  absl::StatusOr<v1::ForwardResponse> result;
+  std::thread forward(
+      [&] { result = client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)); });
+  WaitForCalls(*server, 1);
+  absl::SleepFor(absl::Milliseconds(200));  // well into its attention
+  const absl::Time start = absl::Now();
+  server->Shutdown(absl::Seconds(1));
+  server->Wait();
+  const absl::Duration took = absl::Now() - start;
+  forward.join();
+  EXPECT_LT(took, absl::Milliseconds(1500)) << "shutdown took " << took;
+  EXPECT_FALSE(result.ok());
+  EXPECT_EQ(OnlyCacheStats(*server).live_sequences, 0) << "the stopped Forward committed";
+  EXPECT_EQ(OnlyCacheStats(*server).used_pages, 0);
+}
+
+// A Watch stream and an idle connection do not hold a shutdown up for its grace period.
+TEST(ShutdownTest, WatchStreamsAndIdleConnectionsDoNotDelayIt) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto idle = ConnectTo(*server, absl::Seconds(5));
+  ASSERT_TRUE(idle->GetServerInfo().ok());
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::ClientContext ctx;
+  HealthCheckRequest req;
+  auto reader = stub->Watch(&ctx, req);
+  HealthCheckResponse resp;
+  ASSERT_TRUE(reader->Read(&resp));
+  EXPECT_EQ(resp.status(), HealthCheckResponse::SERVING);
+  const absl::Time start = absl::Now();
+  std::thread stop([&] { server->Shutdown(absl::Seconds(10)); });
+  // The stream sees NOT_SERVING, then its end.
+  ASSERT_TRUE(reader->Read(&resp));
+  EXPECT_EQ(resp.status(), HealthCheckResponse::NOT_SERVING);
+  while (reader->Read(&resp)) {
+  }
+  stop.join();
+  server->Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(2));
+}
+
+// While a shutdown waits for calls in flight, the main port's health says NOT_SERVING and new
+// calls are refused with UNAVAILABLE.
+TEST(ShutdownTest, DrainingServerIsNotServingAndRefusesNewCalls) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(512))->cache_id();
+  std::thread forward(
+      [&] { (void)client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)); });
+  WaitForCalls(*server, 1);
+  std::thread stop([&] { server->Shutdown(absl::Seconds(2)); });
+  auto other = ConnectTo(*server, absl::Seconds(5));
+  absl::StatusOr<bool> serving = true;
+  for (int i = 0; i < 200 && serving.ok() && *serving; ++i) {
+    serving = other->CheckHealth();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(serving.ok()) << serving.status();
+  EXPECT_FALSE(*serving);
+  absl::StatusOr<std::vector<v1::CacheInfo>> list = other->ListCaches();
+  EXPECT_EQ(list.status().code(), absl::StatusCode::kUnavailable) << list.status();
+  EXPECT_NE(list.status().message().find("shutting down"), std::string::npos);
+  forward.join();  // the long Forward is stopped at the end of the grace period
+  stop.join();
+  server->Wait();
+}
+
+class HardeningTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    server_ = *PagedAttnServer::Start(CpuOptions());
+    client_ = ConnectTo(*server_, absl::Seconds(60));
+    cache_ = client_->CreateCache(Config(512))->cache_id();
+  }
+  void WaitIdle() { WaitForCalls(*server_, 0); }
+
+  std::unique_ptr<PagedAttnServer> server_;
+  std::unique_ptr<Client> client_;
+  std::string cache_;
+};
+
+// A Forward past its deadline stops on the server and commits nothing; the same request then
+// succeeds.
+TEST_F(HardeningTest, TimedOutForwardCommitsNothing) {
+  auto hurried = ConnectTo(*server_, absl::Milliseconds(300));
+  const v1::ForwardRequest req = Request(cache_, 1, 0, kLongTokens, kLongTokens, 1);
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ForwardResponse> r = hurried->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  WaitIdle();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(3)) << "the server did not stop the Forward";
+  EXPECT_EQ(OnlyCacheStats(*server_).live_sequences, 0);
+  EXPECT_EQ(OnlyCacheStats(*server_).forward_calls, 0);
+  EXPECT_TRUE(client_->Forward(Request(cache_, 1, 0, 64, 64, 1)).ok());
+}
+
+// A rewinding Forward that is stopped puts back the committed rows it overwrote: attention over
+// the sequence afterwards is bit-identical to before it.
+TEST_F(HardeningTest, StoppedRewindRestoresTheRowsItOverwrote) {
+  ASSERT_TRUE(client_->Forward(Request(cache_, 1, 0, 64, 1, 1)).ok());
+  const v1::ForwardRequest look = Request(cache_, 1, 64, 0, 1, 7);  // attend only
+  absl::StatusOr<v1::ForwardResponse> before = client_->Forward(look);
+  ASSERT_TRUE(before.ok()) << before.status();
+  auto hurried = ConnectTo(*server_, absl::Milliseconds(300));
+  absl::StatusOr<v1::ForwardResponse> r =
+      hurried->Forward(Request(cache_, 1, 32, kLongTokens, kLongTokens, 2));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  WaitIdle();
+  absl::StatusOr<v1::ForwardResponse> after = client_->Forward(look);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(after->out().data(), before->out().data());
+  // Still 64 tokens long: position 65 would leave a gap.
+  EXPECT_EQ(client_->Forward(Request(cache_, 1, 65, 1, 1, 3)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+// A Forward whose answer is over --max_message_mb is refused before anything is written
+// (before, the K/V were committed and the answer then failed to send).
+TEST(MessageLimitTest, OverLimitAnswerCommitsNothing) {
+  ServerOptions o = CpuOptions();
+  o.max_message_bytes = 1 << 20;
+  auto server = *PagedAttnServer::Start(o);
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(512))->cache_id();
+  // 1009 tokens, then one more with 510 queries and their lse: the request (q: 510 x 8 x 128
+  // bf16 = 1044480 bytes) is under 1 MiB, the answer (q's bytes plus 16320 of lse) over it.
+  constexpr int kTokens = 1009;
+  ASSERT_TRUE(client->Forward(Request(cache, 1, 0, kTokens, 0, 1)).ok());
+  v1::ForwardRequest req = Request(cache, 1, kTokens, 1, 510, 2);
+  req.mutable_options()->set_return_lse(true);
+  ASSERT_LT(req.ByteSizeLong(), size_t{1} << 20);
+  absl::StatusOr<v1::ForwardResponse> r = client->Forward(req);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("--max_message_mb"), std::string::npos) << r.status();
+  // The appended token was not committed: the sequence is still kTokens long.
+  EXPECT_EQ(client->Forward(Request(cache, 1, kTokens + 1, 1, 1, 3)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_TRUE(client->Forward(Request(cache, 1, kTokens, 1, 1, 3)).ok());
+}
+
+// Error texts that quote request data stay short: a 20 kB id or a 5000-dim shape gets its
+// NOT_FOUND / INVALID_ARGUMENT, and other calls on the same connection keep working (an
+// error text over the client's 8 KiB metadata limit used to break the connection).
+TEST_F(HardeningTest, LongValuesInErrorsDoNotBreakTheConnection) {
+  std::atomic<bool> done{false};
+  std::atomic<int> good_failures{0}, good_calls{0};
+  std::thread good([&] {
+    while (!done.load()) {
+      if (!client_->GetServerInfo().ok()) ++good_failures;
+      ++good_calls;
+    }
+  });
+  const std::string long_id(20000, 'a');
+  v1::ForwardRequest wide = Request(cache_, 9, 0, 1, 1, 1);
+  wide.mutable_q()->clear_shape();
+  for (int i = 0; i < 5000; ++i) wide.mutable_q()->add_shape(1);
+  for (int i = 0; i < 30; ++i) {
+    absl::StatusOr<v1::CacheInfo> r = client_->GetCache(long_id);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kNotFound) << r.status().code();
+    EXPECT_LT(r.status().message().size(), 200u);
+    absl::StatusOr<v1::ForwardResponse> f = client_->Forward(wide);
+    EXPECT_EQ(f.status().code(), absl::StatusCode::kInvalidArgument) << f.status().code();
+    EXPECT_LT(f.status().message().size(), 1100u);
+  }
+  done = true;
+  good.join();
+  EXPECT_GT(good_calls.load(), 0);
+  EXPECT_EQ(good_failures.load(), 0);
+}
+
+// A name with a newline could forge a log line: names are printable ASCII, and request text
+// that reaches a log (a cache id) is escaped.
+TEST_F(HardeningTest, LogLinesCannotBeForged) {
+  std::ostringstream captured;
+  auto previous = spdlog::default_logger();
+  auto logger = std::make_shared<spdlog::logger>(
+      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(captured));
+  logger->set_level(spdlog::level::debug);
+  spdlog::set_default_logger(logger);
+  absl::StatusOr<v1::CacheInfo> named = client_->CreateCache(Config(4), "ok\nFORGED info line");
+  (void)client_->GetCache("x\nFORGED2 info line");
+  spdlog::set_default_logger(previous);
+  EXPECT_EQ(named.status().code(), absl::StatusCode::kInvalidArgument) << named.status();
+  EXPECT_NE(named.status().message().find("printable"), std::string::npos);
+  std::istringstream lines(captured.str());
+  std::string line;
+  while (std::getline(lines, line)) EXPECT_NE(line.rfind("FORGED", 0), 0u) << line;
+  EXPECT_NE(captured.str().find("x\\nFORGED2"), std::string::npos) << captured.str();
+}
+
+// A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.
+TEST(CreateCacheTest, CallerThatGivesUpLeavesNoCache) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto hurried = ConnectTo(*server, absl::Milliseconds(20));
+  v1::CacheConfig big = Config(0);
+  big.set_max_bytes(int64_t{3} << 30);  // seconds of page faults
+  absl::StatusOr<v1::CacheInfo> r = hurried->CreateCache(big);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  WaitForCalls(*server, 0);
+  EXPECT_TRUE(server->manager().ListAll().empty());
+}
+
+// Health needs no token; 100 open Watch streams from unauthenticated callers must not starve
+// authenticated calls (each used to hold a server thread), and past a bound they are refused.
+TEST(HealthTest, WatchStreamsDoNotStarveAuthenticatedCalls) {
+  const std::string tokens = (std::filesystem::temp_directory_path() /
+                              absl::StrCat("pagedattn-hardening-tokens-", getpid()))
+                                 .string();
+  const std::string token = "hardening-6b1d93fa0c27e548";
+  std::ofstream(tokens) << token << " team\n";
+  ServerOptions o = CpuOptions();
+  o.auth_tokens_file = tokens;
+  auto server = *PagedAttnServer::Start(o);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = grpc::health::v1::Health::NewStub(channel);
+  grpc::CompletionQueue cq;
+  constexpr int kStreams = HealthServiceImpl::kMaxWatchers + 44;
+  struct Stream {
+    grpc::ClientContext ctx;
+    HealthCheckResponse first;
+    std::unique_ptr<grpc::ClientAsyncReader<HealthCheckResponse>> reader;
+    grpc::Status status;
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  HealthCheckRequest req;
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stream>();
+    s->reader = stub->AsyncWatch(&s->ctx, req, &cq, reinterpret_cast<void*>(int64_t{i} * 4));
+    streams.push_back(std::move(s));
+  }
+  // Each stream i: started (tag 4i), then its first message (4i+1), or its end (4i+2) for
+  // those refused.
+  auto tag_of = [](int i, int step) { return reinterpret_cast<void*>(int64_t{i} * 4 + step); };
+  int answered = 0, refused = 0;
+  while (answered + refused < kStreams) {
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+    const int64_t t = reinterpret_cast<int64_t>(tag);
+    const int i = static_cast<int>(t / 4);
+    Stream& s = *streams[i];
+    if (t % 4 == 0 && ok) {
+      s.reader->Read(&s.first, tag_of(i, 1));
+    } else if (t % 4 == 1 && ok) {
+      EXPECT_EQ(s.first.status(), HealthCheckResponse::SERVING);
+      ++answered;
+    } else if (t % 4 != 2) {  // no message: the stream ended; its status says why
+      s.reader->Finish(&s.status, tag_of(i, 2));
+    } else {
+      EXPECT_EQ(s.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << s.status.error_message();
+      s.reader.reset();
+      ++refused;
+    }
+  }
+  EXPECT_EQ(answered, static_cast<int>(HealthServiceImpl::kMaxWatchers));
+  EXPECT_EQ(refused, kStreams - static_cast<int>(HealthServiceImpl::kMaxWatchers));
+  // With every watcher slot held, authenticated calls still answer promptly.
+  auto client = ConnectTo(*server, absl::Seconds(2), token);
+  for (int i = 0; i < 20; ++i) {
+    absl::StatusOr<std::vector<v1::CacheInfo>> r = client->ListCaches();
+    ASSERT_TRUE(r.ok()) << i << ": " << r.status();
+  }
+  int open = 0;
+  for (int i = 0; i < kStreams; ++i) {
+    if (streams[i]->reader == nullptr) continue;
+    streams[i]->ctx.TryCancel();
+    streams[i]->reader->Finish(&streams[i]->status, tag_of(i, 3));
+    ++open;
+  }
+  for (int n = 0; n < open; ++n) {
+    void* tag;
+    bool ok;
+    ASSERT_TRUE(cq.Next(&tag, &ok));
+  }
+  server->Shutdown(absl::Seconds(1));
+  server->Wait();
+  cq.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq.Next(&tag, &ok)) {
+  }
+  std::filesystem::remove(tokens);
+}
+
+}  // namespace
+}  // namespace pagedattn

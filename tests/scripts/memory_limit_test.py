@@ -138,6 +138,21 @@ def main():
         alive("a default-capacity CreateCache")
         call("DeleteCache")(fb(1, default_cache.encode()), timeout=60)
 
+        # Memory of deleted caches goes back to the system: create/delete churn leaves the
+        # server's resident size where it was.
+        def rss():
+            status = open(f"/proc/{server.pid}/status").read()
+            return int(re.search(r"VmRSS:\s+(\d+) kB", status).group(1)) << 10
+
+        before = rss()
+        for i in range(10):
+            churn = first_string(call("CreateCache")(fb(1, cache_config(num_pages=4096)),
+                                                     timeout=60))  # 64 MiB each
+            call("DeleteCache")(fb(1, churn.encode()), timeout=60)
+        grown = rss() - before
+        print(f"memory_limit_test: 10 x 64 MiB create/delete: resident size grew {grown >> 20} MiB")
+        assert grown < (32 << 20), grown
+
         # 2. Sixteen concurrent 60 MB Forwards (30000 new tokens of f32 K and V, one query),
         # each rewinding the same sequence: each answers OK or RESOURCE_EXHAUSTED (busy).
         cache = first_string(call("CreateCache")(fb(1, cache_config(num_pages=2048)), timeout=60))

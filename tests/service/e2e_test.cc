@@ -209,6 +209,34 @@ TEST_F(E2ETest, SmokeMixedBatchMatchesReference) {
   EXPECT_TRUE(r->passed) << r->summary;
 }
 
+// No valid request returns NaN: with the largest finite sm_scale every score overflows, and
+// with inputs near the dtype's largest value the dot products do too; the softmax saturates
+// (the largest score wins) instead of computing inf - inf. Prefill and decode tiles both.
+TEST_F(E2ETest, ExtremeScalesAndValuesGiveFiniteOutputs) {
+  const std::string id = client_->CreateCache(SmallConfig())->cache_id();
+  for (float scale : {3.4e38f, 1e30f, 1.0f}) {
+    for (float magnitude : {1.0f, 3e38f}) {
+      for (int n : {1, 7}) {  // a decode-shaped and a prefill-shaped span
+        v1::ForwardRequest r = Request(id, 1, 0, n, static_cast<uint64_t>(n));
+        r.mutable_options()->set_sm_scale(scale);
+        r.mutable_options()->set_return_lse(true);
+        std::vector<float> big(static_cast<size_t>(n) * 2 * 64);
+        for (size_t i = 0; i < big.size(); ++i) big[i] = (i % 3 == 0 ? -magnitude : magnitude);
+        if (magnitude > 1) *r.mutable_k() = MakeTensor(v1::FLOAT32, {n, 2, 64}, big);
+        absl::StatusOr<v1::ForwardResponse> out = client_->Forward(r);
+        ASSERT_TRUE(out.ok()) << out.status();
+        absl::StatusOr<std::vector<float>> values = TensorToFloats(out->out());
+        ASSERT_TRUE(values.ok());
+        for (float x : *values) {
+          ASSERT_TRUE(std::isfinite(x)) << "scale " << scale << " magnitude " << magnitude;
+        }
+        absl::StatusOr<std::vector<float>> lse = TensorToFloats(out->lse());
+        for (float x : *lse) ASSERT_FALSE(std::isnan(x)) << "scale " << scale;
+      }
+    }
+  }
+}
+
 TEST_F(E2ETest, ForwardErrorsLeaveCacheUnchangedAndRetryMatches) {
   const std::string id = client_->CreateCache(SmallConfig())->cache_id();
   ASSERT_TRUE(client_->Forward(Request(id, 1, 0, 10, 1)).ok());  // 3 of 8 pages

@@ -1,0 +1,85 @@
+// The Forward messages' wire format (pagedattn.v1.ForwardRequest / ForwardResponse), read and
+// written without copying tensor bytes: a received message is parsed where it lies, in the
+// chunks the transport delivered, and a message to send is a short header per tensor followed
+// by the tensor's own bytes. The protobuf encoding is the contract (proto/pagedattn/v1); the
+// round trips against protobuf's own encoder are tested (tests/service/wire_test.cc).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace pagedattn::wire {
+
+// A run of bytes inside a received message or a buffer to send.
+struct Piece {
+  const char* data = nullptr;
+  size_t size = 0;
+};
+
+// A Tensor field as received. Its data may span several pieces (the message arrived in
+// several chunks); the pieces point into those chunks.
+struct TensorRef {
+  bool present = false;  // The field was in the message.
+  int32_t dtype = 0;
+  std::vector<int64_t> shape;
+  std::vector<Piece> data;
+  size_t data_size = 0;
+
+  // Copies the data's bytes to dst (data_size bytes).
+  void CopyTo(char* dst) const;
+};
+
+struct SpanRef {
+  uint64_t seq_id = 0;
+  int64_t start = 0;
+  int32_t num_new_tokens = 0;
+  int32_t num_queries = 0;
+};
+
+struct ForwardOptionsRef {
+  std::optional<bool> causal;
+  std::optional<float> sm_scale;
+  bool return_lse = false;
+};
+
+struct ForwardRequestRef {
+  std::string cache_id;
+  int32_t layer = 0;
+  std::vector<SpanRef> spans;
+  TensorRef q, k, v;
+  ForwardOptionsRef options;
+};
+
+// Parses a ForwardRequest whose bytes are `chunks` in order (protobuf's rules: unknown fields
+// skipped, the last value of a singular field wins, repeated scalars packed or not, a message
+// field seen twice merged). Returns false and says why in *error for bytes that are not a
+// ForwardRequest. No tensor byte is copied.
+bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* out,
+                         std::string* error);
+
+// The bytes before a Tensor field's data in a message: the field's tag and length, the
+// tensor's dtype and shape, and the data's tag and length. The data_size bytes of the data
+// follow it.
+std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
+                              size_t data_size);
+
+// The bytes of a ForwardRequest without its tensors (cache id, layer, spans, options), to which
+// the q, k and v fields (TensorFieldPrefix + data) are appended in any order.
+std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
+                               const std::vector<SpanRef>& spans, const ForwardOptionsRef& options);
+
+// Field numbers of the messages (proto/pagedattn/v1/attention.proto).
+inline constexpr int kRequestQ = 4, kRequestK = 5, kRequestV = 6;
+inline constexpr int kResponseOut = 1, kResponseLse = 2;
+
+// A ForwardResponse as received: out and lse (lse.present only when asked for).
+struct ForwardResponseRef {
+  TensorRef out, lse;
+};
+bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* out,
+                          std::string* error);
+
+}  // namespace pagedattn::wire

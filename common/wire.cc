@@ -327,6 +327,27 @@ std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector
   return prefix;
 }
 
+std::string StepResponseFields(int32_t layer, const std::string& error_status,
+                               int64_t server_micros, int64_t kernel_micros) {
+  std::string out;
+  if (layer != 0) {
+    PutTag(&out, 3, kVarint);
+    PutVarint(&out, AsVarint(layer));
+  }
+  if (!error_status.empty()) PutLengthField(&out, 4, error_status);
+  std::string timing;
+  if (server_micros != 0) {
+    PutTag(&timing, 1, kVarint);
+    PutVarint(&timing, AsVarint(server_micros));
+  }
+  if (kernel_micros != 0) {
+    PutTag(&timing, 2, kVarint);
+    PutVarint(&timing, AsVarint(kernel_micros));
+  }
+  if (!timing.empty()) PutLengthField(&out, 5, timing);
+  return out;
+}
+
 std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
                                const std::vector<SpanRef>& spans,
                                const ForwardOptionsRef& options) {

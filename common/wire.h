@@ -75,6 +75,12 @@ std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
 inline constexpr int kRequestQ = 4, kRequestK = 5, kRequestV = 6;
 inline constexpr int kResponseOut = 1, kResponseLse = 2;
 
+// The fields of a StepResponse besides its tensors (which are ForwardResponse's out and lse,
+// same numbers): the layer, an error (the bytes of a google.rpc.Status; empty: none) and the
+// server's timing.
+std::string StepResponseFields(int32_t layer, const std::string& error_status,
+                               int64_t server_micros, int64_t kernel_micros);
+
 // A ForwardResponse as received: out and lse (lse.present only when asked for).
 struct ForwardResponseRef {
   TensorRef out, lse;

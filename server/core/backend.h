@@ -15,6 +15,8 @@
 
 namespace pagedattn {
 
+struct ForwardTimings;  // server/core/cache.h
+
 // A validated, resolved cache configuration: every field is in range and num_pages is set.
 struct CacheGeometry {
   int32_t num_layers = 0;
@@ -85,6 +87,8 @@ struct ForwardIO {
   const void* v = nullptr;
   void* out = nullptr;   // [total_queries, num_q_heads, head_dim] in q_dtype.
   float* lse = nullptr;  // [total_queries, num_q_heads]; null unless return_lse.
+  // Filled with the backend's phases (stage, h2d, kernel, d2h) when set.
+  ForwardTimings* timings = nullptr;
 };
 
 // A pool of K/V pages owned by a backend. Layout per layer and per K/V:

@@ -7,6 +7,7 @@
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 
 namespace pagedattn {
 namespace {
@@ -158,7 +159,13 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
   return plan;
 }
 
-absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopToken& stop) {
+namespace {
+double MicrosSince(absl::Time start) { return absl::ToDoubleMicroseconds(absl::Now() - start); }
+}  // namespace
+
+absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopToken& stop,
+                                             ForwardTimings* timings) {
+  const absl::Time start = absl::Now();
   if (absl::Status s = ValidateForward(a); !s.ok()) return s;
   const CacheGeometry& g = geometry_;
 
@@ -199,8 +206,11 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   io.v = plan.total_new_tokens > 0 ? a.v.data : nullptr;
   io.out = result.out.data();
   io.lse = a.return_lse ? reinterpret_cast<float*>(result.lse.data()) : nullptr;
+  io.timings = timings;
+  if (timings != nullptr) timings->validate_us = MicrosSince(start);
 
   absl::Status s = backend_->Forward(*pool_, g, plan, io);
+  const absl::Time commit_start = absl::Now();
   {
     absl::MutexLock meta(&meta_mu_);
     if (s.ok()) {
@@ -209,6 +219,7 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
       table_.Rollback(reservation);
     }
   }
+  if (timings != nullptr) timings->commit_us = MicrosSince(commit_start);
   if (!s.ok()) return s;
   forward_calls_.fetch_add(1, std::memory_order_relaxed);
   return result;

@@ -44,6 +44,16 @@ struct ForwardResult {
   std::string lse;                 // Raw float32 bytes when asked.
 };
 
+// Where one Forward's time went, microseconds: for the phase metrics and the caller's timing.
+struct ForwardTimings {
+  double validate_us = 0;  // Request checks, the wait for the layer, reserving pages, the plan.
+  double stage_us = 0;     // Host-side preparation in the backend (work plan, staging copies).
+  double h2d_us = 0;       // CUDA: the copy to the device.
+  double kernel_us = 0;    // CUDA: the kernels' GPU time; CPU: the append and attention.
+  double d2h_us = 0;       // CUDA: the copy back.
+  double commit_us = 0;    // Committing (or rolling back) the sequence table.
+};
+
 struct CacheStats {
   int64_t free_pages = 0;
   int64_t used_pages = 0;
@@ -87,7 +97,8 @@ class Cache {
 
   // Appends and attends. On any error the cache is exactly as it was before the call; that
   // includes the stop token's status when the caller gives up before the Forward commits.
-  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args, const StopToken& stop = {});
+  absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args, const StopToken& stop = {},
+                                        ForwardTimings* timings = nullptr);
   // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
   CacheStats Stats() const;

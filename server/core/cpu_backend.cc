@@ -19,6 +19,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "server/core/cache.h"
 #include "server/core/host_memory.h"
 
 namespace pagedattn {
@@ -183,6 +184,7 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
   char* k_layer = pool.k() + plan.layer * layer_elems * esize;
   char* v_layer = pool.v() + plan.layer * layer_elems * esize;
   if (absl::Status s = plan.stop.Check(); !s.ok()) return s;
+  const absl::Time start = absl::Now();
 
   // 0. A rewind overwrites committed rows: keep them until the Forward is sure to commit.
   OverwrittenRows overwritten(g, plan, k_layer, v_layer);
@@ -272,6 +274,9 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
   if (absl::Status s = plan.stop.Check(); !s.ok()) {
     overwritten.Restore();
     return s;
+  }
+  if (io.timings != nullptr) {
+    io.timings->kernel_us = absl::ToDoubleMicroseconds(absl::Now() - start);
   }
   return absl::OkStatus();
 }

@@ -2,8 +2,11 @@
 #include "server/service/attention_service.h"
 
 #include <chrono>
+#include <deque>
+#include <memory>
 
 #include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "server/service/convert.h"
@@ -21,7 +24,7 @@ std::string ForLog(absl::string_view s) {
   return out;
 }
 
-StopToken StopFor(grpc::ServerContext* ctx, const RpcGate* gate) {
+StopToken StopFor(grpc::ServerContextBase* ctx, const RpcGate* gate) {
   const auto deadline = ctx->deadline();
   return StopToken([ctx, gate] { return gate->stopping() || ctx->IsCancelled(); },
                    deadline == std::chrono::system_clock::time_point::max()
@@ -31,7 +34,7 @@ StopToken StopFor(grpc::ServerContext* ctx, const RpcGate* gate) {
 
 }  // namespace
 
-Rpc::Rpc(const char* method, grpc::ServerContext* ctx, const RpcGate* gate)
+Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
     : method_(method),
       ctx_(ctx),
       stop_(StopFor(ctx, gate)),
@@ -44,7 +47,7 @@ double Rpc::seconds() const {
 }
 
 template <typename Body>
-grpc::Status AttentionServiceImpl::Handle(const char* method, grpc::ServerContext* ctx,
+grpc::Status AttentionServiceImpl::Handle(const char* method, grpc::ServerContextBase* ctx,
                                           Body&& body) {
   Rpc rpc(method, ctx, gate_);
   if (!gate_->Enter()) {
@@ -180,39 +183,281 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
   });
 }
 
-grpc::Status AttentionServiceImpl::Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* req,
-                                           v1::ForwardResponse* resp) {
-  return Handle("Forward", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
-    if (!cache.ok()) return cache.status();
-    ForwardArgs args = FromProto(*req);
-    // The request's bytes and the answer's, held until the answer is sent, against the
-    // server's budget for data in flight.
-    const int64_t held = static_cast<int64_t>(req->ByteSizeLong()) +
-                         ForwardResponseBytes((*cache)->geometry(), args);
-    if (budget_ != nullptr && !budget_->TryAcquire(held)) {
-      return absl::ResourceExhaustedError(absl::StrCat(
-          "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
-          "call needs ", held, " more and the budget is ", budget_->limit(),
-          " (--request_memory_mb); retry shortly"));
+absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(Rpc& rpc,
+                                                               const std::string& cache_id,
+                                                               const ForwardArgs& args,
+                                                               size_t request_bytes) {
+  rpc.set_cache(cache_id);
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(cache_id, rpc.tenant());
+  if (!cache.ok()) return cache.status();
+  // The request's bytes and the answer's, held until the answer is built, against the server's
+  // budget for data in flight.
+  const int64_t held =
+      static_cast<int64_t>(request_bytes) + ForwardResponseBytes((*cache)->geometry(), args);
+  if (budget_ != nullptr && !budget_->TryAcquire(held)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
+        "call needs ", held, " more and the budget is ", budget_->limit(),
+        " (--request_memory_mb); retry shortly"));
+  }
+  absl::Cleanup release = [&] {
+    if (budget_ != nullptr) budget_->Release(held);
+  };
+  ForwardAnswer answer;
+  absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop(), &answer.timings);
+  if (!result.ok()) return result.status();
+  answer.result = *std::move(result);
+  if (metrics_ != nullptr) {
+    int64_t appended = 0, queries = 0;
+    for (const SpanRequest& s : args.spans) {
+      appended += s.num_new_tokens;
+      queries += s.num_queries;
     }
-    absl::Cleanup release = [&] {
-      if (budget_ != nullptr) budget_->Release(held);
-    };
-    absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop());
-    if (!result.ok()) return result.status();
-    MoveToProto(*std::move(result), resp);
+    metrics_->RecordForward(rpc.seconds(), appended, queries);
+  }
+  return answer;
+}
+
+namespace {
+
+int64_t Micros(double us) { return static_cast<int64_t>(us + 0.5); }
+
+}  // namespace
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
+                                                        const grpc::ByteBuffer* req,
+                                                        grpc::ByteBuffer* resp) {
+  // Runs here, on the callback thread: a hop to another thread would add its wake-up to every
+  // Forward's latency. The Step stream, whose layers overlap, uses the executor.
+  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  reactor->Finish(Handle("Forward", ctx, [&](Rpc& rpc) -> absl::Status {
+    ReceivedForward received;
+    if (absl::Status s = ParseForward(*req, &received); !s.ok()) return s;
+    std::vector<char> gathered;
+    const ForwardArgs args = ToForwardArgs(received.request, &gathered);
+    const double parse_us = rpc.seconds() * 1e6;
+    absl::StatusOr<ForwardAnswer> answer =
+        RunForward(rpc, received.request.cache_id, args, received.bytes);
+    if (!answer.ok()) return answer.status();
+    const double kernel_us = answer->timings.kernel_us;
+    const double before_encode_us = rpc.seconds() * 1e6;
+    *resp = EncodeResponse(std::move(answer->result), /*step=*/false, 0, 0, 0);
+    const double server_us = rpc.seconds() * 1e6;
+    ctx->AddTrailingMetadata("pagedattn-server-us", std::to_string(Micros(server_us)));
+    ctx->AddTrailingMetadata("pagedattn-kernel-us", std::to_string(Micros(kernel_us)));
     if (metrics_ != nullptr) {
-      int64_t appended = 0, queries = 0;
-      for (const SpanRequest& s : args.spans) {
-        appended += s.num_new_tokens;
-        queries += s.num_queries;
-      }
-      metrics_->RecordForward(rpc.seconds(), appended, queries);
+      metrics_->RecordForwardPhases(parse_us, answer->timings, server_us - before_encode_us);
     }
     return absl::OkStatus();
-  });
+  }));
+  return reactor;
+}
+
+// One Step stream. Messages are read ahead and run on the executor, up to kStepLayersInFlight
+// at once (messages for the same layer in order); answers are written in the order the
+// requests came. All state is under mu_; the reactor finishes once reading is over (or the
+// stream is cancelled), nothing runs and everything is written.
+class AttentionServiceImpl::StepReactor final
+    : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
+ public:
+  StepReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
+      : service_(service), ctx_(ctx) {
+    if (!service_->gate_->Enter()) {
+      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                          "the server is shutting down; retry (on another replica)"));
+      return;
+    }
+    entered_ = true;
+    if (service_->auth_ != nullptr) {
+      absl::StatusOr<std::string> tenant = service_->auth_->Authenticate(*ctx);
+      if (!tenant.ok()) {
+        Rpc rpc("Step", ctx_, service_->gate_);
+        absl::MutexLock lock(&mu_);
+        FinishLocked(service_->Finish(rpc, tenant.status()));
+        return;
+      }
+      tenant_ = *std::move(tenant);
+    }
+    absl::MutexLock lock(&mu_);
+    ReadLocked();
+  }
+
+  void OnReadDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    reading_ = false;
+    if (!ok) {
+      reads_done_ = true;
+      MaybeFinishLocked();
+      return;
+    }
+    auto job = std::make_shared<Job>();
+    job->seq = next_seq_++;
+    Accept(*job);
+    jobs_.push_back(std::move(job));
+    ScheduleLocked();
+    ReadLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    absl::MutexLock lock(&mu_);
+    writing_ = false;
+    jobs_.pop_front();
+    if (!ok) cancelled_ = true;  // the stream is broken: stop reading and running
+    WriteLocked();
+    ReadLocked();
+    MaybeFinishLocked();
+  }
+
+  void OnCancel() override {
+    absl::MutexLock lock(&mu_);
+    cancelled_ = true;
+    MaybeFinishLocked();
+  }
+
+  void OnDone() override {
+    if (entered_) service_->gate_->Leave();
+    delete this;
+  }
+
+ private:
+  struct Job {
+    int64_t seq = 0;
+    int32_t layer = 0;
+    ReceivedForward received;
+    std::string cache_id;
+    ForwardArgs args;
+    std::vector<char> gathered;
+    bool running = false;
+    bool done = false;
+    grpc::ByteBuffer answer;
+  };
+
+  // Parses the message just read into job: a layer of the open step, or a new step; a message
+  // that cannot run is answered with its error right away.
+  void Accept(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    absl::Status s = ParseForward(incoming_, &job.received);
+    incoming_.Clear();
+    wire::ForwardRequestRef& r = job.received.request;
+    job.layer = r.layer;
+    if (s.ok()) {
+      if (!r.spans.empty()) {  // opens a step
+        if (!r.cache_id.empty()) cache_id_ = r.cache_id;
+        spans_ = r.spans;
+        options_ = r.options;
+        opened_ = true;
+      }
+      if (!opened_) {
+        s = absl::InvalidArgumentError(
+            "the first message of a Step stream must set spans (and cache_id): it opens the step");
+      } else if (cache_id_.empty()) {
+        s = absl::InvalidArgumentError("cache_id is required (in the message that opens a step)");
+      }
+    }
+    if (!s.ok()) {
+      Rpc rpc("Step", ctx_, service_->gate_);
+      job.answer = EncodeStepError(job.layer, service_->Finish(rpc, s));
+      job.done = true;
+      return;
+    }
+    r.spans = spans_;
+    r.options = options_;
+    job.cache_id = cache_id_;
+    job.args = ToForwardArgs(r, &job.gathered);
+  }
+
+  void ReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // Read ahead at most twice the layers that run at once.
+    if (reading_ || reads_done_ || cancelled_ || finished_ ||
+        jobs_.size() >= 2 * static_cast<size_t>(kStepLayersInFlight)) {
+      return;
+    }
+    reading_ = true;
+    StartRead(&incoming_);
+  }
+
+  void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (cancelled_) return;
+    absl::flat_hash_set<int32_t> layers_ahead;  // layers of earlier jobs not done yet
+    for (const std::shared_ptr<Job>& job : jobs_) {
+      if (job->done) continue;
+      const bool layer_free = layers_ahead.insert(job->layer).second;
+      if (job->running || !layer_free) continue;
+      if (running_ >= kStepLayersInFlight) break;
+      job->running = true;
+      ++running_;
+      service_->executor_->Post([this, job] { Run(job); });
+    }
+  }
+
+  void Run(const std::shared_ptr<Job>& job) {
+    Rpc rpc("Step", ctx_, service_->gate_);
+    rpc.set_tenant(tenant_);
+    grpc::ByteBuffer answer;
+    absl::StatusOr<ForwardAnswer> result =
+        service_->RunForward(rpc, job->cache_id, job->args, job->received.bytes);
+    const grpc::Status status =
+        service_->Finish(rpc, result.ok() ? absl::OkStatus() : result.status());
+    if (result.ok()) {
+      const double kernel_us = result->timings.kernel_us;
+      answer = EncodeResponse(std::move(result->result), /*step=*/true, job->layer,
+                              Micros(rpc.seconds() * 1e6), Micros(kernel_us));
+    } else {
+      answer = EncodeStepError(job->layer, status);
+    }
+    absl::MutexLock lock(&mu_);
+    job->answer = std::move(answer);
+    job->done = true;
+    job->running = false;
+    --running_;
+    ScheduleLocked();
+    WriteLocked();
+    MaybeFinishLocked();
+  }
+
+  void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (writing_ || cancelled_ || finished_ || jobs_.empty() || !jobs_.front()->done) return;
+    writing_ = true;
+    StartWrite(&jobs_.front()->answer);
+  }
+
+  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_ || running_ > 0 || writing_ || reading_) return;
+    if (cancelled_) {
+      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the Step stream was cancelled"));
+    } else if (reads_done_ && jobs_.empty()) {
+      FinishLocked(grpc::Status::OK);
+    }
+  }
+
+  void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
+    Finish(status);
+  }
+
+  AttentionServiceImpl* const service_;
+  grpc::CallbackServerContext* const ctx_;
+  bool entered_ = false;
+  std::string tenant_;
+  absl::Mutex mu_;
+  grpc::ByteBuffer incoming_ ABSL_GUARDED_BY(mu_);
+  std::deque<std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);  // in the order they came
+  int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  int running_ ABSL_GUARDED_BY(mu_) = 0;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;
+  bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
+  // The open step: what messages without spans run with.
+  bool opened_ ABSL_GUARDED_BY(mu_) = false;
+  std::string cache_id_ ABSL_GUARDED_BY(mu_);
+  std::vector<wire::SpanRef> spans_ ABSL_GUARDED_BY(mu_);
+  wire::ForwardOptionsRef options_ ABSL_GUARDED_BY(mu_);
+};
+
+grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImpl::Step(
+    grpc::CallbackServerContext* ctx) {
+  return new StepReactor(this, ctx);
 }
 
 grpc::Status AttentionServiceImpl::ReleaseSequences(grpc::ServerContext* ctx,

@@ -1,7 +1,11 @@
 // AttentionServiceImpl: thin gRPC handlers over the CacheManager. Each handler is parse ->
 // core -> serialize inside Handle(), which does what every call needs: refuse while shutting
 // down, the caller's tenant from its token, a stop token, metrics, one log line, status mapping.
+// Forward and the Step stream take their messages as raw bytes (common/wire: no protobuf copy
+// of the tensors either way); the other methods are plain protobuf handlers.
 #pragma once
+
+#include <grpcpp/support/byte_buffer.h>
 
 #include <chrono>
 #include <string>
@@ -10,6 +14,8 @@
 #include "server/core/cache_manager.h"
 #include "server/core/stop_token.h"
 #include "server/service/auth.h"
+#include "server/service/executor.h"
+#include "server/service/forward_wire.h"
 #include "server/service/metrics.h"
 #include "server/service/rpc_gate.h"
 
@@ -18,7 +24,7 @@ namespace pagedattn {
 // What a handler body knows of its call.
 class Rpc {
  public:
-  Rpc(const char* method, grpc::ServerContext* ctx, const RpcGate* gate);
+  Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate);
   const char* method() const { return method_; }
   const std::string& tenant() const { return tenant_; }
   void set_tenant(std::string tenant) { tenant_ = std::move(tenant); }
@@ -27,25 +33,43 @@ class Rpc {
   // The cache the call names, for the log line (escaped and shortened: it is request data).
   void set_cache(absl::string_view cache_id);
   const std::string& cache() const { return cache_; }
-  grpc::ServerContext* context() const { return ctx_; }
+  grpc::ServerContextBase* context() const { return ctx_; }
   double seconds() const;
 
  private:
   const char* method_;
-  grpc::ServerContext* ctx_;
+  grpc::ServerContextBase* ctx_;
   std::string tenant_;
   StopToken stop_;
   std::string cache_ = "-";
   std::chrono::steady_clock::time_point start_;
 };
 
-class AttentionServiceImpl final : public v1::AttentionService::Service {
+// One layer of a Forward as the service runs it (unary Forward, or one message of a Step).
+struct ForwardAnswer {
+  ForwardResult result;
+  ForwardTimings timings;
+  double parse_us = 0;
+};
+
+class AttentionServiceImpl final
+    : public v1::AttentionService::WithRawCallbackMethod_Forward<
+          v1::AttentionService::WithRawCallbackMethod_Step<v1::AttentionService::Service>> {
  public:
+  // Layers of one Step stream computed at once (the rest wait, read ahead).
+  static constexpr int kStepLayersInFlight = 4;
+
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
-  // gate: the server's calls in flight. budget: bytes of Forward data in flight.
+  // gate: the server's calls in flight. budget: bytes of Forward data in flight. executor: runs
+  // the layers of Step streams.
   AttentionServiceImpl(CacheManager* manager, const TokenAuthenticator* auth, Metrics* metrics,
-                       RpcGate* gate, ByteBudget* budget)
-      : manager_(manager), auth_(auth), metrics_(metrics), gate_(gate), budget_(budget) {}
+                       RpcGate* gate, ByteBudget* budget, Executor* executor)
+      : manager_(manager),
+        auth_(auth),
+        metrics_(metrics),
+        gate_(gate),
+        budget_(budget),
+        executor_(executor) {}
 
   grpc::Status GetServerInfo(grpc::ServerContext* ctx, const v1::GetServerInfoRequest* req,
                              v1::ServerInfo* resp) override;
@@ -59,23 +83,33 @@ class AttentionServiceImpl final : public v1::AttentionService::Service {
                           v1::ListCachesResponse* resp) override;
   grpc::Status DeleteCache(grpc::ServerContext* ctx, const v1::DeleteCacheRequest* req,
                            v1::DeleteCacheResponse* resp) override;
-  grpc::Status Forward(grpc::ServerContext* ctx, const v1::ForwardRequest* req,
-                       v1::ForwardResponse* resp) override;
+  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+                                    grpc::ByteBuffer* resp) override;
+  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
+      grpc::CallbackServerContext* ctx) override;
   grpc::Status ReleaseSequences(grpc::ServerContext* ctx, const v1::ReleaseSequencesRequest* req,
                                 v1::ReleaseSequencesResponse* resp) override;
 
  private:
+  class StepReactor;  // attention_service.cc
+
   // Runs body(rpc) -> absl::Status as the call named method, with the preamble and epilogue
   // every call shares.
   template <typename Body>
-  grpc::Status Handle(const char* method, grpc::ServerContext* ctx, Body&& body);
+  grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx, Body&& body);
+  // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
+  // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,
+  // the byte budget, the core.
+  absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,
+                                           const ForwardArgs& args, size_t request_bytes);
 
   CacheManager* const manager_;
   const TokenAuthenticator* const auth_;
   Metrics* const metrics_;
   RpcGate* const gate_;
   ByteBudget* const budget_;
+  Executor* const executor_;
 };
 
 // The capability table of a backend, as sent in ServerInfo.

@@ -91,7 +91,8 @@ absl::StatusOr<std::string> TokenAuthenticator::TenantForToken(absl::string_view
   return it->second;
 }
 
-absl::StatusOr<std::string> TokenAuthenticator::Authenticate(const grpc::ServerContext& ctx) const {
+absl::StatusOr<std::string> TokenAuthenticator::Authenticate(
+    const grpc::ServerContextBase& ctx) const {
   const auto& md = ctx.client_metadata();
   auto it = md.find("authorization");
   if (it == md.end()) {

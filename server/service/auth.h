@@ -27,7 +27,7 @@ class TokenAuthenticator {
   static absl::StatusOr<std::unique_ptr<TokenAuthenticator>> FromString(absl::string_view contents);
 
   // The caller's tenant, or UNAUTHENTICATED (missing or unknown token).
-  absl::StatusOr<std::string> Authenticate(const grpc::ServerContext& ctx) const;
+  absl::StatusOr<std::string> Authenticate(const grpc::ServerContextBase& ctx) const;
   absl::StatusOr<std::string> TenantForToken(absl::string_view token) const;
   size_t num_tokens() const { return tenants_.size(); }
   size_t num_tenants() const;

@@ -36,6 +36,20 @@ void Metrics::RecordForward(double seconds, int64_t tokens_appended, int64_t que
   queries_attended_.fetch_add(queries, std::memory_order_relaxed);
 }
 
+void Metrics::RecordForwardPhases(double parse_us, const ForwardTimings& core,
+                                  double serialize_us) {
+  const std::array<double, kPhases.size()> us = {parse_us,       core.validate_us, core.stage_us,
+                                                 core.h2d_us,    core.kernel_us,   core.d2h_us,
+                                                 core.commit_us, serialize_us};
+  for (size_t p = 0; p < kPhases.size(); ++p) {
+    const double seconds = us[p] * 1e-6;
+    size_t b = 0;
+    while (b < kPhaseBuckets.size() && seconds > kPhaseBuckets[b]) ++b;
+    phase_buckets_[p][b].fetch_add(1, std::memory_order_relaxed);
+    phase_sum_ns_[p].fetch_add(static_cast<int64_t>(us[p] * 1e3), std::memory_order_relaxed);
+  }
+}
+
 std::string Metrics::Render(const CacheManager& manager) const {
   std::string out;
   Header(&out, "pagedattn_rpcs_total", "counter", "RPCs served, by method and status code.");
@@ -59,6 +73,24 @@ std::string Metrics::Render(const CacheManager& manager) const {
   absl::StrAppendFormat(&out, "pagedattn_forward_latency_seconds_sum %.9f\n",
                         latency_sum_ns_.load(std::memory_order_relaxed) * 1e-9);
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
+  Header(&out, "pagedattn_forward_phase_seconds", "histogram",
+         "Where successful Forwards' time went in the server, by phase: parse (the request's "
+         "bytes), validate (checks, the layer's lock, pages, plan), stage (host-side "
+         "preparation in the backend), h2d, kernel (GPU time; CPU: the compute), d2h, commit, "
+         "serialize (the answer's bytes).");
+  for (size_t p = 0; p < kPhases.size(); ++p) {
+    int64_t n = 0;
+    for (size_t b = 0; b <= kPhaseBuckets.size(); ++b) {
+      n += phase_buckets_[p][b].load(std::memory_order_relaxed);
+      absl::StrAppend(
+          &out, "pagedattn_forward_phase_seconds_bucket{phase=\"", kPhases[p], "\",le=\"",
+          b < kPhaseBuckets.size() ? absl::StrCat(kPhaseBuckets[b]) : "+Inf", "\"} ", n, "\n");
+    }
+    absl::StrAppendFormat(&out, "pagedattn_forward_phase_seconds_sum{phase=\"%s\"} %.9f\n",
+                          kPhases[p], phase_sum_ns_[p].load(std::memory_order_relaxed) * 1e-9);
+    absl::StrAppend(&out, "pagedattn_forward_phase_seconds_count{phase=\"", kPhases[p], "\"} ", n,
+                    "\n");
+  }
   Header(&out, "pagedattn_tokens_appended_total", "counter", "K/V rows written by Forward.");
   absl::StrAppend(&out, "pagedattn_tokens_appended_total ", tokens_appended_.load(), "\n");
   Header(&out, "pagedattn_queries_attended_total", "counter", "Query tokens attended by Forward.");

@@ -82,6 +82,7 @@ class PagedAttnServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcGate> gate_;
   std::unique_ptr<ByteBudget> budget_;
+  std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<grpc::Server> server_;

@@ -3,6 +3,7 @@
 
 #include <civetweb.h>
 #include <grpcpp/create_channel.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 
 #include <fstream>
@@ -11,6 +12,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "common/dtype.h"
+#include "common/transport.h"
+#include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 
 namespace pagedattn {
@@ -53,6 +56,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     creds = grpc::InsecureChannelCredentials();
   }
   grpc::ChannelArguments args;
+  if (options.tuned_transport) {
+    for (const auto& [name, value] : kTransportArgs) args.SetInt(name, value);
+  }
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
@@ -135,6 +141,139 @@ absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
 }
 
 #undef PAGEDATTN_UNARY
+
+namespace {
+
+constexpr char kForwardMethod[] = "/pagedattn.v1.AttentionService/Forward";
+constexpr char kStepMethod[] = "/pagedattn.v1.AttentionService/Step";
+
+// The call's message as slices: small headers copied, tensor data referenced where it lies.
+grpc::ByteBuffer EncodeCall(const ForwardCall& call) {
+  std::vector<grpc::Slice> slices;
+  slices.emplace_back(
+      wire::ForwardRequestHead(call.cache_id, call.layer, call.spans, call.options));
+  for (const auto& [field, t] : {std::pair{wire::kRequestQ, &call.q},
+                                 {wire::kRequestK, &call.k},
+                                 {wire::kRequestV, &call.v}}) {
+    if (t->dtype == v1::DTYPE_UNSPECIFIED) continue;
+    slices.emplace_back(wire::TensorFieldPrefix(field, t->dtype, t->shape, t->bytes));
+    if (t->bytes > 0) slices.emplace_back(t->data, t->bytes, grpc::Slice::STATIC_SLICE);
+  }
+  return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+absl::Status CopyTensor(const wire::TensorRef& t, void* dst, size_t dst_bytes, const char* name) {
+  if (dst == nullptr) return absl::OkStatus();
+  if (t.data_size != dst_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("the answer's ", name, " holds ", t.data_size,
+                                                   " bytes; the buffer given has ", dst_bytes));
+  }
+  t.CopyTo(static_cast<char*>(dst));
+  return absl::OkStatus();
+}
+
+// The reply's fields and tensors (into output); a StepResponse's error as a status.
+absl::StatusOr<ForwardReply> DecodeReply(grpc::ByteBuffer& buffer, const ForwardOutput& output) {
+  std::vector<grpc::Slice> slices;
+  if (!buffer.Dump(&slices).ok()) return absl::DataLossError("unreadable answer");
+  std::vector<wire::Piece> pieces;
+  for (const grpc::Slice& s : slices) {
+    pieces.push_back({reinterpret_cast<const char*>(s.begin()), s.size()});
+  }
+  wire::ForwardResponseRef r;
+  std::string error;
+  if (!wire::ParseForwardResponse(pieces, &r, &error)) {
+    return absl::DataLossError(absl::StrCat("the answer is not a ForwardResponse: ", error));
+  }
+  if (!r.error_status.empty()) {
+    google::rpc::Status status;
+    status.ParseFromString(r.error_status);
+    return absl::Status(static_cast<absl::StatusCode>(status.code()), status.message());
+  }
+  ForwardReply reply;
+  reply.out_dtype = static_cast<v1::DType>(r.out.dtype);
+  reply.out_shape = r.out.shape;
+  reply.layer = r.layer;
+  reply.server_micros = r.server_micros;
+  reply.kernel_micros = r.kernel_micros;
+  if (absl::Status s = CopyTensor(r.out, output.out, output.out_bytes, "out"); !s.ok()) return s;
+  if (output.lse != nullptr) {
+    if (absl::Status s = CopyTensor(r.lse, output.lse, output.lse_bytes, "lse"); !s.ok()) return s;
+  }
+  return reply;
+}
+
+int64_t TrailerMicros(const grpc::ClientContext& ctx, const char* key) {
+  const auto& md = ctx.GetServerTrailingMetadata();
+  auto it = md.find(key);
+  int64_t v = 0;
+  if (it != md.end())
+    (void)absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &v);
+  return v;
+}
+
+}  // namespace
+
+absl::StatusOr<ForwardReply> Client::ForwardTensors(const ForwardCall& call,
+                                                    const ForwardOutput& output) {
+  grpc::ClientContext ctx;
+  Prepare(&ctx);
+  const grpc::ByteBuffer request = EncodeCall(call);
+  grpc::ByteBuffer response;
+  const grpc::internal::RpcMethod method(kForwardMethod, grpc::internal::RpcMethod::NORMAL_RPC,
+                                         channel_);
+  grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+      channel_.get(), method, &ctx, request, &response);
+  if (!s.ok()) return FromGrpcStatus(s);
+  absl::StatusOr<ForwardReply> reply = DecodeReply(response, output);
+  if (!reply.ok()) return reply;
+  reply->server_micros = TrailerMicros(ctx, "pagedattn-server-us");
+  reply->kernel_micros = TrailerMicros(ctx, "pagedattn-kernel-us");
+  return reply;
+}
+
+absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStep() {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  Prepare(ctx.get());
+  const grpc::internal::RpcMethod method(kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
+                                         channel_);
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw(
+      grpc::internal::ClientReaderWriterFactory<grpc::ByteBuffer, grpc::ByteBuffer>::Create(
+          channel_.get(), method, ctx.get()));
+  return std::make_unique<StepStream>(std::move(ctx), std::move(rw));
+}
+
+StepStream::~StepStream() {
+  if (!closed_) {
+    ctx_->TryCancel();
+    (void)rw_->Finish();
+  }
+}
+
+absl::Status StepStream::Send(const ForwardCall& call) {
+  if (!rw_->Write(EncodeCall(call))) {
+    return absl::UnavailableError("the Step stream is closed (see Close() for why)");
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ForwardReply> StepStream::Receive(const ForwardOutput& output) {
+  grpc::ByteBuffer buffer;
+  if (!rw_->Read(&buffer)) {
+    return absl::UnavailableError("the Step stream ended (see Close() for why)");
+  }
+  return DecodeReply(buffer, output);
+}
+
+absl::Status StepStream::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  rw_->WritesDone();
+  grpc::ByteBuffer rest;
+  while (rw_->Read(&rest)) {
+  }
+  return FromGrpcStatus(rw_->Finish());
+}
 
 absl::StatusOr<bool> Client::CheckHealth(const std::string& service) {
   auto stub = grpc::health::v1::Health::NewStub(channel_);

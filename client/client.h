@@ -3,6 +3,9 @@
 #pragma once
 
 #include <grpcpp/channel.h>
+#include <grpcpp/client_context.h>
+#include <grpcpp/support/byte_buffer.h>
+#include <grpcpp/support/sync_stream.h>
 
 #include <cstdint>
 #include <memory>
@@ -11,6 +14,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
+#include "common/wire.h"
 #include "pagedattn/v1/attention.grpc.pb.h"
 
 namespace pagedattn {
@@ -24,7 +28,48 @@ struct ClientOptions {
   std::string tls_key_file;                    // Client key (mTLS), PEM.
   std::string tls_server_name;                 // Overrides the name checked in the server cert.
   int64_t max_message_bytes = 512 << 20;
+  // HTTP/2 windows, frames and socket reads sized for MB messages (common/transport.h); false:
+  // gRPC's defaults.
+  bool tuned_transport = true;
 };
+
+// A tensor sent from the caller's own memory (no copy): it must stay valid until the call that
+// sends it returns. dtype UNSPECIFIED: the field is not sent.
+struct TensorArg {
+  v1::DType dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> shape;
+  const void* data = nullptr;
+  size_t bytes = 0;
+};
+
+// One Forward (or one message of a Step stream) with its tensors in the caller's memory.
+struct ForwardCall {
+  std::string cache_id;  // Step: empty keeps the stream's.
+  int32_t layer = 0;
+  std::vector<wire::SpanRef> spans;  // Step: empty continues the open step.
+  wire::ForwardOptionsRef options;
+  TensorArg q, k, v;
+};
+
+// Where a Forward's answer goes: the caller's buffers, exactly out's and lse's size (lse may be
+// null when not asked for).
+struct ForwardOutput {
+  void* out = nullptr;
+  size_t out_bytes = 0;
+  float* lse = nullptr;
+  size_t lse_bytes = 0;
+};
+
+// What came back besides the tensors.
+struct ForwardReply {
+  v1::DType out_dtype = v1::DTYPE_UNSPECIFIED;
+  std::vector<int64_t> out_shape;
+  int32_t layer = 0;          // Step: the layer this answers.
+  int64_t server_micros = 0;  // The server's time (trailing metadata / StepResponse).
+  int64_t kernel_micros = 0;
+};
+
+class StepStream;
 
 class Client {
  public:
@@ -42,6 +87,11 @@ class Client {
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
   absl::StatusOr<v1::ReleaseSequencesResponse> ReleaseSequences(
       const std::string& cache_id, const std::vector<uint64_t>& seq_ids);
+  // Forward with the tensors sent from and the answer written to the caller's memory (no
+  // protobuf copies; the answer's bytes are copied once, into `output`).
+  absl::StatusOr<ForwardReply> ForwardTensors(const ForwardCall& call, const ForwardOutput& output);
+  // A Step stream (one Forward per message, answered in order); the deadline covers the stream.
+  absl::StatusOr<std::unique_ptr<StepStream>> OpenStep();
   // grpc.health.v1 Check: true when SERVING.
   absl::StatusOr<bool> CheckHealth(const std::string& service = "");
 
@@ -53,6 +103,28 @@ class Client {
   std::shared_ptr<grpc::Channel> channel_;
   ClientOptions options_;
   std::unique_ptr<v1::AttentionService::Stub> stub_;
+};
+
+// One Step stream. Send() and Receive() may run on two threads (one each); Receive() returns
+// the answers in the order of the messages sent. A layer's error is Receive()'s status; the
+// stream goes on.
+class StepStream {
+ public:
+  StepStream(std::unique_ptr<grpc::ClientContext> ctx,
+             std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw)
+      : ctx_(std::move(ctx)), rw_(std::move(rw)) {}
+  ~StepStream();
+  // Sends one message: a step's opening (spans set) or a layer of the open step.
+  absl::Status Send(const ForwardCall& call);
+  absl::StatusOr<ForwardReply> Receive(const ForwardOutput& output);
+  // No more messages; waits for the stream's end and returns its status.
+  absl::Status Close();
+  void Cancel() { ctx_->TryCancel(); }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> ctx_;
+  std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw_;
+  bool closed_ = false;
 };
 
 // GET http://target/metrics (target "host:port" of the server's --metrics_listen): the

@@ -299,9 +299,29 @@ bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* 
   Reader r(chunks);
   Parser p(r, error);
   return p.Fields(r.total(), [&](uint32_t number, uint32_t type) -> int {
-    if (type != kLength) return 0;
-    if (number == kResponseOut) return p.Tensor(&out->out) ? 1 : -1;
-    if (number == kResponseLse) return p.Tensor(&out->lse) ? 1 : -1;
+    uint64_t v = 0;
+    size_t end = 0;
+    if (number == kResponseOut && type == kLength) return p.Tensor(&out->out) ? 1 : -1;
+    if (number == kResponseLse && type == kLength) return p.Tensor(&out->lse) ? 1 : -1;
+    if (number == 3 && type == kVarint) {
+      if (!p.Varint(&v)) return -1;
+      out->layer = static_cast<int32_t>(v);
+      return 1;
+    }
+    if (number == 4 && type == kLength) {
+      if (!p.LengthEnd(&end)) return -1;
+      return r.ReadString(end - r.pos(), &out->error_status) ? 1 : -1;
+    }
+    if (number == 5 && type == kLength) {
+      if (!p.LengthEnd(&end)) return -1;
+      const bool ok = p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
+        if ((n != 1 && n != 2) || t != kVarint) return 0;
+        if (!p.Varint(&v)) return -1;
+        (n == 1 ? out->server_micros : out->kernel_micros) = static_cast<int64_t>(v);
+        return 1;
+      });
+      return ok ? 1 : -1;
+    }
     return 0;
   });
 }

@@ -81,9 +81,15 @@ inline constexpr int kResponseOut = 1, kResponseLse = 2;
 std::string StepResponseFields(int32_t layer, const std::string& error_status,
                                int64_t server_micros, int64_t kernel_micros);
 
-// A ForwardResponse as received: out and lse (lse.present only when asked for).
+// A ForwardResponse (or StepResponse) as received: out and lse (lse.present only when asked
+// for); for a StepResponse also its layer, error (a google.rpc.Status's bytes; empty: none)
+// and timing.
 struct ForwardResponseRef {
   TensorRef out, lse;
+  int32_t layer = 0;
+  std::string error_status;
+  int64_t server_micros = 0;
+  int64_t kernel_micros = 0;
 };
 bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* out,
                           std::string* error);

@@ -70,8 +70,13 @@ using pagedattn::BackendChoice;
 using pagedattn::PrefillKernel;
 
 ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
-          "host:port (or [ipv6]:port) the gRPC service listens on; port 0 picks a free port "
-          "(the start-up log line says which). A port in use is a start-up error");
+          "where the gRPC service listens, comma-separated: host:port or [ipv6]:port (port 0 "
+          "picks a free port; the start-up log line says which) and unix:/path/to.sock (a Unix "
+          "socket for clients on the same host; see --unix_socket_mode). A port or socket in "
+          "use is a start-up error; a socket file left by a stopped server is replaced");
+ABSL_FLAG(std::string, unix_socket_mode, "0660",
+          "file mode (octal) of the Unix sockets of --listen: who may connect is who may open "
+          "the file (0660: the server's user and group)");
 ABSL_FLAG(BackendChoice, backend, BackendChoice::kAuto,
           "auto | cuda | cpu. auto: CUDA when this build has it and every visible GPU can run "
           "its kernels, else the CPU backend (with a warning saying why); cuda: refuse to start "
@@ -197,6 +202,16 @@ std::vector<std::string> FlagsFromEnvironment() {
   return ignored;
 }
 
+bool ParseSocketMode(const std::string& text, int* mode) {
+  if (text.empty() || text.size() > 4) return false;
+  *mode = 0;
+  for (char c : text) {
+    if (c < '0' || c > '7') return false;
+    *mode = *mode * 8 + (c - '0');
+  }
+  return true;
+}
+
 // Every flag value that is out of range, each named (checked before anything starts).
 std::vector<std::string> InvalidFlags() {
   std::vector<std::string> bad;
@@ -205,7 +220,16 @@ std::vector<std::string> InvalidFlags() {
     absl::StatusOr<pagedattn::HostPort> hp = pagedattn::ParseHostPort(flag, value);
     if (!hp.ok()) bad.emplace_back(hp.status().message());
   };
-  address("--listen", absl::GetFlag(FLAGS_listen), false);
+  if (absl::StatusOr<std::vector<pagedattn::ListenAddress>> listen =
+          pagedattn::ParseListenAddresses("--listen", absl::GetFlag(FLAGS_listen));
+      !listen.ok()) {
+    bad.emplace_back(listen.status().message());
+  }
+  int mode = 0;
+  if (!ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode), &mode)) {
+    bad.push_back(absl::StrCat("--unix_socket_mode must be an octal file mode like 0660 (got '",
+                               absl::GetFlag(FLAGS_unix_socket_mode), "')"));
+  }
   address("--health_listen", absl::GetFlag(FLAGS_health_listen), true);
   address("--metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true);
   auto range = [&](const char* flag, double value, double lo, double hi) {
@@ -325,6 +349,7 @@ int main(int argc, char** argv) {
 
   pagedattn::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
+  ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode), &options.unix_socket_mode);
   options.backend = {.backend = absl::GetFlag(FLAGS_backend),
                      .cpu_threads = absl::GetFlag(FLAGS_cpu_threads),
                      .prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel),
@@ -359,7 +384,7 @@ int main(int argc, char** argv) {
   }
   absl::StatusOr<pagedattn::MemoryInfo> mem = backend.memory(0);
   spdlog::info(
-      "pagedattn-server {} listening on port {} ({}); backend {} on {} ({} device{}, "
+      "pagedattn-server {} listening on port {} (--listen={}); backend {} on {} ({} device{}, "
       "{:.1f} of {:.1f} GiB free for pools); build has CUDA: {}; health SERVING",
       PAGEDATTN_VERSION, (*server)->port(), options.listen, backend.name(), backend.device_name(),
       backend.device_count(), backend.device_count() == 1 ? "" : "s",

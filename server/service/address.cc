@@ -4,6 +4,8 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 
 namespace pagedattn {
 
@@ -39,6 +41,30 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view flag, absl::string_view
   }
   if (hp.port < 0 || hp.port > 65535) return bad("the port is out of range");
   return hp;
+}
+
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(absl::string_view flag,
+                                                                absl::string_view list) {
+  std::vector<ListenAddress> out;
+  for (absl::string_view item : absl::StrSplit(list, ',')) {
+    ListenAddress a;
+    a.text = std::string(item);
+    if (absl::ConsumePrefix(&item, "unix:")) {
+      absl::ConsumePrefix(&item, "//");  // unix:///abs/path
+      if (item.empty()) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(flag, ": a Unix socket needs a path (unix:/path/to.sock)"));
+      }
+      a.unix_socket = true;
+      a.path = std::string(item);
+    } else {
+      absl::StatusOr<HostPort> hp = ParseHostPort(flag, item);
+      if (!hp.ok()) return hp.status();
+      a.tcp = *hp;
+    }
+    out.push_back(std::move(a));
+  }
+  return out;
 }
 
 }  // namespace pagedattn

@@ -1,8 +1,10 @@
-// Listen addresses: "host:port", "[ipv6]:port" or ":port", checked before anything binds so
-// that a bad flag is a clear start-up error rather than a port gRPC wraps or ignores.
+// Listen addresses: "host:port", "[ipv6]:port", ":port" or "unix:/path", checked before
+// anything binds so that a bad flag is a clear start-up error rather than a port gRPC wraps or
+// ignores.
 #pragma once
 
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
@@ -17,5 +19,17 @@ struct HostPort {
 // INVALID_ARGUMENT naming the flag and the value when it is not host:port with a port in
 // 0..65535.
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view flag, absl::string_view address);
+
+// One address of --listen: a TCP host:port, or a Unix socket "unix:/path/to.sock".
+struct ListenAddress {
+  std::string text;  // As given.
+  bool unix_socket = false;
+  std::string path;  // The socket's path (unix_socket).
+  HostPort tcp;      // Otherwise.
+};
+
+// --listen's comma-separated addresses, each checked; INVALID_ARGUMENT naming a bad one.
+absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(absl::string_view flag,
+                                                                absl::string_view list);
 
 }  // namespace pagedattn

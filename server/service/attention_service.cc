@@ -295,6 +295,7 @@ class AttentionServiceImpl::StepReactor final
     Accept(*job);
     jobs_.push_back(std::move(job));
     ScheduleLocked();
+    WriteLocked();  // a message answered with an error at once may be next in line
     ReadLocked();
   }
 

@@ -6,12 +6,20 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "common/transport.h"
 #include "server/core/host_memory.h"
+#include "server/service/address.h"
 #include "server/service/tls.h"
 
 namespace pagedattn {
@@ -51,6 +59,33 @@ void CommonArguments(grpc::ServerBuilder& builder) {
 
 }  // namespace
 
+// A socket file left by a server that is gone is removed; one a live server answers on is in
+// use (UNAVAILABLE, like a busy TCP port).
+absl::Status ClearStaleSocket(const std::string& path) {
+  struct stat st;
+  if (lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("--listen=unix:", path, ": the path exists and is not a socket"));
+  }
+  sockaddr_un addr = {};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--listen=unix:", path, ": the path is longer than ", sizeof(addr.sun_path) - 1, " bytes"));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  const bool live = fd >= 0 && connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+  if (fd >= 0) close(fd);
+  if (live) {
+    return absl::UnavailableError(
+        absl::StrCat("could not listen on --listen=unix:", path, " (a server answers on it)"));
+  }
+  unlink(path.c_str());
+  return absl::OkStatus();
+}
+
 int64_t RequestMemoryDefault(int64_t max_message_bytes) {
   const int64_t quarter = HostMemory().total_bytes / 4;
   return std::max<int64_t>(64 << 20, std::min(quarter, 2 * max_message_bytes + (64 << 20)));
@@ -86,17 +121,30 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
-  s->service_ = std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(),
-                                                       s->metrics_.get(), s->gate_.get(),
-                                                       s->budget_.get(), s->executor_.get());
+  s->service_ =
+      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get(),
+                                             s->gate_.get(), s->budget_.get(), s->executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
+  absl::StatusOr<std::vector<ListenAddress>> addresses =
+      ParseListenAddresses("--listen", options.listen);
+  if (!addresses.ok()) return addresses.status();
   grpc::ServerBuilder builder;
   CommonArguments(builder);
-  builder.AddListeningPort(options.listen, *creds, &s->port_);
+  for (const auto& [name, value] : kTransportArgs) builder.AddChannelArgument(name, value);
+  std::vector<int> bound(addresses->size(), 0);
+  for (size_t i = 0; i < addresses->size(); ++i) {
+    const ListenAddress& a = (*addresses)[i];
+    if (a.unix_socket) {
+      if (absl::Status st = ClearStaleSocket(a.path); !st.ok()) return st;
+      builder.AddListeningPort("unix:" + a.path, *creds, &bound[i]);
+    } else {
+      builder.AddListeningPort(a.text, *creds, &bound[i]);
+    }
+  }
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());
   builder.SetMaxReceiveMessageSize(max_bytes);
@@ -106,10 +154,27 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   quota.SetMaxThreads(kMaxServerThreads);
   builder.SetResourceQuota(quota);
   s->server_ = builder.BuildAndStart();
-  if (s->server_ == nullptr || s->port_ == 0) {
-    return absl::UnavailableError(absl::StrCat(
-        "could not listen on --listen=", options.listen,
-        " (in use by another process? see `ss -ltnp`; or not an address of this host)"));
+  for (size_t i = 0; i < addresses->size(); ++i) {
+    const ListenAddress& a = (*addresses)[i];
+    if (s->server_ == nullptr || bound[i] == 0) {
+      if (s->server_ != nullptr) s->server_->Shutdown();
+      return absl::UnavailableError(absl::StrCat(
+          "could not listen on --listen=", a.text,
+          a.unix_socket ? " (is its directory there and writable?)"
+                        : " (in use by another process? see `ss -ltnp`; or not an address of this "
+                          "host)"));
+    }
+    if (a.unix_socket) {
+      // Who may connect is who may open the file: the mode, not the umask, decides it.
+      if (chmod(a.path.c_str(), static_cast<mode_t>(options.unix_socket_mode)) != 0) {
+        s->server_->Shutdown();
+        return absl::PermissionDeniedError(
+            absl::StrCat("chmod of the socket ", a.path, ": ", std::strerror(errno)));
+      }
+      s->unix_sockets_.push_back(a.path);
+    } else if (s->port_ == 0) {
+      s->port_ = bound[i];
+    }
   }
   if (!options.health_listen.empty()) {
     // Kubernetes gRPC probes cannot speak TLS: health alone, in plaintext.
@@ -173,6 +238,8 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
 void PagedAttnServer::Wait() {
   if (server_ != nullptr) server_->Wait();
   if (health_server_ != nullptr) health_server_->Wait();
+  for (const std::string& path : unix_sockets_) unlink(path.c_str());
+  unix_sockets_.clear();
 }
 
 }  // namespace pagedattn

@@ -6,6 +6,7 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
@@ -21,7 +22,9 @@
 namespace pagedattn {
 
 struct ServerOptions {
-  std::string listen = "0.0.0.0:50051";  // host:port; port 0 picks a free one.
+  // Comma-separated addresses: host:port (port 0 picks a free one) or unix:/path/to.sock.
+  std::string listen = "0.0.0.0:50051";
+  int unix_socket_mode = 0660;  // File mode of Unix sockets: who may connect.
   BackendOptions backend;
   int64_t max_message_bytes = 512 << 20;  // Largest request/response.
   // Memory for requests in flight: gRPC's buffers (a resource quota: past it, the transport
@@ -51,6 +54,7 @@ class PagedAttnServer {
   static absl::StatusOr<std::unique_ptr<PagedAttnServer>> Start(const ServerOptions& options);
   ~PagedAttnServer();
 
+  // The first TCP address's port (0 when --listen has Unix sockets only).
   int port() const { return port_; }
   int health_port() const { return health_port_; }
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
@@ -89,6 +93,7 @@ class PagedAttnServer {
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<HttpServer> metrics_http_;
   std::string backend_fallback_reason_;
+  std::vector<std::string> unix_sockets_;  // removed when the server has stopped
   int port_ = 0;
   int health_port_ = 0;
   bool tls_ = false;

@@ -1,0 +1,24 @@
+// Transport settings for MB-sized messages, shared by the server's ports and the clients'
+// channels: large HTTP/2 windows and frames, and large socket reads, so that a message is
+// moved in few big pieces (docs/PERFORMANCE.md#transport has the numbers behind them).
+#pragma once
+
+#include <array>
+#include <utility>
+
+namespace pagedattn {
+
+// gRPC channel arguments (name, integer value).
+inline constexpr std::array<std::pair<const char*, int>, 6> kTransportArgs = {{
+    {"grpc.http2.lookahead_bytes", 16 << 20},            // the initial stream window
+    {"grpc.http2.max_frame_size", (16 << 20) - 1},       // the largest HTTP/2 allows
+    {"grpc.http2.write_buffer_size", 16 << 20},          // bytes queued per write
+    {"grpc.experimental.tcp_read_chunk_size", 4 << 20},  // socket reads
+    {"grpc.experimental.tcp_min_read_chunk_size", 1 << 20},
+    {"grpc.experimental.tcp_max_read_chunk_size", 16 << 20},
+}};
+
+// The largest message the server accepts and sends by default, and what clients accept.
+inline constexpr int kDefaultMaxMessageBytes = 512 << 20;
+
+}  // namespace pagedattn

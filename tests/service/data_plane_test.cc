@@ -1,0 +1,304 @@
+// The data plane end to end: the same script of Forwards (mixed prefill / chunked / decode
+// batches, rewinds, errors that must change nothing, multi-layer steps) through unary Forward
+// with protobuf messages, unary Forward with the zero-copy client, and the Step stream, over TCP
+// and a Unix socket. Every path must give bit-identical answers and the same errors; a Step
+// stream cancelled mid-way commits its completed layers and no partial one.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <random>
+#include <thread>
+
+#include "absl/time/clock.h"
+#include "client/client.h"
+#include "server/service/server.h"
+
+namespace pagedattn {
+namespace {
+
+constexpr int kLayers = 2, kHeads = 8, kKvHeads = 2, kHeadDim = 64;
+
+bool OnCpu() {
+  const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
+  return b == nullptr || *b == '\0' || std::string(b) == "cpu";
+}
+
+// One Forward of the script: spans, layer, and whether it must fail (with which code).
+struct Case {
+  int32_t layer;
+  std::vector<wire::SpanRef> spans;  // seq, start, new, queries
+  absl::StatusCode want = absl::StatusCode::kOk;
+  bool bad_q_shape = false;
+};
+
+// The script: every kind of span, errors in between (which must change nothing), rewinds.
+std::vector<Case> Script() {
+  using C = absl::StatusCode;
+  return {
+      {0, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
+      {1, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
+      {0, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
+      {0, {{1, 40, 1, 1}}, C::kFailedPrecondition},     // a gap
+      {0, {{9, 5, 0, 1}}, C::kNotFound},                // attend an unknown sequence
+      {1, {{1, 37, 1, 1}}, C::kInvalidArgument, true},  // q of the wrong shape
+      {0, {{4, 0, 600, 600}}, C::kResourceExhausted},   // more pages than the pool has
+      {1, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
+      {0, {{1, 30, 3, 3}, {2, 32, 0, 4}, {3, 5, 0, 2}}},  // rewind, attend-only spans
+      {1, {{1, 38, 2, 2}, {3, 5, 1, 1}}},
+      {0, {{1, 33, 1, 1}, {3, 5, 1, 1}}},
+  };
+}
+
+// Deterministic tensors of a case (the same for every path).
+struct Tensors {
+  std::string q, k, v;
+  std::vector<int64_t> q_shape, kv_shape;
+};
+Tensors MakeTensors(const Case& c, uint64_t seed) {
+  int64_t queries = 0, tokens = 0;
+  for (const wire::SpanRef& s : c.spans) {
+    queries += s.num_queries;
+    tokens += s.num_new_tokens;
+  }
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d;
+  auto bf16 = [&](int64_t n) {
+    std::string bytes(static_cast<size_t>(n) * 2, '\0');
+    for (int64_t i = 0; i < n; ++i) {
+      const float f = d(rng);
+      uint32_t u;
+      std::memcpy(&u, &f, 4);
+      const uint16_t h = static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
+      std::memcpy(bytes.data() + 2 * i, &h, 2);
+    }
+    return bytes;
+  };
+  Tensors t;
+  t.q_shape = {queries, kHeads, kHeadDim};
+  if (c.bad_q_shape) t.q_shape = {queries, kHeads + 1, kHeadDim};
+  t.q = bf16(t.q_shape[0] * t.q_shape[1] * t.q_shape[2]);
+  t.kv_shape = {tokens, kKvHeads, kHeadDim};
+  t.k = bf16(tokens * kKvHeads * kHeadDim);
+  t.v = bf16(tokens * kKvHeads * kHeadDim);
+  return t;
+}
+
+ForwardCall CallOf(const std::string& cache, const Case& c, const Tensors& t) {
+  ForwardCall call;
+  call.cache_id = cache;
+  call.layer = c.layer;
+  call.spans = c.spans;
+  call.options.return_lse = true;
+  call.q = {v1::BFLOAT16, t.q_shape, t.q.data(), t.q.size()};
+  if (t.kv_shape[0] > 0) {
+    call.k = {v1::BFLOAT16, t.kv_shape, t.k.data(), t.k.size()};
+    call.v = {v1::BFLOAT16, t.kv_shape, t.v.data(), t.v.size()};
+  }
+  return call;
+}
+
+v1::ForwardRequest ProtoOf(const ForwardCall& call) {
+  v1::ForwardRequest r;
+  r.set_cache_id(call.cache_id);
+  r.set_layer(call.layer);
+  for (const wire::SpanRef& s : call.spans) {
+    v1::Span* p = r.add_spans();
+    p->set_seq_id(s.seq_id);
+    p->set_start(s.start);
+    p->set_num_new_tokens(s.num_new_tokens);
+    p->set_num_queries(s.num_queries);
+  }
+  r.mutable_options()->set_return_lse(call.options.return_lse);
+  auto tensor = [](const TensorArg& a, v1::Tensor* t) {
+    t->set_dtype(a.dtype);
+    for (int64_t d : a.shape) t->add_shape(d);
+    t->set_data(std::string(static_cast<const char*>(a.data), a.bytes));
+  };
+  tensor(call.q, r.mutable_q());
+  if (call.k.dtype != v1::DTYPE_UNSPECIFIED) {
+    tensor(call.k, r.mutable_k());
+    tensor(call.v, r.mutable_v());
+  }
+  return r;
+}
+
+// An answer: its status, out's and lse's bytes.
+struct Answer {
+  absl::StatusCode code;
+  std::string out, lse;
+};
+
+class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a Unix socket
+ protected:
+  void SetUp() override {
+    socket_ =
+        (std::filesystem::temp_directory_path() / absl::StrCat("pagedattn-dp-", getpid(), ".sock"))
+            .string();
+    ServerOptions o;
+    o.listen = absl::StrCat("127.0.0.1:0,unix:", socket_);
+    o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 2};
+    server_ = *PagedAttnServer::Start(o);
+    ClientOptions c;
+    c.target = GetParam() ? "unix:" + socket_ : absl::StrCat("127.0.0.1:", server_->port());
+    c.timeout = absl::Seconds(120);
+    client_ = *Client::Connect(c);
+  }
+
+  std::string NewCache() {
+    v1::CacheConfig c;
+    c.set_num_layers(kLayers);
+    c.set_num_q_heads(kHeads);
+    c.set_num_kv_heads(kKvHeads);
+    c.set_head_dim(kHeadDim);
+    c.set_page_size(7);  // odd on purpose
+    c.set_kv_dtype(v1::BFLOAT16);
+    c.set_num_pages(64);
+    return client_->CreateCache(c)->cache_id();
+  }
+
+  static size_t OutBytes(const Tensors& t) {
+    return static_cast<size_t>(t.q_shape[0] * kHeads * kHeadDim * 2);
+  }
+
+  std::string socket_;
+  std::unique_ptr<PagedAttnServer> server_;
+  std::unique_ptr<Client> client_;
+};
+
+TEST_P(DataPlaneTest, EveryPathGivesTheSameAnswers) {
+  const std::vector<Case> script = Script();
+  std::vector<Answer> proto, tensors, step;
+  // Unary, protobuf messages.
+  std::string cache = NewCache();
+  for (size_t i = 0; i < script.size(); ++i) {
+    const Tensors t = MakeTensors(script[i], i);
+    absl::StatusOr<v1::ForwardResponse> r = client_->Forward(ProtoOf(CallOf(cache, script[i], t)));
+    proto.push_back(
+        {r.status().code(), r.ok() ? r->out().data() : "", r.ok() ? r->lse().data() : ""});
+  }
+  // Unary, zero-copy client.
+  cache = NewCache();
+  for (size_t i = 0; i < script.size(); ++i) {
+    const Tensors t = MakeTensors(script[i], i);
+    std::string out(OutBytes(t), '\0'), lse(static_cast<size_t>(t.q_shape[0]) * kHeads * 4, '\0');
+    absl::StatusOr<ForwardReply> r = client_->ForwardTensors(
+        CallOf(cache, script[i], t),
+        {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
+    tensors.push_back({r.status().code(), r.ok() ? out : "", r.ok() ? lse : ""});
+    if (r.ok()) {
+      EXPECT_GT(r->server_micros, 0) << "no pagedattn-server-us trailer";
+    }
+  }
+  // One Step stream: every case opens a step (sets spans). All sent before any answer is read.
+  cache = NewCache();
+  absl::StatusOr<std::unique_ptr<StepStream>> stream = client_->OpenStep();
+  ASSERT_TRUE(stream.ok()) << stream.status();
+  std::vector<Tensors> kept;
+  for (size_t i = 0; i < script.size(); ++i) kept.push_back(MakeTensors(script[i], i));
+  std::thread sender([&] {
+    for (size_t i = 0; i < script.size(); ++i) {
+      ASSERT_TRUE((*stream)->Send(CallOf(cache, script[i], kept[i])).ok());
+    }
+  });
+  for (size_t i = 0; i < script.size(); ++i) {
+    std::string out(OutBytes(kept[i]), '\0'),
+        lse(static_cast<size_t>(kept[i].q_shape[0]) * kHeads * 4, '\0');
+    absl::StatusOr<ForwardReply> r = (*stream)->Receive(
+        {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
+    if (r.ok()) {
+      EXPECT_EQ(r->layer, script[i].layer);
+    }
+    step.push_back({r.status().code(), r.ok() ? out : "", r.ok() ? lse : ""});
+  }
+  sender.join();
+  EXPECT_TRUE((*stream)->Close().ok());
+
+  for (size_t i = 0; i < script.size(); ++i) {
+    EXPECT_EQ(proto[i].code, script[i].want) << "case " << i;
+    EXPECT_EQ(tensors[i].code, proto[i].code) << "case " << i;
+    EXPECT_EQ(step[i].code, proto[i].code) << "case " << i;
+    EXPECT_TRUE(tensors[i].out == proto[i].out && tensors[i].lse == proto[i].lse)
+        << "case " << i << ": zero-copy client differs from protobuf";
+    EXPECT_TRUE(step[i].out == proto[i].out && step[i].lse == proto[i].lse)
+        << "case " << i << ": Step stream differs from unary Forward";
+  }
+}
+
+// A step of both layers on one stream: the message that opens it sets spans; the next carries
+// only the second layer and its tensors. Same answers as two unary Forwards.
+TEST_P(DataPlaneTest, LayerMessagesContinueTheOpenStep) {
+  const Case layer0 = {0, {{1, 0, 20, 20}, {2, 0, 9, 9}}};
+  Case layer1 = layer0;
+  layer1.layer = 1;
+  const Tensors t0 = MakeTensors(layer0, 7), t1 = MakeTensors(layer1, 8);
+  const std::string a = NewCache();
+  std::string want0(OutBytes(t0), '\0'), want1(OutBytes(t1), '\0');
+  ASSERT_TRUE(client_->ForwardTensors(CallOf(a, layer0, t0), {want0.data(), want0.size()}).ok());
+  ASSERT_TRUE(client_->ForwardTensors(CallOf(a, layer1, t1), {want1.data(), want1.size()}).ok());
+
+  const std::string b = NewCache();
+  auto stream = *client_->OpenStep();
+  ASSERT_TRUE(stream->Send(CallOf(b, layer0, t0)).ok());
+  ForwardCall next = CallOf(b, layer1, t1);
+  next.cache_id.clear();
+  next.spans.clear();
+  next.options = {};
+  ASSERT_TRUE(stream->Send(next).ok());
+  std::string got0(want0.size(), '\0'), got1(want1.size(), '\0');
+  ASSERT_TRUE(stream->Receive({got0.data(), got0.size()}).ok());
+  ASSERT_TRUE(stream->Receive({got1.data(), got1.size()}).ok());
+  EXPECT_TRUE(got0 == want0);
+  EXPECT_TRUE(got1 == want1);
+  // A first message without spans cannot run: it is answered with an error, the stream goes on.
+  auto fresh = *client_->OpenStep();
+  ASSERT_TRUE(fresh->Send(next).ok());
+  EXPECT_EQ(fresh->Receive({got1.data(), got1.size()}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  ASSERT_TRUE(fresh->Send(CallOf(b, layer0, t0)).ok());
+  EXPECT_TRUE(fresh->Receive({got0.data(), got0.size()}).ok());
+  EXPECT_TRUE(stream->Close().ok());
+  EXPECT_TRUE(fresh->Close().ok());
+}
+
+// Cancelled mid-stream: the layers answered before are committed, the one running is stopped
+// and commits nothing.
+TEST_P(DataPlaneTest, CancelledStreamCommitsCompletedLayersOnly) {
+  if (!OnCpu()) GTEST_SKIP() << "needs a Forward long enough to cancel (CPU backend)";
+  const std::string cache = NewCache();
+  auto stream = *client_->OpenStep();
+  const Case small = {0, {{1, 0, 10, 10}}};
+  const Tensors ts = MakeTensors(small, 1);
+  std::string out(OutBytes(ts), '\0');
+  ASSERT_TRUE(stream->Send(CallOf(cache, small, ts)).ok());
+  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  const Case big = {1, {{1, 0, 400, 400}}};  // long on the CPU backend
+  const Tensors tb = MakeTensors(big, 2);
+  ASSERT_TRUE(stream->Send(CallOf(cache, big, tb)).ok());
+  for (int i = 0; i < 500 && server_->calls_in_flight() == 0; ++i)
+    absl::SleepFor(absl::Milliseconds(2));
+  stream->Cancel();
+  EXPECT_FALSE(stream->Close().ok());
+  for (int i = 0; i < 2000 && server_->calls_in_flight() > 0; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  // Layer 0 holds 10 tokens (committed); layer 1 none: attending position 10 of layer 0 works,
+  // continuing layer 1 at 400 is a gap.
+  const Case look = {0, {{1, 10, 0, 1}}};
+  const Tensors tl = MakeTensors(look, 3);
+  std::string o(OutBytes(tl), '\0');
+  EXPECT_TRUE(client_->ForwardTensors(CallOf(cache, look, tl), {o.data(), o.size()}).ok());
+  const Case gap = {1, {{1, 400, 1, 1}}};
+  const Tensors tg = MakeTensors(gap, 4);
+  std::string g(OutBytes(tg), '\0');
+  EXPECT_EQ(client_->ForwardTensors(CallOf(cache, gap, tg), {g.data(), g.size()}).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+INSTANTIATE_TEST_SUITE_P(Transports, DataPlaneTest, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return info.param ? std::string("Uds") : std::string("Tcp");
+                         });
+
+}  // namespace
+}  // namespace pagedattn

@@ -119,13 +119,11 @@ __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-// Pipeline depth by head_dim. At 128: three stages (100 KB), two blocks an SM; at 256: two (136
-// KB), one block. At 64: three stages (50 KB), so that four blocks share an SM (as many as 128
-// registers a thread allow); four stages held it to three blocks and read up to 4% slower at
-// large batches.
+// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM) and 128 (two), 2 at 256 (one);
+// a fourth stage at 64 costs a block an SM (docs/PERFORMANCE.md#occupancy).
 constexpr int DefaultStages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
 
-template <typename T, int D, int MW, int KW, int STAGES = DefaultStages(D)>
+template <typename T, int D, int MW, int KW>
 struct AttentionTileConfig {
   static_assert(MW * KW == 4, "four warps per block");
   static constexpr int kThreads = 128;
@@ -135,7 +133,7 @@ struct AttentionTileConfig {
   static constexpr int kChunks = D / 8;         // 16-byte chunks per K/V row
   static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
   static constexpr int kRowStep = kThreads / kChunks;
-  static constexpr int kStages = STAGES;
+  static constexpr int kStages = DefaultStages(D);
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
@@ -213,40 +211,6 @@ struct SplitMergeState {
   }
 };
 
-// Leave-one-out variants of the decode tile, for the bench's --exp only (time decomposition;
-// their output is wrong): the shipped kernels are EXP = 0.
-enum DecodeExperiment : int {
-  kExpNoCompute = 1,      // stream the tiles, skip S, softmax and P.V
-  kExpNoMerge = 2,        // skip the split-KV merge (the count and the last split's merge)
-  kExpLinearPages = 4,    // page ids from the position, no page-table loads (batch 1 only)
-  kExpNoQ = 8,            // skip the Q tile load
-  kExpNoMergeReads = 16,  // count the splits, skip the last split's merge itself
-  kExpTimeline = 32,      // stamp %globaltimer at each phase of each block (g_decode_timeline)
-};
-
-// --exp 32: per block kTimelineSlots stamps (ns): entry, copies issued, first tile in, tiles
-// done, partials written, end, SM id, 1 if this block merged; then (merging block) split
-// counted, LSE max known, O sums done; then the start's probes: the work item in, the first
-// tile's page ids in (page-table path), the first tile's copies issued, the item's first pages
-// in. Bench only.
-inline constexpr int kTimelineSlots = 16;
-static __device__ unsigned long long* g_decode_timeline;
-// Thread 0 stores value in this block's timeline slot.
-__device__ __forceinline__ void TimelineStore(int slot, unsigned long long value) {
-  if (threadIdx.x == 0) {
-    g_decode_timeline[(int64_t{blockIdx.y} * gridDim.x + blockIdx.x) * kTimelineSlots + slot] =
-        value;
-  }
-}
-template <int EXP>
-__device__ __forceinline__ void TimelineStamp(int slot) {
-  if constexpr ((EXP & kExpTimeline) != 0) {
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    TimelineStore(slot, t);
-  }
-}
-
 // Programmatic dependent launch (sm_90+; no-ops when nothing is launched that way): a kernel
 // lets the dependent kernel after it be scheduled, and the dependent waits until the kernel
 // before it has completed and its writes are visible.
@@ -311,7 +275,7 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 // blocks on 8 kv heads) take one batch.
 constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }
 
-template <int D, int kBatch, int EXP = 0>
+template <int D, int kBatch>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
@@ -365,7 +329,6 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
         if (j < n) x[j].AddTo(m.acc, w);
       }
     }
-    if (r == 0) TimelineStamp<EXP>(10);
     WriteMergedRow<D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
   }
 }
@@ -467,7 +430,7 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
 // by every thread of the block after its partials are written. kBatch: the batched merge's
 // splits per batch (decode tiles), or kTwoPassMerge (prefill tiles: MergeSplitsTwoPass).
 inline constexpr int kTwoPassMerge = 0;
-template <int D, int kBatch, int EXP = 0>
+template <int D, int kBatch>
 __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
@@ -485,18 +448,13 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
     if (is_last_split) __threadfence();
   }
   __syncthreads();
-  TimelineStamp<EXP>(8);
   if (is_last_split) {
     if constexpr (kBatch == kTwoPassMerge) {
       MergeSplitsTwoPass<D>(p, task, span, kv_head, group);
-    } else if constexpr ((EXP & kExpNoMergeReads) == 0) {
-      MergeSplits<D, kBatch, EXP>(p, task, span, kv_head, group);
+    } else {
+      MergeSplits<D, kBatch>(p, task, span, kv_head, group);
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
-    if constexpr ((EXP & kExpTimeline) != 0) {
-      __syncthreads();
-      TimelineStore(7, 1);  // this block merged
-    }
   }
 }
 
@@ -545,24 +503,22 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 // ---- Device body --------------------------------------------------------------------------
 
 // The decode tile's lazy softmax base may trail the row's max by up to this much (log2 units):
-// P <= 2^8 before normalization. Lazy at head_dim 128 and 256, where skipping the rescale of O
-// (D/2 multiplies a thread per step) made 1 x 32768 0.6 us faster; at head_dim 64 the vote and
-// branch cost more than the 32 multiplies they save (0.8-2.5% slower on the H200).
+// P <= 2^8 before normalization. Lazy at head_dim >= 128, where the skipped rescale of O is D/2
+// multiplies a step; at 64 the vote costs more than it saves (docs/PERFORMANCE.md#tried).
 inline constexpr float kRescaleSlack = 8.f;
 constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+template <typename T, int D, int MW, int KW>
 __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
                                                   const AttentionWorkItem* items,
                                                   const ItemFirstPages* first_pages) {
-  using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + (Cfg::kPipelineBytes > Cfg::kReduceBytes
                                                    ? Cfg::kPipelineBytes
                                                    : Cfg::kReduceBytes));
 
-  TimelineStamp<EXP>(0);
   // A separate merge launched after these tiles (LaunchKernelPairWithParams) may be scheduled
   // now: its blocks wait for this grid's end in griddepcontrol.wait.
   AllowDependentLaunch();
@@ -572,10 +528,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   const ItemMajorBlock block = ItemMajor(p);
   const uint32_t item_index = block.item;
   const AttentionWorkItem item = items[item_index];
-  if constexpr ((EXP & kExpTimeline) != 0) {  // the item has arrived (slot 12)
-    if (item.kv_end == -7 && item.kv_start == -7) asm volatile("trap;");
-    TimelineStamp<EXP>(12);
-  }
   const int kv_head = block.kv_head;
   const AttentionSpan span = item.span_info;
   const int group = p.num_q_heads / p.num_kv_heads;
@@ -622,10 +574,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
   const int lane_first_page =
       pages_attached && lane < kItemPages ? first_pages[item_index].ids[lane] : 0;
   const uint32_t first_page = p.page_div.Div(item.kv_start);
-  if constexpr ((EXP & kExpTimeline) != 0) {  // the first pages have arrived (slot 15)
-    if (__shfl_sync(0xffffffffu, lane_first_page, 31) == -7) asm volatile("trap;");
-    TimelineStamp<EXP>(15);
-  }
   // from_item: the page ids from the item's first pages (the prologue, when they hold its tiles'
   // pages: carry_first below), otherwise from the page table.
   auto fetch_pages = [&](int tile, TileRows& rows, auto from_item) {
@@ -634,9 +582,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
       const bool valid = tile < num_tiles && pos < item.kv_end;
       const uint32_t page = p.page_div.Div(pos);
-      if constexpr ((EXP & kExpLinearPages) != 0) {
-        rows.id[i] = valid ? static_cast<int>(page) : 0;
-      } else if constexpr (decltype(from_item)::value) {
+      if constexpr (decltype(from_item)::value) {
         const int carried = __shfl_sync(0xffffffffu, lane_first_page, (page - first_page) & 31);
         rows.id[i] = valid ? carried : 0;
       } else {
@@ -687,34 +633,24 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       fetch_pages(s, rows, std::true_type{});
       if (s < num_tiles) issue_tile(s, rows);
       CpAsyncCommit();
-      if (s == 0) TimelineStamp<EXP>(14);  // the first tile's copies issued
     }
     fetch_pages(Cfg::kStages - 1, next_rows, std::true_type{});
   } else {
     TileRows first_rows[Cfg::kStages - 1];
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s], std::false_type{});
-    if constexpr ((EXP & kExpTimeline) != 0) {  // the first tile's page ids (slot 13)
-      if (first_rows[0].id[0] == -7 && first_rows[0].id[Cfg::kRowsPerThread - 1] == -7) {
-        asm volatile("trap;");
-      }
-      TimelineStamp<EXP>(13);
-    }
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
       if (s < num_tiles) issue_tile(s, first_rows[s]);
       CpAsyncCommit();
-      if (s == 0) TimelineStamp<EXP>(14);  // the first tile's copies issued
     }
     fetch_pages(Cfg::kStages - 1, next_rows, std::false_type{});
   }
-  TimelineStamp<EXP>(1);
 
   // Q tile -> shared memory, converted to T, while those copies fly.
-  if constexpr ((EXP & kExpNoQ) == 0)
-    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
-        p, item, span, kv_head, group, span_rows, smem_q,
-        [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
+  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+      p, item, span, kv_head, group, span_rows, smem_q,
+      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
   // Per-thread state: rows quad_row and quad_row + 8 of this warp's 16, columns 2*quad_col..+1
   // of each 8-wide n tile.
@@ -749,7 +685,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
-    if (tile == 0) TimelineStamp<EXP>(2);
     if constexpr (Cfg::kQInRegisters) {
       if (tile == 0) {
 #pragma unroll
@@ -764,7 +699,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
       const int row0 = kw * Cfg::kWarpKv + step * 16;  // first position row in the tile
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
       if (pos0 >= item.kv_end || pos0 > warp_max_pos) continue;  // warp-uniform
-      if constexpr ((EXP & kExpNoCompute) != 0) continue;
 
       // S = Q K^T over 16 positions: two n8 tiles, each summed over head_dim in two
       // accumulators (even and odd k chunks) up to head_dim 128, so that the dependent mma chain
@@ -863,7 +797,6 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     __syncthreads();  // the stage is overwritten by the next iteration's copies
   }
   CpAsyncWait<0>();
-  TimelineStamp<EXP>(3);
 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -926,20 +859,7 @@ __device__ __forceinline__ void AttentionTileBody(const PagedAttentionParams& p,
     if (lse_dst && c == 0) *lse_dst = lse;
   }
 
-  if constexpr ((EXP & kExpTimeline) != 0) {
-    __syncthreads();
-    TimelineStamp<EXP>(4);
-    unsigned smid;
-    asm volatile("mov.u32 %0, %%smid;" : "=r"(smid));
-    TimelineStore(6, smid);
-  }
-  if constexpr ((EXP & kExpNoMerge) == 0) {
-    MergeIfLastSplit<D, DecodeMergeBatch(D), EXP>(p, item, span, kv_head, group);
-  }
-  if constexpr ((EXP & kExpTimeline) != 0) {
-    __syncthreads();
-    TimelineStamp<EXP>(5);
-  }
+  MergeIfLastSplit<D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
 }
 
 // ---- Kernel and launcher ------------------------------------------------------------------
@@ -960,27 +880,25 @@ inline int NumTileItems(const PagedAttentionParams& p) {
   return MW == 1 ? p.num_decode_items : (MW == 2 ? p.num_decode_wide_items : p.num_prefill_items);
 }
 
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+template <typename T, int D, int MW, int KW>
 __global__ void __launch_bounds__(128)
     PagedAttentionTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
-                                               TileFirstPages<MW>(params));
+  AttentionTileBody<T, D, MW, KW>(params, TileItems<MW>(params), TileFirstPages<MW>(params));
 }
 // The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
 // 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
 // blocks and waits there (LaunchKernelPairWithParams). TileKernel picks the one a shape uses.
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+template <typename T, int D, int MW, int KW>
 __global__ void __maxnreg__(192)
     PagedAttentionTileKernel192(const __grid_constant__ PagedAttentionParams params) {
-  AttentionTileBody<T, D, MW, KW, STAGES, EXP>(params, TileItems<MW>(params),
-                                               TileFirstPages<MW>(params));
+  AttentionTileBody<T, D, MW, KW>(params, TileItems<MW>(params), TileFirstPages<MW>(params));
 }
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
+template <typename T, int D, int MW, int KW>
 constexpr auto TileKernel() {
   if constexpr (D == 128 && MW == 1) {
-    return PagedAttentionTileKernel192<T, D, MW, KW, STAGES, EXP>;
+    return PagedAttentionTileKernel192<T, D, MW, KW>;
   } else {
-    return PagedAttentionTileKernel<T, D, MW, KW, STAGES, EXP>;
+    return PagedAttentionTileKernel<T, D, MW, KW>;
   }
 }
 
@@ -1016,13 +934,13 @@ LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& rais
 
 // then: a kernel to launch right after the tiles, programmatically dependent on them (the
 // separate merge); null for none.
-template <typename T, int D, int MW, int KW, int STAGES, int EXP = 0>
-LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cudaStream_t stream,
-                                        const KernelLaunch* then = nullptr) {
-  using Cfg = AttentionTileConfig<T, D, MW, KW, STAGES>;
+template <typename T, int D, int MW, int KW>
+LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                  const KernelLaunch* then) {
+  using Cfg = AttentionTileConfig<T, D, MW, KW>;
   const int num_items = NumTileItems<MW>(params);
   if (num_items == 0) return LaunchStatus::Ok();
-  auto kernel = TileKernel<T, D, MW, KW, STAGES, EXP>();
+  auto kernel = TileKernel<T, D, MW, KW>();
   constexpr size_t smem = Cfg::SmemBytes();
   static SmemLimitFlags smem_raised;
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
@@ -1042,12 +960,6 @@ LaunchStatus LaunchAttentionTilesStaged(const PagedAttentionParams& params, cuda
   }
   return LaunchKernelWithParams(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
                                 "paged attention");
-}
-
-template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
-                                  const KernelLaunch* then) {
-  return LaunchAttentionTilesStaged<T, D, MW, KW, DefaultStages(D)>(params, stream, then);
 }
 
 // ---- The separate merge (PagedAttentionParams::separate_merge) ------------------------------
@@ -1133,13 +1045,12 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
 // separate-merge block (beside_merge), whose blocks must be resident, waiting, before the tiles
 // end (LaunchKernelPairWithParams): the planner counts the waves of a split plan in the second,
 // of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
-// as it is (<= 192 registers); head_dim 64's three-stage tile runs four to an SM, which fill the
-// register file, and its split plans measured faster planned for three (PERFORMANCE.md,
-// thirteenth session).
+// (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
+// (docs/PERFORMANCE.md#occupancy).
 template <typename T, int D, int MW, int KW>
 LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge) {
   using Cfg = AttentionTileConfig<T, D, MW, KW>;
-  auto kernel = TileKernel<T, D, MW, KW, DefaultStages(D)>();
+  auto kernel = TileKernel<T, D, MW, KW>();
   constexpr size_t smem = Cfg::SmemBytes();
   cudaFuncAttributes tile = {}, merge = {};
   int device = 0, regs_per_sm = 0;

@@ -23,20 +23,16 @@ struct Tile {
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Costs in KV positions for the chunk estimate: a block's start-up (page ids, first copies,
-// Q) and a split's share of the merge, measured as roughly this many positions of streaming.
+// Q) and a split's share of the merge, each about this many positions of streaming
+// (docs/PERFORMANCE.md#split-kv).
 constexpr int64_t kBlockStartCost = 128;
 constexpr int64_t kMergeCost = 32;
 // The split that finishes last merges its tile alone, reading num_splits * rows partial rows
 // at the very end of the launch; each (split, row) costs about one position of streaming.
 constexpr int64_t kMergeCostPerSplitRow = 1;
-// The separate merge kernel (AttentionWork::separate_merge): launched with the tiles as one
-// programmatically dependent pair, its blocks wait for the tiles' end, then each reads its row
-// of every split with 8 warps. Measured on the H200 (bench --merge separate against the planned
-// in-kernel merge, 2026-11-29, after the pairing): 1.7 us slower at 2 splits x 4 rows
-// (16 x 4096); at 33 x 4 (1 x 32768) 0.04-0.55 us faster back to back in each of eight rounds
-// over three calls (per launch -0.5 to +1.3 us). Before the pairing it was 1.5-2.5 us slower
-// at 2-33 splits of 4 rows and 2.8 us faster at 32 x 8. The crossover lies between: 96 puts it
-// at 28 splits of 4 rows (13 of 8).
+// The separate merge kernel (AttentionWork::separate_merge), launched with the tiles as one
+// programmatically dependent pair, each block reading its row of every split with 8 warps.
+// 96: the separate merge wins above ~28 splits of 4 rows (13 of 8) (docs/PERFORMANCE.md#merge).
 constexpr int64_t kSeparateMergeCost = 96;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 // A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first
@@ -122,9 +118,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   };
   // The estimate of a chunk, and where its splits are merged: in the tile kernels (a tail of the
   // largest task's splits * rows) or in a kernel of its own (a fixed cost plus the most splits
-  // any row has), whichever is cheaper. The separate merge was measured for decode tiles only:
-  // a plan that splits a prefill tile keeps the in-kernel merge (and the prefill plans measured
-  // before it).
+  // any row has), whichever is cheaper. A plan that splits a prefill tile keeps the in-kernel
+  // merge: the separate one is tuned for decode tiles (docs/PERFORMANCE.md#merge).
   struct Estimate {
     double cost;
     bool separate_merge;

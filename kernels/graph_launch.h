@@ -1,9 +1,8 @@
 // Kernel launches through cached CUDA graphs (one kernel node, or two for a dependent pair).
 //
-// On the H200 host a plain launch (<<<>>>, cudaLaunchKernel, cuLaunchKernel alike) costs about
-// 4 us of host time before the kernel reaches the GPU, and when the GPU is idle (one Forward per
-// layer per step, timed per launch) that time is the GPU's too. Launching an instantiated graph
-// costs about 1.9 us. So each launcher here keeps, per (device, stream, kernel), a one-node graph
+// A plain launch costs about 4 us of host time before the kernel reaches the GPU, a cached graph
+// about 1.9 us; when the GPU is idle that time is the GPU's too (docs/PERFORMANCE.md#graph-launch).
+// So each launcher here keeps, per (device, stream, kernel), a one-node graph
 // of its last launch (per kernel pair, a two-node one: LaunchKernelPairWithParams): the same
 // grids, shared memory and parameter bytes launch the graph as it is; anything else updates the
 // nodes first (cudaGraphExecKernelNodeSetParams) and then launches.

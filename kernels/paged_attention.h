@@ -115,7 +115,6 @@ struct AttentionMergeTask {
 inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeWideTileRows = 32;
 inline constexpr int kPrefillTileRows = 128;
-inline constexpr int kDecodeMaxSpanRows = kDecodeWideTileRows;  // more rows: prefill tiles.
 inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk multiple (but see
                                         // PlanAttentionWork's one-wave decode chunk).
 

@@ -39,20 +39,16 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  // Tile shape per head_dim, the fastest of those measured on the H200 (docs/PERFORMANCE.md):
-  //   d128: 128-position tiles, 3 stages, pipelined (64/5 pipelined: 8% slower at 4 x 4096);
-  //   d64:  64-position tiles, 4 stages, one tile at a time (128/5 and 64/6 pipelined: 14-26%
-  //         slower: its products are too small to hide the softmax behind);
-  //   d256: 64-position tiles, 2 stages (all its 64 KiB Q tile leaves room for), one at a time.
+  // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
+  // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
+  // Q tile leaves room for (docs/PERFORMANCE.md#prefill).
   static constexpr int kTileKv = D == 128 ? 128 : 64;
   static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
   static constexpr bool kPipelined = D == 128;
-  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody): one per SM, each
-  // taking its jobs from the host's schedule back to back, so the next job's first K/V tiles
-  // load during the last one's end. The others run one block per item and kv head
-  // (WgmmaPrefillItemBody): measured persistent too, they were 2-8% slower (head_dim 64 keeps
-  // two blocks per SM that way, which hide each other's waits).
+  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody), jobs back to back so
+  // the next job's first K/V tiles load during the last one's end; the others one block per item
+  // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#prefill).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
@@ -354,7 +350,8 @@ struct WgmmaTileMath {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
       if constexpr (D == 128) {
-        // One m64n128 wgmma over both slices (2% faster than two n64's on the H200).
+        // One m64n128 wgmma over both slices: 2% faster than two n64's
+        // (docs/PERFORMANCE.md#prefill).
         WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
       } else {
 #pragma unroll

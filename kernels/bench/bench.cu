@@ -21,17 +21,12 @@
 //                     the row's "launch" says which
 //                   [--first-pages on|off]  decode items carry their first page ids
 //                     (AttachFirstPages; off: every page id from the page table)
-//   Exploration only: [--stages 2..5 (head_dim 64: 3..5)] [--blocks-scale F] [--min-chunk N]
+//   Exploration only: [--blocks-scale F] [--min-chunk N]
 //                     [--flush-l2-dirty] (the flush writes its buffer instead of reading it)
 //                     [--rotate N] [--trials K]  (K: after timing, the per-launch median again
 //                     on K fresh pool allocations and on K fresh streams, one "trial" row each)
 //                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
 //                     as the GPU holds at once; a number >= jobs gives one block per job)
-//                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
-//                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
-//                     [--exp 32|33|34|47]  the shipped decode (or --exp 1 / 2 / 15) stamping each
-//                     block's phases: prints "timeline" rows (quantiles over blocks, us from
-//                     the first block's start) and the launch floor (empty kernel, plain read)
 //
 //   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
 //   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
@@ -42,7 +37,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -54,10 +48,9 @@
 #include <string>
 #include <vector>
 
-#include "kernels/attention_kernel.cuh"
+#include "common/reference.h"
 #include "kernels/dispatch.h"
 #include "kernels/paged_attention.h"
-#include "common/reference.h"
 
 namespace pagedattn::kernels {
 namespace {
@@ -87,8 +80,6 @@ struct Config {
   int min_chunk = kDefaultMinChunk;
   int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
-  int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
-  int stages = 0;        // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
   int rotate = 0;        // pool copies to rotate among; 0: as many as keep the reads out of L2
   int trials = 0;        // exploration only: per-launch medians on fresh pools and fresh streams
   bool prefill = false;  // --suite prefill: every position of each sequence is a query
@@ -160,23 +151,6 @@ __global__ void __launch_bounds__(512)
     acc ^= x.x ^ x.w ^ y.x ^ y.w;
   }
   if (acc == 0x9E3779B9u) *sink = acc;
-}
-
-__global__ void EmptyKernel() {}
-// Holds one SM for ns nanoseconds (%globaltimer): queued before a launch, it keeps the GPU busy
-// while the host submits that launch, so the launch's own host latency is hidden.
-__global__ void SpinKernel(long long ns) {
-  long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-// An empty kernel launched as the decode tile is (its parameters, grid and shared memory).
-__global__ void __launch_bounds__(128)
-    EmptyParamsKernel(const __grid_constant__ PagedAttentionParams params) {
-  extern __shared__ unsigned char smem[];
-  if (params.num_q_heads == -7) smem[threadIdx.x] = 1;  // never: keeps the parameter alive
 }
 
 float HostToFloat(DType t, uint16_t bits) {
@@ -280,8 +254,6 @@ Config ParseFlags(int argc, char** argv) {
       c.min_chunk = std::atoi(next().c_str());
     else if (a == "--prefill-blocks")
       c.prefill_blocks = std::atoi(next().c_str());
-    else if (a == "--stages")
-      c.stages = std::atoi(next().c_str());
     else if (a == "--rotate")
       c.rotate = std::atoi(next().c_str());
     else if (a == "--trials")
@@ -300,8 +272,6 @@ Config ParseFlags(int argc, char** argv) {
       c.graph_launch = !second_of("graph", "plain");
     else if (a == "--first-pages")
       c.first_pages = !second_of("on", "off");
-    else if (a == "--exp")
-      c.exp = std::atoi(next().c_str());
     else if (a == "--no-read-roofline")
       c.read_roofline = false;
     else if (a == "--no-flush-l2")
@@ -323,80 +293,8 @@ Config ParseFlags(int argc, char** argv) {
   return c;
 }
 
-// The shipped entry point, or (--exp, --stages) a decode-tile variant built into this binary.
-LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
-  if (cfg.exp == 0 && cfg.stages == 0) return LaunchPagedAttention(p, stream);
-  const char* flag = cfg.exp != 0 ? "--exp" : "--stages";
-  const bool d64_stages = cfg.exp == 0 && p.head_dim == 64;
-  if (cfg.dtype != DType::kBFloat16 || (p.head_dim != 128 && !d64_stages) ||
-      p.num_prefill_items > 0 || p.num_decode_wide_items > 0 ||
-      (cfg.exp != 0 && p.separate_merge)) {
-    return LaunchStatus::Unsupported(std::string(flag) +
-                                     " variants exist for bf16 decode only, head_dim 128 (and "
-                                     "64 for --stages 3..5)");
-  }
-  // The variants call a tile launcher directly: first what LaunchPagedAttention does before it.
-  SetDivisors(&p);
-  if (cfg.exp != 0) {
-    switch (cfg.exp) {
-      case 1:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
-      case 2:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 2>(p, stream);
-      case 3:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 3>(p, stream);
-      case 4:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 4>(p, stream);
-      case 8:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 8>(p, stream);
-      case 15:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
-      case 16:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
-      case 32:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
-      case 33:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 33>(p, stream);
-      case 34:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
-      case 47:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
-      default:
-        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 33, 34 or 47");
-    }
-  }
-  // The plan's separate merge goes with the tiles as one dependent launch, as
-  // LaunchPagedAttention launches it.
-  KernelLaunch merge;
-  const KernelLaunch* then = nullptr;
-  if (p.separate_merge && p.num_merge_tasks > 0) {
-    merge = d64_stages ? MergeSplitsLaunch<64>(p) : MergeSplitsLaunch<128>(p);
-    then = &merge;
-  }
-  if (d64_stages) {
-    switch (cfg.stages) {
-      case 3:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 3>(p, stream, then);
-      case 4:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 4>(p, stream, then);
-      case 5:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 5>(p, stream, then);
-      default:
-        return LaunchStatus::Unsupported("--stages must be 3..5 at head_dim 64");
-    }
-  }
-  switch (cfg.stages) {
-    case 2:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
-    case 3:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
-    case 4:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
-    case 5:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
-    default:
-      return LaunchStatus::Unsupported("--stages must be 2..5");
-  }
+LaunchStatus Launch(const PagedAttentionParams& p, cudaStream_t stream) {
+  return LaunchPagedAttention(p, stream);
 }
 
 // Milliseconds between two events recorded around launch() on stream (the host waits for the
@@ -411,234 +309,6 @@ float EventMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launcher
   float ms = 0;
   BENCH_CHECK_CUDA(cudaEventElapsedTime(&ms, start, stop));
   return ms;
-}
-
-// --exp 32/34/47: five launches, each printed as quantiles over blocks of every phase stamp
-// (us from the earliest block entry), with the launch's event time; then the launch floor:
-// an empty kernel and StreamRead of the pool's bytes, per event-timed launch and back to back.
-void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_t stream,
-                   unsigned long long* timeline, int blocks, const void* k, const void* v,
-                   int64_t pool_bytes, int sms, const std::string& raw_path) {
-  cudaEvent_t a, b;
-  BENCH_CHECK_CUDA(cudaEventCreate(&a));
-  BENCH_CHECK_CUDA(cudaEventCreate(&b));
-  const char* names[6] = {"entry", "issued", "first_tile", "tiles_done", "partials", "end"};
-  std::vector<unsigned long long> h(size_t{kTimelineSlots} * blocks);
-  for (int run = 0; run < 5; ++run) {
-    BENCH_CHECK_CUDA(cudaMemset(timeline, 0, h.size() * 8));
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    const float ms =
-        EventMs(stream, a, b, [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
-    BENCH_CHECK_CUDA(cudaMemcpy(h.data(), timeline, h.size() * 8, cudaMemcpyDeviceToHost));
-    unsigned long long t0 = ~0ull;
-    for (int i = 0; i < blocks; ++i) t0 = std::min(t0, h[static_cast<size_t>(i) * kTimelineSlots]);
-    std::printf("{\"timeline\": %d, \"event_us\": %.2f, \"blocks\": %d", run, ms * 1e3, blocks);
-    for (int slot = 0; slot < 6; ++slot) {
-      std::vector<double> us;
-      for (int i = 0; i < blocks; ++i) {
-        const unsigned long long t = h[static_cast<size_t>(i) * kTimelineSlots + slot];
-        if (t >= t0) us.push_back((t - t0) * 1e-3);
-      }
-      std::sort(us.begin(), us.end());
-      if (us.empty()) continue;
-      auto q = [&](double f) { return us[std::min(us.size() - 1, size_t(f * us.size()))]; };
-      std::printf(", \"%s\": [%.2f, %.2f, %.2f, %.2f, %.2f]", names[slot], us.front(), q(0.1),
-                  q(0.5), q(0.9), us.back());
-    }
-    // The merging blocks' end, and the spread of block ends per SM load.
-    double merge_end = 0, one_block_sm_end = 0;
-    std::vector<int> per_sm(1024, 0);
-    for (int i = 0; i < blocks; ++i)
-      per_sm[h[static_cast<size_t>(i) * kTimelineSlots + 6] & 1023]++;
-    for (int i = 0; i < blocks; ++i) {
-      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-      if (r[7] == 1) merge_end = std::max(merge_end, (r[5] - t0) * 1e-3);
-      if (per_sm[r[6] & 1023] == 1)
-        one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
-    }
-    // The last merging block's phases: partials written, counted, LSE max, O sums, end.
-    const unsigned long long* last = nullptr;
-    for (int i = 0; i < blocks; ++i) {
-      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-      if (r[7] == 1 && (!last || r[5] > last[5])) last = r;
-    }
-    if (last) {
-      std::printf(", \"last_merge\": [%.2f, %.2f, %.2f, %.2f, %.2f]", (last[4] - t0) * 1e-3,
-                  (last[8] - t0) * 1e-3, (last[9] - t0) * 1e-3, (last[10] - t0) * 1e-3,
-                  (last[5] - t0) * 1e-3);
-    }
-    std::printf(", \"merge_end\": %.2f, \"one_block_sm_tiles_done_max\": %.2f}\n", merge_end,
-                one_block_sm_end);
-    // The last run's stamps, one line per block (ns from the earliest entry), for analysis.
-    if (run == 4 && !raw_path.empty()) {
-      FILE* f = std::fopen(raw_path.c_str(), "w");
-      if (f) {
-        // x: the work item (the split), y: the kv head (TileGridBlocks: item-major).
-        std::fprintf(f,
-                     "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_"
-                     "max,o_sums,item,ids,first_issued,first_pages\n");
-        for (int i = 0; i < blocks; ++i) {
-          const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-          std::fprintf(f, "%d,%d,%llu,%llu", i / p.num_kv_heads, i % p.num_kv_heads, r[6], r[7]);
-          for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 15}) {
-            std::fprintf(f, ",%lld", r[slot] ? static_cast<long long>(r[slot] - t0) : -1ll);
-          }
-          std::fprintf(f, "\n");
-        }
-        std::fclose(f);
-      }
-    }
-  }
-  // Launch floor.
-  auto median_event = [&](auto launch) {
-    std::vector<float> ts;
-    for (int it = 0; it < 60; ++it) {
-      const float ms = EventMs(stream, a, b, launch);
-      if (it >= 10) ts.push_back(ms * 1e3f);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
-  auto b2b = [&](auto launch) {
-    return EventMs(stream, a, b,
-                   [&] {
-                     for (int it = 0; it < 20; ++it) launch();
-                   }) *
-           1e3f / 20;
-  };
-  unsigned* sink = nullptr;
-  BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
-  auto empty = [&] { EmptyKernel<<<1, 32, 0, stream>>>(); };
-  auto empty_full = [&] { EmptyKernel<<<sms * 2, 128, 0, stream>>>(); };
-  // The decode tile's launch configuration (bf16, head_dim 128, 16-row tiles), empty body.
-  const size_t tile_smem = AttentionTileConfig<__nv_bfloat16, 128, 1, 4>::SmemBytes();
-  BENCH_CHECK_CUDA(cudaFuncSetAttribute(
-      EmptyParamsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(tile_smem)));
-  auto empty_like_tile = [&] {
-    EmptyParamsKernel<<<dim3(p.num_decode_items, p.num_kv_heads), 128, tile_smem, stream>>>(p);
-  };
-  auto read = [&] {
-    StreamRead<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(k),
-                                            static_cast<const uint4*>(v), pool_bytes / 16, sink);
-  };
-  std::printf(
-      "{\"launch_floor\": 1, \"empty_event_us\": %.2f, \"empty_b2b_us\": %.2f, "
-      "\"empty_264_event_us\": %.2f, \"empty_like_tile_event_us\": %.2f, "
-      "\"empty_like_tile_b2b_us\": %.2f, \"read_event_us\": %.2f, \"read_b2b_us\": %.2f, "
-      "\"kernel_event_us\": %.2f, \"kernel_b2b_us\": %.2f}\n",
-      median_event(empty), b2b(empty), median_event(empty_full), median_event(empty_like_tile),
-      b2b(empty_like_tile), median_event(read), b2b(read),
-      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
-      b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
-  std::fflush(stdout);
-  // Where the per-launch floor goes: the host's time in one Launch() call and one event record
-  // (steady clock, median); the kernel timed behind a 30 us spin that keeps the GPU busy while
-  // the host submits it (minus the spin alone); and the kernel as a one-node CUDA graph.
-  auto host_us = [&](auto call) {
-    std::vector<double> ts;
-    for (int it = 0; it < 60; ++it) {
-      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-      const auto t0 = std::chrono::steady_clock::now();
-      call();
-      const auto t1 = std::chrono::steady_clock::now();
-      if (it >= 10) ts.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-    }
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
-  const double host_launch = host_us([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); });
-  const double host_record = host_us([&] { BENCH_CHECK_CUDA(cudaEventRecord(a, stream)); });
-  constexpr long long kSpinNs = 30000;
-  const float spin_alone = median_event([&] { SpinKernel<<<1, 32, 0, stream>>>(kSpinNs); });
-  const float spin_kernel = median_event([&] {
-    SpinKernel<<<1, 32, 0, stream>>>(kSpinNs);
-    CheckLaunch(Launch(cfg, p, stream), "attention");
-  });
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  CheckLaunch(Launch(cfg, p, stream), "attention");
-  BENCH_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  BENCH_CHECK_CUDA(cudaGraphUpload(exec, stream));
-  const float graph_event = median_event([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  // The same decode tile launched through each host path, host time and event time each.
-  auto tile_kernel = TileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>();
-  unsigned tile_blocks = 0;
-  CheckLaunch(TileGridBlocks(p.num_decode_items, p.num_kv_heads, &tile_blocks), "tile grid");
-  const dim3 tile_grid(tile_blocks);
-  PagedAttentionParams lp = p;
-  SetDivisors(&lp);
-  void* args[] = {&lp};
-  auto via_runtime = [&] {
-    BENCH_CHECK_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(tile_kernel), tile_grid,
-                                      dim3(128), args, tile_smem, stream));
-  };
-  cudaFunction_t fn;
-  BENCH_CHECK_CUDA(cudaGetFuncBySymbol(&fn, reinterpret_cast<const void*>(tile_kernel)));
-  auto via_driver = [&] {
-    if (cuLaunchKernel(reinterpret_cast<CUfunction>(fn), tile_grid.x, tile_grid.y, 1, 128, 1, 1,
-                       tile_smem, stream, args, nullptr) != CUDA_SUCCESS) {
-      std::fprintf(stderr, "cuLaunchKernel failed\n");
-      std::exit(1);
-    }
-  };
-  auto via_chevrons = [&] { tile_kernel<<<tile_grid, 128, tile_smem, stream>>>(lp); };
-  // A one-node graph whose node takes this launch's parameters before each launch.
-  cudaGraphNode_t node;
-  size_t num_nodes = 1;
-  BENCH_CHECK_CUDA(cudaGraphGetNodes(graph, &node, &num_nodes));
-  cudaKernelNodeParams knp = {};
-  knp.func = reinterpret_cast<void*>(tile_kernel);
-  knp.gridDim = tile_grid;
-  knp.blockDim = dim3(128);
-  knp.sharedMemBytes = static_cast<unsigned>(tile_smem);
-  knp.kernelParams = args;
-  auto via_graph_update = [&] {
-    BENCH_CHECK_CUDA(cudaGraphExecKernelNodeSetParams(exec, node, &knp));
-    BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  };
-  int dev = 0;
-  cudaStreamCaptureStatus capture;
-  const double host_capture_query =
-      host_us([&] { BENCH_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture)); });
-  const double host_with_params = host_us([&] {
-    CheckLaunch(
-        LaunchKernelWithParams(tile_kernel, tile_grid, dim3(128), tile_smem, stream, lp, "tile"),
-        "tile");
-  });
-  std::printf(
-      "{\"host_parts_us\": {\"stream_is_capturing\": %.2f, \"launch_kernel_with_params\": "
-      "%.2f, \"bare_graph_launch\": %.2f}}\n",
-      host_capture_query, host_with_params, host_graph);
-  std::printf(
-      "{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
-      "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
-      "\"driver\": %.2f, \"graph_update\": %.2f}",
-      host_us([&] { (void)cudaGetDevice(&dev); }), host_us([&] { (void)cudaGetLastError(); }),
-      host_us(empty), host_us(empty_like_tile), host_us(via_chevrons), host_us(via_runtime),
-      host_us(via_driver), host_us(via_graph_update));
-  std::printf(
-      ", \"event_us\": {\"chevrons\": %.2f, \"runtime\": %.2f, \"driver\": %.2f, "
-      "\"graph_update\": %.2f, \"graph\": %.2f, \"launch\": %.2f}}\n",
-      median_event(via_chevrons), median_event(via_runtime), median_event(via_driver),
-      median_event(via_graph_update), graph_event,
-      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
-  std::printf(
-      "{\"launch_path\": 1, \"host_launch_us\": %.2f, \"host_event_record_us\": %.2f, "
-      "\"spin_alone_event_us\": %.2f, \"spin_then_kernel_event_us\": %.2f, "
-      "\"kernel_behind_spin_us\": %.2f, \"graph_event_us\": %.2f, "
-      "\"host_graph_launch_us\": %.2f}\n",
-      host_launch, host_record, spin_alone, spin_kernel, spin_kernel - spin_alone, graph_event,
-      host_graph);
-  std::fflush(stdout);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaFree(sink);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
 }
 
 std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_index) {
@@ -709,8 +379,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
                      .min_chunk = cfg.min_chunk},
                     &work);
   if (cfg.merge != "planned") work.separate_merge = cfg.merge == "separate";
-  // The --exp variants are of the decode tile with its in-kernel merge.
-  if (cfg.exp != 0) work.separate_merge = false;
   int prefill_blocks = 0;
   CheckLaunch(PrefillScheduleBlocks(cfg.dtype, D, cfg.prefill_path, &prefill_blocks),
               "prefill occupancy");
@@ -774,13 +442,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   BENCH_CHECK_CUDA(cudaMemset(p.merge_counters, 0, std::max<int64_t>(1, num_counters) * 4));
   cudaStream_t stream;
   BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
-  // --exp 32/34/47: the kernel stamps each block's phases into this buffer.
-  const int timeline_blocks = static_cast<int>(work.decode_items.size()) * Hkv;
-  unsigned long long* timeline = nullptr;
-  if (cfg.exp & kExpTimeline) {
-    BENCH_CHECK_CUDA(cudaMalloc(&timeline, size_t{8} * kTimelineSlots * timeline_blocks));
-    BENCH_CHECK_CUDA(cudaMemcpyToSymbol(g_decode_timeline, &timeline, sizeof(timeline)));
-  }
 
   // Correctness first: poison, run on copy 0, compare sampled sequences with the reference.
   // Once before timing and once after it (check_output below), each time also checking that the
@@ -791,14 +452,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
     p.k_cache = k_pools[0];
     p.v_cache = v_pools[0];
-    CheckLaunch(Launch(cfg, p, stream), "paged attention");
+    CheckLaunch(Launch(p, stream), "paged attention");
     BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
     BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
     std::vector<int32_t> counters(num_counters);
     BENCH_CHECK_CUDA(
         cudaMemcpy(counters.data(), p.merge_counters, num_counters * 4, cudaMemcpyDeviceToHost));
-    if (std::any_of(counters.begin(), counters.end(), [](int32_t c) { return c != 0; }) &&
-        (cfg.exp & kExpNoMerge) == 0) {
+    if (std::any_of(counters.begin(), counters.end(), [](int32_t c) { return c != 0; })) {
       std::fprintf(stderr, "case %d: a split counter is not zero after a launch\n", case_index);
       std::exit(1);
     }
@@ -864,13 +524,13 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     return worst;
   };
   // A run on copy 0 against the reference: worst_err is the worst so far, and a kernel over the
-  // tolerance is neither timed nor reported (the --exp variants are wrong by design).
+  // tolerance is neither timed nor reported.
   const double tol = cfg.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
   double worst_err = 0;
   auto check_output = [&](const char* when) {
     run_on_copy0();
     worst_err = std::max(worst_err, max_error());
-    if (!(worst_err <= tol) && cfg.exp == 0) {
+    if (!(worst_err <= tol)) {
       std::fprintf(stderr, "case %d: relative error %.3g %s exceeds %.1g\n", case_index, worst_err,
                    when, tol);
       std::exit(1);
@@ -910,8 +570,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
     p.k_cache = k_pools[it % copies];
     p.v_cache = v_pools[it % copies];
-    const float ms = EventMs(stream, start, stop,
-                             [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
+    const float ms =
+        EventMs(stream, start, stop, [&] { CheckLaunch(Launch(p, stream), "paged attention"); });
     if (it >= cfg.warmup) times.push_back(ms);
   }
   // Also back to back (no host gap between launches): the kernels' own time, for diagnosis.
@@ -920,7 +580,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
     for (int it = 0; it < kBackToBack; ++it) {
       p.k_cache = k_pools[it % copies];
       p.v_cache = v_pools[it % copies];
-      CheckLaunch(Launch(cfg, p, stream), "paged attention");
+      CheckLaunch(Launch(p, stream), "paged attention");
     }
   });
   std::sort(times.begin(), times.end());
@@ -939,7 +599,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
       for (int it = 0; it < cfg.warmup + n; ++it) {
         const float ms = EventMs(s, start, stop, [&] {
           for (int j = 0; j < (b2b ? kBackToBack : 1); ++j) {
-            CheckLaunch(Launch(cfg, p, s), "paged attention");
+            CheckLaunch(Launch(p, s), "paged attention");
           }
         });
         if (it >= cfg.warmup) ts.push_back(ms * 1e3f / (b2b ? kBackToBack : 1));
@@ -982,11 +642,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   }
   for (void* pool : kept_pools) BENCH_CHECK_CUDA(cudaFree(pool));
   check_output("after timing");
-  if (timeline) {
-    PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,
-                  prop.multiProcessorCount,
-                  cfg.json.empty() ? "" : cfg.json + ".case" + std::to_string(case_index) + ".csv");
-  }
 
   // Decode: the same K and V bytes read by StreamRead, timed the same way; the best of a few
   // grid sizes (blocks of 512 threads per SM), so the row carries the shape's own roofline.
@@ -1021,8 +676,7 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   const double kv_bytes = 2.0 * positions * Hkv * D * esize;
 
   char row[768];
-  // The error as a JSON value: an --exp variant's output can be NaN or infinite, which JSON
-  // has no number for.
+  // The error as a JSON value (JSON has no number for NaN or infinity).
   char err_field[32] = "null";
   if (std::isfinite(worst_err)) std::snprintf(err_field, sizeof(err_field), "%.3g", worst_err);
   // Blocks launched: one per decode item and kv head, and the prefill kernel's (one per
@@ -1061,8 +715,8 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
         cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
         b2b_ms * 1e3 / kBackToBack, err_field, work.kv_chunk,
         work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
-        cfg.graph_launch ? "graph" : "plain", blocks, copies, static_cast<long long>(positions),
-        cfg.stages, read_t * 1e6, read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
+        cfg.graph_launch ? "graph" : "plain", blocks, copies, static_cast<long long>(positions), 0,
+        read_t * 1e6, read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
         cfg.flush_l2 ? "true" : "false");
   }
 
@@ -1085,7 +739,6 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
   cudaFree(p.partial_out);
   cudaFree(p.partial_lse);
   cudaFree(p.merge_counters);
-  cudaFree(timeline);
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
   cudaStreamDestroy(stream);

@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #include "common/capabilities.h"
-#include "kernels/graph_launch.h"
+#include "kernels/launch.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"
 
@@ -34,7 +34,7 @@ constexpr bool SameHeadDims() {
 }
 static_assert(SameHeadDims(),
               "kSupportedHeadDims changed: add its instantiation in kernels/dispatch.h and a "
-              "kernels/attention_d<N>.cu file");
+              "kernels/instantiate_hdim<N>.cu file");
 static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
                   kCudaKvDTypes[1] == DType::kBFloat16,
               "kCudaKvDTypes changed: extend DispatchKvDType");
@@ -106,15 +106,15 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
   return LaunchStatus::Ok();
 }
 
-// The attention tile kernels, instantiated in kernels/attention_d{64,128,256}.cu for
-// T in {__half, __nv_bfloat16} and the two warp layouts below.
-// then: a kernel launched right after the tiles that may start before they end (the separate
-// merge, LaunchKernelPairWithParams); null for none.
-template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
-                                  const KernelLaunch* then);
-template <typename T, int D, int MW, int KW>
-LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge);
+// The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
+// kernels/instantiate_hdim{64,128,256}.cu for T in {__half, __nv_bfloat16} and the two warp
+// layouts of paged_attention.h. then: a kernel launched right after the tiles that may start
+// before they end (the separate merge, LaunchKernelPairWithParams); null for none.
+template <typename T, int D, int kRowWarps, int kKvWarps>
+LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                               const KernelLaunch* then);
+template <typename T, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge);
 
 // The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
 // per (merge task, row, kv head): its kernel and grid, for LaunchAttentionTiles' `then` (or a
@@ -123,8 +123,8 @@ template <int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 
 // The prefill tile kernels, instantiated beside them: the portable one on mma.sync
-// (kernels/prefill_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
-// (kernels/prefill_wgmma.cuh, sm_90a builds on 9.0 devices).
+// (kernels/prefill_mma_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
+// (kernels/prefill_wgmma_kernel.cuh, sm_90a builds on 9.0 devices).
 template <typename T, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
 template <typename T, int D>
@@ -140,11 +140,6 @@ inline bool UseHopperPrefill(PrefillPath path) {
   return path == PrefillPath::kAuto && HopperPrefillAvailable();
 }
 
-// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
-inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
-inline constexpr int kDecodeWideMW = 2, kDecodeWideKW = 2;
-static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecodeWideTileRows);
-
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
 // then (decode shapes only): see LaunchAttentionTiles.
@@ -156,10 +151,11 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
     return DispatchHeadDim(params.head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       if (shape == TileShape::kDecode) {
-        return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream, then);
+        return LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then);
       }
       if (shape == TileShape::kDecodeWide) {
-        return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream, then);
+        return LaunchDecodeTiles<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(params, stream,
+                                                                                then);
       }
       if (UseHopperPrefill(params.prefill_path)) {
         return LaunchPrefillTilesWgmma<T, D>(params, stream);
@@ -175,7 +171,7 @@ inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(resident, beside_merge);
+      return DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(resident, beside_merge);
     });
   });
 }

@@ -110,11 +110,16 @@ struct AttentionMergeTask {
 // Rows per tile of the three tile shapes. A span's rows (num_queries * gqa_group) all fit one
 // tile up to 32 rows, so each K/V page is read once for every query head of its group:
 // decode (16 rows; the 4 warps split each KV tile), wide decode (32 rows; 2 row warps x 2 KV
-// warps), and prefill (128 rows, kernels/prefill_kernel.cuh: 4 warps of 32 rows for head_dim
+// warps), and prefill (128 rows, kernels/prefill_mma_kernel.cuh: 4 warps of 32 rows for head_dim
 // 64/128, 8 warps of 16 rows for 256).
 inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeWideTileRows = 32;
 inline constexpr int kPrefillTileRows = 128;
+// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
+inline constexpr int kDecodeRowWarps = 1, kDecodeKvWarps = 4;
+inline constexpr int kDecodeWideRowWarps = 2, kDecodeWideKvWarps = 2;
+static_assert(kDecodeRowWarps * 16 == kDecodeTileRows &&
+              kDecodeWideRowWarps * 16 == kDecodeWideTileRows);
 inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk multiple (but see
                                         // PlanAttentionWork's one-wave decode chunk).
 

@@ -17,7 +17,7 @@
 //                     launch, as the kernels read K and V evict-first); rows: l2_flushed
 //                   [--merge planned|separate|in-kernel]   where split-KV tiles are merged (the
 //                     plan's choice, the separate merge kernel, or the tile kernel's last split)
-//                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
+//                   [--launch graph|plain]  how kernels are submitted (kernels/launch.h);
 //                     the row's "launch" says which
 //                   [--first-pages on|off]  decode items carry their first page ids
 //                     (AttachFirstPages; off: every page id from the page table)
@@ -90,7 +90,7 @@ struct Config {
   // left at normal priority would hit on every timed launch).
   bool flush_l2 = true;
   bool flush_l2_dirty = false;  // exploration: the flush writes its buffer (dirty lines left)
-  bool graph_launch = true;     // --launch plain: every kernel by a plain launch (graph_launch.h)
+  bool graph_launch = true;     // --launch plain: every kernel by a plain launch (launch.h)
   bool first_pages = true;      // --first-pages off: decode items without their first page ids
   std::string json;
 };

@@ -14,7 +14,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "kernels/graph_launch.h"
+#include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 
 namespace pagedattn {

@@ -16,7 +16,7 @@ struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;
   // false: every kernel by a plain launch instead of through a cached CUDA graph
-  // (kernels/graph_launch.h). The setting is the process's: the last backend created sets it.
+  // (kernels/launch.h). The setting is the process's: the last backend created sets it.
   bool graph_launch = true;
 };
 

@@ -19,7 +19,7 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/graph_launch.h"
+#include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 #include "server/core/backend.h"
 #include "server/core/cuda_backend.h"
@@ -513,7 +513,7 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   for (double e : errs) EXPECT_LE(e, 1e-2);
 }
 
-// Kernels go through cached graphs (kernels/graph_launch.h): Forward after Forward,
+// Kernels go through cached graphs (kernels/launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
 // prefill, then a decode-only step), they must give exactly what plain launches give.
 // The second case is split decode merged by the separate merge kernel, which goes with the
@@ -678,7 +678,7 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
 }
 
 // Split decode whose plan merges in the separate kernel, launched straight through
-// LaunchPagedAttention: the tiles and the merge go as one launch (kernels/graph_launch.h).
+// LaunchPagedAttention: the tiles and the merge go as one launch (kernels/launch.h).
 // Into a captured stream the pair is recorded as two kernel nodes in stream order; replaying the
 // captured graph gives exactly what the direct launch gave.
 class SeparateMergeLaunch {

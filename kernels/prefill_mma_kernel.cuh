@@ -1,10 +1,9 @@
-// The prefill tile kernel (FlashAttention-2 family): device body, thin
-// __global__ and host launcher, templated on (cache dtype, head_dim). Included
-// only by the per-head-dim .cu files.
+// The portable prefill tile kernel (FlashAttention-2 family, mma.sync, sm_80 and later): device
+// body, thin __global__ and host launcher, templated on (cache dtype, head_dim).
 //
-// A block takes one prefill work item: kPrefillTileRows (128) query rows (row =
-// query * group + head in group, all of one kv head) against a KV range,
-// streamed through a cp.async pipeline of 64-position K/V tiles gathered
+// Included only by the per-head-dim instantiation files. A block takes one prefill work item:
+// kPrefillTileRows (128) query rows (row = query * group + head in group, all of one kv head)
+// against a KV range, streamed through a cp.async pipeline of 64-position K/V tiles gathered
 // through the page table into swizzled shared memory. Each warp owns kMTiles
 // 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
 // Per 64-position tile: S = Q.K^T, one online-softmax update (exp2, scale
@@ -13,7 +12,11 @@
 // end of the range); tiles a warp cannot see are skipped.
 #pragma once
 
-#include "kernels/attention_kernel.cuh"
+#include "kernels/device/ptx.cuh"
+#include "kernels/device/split_merge.cuh"
+#include "kernels/device/tile_io.cuh"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
 
 namespace pagedattn::kernels {
 
@@ -359,29 +362,13 @@ __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
   PrefillTileBody<T, D>(params);
 }
 
-// Launches a prefill tile kernel: one block per (work item, kv head), items in order and the
-// kv heads of one item side by side. Shared by the portable and the Hopper prefill kernels.
-template <typename Kernel>
-LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem, SmemLimitFlags& smem_raised,
-                               const char* what, const PagedAttentionParams& params,
-                               cudaStream_t stream) {
-  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
-  const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
-  if (blocks > INT32_MAX) {
-    return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
-                                     std::to_string(blocks) + ")");
-  }
-  return LaunchKernelWithParams(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem,
-                                stream, params, what);
-}
-
 template <typename T, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
   using Cfg = PrefillTileConfig<T, D>;
   static SmemLimitFlags smem_raised;
-  return LaunchPrefillGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                           smem_raised, "prefill attention", params, stream);
+  return LaunchItemMajorGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                             smem_raised, "prefill attention", params.num_prefill_items, params,
+                             stream);
 }
 
 #define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \

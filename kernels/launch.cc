@@ -1,4 +1,6 @@
-#include "kernels/graph_launch.h"
+// Kernel launches through cached CUDA graphs (one node, or two with a programmatic edge), or
+// plain launches where graphs are off or the stream is being captured.
+#include "kernels/launch.h"
 
 #include <atomic>
 #include <cstdint>

@@ -1,4 +1,5 @@
-// Kernel launches through cached CUDA graphs (one kernel node, or two for a dependent pair).
+// How kernels are launched: through cached CUDA graphs (one kernel node, or two for a dependent
+// pair), and with their dynamic shared-memory limit raised once per device.
 //
 // A plain launch costs about 4 us of host time before the kernel reaches the GPU, a cached graph
 // about 1.9 us; when the GPU is idle that time is the GPU's too (docs/PERFORMANCE.md#graph-launch).
@@ -14,11 +15,26 @@
 
 #include <cuda_runtime_api.h>
 
+#include <atomic>
 #include <cstddef>
+#include <string>
 
 #include "kernels/launch_status.h"
 
 namespace pagedattn::kernels {
+
+// Devices a per-device cache keeps an entry for; a device past these is asked every time.
+inline constexpr int kMaxDevices = 64;
+
+// cudaGetDeviceCount, asked once (-1 if it failed): per-device facts are kept for the whole
+// process, so that a launch asks the runtime nothing it already answered.
+inline int CudaDeviceCountOnce() {
+  static const int count = [] {
+    int n = 0;
+    return cudaGetDeviceCount(&n) == cudaSuccess ? n : -1;
+  }();
+  return count;
+}
 
 // Whether launches go through cached graphs (default: yes). For the whole process.
 void SetGraphLaunch(bool enabled);
@@ -55,5 +71,35 @@ struct KernelLaunch {
 LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
                                         cudaStream_t stream, const void* params,
                                         size_t params_bytes, const char* what);
+
+// One kernel's record of the devices whose shared-memory limit it has raised. Once every
+// device has it, a launch asks nothing of the runtime (cudaGetDevice is host time before the
+// launch, and the launch's host time is the GPU's when it is idle).
+struct SmemLimitFlags {
+  std::atomic<bool> device[kMaxDevices] = {};
+  std::atomic<int> raised_devices{0};
+};
+
+// Raises a kernel's dynamic shared-memory limit to smem, once per device (the limit is a
+// per-device attribute; `raised` is the kernel's own flags). `what` names it in errors.
+template <typename Kernel>
+LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& raised,
+                                const char* what) {
+  if (raised.raised_devices.load() == CudaDeviceCountOnce()) return LaunchStatus::Ok();
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess && (device >= kMaxDevices || !raised.device[device].load())) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               static_cast<int>(smem));
+    if (err == cudaSuccess && device < kMaxDevices && !raised.device[device].exchange(true)) {
+      raised.raised_devices.fetch_add(1);
+    }
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("cudaFuncSetAttribute(") + what +
+                                   "): " + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
 
 }  // namespace pagedattn::kernels

@@ -507,41 +507,46 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
   __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
   const uint32_t sink = SmemAddr(&pin_slot);
-  // The cursor: job pj (ring slot pslot), this thread's position ppos in it (tid's of the tile),
-  // the job's end pend (INT32_MIN past the last job: no more pages), tiles left in the job.
-  int pj = job_begin, pslot = 0;
-  int ppos = ring[0].item.kv_start + tid, pend = ring[0].item.kv_end;
-  int pleft = tiles_of(ring[0].item);
+  // The pipeline's cursor over the block's jobs, one K/V tile at a time.
+  struct JobCursor {
+    int job;         // the job whose tiles the pipeline issues
+    int slot;        // its ring slot
+    int pos;         // this thread's position in the cursor's tile (tid's row)
+    int end;         // the job's kv_end; INT32_MIN past the last job (no more pages)
+    int tiles_left;  // the job's tiles from the cursor's on
+  };
+  JobCursor cur = {job_begin, 0, ring[0].item.kv_start + tid, ring[0].item.kv_end,
+                   tiles_of(ring[0].item)};
   auto load_page_id = [&]() -> int32_t {
-    if (tid >= Cfg::kTileKv || ppos >= pend) return -1;
-    return p.page_table[ring[pslot].item.span_info.page_table_offset + p.page_div.Div(ppos)];
+    if (tid >= Cfg::kTileKv || cur.pos >= cur.end) return -1;
+    return p.page_table[ring[cur.slot].item.span_info.page_table_offset + p.page_div.Div(cur.pos)];
   };
   auto store_row_base = [&](int stage, int32_t page_id) {
     if (tid >= Cfg::kTileKv) return;
     int32_t row = -1;
     if (page_id >= 0) {
-      const int32_t in_page = ppos - static_cast<int32_t>(p.page_div.Div(ppos)) * p.page_size;
-      row = (page_id * p.num_kv_heads + ring[pslot].kv_head) * p.page_size + in_page;
+      const int32_t in_page = cur.pos - static_cast<int32_t>(p.page_div.Div(cur.pos)) * p.page_size;
+      row = (page_id * p.num_kv_heads + ring[cur.slot].kv_head) * p.page_size + in_page;
     }
     row_base[stage][tid] = row;
   };
   // The cursor's next tile; entering a job copies the one after it into the ring (visible
   // after the next barrier, a step before the cursor can reach it).
   auto advance = [&]() {
-    ppos += Cfg::kTileKv;
-    if (--pleft > 0) return;
-    if (++pj >= job_end) {
-      pend = INT32_MIN;
-      pleft = INT32_MAX;
+    cur.pos += Cfg::kTileKv;
+    if (--cur.tiles_left > 0) return;
+    if (++cur.job >= job_end) {
+      cur.end = INT32_MIN;
+      cur.tiles_left = INT32_MAX;
       return;
     }
-    pslot = pslot == kRing - 1 ? 0 : pslot + 1;
-    ppos = ring[pslot].item.kv_start + tid;
-    pend = ring[pslot].item.kv_end;
-    pleft = tiles_of(ring[pslot].item);
-    if (tid < kJobWords && pj + 1 < job_end) {
-      set_ring_word(pslot == kRing - 1 ? 0 : pslot + 1, ahead_word);
-      if (pj + 2 < job_end) ahead_word = job_word(pj + 2);
+    cur.slot = cur.slot == kRing - 1 ? 0 : cur.slot + 1;
+    cur.pos = ring[cur.slot].item.kv_start + tid;
+    cur.end = ring[cur.slot].item.kv_end;
+    cur.tiles_left = tiles_of(ring[cur.slot].item);
+    if (tid < kJobWords && cur.job + 1 < job_end) {
+      set_ring_word(cur.slot == kRing - 1 ? 0 : cur.slot + 1, ahead_word);
+      if (cur.job + 2 < job_end) ahead_word = job_word(cur.job + 2);
     }
   };
   auto issue_tile = [&](int g) {
@@ -550,14 +555,14 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // The first kS tiles' rows and the first kS - 1 tiles' copies. Page ids load side by side
   // when the first job has kS tiles or more; otherwise the cursor crosses jobs, with a barrier
   // after each step of it (the next job's record).
-  if (pleft >= kS) {
+  if (cur.tiles_left >= kS) {
     int32_t ids[kS];
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       ids[s] = load_page_id();
-      ppos += Cfg::kTileKv;
+      cur.pos += Cfg::kTileKv;
     }
-    ppos -= kS * Cfg::kTileKv;
+    cur.pos -= kS * Cfg::kTileKv;
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       store_row_base(s, ids[s]);

@@ -303,7 +303,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kQOffset);
 
-  // A separate merge launched after these tiles (LaunchKernelPairWithParams) may be scheduled
+  // A separate merge launched after these tiles (Launcher::LaunchPair) may be scheduled
   // now: its blocks wait for this grid's end in griddepcontrol.wait.
   AllowDependentLaunch();
   // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
@@ -557,7 +557,7 @@ constexpr auto DecodeKernel() {
 // separate merge); null for none.
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
-                               const KernelLaunch* then) {
+                               const KernelLaunch* then, Launcher& launcher) {
   using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
   const int num_items = NumDecodeItems<kRowWarps>(params);
   if (num_items == 0) return LaunchStatus::Ok();
@@ -576,16 +576,16 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
   if (then != nullptr) {
     const KernelLaunch tiles = {reinterpret_cast<const void*>(kernel), grid, dim3(Cfg::kThreads),
                                 smem};
-    return LaunchKernelPairWithParams(tiles, *then, stream, &params, sizeof(params),
-                                      "paged attention and split-KV merge");
+    return launcher.LaunchPair(tiles, *then, stream, &params, sizeof(params),
+                               "paged attention and split-KV merge");
   }
-  return LaunchKernelWithParams(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
-                                "paged attention");
+  return launcher.Launch(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
+                         "paged attention");
 }
 
 // Tile blocks an SM holds at once (resident), and how many of them leave room for one
 // separate-merge block (beside_merge), whose blocks must be resident, waiting, before the tiles
-// end (LaunchKernelPairWithParams): the planner counts the waves of a split plan in the second,
+// end (Launcher::LaunchPair): the planner counts the waves of a split plan in the second,
 // of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
 // (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
 // (docs/PERFORMANCE.md#occupancy).
@@ -625,9 +625,9 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
 // Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
 #define PAGEDATTN_INSTANTIATE_DECODE(T, D)                                                \
   template LaunchStatus LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(         \
-      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*);                    \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);         \
   template LaunchStatus LaunchDecodeTiles<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>( \
-      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*);                    \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);         \
   template LaunchStatus DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(int*, int*);
 
 }  // namespace pagedattn::kernels

@@ -109,10 +109,10 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
 // The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
 // kernels/instantiate_hdim{64,128,256}.cu for T in {__half, __nv_bfloat16} and the two warp
 // layouts of paged_attention.h. then: a kernel launched right after the tiles that may start
-// before they end (the separate merge, LaunchKernelPairWithParams); null for none.
+// before they end (the separate merge, Launcher::LaunchPair); null for none.
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
-                               const KernelLaunch* then);
+                               const KernelLaunch* then, Launcher& launcher);
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge);
 
@@ -126,9 +126,11 @@ KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 // (kernels/prefill_mma_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
 // (kernels/prefill_wgmma_kernel.cuh, sm_90a builds on 9.0 devices).
 template <typename T, int D>
-LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                Launcher& launcher);
 template <typename T, int D>
-LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream);
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
+                                     Launcher& launcher);
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm);
 
@@ -142,25 +144,26 @@ inline bool UseHopperPrefill(PrefillPath path) {
 
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
-// then (decode shapes only): see LaunchAttentionTiles.
+// then (decode shapes only): see LaunchDecodeTiles.
 inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, TileShape shape,
-                                           cudaStream_t stream,
+                                           cudaStream_t stream, Launcher& launcher,
                                            const KernelLaunch* then = nullptr) {
   return DispatchKvDType(params.kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(params.head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       if (shape == TileShape::kDecode) {
-        return LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then);
+        return LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
+                                                                        launcher);
       }
       if (shape == TileShape::kDecodeWide) {
         return LaunchDecodeTiles<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(params, stream,
-                                                                                then);
+                                                                                then, launcher);
       }
       if (UseHopperPrefill(params.prefill_path)) {
-        return LaunchPrefillTilesWgmma<T, D>(params, stream);
+        return LaunchPrefillTilesWgmma<T, D>(params, stream, launcher);
       }
-      return LaunchPrefillTiles<T, D>(params, stream);
+      return LaunchPrefillTiles<T, D>(params, stream, launcher);
     });
   });
 }

@@ -69,7 +69,7 @@ int GridFor(int64_t work, int threads) {
 
 }  // namespace
 
-LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
+LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream, Launcher& launcher) {
   if (params.num_tokens == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = CheckPageSize(params.page_size); !st.ok()) return st;
   if (params.head_dim % 8 != 0 || params.head_dim <= 0) {
@@ -83,8 +83,8 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream) {
       constexpr int kThreads = 256;
       const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
       const dim3 grid(GridFor(work, kThreads), 2);
-      return LaunchKernelWithParams(AppendKvKernel<Src, Dst>, grid, dim3(kThreads), 0, stream,
-                                    params, "append K/V");
+      return launcher.Launch(AppendKvKernel<Src, Dst>, grid, dim3(kThreads), 0, stream, params,
+                             "append K/V");
     });
   });
 }

@@ -8,7 +8,10 @@
 #include <atomic>
 #include <cmath>
 #include <cstdint>
+#include <map>
+#include <mutex>
 #include <string>
+#include <tuple>
 
 #include "kernels/dispatch.h"
 #include "kernels/launch.h"
@@ -27,10 +30,11 @@ LaunchStatus MultiprocessorCount(int* sms) {
   return LaunchStatus::Ok();
 }
 
-}  // namespace
-
-LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
-                                   int* unsplit_blocks) {
+// Tile blocks that run at once on the current device with room left on each SM for one
+// separate-merge block (the target_blocks a split plan's waves count), and all that run at once
+// (unsplit_blocks).
+LaunchStatus DecodeTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
+                                int* unsplit_blocks) {
   int resident = 0, beside_merge = 0, sms = 0;
   if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &resident, &beside_merge);
       !st.ok()) {
@@ -38,21 +42,68 @@ LaunchStatus AttentionTargetBlocks(DType kv_dtype, int head_dim, int* target_blo
   }
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
   *target_blocks = sms * std::max(beside_merge, 1);
-  if (unsplit_blocks != nullptr) *unsplit_blocks = sms * std::max(resident, 1);
+  *unsplit_blocks = sms * std::max(resident, 1);
   return LaunchStatus::Ok();
 }
 
-LaunchStatus PrefillScheduleBlocks(DType kv_dtype, int head_dim, PrefillPath path, int* blocks) {
+// Blocks the persistent Hopper prefill kernel keeps resident on the current device (SMs * blocks
+// per SM) where it runs persistent at this head_dim (128), 0 otherwise (one block per item).
+LaunchStatus HopperPrefillBlocks(DType kv_dtype, int head_dim, int* blocks) {
   *blocks = 0;
-  if (!UseHopperPrefill(path)) return LaunchStatus::Ok();
   int blocks_per_sm = 0, sms = 0;
   if (LaunchStatus st = DispatchPrefillWgmmaOccupancy(kv_dtype, head_dim, &blocks_per_sm);
       !st.ok()) {
     return st;
   }
-  if (blocks_per_sm == 0) return LaunchStatus::Ok();  // one block per item at this head_dim
+  if (blocks_per_sm == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
   *blocks = sms * blocks_per_sm;
+  return LaunchStatus::Ok();
+}
+
+// QueryPlanLimits' answers, per (device, cache dtype, head_dim), for the kAuto prefill path.
+struct CachedLimits {
+  std::mutex mu;
+  std::map<std::tuple<int, DType, int>, AttentionPlanLimits> limits;
+};
+
+}  // namespace
+
+LaunchStatus QueryPlanLimits(DType kv_dtype, int head_dim, PrefillPath path,
+                             AttentionPlanLimits* limits) {
+  static CachedLimits* cache = new CachedLimits();  // never freed: used until the process ends
+  int device = 0;
+  if (cudaError_t err = cudaGetDevice(&device); err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
+  }
+  const auto key = std::make_tuple(device, kv_dtype, head_dim);
+  AttentionPlanLimits found;
+  bool hit = false;
+  {
+    std::lock_guard<std::mutex> lock(cache->mu);
+    if (auto it = cache->limits.find(key); it != cache->limits.end()) {
+      found = it->second;
+      hit = true;
+    }
+  }
+  if (!hit) {
+    if (LaunchStatus st =
+            DecodeTargetBlocks(kv_dtype, head_dim, &found.target_blocks, &found.unsplit_blocks);
+        !st.ok()) {
+      return st;
+    }
+    if (UseHopperPrefill(PrefillPath::kAuto)) {
+      if (LaunchStatus st = HopperPrefillBlocks(kv_dtype, head_dim, &found.prefill_blocks);
+          !st.ok()) {
+        return st;
+      }
+    }
+    std::lock_guard<std::mutex> lock(cache->mu);
+    cache->limits[key] = found;
+  }
+  *limits = found;
+  limits->prefill_path = path;
+  if (!UseHopperPrefill(path)) limits->prefill_blocks = 0;  // the portable kernel: no schedule
   return LaunchStatus::Ok();
 }
 
@@ -74,7 +125,8 @@ bool HopperPrefillAvailable() {
 #endif
 }
 
-LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream) {
+LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t stream,
+                                  Launcher& launcher) {
   if (LaunchStatus st = CheckPageSize(in.page_size); !st.ok()) return st;
   if (LaunchStatus st = CheckGqa(in.num_q_heads, in.num_kv_heads); !st.ok()) return st;
   if (in.num_merge_tasks > 0 && in.merge_counters == nullptr && !in.separate_merge) {
@@ -83,7 +135,7 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   PagedAttentionParams params = in;
   SetDivisors(&params);
   // A separate merge goes with the launch before it when that is a decode tile launch: one
-  // launch of both, the merge's blocks scheduled while the tiles run (LaunchKernelPairWithParams).
+  // launch of both, the merge's blocks scheduled while the tiles run (Launcher::LaunchPair).
   const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;
   KernelLaunch merge;
   if (separate_merge) {
@@ -99,15 +151,15 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   const bool merge_after_decode = separate_merge && params.num_prefill_items == 0;
   if (params.num_decode_items > 0) {
     const bool last = merge_after_decode && params.num_decode_wide_items == 0;
-    if (LaunchStatus st =
-            DispatchAttentionTiles(params, TileShape::kDecode, stream, last ? &merge : nullptr);
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecode, stream, launcher,
+                                                 last ? &merge : nullptr);
         !st.ok()) {
       return st;
     }
     if (last) return LaunchStatus::Ok();
   }
   if (params.num_decode_wide_items > 0) {
-    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecodeWide, stream,
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kDecodeWide, stream, launcher,
                                                  merge_after_decode ? &merge : nullptr);
         !st.ok()) {
       return st;
@@ -115,13 +167,35 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
     if (merge_after_decode) return LaunchStatus::Ok();
   }
   if (params.num_prefill_items > 0) {
-    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream); !st.ok()) {
+    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream, launcher);
+        !st.ok()) {
       return st;
     }
   }
   if (separate_merge) {  // after prefill tiles: a launch of its own
-    return LaunchKernelWithParams(merge.func, merge.grid, merge.block, merge.smem, stream, &params,
-                                  sizeof(params), "split-KV merge");
+    return launcher.Launch(merge, stream, &params, sizeof(params), "split-KV merge");
+  }
+  return LaunchStatus::Ok();
+}
+
+LaunchStatus LaunchForwardAttention(const ForwardLaunch& launch, cudaStream_t stream,
+                                    Launcher& launcher) {
+  const PagedAttentionParams& p = launch.attention;
+  if (p.num_decode_items + p.num_decode_wide_items + p.num_prefill_items == 0) {
+    return LaunchStatus::Ok();
+  }
+  const bool convert = launch.wire_dtype != DType::kUnspecified;
+  if (convert) {
+    if (LaunchStatus st = LaunchConvert(launch.wire_q, launch.wire_dtype, const_cast<float*>(p.q),
+                                        DType::kFloat32, launch.wire_elems, stream);
+        !st.ok()) {
+      return st;
+    }
+  }
+  if (LaunchStatus st = LaunchPagedAttention(p, stream, launcher); !st.ok()) return st;
+  if (convert) {
+    return LaunchConvert(p.out, DType::kFloat32, launch.wire_out, launch.wire_dtype,
+                         launch.wire_elems, stream);
   }
   return LaunchStatus::Ok();
 }

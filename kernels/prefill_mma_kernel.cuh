@@ -363,15 +363,17 @@ __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
 }
 
 template <typename T, int D>
-LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                Launcher& launcher) {
   using Cfg = PrefillTileConfig<T, D>;
   static SmemLimitFlags smem_raised;
   return LaunchItemMajorGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
                              smem_raised, "prefill attention", params.num_prefill_items, params,
-                             stream);
+                             stream, launcher);
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \
-  template LaunchStatus LaunchPrefillTiles<T, D>(const PagedAttentionParams&, cudaStream_t);
+#define PAGEDATTN_INSTANTIATE_PREFILL(T, D)                                                 \
+  template LaunchStatus LaunchPrefillTiles<T, D>(const PagedAttentionParams&, cudaStream_t, \
+                                                 Launcher&);
 
 }  // namespace pagedattn::kernels

@@ -758,14 +758,15 @@ LaunchStatus RaiseWgmmaPrefillSmemLimit() {
 // SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
 // kv head.
 template <typename T, int D>
-LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream) {
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
+                                     Launcher& launcher) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if constexpr (!Cfg::kPersistent) {
     static SmemLimitFlags smem_raised;
     return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
                                smem_raised, "prefill attention (wgmma)", params.num_prefill_items,
-                               params, stream);
+                               params, stream, launcher);
   }
   if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
       params.num_prefill_blocks <= 0) {
@@ -774,7 +775,7 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
         "PrefillScheduleBlocks gives)");
   }
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  return LaunchKernelWithParams(
+  return launcher.Launch(
       PagedPrefillWgmmaKernel<T, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
       dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params, "prefill attention (wgmma)");
 }
@@ -796,8 +797,9 @@ LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   return LaunchStatus::Ok();
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                 \
-  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t); \
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t, \
+                                                      Launcher&);                                \
   template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
 
 }  // namespace pagedattn::kernels

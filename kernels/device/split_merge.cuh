@@ -241,14 +241,14 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
 // loads can be in flight), so the partial rows of all splits are read with 8 warps' loads in
 // flight rather than one warp's; the warps' (max, sum, O) are combined in shared memory.
 // At most 64 registers, so that a block fits beside two decode tile blocks on an SM and is
-// resident, waiting, before they end (LaunchKernelPairWithParams).
+// resident, waiting, before they end (Launcher::LaunchPair).
 inline constexpr int kMergeThreads = 256;
 
 template <int D>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
   constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
-  // Launched right after the tiles (LaunchKernelPairWithParams), it may start before they end:
+  // Launched right after the tiles (Launcher::LaunchPair), it may start before they end:
   // its task (written before the launch, by the host) is read while they run, so that only the
   // partials' loads follow the wait for their grid's end.
   const AttentionMergeTask task = p.merge_tasks[blockIdx.x];

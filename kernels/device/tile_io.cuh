@@ -134,14 +134,15 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
 template <typename Kernel>
 LaunchStatus LaunchItemMajorGrid(Kernel kernel, int threads, size_t smem,
                                  SmemLimitFlags& smem_raised, const char* what, int64_t num_items,
-                                 const PagedAttentionParams& params, cudaStream_t stream) {
+                                 const PagedAttentionParams& params, cudaStream_t stream,
+                                 Launcher& launcher) {
   if (num_items == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
   unsigned blocks = 0;
   if (LaunchStatus st = TileGridBlocks(num_items, params.num_kv_heads, &blocks); !st.ok()) {
     return st;
   }
-  return LaunchKernelWithParams(kernel, dim3(blocks), dim3(threads), smem, stream, params, what);
+  return launcher.Launch(kernel, dim3(blocks), dim3(threads), smem, stream, params, what);
 }
 
 }  // namespace pagedattn::kernels

@@ -28,8 +28,11 @@ size_t BytesOf(const std::vector<T>& v) {
   return v.size() * sizeof(T);
 }
 
-// The tiles read q and write out in float; q's wire dtype is converted when it is anything else.
-bool TilesRead(DType q_dtype, DType /*kv_dtype*/) { return q_dtype == DType::kFloat32; }
+// The tiles read q and write out in float or in the cache's dtype; the other 16-bit type is
+// converted through float.
+bool TilesRead(DType q_dtype, DType kv_dtype) {
+  return q_dtype == DType::kFloat32 || q_dtype == kv_dtype;
+}
 
 }  // namespace
 
@@ -156,8 +159,9 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.k_cache = k_cache;
   p.v_cache = v_cache;
   p.page_table = reinterpret_cast<const int32_t*>(d + st.page_table);
-  p.q = reinterpret_cast<const float*>(d + (converts_q_ ? st.q_f32 : st.q));
-  p.out = reinterpret_cast<float*>(d + (converts_q_ ? st.out_f32 : st.out));
+  p.q = d + (converts_q_ ? st.q_f32 : st.q);
+  p.out = d + (converts_q_ ? st.out_f32 : st.out);
+  p.q_dtype = converts_q_ ? DType::kFloat32 : batch_.q_dtype;
   p.lse = batch_.return_lse ? reinterpret_cast<float*>(d + st.lse) : nullptr;
   p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_items);
   p.num_decode_items = static_cast<int32_t>(w.decode_items.size());

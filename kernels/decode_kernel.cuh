@@ -14,6 +14,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <string>
@@ -226,7 +227,7 @@ struct DecodeTileMath {
 // rows (rows past the span are skipped), then all threads combine 4-dim slices of those rows and
 // write them, normalized, as float4 stores: to out/lse for an unsplit tile, to the partial
 // buffers of its split otherwise.
-template <typename Cfg, int D, int kKvWarps>
+template <typename TIO, typename Cfg, int D, int kKvWarps>
 __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
                                                        const AttentionWorkItem& item, int kv_head,
                                                        int group, DecodeState<D>& st,
@@ -281,7 +282,17 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
     }
     const float inv = sum > 0.f ? 1.f / sum : 0.f;
     const float lse = sum > 0.f ? (m + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
-    float* dst;
+    if constexpr (!std::is_same_v<TIO, float>) {  // out in the cache's type: 4 values, 8 bytes
+      if (item.partial_row < 0) {
+        const int64_t out_row =
+            OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
+        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + c) = make_uint2(
+            PackPair<TIO>(acc.x * inv, acc.y * inv), PackPair<TIO>(acc.z * inv, acc.w * inv));
+        if (p.lse && c == 0) p.lse[out_row] = lse;
+        continue;
+      }
+    }
+    float* dst;  // out in float, or the split's partial buffers
     float* lse_dst;
     TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
                           lse_dst);
@@ -293,7 +304,7 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
 
 // ---- Device body --------------------------------------------------------------------------
 
-template <typename T, int D, int kRowWarps, int kKvWarps>
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                                                const AttentionWorkItem* items,
                                                const ItemFirstPages* first_pages) {
@@ -451,7 +462,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   }
 
   // Q tile -> shared memory while those copies fly.
-  LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+  LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
       p, item, span, kv_head, group, span_rows, smem_q,
       [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
@@ -507,9 +518,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   }
   CpAsyncWait<0>();
 
-  CombineKvWarpsAndWrite<Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
-                                           kv_warp, tid, lane);
-  MergeIfLastSplit<D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
+  CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
+                                                kv_warp, tid, lane);
+  MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
 }
 
 // ---- Kernels and launcher -----------------------------------------------------------------
@@ -529,39 +540,40 @@ inline int NumDecodeItems(const PagedAttentionParams& p) {
   return kRowWarps == 1 ? p.num_decode_items : p.num_decode_wide_items;
 }
 
-template <typename T, int D, int kRowWarps, int kKvWarps>
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __global__ void __launch_bounds__(128)
     DecodeTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  DecodeTileBody<T, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
-                                            DecodeFirstPages<kRowWarps>(params));
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
+                                                 DecodeFirstPages<kRowWarps>(params));
 }
 // The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
 // 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
 // blocks and waits there (docs/PERFORMANCE.md#occupancy). DecodeKernel picks the one a shape uses.
-template <typename T, int D, int kRowWarps, int kKvWarps>
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __global__ void __maxnreg__(192)
     DecodeTileKernel192(const __grid_constant__ PagedAttentionParams params) {
-  DecodeTileBody<T, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
-                                            DecodeFirstPages<kRowWarps>(params));
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
+                                                 DecodeFirstPages<kRowWarps>(params));
 }
-template <typename T, int D, int kRowWarps, int kKvWarps>
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 constexpr auto DecodeKernel() {
   if constexpr (D == 128 && kRowWarps == 1) {
-    return DecodeTileKernel192<T, D, kRowWarps, kKvWarps>;
+    return DecodeTileKernel192<T, TIO, D, kRowWarps, kKvWarps>;
   } else {
-    return DecodeTileKernel<T, D, kRowWarps, kKvWarps>;
+    return DecodeTileKernel<T, TIO, D, kRowWarps, kKvWarps>;
   }
 }
 
 // then: a kernel to launch right after the tiles, programmatically dependent on them (the
 // separate merge); null for none.
-template <typename T, int D, int kRowWarps, int kKvWarps>
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                const KernelLaunch* then, Launcher& launcher) {
   using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
   const int num_items = NumDecodeItems<kRowWarps>(params);
   if (num_items == 0) return LaunchStatus::Ok();
-  auto kernel = DecodeKernel<T, D, kRowWarps, kKvWarps>();
+  auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
   constexpr size_t smem = Cfg::SmemBytes();
   static SmemLimitFlags smem_raised;
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
@@ -583,16 +595,12 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
                          "paged attention");
 }
 
-// Tile blocks an SM holds at once (resident), and how many of them leave room for one
-// separate-merge block (beside_merge), whose blocks must be resident, waiting, before the tiles
-// end (Launcher::LaunchPair): the planner counts the waves of a split plan in the second,
-// of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
-// (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
-// (docs/PERFORMANCE.md#occupancy).
-template <typename T, int D, int kRowWarps, int kKvWarps>
-LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
+// Tile blocks of one decode kernel (q in TIO) an SM holds at once (resident), and how many of
+// them leave room for one separate-merge block (beside_merge).
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeKernelOccupancy(int* resident, int* beside_merge) {
   using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
-  auto kernel = DecodeKernel<T, D, kRowWarps, kKvWarps>();
+  auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
   constexpr size_t smem = Cfg::SmemBytes();
   cudaFuncAttributes tile = {}, merge = {};
   int device = 0, regs_per_sm = 0;
@@ -602,7 +610,7 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
     err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, Cfg::kThreads, smem);
   }
   if (err == cudaSuccess) err = cudaFuncGetAttributes(&tile, kernel);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&merge, MergeSplitsKernel<D>);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&merge, MergeSplitsKernel<TIO, D>);
   if (err == cudaSuccess) err = cudaGetDevice(&device);
   if (err == cudaSuccess) {
     err = cudaDeviceGetAttribute(&regs_per_sm, cudaDevAttrMaxRegistersPerMultiprocessor, device);
@@ -622,12 +630,40 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
   return LaunchStatus::Ok();
 }
 
-// Explicit instantiation of both decode tile shapes for one (dtype, head_dim).
-#define PAGEDATTN_INSTANTIATE_DECODE(T, D)                                                \
-  template LaunchStatus LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(         \
-      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);         \
-  template LaunchStatus LaunchDecodeTiles<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>( \
-      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);         \
+// The decode tile's blocks an SM holds at once (resident), and how many of them leave room for
+// one separate-merge block (beside_merge), whose blocks must be resident, waiting, before the
+// tiles end (Launcher::LaunchPair): the planner counts the waves of a split plan in the second,
+// of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
+// (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
+// (docs/PERFORMANCE.md#occupancy). The fewer of the kernels for q in float and in T: one plan
+// serves either.
+template <typename T, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
+  int resident_t = 0, beside_t = 0;
+  if (LaunchStatus st =
+          DecodeKernelOccupancy<T, float, D, kRowWarps, kKvWarps>(resident, beside_merge);
+      !st.ok()) {
+    return st;
+  }
+  if (LaunchStatus st = DecodeKernelOccupancy<T, T, D, kRowWarps, kKvWarps>(&resident_t, &beside_t);
+      !st.ok()) {
+    return st;
+  }
+  *resident = std::min(*resident, resident_t);
+  *beside_merge = std::min(*beside_merge, beside_t);
+  return LaunchStatus::Ok();
+}
+
+// Explicit instantiation of both decode tile shapes for one (cache dtype, head_dim), with q in
+// float and in T.
+#define PAGEDATTN_INSTANTIATE_DECODE_Q(T, TIO, D)                                              \
+  template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(         \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);              \
+  template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>( \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);
+#define PAGEDATTN_INSTANTIATE_DECODE(T, D)    \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, float, D) \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, T, D)     \
   template LaunchStatus DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(int*, int*);
 
 }  // namespace pagedattn::kernels

@@ -34,7 +34,7 @@ constexpr bool SameHeadDims() {
 }
 static_assert(SameHeadDims(),
               "kSupportedHeadDims changed: add its instantiation in kernels/dispatch.h and a "
-              "kernels/instantiate_hdim<N>.cu file");
+              "kernels/instantiate_hdim<N>_{f16,bf16}.cu files");
 static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
                   kCudaKvDTypes[1] == DType::kBFloat16,
               "kCudaKvDTypes changed: extend DispatchKvDType");
@@ -106,29 +106,43 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
   return LaunchStatus::Ok();
 }
 
+// The dtype the tiles read q and write out in (PagedAttentionParams::q_dtype) -> element type:
+// float32, or the cache's own T. Any other (the other 16-bit type) crosses the tiles as a float
+// copy (AttentionPlan converts it), so it never reaches here from a plan.
+template <typename T, typename F>
+LaunchStatus DispatchQDType(DType q_dtype, DType kv_dtype, F&& f) {
+  if (q_dtype == DType::kFloat32) return f(TypeTag<float>{});
+  if (q_dtype == kv_dtype) return f(TypeTag<T>{});
+  return LaunchStatus::Unsupported("q dtype " + DTypeString(q_dtype) + " on a " +
+                                   DTypeString(kv_dtype) +
+                                   " cache: the tiles read FLOAT32 or the cache's dtype");
+}
+
 // The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
-// kernels/instantiate_hdim{64,128,256}.cu for T in {__half, __nv_bfloat16} and the two warp
-// layouts of paged_attention.h. then: a kernel launched right after the tiles that may start
-// before they end (the separate merge, Launcher::LaunchPair); null for none.
-template <typename T, int D, int kRowWarps, int kKvWarps>
+// kernels/instantiate_hdim*_{f16,bf16}.cu for T in {__half, __nv_bfloat16}, q in TIO in
+// {float, T} and the two warp layouts of attention_work.h. then: a kernel launched right after
+// the tiles that may start before they end (the separate merge, Launcher::LaunchPair); null for
+// none.
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                const KernelLaunch* then, Launcher& launcher);
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge);
 
 // The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
-// per (merge task, row, kv head): its kernel and grid, for LaunchAttentionTiles' `then` (or a
-// launch of its own after prefill tiles); instantiated beside the tile kernels for each head_dim.
-template <int D>
+// per (merge task, row, kv head): its kernel and grid, for LaunchDecodeTiles' `then` (or a
+// launch of its own after prefill tiles); instantiated beside the tile kernels for each head_dim
+// and out's element type TIO (float, __half, __nv_bfloat16).
+template <typename TIO, int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 
 // The prefill tile kernels, instantiated beside them: the portable one on mma.sync
 // (kernels/prefill_mma_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
 // (kernels/prefill_wgmma_kernel.cuh, sm_90a builds on 9.0 devices).
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                 Launcher& launcher);
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
                                      Launcher& launcher);
 template <typename T, int D>
@@ -150,20 +164,23 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
                                            const KernelLaunch* then = nullptr) {
   return DispatchKvDType(params.kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return DispatchHeadDim(params.head_dim, [&](auto d) {
-      constexpr int D = decltype(d)::value;
-      if (shape == TileShape::kDecode) {
-        return LaunchDecodeTiles<T, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
-                                                                        launcher);
-      }
-      if (shape == TileShape::kDecodeWide) {
-        return LaunchDecodeTiles<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(params, stream,
-                                                                                then, launcher);
-      }
-      if (UseHopperPrefill(params.prefill_path)) {
-        return LaunchPrefillTilesWgmma<T, D>(params, stream, launcher);
-      }
-      return LaunchPrefillTiles<T, D>(params, stream, launcher);
+    return DispatchQDType<T>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
+      using TIO = typename decltype(q_tag)::type;
+      return DispatchHeadDim(params.head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        if (shape == TileShape::kDecode) {
+          return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
+                                                                               launcher);
+        }
+        if (shape == TileShape::kDecodeWide) {
+          return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
+              params, stream, then, launcher);
+        }
+        if (UseHopperPrefill(params.prefill_path)) {
+          return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+        }
+        return LaunchPrefillTiles<T, TIO, D>(params, stream, launcher);
+      });
     });
   });
 }

@@ -139,14 +139,18 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;
   KernelLaunch merge;
   if (separate_merge) {
-    if (LaunchStatus st = DispatchHeadDim(params.head_dim,
-                                          [&](auto d) {
-                                            merge = MergeSplitsLaunch<decltype(d)::value>(params);
-                                            return LaunchStatus::Ok();
-                                          });
-        !st.ok()) {
-      return st;
-    }
+    // out's element type: float, or the cache's (DispatchQDType's rule).
+    LaunchStatus st = DispatchKvDType(params.kv_dtype, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return DispatchQDType<T>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
+        using TIO = typename decltype(q_tag)::type;
+        return DispatchHeadDim(params.head_dim, [&](auto d) {
+          merge = MergeSplitsLaunch<TIO, decltype(d)::value>(params);
+          return LaunchStatus::Ok();
+        });
+      });
+    });
+    if (!st.ok()) return st;
   }
   const bool merge_after_decode = separate_merge && params.num_prefill_items == 0;
   if (params.num_decode_items > 0) {
@@ -186,7 +190,7 @@ LaunchStatus LaunchForwardAttention(const ForwardLaunch& launch, cudaStream_t st
   }
   const bool convert = launch.wire_dtype != DType::kUnspecified;
   if (convert) {
-    if (LaunchStatus st = LaunchConvert(launch.wire_q, launch.wire_dtype, const_cast<float*>(p.q),
+    if (LaunchStatus st = LaunchConvert(launch.wire_q, launch.wire_dtype, const_cast<void*>(p.q),
                                         DType::kFloat32, launch.wire_elems, stream);
         !st.ok()) {
       return st;

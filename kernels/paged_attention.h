@@ -79,9 +79,11 @@ struct PagedAttentionParams {
   const void* v_cache = nullptr;
   const int32_t* page_table = nullptr;
 
-  const float* q = nullptr;  // [total_queries][num_q_heads][head_dim], float32
-  float* out = nullptr;      // [total_queries][num_q_heads][head_dim], float32
-  float* lse = nullptr;      // [total_queries][num_q_heads], natural log; null: not written
+  // [total_queries][num_q_heads][head_dim] in q_dtype (below): read in float or the cache's
+  // dtype, out written in the same.
+  const void* q = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // [total_queries][num_q_heads], natural log; null: not written
 
   const AttentionWorkItem* decode_items = nullptr;
   int32_t num_decode_items = 0;
@@ -108,6 +110,8 @@ struct PagedAttentionParams {
   const AttentionPrefillJob* prefill_jobs = nullptr;
   const int32_t* prefill_job_start = nullptr;  // num_prefill_blocks + 1 entries
   int32_t num_prefill_blocks = 0;
+  // q's and out's dtype: kFloat32 or kv_dtype (last, so the fields before it keep their offsets).
+  DType q_dtype = DType::kFloat32;
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as
@@ -134,9 +138,10 @@ LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType ds
 struct ForwardLaunch {
   AppendParams append;             // num_tokens 0: nothing to append
   PagedAttentionParams attention;  // no work items: nothing to attend
-  // q's wire dtype when the tiles cannot read it (they read float and the cache's dtype):
-  // wire_q (wire_elems of it) is converted into attention.q, a float copy, before the tiles, and
-  // their float attention.out back into wire_out after them. kUnspecified: no conversion.
+  // q's wire dtype when the tiles cannot read it (they read float and the cache's dtype, so only
+  // the other 16-bit type): wire_q (wire_elems of it) is converted into attention.q, a float
+  // copy, before the tiles, and their float attention.out back into wire_out after them.
+  // kUnspecified: no conversion.
   DType wire_dtype = DType::kUnspecified;
   const void* wire_q = nullptr;
   void* wire_out = nullptr;

@@ -12,6 +12,8 @@
 // end of the range); tiles a warp cannot see are skipped.
 #pragma once
 
+#include <type_traits>
+
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
@@ -46,7 +48,7 @@ struct PrefillTileConfig {
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
 };
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   using Cfg = PrefillTileConfig<T, D>;
   constexpr int MT = Cfg::kMTiles;
@@ -117,20 +119,24 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     }
   }
 
-  // ---- Q tile -> shared memory as T (once per block). Rows past the span are zero. (Not
-  // LoadQTile: its batched loads cost this kernel, at the register limit, a spill; its two
-  // blocks per SM hide one block's start behind the other's work.)
+  // ---- Q tile -> shared memory as T (once per block), from q in TIO. Rows past the span are
+  // zero. (Not LoadQTile: its batched loads cost this kernel, at the register limit, a spill;
+  // its two blocks per SM hide one block's start behind the other's work.)
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
     const int span_row = item.row_start + r;
     uint4 packed = make_uint4(0, 0, 0, 0);
     if (span_row < span_rows) {
-      const int query = span_row / group, head = kv_head * group + span_row % group;
-      const float4* src = reinterpret_cast<const float4*>(
-          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
-      const float4 lo = src[0], hi = src[1];
-      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
-                          PackPair<T>(hi.z, hi.w));
+      if constexpr (std::is_same_v<TIO, float>) {
+        const float4* src = reinterpret_cast<const float4*>(
+            QChunk<float, D>(p, span, kv_head, group, span_row, chunk));
+        const float4 lo = src[0], hi = src[1];
+        packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w),
+                            PackPair<T>(hi.x, hi.y), PackPair<T>(hi.z, hi.w));
+      } else {
+        packed = *reinterpret_cast<const uint4*>(
+            QChunk<TIO, D>(p, span, kv_head, group, span_row, chunk));
+      }
     }
     *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
   }
@@ -347,33 +353,36 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const float lse = sum > 0.f
                             ? (row_max[mt][i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
                             : -INFINITY;
-      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i, inv,
-                      lse);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i,
+                           inv, lse);
     }
   }
 
-  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+  MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-template <typename T, int D>
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D>
 __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
                                   PrefillTileConfig<T, D>::kMinBlocks)
     PagedPrefillTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  PrefillTileBody<T, D>(params);
+  PrefillTileBody<T, TIO, D>(params);
 }
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                 Launcher& launcher) {
   using Cfg = PrefillTileConfig<T, D>;
   static SmemLimitFlags smem_raised;
-  return LaunchItemMajorGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+  return LaunchItemMajorGrid(PagedPrefillTileKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
                              smem_raised, "prefill attention", params.num_prefill_items, params,
                              stream, launcher);
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL(T, D)                                                 \
-  template LaunchStatus LaunchPrefillTiles<T, D>(const PagedAttentionParams&, cudaStream_t, \
-                                                 Launcher&);
+#define PAGEDATTN_INSTANTIATE_PREFILL(T, D)                                                        \
+  template LaunchStatus LaunchPrefillTiles<T, float, D>(const PagedAttentionParams&, cudaStream_t, \
+                                                        Launcher&);                                \
+  template LaunchStatus LaunchPrefillTiles<T, T, D>(const PagedAttentionParams&, cudaStream_t,     \
+                                                    Launcher&);
 
 }  // namespace pagedattn::kernels

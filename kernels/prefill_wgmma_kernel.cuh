@@ -21,6 +21,7 @@
 // this kernel only when the build has sm_90a (PAGEDATTN_HAVE_SM90A) and the device is 9.0.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/device/ptx.cuh"
@@ -168,11 +169,12 @@ struct WgmmaTileMath {
     }
   }
 
-  // The Q tile of an item and kv head -> shared memory as T.
+  // The Q tile of an item and kv head -> shared memory as T, from q in TIO.
+  template <typename TIO>
   __device__ __forceinline__ static void LoadQ(const PagedAttentionParams& p,
                                                const AttentionWorkItem& item, int kv_head,
                                                int group, T* smem_q) {
-    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+    LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
         p, item, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
         [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
   }
@@ -286,8 +288,9 @@ struct WgmmaTileMath {
     for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);
   }
 
-  // Normalize and write this thread's two rows: to out/lse for an unsplit tile, to the partial
-  // buffers otherwise.
+  // Normalize and write this thread's two rows: to out (in TIO) / lse for an unsplit tile, to the
+  // partial buffers otherwise.
+  template <typename TIO>
   __device__ __forceinline__ static void WriteRows(const PagedAttentionParams& p,
                                                    const AttentionWorkItem& item,
                                                    const AttentionSpan& span, int kv_head,
@@ -306,12 +309,13 @@ struct WgmmaTileMath {
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const float lse =
           sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
-      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv,
+                           lse);
     }
   }
 };
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -382,7 +386,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   }
 
   // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
-  M::LoadQ(p, item, kv_head, group, smem.q);
+  M::template LoadQ<TIO>(p, item, kv_head, group, smem.q);
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
@@ -440,14 +444,14 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   CpAsyncWait<0>();
 
   // ---- Normalize and write.
-  M::WriteRows(p, item, span, kv_head, group, span_rows,
-               wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
-               scale_log2);
+  M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
+                             wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max,
+                             row_sum, scale_log2);
 
-  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+  MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -583,7 +587,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     CpAsyncCommit();
   }
   auto load_q = [&](const AttentionPrefillJob& job) {
-    M::LoadQ(p, job.item, job.kv_head, group, smem.q);
+    M::template LoadQ<TIO>(p, job.item, job.kv_head, group, smem.q);
   };
   // ---- Q tile of the first job -> shared memory as T, while the first copies fly. The next
   // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
@@ -720,25 +724,26 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     g0 += num_tiles;
 
     // ---- Normalize and write.
-    M::WriteRows(p, item, span, kv_head, group, span_rows,
-                 wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
-                 scale_log2);
+    M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
+                               wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max,
+                               row_sum, scale_log2);
 
-    MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+    MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
   }
   CpAsyncWait<0>();  // the zero-filled copies past the last job
 }
 
 #endif  // PAGEDATTN_WGMMA_DEVICE
 
-template <typename T, int D>
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
   if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
-    WgmmaPrefillPersistentBody<T, D>(params);
+    WgmmaPrefillPersistentBody<T, TIO, D>(params);
   } else {
-    WgmmaPrefillItemBody<T, D>(params);
+    WgmmaPrefillItemBody<T, TIO, D>(params);
   }
 #else
   __trap();  // never launched: the host picks this kernel only for sm_90a builds on sm_90
@@ -747,24 +752,25 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 
 // The Hopper prefill kernel's shared-memory limit, raised once per device for the launcher and
 // the occupancy query alike.
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus RaiseWgmmaPrefillSmemLimit() {
   static SmemLimitFlags smem_raised;
-  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, D>, WgmmaPrefillConfig<T, D>::SmemBytes(),
-                            smem_raised, "prefill attention (wgmma)");
+  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D>,
+                            WgmmaPrefillConfig<T, D>::SmemBytes(), smem_raised,
+                            "prefill attention (wgmma)");
 }
 
 // Persistent configurations: one block per schedule entry (num_prefill_blocks, from
 // SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
 // kv head.
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
                                      Launcher& launcher) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if constexpr (!Cfg::kPersistent) {
     static SmemLimitFlags smem_raised;
-    return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
+    return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
                                smem_raised, "prefill attention (wgmma)", params.num_prefill_items,
                                params, stream, launcher);
   }
@@ -772,34 +778,44 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
       params.num_prefill_blocks <= 0) {
     return LaunchStatus::Unsupported(
         "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
-        "PrefillScheduleBlocks gives)");
+        "QueryPlanLimits gives)");
   }
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D>(); !st.ok()) return st;
   return launcher.Launch(
-      PagedPrefillWgmmaKernel<T, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+      PagedPrefillWgmmaKernel<T, TIO, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
       dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params, "prefill attention (wgmma)");
 }
 
-// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers);
-// 0 for a configuration that runs one block per item (no schedule).
+// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
+// the fewer of its kernels for q in float and in T (one schedule serves either); 0 for a
+// configuration that runs one block per item (no schedule).
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
   if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks_per_sm, PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes());
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, float, D>(); !st.ok()) return st;
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, T, D>(); !st.ok()) return st;
+  int blocks[2] = {0, 0};
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks[0], PagedPrefillWgmmaKernel<T, float, D>, Cfg::kThreads, Cfg::SmemBytes());
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks[1], PagedPrefillWgmmaKernel<T, T, D>, Cfg::kThreads, Cfg::SmemBytes());
+  }
   if (err != cudaSuccess) {
     return LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
                                    cudaGetErrorString(err));
   }
+  *blocks_per_sm = std::min(blocks[0], blocks[1]);
   return LaunchStatus::Ok();
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                \
-  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t, \
-                                                      Launcher&);                                \
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                         \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, float, D>(const PagedAttentionParams&, \
+                                                             cudaStream_t, Launcher&);    \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, T, D>(const PagedAttentionParams&,     \
+                                                         cudaStream_t, Launcher&);        \
   template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
 
 }  // namespace pagedattn::kernels

@@ -7,6 +7,7 @@
 #include <cfloat>
 #include <cstdint>
 
+#include "kernels/device/dtype.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/tile_io.cuh"
 #include "kernels/launch.h"
@@ -62,8 +63,8 @@ struct SplitMergeState {
 };
 
 // A merged row r of a task, out of one warp (lane: D/32 consecutive dims): acc / weight_sum to
-// out, base + log(weight_sum) to lse. Shared by both merges.
-template <int D>
+// out (in q's element type TIO), base + log(weight_sum) to lse. Shared by both in-kernel merges.
+template <typename TIO, int D>
 __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
                                                const AttentionMergeTask& task,
                                                const AttentionSpan& span, int kv_head, int group,
@@ -74,11 +75,9 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
   const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
   const int span_row = task.row_start + r;
   const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-  float* dst = p.out + out_row * D + lane * kDims;
+  TIO* dst = static_cast<TIO*>(p.out) + out_row * D + lane * kDims;
 #pragma unroll
-  for (int d = 0; d < kDims; d += 2) {
-    *reinterpret_cast<float2*>(dst + d) = make_float2(acc[d] * inv, acc[d + 1] * inv);
-  }
+  for (int d = 0; d < kDims; d += 2) StorePair(dst + d, acc[d] * inv, acc[d + 1] * inv);
   if (p.lse && lane == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
 }
 
@@ -91,7 +90,7 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 // blocks on 8 kv heads) take one batch.
 constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }
 
-template <int D, int kBatch>
+template <typename TIO, int D, int kBatch>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
@@ -145,7 +144,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
         if (j < n) x[j].AddTo(m.acc, w);
       }
     }
-    WriteMergedRow<D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
+    WriteMergedRow<TIO, D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
   }
 }
 
@@ -153,7 +152,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 // head_dim 128: 255 registers and a 184-byte stack in the Hopper prefill kernel): the LSE max
 // first, then the O rows eight splits at a time in float2 loads. Split prefill tiles are rare
 // (chunked prefill over a long history); their merge is not on the decode path.
-template <int D>
+template <typename TIO, int D>
 __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p,
                                                    const AttentionMergeTask& task,
                                                    const AttentionSpan& span, int kv_head,
@@ -198,7 +197,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
     }
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) weight_sum += __shfl_xor_sync(0xffffffffu, weight_sum, o);
-    WriteMergedRow<D>(p, task, span, kv_head, group, r, acc, weight_sum, base);
+    WriteMergedRow<TIO, D>(p, task, span, kv_head, group, r, acc, weight_sum, base);
   }
 }
 
@@ -206,7 +205,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
 // by every thread of the block after its partials are written. kBatch: the batched merge's
 // splits per batch (decode tiles), or kTwoPassMerge (prefill tiles: MergeSplitsTwoPass).
 inline constexpr int kTwoPassMerge = 0;
-template <int D, int kBatch>
+template <typename TIO, int D, int kBatch>
 __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
@@ -226,9 +225,9 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
   __syncthreads();
   if (is_last_split) {
     if constexpr (kBatch == kTwoPassMerge) {
-      MergeSplitsTwoPass<D>(p, task, span, kv_head, group);
+      MergeSplitsTwoPass<TIO, D>(p, task, span, kv_head, group);
     } else {
-      MergeSplits<D, kBatch>(p, task, span, kv_head, group);
+      MergeSplits<TIO, D, kBatch>(p, task, span, kv_head, group);
     }
     if (threadIdx.x == 0) *counter = 0;  // ready for the next launch
   }
@@ -244,7 +243,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
 // resident, waiting, before they end (Launcher::LaunchPair).
 inline constexpr int kMergeThreads = 256;
 
-template <int D>
+template <typename TIO, int D>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
   constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
@@ -301,19 +300,20 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[w][d] * scale[w];
-    p.out[out_row * D + d] = sum * inv;
+    static_cast<TIO*>(p.out)[out_row * D + d] = FromFloat<TIO>(sum * inv);
   }
   if (p.lse && threadIdx.x == 0) p.lse[out_row] = total > 0.f ? base + __logf(total) : -INFINITY;
 }
 
-template <int D>
+template <typename TIO, int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params) {
-  return {reinterpret_cast<const void*>(MergeSplitsKernel<D>),
+  return {reinterpret_cast<const void*>(MergeSplitsKernel<TIO, D>),
           dim3(params.num_merge_tasks, params.merge_rows, params.num_kv_heads), dim3(kMergeThreads),
           0};
 }
 
-#define PAGEDATTN_INSTANTIATE_MERGE(D) \
-  template KernelLaunch MergeSplitsLaunch<D>(const PagedAttentionParams&);
+// The separate merge for one head_dim and out's element type TIO.
+#define PAGEDATTN_INSTANTIATE_MERGE(TIO, D) \
+  template KernelLaunch MergeSplitsLaunch<TIO, D>(const PagedAttentionParams&);
 
 }  // namespace pagedattn::kernels

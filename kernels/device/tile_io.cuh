@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/device/dtype.cuh"
 #include "kernels/launch.h"
@@ -57,7 +58,7 @@ __device__ __forceinline__ void TileRowDestination(const PagedAttentionParams& p
                                                    float*& dst, float*& lse_dst) {
   if (item.partial_row < 0) {
     const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-    dst = p.out + out_row * D;
+    dst = static_cast<float*>(p.out) + out_row * D;
     lse_dst = p.lse ? p.lse + out_row : nullptr;
   } else {
     const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
@@ -66,36 +67,70 @@ __device__ __forceinline__ void TileRowDestination(const PagedAttentionParams& p
   }
 }
 
+// out's element type TIO (q's: float, or the cache's 16-bit type): two adjacent values from float.
+template <typename TIO>
+__device__ __forceinline__ void StorePair(TIO* dst, float lo, float hi) {
+  if constexpr (std::is_same_v<TIO, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = PackPair<TIO>(lo, hi);
+  }
+}
+
 // Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
-// 8-wide n tile, o_half selecting the row's pair): to out/lse for an unsplit tile, to the
-// partial buffers of its split otherwise. Shared by the decode and prefill tile kernels.
-template <int D>
+// 8-wide n tile, o_half selecting the row's pair): to out (in TIO) / lse for an unsplit tile, to
+// the partial buffers (float) of its split otherwise. Shared by the prefill tile kernels.
+template <typename TIO, int D>
 __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
                                              const AttentionWorkItem& item,
                                              const AttentionSpan& span, int kv_head, int group,
                                              int tile_row, int span_row, int quad_col,
                                              const float (&o)[D / 8][4], int o_half, float inv,
                                              float lse) {
-  float* dst;
-  float* lse_dst;
-  TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
+  if constexpr (std::is_same_v<TIO, float>) {  // out and the partials alike: one store loop
+    float* dst;
+    float* lse_dst;
+    TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
-        make_float2(o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
+          make_float2(o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+    }
+    if (lse_dst && quad_col == 0) *lse_dst = lse;
+  } else if (item.partial_row < 0) {
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+    TIO* dst = static_cast<TIO*>(p.out) + out_row * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      StorePair(dst + dt * 8 + 2 * quad_col, o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+    }
+    if (p.lse && quad_col == 0) p.lse[out_row] = lse;
+  } else {
+    WriteTileRow<float, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, o_half,
+                           inv, lse);
   }
-  if (lse_dst && quad_col == 0) *lse_dst = lse;
 }
 
-// Q tile -> shared memory, converted to T; rows past the span are zero. A thread issues all
-// its loads (up to 8 chunks at a time) before it converts and stores any, so the tile costs one
-// global-memory latency rather than one per chunk. offset(row, chunk) is the element offset of
-// a 16-byte chunk in the kernel's shared-memory layout.
-template <typename T, int D, int kRows, int kThreads, typename Offset>
+// The address of 16-byte chunk `chunk` of q's row for span row span_row, in q's element type TIO.
+template <typename TIO, int D>
+__device__ __forceinline__ const TIO* QChunk(const PagedAttentionParams& p,
+                                             const AttentionSpan& span, int kv_head, int group,
+                                             int span_row, int chunk) {
+  const int query = span_row / group, head = kv_head * group + span_row % group;
+  return static_cast<const TIO*>(p.q) + ((span.q_offset + query) * p.num_q_heads + head) * D +
+         chunk * 8;
+}
+
+// Q tile -> shared memory as T, from q in TIO (float, converted; or T itself, copied); rows past
+// the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
+// any, so the tile costs one global-memory latency rather than one per chunk. offset(row, chunk)
+// is the element offset of a 16-byte chunk in the kernel's shared-memory layout.
+template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
 __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           const AttentionWorkItem& item, const AttentionSpan& span,
                                           int kv_head, int group, int span_rows, T* smem_q,
                                           Offset offset) {
+  static_assert(std::is_same_v<TIO, float> || std::is_same_v<TIO, T>, "q in float or in T");
   constexpr int kChunks = D / 8;
   static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
   constexpr int kPerThread = kRows * kChunks / kThreads;
@@ -103,28 +138,48 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
   static_assert(kPerThread % kBatch == 0, "whole batches");
 #pragma unroll 1
   for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
-    float4 lo[kBatch], hi[kBatch];
+    if constexpr (std::is_same_v<TIO, float>) {
+      float4 lo[kBatch], hi[kBatch];
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = threadIdx.x + (b0 + i) * kThreads;
-      const int r = c / kChunks, chunk = c % kChunks;
-      const int span_row = item.row_start + r;
-      lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-      if (span_row < span_rows) {
-        const int query = span_row / group, head = kv_head * group + span_row % group;
-        const float4* src = reinterpret_cast<const float4*>(
-            p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
-        lo[i] = src[0];
-        hi[i] = src[1];
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        const int span_row = item.row_start + r;
+        lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (span_row < span_rows) {
+          const float4* src = reinterpret_cast<const float4*>(
+              QChunk<float, D>(p, span, kv_head, group, span_row, chunk));
+          lo[i] = src[0];
+          hi[i] = src[1];
+        }
       }
-    }
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
-      const int c = threadIdx.x + (b0 + i) * kThreads;
-      const int r = c / kChunks, chunk = c % kChunks;
-      *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
-          make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
-                     PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
+            make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
+                       PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
+      }
+    } else {
+      uint4 x[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        const int span_row = item.row_start + r;
+        x[i] = make_uint4(0, 0, 0, 0);
+        if (span_row < span_rows) {
+          x[i] = *reinterpret_cast<const uint4*>(
+              QChunk<T, D>(p, span, kv_head, group, span_row, chunk));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = x[i];
+      }
     }
   }
 }

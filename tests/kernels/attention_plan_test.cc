@@ -483,31 +483,36 @@ TEST(AttentionPlan, BindPointsIntoTheDeviceImage) {
   EXPECT_EQ(plain.Bind(d, counters, k_pool, v_pool).attention.lse, nullptr);
 }
 
-// q in float is read by the tiles as it is; q in another dtype crosses them as a float copy:
-// converted into q_f32 before them, their out_f32 converted back into out after them.
-TEST(AttentionPlan, QOutsideTheTilesDtypesIsConvertedThroughFloat) {
-  const SmallForward f;
+// The tiles read q (and write out) in float and in the cache's dtype as they are, in place in
+// the image; q in the other 16-bit type crosses them as a float copy: converted into q_f32 before
+// them, their out_f32 converted back into out after them.
+TEST(AttentionPlan, QInTheOther16BitTypeIsConvertedThroughFloat) {
+  const SmallForward f;  // a bf16 cache
   std::vector<char> device(1 << 20);
   char* d = device.data();
-  const kernels::AttentionPlan f32 =
-      kernels::AttentionPlan::Make(f.Batch(DType::kFloat32), {.target_blocks = 132});
-  EXPECT_FALSE(f32.converts_q());
-  const kernels::ForwardLaunch direct = f32.Bind(d, nullptr, nullptr, nullptr);
-  EXPECT_EQ(direct.wire_dtype, DType::kUnspecified);
-  EXPECT_EQ(static_cast<const void*>(direct.attention.q), d + f32.staging().q);
-  EXPECT_EQ(static_cast<const void*>(direct.attention.out), d + f32.staging().out);
-  for (DType wire : {DType::kFloat16, DType::kBFloat16}) {
+  for (DType read : {DType::kFloat32, DType::kBFloat16}) {
     const kernels::AttentionPlan plan =
-        kernels::AttentionPlan::Make(f.Batch(wire), {.target_blocks = 132});
-    ASSERT_TRUE(plan.converts_q()) << DTypeName(wire);
+        kernels::AttentionPlan::Make(f.Batch(read), {.target_blocks = 132});
+    EXPECT_FALSE(plan.converts_q()) << DTypeName(read);
     const kernels::ForwardLaunch launch = plan.Bind(d, nullptr, nullptr, nullptr);
-    EXPECT_EQ(launch.wire_dtype, wire);
-    EXPECT_EQ(launch.wire_q, d + plan.staging().q);
-    EXPECT_EQ(launch.wire_out, d + plan.staging().out);
-    EXPECT_EQ(launch.wire_elems, 21 * 8 * 64);
-    EXPECT_EQ(static_cast<const void*>(launch.attention.q), d + plan.staging().q_f32);
-    EXPECT_EQ(static_cast<const void*>(launch.attention.out), d + plan.staging().out_f32);
+    EXPECT_EQ(launch.wire_dtype, DType::kUnspecified);
+    EXPECT_EQ(launch.attention.q_dtype, read);
+    EXPECT_EQ(launch.attention.q, d + plan.staging().q);
+    EXPECT_EQ(launch.attention.out, d + plan.staging().out);
+    EXPECT_EQ(plan.staging().q_f32, plan.staging().out_f32) << "no float copies";
   }
+  const kernels::AttentionPlan plan =
+      kernels::AttentionPlan::Make(f.Batch(DType::kFloat16), {.target_blocks = 132});
+  ASSERT_TRUE(plan.converts_q());
+  const kernels::ForwardLaunch launch = plan.Bind(d, nullptr, nullptr, nullptr);
+  EXPECT_EQ(launch.wire_dtype, DType::kFloat16);
+  EXPECT_EQ(launch.wire_q, d + plan.staging().q);
+  EXPECT_EQ(launch.wire_out, d + plan.staging().out);
+  EXPECT_EQ(launch.wire_elems, 21 * 8 * 64);
+  EXPECT_EQ(launch.attention.q_dtype, DType::kFloat32);
+  EXPECT_EQ(launch.attention.q, d + plan.staging().q_f32);
+  EXPECT_EQ(launch.attention.out, d + plan.staging().out_f32);
+  EXPECT_GE(plan.staging().out_f32 - plan.staging().q_f32, size_t{21} * 8 * 64 * 4);
 }
 
 }  // namespace

@@ -58,6 +58,9 @@ struct CaseSpec {
   uint32_t seed = 1;
   // K at position p scaled by 1 + k_ramp * p / 1024: scores that grow along the sequence.
   float k_ramp = 0.f;
+  // q's values are exact in this dtype too (kUnspecified: only in q_dtype), so that one seed gives
+  // the same queries in any q_dtype that holds them.
+  DType q_exact_in = DType::kUnspecified;
 };
 
 std::string Describe(const CaseSpec& c) {
@@ -158,7 +161,9 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
         }
       }
       for (int64_t e = 0; e < int64_t{sp.num_queries} * Hq * D; ++e) {
-        const float qv = RoundTo(c.q_dtype, 2.f * uni(rng));
+        float qv = 2.f * uni(rng);
+        if (c.q_exact_in != DType::kUnspecified) qv = RoundTo(c.q_exact_in, qv);
+        qv = RoundTo(c.q_dtype, qv);
         const size_t at = q_bytes.size();
         q_bytes.resize(at + q_size);
         StoreFromFloat(c.q_dtype, q_bytes.data() + at, 0, qv);
@@ -223,7 +228,9 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
       const int64_t off = sp.q_offset * Hq * D, n = int64_t{sp.num_queries} * Hq * D;
       const double err = testing::RelativeError(got.data() + off, ref.data() + off, n);
       worst = std::max(worst, std::isnan(err) ? 1.0 : err);
-      const double tol = c.cache_dtype == DType::kFloat16 ? 2e-3 : 1e-2;
+      // bf16's 8 bits (in the cache, or in q and out) bound the accuracy; f16's 11 otherwise.
+      const bool bf16 = c.cache_dtype == DType::kBFloat16 || c.q_dtype == DType::kBFloat16;
+      const double tol = bf16 ? 1e-2 : 2e-3;
       EXPECT_LE(err, tol) << "span " << i << " (kv_len " << sp.kv_len << ", queries "
                           << sp.num_queries << "), step " << step_index << " [" << Describe(c)
                           << "]";
@@ -342,6 +349,53 @@ TEST_F(CudaKernelTest, RaggedLongDecodeSplit) {
     c.steps = {prior, decode};
     RunCase(*backend_, c);
   }
+}
+
+// q and out travel in their own dtype. From a Forward with q in the cache's dtype the tiles read q
+// and write out as they are; with q in float32 they read and write float; q in the other 16-bit
+// type crosses them as a float copy. The same queries (exact in the cache's dtype) sent in
+// float32 and in the cache's dtype give outputs that agree bit for bit once the float ones are
+// rounded to the cache's dtype: what the two conversion kernels around float tiles gave before q
+// and out kept their dtype. Every path against the float64 oracle, outputs poisoned first:
+// decode, wide decode, split decode (in-kernel and separate merge), prefill, chunked prefill.
+TEST_F(CudaKernelTest, QAndOutInTheirOwnDtypeMatchTheFloatPath) {
+  for (DType cache : {DType::kBFloat16, DType::kFloat16}) {
+    const DType other = cache == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    for (int head_dim : {64, 128, 256}) {
+      CaseSpec mixed;
+      mixed.steps = MixedSteps(2500);
+      mixed.steps.push_back({{3, 3}, {2, 2}, {130, 130}, {1, 1}, {0, 2}});
+      CaseSpec separate_merge;  // 32 q heads on one kv head: split, merged by its own kernel
+      separate_merge.num_kv_heads = 1;
+      separate_merge.gqa = 32;
+      separate_merge.steps = {{{30000, 0}, {5000, 0}}, {{1, 1}, {1, 1}}};
+      for (CaseSpec c : {mixed, separate_merge}) {
+        c.cache_dtype = cache;
+        c.kv_wire_dtype = cache;
+        c.head_dim = head_dim;
+        c.q_exact_in = cache;
+        c.seed = 300 + head_dim;
+        std::vector<double> in_float, in_cache, in_other;
+        c.q_dtype = DType::kFloat32;
+        RunCase(*backend_, c, &in_float);
+        c.q_dtype = cache;
+        RunCase(*backend_, c, &in_cache);
+        c.q_dtype = other;
+        RunCase(*backend_, c, &in_other);
+        ASSERT_EQ(in_cache.size(), in_float.size());
+        ASSERT_FALSE(in_float.empty());
+        int64_t differ = 0;
+        for (size_t i = 0; i < in_float.size(); ++i) {
+          differ += in_cache[i] != RoundTo(cache, static_cast<float>(in_float[i])) ? 1 : 0;
+        }
+        EXPECT_EQ(differ, 0) << "of " << in_float.size() << " outputs [" << Describe(c) << "]";
+        EXPECT_EQ(in_other.size(), in_float.size());
+      }
+    }
+  }
+  const kernels::AttentionWork work =
+      PlannedWork({{0, 0, 1, 30001}, {1, 1876, 1, 5001}}, 32, 1, DType::kBFloat16, 128);
+  EXPECT_TRUE(work.separate_merge) << "the second case no longer reaches the separate merge";
 }
 
 // Many equal decode spans: enough work that the plan does not split.

@@ -225,8 +225,8 @@ struct DecodeTileMath {
 // The kKvWarps warps that split each KV tile combine their (max, sum, O) through shared memory
 // (the pipeline's, free once the last tile is read): each stores its state for the tile's live
 // rows (rows past the span are skipped), then all threads combine 4-dim slices of those rows and
-// write them, normalized, as float4 stores: to out/lse for an unsplit tile, to the partial
-// buffers of its split otherwise.
+// write them, normalized: to out (4 TIO in one store) / lse for an unsplit tile, to the partial
+// buffers (a float4) of its split otherwise.
 template <typename TIO, typename Cfg, int D, int kKvWarps>
 __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
                                                        const AttentionWorkItem& item, int kv_head,

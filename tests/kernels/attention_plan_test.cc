@@ -10,11 +10,13 @@
 #include <map>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "common/capabilities.h"
 #include "kernels/attention_work.h"
+#include "kernels/dispatch.h"
 
 namespace pagedattn {
 namespace {
@@ -78,8 +80,8 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
 }
 
 // A plan without splits has no merge, so its waves count every resident block (unsplit_blocks);
-// a split plan's count only those that leave room for a merge block (target_blocks). Head_dim
-// 64 on the H200: 396 and 528.
+// a split plan's count only those that leave room for a merge block (target_blocks): at head_dim
+// 64 on 132 SMs, 396 and 528.
 TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   std::vector<kernels::AttentionSpan> batch;
   for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
@@ -513,6 +515,28 @@ TEST(AttentionPlan, QInTheOther16BitTypeIsConvertedThroughFloat) {
   EXPECT_EQ(launch.attention.q, d + plan.staging().q_f32);
   EXPECT_EQ(launch.attention.out, d + plan.staging().out_f32);
   EXPECT_GE(plan.staging().out_f32 - plan.staging().q_f32, size_t{21} * 8 * 64 * 4);
+}
+
+// The tiles' q dtype picks their instantiation: float32, or the cache's dtype; the other 16-bit
+// type is refused with a message naming both (the plan converts it before it gets there).
+TEST(AttentionDispatch, QDtypeIsFloatOrTheCaches) {
+  auto picked = [](DType q, DType cache) {
+    std::string name;
+    const kernels::LaunchStatus st = kernels::DispatchKvDType(cache, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return kernels::DispatchQDType<T>(q, cache, [&](auto q_tag) {
+        using TIO = typename decltype(q_tag)::type;
+        name = std::is_same_v<TIO, float> ? "float" : (std::is_same_v<TIO, T> ? "cache" : "?");
+        return kernels::LaunchStatus::Ok();
+      });
+    });
+    return st.ok() ? name : st.message();
+  };
+  EXPECT_EQ(picked(DType::kFloat32, DType::kBFloat16), "float");
+  EXPECT_EQ(picked(DType::kBFloat16, DType::kBFloat16), "cache");
+  EXPECT_EQ(picked(DType::kFloat16, DType::kFloat16), "cache");
+  EXPECT_EQ(picked(DType::kFloat16, DType::kBFloat16),
+            "q dtype FLOAT16 on a BFLOAT16 cache: the tiles read FLOAT32 or the cache's dtype");
 }
 
 }  // namespace

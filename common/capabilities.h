@@ -44,11 +44,10 @@ enum class BackendKind { kCpu, kCuda };
 // kernels/dispatch.h (a static_assert there keeps the two in step).
 inline constexpr std::array<int, 3> kSupportedHeadDims = {64, 128, 256};
 
-// Every page size in [kMinPageSize, kMaxPageSize] works: kernels gather rows through the
-// page table, and sizes that are a multiple of kFastPageMultiple take a faster path.
+// Every page size in [kMinPageSize, kMaxPageSize] runs the same kernels: they gather rows
+// through the page table with a multiply-shift division by the page size.
 inline constexpr int kMinPageSize = 1;
 inline constexpr int kMaxPageSize = 1024;
-inline constexpr int kFastPageMultiple = 16;
 
 // num_q_heads / num_kv_heads. The decode kernel keeps one GQA group's queries in a block.
 inline constexpr int kMaxGqaRatio = 32;

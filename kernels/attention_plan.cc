@@ -1,299 +1,200 @@
-// PlanAttentionWork: the host side of split-KV. Cuts each span into query-row tiles and, when
-// the tiles alone cannot fill the GPU, each tile's KV range into equal chunks.
-#include <algorithm>
-#include <cstdint>
-#include <functional>
-#include <queue>
-#include <string>
-#include <utility>
+// AttentionPlan: one Forward's work, append slots and staging layout, computed on the host, and
+// its params bound to the staged image's device copy.
+#include "kernels/attention_plan.h"
 
-#include "kernels/paged_attention.h"
+#include <cstring>
 
 namespace pagedattn::kernels {
 namespace {
 
-struct Tile {
-  int32_t span;
-  int32_t row_start;
-  int32_t num_rows;
-  int32_t kv_end;  // Last visible position + 1 over the tile's rows.
-  int32_t tile_rows;
+size_t AlignUp(size_t n) { return (n + kStagingAlign - 1) / kStagingAlign * kStagingAlign; }
+
+// Hands out aligned sections one after another.
+class Sections {
+ public:
+  size_t Take(size_t bytes) {
+    const size_t at = end_;
+    end_ += AlignUp(bytes);
+    return at;
+  }
+  size_t end() const { return end_; }
+
+ private:
+  size_t end_ = 0;
 };
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+template <typename T>
+size_t BytesOf(const std::vector<T>& v) {
+  return v.size() * sizeof(T);
+}
 
-// Costs in KV positions for the chunk estimate: a block's start-up (page ids, first copies,
-// Q) and a split's share of the merge, measured as roughly this many positions of streaming.
-constexpr int64_t kBlockStartCost = 128;
-constexpr int64_t kMergeCost = 32;
-// The split that finishes last merges its tile alone, reading num_splits * rows partial rows
-// at the very end of the launch; each (split, row) costs about one position of streaming.
-constexpr int64_t kMergeCostPerSplitRow = 1;
-// The separate merge kernel (AttentionWork::separate_merge): launched with the tiles as one
-// programmatically dependent pair, its blocks wait for the tiles' end, then each reads its row
-// of every split with 8 warps. Measured on the H200 (bench --merge separate against the planned
-// in-kernel merge, 2026-11-29, after the pairing): 1.7 us slower at 2 splits x 4 rows
-// (16 x 4096); at 33 x 4 (1 x 32768) 0.04-0.55 us faster back to back in each of eight rounds
-// over three calls (per launch -0.5 to +1.3 us). Before the pairing it was 1.5-2.5 us slower
-// at 2-33 splits of 4 rows and 2.8 us faster at 32 x 8. The crossover lies between: 96 puts it
-// at 28 splits of 4 rows (13 of 8).
-constexpr int64_t kSeparateMergeCost = 96;
-constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
-// A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first
-// S and softmax (not overlapped), its output and the Q load of the next.
-constexpr int64_t kPrefillJobCost = 128;
+// The tiles read q and write out in float or in the cache's dtype; the other 16-bit type is
+// converted through float.
+bool TilesRead(DType q_dtype, DType kv_dtype) {
+  return q_dtype == DType::kFloat32 || q_dtype == kv_dtype;
+}
 
 }  // namespace
 
-void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work) {
-  auto attach = [&](const std::vector<AttentionWorkItem>& items,
-                    std::vector<ItemFirstPages>* first_pages) {
-    first_pages->assign(items.size(), ItemFirstPages{});
-    for (size_t i = 0; i < items.size(); ++i) {
-      const AttentionSpan& span = items[i].span_info;
-      const int64_t span_pages = (int64_t{span.kv_len} + page_size - 1) / page_size;
-      const int64_t first = items[i].kv_start / page_size;
-      for (int j = 0; j < kItemPages && first + j < span_pages; ++j) {
-        (*first_pages)[i].ids[j] = page_table[span.page_table_offset + first + j];
-      }
+AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlanLimits& limits) {
+  AttentionPlan plan;
+  plan.batch_ = batch;
+  plan.limits_ = limits;
+  const int64_t page_size = batch.page_size;
+
+  // Each new row's pool slot: its page (through the span's page table) and row in the page.
+  plan.slots_.resize(static_cast<size_t>(batch.total_new_tokens));
+  std::vector<AttentionSpan> spans(batch.spans.size());
+  for (size_t i = 0; i < batch.spans.size(); ++i) {
+    const ForwardSpan& sp = batch.spans[i];
+    spans[i] = {sp.q_offset, sp.page_table_offset, sp.num_queries, sp.kv_len};
+    for (int32_t t = 0; t < sp.num_new_tokens; ++t) {
+      const int64_t pos = sp.first_new_position + t;
+      const int64_t page = batch.page_table[sp.page_table_offset + pos / page_size];
+      plan.slots_[sp.kv_offset + t] = page * page_size + pos % page_size;
     }
-  };
-  attach(work->decode_items, &work->decode_first_pages);
-  attach(work->decode_wide_items, &work->decode_wide_first_pages);
+  }
+  if (batch.total_queries > 0) {
+    PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), batch.num_q_heads,
+                      batch.num_kv_heads, batch.causal, limits, &plan.work_);
+    SchedulePrefillJobs(batch.num_kv_heads, limits.prefill_blocks, &plan.work_);
+    AttachFirstPages(batch.page_table.data(), batch.page_size, &plan.work_);
+  }
+  plan.converts_q_ = !TilesRead(batch.q_dtype, batch.kv_dtype);
+
+  const AttentionWork& w = plan.work_;
+  const size_t q_elems =
+      static_cast<size_t>(batch.total_queries) * batch.num_q_heads * batch.head_dim;
+  const size_t kv_elems =
+      static_cast<size_t>(batch.total_new_tokens) * batch.num_kv_heads * batch.head_dim;
+  const size_t q_bytes = q_elems * DTypeSize(batch.q_dtype);
+  const size_t kv_bytes = kv_elems * DTypeSize(batch.kv_wire_dtype);
+  ForwardStaging& st = plan.staging_;
+  Sections s;
+  st.page_table = s.Take(batch.page_table.size() * sizeof(int32_t));
+  st.slots = s.Take(BytesOf(plan.slots_));
+  st.decode_items = s.Take(BytesOf(w.decode_items));
+  st.decode_wide_items = s.Take(BytesOf(w.decode_wide_items));
+  st.decode_first_pages = s.Take(BytesOf(w.decode_first_pages));
+  st.decode_wide_first_pages = s.Take(BytesOf(w.decode_wide_first_pages));
+  st.prefill_items = s.Take(BytesOf(w.prefill_items));
+  st.prefill_jobs = s.Take(BytesOf(w.prefill_jobs));
+  st.prefill_job_start = s.Take(BytesOf(w.prefill_job_start));
+  st.merge_tasks = s.Take(BytesOf(w.merge_tasks));
+  st.q = s.Take(q_bytes);
+  st.k = s.Take(kv_bytes);
+  st.v = s.Take(kv_bytes);
+  st.upload_bytes = s.end();
+  st.out_bytes = q_bytes;
+  st.lse_bytes = batch.return_lse
+                     ? static_cast<size_t>(batch.total_queries) * batch.num_q_heads * sizeof(float)
+                     : 0;
+  st.out = s.Take(st.out_bytes);
+  st.lse = s.Take(st.lse_bytes);
+  st.results_end = s.end();
+  st.q_f32 = s.Take(plan.converts_q_ ? q_elems * sizeof(float) : 0);
+  st.out_f32 = s.Take(plan.converts_q_ ? q_elems * sizeof(float) : 0);
+  st.partial_out = s.Take(static_cast<size_t>(w.partial_rows) * batch.num_kv_heads *
+                          batch.head_dim * sizeof(float));
+  st.partial_lse = s.Take(static_cast<size_t>(w.partial_rows) * batch.num_kv_heads * sizeof(float));
+  st.device_bytes = s.end();
+  st.merge_counters = w.merge_tasks.size() * static_cast<size_t>(batch.num_kv_heads);
+  return plan;
 }
 
-LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks) {
-  const int64_t n = num_items * num_kv_heads;
-  if (n > INT32_MAX) {
-    return LaunchStatus::Unsupported("paged attention: " + std::to_string(num_items) + " tiles x " +
-                                     std::to_string(num_kv_heads) +
-                                     " kv heads is over 2^31 - 1 blocks; split the batch");
-  }
-  *blocks = static_cast<unsigned>(n);
-  return LaunchStatus::Ok();
+void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, const void* v) const {
+  char* h = static_cast<char*>(image);
+  auto put = [h](size_t offset, const void* src, size_t bytes) {
+    if (bytes > 0) std::memcpy(h + offset, src, bytes);
+  };
+  const AttentionWork& w = work_;
+  const ForwardStaging& st = staging_;
+  put(st.page_table, batch_.page_table.data(), batch_.page_table.size() * sizeof(int32_t));
+  put(st.slots, slots_.data(), BytesOf(slots_));
+  put(st.decode_items, w.decode_items.data(), BytesOf(w.decode_items));
+  put(st.decode_wide_items, w.decode_wide_items.data(), BytesOf(w.decode_wide_items));
+  put(st.decode_first_pages, w.decode_first_pages.data(), BytesOf(w.decode_first_pages));
+  put(st.decode_wide_first_pages, w.decode_wide_first_pages.data(),
+      BytesOf(w.decode_wide_first_pages));
+  put(st.prefill_items, w.prefill_items.data(), BytesOf(w.prefill_items));
+  put(st.prefill_jobs, w.prefill_jobs.data(), BytesOf(w.prefill_jobs));
+  put(st.prefill_job_start, w.prefill_job_start.data(), BytesOf(w.prefill_job_start));
+  put(st.merge_tasks, w.merge_tasks.data(), BytesOf(w.merge_tasks));
+  put(st.q, q, st.out_bytes);  // q has out's dtype and shape
+  const size_t kv_bytes = static_cast<size_t>(batch_.total_new_tokens) * batch_.num_kv_heads *
+                          batch_.head_dim * DTypeSize(batch_.kv_wire_dtype);
+  put(st.k, k, kv_bytes);
+  put(st.v, v, kv_bytes);
 }
 
-void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, const AttentionPlanLimits& limits, AttentionWork* work) {
-  work->decode_items.clear();
-  work->decode_wide_items.clear();
-  work->decode_first_pages.clear();  // AttachFirstPages fills them for these items
-  work->decode_wide_first_pages.clear();
-  work->prefill_items.clear();
-  work->merge_tasks.clear();
-  work->prefill_jobs.clear();
-  work->prefill_job_start.clear();
-  work->partial_rows = 0;
-  work->separate_merge = false;
-  work->merge_rows = 0;
-  const int group = num_q_heads / num_kv_heads;
+ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, void* k_cache,
+                                  void* v_cache) const {
+  char* d = static_cast<char*>(device_base);
+  const AttentionWork& w = work_;
+  const ForwardStaging& st = staging_;
+  ForwardLaunch launch;
 
-  std::vector<Tile> tiles;
-  for (int i = 0; i < num_spans; ++i) {
-    const AttentionSpan& span = spans[i];
-    if (span.num_queries <= 0) continue;
-    const int rows = span.num_queries * group;
-    const int tile_rows = rows <= kDecodeTileRows       ? kDecodeTileRows
-                          : rows <= kDecodeWideTileRows ? kDecodeWideTileRows
-                                                        : kPrefillTileRows;
-    for (int row_start = 0; row_start < rows; row_start += tile_rows) {
-      const int num_rows = std::min(tile_rows, rows - row_start);
-      const int last_query = (row_start + num_rows - 1) / group;
-      const int kv_end = causal ? span.kv_len - span.num_queries + last_query + 1 : span.kv_len;
-      tiles.push_back({i, row_start, num_rows, kv_end, tile_rows});
-    }
-  }
+  AppendParams& ap = launch.append;
+  ap.k = d + st.k;
+  ap.v = d + st.v;
+  ap.src_dtype = batch_.kv_wire_dtype;
+  ap.k_cache = k_cache;
+  ap.v_cache = v_cache;
+  ap.cache_dtype = batch_.kv_dtype;
+  ap.slots = reinterpret_cast<const int64_t*>(d + st.slots);
+  ap.num_tokens = batch_.total_new_tokens;
+  ap.num_kv_heads = batch_.num_kv_heads;
+  ap.head_dim = batch_.head_dim;
+  ap.page_size = batch_.page_size;
 
-  // The split-KV chunk: blocks run in waves of target_blocks (of unsplit_blocks when a
-  // decode-only plan splits nothing: no merge block needs room beside its tiles), so a launch
-  // lasts about max(longest block, waves * mean block); each block also pays a fixed start-up
-  // cost. Candidates are the longest range cut in k pieces (a multiple of the KV tile, at least
-  // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
-  const bool decode_only = std::all_of(
-      tiles.begin(), tiles.end(), [](const Tile& t) { return t.tile_rows <= kDecodeWideTileRows; });
-  const int64_t blocks = std::max(1, limits.target_blocks);
-  const int64_t whole_blocks =
-      limits.unsplit_blocks > 0 && decode_only ? limits.unsplit_blocks : blocks;
-  const int64_t floor_chunk = std::max(limits.min_chunk, kKvTileRows);
-  int64_t max_end = 1;
-  for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
-  auto round_chunk = [&](int64_t c) {
-    return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
-  };
-  // The estimate of a chunk, and where its splits are merged: in the tile kernels (a tail of the
-  // largest task's splits * rows) or in a kernel of its own (a fixed cost plus the most splits
-  // any row has), whichever is cheaper. The separate merge was measured for decode tiles only:
-  // a plan that splits a prefill tile keeps the in-kernel merge (and the prefill plans measured
-  // before it).
-  struct Estimate {
-    double cost;
-    bool separate_merge;
-  };
-  auto estimate = [&](int64_t chunk) {
-    int64_t units = 0, max_cost = 0, in_kernel_merge = 0, most_splits = 0;
-    bool prefill_split = false;
-    double total_cost = 0;
-    for (const Tile& t : tiles) {
-      const int64_t n = CeilDiv(t.kv_end, chunk);
-      units += n;
-      total_cost +=
-          static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
-      max_cost = std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.kv_end) + kBlockStartCost);
-      if (n > 1) {
-        in_kernel_merge = std::max(in_kernel_merge, n * t.num_rows * kMergeCostPerSplitRow);
-        most_splits = std::max(most_splits, n);
-        prefill_split |= t.tile_rows == kPrefillTileRows;
-      }
-    }
-    units *= num_kv_heads;
-    total_cost *= num_kv_heads;
-    const int64_t wave_blocks = most_splits > 0 ? blocks : whole_blocks;
-    const double waves = static_cast<double>(CeilDiv(units, wave_blocks));
-    const int64_t separate_merge =
-        kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
-    const bool separate = most_splits > 0 && !prefill_split && separate_merge < in_kernel_merge;
-    return Estimate{
-        std::max(static_cast<double>(max_cost), waves * total_cost / std::max<int64_t>(units, 1)) +
-            static_cast<double>(separate ? separate_merge : in_kernel_merge),
-        separate};
-  };
-  static constexpr int kPieces[] = {1,  2,  3,  4,  5,  6,  7,  8,  10,  12,  14,  16,  20,  24,
-                                    28, 32, 40, 48, 56, 64, 80, 96, 128, 160, 192, 256, 384, 512};
-  int64_t chunk = round_chunk(max_end);
-  double best = estimate(chunk).cost;
-  for (int k : kPieces) {
-    const int64_t c = round_chunk(CeilDiv(max_end, k));
-    if (c >= chunk) continue;
-    const double e = estimate(c).cost;
-    if (e < best * 0.99) {  // a split must buy at least 1%
-      best = e;
-      chunk = c;
-    }
-    if (c == floor_chunk) break;
+  PagedAttentionParams& p = launch.attention;
+  p.kv_dtype = batch_.kv_dtype;
+  p.num_q_heads = batch_.num_q_heads;
+  p.num_kv_heads = batch_.num_kv_heads;
+  p.head_dim = batch_.head_dim;
+  p.page_size = batch_.page_size;
+  p.causal = batch_.causal;
+  p.sm_scale = batch_.sm_scale;
+  p.prefill_path = limits_.prefill_path;
+  p.k_cache = k_cache;
+  p.v_cache = v_cache;
+  p.page_table = reinterpret_cast<const int32_t*>(d + st.page_table);
+  p.q = d + (converts_q_ ? st.q_f32 : st.q);
+  p.out = d + (converts_q_ ? st.out_f32 : st.out);
+  p.q_dtype = converts_q_ ? DType::kFloat32 : batch_.q_dtype;
+  p.lse = batch_.return_lse ? reinterpret_cast<float*>(d + st.lse) : nullptr;
+  p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_items);
+  p.num_decode_items = static_cast<int32_t>(w.decode_items.size());
+  p.decode_wide_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_wide_items);
+  p.num_decode_wide_items = static_cast<int32_t>(w.decode_wide_items.size());
+  if (!w.decode_first_pages.empty()) {
+    p.decode_first_pages = reinterpret_cast<const ItemFirstPages*>(d + st.decode_first_pages);
   }
-  // One wave exactly: a decode-only plan may also cut the longest range into as many equal
-  // pieces as the blocks hold per tile, at any position (the decode tiles mask a split's ends),
-  // so that 1 x 32768 on 8 kv heads runs 264 splits of 993 positions rather than 256 of 1024
-  // with 8 of the GPU's 264 block slots idle.
-  const int64_t tile_units = static_cast<int64_t>(tiles.size()) * num_kv_heads;
-  if (decode_only && tile_units > 0 && blocks / tile_units >= 2) {
-    const int64_t c = std::max(floor_chunk, CeilDiv(max_end, blocks / tile_units));
-    if (c < chunk) {
-      const double e = estimate(c).cost;
-      if (e < best * 0.99) {
-        best = e;
-        chunk = c;
-      }
-    }
+  if (!w.decode_wide_first_pages.empty()) {
+    p.decode_wide_first_pages =
+        reinterpret_cast<const ItemFirstPages*>(d + st.decode_wide_first_pages);
   }
-  work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
-  work->separate_merge = estimate(chunk).separate_merge;
+  p.prefill_items = reinterpret_cast<const AttentionWorkItem*>(d + st.prefill_items);
+  p.num_prefill_items = static_cast<int32_t>(w.prefill_items.size());
+  p.prefill_jobs = reinterpret_cast<const AttentionPrefillJob*>(d + st.prefill_jobs);
+  p.prefill_job_start = reinterpret_cast<const int32_t*>(d + st.prefill_job_start);
+  p.num_prefill_blocks = w.num_prefill_blocks();
+  p.merge_tasks = reinterpret_cast<const AttentionMergeTask*>(d + st.merge_tasks);
+  p.num_merge_tasks = static_cast<int32_t>(w.merge_tasks.size());
+  p.separate_merge = w.separate_merge;
+  p.merge_rows = w.merge_rows;
+  p.partial_out = reinterpret_cast<float*>(d + st.partial_out);
+  p.partial_lse = reinterpret_cast<float*>(d + st.partial_lse);
+  p.partial_rows = w.partial_rows;
+  p.merge_counters = merge_counters;
 
-  // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
-  // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.
-  size_t first = 0;
-  while (first < tiles.size()) {
-    size_t last = first;
-    while (last < tiles.size() && tiles[last].span == tiles[first].span) ++last;
-    int64_t max_splits = 0;
-    std::vector<int32_t> partial_base(last - first, -1), task_index(last - first, -1);
-    for (size_t t = first; t < last; ++t) {
-      const Tile& tile = tiles[t];
-      const int64_t splits = CeilDiv(tile.kv_end, chunk);
-      max_splits = std::max(max_splits, splits);
-      if (splits > 1) {
-        const int tile_rows = tile.tile_rows;
-        partial_base[t - first] = static_cast<int32_t>(work->partial_rows);
-        task_index[t - first] = static_cast<int32_t>(work->merge_tasks.size());
-        work->merge_tasks.push_back({spans[tile.span].q_offset, tile.span, tile.row_start,
-                                     tile.num_rows, static_cast<int32_t>(splits),
-                                     static_cast<int32_t>(work->partial_rows), tile_rows});
-        work->merge_rows = std::max(work->merge_rows, tile.num_rows);
-        work->partial_rows += splits * tile_rows;
-      }
-    }
-    for (int64_t s = 0; s < max_splits; ++s) {
-      for (size_t t = first; t < last; ++t) {
-        const Tile& tile = tiles[t];
-        const int64_t kv_start = s * chunk;
-        if (kv_start >= tile.kv_end) continue;
-        AttentionWorkItem item;
-        item.span_info = spans[tile.span];
-        item.span = tile.span;
-        item.row_start = tile.row_start;
-        item.kv_start = static_cast<int32_t>(kv_start);
-        item.kv_end = static_cast<int32_t>(std::min<int64_t>(kv_start + chunk, tile.kv_end));
-        const int tile_rows = tile.tile_rows;
-        item.partial_row = partial_base[t - first] < 0
-                               ? -1
-                               : static_cast<int32_t>(partial_base[t - first] + s * tile_rows);
-        item.merge_task = task_index[t - first];
-        (tile_rows == kDecodeTileRows       ? work->decode_items
-         : tile_rows == kDecodeWideTileRows ? work->decode_wide_items
-                                            : work->prefill_items)
-            .push_back(item);
-      }
-    }
-    first = last;
+  if (converts_q_) {
+    launch.wire_dtype = batch_.q_dtype;
+    launch.wire_q = d + st.q;
+    launch.wire_out = d + st.out;
+    launch.wire_elems = batch_.total_queries * int64_t{batch_.num_q_heads} * batch_.head_dim;
   }
-
-  // Prefill blocks run span by span (the span with the longest block first), and longest
-  // first within a span. Longest first, so the short (causal, early) tiles fill the last wave
-  // instead of one long tile running alone at the end. Span by span, so that the blocks running
-  // at once read the same K/V prefix and share it through L2: sorting all spans' blocks by
-  // length together puts one block of each length of every span side by side, and at 4 x 4096
-  // each wave then read four times as many distinct K/V bytes (DRAM-latency bound). Blocks are
-  // scheduled as SMs free up, so there is no wave boundary between spans. The sorts are
-  // stable: tiles of equal length stay split-major and side by side.
-  auto length = [](const AttentionWorkItem& it) { return it.kv_end - it.kv_start; };
-  std::vector<int32_t> span_longest(num_spans, 0);
-  for (const AttentionWorkItem& it : work->prefill_items) {
-    span_longest[it.span] = std::max(span_longest[it.span], length(it));
-  }
-  std::stable_sort(work->prefill_items.begin(), work->prefill_items.end(),
-                   [&](const AttentionWorkItem& a, const AttentionWorkItem& b) {
-                     if (a.span != b.span) {
-                       if (span_longest[a.span] != span_longest[b.span]) {
-                         return span_longest[a.span] > span_longest[b.span];
-                       }
-                       return a.span < b.span;
-                     }
-                     return length(a) > length(b);
-                   });
-}
-
-void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
-  work->prefill_jobs.clear();
-  work->prefill_job_start.clear();
-  const int64_t num_jobs = static_cast<int64_t>(work->prefill_items.size()) * num_kv_heads;
-  if (blocks <= 0 || num_jobs == 0) return;
-  const int grid = static_cast<int>(std::min<int64_t>(blocks, num_jobs));
-  // List scheduling in the planner's order (by span, longest first; the kv heads of an item side
-  // by side): what the hardware's block scheduler did with one block per job, decided here so
-  // that every block knows its next job while it runs the current one. Ties go to the lower
-  // block, so the first `grid` jobs start on blocks 0, 1, ... in order.
-  using Load = std::pair<int64_t, int>;  // (estimated end, block)
-  std::priority_queue<Load, std::vector<Load>, std::greater<Load>> free_at;
-  for (int b = 0; b < grid; ++b) free_at.push({0, b});
-  std::vector<int32_t> owner(num_jobs);  // job i * num_kv_heads + h -> its block
-  std::vector<int32_t> start(grid + 1, 0);
-  for (int64_t j = 0; j < num_jobs; ++j) {
-    const AttentionWorkItem& item = work->prefill_items[j / num_kv_heads];
-    const auto [end, b] = free_at.top();
-    free_at.pop();
-    owner[j] = b;
-    ++start[b + 1];
-    free_at.push({end + int64_t{item.kv_end} - item.kv_start + kPrefillJobCost, b});
-  }
-  // Block-major, each block's jobs in the planner's order (a counting sort by owner).
-  for (int b = 0; b < grid; ++b) start[b + 1] += start[b];
-  work->prefill_job_start = start;
-  work->prefill_jobs.resize(num_jobs);
-  for (int64_t j = 0; j < num_jobs; ++j) {
-    AttentionPrefillJob& job = work->prefill_jobs[start[owner[j]]++];
-    job.item = work->prefill_items[j / num_kv_heads];
-    job.kv_head = static_cast<int32_t>(j % num_kv_heads);
-  }
+  return launch;
 }
 
 }  // namespace pagedattn::kernels

@@ -12,7 +12,7 @@
 #include <type_traits>
 
 #include "common/capabilities.h"
-#include "kernels/graph_launch.h"
+#include "kernels/launch.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"
 
@@ -34,7 +34,7 @@ constexpr bool SameHeadDims() {
 }
 static_assert(SameHeadDims(),
               "kSupportedHeadDims changed: add its instantiation in kernels/dispatch.h and a "
-              "kernels/attention_d<N>.cu file");
+              "kernels/instantiate_hdim<N>_{f16,bf16}.cu files");
 static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
                   kCudaKvDTypes[1] == DType::kBFloat16,
               "kCudaKvDTypes changed: extend DispatchKvDType");
@@ -106,29 +106,45 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
   return LaunchStatus::Ok();
 }
 
-// The attention tile kernels, instantiated in kernels/attention_d{64,128,256}.cu for
-// T in {__half, __nv_bfloat16} and the two warp layouts below.
-// then: a kernel launched right after the tiles that may start before they end (the separate
-// merge, LaunchKernelPairWithParams); null for none.
-template <typename T, int D, int MW, int KW>
-LaunchStatus LaunchAttentionTiles(const PagedAttentionParams& params, cudaStream_t stream,
-                                  const KernelLaunch* then);
-template <typename T, int D, int MW, int KW>
-LaunchStatus AttentionTileOccupancy(int* resident, int* beside_merge);
+// The dtype the tiles read q and write out in (PagedAttentionParams::q_dtype) -> element type:
+// float32, or the cache's own T. Any other (the other 16-bit type) crosses the tiles as a float
+// copy (AttentionPlan converts it), so it never reaches here from a plan.
+template <typename T, typename F>
+LaunchStatus DispatchQDType(DType q_dtype, DType kv_dtype, F&& f) {
+  if (q_dtype == DType::kFloat32) return f(TypeTag<float>{});
+  if (q_dtype == kv_dtype) return f(TypeTag<T>{});
+  return LaunchStatus::Unsupported("q dtype " + DTypeString(q_dtype) + " on a " +
+                                   DTypeString(kv_dtype) +
+                                   " cache: the tiles read FLOAT32 or the cache's dtype");
+}
+
+// The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
+// kernels/instantiate_hdim*_{f16,bf16}.cu for T in {__half, __nv_bfloat16}, q in TIO in
+// {float, T} and the two warp layouts of attention_work.h. then: a kernel launched right after
+// the tiles that may start before they end (the separate merge, Launcher::LaunchPair); null for
+// none.
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                               const KernelLaunch* then, Launcher& launcher);
+template <typename T, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge);
 
 // The split-KV merge as a kernel of its own (PagedAttentionParams::separate_merge), one block
-// per (merge task, row, kv head): its kernel and grid, for LaunchAttentionTiles' `then` (or a
-// launch of its own after prefill tiles); instantiated beside the tile kernels for each head_dim.
-template <int D>
+// per (merge task, row, kv head): its kernel and grid, for LaunchDecodeTiles' `then` (or a
+// launch of its own after prefill tiles); instantiated beside the tile kernels for each head_dim
+// and out's element type TIO (float, __half, __nv_bfloat16).
+template <typename TIO, int D>
 KernelLaunch MergeSplitsLaunch(const PagedAttentionParams& params);
 
 // The prefill tile kernels, instantiated beside them: the portable one on mma.sync
-// (kernels/prefill_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
-// (kernels/prefill_wgmma.cuh, sm_90a builds on 9.0 devices).
-template <typename T, int D>
-LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream);
-template <typename T, int D>
-LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream);
+// (kernels/prefill_mma_kernel.cuh, sm_80 and later) and the Hopper one on wgmma
+// (kernels/prefill_wgmma_kernel.cuh, sm_90a builds on 9.0 devices).
+template <typename T, typename TIO, int D>
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                Launcher& launcher);
+template <typename T, typename TIO, int D>
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
+                                     Launcher& launcher);
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm);
 
@@ -140,31 +156,31 @@ inline bool UseHopperPrefill(PrefillPath path) {
   return path == PrefillPath::kAuto && HopperPrefillAvailable();
 }
 
-// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
-inline constexpr int kDecodeMW = 1, kDecodeKW = 4;
-inline constexpr int kDecodeWideMW = 2, kDecodeWideKW = 2;
-static_assert(kDecodeMW * 16 == kDecodeTileRows && kDecodeWideMW * 16 == kDecodeWideTileRows);
-
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
-// then (decode shapes only): see LaunchAttentionTiles.
+// then (decode shapes only): see LaunchDecodeTiles.
 inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, TileShape shape,
-                                           cudaStream_t stream,
+                                           cudaStream_t stream, Launcher& launcher,
                                            const KernelLaunch* then = nullptr) {
   return DispatchKvDType(params.kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return DispatchHeadDim(params.head_dim, [&](auto d) {
-      constexpr int D = decltype(d)::value;
-      if (shape == TileShape::kDecode) {
-        return LaunchAttentionTiles<T, D, kDecodeMW, kDecodeKW>(params, stream, then);
-      }
-      if (shape == TileShape::kDecodeWide) {
-        return LaunchAttentionTiles<T, D, kDecodeWideMW, kDecodeWideKW>(params, stream, then);
-      }
-      if (UseHopperPrefill(params.prefill_path)) {
-        return LaunchPrefillTilesWgmma<T, D>(params, stream);
-      }
-      return LaunchPrefillTiles<T, D>(params, stream);
+    return DispatchQDType<T>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
+      using TIO = typename decltype(q_tag)::type;
+      return DispatchHeadDim(params.head_dim, [&](auto d) {
+        constexpr int D = decltype(d)::value;
+        if (shape == TileShape::kDecode) {
+          return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
+                                                                               launcher);
+        }
+        if (shape == TileShape::kDecodeWide) {
+          return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
+              params, stream, then, launcher);
+        }
+        if (UseHopperPrefill(params.prefill_path)) {
+          return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+        }
+        return LaunchPrefillTiles<T, TIO, D>(params, stream, launcher);
+      });
     });
   });
 }
@@ -175,7 +191,7 @@ inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      return AttentionTileOccupancy<T, D, kDecodeMW, kDecodeKW>(resident, beside_merge);
+      return DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(resident, beside_merge);
     });
   });
 }

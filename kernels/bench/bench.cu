@@ -1,63 +1,54 @@
 // pagedattn-bench: times the paged attention kernels alone (no server) on random data with pages
 // scattered in random order, checks the output against the float64 reference before and after
-// timing, and prints one JSON row per case with the keys of ../shared/device/peers.py.
+// timing, and prints one JSON row per case with the keys of kernels/bench/peers.py.
 //
 //   --suite decode (default): one query per sequence; "B,C" = B sequences of C positions.
-//   --suite prefill: causal prefill, every position a query; "B,L" = B sequences of L tokens
-//     (default: peers.py's prefill shapes); tflops counts 4*B*Hq*L*L*D/2 as peers.py does.
+//   --suite prefill: every position a query; "B,L" = B sequences of L tokens (default:
+//     peers.py's prefill shapes); tflops counts 4*B*Hq*L*L*D (halved when causal) as peers.py.
 //
 //   pagedattn-bench [--suite decode|prefill] [--cases "1,32768 16,4096"] [--ragged 4096,100,7000]
-//                   [--q-heads 32]
-//                   [--kv-heads 8] [--head-dim 128] [--page-size 16] [--dtype bfloat16|float16]
-//                   [--warmup 10] [--reps 50] [--check-seqs 2] [--json FILE]
-//                   [--prefill-path auto|portable] [--no-read-roofline]
-//                   [--no-flush-l2]  time without first evicting the pools from L2 (by
-//                     default a buffer of 4x the L2 is read before timing: lines of the pools
-//                     left at normal priority by the setup and the check would hit on every
-//                     launch, as the kernels read K and V evict-first); rows: l2_flushed
-//                   [--merge planned|separate|in-kernel]   where split-KV tiles are merged (the
-//                     plan's choice, the separate merge kernel, or the tile kernel's last split)
-//                   [--launch graph|plain]  how kernels are submitted (kernels/graph_launch.h);
-//                     the row's "launch" says which
-//                   [--first-pages on|off]  decode items carry their first page ids
-//                     (AttachFirstPages; off: every page id from the page table)
-//   Exploration only: [--stages 2..5 (head_dim 64: 3..5)] [--blocks-scale F] [--min-chunk N]
-//                     [--flush-l2-dirty] (the flush writes its buffer instead of reading it)
-//                     [--rotate N] [--trials K]  (K: after timing, the per-launch median again
-//                     on K fresh pool allocations and on K fresh streams, one "trial" row each)
-//                     [--prefill-blocks N]  persistent Hopper prefill blocks (default: as many
-//                     as the GPU holds at once; a number >= jobs gives one block per job)
-//                     [--exp 1|2|3|4|8|15|16]  leave-one-out decode variants (DecodeExperiment in
-//                     kernels/attention_kernel.cuh; bf16 head_dim 128; wrong output, timed anyway)
-//                     [--exp 32|33|34|47]  the shipped decode (or --exp 1 / 2 / 15) stamping each
-//                     block's phases: prints "timeline" rows (quantiles over blocks, us from
-//                     the first block's start) and the launch floor (empty kernel, plain read)
+//                   [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--page-size 16]
+//                   [--dtype bfloat16|float16]          the cache's
+//                   [--q-dtype float32|bfloat16|float16] q's and out's (default: the cache's)
+//                   [--causal | --non-causal]          (default: causal)
+//                   [--warmup 10] [--reps 50] [--json FILE]
+//                   [--prefill-path auto|portable]     the Hopper (wgmma) or the mma.sync kernel
+//                   [--launch graph|plain]              how kernels are submitted (launch.h)
+//                   [--merge planned|separate|in-kernel]  where split-KV tiles are merged: the
+//                     plan's choice, the separate merge kernel, or the tile kernel's last split
 //
-//   Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes
-//   (contiguous), timed the same way: the fastest this shape's bytes can be read in one launch.
-//   Prefill rows name the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
-#include <cuda.h>
+// Timing is the median of per-launch CUDA events after warm-up (and, as b2b_time_us, back-to-back
+// launches), each case's pools first evicted from L2 by reading a buffer of 4x the L2 (the kernels
+// read K and V evict-first, so lines the setup left would hit: docs/PERFORMANCE.md#evict-first).
+// Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM.
+// Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes,
+// timed the same way, the fastest this shape's bytes can be read in one launch. Prefill rows name
+// the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
-#include "kernels/attention_kernel.cuh"
-#include "kernels/dispatch.h"
-#include "kernels/paged_attention.h"
+#include "common/dtype.h"
 #include "common/reference.h"
+#include "kernels/attention_plan.h"
+#include "kernels/dispatch.h"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
+#include "kernels/workspace.h"
 
 namespace pagedattn::kernels {
 namespace {
@@ -78,128 +69,28 @@ void CheckLaunch(const LaunchStatus& st, const char* what) {
   }
 }
 
+// ---- Flags ----------------------------------------------------------------------------------
+
 struct Config {
   std::vector<std::vector<int>> cases;  // per case: context length of each sequence
   int q_heads = 32, kv_heads = 8, head_dim = 128, page_size = 16;
   DType dtype = DType::kBFloat16;
-  int warmup = 10, reps = 50, check_seqs = 2;
-  double blocks_scale = 1.0;  // exploration only: scales the planner's two block counts
-  int min_chunk = kDefaultMinChunk;
-  int prefill_blocks = 0;  // exploration only: persistent prefill blocks (0: what the GPU holds)
+  DType q_dtype = DType::kUnspecified;  // kUnspecified: the cache's
+  bool causal = true;
+  int warmup = 10, reps = 50;
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
-  int exp = 0;  // --exp N: a leave-one-out decode variant (kernels/attention_kernel.cuh), untested
-  int stages = 0;        // exploration only: a decode pipeline depth (bf16, head_dim 128 or 64)
-  int rotate = 0;        // pool copies to rotate among; 0: as many as keep the reads out of L2
-  int trials = 0;        // exploration only: per-launch medians on fresh pools and fresh streams
-  bool prefill = false;  // --suite prefill: every position of each sequence is a query
+  bool prefill = false;           // --suite prefill: every position of each sequence is a query
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
-  bool read_roofline = true;  // decode rows: also time a plain read of the same bytes
-  // Before timing, read a buffer of four times the L2 so that no line of the pools stays there
-  // from their setup or the correctness check (the kernels read K and V evict-first, so lines
-  // left at normal priority would hit on every timed launch).
-  bool flush_l2 = true;
-  bool flush_l2_dirty = false;  // exploration: the flush writes its buffer (dirty lines left)
-  bool graph_launch = true;     // --launch plain: every kernel by a plain launch (graph_launch.h)
-  bool first_pages = true;      // --first-pages off: decode items without their first page ids
+  bool graph_launch = true;  // --launch plain: every kernel by a plain launch (launch.h)
   std::string json;
 };
 
-__device__ __forceinline__ float HashUniform(uint64_t seed, uint64_t i) {
-  uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
-  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
-  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
-  z ^= z >> 31;
-  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;  // [-1, 1)
-}
+constexpr int kCheckSeqs = 2;    // sequences checked against the reference (first and last)
+constexpr int kBackToBack = 20;  // launches of the back-to-back timing
+constexpr int kMaxPoolCopies = 8;
 
-template <typename T>
-__global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const float f = HashUniform(seed, i);
-    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-      data[i] = __float2bfloat16_rn(f);
-    } else {
-      data[i] = __float2half_rn(f);
-    }
-  }
-}
-
-// --flush-l2's read: every 16-byte word of a buffer loaded at normal L2 priority, so that the
-// L2 ends up holding clean lines of it and nothing of the pools.
-__global__ void __launch_bounds__(512) TouchRead(const uint4* a, int64_t n, unsigned* sink) {
-  unsigned acc = 0;
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const uint4 x = a[i];
-    acc ^= x.x ^ x.w;
-  }
-  if (acc == 0x9E3779B9u) *sink = acc;
-}
-
-// The roofline of a decode row: read n 16-byte words once (what the kernel must read, but
-// contiguous and with nothing else to do). The sum goes out only if it is an impossible value,
-// so the reads cannot be optimized away.
-__global__ void __launch_bounds__(512)
-    StreamRead(const uint4* a, const uint4* b, int64_t n, unsigned* sink) {
-  unsigned acc = 0;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
-  for (; i + 3 * stride < n; i += 4 * stride) {
-    uint4 x[4], y[4];
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      x[u] = __ldcs(a + i + u * stride);
-      y[u] = __ldcs(b + i + u * stride);
-    }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w ^ y[u].x ^ y[u].w;
-  }
-  for (; i < n; i += stride) {
-    const uint4 x = __ldcs(a + i), y = __ldcs(b + i);
-    acc ^= x.x ^ x.w ^ y.x ^ y.w;
-  }
-  if (acc == 0x9E3779B9u) *sink = acc;
-}
-
-__global__ void EmptyKernel() {}
-// Holds one SM for ns nanoseconds (%globaltimer): queued before a launch, it keeps the GPU busy
-// while the host submits that launch, so the launch's own host latency is hidden.
-__global__ void SpinKernel(long long ns) {
-  long long t0, t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
-  do {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  } while (t - t0 < ns);
-}
-// An empty kernel launched as the decode tile is (its parameters, grid and shared memory).
-__global__ void __launch_bounds__(128)
-    EmptyParamsKernel(const __grid_constant__ PagedAttentionParams params) {
-  extern __shared__ unsigned char smem[];
-  if (params.num_q_heads == -7) smem[threadIdx.x] = 1;  // never: keeps the parameter alive
-}
-
-float HostToFloat(DType t, uint16_t bits) {
-  if (t == DType::kBFloat16) {
-    uint32_t u = uint32_t{bits} << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half_raw raw;
-  raw.x = bits;
-  return __half2float(__half(raw));
-}
-float RoundHost(DType t, float f) {
-  uint16_t bits;
-  if (t == DType::kBFloat16) {
-    __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&bits, &b, 2);
-  } else {
-    __half h = __float2half_rn(f);
-    std::memcpy(&bits, &h, 2);
-  }
-  return HostToFloat(t, bits);
+const char* DTypeKey(DType t) {
+  return t == DType::kFloat32 ? "float32" : (t == DType::kFloat16 ? "float16" : "bfloat16");
 }
 
 std::vector<int> ParseInts(const std::string& s, char sep) {
@@ -241,19 +132,25 @@ Config ParseFlags(int argc, char** argv) {
       }
       return argv[++i];
     };
-    // A flag of two values: false for the first, true for the second, exit 2 for anything else.
-    auto second_of = [&](const char* first, const char* second) {
+    // A flag of a few values: the index of the one given, exit 2 for anything else.
+    auto one_of = [&](std::initializer_list<const char*> values) {
       const std::string v = next();
-      if (v != first && v != second) {
-        std::fprintf(stderr, "%s must be %s or %s (got %s)\n", a.c_str(), first, second, v.c_str());
-        std::exit(2);
+      int index = 0;
+      for (const char* value : values) {
+        if (v == value) return index;
+        ++index;
       }
-      return v == second;
+      std::string valid;
+      for (const char* value : values) valid += std::string(valid.empty() ? "" : ", ") + value;
+      std::fprintf(stderr, "%s must be one of %s (got %s)\n", a.c_str(), valid.c_str(), v.c_str());
+      std::exit(2);
     };
+    constexpr DType kDTypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
+    constexpr const char* kMerges[] = {"planned", "separate", "in-kernel"};
     if (a == "--cases")
       cases = next();
     else if (a == "--suite")
-      c.prefill = second_of("decode", "prefill");
+      c.prefill = one_of({"decode", "prefill"}) == 1;
     else if (a == "--ragged")
       ragged = next();
     else if (a == "--q-heads")
@@ -265,55 +162,33 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--page-size")
       c.page_size = std::atoi(next().c_str());
     else if (a == "--dtype")
-      c.dtype = second_of("bfloat16", "float16") ? DType::kFloat16 : DType::kBFloat16;
+      c.dtype = kDTypes[one_of({"bfloat16", "float16"})];
+    else if (a == "--q-dtype")
+      c.q_dtype = kDTypes[one_of({"bfloat16", "float16", "float32"})];
+    else if (a == "--causal")
+      c.causal = true;
+    else if (a == "--non-causal")
+      c.causal = false;
     else if (a == "--warmup")
       c.warmup = std::atoi(next().c_str());
     else if (a == "--reps")
-      c.reps = std::atoi(next().c_str());
-    else if (a == "--check-seqs")
-      c.check_seqs = std::atoi(next().c_str());
+      c.reps = std::max(1, std::atoi(next().c_str()));
     else if (a == "--json")
       c.json = next();
-    else if (a == "--blocks-scale")
-      c.blocks_scale = std::atof(next().c_str());
-    else if (a == "--min-chunk")
-      c.min_chunk = std::atoi(next().c_str());
-    else if (a == "--prefill-blocks")
-      c.prefill_blocks = std::atoi(next().c_str());
-    else if (a == "--stages")
-      c.stages = std::atoi(next().c_str());
-    else if (a == "--rotate")
-      c.rotate = std::atoi(next().c_str());
-    else if (a == "--trials")
-      c.trials = std::atoi(next().c_str());
     else if (a == "--prefill-path")
-      c.prefill_path = second_of("auto", "portable") ? PrefillPath::kPortable : PrefillPath::kAuto;
-    else if (a == "--merge") {
-      const std::string v = next();
-      if (v != "planned" && v != "separate" && v != "in-kernel") {
-        std::fprintf(stderr, "--merge must be planned, separate or in-kernel (got %s)\n",
-                     v.c_str());
-        std::exit(2);
-      }
-      c.merge = v;
-    } else if (a == "--launch")
-      c.graph_launch = !second_of("graph", "plain");
-    else if (a == "--first-pages")
-      c.first_pages = !second_of("on", "off");
-    else if (a == "--exp")
-      c.exp = std::atoi(next().c_str());
-    else if (a == "--no-read-roofline")
-      c.read_roofline = false;
-    else if (a == "--no-flush-l2")
-      c.flush_l2 = false;
-    else if (a == "--flush-l2-dirty")
-      c.flush_l2_dirty = true;
+      c.prefill_path =
+          one_of({"auto", "portable"}) == 1 ? PrefillPath::kPortable : PrefillPath::kAuto;
+    else if (a == "--merge")
+      c.merge = kMerges[one_of({"planned", "separate", "in-kernel"})];
+    else if (a == "--launch")
+      c.graph_launch = one_of({"graph", "plain"}) == 0;
     else {
       std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
                    a.c_str());
       std::exit(2);
     }
   }
+  if (c.q_dtype == DType::kUnspecified) c.q_dtype = c.dtype;
   // peers.py's default shapes for the suite.
   if (cases.empty()) {
     cases = c.prefill ? "4,4096 2,8192 1,16384" : "1,32768 16,4096 64,4096 256,2048 128,8192";
@@ -323,87 +198,71 @@ Config ParseFlags(int argc, char** argv) {
   return c;
 }
 
-// The shipped entry point, or (--exp, --stages) a decode-tile variant built into this binary.
-LaunchStatus Launch(const Config& cfg, PagedAttentionParams p, cudaStream_t stream) {
-  if (cfg.exp == 0 && cfg.stages == 0) return LaunchPagedAttention(p, stream);
-  const char* flag = cfg.exp != 0 ? "--exp" : "--stages";
-  const bool d64_stages = cfg.exp == 0 && p.head_dim == 64;
-  if (cfg.dtype != DType::kBFloat16 || (p.head_dim != 128 && !d64_stages) ||
-      p.num_prefill_items > 0 || p.num_decode_wide_items > 0 ||
-      (cfg.exp != 0 && p.separate_merge)) {
-    return LaunchStatus::Unsupported(std::string(flag) +
-                                     " variants exist for bf16 decode only, head_dim 128 (and "
-                                     "64 for --stages 3..5)");
-  }
-  // The variants call a tile launcher directly: first what LaunchPagedAttention does before it.
-  SetDivisors(&p);
-  if (cfg.exp != 0) {
-    switch (cfg.exp) {
-      case 1:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 1>(p, stream);
-      case 2:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 2>(p, stream);
-      case 3:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 3>(p, stream);
-      case 4:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 4>(p, stream);
-      case 8:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 8>(p, stream);
-      case 15:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 15>(p, stream);
-      case 16:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 16>(p, stream);
-      case 32:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 32>(p, stream);
-      case 33:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 33>(p, stream);
-      case 34:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 34>(p, stream);
-      case 47:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3, 47>(p, stream);
-      default:
-        return LaunchStatus::Unsupported("--exp must be 1, 2, 3, 4, 8, 15, 16, 32, 33, 34 or 47");
+// ---- Device helpers -------------------------------------------------------------------------
+
+__device__ __forceinline__ float HashUniform(uint64_t seed, uint64_t i) {
+  uint64_t z = seed * 0x9E3779B97F4A7C15ull + i;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  z ^= z >> 31;
+  return static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;  // [-1, 1)
+}
+
+template <typename T>
+__global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const float f = HashUniform(seed, i);
+    if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+      data[i] = __float2bfloat16_rn(f);
+    } else {
+      data[i] = __float2half_rn(f);
     }
   }
-  // The plan's separate merge goes with the tiles as one dependent launch, as
-  // LaunchPagedAttention launches it.
-  KernelLaunch merge;
-  const KernelLaunch* then = nullptr;
-  if (p.separate_merge && p.num_merge_tasks > 0) {
-    merge = d64_stages ? MergeSplitsLaunch<64>(p) : MergeSplitsLaunch<128>(p);
-    then = &merge;
+}
+
+// The L2 flush's read: every 16-byte word of a buffer loaded at normal L2 priority, so that the
+// L2 ends up holding clean lines of it and nothing of the pools.
+__global__ void __launch_bounds__(512) TouchRead(const uint4* a, int64_t n, unsigned* sink) {
+  unsigned acc = 0;
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const uint4 x = a[i];
+    acc ^= x.x ^ x.w;
   }
-  if (d64_stages) {
-    switch (cfg.stages) {
-      case 3:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 3>(p, stream, then);
-      case 4:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 4>(p, stream, then);
-      case 5:
-        return LaunchAttentionTilesStaged<__nv_bfloat16, 64, 1, 4, 5>(p, stream, then);
-      default:
-        return LaunchStatus::Unsupported("--stages must be 3..5 at head_dim 64");
+  if (acc == 0x9E3779B9u) *sink = acc;
+}
+
+// The roofline of a decode row: read n 16-byte words once (what the kernel must read, but
+// contiguous and with nothing else to do). The sum goes out only if it is an impossible value,
+// so the reads cannot be optimized away.
+__global__ void __launch_bounds__(512)
+    StreamRead(const uint4* a, const uint4* b, int64_t n, unsigned* sink) {
+  unsigned acc = 0;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
+  for (; i + 3 * stride < n; i += 4 * stride) {
+    uint4 x[4], y[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      x[u] = __ldcs(a + i + u * stride);
+      y[u] = __ldcs(b + i + u * stride);
     }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) acc ^= x[u].x ^ x[u].y ^ x[u].z ^ x[u].w ^ y[u].x ^ y[u].w;
   }
-  switch (cfg.stages) {
-    case 2:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 2>(p, stream, then);
-    case 3:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 3>(p, stream, then);
-    case 4:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 4>(p, stream, then);
-    case 5:
-      return LaunchAttentionTilesStaged<__nv_bfloat16, 128, 1, 4, 5>(p, stream, then);
-    default:
-      return LaunchStatus::Unsupported("--stages must be 2..5");
+  for (; i < n; i += stride) {
+    const uint4 x = __ldcs(a + i), y = __ldcs(b + i);
+    acc ^= x.x ^ x.w ^ y.x ^ y.w;
   }
+  if (acc == 0x9E3779B9u) *sink = acc;
 }
 
 // Milliseconds between two events recorded around launch() on stream (the host waits for the
 // second): one launch's time as peers.py takes it, or back-to-back launches' when launch()
 // issues several.
-template <typename Launcher>
-float EventMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launcher&& launch) {
+template <typename Launch>
+float EventMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launch&& launch) {
   BENCH_CHECK_CUDA(cudaEventRecord(start, stream));
   launch();
   BENCH_CHECK_CUDA(cudaEventRecord(stop, stream));
@@ -413,683 +272,379 @@ float EventMs(cudaStream_t stream, cudaEvent_t start, cudaEvent_t stop, Launcher
   return ms;
 }
 
-// --exp 32/34/47: five launches, each printed as quantiles over blocks of every phase stamp
-// (us from the earliest block entry), with the launch's event time; then the launch floor:
-// an empty kernel and StreamRead of the pool's bytes, per event-timed launch and back to back.
-void PrintTimeline(const Config& cfg, const PagedAttentionParams& p, cudaStream_t stream,
-                   unsigned long long* timeline, int blocks, const void* k, const void* v,
-                   int64_t pool_bytes, int sms, const std::string& raw_path) {
-  cudaEvent_t a, b;
-  BENCH_CHECK_CUDA(cudaEventCreate(&a));
-  BENCH_CHECK_CUDA(cudaEventCreate(&b));
-  const char* names[6] = {"entry", "issued", "first_tile", "tiles_done", "partials", "end"};
-  std::vector<unsigned long long> h(size_t{kTimelineSlots} * blocks);
-  for (int run = 0; run < 5; ++run) {
-    BENCH_CHECK_CUDA(cudaMemset(timeline, 0, h.size() * 8));
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    const float ms =
-        EventMs(stream, a, b, [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
-    BENCH_CHECK_CUDA(cudaMemcpy(h.data(), timeline, h.size() * 8, cudaMemcpyDeviceToHost));
-    unsigned long long t0 = ~0ull;
-    for (int i = 0; i < blocks; ++i) t0 = std::min(t0, h[static_cast<size_t>(i) * kTimelineSlots]);
-    std::printf("{\"timeline\": %d, \"event_us\": %.2f, \"blocks\": %d", run, ms * 1e3, blocks);
-    for (int slot = 0; slot < 6; ++slot) {
-      std::vector<double> us;
-      for (int i = 0; i < blocks; ++i) {
-        const unsigned long long t = h[static_cast<size_t>(i) * kTimelineSlots + slot];
-        if (t >= t0) us.push_back((t - t0) * 1e-3);
-      }
-      std::sort(us.begin(), us.end());
-      if (us.empty()) continue;
-      auto q = [&](double f) { return us[std::min(us.size() - 1, size_t(f * us.size()))]; };
-      std::printf(", \"%s\": [%.2f, %.2f, %.2f, %.2f, %.2f]", names[slot], us.front(), q(0.1),
-                  q(0.5), q(0.9), us.back());
-    }
-    // The merging blocks' end, and the spread of block ends per SM load.
-    double merge_end = 0, one_block_sm_end = 0;
-    std::vector<int> per_sm(1024, 0);
-    for (int i = 0; i < blocks; ++i)
-      per_sm[h[static_cast<size_t>(i) * kTimelineSlots + 6] & 1023]++;
-    for (int i = 0; i < blocks; ++i) {
-      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-      if (r[7] == 1) merge_end = std::max(merge_end, (r[5] - t0) * 1e-3);
-      if (per_sm[r[6] & 1023] == 1)
-        one_block_sm_end = std::max(one_block_sm_end, (r[3] - t0) * 1e-3);
-    }
-    // The last merging block's phases: partials written, counted, LSE max, O sums, end.
-    const unsigned long long* last = nullptr;
-    for (int i = 0; i < blocks; ++i) {
-      const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-      if (r[7] == 1 && (!last || r[5] > last[5])) last = r;
-    }
-    if (last) {
-      std::printf(", \"last_merge\": [%.2f, %.2f, %.2f, %.2f, %.2f]", (last[4] - t0) * 1e-3,
-                  (last[8] - t0) * 1e-3, (last[9] - t0) * 1e-3, (last[10] - t0) * 1e-3,
-                  (last[5] - t0) * 1e-3);
-    }
-    std::printf(", \"merge_end\": %.2f, \"one_block_sm_tiles_done_max\": %.2f}\n", merge_end,
-                one_block_sm_end);
-    // The last run's stamps, one line per block (ns from the earliest entry), for analysis.
-    if (run == 4 && !raw_path.empty()) {
-      FILE* f = std::fopen(raw_path.c_str(), "w");
-      if (f) {
-        // x: the work item (the split), y: the kv head (TileGridBlocks: item-major).
-        std::fprintf(f,
-                     "x,y,sm,merged,entry,issued,first_tile,tiles_done,partials,end,counted,lse_"
-                     "max,o_sums,item,ids,first_issued,first_pages\n");
-        for (int i = 0; i < blocks; ++i) {
-          const unsigned long long* r = &h[static_cast<size_t>(i) * kTimelineSlots];
-          std::fprintf(f, "%d,%d,%llu,%llu", i / p.num_kv_heads, i % p.num_kv_heads, r[6], r[7]);
-          for (int slot : {0, 1, 2, 3, 4, 5, 8, 9, 10, 12, 13, 14, 15}) {
-            std::fprintf(f, ",%lld", r[slot] ? static_cast<long long>(r[slot] - t0) : -1ll);
-          }
-          std::fprintf(f, "\n");
-        }
-        std::fclose(f);
-      }
-    }
-  }
-  // Launch floor.
-  auto median_event = [&](auto launch) {
-    std::vector<float> ts;
-    for (int it = 0; it < 60; ++it) {
-      const float ms = EventMs(stream, a, b, launch);
-      if (it >= 10) ts.push_back(ms * 1e3f);
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
-  auto b2b = [&](auto launch) {
-    return EventMs(stream, a, b,
-                   [&] {
-                     for (int it = 0; it < 20; ++it) launch();
-                   }) *
-           1e3f / 20;
-  };
-  unsigned* sink = nullptr;
-  BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
-  auto empty = [&] { EmptyKernel<<<1, 32, 0, stream>>>(); };
-  auto empty_full = [&] { EmptyKernel<<<sms * 2, 128, 0, stream>>>(); };
-  // The decode tile's launch configuration (bf16, head_dim 128, 16-row tiles), empty body.
-  const size_t tile_smem = AttentionTileConfig<__nv_bfloat16, 128, 1, 4>::SmemBytes();
-  BENCH_CHECK_CUDA(cudaFuncSetAttribute(
-      EmptyParamsKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(tile_smem)));
-  auto empty_like_tile = [&] {
-    EmptyParamsKernel<<<dim3(p.num_decode_items, p.num_kv_heads), 128, tile_smem, stream>>>(p);
-  };
-  auto read = [&] {
-    StreamRead<<<sms * 4, 512, 0, stream>>>(static_cast<const uint4*>(k),
-                                            static_cast<const uint4*>(v), pool_bytes / 16, sink);
-  };
-  std::printf(
-      "{\"launch_floor\": 1, \"empty_event_us\": %.2f, \"empty_b2b_us\": %.2f, "
-      "\"empty_264_event_us\": %.2f, \"empty_like_tile_event_us\": %.2f, "
-      "\"empty_like_tile_b2b_us\": %.2f, \"read_event_us\": %.2f, \"read_b2b_us\": %.2f, "
-      "\"kernel_event_us\": %.2f, \"kernel_b2b_us\": %.2f}\n",
-      median_event(empty), b2b(empty), median_event(empty_full), median_event(empty_like_tile),
-      b2b(empty_like_tile), median_event(read), b2b(read),
-      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }),
-      b2b([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
-  std::fflush(stdout);
-  // Where the per-launch floor goes: the host's time in one Launch() call and one event record
-  // (steady clock, median); the kernel timed behind a 30 us spin that keeps the GPU busy while
-  // the host submits it (minus the spin alone); and the kernel as a one-node CUDA graph.
-  auto host_us = [&](auto call) {
-    std::vector<double> ts;
-    for (int it = 0; it < 60; ++it) {
-      BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-      const auto t0 = std::chrono::steady_clock::now();
-      call();
-      const auto t1 = std::chrono::steady_clock::now();
-      if (it >= 10) ts.push_back(std::chrono::duration<double, std::micro>(t1 - t0).count());
-    }
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
-  const double host_launch = host_us([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); });
-  const double host_record = host_us([&] { BENCH_CHECK_CUDA(cudaEventRecord(a, stream)); });
-  constexpr long long kSpinNs = 30000;
-  const float spin_alone = median_event([&] { SpinKernel<<<1, 32, 0, stream>>>(kSpinNs); });
-  const float spin_kernel = median_event([&] {
-    SpinKernel<<<1, 32, 0, stream>>>(kSpinNs);
-    CheckLaunch(Launch(cfg, p, stream), "attention");
-  });
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  BENCH_CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  CheckLaunch(Launch(cfg, p, stream), "attention");
-  BENCH_CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  BENCH_CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  BENCH_CHECK_CUDA(cudaGraphUpload(exec, stream));
-  const float graph_event = median_event([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  const double host_graph = host_us([&] { BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream)); });
-  // The same decode tile launched through each host path, host time and event time each.
-  auto tile_kernel = TileKernel<__nv_bfloat16, 128, 1, 4, 3, 32>();
-  unsigned tile_blocks = 0;
-  CheckLaunch(TileGridBlocks(p.num_decode_items, p.num_kv_heads, &tile_blocks), "tile grid");
-  const dim3 tile_grid(tile_blocks);
-  PagedAttentionParams lp = p;
-  SetDivisors(&lp);
-  void* args[] = {&lp};
-  auto via_runtime = [&] {
-    BENCH_CHECK_CUDA(cudaLaunchKernel(reinterpret_cast<const void*>(tile_kernel), tile_grid,
-                                      dim3(128), args, tile_smem, stream));
-  };
-  cudaFunction_t fn;
-  BENCH_CHECK_CUDA(cudaGetFuncBySymbol(&fn, reinterpret_cast<const void*>(tile_kernel)));
-  auto via_driver = [&] {
-    if (cuLaunchKernel(reinterpret_cast<CUfunction>(fn), tile_grid.x, tile_grid.y, 1, 128, 1, 1,
-                       tile_smem, stream, args, nullptr) != CUDA_SUCCESS) {
-      std::fprintf(stderr, "cuLaunchKernel failed\n");
-      std::exit(1);
-    }
-  };
-  auto via_chevrons = [&] { tile_kernel<<<tile_grid, 128, tile_smem, stream>>>(lp); };
-  // A one-node graph whose node takes this launch's parameters before each launch.
-  cudaGraphNode_t node;
-  size_t num_nodes = 1;
-  BENCH_CHECK_CUDA(cudaGraphGetNodes(graph, &node, &num_nodes));
-  cudaKernelNodeParams knp = {};
-  knp.func = reinterpret_cast<void*>(tile_kernel);
-  knp.gridDim = tile_grid;
-  knp.blockDim = dim3(128);
-  knp.sharedMemBytes = static_cast<unsigned>(tile_smem);
-  knp.kernelParams = args;
-  auto via_graph_update = [&] {
-    BENCH_CHECK_CUDA(cudaGraphExecKernelNodeSetParams(exec, node, &knp));
-    BENCH_CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  };
-  int dev = 0;
-  cudaStreamCaptureStatus capture;
-  const double host_capture_query =
-      host_us([&] { BENCH_CHECK_CUDA(cudaStreamIsCapturing(stream, &capture)); });
-  const double host_with_params = host_us([&] {
-    CheckLaunch(
-        LaunchKernelWithParams(tile_kernel, tile_grid, dim3(128), tile_smem, stream, lp, "tile"),
-        "tile");
-  });
-  std::printf(
-      "{\"host_parts_us\": {\"stream_is_capturing\": %.2f, \"launch_kernel_with_params\": "
-      "%.2f, \"bare_graph_launch\": %.2f}}\n",
-      host_capture_query, host_with_params, host_graph);
-  std::printf(
-      "{\"launch_paths\": 1, \"host_us\": {\"get_device\": %.2f, \"get_last_error\": %.2f, "
-      "\"empty\": %.2f, \"empty_like_tile\": %.2f, \"chevrons\": %.2f, \"runtime\": %.2f, "
-      "\"driver\": %.2f, \"graph_update\": %.2f}",
-      host_us([&] { (void)cudaGetDevice(&dev); }), host_us([&] { (void)cudaGetLastError(); }),
-      host_us(empty), host_us(empty_like_tile), host_us(via_chevrons), host_us(via_runtime),
-      host_us(via_driver), host_us(via_graph_update));
-  std::printf(
-      ", \"event_us\": {\"chevrons\": %.2f, \"runtime\": %.2f, \"driver\": %.2f, "
-      "\"graph_update\": %.2f, \"graph\": %.2f, \"launch\": %.2f}}\n",
-      median_event(via_chevrons), median_event(via_runtime), median_event(via_driver),
-      median_event(via_graph_update), graph_event,
-      median_event([&] { CheckLaunch(Launch(cfg, p, stream), "attention"); }));
-  std::printf(
-      "{\"launch_path\": 1, \"host_launch_us\": %.2f, \"host_event_record_us\": %.2f, "
-      "\"spin_alone_event_us\": %.2f, \"spin_then_kernel_event_us\": %.2f, "
-      "\"kernel_behind_spin_us\": %.2f, \"graph_event_us\": %.2f, "
-      "\"host_graph_launch_us\": %.2f}\n",
-      host_launch, host_record, spin_alone, spin_kernel, spin_kernel - spin_alone, graph_event,
-      host_graph);
-  std::fflush(stdout);
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
-  cudaFree(sink);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-}
+// ---- One case ---------------------------------------------------------------------------------
 
-std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_index) {
+// A case on the device: pools (copies of them, for small ones), the staged plan, its bound launch.
+struct BenchCase {
+  int index = 0;
+  std::vector<int> ctx;                        // context length of each sequence
+  std::vector<int64_t> page_offset, q_offset;  // per sequence, and the totals at [B]
+  std::vector<int32_t> table;                  // the page table, pages in random pool order
+  std::vector<ForwardSpan> spans;
+  std::vector<float> q;  // [total_queries][Hq][D], the values staged (exact in q's dtype)
+  int64_t pool_bytes = 0;
+  int copies = 1;
+  std::vector<void*> k_pools, v_pools;
+  AttentionPlan plan;
+  ForwardWorkspace ws;
+  ForwardLaunch launch;
+  cudaStream_t stream = nullptr;
+  int sms = 0;
+  int64_t l2_bytes = 0;
+  void* l2_scratch = nullptr;
+  unsigned* sink = nullptr;
+
+  ~BenchCase() {
+    for (void* p : k_pools) cudaFree(p);
+    for (void* p : v_pools) cudaFree(p);
+    if (l2_scratch) cudaFree(l2_scratch);
+    if (sink) cudaFree(sink);
+    if (stream) cudaStreamDestroy(stream);
+  }
+  int64_t total_queries() const { return q_offset.back(); }
+  // Points the bound launch at pool copy `copy`.
+  void UseCopy(int copy) {
+    launch.attention.k_cache = k_pools[copy % copies];
+    launch.attention.v_cache = v_pools[copy % copies];
+  }
+};
+
+// Random pools and queries, the plan of the case through the kernel library (AttentionPlan),
+// staged and uploaded by a ForwardWorkspace, bound, and --merge applied.
+std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& ctx, int index) {
+  auto c = std::make_unique<BenchCase>();
+  c->index = index;
+  c->ctx = ctx;
   const int B = static_cast<int>(ctx.size());
   const int Hq = cfg.q_heads, Hkv = cfg.kv_heads, D = cfg.head_dim, ps = cfg.page_size;
-  const int esize = DTypeSize(cfg.dtype);
-  std::mt19937 rng(1234 + case_index);
-
-  // Pages: each sequence's pages drawn from one random permutation of the pool.
-  std::vector<int64_t> page_offset(B + 1, 0);
-  for (int b = 0; b < B; ++b) page_offset[b + 1] = page_offset[b] + (ctx[b] + ps - 1) / ps;
-  const int64_t num_pages = page_offset[B];
-  std::vector<int32_t> table(num_pages);
-  std::iota(table.begin(), table.end(), 0);
-  std::shuffle(table.begin(), table.end(), rng);
-  const int64_t pool_elems = num_pages * Hkv * ps * D;
-  const int64_t pool_bytes = pool_elems * esize;
-
-  // Inputs that fit in L2 are rotated among copies so that timed reads come from HBM: enough
-  // copies that the bytes one pass reads are at least twice the L2. Pools larger than the L2
-  // (every default shape) are read from one copy, as peers.py reads its tensors.
+  std::mt19937 rng(1234 + index);
+  BENCH_CHECK_CUDA(cudaStreamCreate(&c->stream));
   int device = 0;
   cudaDeviceProp prop;
   BENCH_CHECK_CUDA(cudaGetDevice(&device));
   BENCH_CHECK_CUDA(cudaGetDeviceProperties(&prop, device));
-  const int64_t l2 = prop.l2CacheSize;
-  int copies = static_cast<int>(
-      std::min<int64_t>(8, std::max<int64_t>(1, (2 * l2 + 2 * pool_bytes - 1) / (2 * pool_bytes))));
-  if (2 * pool_bytes > 2 * l2) copies = 1;
-  if (cfg.rotate > 0) copies = cfg.rotate;
-  std::vector<void*> k_pools(copies), v_pools(copies);
-  for (int r = 0; r < copies; ++r) {
-    BENCH_CHECK_CUDA(cudaMalloc(&k_pools[r], pool_bytes));
-    BENCH_CHECK_CUDA(cudaMalloc(&v_pools[r], pool_bytes));
-    const int grid = 4096;
+  c->sms = prop.multiProcessorCount;
+  c->l2_bytes = prop.l2CacheSize;
+
+  // Pages: each sequence's pages drawn from one random permutation of the pool.
+  c->page_offset.assign(B + 1, 0);
+  for (int b = 0; b < B; ++b) c->page_offset[b + 1] = c->page_offset[b] + (ctx[b] + ps - 1) / ps;
+  c->table.resize(c->page_offset[B]);
+  std::iota(c->table.begin(), c->table.end(), 0);
+  std::shuffle(c->table.begin(), c->table.end(), rng);
+  const int64_t pool_elems = c->page_offset[B] * Hkv * ps * D;
+  c->pool_bytes = pool_elems * DTypeSize(cfg.dtype);
+
+  // Pools that fit in L2 are rotated among copies so that timed reads come from HBM: enough
+  // copies that the bytes one pass reads are at least twice the L2. Larger pools (every default
+  // shape) are read from one copy, as peers.py reads its tensors.
+  c->copies =
+      2 * c->pool_bytes > 2 * c->l2_bytes
+          ? 1
+          : static_cast<int>(std::min<int64_t>(
+                kMaxPoolCopies, std::max<int64_t>(1, (2 * c->l2_bytes + 2 * c->pool_bytes - 1) /
+                                                         (2 * c->pool_bytes))));
+  for (int r = 0; r < c->copies; ++r) {
+    void *k = nullptr, *v = nullptr;
+    BENCH_CHECK_CUDA(cudaMalloc(&k, c->pool_bytes));
+    BENCH_CHECK_CUDA(cudaMalloc(&v, c->pool_bytes));
+    c->k_pools.push_back(k);
+    c->v_pools.push_back(v);
     if (cfg.dtype == DType::kBFloat16) {
-      FillRandom<<<grid, 256>>>(static_cast<__nv_bfloat16*>(k_pools[r]), pool_elems, 2 * r + 1);
-      FillRandom<<<grid, 256>>>(static_cast<__nv_bfloat16*>(v_pools[r]), pool_elems, 2 * r + 2);
+      FillRandom<<<4096, 256>>>(static_cast<__nv_bfloat16*>(k), pool_elems, 2 * r + 1);
+      FillRandom<<<4096, 256>>>(static_cast<__nv_bfloat16*>(v), pool_elems, 2 * r + 2);
     } else {
-      FillRandom<<<grid, 256>>>(static_cast<__half*>(k_pools[r]), pool_elems, 2 * r + 1);
-      FillRandom<<<grid, 256>>>(static_cast<__half*>(v_pools[r]), pool_elems, 2 * r + 2);
+      FillRandom<<<4096, 256>>>(static_cast<__half*>(k), pool_elems, 2 * r + 1);
+      FillRandom<<<4096, 256>>>(static_cast<__half*>(v), pool_elems, 2 * r + 2);
     }
     BENCH_CHECK_CUDA(cudaGetLastError());
   }
 
-  // Queries: one per sequence (decode) or one per position (prefill), representable in the
-  // cache dtype. q_offset[b] is sequence b's first query row.
-  std::vector<int64_t> q_offset(B + 1, 0);
-  for (int b = 0; b < B; ++b) q_offset[b + 1] = q_offset[b] + (cfg.prefill ? ctx[b] : 1);
-  const int64_t total_q = q_offset[B];
+  // Queries: one per sequence (decode) or one per position (prefill), representable in the cache
+  // dtype and in q's, so that every q dtype attends with the same values.
+  c->q_offset.assign(B + 1, 0);
+  for (int b = 0; b < B; ++b) c->q_offset[b + 1] = c->q_offset[b] + (cfg.prefill ? ctx[b] : 1);
   std::uniform_real_distribution<float> uni(-2.f, 2.f);
-  std::vector<float> q(total_q * Hq * D);
-  for (float& x : q) x = RoundHost(cfg.dtype, uni(rng));
-  std::vector<AttentionSpan> spans(B);
+  c->q.resize(c->total_queries() * Hq * D);
+  std::vector<char> q_wire(c->q.size() * DTypeSize(cfg.q_dtype));
+  for (size_t i = 0; i < c->q.size(); ++i) {
+    char buf[4];
+    StoreFromFloat(cfg.dtype, buf, 0, uni(rng));
+    c->q[i] = LoadAsFloat(cfg.dtype, buf, 0);
+    StoreFromFloat(cfg.q_dtype, q_wire.data(), static_cast<int64_t>(i), c->q[i]);
+    c->q[i] = LoadAsFloat(cfg.q_dtype, q_wire.data(), static_cast<int64_t>(i));  // as staged
+  }
+  c->spans.resize(B);
   for (int b = 0; b < B; ++b) {
-    const int32_t nq = static_cast<int32_t>(q_offset[b + 1] - q_offset[b]);
-    spans[b] = {q_offset[b], page_offset[b], nq, ctx[b]};
+    c->spans[b] = {.q_offset = c->q_offset[b],
+                   .page_table_offset = c->page_offset[b],
+                   .first_new_position = ctx[b],
+                   .num_queries = static_cast<int32_t>(c->q_offset[b + 1] - c->q_offset[b]),
+                   .kv_len = ctx[b]};
   }
 
-  int target_blocks = 0, unsplit_blocks = 0;
-  CheckLaunch(AttentionTargetBlocks(cfg.dtype, D, &target_blocks, &unsplit_blocks), "occupancy");
-  AttentionWork work;
-  target_blocks = std::max(1, static_cast<int>(target_blocks * cfg.blocks_scale));
-  unsplit_blocks = std::max(1, static_cast<int>(unsplit_blocks * cfg.blocks_scale));
-  PlanAttentionWork(spans.data(), B, Hq, Hkv, /*causal=*/true,
-                    {.target_blocks = target_blocks,
-                     .unsplit_blocks = unsplit_blocks,
-                     .min_chunk = cfg.min_chunk},
-                    &work);
-  if (cfg.merge != "planned") work.separate_merge = cfg.merge == "separate";
-  // The --exp variants are of the decode tile with its in-kernel merge.
-  if (cfg.exp != 0) work.separate_merge = false;
-  int prefill_blocks = 0;
-  CheckLaunch(PrefillScheduleBlocks(cfg.dtype, D, cfg.prefill_path, &prefill_blocks),
-              "prefill occupancy");
-  if (prefill_blocks > 0 && cfg.prefill_blocks > 0) prefill_blocks = cfg.prefill_blocks;
-  SchedulePrefillJobs(Hkv, prefill_blocks, &work);
-  if (cfg.first_pages) AttachFirstPages(table.data(), ps, &work);
+  AttentionPlanLimits limits;
+  CheckLaunch(QueryPlanLimits(cfg.dtype, D, cfg.prefill_path, &limits), "plan limits");
+  const ForwardBatch batch = {.spans = c->spans,
+                              .page_table = c->table,
+                              .total_queries = c->total_queries(),
+                              .num_q_heads = Hq,
+                              .num_kv_heads = Hkv,
+                              .head_dim = D,
+                              .page_size = ps,
+                              .kv_dtype = cfg.dtype,
+                              .q_dtype = cfg.q_dtype,
+                              .kv_wire_dtype = cfg.dtype,
+                              .causal = cfg.causal,
+                              .sm_scale = 1.f / std::sqrt(static_cast<float>(D)),
+                              .return_lse = true};
+  c->plan = AttentionPlan::Make(batch, limits);
+  CheckLaunch(c->ws.Reserve(c->plan, c->stream), "workspace");
+  c->ws.StageInputs(c->plan, q_wire.data(), nullptr, nullptr);
+  CheckLaunch(c->ws.Upload(c->plan, c->stream), "upload");
+  c->launch = c->ws.Bind(c->plan, c->k_pools[0], c->v_pools[0]);
+  if (cfg.merge != "planned") c->launch.attention.separate_merge = cfg.merge == "separate";
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(c->stream));
+  return c;
+}
 
-  auto upload = [](const void* src, size_t bytes) {
-    void* d = nullptr;
-    BENCH_CHECK_CUDA(cudaMalloc(&d, std::max<size_t>(bytes, 16)));
-    if (bytes) BENCH_CHECK_CUDA(cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice));
-    return d;
-  };
-  PagedAttentionParams p;
-  p.kv_dtype = cfg.dtype;
-  p.prefill_path = cfg.prefill_path;
-  p.num_q_heads = Hq;
-  p.num_kv_heads = Hkv;
-  p.head_dim = D;
-  p.page_size = ps;
-  p.causal = true;
-  p.sm_scale = 1.f / std::sqrt(static_cast<float>(D));
-  p.page_table = static_cast<const int32_t*>(upload(table.data(), table.size() * 4));
-  p.q = static_cast<const float*>(upload(q.data(), q.size() * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&p.out, q.size() * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&p.lse, total_q * Hq * 4));
-  p.decode_items = static_cast<const AttentionWorkItem*>(
-      upload(work.decode_items.data(), work.decode_items.size() * sizeof(AttentionWorkItem)));
-  if (!work.decode_first_pages.empty()) {
-    p.decode_first_pages = static_cast<const ItemFirstPages*>(upload(
-        work.decode_first_pages.data(), work.decode_first_pages.size() * sizeof(ItemFirstPages)));
-  }
-  p.num_decode_items = static_cast<int32_t>(work.decode_items.size());
-  p.decode_wide_items = static_cast<const AttentionWorkItem*>(upload(
-      work.decode_wide_items.data(), work.decode_wide_items.size() * sizeof(AttentionWorkItem)));
-  p.num_decode_wide_items = static_cast<int32_t>(work.decode_wide_items.size());
-  if (!work.decode_wide_first_pages.empty()) {
-    p.decode_wide_first_pages = static_cast<const ItemFirstPages*>(
-        upload(work.decode_wide_first_pages.data(),
-               work.decode_wide_first_pages.size() * sizeof(ItemFirstPages)));
-  }
-  p.prefill_items = static_cast<const AttentionWorkItem*>(
-      upload(work.prefill_items.data(), work.prefill_items.size() * sizeof(AttentionWorkItem)));
-  p.num_prefill_items = static_cast<int32_t>(work.prefill_items.size());
-  p.prefill_jobs = static_cast<const AttentionPrefillJob*>(
-      upload(work.prefill_jobs.data(), work.prefill_jobs.size() * sizeof(AttentionPrefillJob)));
-  p.prefill_job_start = static_cast<const int32_t*>(
-      upload(work.prefill_job_start.data(), work.prefill_job_start.size() * sizeof(int32_t)));
-  p.num_prefill_blocks = work.num_prefill_blocks();
-  p.merge_tasks = static_cast<const AttentionMergeTask*>(
-      upload(work.merge_tasks.data(), work.merge_tasks.size() * sizeof(AttentionMergeTask)));
-  p.num_merge_tasks = static_cast<int32_t>(work.merge_tasks.size());
-  p.separate_merge = work.separate_merge;
-  p.merge_rows = work.merge_rows;
-  BENCH_CHECK_CUDA(
-      cudaMalloc(&p.partial_out, std::max<int64_t>(1, work.partial_rows * Hkv * D) * 4));
-  BENCH_CHECK_CUDA(cudaMalloc(&p.partial_lse, std::max<int64_t>(1, work.partial_rows * Hkv) * 4));
-  p.partial_rows = work.partial_rows;
-  const int64_t num_counters = static_cast<int64_t>(work.merge_tasks.size()) * Hkv;
-  BENCH_CHECK_CUDA(cudaMalloc(&p.merge_counters, std::max<int64_t>(1, num_counters) * 4));
-  BENCH_CHECK_CUDA(cudaMemset(p.merge_counters, 0, std::max<int64_t>(1, num_counters) * 4));
-  cudaStream_t stream;
-  BENCH_CHECK_CUDA(cudaStreamCreate(&stream));
-  // --exp 32/34/47: the kernel stamps each block's phases into this buffer.
-  const int timeline_blocks = static_cast<int>(work.decode_items.size()) * Hkv;
-  unsigned long long* timeline = nullptr;
-  if (cfg.exp & kExpTimeline) {
-    BENCH_CHECK_CUDA(cudaMalloc(&timeline, size_t{8} * kTimelineSlots * timeline_blocks));
-    BENCH_CHECK_CUDA(cudaMemcpyToSymbol(g_decode_timeline, &timeline, sizeof(timeline)));
-  }
+LaunchStatus Launch(BenchCase& c, Launcher& launcher) {
+  return LaunchForwardAttention(c.launch, c.stream, launcher);
+}
 
-  // Correctness first: poison, run on copy 0, compare sampled sequences with the reference.
-  // Once before timing and once after it (check_output below), each time also checking that the
-  // launch left the split counters at zero (a launch that left one behind would show in the
-  // second check).
-  std::vector<float> out(q.size());
-  auto run_on_copy0 = [&] {
-    BENCH_CHECK_CUDA(cudaMemset(p.out, 0xff, q.size() * 4));
-    p.k_cache = k_pools[0];
-    p.v_cache = v_pools[0];
-    CheckLaunch(Launch(cfg, p, stream), "paged attention");
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-    BENCH_CHECK_CUDA(cudaMemcpy(out.data(), p.out, out.size() * 4, cudaMemcpyDeviceToHost));
-    std::vector<int32_t> counters(num_counters);
-    BENCH_CHECK_CUDA(
-        cudaMemcpy(counters.data(), p.merge_counters, num_counters * 4, cudaMemcpyDeviceToHost));
-    if (std::any_of(counters.begin(), counters.end(), [](int32_t c) { return c != 0; }) &&
-        (cfg.exp & kExpNoMerge) == 0) {
-      std::fprintf(stderr, "case %d: a split counter is not zero after a launch\n", case_index);
-      std::exit(1);
-    }
-  };
-  // The float64 reference of each checked query row: its row in out, then its Hq * D values.
-  std::vector<std::pair<int64_t, std::vector<double>>> refs;
+// Runs the case on pool copy 0 with its outputs poisoned, and returns the largest relative error
+// of sampled rows against the float64 reference (infinite where one holds a NaN). Exits when the
+// launch left a split counter non-zero (the next launch would merge wrongly).
+double CheckAgainstReference(const Config& cfg, BenchCase& c, Launcher& launcher) {
+  const int B = static_cast<int>(c.ctx.size());
+  const int Hq = cfg.q_heads, Hkv = cfg.kv_heads, D = cfg.head_dim, ps = cfg.page_size;
+  const ForwardStaging& st = c.plan.staging();
+  BENCH_CHECK_CUDA(cudaMemsetAsync(static_cast<char*>(c.ws.device()) + st.out, 0xff,
+                                   st.results_end - st.out, c.stream));
+  c.UseCopy(0);
+  CheckLaunch(Launch(c, launcher), "paged attention");
+  CheckLaunch(c.ws.Download(c.plan, c.stream), "download");
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(c.stream));
+  std::vector<int32_t> counters(st.merge_counters);
+  BENCH_CHECK_CUDA(cudaMemcpy(counters.data(), c.ws.merge_counters(), counters.size() * 4,
+                              cudaMemcpyDeviceToHost));
+  if (std::any_of(counters.begin(), counters.end(), [](int32_t x) { return x != 0; })) {
+    std::fprintf(stderr, "case %d: a split counter is not zero after a launch\n", c.index);
+    std::exit(1);
+  }
+  const char* out = static_cast<const char*>(c.ws.host()) + st.out;
+
+  double worst = 0;
   std::vector<int> check;
-  for (int i = 0; i < std::min(cfg.check_seqs, B); ++i) {
-    check.push_back(
-        cfg.check_seqs <= 1 ? 0 : static_cast<int>(int64_t{i} * (B - 1) / (cfg.check_seqs - 1)));
+  for (int i = 0; i < std::min(kCheckSeqs, B); ++i) {
+    check.push_back(static_cast<int>(int64_t{i} * (B - 1) / (kCheckSeqs - 1)));
   }
   check.erase(std::unique(check.begin(), check.end()), check.end());
   for (int b : check) {
-    const int L = ctx[b];
+    // The sequence's K and V from pool copy 0, page by page.
+    const int L = c.ctx[b];
     std::vector<float> k(int64_t{L} * Hkv * D), v(k.size());
     std::vector<uint16_t> page(int64_t{Hkv} * ps * D);
-    for (int64_t j = 0; j < page_offset[b + 1] - page_offset[b]; ++j) {
-      const int64_t pg = table[page_offset[b] + j];
+    for (int64_t j = 0; j < c.page_offset[b + 1] - c.page_offset[b]; ++j) {
+      const int64_t pg = c.table[c.page_offset[b] + j];
       for (int kv = 0; kv < 2; ++kv) {
-        const char* src =
-            static_cast<const char*>(kv == 0 ? k_pools[0] : v_pools[0]) + pg * Hkv * ps * D * esize;
+        const char* src = static_cast<const char*>(kv == 0 ? c.k_pools[0] : c.v_pools[0]) +
+                          pg * Hkv * ps * D * DTypeSize(cfg.dtype);
         BENCH_CHECK_CUDA(cudaMemcpy(page.data(), src, page.size() * 2, cudaMemcpyDeviceToHost));
         for (int h = 0; h < Hkv; ++h) {
-          for (int r = 0; r < ps; ++r) {
-            const int64_t pos = j * ps + r;
-            if (pos >= L) break;
+          for (int r = 0; r < ps && j * ps + r < L; ++r) {
             for (int d = 0; d < D; ++d) {
-              (kv == 0 ? k : v)[(pos * Hkv + h) * D + d] =
-                  HostToFloat(cfg.dtype, page[(int64_t{h} * ps + r) * D + d]);
+              (kv == 0 ? k : v)[((j * ps + r) * Hkv + h) * D + d] =
+                  LoadAsFloat(cfg.dtype, page.data(), (int64_t{h} * ps + r) * D + d);
             }
           }
         }
       }
     }
-    // Decode: the sequence's one query. Prefill: a sample of query positions (first, last,
-    // tile edges and between), each checked as the causal query at that position.
+    // Decode: the sequence's one query. Prefill: a sample of query positions (first, last, tile
+    // edges and between).
     std::vector<int> check_pos = {L - 1};
     if (cfg.prefill) {
       check_pos = {0, 1, 63, 64, L / 3, L / 2 + 17, L - 65, L - 1};
       for (int& x : check_pos) x = std::clamp(x, 0, L - 1);
     }
     for (int pos : check_pos) {
-      const int64_t row = cfg.prefill ? q_offset[b] + pos : q_offset[b];
-      std::vector<double> ref(int64_t{Hq} * D), ref_lse(Hq);
-      testing::ReferenceAttention(q.data() + row * Hq * D, k.data(), v.data(), 1, pos + 1, Hq, Hkv,
-                                  D, true, p.sm_scale, ref.data(), ref_lse.data());
-      refs.emplace_back(row, std::move(ref));
-    }
-  }
-  // The largest relative error of out's checked rows (infinite where one holds a NaN).
-  auto max_error = [&] {
-    double worst = 0;
-    for (const auto& [row, ref] : refs) {
-      std::vector<double> got(ref.size());
+      const int64_t row = cfg.prefill ? c.q_offset[b] + pos : c.q_offset[b];
+      std::vector<double> ref(int64_t{Hq} * D), ref_lse(Hq), got(ref.size());
+      // The query at pos sees positions 0..pos (causal) or all L.
+      testing::ReferenceAttention(c.q.data() + row * Hq * D, k.data(), v.data(), 1,
+                                  cfg.causal ? pos + 1 : L, Hq, Hkv, D, cfg.causal,
+                                  c.launch.attention.sm_scale, ref.data(), ref_lse.data());
       int64_t nans = 0;
       for (size_t e = 0; e < ref.size(); ++e) {
-        got[e] = out[row * Hq * D + e];
-        nans += std::isnan(got[e]);
+        got[e] = LoadAsFloat(cfg.q_dtype, out, row * Hq * D + static_cast<int64_t>(e));
+        nans += std::isnan(got[e]) ? 1 : 0;
       }
       worst = std::max(
           worst, nans ? INFINITY : testing::RelativeError(got.data(), ref.data(), ref.size()));
     }
-    return worst;
-  };
-  // A run on copy 0 against the reference: worst_err is the worst so far, and a kernel over the
-  // tolerance is neither timed nor reported (the --exp variants are wrong by design).
-  const double tol = cfg.dtype == DType::kFloat16 ? 2e-3 : 1e-2;
-  double worst_err = 0;
-  auto check_output = [&](const char* when) {
-    run_on_copy0();
-    worst_err = std::max(worst_err, max_error());
-    if (!(worst_err <= tol) && cfg.exp == 0) {
-      std::fprintf(stderr, "case %d: relative error %.3g %s exceeds %.1g\n", case_index, worst_err,
-                   when, tol);
-      std::exit(1);
-    }
-  };
-  check_output("before timing");
+  }
+  return worst;
+}
 
-  // Time: median of per-launch CUDA events after warm-up, rotating the pool copies; the L2
-  // holds no line of the pools at normal priority first (--no-flush-l2: as the setup left it).
-  void* l2_scratch = nullptr;
-  const size_t l2_scratch_bytes = 4 * static_cast<size_t>(l2);
-  // The buffer is written once, then read: the L2 is left with clean lines (no write-backs
-  // for the timed launches to pay), as a server's L2 holds other layers' K and V lines.
-  unsigned* l2_sink = nullptr;
-  auto flush_l2 = [&] {
-    if (!cfg.flush_l2) return;
-    if (l2_scratch == nullptr) {
-      BENCH_CHECK_CUDA(cudaMalloc(&l2_scratch, l2_scratch_bytes));
-      BENCH_CHECK_CUDA(cudaMalloc(&l2_sink, sizeof(unsigned)));
-      BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
-    }
-    if (cfg.flush_l2_dirty) {
-      BENCH_CHECK_CUDA(cudaMemsetAsync(l2_scratch, 0x5a, l2_scratch_bytes, stream));
-    } else {
-      TouchRead<<<prop.multiProcessorCount * 4, 512, 0, stream>>>(
-          static_cast<const uint4*>(l2_scratch), static_cast<int64_t>(l2_scratch_bytes / 16),
-          l2_sink);
-      BENCH_CHECK_CUDA(cudaGetLastError());
-    }
-    BENCH_CHECK_CUDA(cudaStreamSynchronize(stream));
-  };
-  flush_l2();
+// Evicts the pools from L2: a buffer of 4x the L2, written once, read (clean lines left, no
+// write-backs for the timed launches to pay), as a server's L2 holds other layers' K and V.
+void FlushL2(BenchCase& c) {
+  const size_t bytes = 4 * static_cast<size_t>(c.l2_bytes);
+  if (c.l2_scratch == nullptr) {
+    BENCH_CHECK_CUDA(cudaMalloc(&c.l2_scratch, bytes));
+    BENCH_CHECK_CUDA(cudaMalloc(&c.sink, sizeof(unsigned)));
+    BENCH_CHECK_CUDA(cudaMemsetAsync(c.l2_scratch, 0x5a, bytes, c.stream));
+  }
+  TouchRead<<<c.sms * 4, 512, 0, c.stream>>>(static_cast<const uint4*>(c.l2_scratch),
+                                             static_cast<int64_t>(bytes / 16), c.sink);
+  BENCH_CHECK_CUDA(cudaGetLastError());
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(c.stream));
+}
+
+struct Timing {
+  double launch_us = 0;  // median of per-launch event times
+  double b2b_us = 0;     // kBackToBack launches back to back, per launch
+};
+
+// The case's launches timed after warm-up, rotating the pool copies, from an L2 without them.
+Timing TimeLaunches(const Config& cfg, BenchCase& c, Launcher& launcher) {
+  FlushL2(c);
   cudaEvent_t start, stop;
   BENCH_CHECK_CUDA(cudaEventCreate(&start));
   BENCH_CHECK_CUDA(cudaEventCreate(&stop));
   std::vector<float> times;
   for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
-    p.k_cache = k_pools[it % copies];
-    p.v_cache = v_pools[it % copies];
-    const float ms = EventMs(stream, start, stop,
-                             [&] { CheckLaunch(Launch(cfg, p, stream), "paged attention"); });
+    c.UseCopy(it);
+    const float ms = EventMs(c.stream, start, stop,
+                             [&] { CheckLaunch(Launch(c, launcher), "paged attention"); });
     if (it >= cfg.warmup) times.push_back(ms);
   }
   // Also back to back (no host gap between launches): the kernels' own time, for diagnosis.
-  constexpr int kBackToBack = 20;
-  const float b2b_ms = EventMs(stream, start, stop, [&] {
+  const float b2b_ms = EventMs(c.stream, start, stop, [&] {
     for (int it = 0; it < kBackToBack; ++it) {
-      p.k_cache = k_pools[it % copies];
-      p.v_cache = v_pools[it % copies];
-      CheckLaunch(Launch(cfg, p, stream), "paged attention");
+      c.UseCopy(it);
+      CheckLaunch(Launch(c, launcher), "paged attention");
     }
   });
   std::sort(times.begin(), times.end());
-  const double t = times[times.size() / 2] * 1e-3;
-  // --trials: is the per-launch time a property of the pool's allocation or of the stream (its
-  // cached graph)? The same launch timed on fresh pools (every other trial's kept until the
-  // end, so that the next lands elsewhere) and on fresh streams, one line each.
-  std::vector<void*> kept_pools;
-  if (cfg.trials > 0 && (cfg.prefill || copies != 1)) {
-    std::fprintf(stderr, "case %d: --trials runs for decode cases read from one pool copy only\n",
-                 case_index);
-  }
-  for (int trial = 0; trial < cfg.trials && !cfg.prefill && copies == 1; ++trial) {
-    auto median_us = [&](cudaStream_t s, int n, bool b2b) {
-      std::vector<float> ts;
-      for (int it = 0; it < cfg.warmup + n; ++it) {
-        const float ms = EventMs(s, start, stop, [&] {
-          for (int j = 0; j < (b2b ? kBackToBack : 1); ++j) {
-            CheckLaunch(Launch(cfg, p, s), "paged attention");
-          }
-        });
-        if (it >= cfg.warmup) ts.push_back(ms * 1e3f / (b2b ? kBackToBack : 1));
-      }
-      std::sort(ts.begin(), ts.end());
-      return ts[ts.size() / 2];
-    };
-    void* k_new = nullptr;
-    void* v_new = nullptr;
-    BENCH_CHECK_CUDA(cudaMalloc(&k_new, pool_bytes));
-    BENCH_CHECK_CUDA(cudaMalloc(&v_new, pool_bytes));
-    BENCH_CHECK_CUDA(cudaMemcpy(k_new, k_pools[0], pool_bytes, cudaMemcpyDeviceToDevice));
-    BENCH_CHECK_CUDA(cudaMemcpy(v_new, v_pools[0], pool_bytes, cudaMemcpyDeviceToDevice));
-    flush_l2();
-    p.k_cache = k_new;
-    p.v_cache = v_new;
-    const float pool_launch = median_us(stream, cfg.reps, false);
-    const float pool_b2b = median_us(stream, 5, true);
-    p.k_cache = k_pools[0];
-    p.v_cache = v_pools[0];
-    cudaStream_t fresh;
-    BENCH_CHECK_CUDA(cudaStreamCreate(&fresh));
-    const float stream_launch = median_us(fresh, cfg.reps, false);
-    const float stream_b2b = median_us(fresh, 5, true);
-    const float again = median_us(stream, cfg.reps, false);
-    std::printf(
-        "{\"trial\": %d, \"case\": %d, \"first_us\": %.2f, \"new_pool_us\": %.2f, "
-        "\"new_pool_b2b_us\": %.2f, \"new_stream_us\": %.2f, \"new_stream_b2b_us\": %.2f, "
-        "\"first_again_us\": %.2f}\n",
-        trial, case_index, t * 1e6, pool_launch, pool_b2b, stream_launch, stream_b2b, again);
-    std::fflush(stdout);
-    BENCH_CHECK_CUDA(cudaStreamDestroy(fresh));
-    if (trial % 2 == 1) {  // every other trial frees its pools: the next may reuse the space
-      BENCH_CHECK_CUDA(cudaFree(k_new));
-      BENCH_CHECK_CUDA(cudaFree(v_new));
-    } else {
-      kept_pools.push_back(k_new);
-      kept_pools.push_back(v_new);
-    }
-  }
-  for (void* pool : kept_pools) BENCH_CHECK_CUDA(cudaFree(pool));
-  check_output("after timing");
-  if (timeline) {
-    PrintTimeline(cfg, p, stream, timeline, timeline_blocks, k_pools[0], v_pools[0], pool_bytes,
-                  prop.multiProcessorCount,
-                  cfg.json.empty() ? "" : cfg.json + ".case" + std::to_string(case_index) + ".csv");
-  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return {times[times.size() / 2] * 1e3, b2b_ms * 1e3 / kBackToBack};
+}
 
-  // Decode: the same K and V bytes read by StreamRead, timed the same way; the best of a few
-  // grid sizes (blocks of 512 threads per SM), so the row carries the shape's own roofline.
-  double read_t = 0;
-  int read_blocks_per_sm = 0;
-  if (!cfg.prefill && cfg.read_roofline) {
-    flush_l2();  // after the check's reads of the pool
-    unsigned* sink = nullptr;
-    BENCH_CHECK_CUDA(cudaMalloc(&sink, sizeof(unsigned)));
-    const int64_t words = pool_bytes / 16;
-    for (int per_sm : {1, 2, 4}) {
-      std::vector<float> rt;
-      for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
-        const float ms = EventMs(stream, start, stop, [&] {
-          StreamRead<<<prop.multiProcessorCount * per_sm, 512, 0, stream>>>(
-              static_cast<const uint4*>(k_pools[it % copies]),
-              static_cast<const uint4*>(v_pools[it % copies]), words, sink);
-        });
-        if (it >= cfg.warmup) rt.push_back(ms);
-      }
-      std::sort(rt.begin(), rt.end());
-      const double med = rt[rt.size() / 2] * 1e-3;
-      if (read_t == 0 || med < read_t) {
-        read_t = med;
-        read_blocks_per_sm = per_sm;
-      }
-    }
-    cudaFree(sink);
-  }
-  int64_t positions = 0;
-  for (int c : ctx) positions += c;
-  const double kv_bytes = 2.0 * positions * Hkv * D * esize;
+struct Roofline {
+  double read_us = 0;
+  int blocks_per_sm = 0;
+};
 
-  char row[768];
-  // The error as a JSON value: an --exp variant's output can be NaN or infinite, which JSON
-  // has no number for.
-  char err_field[32] = "null";
-  if (std::isfinite(worst_err)) std::snprintf(err_field, sizeof(err_field), "%.3g", worst_err);
+// The same K and V bytes read by StreamRead, timed the same way: the best of a few grid sizes
+// (blocks of 512 threads per SM), so a decode row carries its shape's own roofline.
+Roofline ReadRoofline(const Config& cfg, BenchCase& c) {
+  FlushL2(c);  // after the check's reads of the pool
+  cudaEvent_t start, stop;
+  BENCH_CHECK_CUDA(cudaEventCreate(&start));
+  BENCH_CHECK_CUDA(cudaEventCreate(&stop));
+  Roofline best;
+  for (int per_sm : {1, 2, 4}) {
+    std::vector<float> rt;
+    for (int it = 0; it < cfg.warmup + cfg.reps; ++it) {
+      const float ms = EventMs(c.stream, start, stop, [&] {
+        StreamRead<<<c.sms * per_sm, 512, 0, c.stream>>>(
+            static_cast<const uint4*>(c.k_pools[it % c.copies]),
+            static_cast<const uint4*>(c.v_pools[it % c.copies]), c.pool_bytes / 16, c.sink);
+      });
+      if (it >= cfg.warmup) rt.push_back(ms);
+    }
+    BENCH_CHECK_CUDA(cudaGetLastError());
+    std::sort(rt.begin(), rt.end());
+    const double us = rt[rt.size() / 2] * 1e3;
+    if (best.read_us == 0 || us < best.read_us) best = {us, per_sm};
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return best;
+}
+
+// The case's JSON row: peers.py's keys (suite, batch, ctx / seqlen, heads, head_dim, dtype,
+// peer, time_us, tbps / tflops) and the bench's own.
+std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Roofline& read,
+                double max_err) {
+  const int B = static_cast<int>(c.ctx.size());
+  const int Hq = cfg.q_heads, Hkv = cfg.kv_heads, D = cfg.head_dim;
+  const AttentionWork& work = c.plan.work();
+  const PagedAttentionParams& p = c.launch.attention;
+  char err[32] = "null";  // JSON has no number for NaN or infinity
+  if (std::isfinite(max_err)) std::snprintf(err, sizeof(err), "%.3g", max_err);
   // Blocks launched: one per decode item and kv head, and the prefill kernel's (one per
   // schedule entry when persistent, one per item and kv head otherwise).
   const size_t blocks = (work.decode_items.size() + work.decode_wide_items.size()) * Hkv +
                         (p.num_prefill_blocks > 0 ? static_cast<size_t>(p.num_prefill_blocks)
                                                   : work.prefill_items.size() * Hkv);
+  const char* causal = cfg.causal ? "true" : "false";
+  char row[1024];
   if (cfg.prefill) {
     double flops = 0;
-    for (int c : ctx) flops += 4.0 * Hq * double(c) * c * D * 0.5;  // causal: half the square
+    for (int len : c.ctx) flops += 4.0 * Hq * double(len) * len * D * (cfg.causal ? 0.5 : 1.0);
     std::snprintf(
         row, sizeof(row),
         "{\"suite\": \"prefill\", \"batch\": %d, \"seqlen\": %d, \"q_heads\": %d, "
-        "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": true, \"dtype\": \"%s\", "
-        "\"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
-        "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
-        "\"blocks\": %zu, \"kernel\": \"%s\", \"launch\": \"%s\", "
-        "\"l2_flushed\": %s}",
-        B, ctx[0], Hq, Hkv, D, cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6,
-        flops / t / 1e12, ps, b2b_ms * 1e3 / kBackToBack, err_field, blocks,
-        cfg.prefill_path == PrefillPath::kAuto && HopperPrefillAvailable() ? "wgmma" : "mma.sync",
-        cfg.graph_launch ? "graph" : "plain", cfg.flush_l2 ? "true" : "false");
-  } else {
-    const bool uniform = std::all_of(ctx.begin(), ctx.end(), [&](int c) { return c == ctx[0]; });
-    std::string ctx_field = uniform ? std::to_string(ctx[0]) : "\"ragged\"";
-    std::snprintf(
-        row, sizeof(row),
-        "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
-        "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"peer\": \"pagedattn\", "
-        "\"time_us\": %.3f, \"tbps\": %.4f, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, "
-        "\"kv_chunk\": %d, \"merge\": \"%s\", \"launch\": \"%s\", "
-        "\"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, \"stages\": %d, "
-        "\"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d, "
-        "\"l2_flushed\": %s}",
-        B, ctx_field.c_str(), Hq, Hkv, D, ps,
-        cfg.dtype == DType::kBFloat16 ? "bfloat16" : "float16", t * 1e6, kv_bytes / t / 1e12,
-        b2b_ms * 1e3 / kBackToBack, err_field, work.kv_chunk,
-        work.merge_tasks.empty() ? "none" : (work.separate_merge ? "separate" : "in-kernel"),
-        cfg.graph_launch ? "graph" : "plain", blocks, copies, static_cast<long long>(positions),
-        cfg.stages, read_t * 1e6, read_t > 0 ? kv_bytes / read_t / 1e12 : 0.0, read_blocks_per_sm,
-        cfg.flush_l2 ? "true" : "false");
+        "\"kv_heads\": %d, \"head_dim\": %d, \"causal\": %s, \"dtype\": \"%s\", "
+        "\"q_dtype\": \"%s\", \"peer\": \"pagedattn\", \"time_us\": %.3f, \"tflops\": %.2f, "
+        "\"page_size\": %d, \"b2b_time_us\": %.3f, \"max_rel_err\": %s, \"blocks\": %zu, "
+        "\"kernel\": \"%s\", \"launch\": \"%s\", \"l2_flushed\": true}",
+        B, c.ctx[0], Hq, Hkv, D, causal, DTypeKey(cfg.dtype), DTypeKey(cfg.q_dtype), t.launch_us,
+        flops / t.launch_us / 1e6, cfg.page_size, t.b2b_us, err, blocks,
+        UseHopperPrefill(cfg.prefill_path) ? "wgmma" : "mma.sync",
+        cfg.graph_launch ? "graph" : "plain");
+    return row;
   }
-
-  if (l2_scratch != nullptr) cudaFree(l2_scratch);
-  if (l2_sink != nullptr) cudaFree(l2_sink);
-  for (int r = 0; r < copies; ++r) {
-    cudaFree(k_pools[r]);
-    cudaFree(v_pools[r]);
-  }
-  cudaFree(const_cast<int32_t*>(p.page_table));
-  cudaFree(const_cast<float*>(p.q));
-  cudaFree(p.out);
-  cudaFree(p.lse);
-  cudaFree(const_cast<AttentionWorkItem*>(p.decode_items));
-  cudaFree(const_cast<AttentionWorkItem*>(p.decode_wide_items));
-  cudaFree(const_cast<AttentionWorkItem*>(p.prefill_items));
-  cudaFree(const_cast<AttentionPrefillJob*>(p.prefill_jobs));
-  cudaFree(const_cast<int32_t*>(p.prefill_job_start));
-  cudaFree(const_cast<AttentionMergeTask*>(p.merge_tasks));
-  cudaFree(p.partial_out);
-  cudaFree(p.partial_lse);
-  cudaFree(p.merge_counters);
-  cudaFree(timeline);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  cudaStreamDestroy(stream);
+  int64_t positions = 0;
+  for (int len : c.ctx) positions += len;
+  const double kv_bytes = 2.0 * positions * Hkv * D * DTypeSize(cfg.dtype);
+  const bool uniform =
+      std::all_of(c.ctx.begin(), c.ctx.end(), [&](int x) { return x == c.ctx[0]; });
+  const std::string ctx = uniform ? std::to_string(c.ctx[0]) : "\"ragged\"";
+  const char* merge =
+      work.merge_tasks.empty() ? "none" : (p.separate_merge ? "separate" : "in-kernel");
+  std::snprintf(
+      row, sizeof(row),
+      "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "
+      "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"q_dtype\": \"%s\", "
+      "\"causal\": %s, \"peer\": \"pagedattn\", \"time_us\": %.3f, \"tbps\": %.4f, "
+      "\"b2b_time_us\": %.3f, \"max_rel_err\": %s, \"kv_chunk\": %d, \"merge\": \"%s\", "
+      "\"launch\": \"%s\", \"blocks\": %zu, \"pool_copies\": %d, \"positions\": %lld, "
+      "\"stages\": %d, \"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d, "
+      "\"l2_flushed\": true}",
+      B, ctx.c_str(), Hq, Hkv, D, cfg.page_size, DTypeKey(cfg.dtype), DTypeKey(cfg.q_dtype), causal,
+      t.launch_us, kv_bytes / t.launch_us / 1e6, t.b2b_us, err, work.kv_chunk, merge,
+      cfg.graph_launch ? "graph" : "plain", blocks, c.copies, static_cast<long long>(positions),
+      /*stages: the kernels' own, as older rows print it*/ 0, read.read_us,
+      read.read_us > 0 ? kv_bytes / read.read_us / 1e6 : 0.0, read.blocks_per_sm);
   return row;
+}
+
+// Checks, times, checks again (a launch that left state behind shows in the second check), and
+// reads the roofline; a case over the tolerance is neither timed nor reported.
+std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int index, Launcher& launcher) {
+  std::unique_ptr<BenchCase> c = MakeCase(cfg, ctx, index);
+  // bf16's 8 bits (in the cache, or in q and out) bound the accuracy; f16's 11 otherwise.
+  const bool bf16 = cfg.dtype == DType::kBFloat16 || cfg.q_dtype == DType::kBFloat16;
+  const double tol = bf16 ? 1e-2 : 2e-3;
+  double worst = 0;
+  auto check = [&](const char* when) {
+    worst = std::max(worst, CheckAgainstReference(cfg, *c, launcher));
+    if (!(worst <= tol)) {
+      std::fprintf(stderr, "case %d: relative error %.3g %s exceeds %.1g\n", index, worst, when,
+                   tol);
+      std::exit(1);
+    }
+  };
+  check("before timing");
+  const Timing t = TimeLaunches(cfg, *c, launcher);
+  check("after timing");
+  const Roofline read = cfg.prefill ? Roofline{} : ReadRoofline(cfg, *c);
+  return Row(cfg, *c, t, read, worst);
 }
 
 }  // namespace
@@ -1098,10 +653,10 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int case_ind
 int main(int argc, char** argv) {
   using namespace pagedattn::kernels;
   const Config cfg = ParseFlags(argc, argv);
-  SetGraphLaunch(cfg.graph_launch);
+  Launcher launcher(cfg.graph_launch);
   std::vector<std::string> rows;
   for (size_t i = 0; i < cfg.cases.size(); ++i) {
-    rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i)));
+    rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i), launcher));
     std::printf("%s\n", rows.back().c_str());
     std::fflush(stdout);
   }
@@ -1112,8 +667,9 @@ int main(int argc, char** argv) {
       return 1;
     }
     std::fprintf(f, "[\n");
-    for (size_t i = 0; i < rows.size(); ++i)
+    for (size_t i = 0; i < rows.size(); ++i) {
       std::fprintf(f, " %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+    }
     std::fprintf(f, "]\n");
     std::fclose(f);
   }

@@ -1,73 +1,91 @@
 #!/usr/bin/env python3
-"""Joins pagedattn-bench rows with peers.py rows from the same device call into a Markdown table.
+"""Joins pagedattn-bench rows with peers.py rows of the same run into Markdown tables.
 
-  python3 kernels/bench/compare.py ours.json peers.json [more ours*.json ...]
+  python3 kernels/bench/compare.py OURS PEERS
 
-Each decode shape (batch, ctx, heads, head_dim, dtype) gets one line: pagedattn's time and
-TB/s, each peer's TB/s, pagedattn's ratio to cudnn, and its fraction of the HBM read limit that
-peers.py measured in the same call (read_tbps). Prefill rows (suite prefill) get a second table:
-TFLOP/s of pagedattn and of each peer on the same shape, and pagedattn's ratio to flash and flex.
+OURS and PEERS are each a JSON file of rows or a folder of them (run_suite.sh writes OUT/ours/
+and OUT/peers/); a row without a "variant" takes its file's name. Each decode row gets a line:
+pagedattn's time and TB/s, each peer's TB/s on the same shape (batch, ctx, heads, head_dim,
+dtype), pagedattn's ratio to cudnn, and its fraction of the HBM read limit peers.py measured
+(read_tbps). Prefill rows get a second table: TFLOP/s of pagedattn and of each peer on the same
+shape, and pagedattn's ratio to flash and flex.
 """
 import json
+import os
 import sys
 
 
 def load(path):
-    with open(path) as f:
-        return json.load(f)
+    """The rows of a JSON file, or of every JSON file in a folder (tagged with the file's name)."""
+    if not os.path.isdir(path):
+        with open(path) as f:
+            return json.load(f)
+    rows = []
+    for name in sorted(os.listdir(path)):
+        if not name.endswith(".json"):
+            continue
+        with open(os.path.join(path, name)) as f:
+            for r in json.load(f):
+                r.setdefault("variant", name[:-5])
+                rows.append(r)
+    return rows
+
+
+def decode_table(ours, peers, read):
+    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
+    by_shape = {}
+    for r in peers:
+        if r.get("suite") == "decode" and "tbps" in r:
+            by_shape.setdefault(key(r), {})[r["peer"]] = r
+    print("| variant | batch x ctx | q/kv heads | head_dim | page | dtype | q | pagedattn us "
+          "| pagedattn TB/s | cudnn TB/s | flash TB/s | gather_flash TB/s | vs cudnn | of HBM read |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in (r for r in ours if r.get("suite", "decode") == "decode"):
+        p = by_shape.get(key(r), {})
+        tb = lambda name: f"{p[name]['tbps']:.2f}" if name in p else "-"
+        ratio = f"{p['cudnn']['time_us'] / r['time_us']:.2f}x" if "cudnn" in p else "-"
+        frac = f"{r['tbps'] / read:.0%}" if read else "-"
+        print(f"| {r.get('variant', '')} | {r['batch']} x {r['ctx']} | {r['q_heads']}/{r['kv_heads']} "
+              f"| {r['head_dim']} | {r['page_size']} | {r['dtype']} | {r.get('q_dtype', '-')} "
+              f"| {r['time_us']:.1f} | {r['tbps']:.2f} | {tb('cudnn')} | {tb('flash')} "
+              f"| {tb('gather_flash')} | {ratio} | {frac} |")
 
 
 def prefill_table(ours, peers):
     rows = [r for r in ours if r.get("suite") == "prefill"]
     if not rows:
         return
-    key = lambda r: (r["batch"], r["seqlen"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
+    key = lambda r: (r["batch"], r["seqlen"], r["q_heads"], r["kv_heads"], r["head_dim"],
+                     r["dtype"], r.get("causal", True))
     by_shape = {}
     for r in peers:
         if r.get("suite") == "prefill" and "tflops" in r:
             by_shape.setdefault(key(r), {})[r["peer"]] = r
     print()
-    print("| variant | batch x seqlen | head_dim | page | dtype | kernel | pagedattn TFLOP/s "
+    print("| variant | batch x seqlen | head_dim | page | dtype | causal | kernel | pagedattn TFLOP/s "
           "| flash | flex | cudnn | vs flash | vs flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = by_shape.get(key(r), {})
         tf = lambda name: f"{p[name]['tflops']:.1f}" if name in p else "-"
         vs = lambda name: f"{r['tflops'] / p[name]['tflops']:.2f}x" if name in p else "-"
         print(f"| {r.get('variant', '')} | {r['batch']} x {r['seqlen']} | {r['head_dim']} "
-              f"| {r.get('page_size', '-')} | {r['dtype']} | {r.get('kernel', '')} | {r['tflops']:.1f} "
-              f"| {tf('flash')} | {tf('flex')} | {tf('cudnn')} | {vs('flash')} | {vs('flex')} |")
+              f"| {r.get('page_size', '-')} | {r['dtype']} | {r.get('causal', True)} "
+              f"| {r.get('kernel', '')} | {r['tflops']:.1f} | {tf('flash')} | {tf('flex')} "
+              f"| {tf('cudnn')} | {vs('flash')} | {vs('flex')} |")
 
 
 def main():
-    if len(sys.argv) < 3:
+    if len(sys.argv) != 3:
         sys.exit(__doc__)
     ours = load(sys.argv[1])
-    peers = load(sys.argv[2])
-    for extra in sys.argv[3:]:
-        ours += load(extra)
+    peers = load(sys.argv[2]) if os.path.exists(sys.argv[2]) else []
     limits = {r["name"]: r["value"] for r in peers if r.get("suite") == "limit"}
-    read = limits.get("read_tbps")
-    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
-    by_shape = {}
-    for r in peers:
-        if r.get("suite") == "decode" and "tbps" in r:
-            by_shape.setdefault(key(r), {})[r["peer"]] = r
-    print("| batch x ctx | q/kv heads | head_dim | page | dtype | pagedattn us | pagedattn TB/s "
-          "| cudnn TB/s | flash TB/s | gather_flash TB/s | vs cudnn | of HBM read |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in (r for r in ours if r.get("suite", "decode") == "decode"):
-        p = by_shape.get(key(r), {})
-        tb = lambda name: f"{p[name]['tbps']:.2f}" if name in p else "-"
-        ratio = f"{p['cudnn']['time_us'] / r['time_us']:.2f}x" if "cudnn" in p else "-"
-        frac = f"{r['tbps'] / read:.0%}" if read else "-"
-        print(f"| {r['batch']} x {r['ctx']} | {r['q_heads']}/{r['kv_heads']} | {r['head_dim']} "
-              f"| {r['page_size']} | {r['dtype']} | {r['time_us']:.1f} "
-              f"| {r['tbps']:.2f} | {tb('cudnn')} | {tb('flash')} | {tb('gather_flash')} | {ratio} | {frac} |")
+    decode_table(ours, peers, limits.get("read_tbps"))
     prefill_table(ours, peers)
     if limits:
         print()
-        print("Limits measured by peers.py in the same call: " +
+        print("Limits measured by peers.py in the same run: " +
               ", ".join(f"{k} {v:.2f}" for k, v in limits.items()))
 
 

@@ -8,6 +8,9 @@
 #include "server/core/backend.h"
 
 namespace pagedattn {
+namespace kernels {
+class Launcher;
+}  // namespace kernels
 
 // GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
 int CudaDeviceCount();
@@ -16,12 +19,16 @@ struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;
   // false: every kernel by a plain launch instead of through a cached CUDA graph
-  // (kernels/graph_launch.h). The setting is the process's: the last backend created sets it.
+  // (kernels/launch.h). Each backend has its own kernels::Launcher with this setting.
   bool graph_launch = true;
 };
 
 // The CUDA backend over every visible GPU (a cache picks one through CacheGeometry::device).
 // FAILED_PRECONDITION when no GPU is visible.
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options = {});
+
+// The kernel launcher of a backend CreateCudaBackend made (its graph setting and launch counts,
+// for tests); null for any other backend.
+const kernels::Launcher* CudaLauncherOf(const Backend& backend);
 
 }  // namespace pagedattn

@@ -1,5 +1,7 @@
 // CUDA backend and kernel tests: Forward on the GPU against the float64 reference over page
 // sizes, head dims, GQA ratios, dtypes, ragged decode/prefill/chunked batches. Skips without a GPU.
+#include "server/core/cuda_backend.h"
+
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -19,12 +21,13 @@
 #include <tuple>
 #include <vector>
 
-#include "kernels/graph_launch.h"
-#include "kernels/paged_attention.h"
-#include "server/core/backend.h"
-#include "server/core/cuda_backend.h"
 #include "common/dtype.h"
 #include "common/reference.h"
+#include "kernels/attention_plan.h"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
+#include "kernels/workspace.h"
+#include "server/core/backend.h"
 
 namespace pagedattn {
 namespace {
@@ -55,6 +58,9 @@ struct CaseSpec {
   uint32_t seed = 1;
   // K at position p scaled by 1 + k_ramp * p / 1024: scores that grow along the sequence.
   float k_ramp = 0.f;
+  // q's values are exact in this dtype too (kUnspecified: only in q_dtype), so that one seed gives
+  // the same queries in any q_dtype that holds them.
+  DType q_exact_in = DType::kUnspecified;
 };
 
 std::string Describe(const CaseSpec& c) {
@@ -155,7 +161,9 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
         }
       }
       for (int64_t e = 0; e < int64_t{sp.num_queries} * Hq * D; ++e) {
-        const float qv = RoundTo(c.q_dtype, 2.f * uni(rng));
+        float qv = 2.f * uni(rng);
+        if (c.q_exact_in != DType::kUnspecified) qv = RoundTo(c.q_exact_in, qv);
+        qv = RoundTo(c.q_dtype, qv);
         const size_t at = q_bytes.size();
         q_bytes.resize(at + q_size);
         StoreFromFloat(c.q_dtype, q_bytes.data() + at, 0, qv);
@@ -220,7 +228,9 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
       const int64_t off = sp.q_offset * Hq * D, n = int64_t{sp.num_queries} * Hq * D;
       const double err = testing::RelativeError(got.data() + off, ref.data() + off, n);
       worst = std::max(worst, std::isnan(err) ? 1.0 : err);
-      const double tol = c.cache_dtype == DType::kFloat16 ? 2e-3 : 1e-2;
+      // bf16's 8 bits (in the cache, or in q and out) bound the accuracy; f16's 11 otherwise.
+      const bool bf16 = c.cache_dtype == DType::kBFloat16 || c.q_dtype == DType::kBFloat16;
+      const double tol = bf16 ? 1e-2 : 2e-3;
       EXPECT_LE(err, tol) << "span " << i << " (kv_len " << sp.kv_len << ", queries "
                           << sp.num_queries << "), step " << step_index << " [" << Describe(c)
                           << "]";
@@ -251,6 +261,19 @@ class CudaKernelTest : public ::testing::Test {
   }
   std::unique_ptr<Backend> backend_;
 };
+
+// The work the backend plans for these spans: its device's limits for this dtype and head_dim.
+kernels::AttentionWork PlannedWork(const std::vector<kernels::AttentionSpan>& spans, int q_heads,
+                                   int kv_heads, DType kv_dtype, int head_dim) {
+  kernels::AttentionPlanLimits limits;
+  const kernels::LaunchStatus st =
+      kernels::QueryPlanLimits(kv_dtype, head_dim, kernels::PrefillPath::kAuto, &limits);
+  EXPECT_TRUE(st.ok()) << st.message();
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), q_heads, kv_heads,
+                             /*causal=*/true, limits, &work);
+  return work;
+}
 
 // A mixed batch: long decode, prefill, chunked prefill, short decode, append-only.
 std::vector<std::vector<SpanSpec>> MixedSteps(int long_len) {
@@ -328,6 +351,53 @@ TEST_F(CudaKernelTest, RaggedLongDecodeSplit) {
   }
 }
 
+// q and out travel in their own dtype. From a Forward with q in the cache's dtype the tiles read q
+// and write out as they are; with q in float32 they read and write float; q in the other 16-bit
+// type crosses them as a float copy. The same queries (exact in the cache's dtype) sent in
+// float32 and in the cache's dtype give outputs that agree bit for bit once the float ones are
+// rounded to the cache's dtype: what the two conversion kernels around float tiles gave before q
+// and out kept their dtype. Every path against the float64 oracle, outputs poisoned first:
+// decode, wide decode, split decode (in-kernel and separate merge), prefill, chunked prefill.
+TEST_F(CudaKernelTest, QAndOutInTheirOwnDtypeMatchTheFloatPath) {
+  for (DType cache : {DType::kBFloat16, DType::kFloat16}) {
+    const DType other = cache == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+    for (int head_dim : {64, 128, 256}) {
+      CaseSpec mixed;
+      mixed.steps = MixedSteps(2500);
+      mixed.steps.push_back({{3, 3}, {2, 2}, {130, 130}, {1, 1}, {0, 2}});
+      CaseSpec separate_merge;  // 32 q heads on one kv head: split, merged by its own kernel
+      separate_merge.num_kv_heads = 1;
+      separate_merge.gqa = 32;
+      separate_merge.steps = {{{30000, 0}, {5000, 0}}, {{1, 1}, {1, 1}}};
+      for (CaseSpec c : {mixed, separate_merge}) {
+        c.cache_dtype = cache;
+        c.kv_wire_dtype = cache;
+        c.head_dim = head_dim;
+        c.q_exact_in = cache;
+        c.seed = 300 + head_dim;
+        std::vector<double> in_float, in_cache, in_other;
+        c.q_dtype = DType::kFloat32;
+        RunCase(*backend_, c, &in_float);
+        c.q_dtype = cache;
+        RunCase(*backend_, c, &in_cache);
+        c.q_dtype = other;
+        RunCase(*backend_, c, &in_other);
+        ASSERT_EQ(in_cache.size(), in_float.size());
+        ASSERT_FALSE(in_float.empty());
+        int64_t differ = 0;
+        for (size_t i = 0; i < in_float.size(); ++i) {
+          differ += in_cache[i] != RoundTo(cache, static_cast<float>(in_float[i])) ? 1 : 0;
+        }
+        EXPECT_EQ(differ, 0) << "of " << in_float.size() << " outputs [" << Describe(c) << "]";
+        EXPECT_EQ(in_other.size(), in_float.size());
+      }
+    }
+  }
+  const kernels::AttentionWork work =
+      PlannedWork({{0, 0, 1, 30001}, {1, 1876, 1, 5001}}, 32, 1, DType::kBFloat16, 128);
+  EXPECT_TRUE(work.separate_merge) << "the second case no longer reaches the separate merge";
+}
+
 // Many equal decode spans: enough work that the plan does not split.
 TEST_F(CudaKernelTest, UnsplitDecodeBatch) {
   std::vector<SpanSpec> prior, decode;
@@ -395,13 +465,9 @@ TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
       c.steps = {{{30000, 0}, {6000, 0}},
                  {{queries, queries}, {queries, queries}},
                  {{queries, queries}, {queries, queries}}};
-      int target = 0;
-      ASSERT_TRUE(kernels::AttentionTargetBlocks(c.cache_dtype, head_dim, &target).ok());
-      std::vector<kernels::AttentionSpan> spans = {{0, 0, queries, 30000 + queries},
-                                                   {queries, 1876, queries, 6000 + queries}};
-      kernels::AttentionWork work;
-      kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true,
-                                 {.target_blocks = target}, &work);
+      const kernels::AttentionWork work =
+          PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
+                      gqa, 1, c.cache_dtype, head_dim);
       ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
       ASSERT_TRUE(work.prefill_items.empty());
       RunCase(*backend_, c);
@@ -417,12 +483,8 @@ TEST_F(CudaKernelTest, SeparateMergeAfterPrefillTiles) {
     c.num_kv_heads = 1;
     c.gqa = gqa;
     c.steps = {{{30000, 0}, {400, 0}}, {{1, 1}, {64, 64}}};
-    int target = 0;
-    ASSERT_TRUE(kernels::AttentionTargetBlocks(c.cache_dtype, c.head_dim, &target).ok());
-    std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 64, 464}};
-    kernels::AttentionWork work;
-    kernels::PlanAttentionWork(spans.data(), 2, gqa, 1, /*causal=*/true, {.target_blocks = target},
-                               &work);
+    const kernels::AttentionWork work =
+        PlannedWork({{0, 0, 1, 30001}, {1, 1876, 64, 464}}, gqa, 1, c.cache_dtype, c.head_dim);
     ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
     ASSERT_FALSE(work.prefill_items.empty()) << "the case no longer has prefill tiles";
     RunCase(*backend_, c);
@@ -513,16 +575,16 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   for (double e : errs) EXPECT_LE(e, 1e-2);
 }
 
-// Kernels go through cached graphs (kernels/graph_launch.h): Forward after Forward,
+// Kernels go through cached graphs (kernels/launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
-// prefill, then a decode-only step), they must give exactly what plain launches give.
-// The second case is split decode merged by the separate merge kernel, which goes with the
-// tiles as one launch (a two-node graph with a programmatic edge, or two plain launches, the
-// merge's with programmatic stream serialization).
+// prefill, then a decode-only step), they must give exactly what plain launches give (a backend
+// made with graph_launch = false). The second case is split decode merged by the separate merge
+// kernel, which goes with the tiles as one launch (a two-node graph with a programmatic edge, or
+// two plain launches, the merge's with programmatic stream serialization).
 TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
-  struct Restore {
-    ~Restore() { kernels::SetGraphLaunch(true); }
-  } restore;
+  absl::StatusOr<std::unique_ptr<Backend>> plain_backend =
+      CreateCudaBackend({.graph_launch = false});
+  ASSERT_TRUE(plain_backend.ok()) << plain_backend.status();
   CaseSpec mixed;
   mixed.seed = 91;
   mixed.steps = MixedSteps(3000);
@@ -535,19 +597,13 @@ TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   separate_merge.steps = {{{30000, 0}, {5000, 0}}, {{1, 1}, {1, 1}}, {{1, 1}, {1, 1}}};
   for (const CaseSpec& c : {mixed, separate_merge}) {
     std::vector<double> plain, graph;
-    kernels::SetGraphLaunch(false);
-    RunCase(*backend_, c, &plain);
-    kernels::SetGraphLaunch(true);
+    RunCase(**plain_backend, c, &plain);
     EXPECT_LE(RunCase(*backend_, c, &graph), 1e-2);
     ASSERT_FALSE(plain.empty());
     EXPECT_TRUE(plain == graph) << "graph launches changed the outputs, seed " << c.seed;
   }
-  int target = 0;
-  ASSERT_TRUE(kernels::AttentionTargetBlocks(separate_merge.cache_dtype, 128, &target).ok());
-  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 30001}, {1, 1876, 1, 5001}};
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = target},
-                             &work);
+  const kernels::AttentionWork work =
+      PlannedWork({{0, 0, 1, 30001}, {1, 1876, 1, 5001}}, 32, 1, separate_merge.cache_dtype, 128);
   EXPECT_TRUE(work.separate_merge) << "the second case no longer reaches the separate merge";
 }
 
@@ -632,17 +688,26 @@ class AppendCase {
   bool ok_ = false;
 };
 
-// --graph_launch=false reaches the kernels: a backend created without graph launches turns them
-// off for the process.
-TEST_F(CudaKernelTest, BackendWithoutGraphLaunchTurnsThemOff) {
-  struct Restore {
-    ~Restore() { kernels::SetGraphLaunch(true); }
-  } restore;
-  kernels::SetGraphLaunch(true);
-  ASSERT_TRUE(kernels::GraphLaunchEnabled());
+// --graph_launch reaches the kernels: a backend made without graph launches submits every
+// kernel plainly, one made with them through cached graphs; each has its own launcher.
+TEST_F(CudaKernelTest, BackendsLaunchAsTheirOptionsSay) {
   absl::StatusOr<std::unique_ptr<Backend>> plain = CreateCudaBackend({.graph_launch = false});
   ASSERT_TRUE(plain.ok()) << plain.status();
-  EXPECT_FALSE(kernels::GraphLaunchEnabled());
+  const kernels::Launcher* plain_launcher = CudaLauncherOf(**plain);
+  const kernels::Launcher* graph_launcher = CudaLauncherOf(*backend_);
+  ASSERT_NE(plain_launcher, nullptr);
+  ASSERT_NE(graph_launcher, nullptr);
+  EXPECT_FALSE(plain_launcher->graph_launch());
+  EXPECT_TRUE(graph_launcher->graph_launch());
+  CaseSpec c;
+  c.steps = MixedSteps(500);
+  const int64_t graph_before = graph_launcher->graph_launches();
+  RunCase(**plain, c);
+  EXPECT_GT(plain_launcher->plain_launches(), 0);
+  EXPECT_EQ(plain_launcher->graph_launches(), 0);
+  EXPECT_EQ(graph_launcher->graph_launches(), graph_before) << "the other backend's launcher";
+  RunCase(*backend_, c);
+  EXPECT_GT(graph_launcher->graph_launches(), graph_before);
 }
 
 // A launch into a stream that the caller is capturing is recorded by that capture as a kernel
@@ -653,7 +718,8 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  const kernels::LaunchStatus st = kernels::LaunchAppendKv(append.params(), stream);
+  kernels::Launcher launcher;
+  const kernels::LaunchStatus st = kernels::LaunchAppendKv(append.params(), stream, launcher);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_TRUE(st.ok()) << st.message();
@@ -677,10 +743,11 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
   cudaStreamDestroy(stream);
 }
 
-// Split decode whose plan merges in the separate kernel, launched straight through
-// LaunchPagedAttention: the tiles and the merge go as one launch (kernels/graph_launch.h).
-// Into a captured stream the pair is recorded as two kernel nodes in stream order; replaying the
-// captured graph gives exactly what the direct launch gave.
+// Split decode whose plan merges in the separate kernel, planned and staged through the kernel
+// library (AttentionPlan, ForwardWorkspace) and launched straight through LaunchPagedAttention:
+// the tiles and the merge go as one launch (kernels/launch.h). Into a captured stream the pair is
+// recorded as two kernel nodes in stream order; replaying the captured graph gives exactly what
+// the direct launch gave.
 class SeparateMergeLaunch {
  public:
   static constexpr int kQHeads = 32, kDim = 128, kPage = 16, kLen = 20000;
@@ -689,100 +756,90 @@ class SeparateMergeLaunch {
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
     std::vector<uint16_t> kv(size_t{pages} * kPage * kDim);
-    std::vector<int32_t> table(pages);
-    std::iota(table.begin(), table.end(), 0);
-    std::shuffle(table.begin(), table.end(), rng);
-    std::vector<float> q(kQHeads * kDim);
-    for (float& x : q) x = uni(rng);
-    kernels::AttentionSpan span{0, 0, 1, kLen};
-    int target = 0;
-    ok_ = kernels::AttentionTargetBlocks(DType::kBFloat16, kDim, &target).ok();
-    kernels::PlanAttentionWork(&span, 1, kQHeads, 1, /*causal=*/true, {.target_blocks = target},
-                               &work_);
-    p_.kv_dtype = DType::kBFloat16;
-    p_.num_q_heads = kQHeads;
-    p_.num_kv_heads = 1;
-    p_.head_dim = kDim;
-    p_.page_size = kPage;
-    p_.sm_scale = 1.f / std::sqrt(float{kDim});
+    table_.resize(pages);
+    std::iota(table_.begin(), table_.end(), 0);
+    std::shuffle(table_.begin(), table_.end(), rng);
     for (int kv_index = 0; kv_index < 2; ++kv_index) {
       for (uint16_t& x : kv) StoreFromFloat(DType::kBFloat16, &x, 0, uni(rng));
-      (kv_index == 0 ? p_.k_cache : p_.v_cache) = Upload(kv.data(), kv.size() * 2);
+      void*& pool = kv_index == 0 ? k_pool_ : v_pool_;
+      ok_ = ok_ && cudaMalloc(&pool, kv.size() * 2) == cudaSuccess &&
+            cudaMemcpy(pool, kv.data(), kv.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
     }
-    p_.page_table = static_cast<const int32_t*>(Upload(table.data(), table.size() * 4));
-    table_ = std::move(table);
-    p_.q = static_cast<const float*>(Upload(q.data(), q.size() * 4));
-    p_.out = static_cast<float*>(Upload(nullptr, q.size() * 4));
-    p_.lse = static_cast<float*>(Upload(nullptr, kQHeads * 4));
-    p_.decode_wide_items = static_cast<const kernels::AttentionWorkItem*>(
-        Upload(work_.decode_wide_items.data(),
-               work_.decode_wide_items.size() * sizeof(kernels::AttentionWorkItem)));
-    p_.num_decode_wide_items = static_cast<int32_t>(work_.decode_wide_items.size());
-    p_.merge_tasks = static_cast<const kernels::AttentionMergeTask*>(Upload(
-        work_.merge_tasks.data(), work_.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)));
-    p_.num_merge_tasks = static_cast<int32_t>(work_.merge_tasks.size());
-    p_.separate_merge = work_.separate_merge;
-    p_.merge_rows = work_.merge_rows;
-    p_.partial_out = static_cast<float*>(Upload(nullptr, work_.partial_rows * kDim * 4));
-    p_.partial_lse = static_cast<float*>(Upload(nullptr, work_.partial_rows * 4));
-    p_.partial_rows = work_.partial_rows;
+    kernels::AttentionPlanLimits limits;
+    ok_ =
+        ok_ &&
+        kernels::QueryPlanLimits(DType::kBFloat16, kDim, kernels::PrefillPath::kAuto, &limits).ok();
+    span_ = {.num_queries = 1, .kv_len = kLen};
+    const kernels::ForwardBatch batch = {.spans = {&span_, 1},
+                                         .page_table = table_,
+                                         .total_queries = 1,
+                                         .num_q_heads = kQHeads,
+                                         .num_kv_heads = 1,
+                                         .head_dim = kDim,
+                                         .page_size = kPage,
+                                         .kv_dtype = DType::kBFloat16,
+                                         .q_dtype = DType::kFloat32,
+                                         .kv_wire_dtype = DType::kFloat32,
+                                         .sm_scale = 1.f / std::sqrt(float{kDim}),
+                                         .return_lse = true};
+    plan_ = kernels::AttentionPlan::Make(batch, limits);
+    ok_ = ok_ && ws_.Reserve(plan_, nullptr).ok() && cudaDeviceSynchronize() == cudaSuccess;
   }
   ~SeparateMergeLaunch() {
-    for (void* b : buffers_) cudaFree(b);
+    cudaFree(k_pool_);
+    cudaFree(v_pool_);
   }
   bool ok() const { return ok_; }
-  const kernels::AttentionWork& work() const { return work_; }
-  const kernels::PagedAttentionParams& params() const { return p_; }
-  // The work items' first page ids (AttachFirstPages), uploaded beside them, as the server does;
-  // wrong_first: each item's first id replaced by its second (that page read twice, the first
-  // not at all: a wrong table, for a test's control).
-  void AttachFirstPages(bool wrong_first = false) {
-    kernels::AttachFirstPages(table_.data(), kPage, &work_);
-    if (wrong_first) {
-      for (kernels::ItemFirstPages& f : work_.decode_wide_first_pages) f.ids[0] = f.ids[1];
-    }
-    p_.decode_wide_first_pages = static_cast<const kernels::ItemFirstPages*>(
-        Upload(work_.decode_wide_first_pages.data(),
-               work_.decode_wide_first_pages.size() * sizeof(kernels::ItemFirstPages)));
-  }
-  // New random queries (seed) into the q buffer, in stream order.
-  void SetQ(uint32_t seed, cudaStream_t stream) {
+  const kernels::AttentionWork& work() const { return plan_.work(); }
+
+  // New random queries (seed), staged and uploaded; wrong_first: each decode item's carried
+  // first page id replaced by its second (that page read twice, the first not at all: a wrong
+  // table, for a test's control).
+  void Stage(uint32_t seed, cudaStream_t stream, bool wrong_first = false) {
     std::mt19937 rng(seed);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
-    host_q_.resize(kQHeads * kDim);
-    for (float& x : host_q_) x = uni(rng);
-    ok_ = ok_ &&
-          cudaMemcpyAsync(const_cast<float*>(p_.q), host_q_.data(), host_q_.size() * 4,
-                          cudaMemcpyHostToDevice, stream) == cudaSuccess &&
-          cudaStreamSynchronize(stream) == cudaSuccess;
+    std::vector<float> q(kQHeads * kDim);
+    for (float& x : q) x = uni(rng);
+    ws_.StageInputs(plan_, q.data(), nullptr, nullptr);
+    if (wrong_first) {
+      auto* first = reinterpret_cast<kernels::ItemFirstPages*>(
+          static_cast<char*>(ws_.host()) + plan_.staging().decode_wide_first_pages);
+      for (size_t i = 0; i < work().decode_wide_first_pages.size(); ++i) {
+        first[i].ids[0] = first[i].ids[1];
+      }
+    }
+    ok_ = ok_ && ws_.Upload(plan_, stream).ok() && cudaStreamSynchronize(stream) == cudaSuccess;
+  }
+  // The attention params bound to the staged image; first_pages false: every page id from the
+  // page table.
+  kernels::PagedAttentionParams Params(bool first_pages = true) const {
+    kernels::PagedAttentionParams p = ws_.Bind(plan_, k_pool_, v_pool_).attention;
+    if (!first_pages) p.decode_wide_first_pages = nullptr;
+    return p;
   }
   // out and lse, NaN first so that an unwritten element shows.
-  void Poison() {
-    ok_ = ok_ && cudaMemset(p_.out, 0xFF, kQHeads * kDim * 4) == cudaSuccess &&
-          cudaMemset(p_.lse, 0xFF, kQHeads * 4) == cudaSuccess;
-  }
-  std::vector<float> Result() {
-    std::vector<float> r(kQHeads * (kDim + 1));
+  void Poison(cudaStream_t stream) {
+    const kernels::ForwardStaging& st = plan_.staging();
     ok_ = ok_ &&
-          cudaMemcpy(r.data(), p_.out, kQHeads * kDim * 4, cudaMemcpyDeviceToHost) == cudaSuccess &&
-          cudaMemcpy(r.data() + kQHeads * kDim, p_.lse, kQHeads * 4, cudaMemcpyDeviceToHost) ==
-              cudaSuccess;
+          cudaMemsetAsync(static_cast<char*>(ws_.device()) + st.out, 0xFF, st.results_end - st.out,
+                          stream) == cudaSuccess &&
+          cudaStreamSynchronize(stream) == cudaSuccess;
+  }
+  // out, then lse, after the launches on stream.
+  std::vector<float> Result(cudaStream_t stream) {
+    std::vector<float> r(kQHeads * (kDim + 1));
+    ok_ = ok_ && ws_.Download(plan_, stream).ok() && cudaStreamSynchronize(stream) == cudaSuccess;
+    ws_.ReadResults(plan_, r.data(), r.data() + kQHeads * kDim);
     return r;
   }
 
  private:
-  void* Upload(const void* src, size_t bytes) {
-    void* d = nullptr;
-    ok_ = ok_ && cudaMalloc(&d, std::max<size_t>(bytes, 4)) == cudaSuccess;
-    if (ok_) buffers_.push_back(d);
-    if (ok_ && src) ok_ = cudaMemcpy(d, src, bytes, cudaMemcpyHostToDevice) == cudaSuccess;
-    return d;
-  }
-  kernels::AttentionWork work_;
-  kernels::PagedAttentionParams p_;
   std::vector<int32_t> table_;
-  std::vector<float> host_q_;
-  std::vector<void*> buffers_;
+  kernels::ForwardSpan span_;
+  kernels::AttentionPlan plan_;
+  kernels::ForwardWorkspace ws_;
+  void* k_pool_ = nullptr;
+  void* v_pool_ = nullptr;
   bool ok_ = true;
 };
 
@@ -793,18 +850,19 @@ TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
   ASSERT_TRUE(launch.work().decode_items.empty() && launch.work().prefill_items.empty());
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  kernels::Launcher launcher;
+  launch.Stage(100, stream);
 
-  launch.Poison();
-  kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), stream);
+  launch.Poison(stream);
+  kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.Params(), stream, launcher);
   ASSERT_TRUE(st.ok()) << st.message();
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  const std::vector<float> direct = launch.Result();
+  const std::vector<float> direct = launch.Result(stream);
   ASSERT_TRUE(launch.ok());
   for (float x : direct) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
 
-  launch.Poison();
+  launch.Poison(stream);
   ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-  st = kernels::LaunchPagedAttention(launch.params(), stream);
+  st = kernels::LaunchPagedAttention(launch.Params(), stream, launcher);
   cudaGraph_t graph = nullptr;
   ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
   ASSERT_TRUE(st.ok()) << st.message();
@@ -814,8 +872,7 @@ TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
   cudaGraphExec_t exec = nullptr;
   ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
   ASSERT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
-  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-  EXPECT_EQ(launch.Result(), direct) << "the captured launch differs from the direct one";
+  EXPECT_EQ(launch.Result(stream), direct) << "the captured launch differs from the direct one";
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
@@ -830,15 +887,16 @@ TEST_F(CudaKernelTest, SeparateMergeLaunchesBackToBack) {
   ASSERT_TRUE(launch.work().separate_merge) << "the case no longer plans the separate merge";
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  kernels::Launcher launcher;
   std::vector<float> first[2];
   for (int round = 0; round < 6; ++round) {
     for (int which = 0; which < 2; ++which) {
-      launch.SetQ(100 + which, stream);
-      launch.Poison();
-      const kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), stream);
+      launch.Stage(100 + which, stream);
+      launch.Poison(stream);
+      const kernels::LaunchStatus st =
+          kernels::LaunchPagedAttention(launch.Params(), stream, launcher);
       ASSERT_TRUE(st.ok()) << st.message();
-      ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      std::vector<float> result = launch.Result();
+      std::vector<float> result = launch.Result(stream);
       ASSERT_TRUE(launch.ok());
       if (round == 0) {
         for (float x : result) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
@@ -860,23 +918,26 @@ TEST_F(CudaKernelTest, CarriedFirstPagesGiveTheLoadedPagesResult) {
   SeparateMergeLaunch launch;
   ASSERT_TRUE(launch.ok());
   ASSERT_FALSE(launch.work().decode_wide_items.empty()) << "the case no longer has decode tiles";
-  auto run = [&] {
-    launch.Poison();
-    const kernels::LaunchStatus st = kernels::LaunchPagedAttention(launch.params(), nullptr);
+  ASSERT_EQ(launch.work().decode_wide_first_pages.size(), launch.work().decode_wide_items.size());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  kernels::Launcher launcher;
+  auto run = [&](bool first_pages, bool wrong_first) {
+    launch.Stage(100, stream, wrong_first);
+    launch.Poison(stream);
+    const kernels::LaunchStatus st =
+        kernels::LaunchPagedAttention(launch.Params(first_pages), stream, launcher);
     EXPECT_TRUE(st.ok()) << st.message();
-    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    return launch.Result();
+    return launch.Result(stream);
   };
-  const std::vector<float> loaded = run();
+  const std::vector<float> loaded = run(/*first_pages=*/false, /*wrong_first=*/false);
   ASSERT_TRUE(launch.ok());
   for (float x : loaded) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
-
-  launch.AttachFirstPages(/*wrong_first=*/true);
-  ASSERT_EQ(launch.work().decode_wide_first_pages.size(), launch.work().decode_wide_items.size());
-  EXPECT_NE(run(), loaded) << "wrong carried page ids changed nothing: they are not used";
-  launch.AttachFirstPages();
-  EXPECT_EQ(run(), loaded) << "carried page ids gave another result";
+  EXPECT_NE(run(true, /*wrong_first=*/true), loaded)
+      << "wrong carried page ids changed nothing: they are not used";
+  EXPECT_EQ(run(true, false), loaded) << "carried page ids gave another result";
   ASSERT_TRUE(launch.ok());
+  cudaStreamDestroy(stream);
 }
 
 TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {
@@ -899,279 +960,6 @@ TEST_F(CudaKernelTest, ReportsDevice) {
   ASSERT_TRUE(mem.ok()) << mem.status();
   EXPECT_GT(mem->total_bytes, 0);
   EXPECT_GT(mem->free_bytes, 0);
-}
-
-// The split-KV planner needs no GPU: every (tile, position) is covered exactly once.
-TEST(AttentionPlan, CoversEveryPositionOnce) {
-  std::vector<kernels::AttentionSpan> spans = {
-      {0, 0, 1, 10000}, {1, 700, 3, 5}, {4, 701, 200, 900}, {204, 800, 0, 50}};
-  for (bool causal : {true, false}) {
-    for (int target : {1, 132, 264, 5000}) {
-      kernels::AttentionWork work;
-      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal,
-                                 {.target_blocks = target, .min_chunk = 64}, &work);
-      // coverage[span][row_start] -> positions covered
-      std::map<std::pair<int, int>, int64_t> covered;
-      for (const auto* list : {&work.decode_items, &work.decode_wide_items, &work.prefill_items}) {
-        for (const auto& it : *list) {
-          EXPECT_LT(it.kv_start, it.kv_end);
-          covered[{it.span, it.row_start}] += it.kv_end - it.kv_start;
-        }
-      }
-      for (const auto& [key, n] : covered) {
-        const auto& sp = spans[key.first];
-        const int group = 4;
-        const int rows = sp.num_queries * group;
-        const int tile = rows <= kernels::kDecodeTileRows       ? kernels::kDecodeTileRows
-                         : rows <= kernels::kDecodeWideTileRows ? kernels::kDecodeWideTileRows
-                                                                : kernels::kPrefillTileRows;
-        const int last_row = std::min(key.second + tile, rows) - 1;
-        const int64_t want = causal ? sp.kv_len - sp.num_queries + last_row / group + 1 : sp.kv_len;
-        EXPECT_EQ(n, want) << "span " << key.first << " row " << key.second;
-      }
-      EXPECT_EQ(covered.count({3, 0}), 0u);  // no queries, no work
-    }
-  }
-}
-
-// One long decode on 8 kv heads fills the 264 block slots with equal splits cut at any position
-// (not only at 64-position tiles), each position in exactly one split, the splits contiguous.
-TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
-  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}};
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  ASSERT_EQ(work.decode_items.size(), 33u) << "kv_chunk " << work.kv_chunk;
-  EXPECT_EQ(work.kv_chunk, 993);
-  int32_t next = 0;
-  for (const auto& it : work.decode_items) {
-    EXPECT_EQ(it.kv_start, next);
-    EXPECT_LE(it.kv_end - it.kv_start, 993);
-    next = it.kv_end;
-  }
-  EXPECT_EQ(next, 32768);
-  // A prefill tile in the plan keeps chunks at whole KV tiles.
-  // (Without that rule this plan would cut 334-position chunks.)
-  std::vector<kernels::AttentionSpan> mixed = {{0, 0, 1, 2000}, {1, 2048, 100, 1000}};
-  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  EXPECT_LT(work.kv_chunk, 2000) << "the plan splits";
-  EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
-}
-
-// A plan without splits has no merge, so its waves count every resident block (unsplit_blocks);
-// a split plan's count only those that leave room for a merge block (target_blocks). Head_dim
-// 64 on the H200: 396 and 528.
-TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
-  std::vector<kernels::AttentionSpan> batch;
-  for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
-  kernels::AttentionWork work;
-  // 512 (sequence, kv head) blocks: two waves of 396, so the plan splits...
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, {.target_blocks = 396},
-                             &work);
-  EXPECT_LT(work.kv_chunk, 4096);
-  // ...but one wave of 528: no split, no merge.
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true,
-                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
-  EXPECT_EQ(work.kv_chunk, 4096);
-  EXPECT_EQ(work.decode_items.size(), 64u);
-  EXPECT_TRUE(work.merge_tasks.empty());
-  // A plan that splits either way is planned in waves of target_blocks alone.
-  std::vector<kernels::AttentionSpan> one = {{0, 0, 1, 32768}};
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 396}, &work);
-  const int32_t chunk = work.kv_chunk;
-  const size_t items = work.decode_items.size();
-  EXPECT_LT(chunk, 32768);
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true,
-                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
-  EXPECT_EQ(work.kv_chunk, chunk);
-  EXPECT_EQ(work.decode_items.size(), items);
-  // So is a plan with a prefill tile (the prefill kernels' residency is not the decode tile's):
-  // 56 decode tiles and one of 32 queries x 4 heads, 456 blocks, split as with 396 alone.
-  std::vector<kernels::AttentionSpan> mixed(batch.begin(), batch.begin() + 56);
-  mixed.push_back({56, 56 * 256, 32, 4096});
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, {.target_blocks = 396},
-                             &work);
-  const int32_t mixed_chunk = work.kv_chunk;
-  EXPECT_LT(mixed_chunk, 4096);
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true,
-                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
-  EXPECT_EQ(work.kv_chunk, mixed_chunk);
-}
-
-// Beside each decode item go the page ids of its first kItemPages pages (from the page holding
-// kv_start), 0 past its span's last page.
-TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
-  constexpr int kPage = 16;
-  // Span 0: 1000 positions (63 pages) from table entry 0; span 1: 40 positions (3 pages) from
-  // entry 63; span 2: a prefill of 200 queries (13 pages) from entry 66.
-  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 1000}, {1, 63, 1, 40}, {2, 66, 200, 200}};
-  std::vector<int32_t> table(79);
-  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(1000 + 7 * i);
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
-                             {.target_blocks = 264, .min_chunk = 64}, &work);
-  ASSERT_GT(work.decode_items.size(), 2u) << "span 0 no longer splits";
-  ASSERT_FALSE(work.prefill_items.empty());
-  EXPECT_TRUE(work.decode_first_pages.empty()) << "attached only when asked";
-  kernels::AttachFirstPages(table.data(), kPage, &work);
-  ASSERT_EQ(work.decode_first_pages.size(), work.decode_items.size());
-  ASSERT_EQ(work.decode_wide_first_pages.size(), work.decode_wide_items.size());
-  for (size_t i = 0; i < work.decode_items.size(); ++i) {
-    const auto& it = work.decode_items[i];
-    const auto& sp = spans[it.span];
-    const int64_t span_pages = (sp.kv_len + kPage - 1) / kPage;
-    for (int j = 0; j < kernels::kItemPages; ++j) {
-      const int64_t page = it.kv_start / kPage + j;
-      const int32_t want = page < span_pages ? table[sp.page_table_offset + page] : 0;
-      EXPECT_EQ(work.decode_first_pages[i].ids[j], want)
-          << "span " << it.span << " kv_start " << it.kv_start << " page " << j;
-    }
-  }
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
-                             {.target_blocks = 264, .min_chunk = 64}, &work);
-  EXPECT_TRUE(work.decode_first_pages.empty()) << "a new plan drops the last one's pages";
-}
-
-// The tile grid is one block per (work item, kv head) in one dimension: its size, and a refusal
-// naming both numbers once it would pass the 2^31 - 1 blocks of a grid dimension.
-TEST(AttentionPlan, TileGridBlocksFitOneDimension) {
-  unsigned blocks = 0;
-  ASSERT_TRUE(kernels::TileGridBlocks(33, 8, &blocks).ok());
-  EXPECT_EQ(blocks, 264u);
-  ASSERT_TRUE(kernels::TileGridBlocks(int64_t{1} << 21, 1023, &blocks).ok());
-  EXPECT_EQ(blocks, (1u << 21) * 1023u);
-  const kernels::LaunchStatus over = kernels::TileGridBlocks(int64_t{1} << 21, 1024, &blocks);
-  ASSERT_FALSE(over.ok());
-  EXPECT_NE(over.message().find("2097152 tiles x 1024 kv heads"), std::string::npos)
-      << over.message();
-}
-
-// Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
-// their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
-TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
-  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  EXPECT_TRUE(work.separate_merge);
-  EXPECT_GE(work.decode_wide_items.size(), 200u) << "kv_chunk " << work.kv_chunk;
-  EXPECT_EQ(work.merge_rows, 32);
-  ASSERT_EQ(work.merge_tasks.size(), 1u);
-  EXPECT_EQ(work.merge_tasks[0].num_splits, static_cast<int>(work.decode_wide_items.size()));
-
-  // 33 splits of 4 rows (one decode on 8 kv heads) merge separately; 2 splits of 4 rows (16
-  // decodes) in the tile kernel.
-  spans = {{7, 0, 1, 32768}};
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  EXPECT_TRUE(work.separate_merge);
-  EXPECT_EQ(work.merge_rows, 4);
-  ASSERT_FALSE(work.merge_tasks.empty());
-  EXPECT_EQ(work.merge_tasks[0].q_offset, 7);
-  EXPECT_EQ(work.merge_tasks[0].num_splits, 33);
-  spans.clear();
-  for (int i = 0; i < 16; ++i) spans.push_back({i, i * 256, 1, 4096});
-  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  ASSERT_FALSE(work.merge_tasks.empty());
-  EXPECT_EQ(work.merge_tasks[0].num_splits, 2);
-  EXPECT_FALSE(work.separate_merge);
-
-  // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
-  // tiles only), even beside a wide decode tile that would want the separate one.
-  spans = {{0, 0, 300, 10000}, {300, 700, 1, 131072}};
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  bool prefill_split = false;
-  for (const auto& it : work.prefill_items) prefill_split |= it.partial_row >= 0;
-  ASSERT_TRUE(prefill_split) << "kv_chunk " << work.kv_chunk;
-  EXPECT_FALSE(work.separate_merge);
-}
-
-// Prefill blocks run span by span, the span with the longest block first, and longest first
-// within a span (load balance and L2 reuse of a span's K/V prefix; kernels/attention_plan.cc).
-TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
-  // Span 1 is the longest; span 0 and 2 tie on their longest block (span order decides).
-  std::vector<kernels::AttentionSpan> spans = {
-      {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true,
-                             {.target_blocks = 100000, .min_chunk = 64}, &work);
-  ASSERT_FALSE(work.prefill_items.empty());
-  std::vector<int> span_order;
-  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
-    const auto& it = work.prefill_items[i];
-    EXPECT_NE(it.span, 3) << "a one-query span is a decode tile";
-    if (span_order.empty() || span_order.back() != it.span) span_order.push_back(it.span);
-    if (i > 0 && work.prefill_items[i - 1].span == it.span) {
-      const auto& prev = work.prefill_items[i - 1];
-      EXPECT_GE(prev.kv_end - prev.kv_start, it.kv_end - it.kv_start) << "item " << i;
-    }
-  }
-  EXPECT_EQ(span_order, (std::vector<int>{1, 0, 2})) << "each span once, longest span first";
-}
-
-// The persistent prefill kernel's schedule: every (item, kv head) exactly once, the first jobs
-// on blocks 0, 1, ... in the planner's order, each block's jobs in that order, and the blocks'
-// estimated work within one job of each other (greedy list scheduling).
-TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
-  std::vector<kernels::AttentionSpan> spans = {
-      {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
-  kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, {.target_blocks = 264},
-                             &work);
-  ASSERT_FALSE(work.prefill_items.empty());
-  constexpr int kHeads = 8, kBlocks = 132;
-  kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);
-  const size_t num_jobs = work.prefill_items.size() * kHeads;
-  ASSERT_EQ(work.prefill_jobs.size(), num_jobs);
-  ASSERT_EQ(work.prefill_job_start.size(), static_cast<size_t>(kBlocks + 1));
-  EXPECT_EQ(work.prefill_job_start.front(), 0);
-  EXPECT_EQ(work.prefill_job_start.back(), static_cast<int32_t>(num_jobs));
-
-  // Job (item i, head h) is the planner's job i * kHeads + h; find each in the schedule.
-  auto key = [](const kernels::AttentionWorkItem& it, int h) {
-    return std::make_tuple(it.span, it.row_start, it.kv_start, h);
-  };
-  std::map<std::tuple<int, int, int, int>, int> order;
-  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
-    for (int h = 0; h < kHeads; ++h) order[key(work.prefill_items[i], h)] = i * kHeads + h;
-  }
-  ASSERT_EQ(order.size(), num_jobs) << "planner jobs are distinct";
-  std::vector<int> seen(num_jobs, 0);
-  int64_t min_load = INT64_MAX, max_load = 0, longest_job = 0;
-  for (int b = 0; b < kBlocks; ++b) {
-    int64_t load = 0;
-    int prev = -1;
-    for (int j = work.prefill_job_start[b]; j < work.prefill_job_start[b + 1]; ++j) {
-      const kernels::AttentionPrefillJob& job = work.prefill_jobs[j];
-      ASSERT_TRUE(order.count(key(job.item, job.kv_head)));
-      const int k = order[key(job.item, job.kv_head)];
-      ++seen[k];
-      if (j == work.prefill_job_start[b]) {
-        EXPECT_EQ(k, b) << "block " << b << "'s first job";
-      }
-      EXPECT_GT(k, prev) << "block " << b << " runs its jobs in the planner's order";
-      prev = k;
-      const int64_t cost = job.item.kv_end - job.item.kv_start + 128;  // the planner's estimate
-      load += cost;
-      longest_job = std::max(longest_job, cost);
-    }
-    min_load = std::min(min_load, load);
-    max_load = std::max(max_load, load);
-  }
-  for (size_t k = 0; k < num_jobs; ++k) EXPECT_EQ(seen[k], 1) << "job " << k;
-  // A job goes to the block with the least estimated work (positions + 128 per job), so no
-  // block ends more than one job after the least loaded one.
-  EXPECT_LE(max_load - min_load, longest_job);
-
-  // Fewer jobs than blocks: one block per job; no blocks: no schedule.
-  kernels::SchedulePrefillJobs(kHeads, 100000, &work);
-  EXPECT_EQ(work.prefill_job_start.size(), num_jobs + 1);
-  kernels::SchedulePrefillJobs(kHeads, 0, &work);
-  EXPECT_TRUE(work.prefill_jobs.empty());
-  EXPECT_TRUE(work.prefill_job_start.empty());
 }
 
 }  // namespace

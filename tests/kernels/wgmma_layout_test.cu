@@ -1,4 +1,4 @@
-// The Hopper prefill kernel's building blocks alone (kernels/prefill_wgmma.cuh): one warpgroup
+// The Hopper prefill kernel's building blocks alone (kernels/device/wgmma.cuh): one warpgroup
 // computes S = A.B^T with both operands in swizzle-128 shared memory, and O = P.V with P in
 // registers (the mma.sync A fragment) and V in shared memory read MN-major (one 64-column
 // slice, and two slices in one m64n128 wgmma), against a float64
@@ -14,8 +14,9 @@
 #include <string>
 #include <vector>
 
+#include "kernels/device/ptx.cuh"
+#include "kernels/device/wgmma.cuh"
 #include "kernels/dispatch.h"
-#include "kernels/prefill_wgmma.cuh"
 
 namespace pagedattn::kernels {
 namespace {

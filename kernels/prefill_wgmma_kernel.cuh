@@ -1,5 +1,5 @@
-// The Hopper prefill tile kernel: the prefill tile of kernels/prefill_kernel.cuh with its two
-// matrix products on warpgroup MMA (wgmma, sm_90a). Included only by the per-head-dim .cu files.
+// The Hopper prefill tile kernel: the prefill tile of kernels/prefill_mma_kernel.cuh with its
+// two matrix products on warpgroup MMA (wgmma, sm_90a). Included only by instantiate_hdim*.cu.
 //
 // A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, run by
 // two warpgroups of 64 rows each. At head_dim 128 a block is persistent: it runs the jobs the
@@ -21,15 +21,15 @@
 // this kernel only when the build has sm_90a (PAGEDATTN_HAVE_SM90A) and the device is 9.0.
 #pragma once
 
+#include <algorithm>
 #include <type_traits>
 
-#include "kernels/prefill_kernel.cuh"
-
-#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-#define PAGEDATTN_WGMMA_DEVICE 1
-#else
-#define PAGEDATTN_WGMMA_DEVICE 0
-#endif
+#include "kernels/device/ptx.cuh"
+#include "kernels/device/split_merge.cuh"
+#include "kernels/device/tile_io.cuh"
+#include "kernels/device/wgmma.cuh"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
 
 namespace pagedattn::kernels {
 
@@ -39,20 +39,16 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  // Tile shape per head_dim, the fastest of those measured on the H200 (docs/PERFORMANCE.md):
-  //   d128: 128-position tiles, 3 stages, pipelined (64/5 pipelined: 8% slower at 4 x 4096);
-  //   d64:  64-position tiles, 4 stages, one tile at a time (128/5 and 64/6 pipelined: 14-26%
-  //         slower: its products are too small to hide the softmax behind);
-  //   d256: 64-position tiles, 2 stages (all its 64 KiB Q tile leaves room for), one at a time.
+  // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
+  // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
+  // Q tile leaves room for (docs/PERFORMANCE.md#prefill).
   static constexpr int kTileKv = D == 128 ? 128 : 64;
   static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
   static constexpr bool kPipelined = D == 128;
-  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody): one per SM, each
-  // taking its jobs from the host's schedule back to back, so the next job's first K/V tiles
-  // load during the last one's end. The others run one block per item and kv head
-  // (WgmmaPrefillItemBody): measured persistent too, they were 2-8% slower (head_dim 64 keeps
-  // two blocks per SM that way, which hide each other's waits).
+  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody), jobs back to back so
+  // the next job's first K/V tiles load during the last one's end; the others one block per item
+  // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#prefill).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
@@ -72,160 +68,7 @@ struct WgmmaPrefillConfig {
   static_assert(SmemBytes() + 2048 <= 227 * 1024, "fits one SM's shared memory");
 };
 
-// Element offset of (row, 16-byte chunk) in a [R][D] tile in the 128-byte-swizzle layout.
-template <int R>
-__device__ __forceinline__ int Sw128Offset(int row, int chunk) {
-  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
-}
-
 #if PAGEDATTN_WGMMA_DEVICE
-
-// Shared-memory matrix descriptor, 128-byte swizzle: start address, 1024 bytes between
-// consecutive groups of 8 rows (the stride field), and the leading field: for an MN-major
-// operand wider than one 64-column slice (P.V at head_dim 128), the bytes between slices;
-// unused by K-major operands (a k16 step stays inside one 128-byte row).
-__device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leading_bytes = 1024) {
-  return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |
-         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
-}
-
-__device__ __forceinline__ void WgmmaFence() {
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
-}
-__device__ __forceinline__ void WgmmaCommit() {
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-}
-template <int N>
-__device__ __forceinline__ void WgmmaWait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
-}
-// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
-// issue or wait (the asm statements above do not name the registers the hardware writes).
-template <int N>
-__device__ __forceinline__ void FenceRegs(float (&d)[N][4]) {
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
-}
-__device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
-#pragma unroll
-  for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
-}
-
-// Stores two values to shared memory (a per-thread scratch slot), so that the instructions
-// producing them are scheduled before whatever follows (ptxas does not move wgmma waits above
-// shared-memory stores).
-__device__ __forceinline__ void PinBeforeWait(uint32_t slot, const float (&v)[2]) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(slot), "f"(v[0]), "f"(v[1]) : "memory");
-}
-
-__device__ __forceinline__ void ProxyFenceShared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
-#define PAGEDATTN_WGMMA_D32                                                                     \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
-  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define PAGEDATTN_WGMMA_D32_OPERANDS(d)                                                         \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
-      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
-      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
-      "+f"(d[7][2]), "+f"(d[7][3])
-
-#define PAGEDATTN_WGMMA_D64                                                          \
-  "{"                                                                                \
-  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
-  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
-  "}"
-#define PAGEDATTN_WGMMA_D64_OPERANDS(d)                                                           \
-  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),       \
-      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),   \
-      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),   \
-      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),   \
-      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),   \
-      "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),   \
-      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
-      "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),             \
-      "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),             \
-      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),             \
-      "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),             \
-      "+f"(d[15][2]), "+f"(d[15][3])
-
-// The wgmma's this kernel issues, as one asm statement each. TY is the PTX element type
-// (bf16, f16); DLIST the accumulator register list, DOPS the macro naming the accumulator
-// operands of d; the operand numbers after them follow.
-// A and B from shared memory (both K-major); the predicate scales D by 0 (first k step) or 1.
-#define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                     \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                             \
-               ", 0;\n"                                                                            \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", %" NA ", %" NB \
-               ", p, 1, 1, 0, 0;\n}\n"                                                             \
-               : DOPS(d)                                                                           \
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
-// A from registers (the mma.sync A fragment of the warp's 16 rows), B from shared memory read
-// MN-major (transpose bit); D accumulates.
-#define PAGEDATTN_WGMMA_RS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                             \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                     \
-               ", 0;\n"                                                                    \
-               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA \
-               "}, %" NB ", p, 1, 1, 1;\n}\n"                                              \
-               : DOPS(d)                                                                   \
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
-// OP for T's PTX element type (the caller's template parameter T).
-#define PAGEDATTN_WGMMA_TYPED(OP, SHAPE, ...) \
-  if constexpr (kIsBf16<T>) {                 \
-    OP(SHAPE, "bf16", __VA_ARGS__);           \
-  } else {                                    \
-    OP(SHAPE, "f16", __VA_ARGS__);            \
-  }
-
-template <typename T>
-inline constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
-
-// d (64 x 64, f32) = [d +] A (64 x 16) * B (16 x 64).
-template <typename T>
-__device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
-                                        int accumulate) {
-  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n64k16", PAGEDATTN_WGMMA_D32,
-                        PAGEDATTN_WGMMA_D32_OPERANDS, "32", "33", "34")
-}
-
-// d (64 x 128, f32) = [d +] A (64 x 16) * B (16 x 128).
-template <typename T>
-__device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
-                                        int accumulate) {
-  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n128k16", PAGEDATTN_WGMMA_D64,
-                        PAGEDATTN_WGMMA_D64_OPERANDS, "64", "65", "66")
-}
-
-// d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, MN-major).
-template <typename T>
-__device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
-  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n64k16", PAGEDATTN_WGMMA_D32,
-                        PAGEDATTN_WGMMA_D32_OPERANDS, "32, %33, %34, %35", "36", "37")
-}
-
-// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, MN-major: two 64-column slices,
-// the descriptor's leading byte offset apart).
-template <typename T>
-__device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4],
-                                        uint64_t desc_b) {
-  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n128k16", PAGEDATTN_WGMMA_D64,
-                        PAGEDATTN_WGMMA_D64_OPERANDS, "64, %65, %66, %67", "68", "69")
-}
-
-#undef PAGEDATTN_WGMMA_TYPED
-#undef PAGEDATTN_WGMMA_SS
-#undef PAGEDATTN_WGMMA_RS
-#undef PAGEDATTN_WGMMA_D32
-#undef PAGEDATTN_WGMMA_D32_OPERANDS
-#undef PAGEDATTN_WGMMA_D64
-#undef PAGEDATTN_WGMMA_D64_OPERANDS
 
 // The arithmetic of one warpgroup's tile, shared by both bodies below.
 template <typename T, int D>
@@ -326,11 +169,12 @@ struct WgmmaTileMath {
     }
   }
 
-  // The Q tile of an item and kv head -> shared memory as T.
+  // The Q tile of an item and kv head -> shared memory as T, from q in TIO.
+  template <typename TIO>
   __device__ __forceinline__ static void LoadQ(const PagedAttentionParams& p,
                                                const AttentionWorkItem& item, int kv_head,
                                                int group, T* smem_q) {
-    LoadQTile<T, D, Cfg::kRows, Cfg::kThreads>(
+    LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
         p, item, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
         [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
   }
@@ -354,7 +198,8 @@ struct WgmmaTileMath {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
       if constexpr (D == 128) {
-        // One m64n128 wgmma over both slices (2% faster than two n64's on the H200).
+        // One m64n128 wgmma over both slices: 2% faster than two n64's
+        // (docs/PERFORMANCE.md#prefill).
         WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
       } else {
 #pragma unroll
@@ -443,8 +288,9 @@ struct WgmmaTileMath {
     for (int kp = 0; kp < kKP; ++kp) FenceRegs(pa[kp]);
   }
 
-  // Normalize and write this thread's two rows: to out/lse for an unsplit tile, to the partial
-  // buffers otherwise.
+  // Normalize and write this thread's two rows: to out (in TIO) / lse for an unsplit tile, to the
+  // partial buffers otherwise.
+  template <typename TIO>
   __device__ __forceinline__ static void WriteRows(const PagedAttentionParams& p,
                                                    const AttentionWorkItem& item,
                                                    const AttentionSpan& span, int kv_head,
@@ -463,12 +309,13 @@ struct WgmmaTileMath {
       const float inv = sum > 0.f ? 1.f / sum : 0.f;
       const float lse =
           sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
-      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv, lse);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv,
+                           lse);
     }
   }
 };
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -539,7 +386,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   }
 
   // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
-  M::LoadQ(p, item, kv_head, group, smem.q);
+  M::template LoadQ<TIO>(p, item, kv_head, group, smem.q);
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
@@ -597,14 +444,14 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   CpAsyncWait<0>();
 
   // ---- Normalize and write.
-  M::WriteRows(p, item, span, kv_head, group, span_rows,
-               wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
-               scale_log2);
+  M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
+                             wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max,
+                             row_sum, scale_log2);
 
-  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+  MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -664,41 +511,46 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
   __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
   const uint32_t sink = SmemAddr(&pin_slot);
-  // The cursor: job pj (ring slot pslot), this thread's position ppos in it (tid's of the tile),
-  // the job's end pend (INT32_MIN past the last job: no more pages), tiles left in the job.
-  int pj = job_begin, pslot = 0;
-  int ppos = ring[0].item.kv_start + tid, pend = ring[0].item.kv_end;
-  int pleft = tiles_of(ring[0].item);
+  // The pipeline's cursor over the block's jobs, one K/V tile at a time.
+  struct JobCursor {
+    int job;         // the job whose tiles the pipeline issues
+    int slot;        // its ring slot
+    int pos;         // this thread's position in the cursor's tile (tid's row)
+    int end;         // the job's kv_end; INT32_MIN past the last job (no more pages)
+    int tiles_left;  // the job's tiles from the cursor's on
+  };
+  JobCursor cur = {job_begin, 0, ring[0].item.kv_start + tid, ring[0].item.kv_end,
+                   tiles_of(ring[0].item)};
   auto load_page_id = [&]() -> int32_t {
-    if (tid >= Cfg::kTileKv || ppos >= pend) return -1;
-    return p.page_table[ring[pslot].item.span_info.page_table_offset + p.page_div.Div(ppos)];
+    if (tid >= Cfg::kTileKv || cur.pos >= cur.end) return -1;
+    return p.page_table[ring[cur.slot].item.span_info.page_table_offset + p.page_div.Div(cur.pos)];
   };
   auto store_row_base = [&](int stage, int32_t page_id) {
     if (tid >= Cfg::kTileKv) return;
     int32_t row = -1;
     if (page_id >= 0) {
-      const int32_t in_page = ppos - static_cast<int32_t>(p.page_div.Div(ppos)) * p.page_size;
-      row = (page_id * p.num_kv_heads + ring[pslot].kv_head) * p.page_size + in_page;
+      const int32_t in_page = cur.pos - static_cast<int32_t>(p.page_div.Div(cur.pos)) * p.page_size;
+      row = (page_id * p.num_kv_heads + ring[cur.slot].kv_head) * p.page_size + in_page;
     }
     row_base[stage][tid] = row;
   };
   // The cursor's next tile; entering a job copies the one after it into the ring (visible
   // after the next barrier, a step before the cursor can reach it).
   auto advance = [&]() {
-    ppos += Cfg::kTileKv;
-    if (--pleft > 0) return;
-    if (++pj >= job_end) {
-      pend = INT32_MIN;
-      pleft = INT32_MAX;
+    cur.pos += Cfg::kTileKv;
+    if (--cur.tiles_left > 0) return;
+    if (++cur.job >= job_end) {
+      cur.end = INT32_MIN;
+      cur.tiles_left = INT32_MAX;
       return;
     }
-    pslot = pslot == kRing - 1 ? 0 : pslot + 1;
-    ppos = ring[pslot].item.kv_start + tid;
-    pend = ring[pslot].item.kv_end;
-    pleft = tiles_of(ring[pslot].item);
-    if (tid < kJobWords && pj + 1 < job_end) {
-      set_ring_word(pslot == kRing - 1 ? 0 : pslot + 1, ahead_word);
-      if (pj + 2 < job_end) ahead_word = job_word(pj + 2);
+    cur.slot = cur.slot == kRing - 1 ? 0 : cur.slot + 1;
+    cur.pos = ring[cur.slot].item.kv_start + tid;
+    cur.end = ring[cur.slot].item.kv_end;
+    cur.tiles_left = tiles_of(ring[cur.slot].item);
+    if (tid < kJobWords && cur.job + 1 < job_end) {
+      set_ring_word(cur.slot == kRing - 1 ? 0 : cur.slot + 1, ahead_word);
+      if (cur.job + 2 < job_end) ahead_word = job_word(cur.job + 2);
     }
   };
   auto issue_tile = [&](int g) {
@@ -707,14 +559,14 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // The first kS tiles' rows and the first kS - 1 tiles' copies. Page ids load side by side
   // when the first job has kS tiles or more; otherwise the cursor crosses jobs, with a barrier
   // after each step of it (the next job's record).
-  if (pleft >= kS) {
+  if (cur.tiles_left >= kS) {
     int32_t ids[kS];
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       ids[s] = load_page_id();
-      ppos += Cfg::kTileKv;
+      cur.pos += Cfg::kTileKv;
     }
-    ppos -= kS * Cfg::kTileKv;
+    cur.pos -= kS * Cfg::kTileKv;
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       store_row_base(s, ids[s]);
@@ -735,7 +587,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     CpAsyncCommit();
   }
   auto load_q = [&](const AttentionPrefillJob& job) {
-    M::LoadQ(p, job.item, job.kv_head, group, smem.q);
+    M::template LoadQ<TIO>(p, job.item, job.kv_head, group, smem.q);
   };
   // ---- Q tile of the first job -> shared memory as T, while the first copies fly. The next
   // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
@@ -872,25 +724,26 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     g0 += num_tiles;
 
     // ---- Normalize and write.
-    M::WriteRows(p, item, span, kv_head, group, span_rows,
-                 wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max, row_sum,
-                 scale_log2);
+    M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
+                               wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max,
+                               row_sum, scale_log2);
 
-    MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+    MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
   }
   CpAsyncWait<0>();  // the zero-filled copies past the last job
 }
 
 #endif  // PAGEDATTN_WGMMA_DEVICE
 
-template <typename T, int D>
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
   if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
-    WgmmaPrefillPersistentBody<T, D>(params);
+    WgmmaPrefillPersistentBody<T, TIO, D>(params);
   } else {
-    WgmmaPrefillItemBody<T, D>(params);
+    WgmmaPrefillItemBody<T, TIO, D>(params);
   }
 #else
   __trap();  // never launched: the host picks this kernel only for sm_90a builds on sm_90
@@ -899,56 +752,70 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 
 // The Hopper prefill kernel's shared-memory limit, raised once per device for the launcher and
 // the occupancy query alike.
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 LaunchStatus RaiseWgmmaPrefillSmemLimit() {
   static SmemLimitFlags smem_raised;
-  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, D>, WgmmaPrefillConfig<T, D>::SmemBytes(),
-                            smem_raised, "prefill attention (wgmma)");
+  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D>,
+                            WgmmaPrefillConfig<T, D>::SmemBytes(), smem_raised,
+                            "prefill attention (wgmma)");
 }
 
 // Persistent configurations: one block per schedule entry (num_prefill_blocks, from
 // SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
 // kv head.
-template <typename T, int D>
-LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream) {
+template <typename T, typename TIO, int D>
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
+                                     Launcher& launcher) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if constexpr (!Cfg::kPersistent) {
     static SmemLimitFlags smem_raised;
-    return LaunchPrefillGrid(PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                             smem_raised, "prefill attention (wgmma)", params, stream);
+    return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                               smem_raised, "prefill attention (wgmma)", params.num_prefill_items,
+                               params, stream, launcher);
   }
   if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
       params.num_prefill_blocks <= 0) {
     return LaunchStatus::Unsupported(
         "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
-        "PrefillScheduleBlocks gives)");
+        "QueryPlanLimits gives)");
   }
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  return LaunchKernelWithParams(
-      PagedPrefillWgmmaKernel<T, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D>(); !st.ok()) return st;
+  return launcher.Launch(
+      PagedPrefillWgmmaKernel<T, TIO, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
       dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params, "prefill attention (wgmma)");
 }
 
-// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers);
-// 0 for a configuration that runs one block per item (no schedule).
+// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
+// the fewer of its kernels for q in float and in T (one schedule serves either); 0 for a
+// configuration that runs one block per item (no schedule).
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
   if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, D>(); !st.ok()) return st;
-  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks_per_sm, PagedPrefillWgmmaKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes());
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, float, D>(); !st.ok()) return st;
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, T, D>(); !st.ok()) return st;
+  int blocks[2] = {0, 0};
+  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks[0], PagedPrefillWgmmaKernel<T, float, D>, Cfg::kThreads, Cfg::SmemBytes());
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks[1], PagedPrefillWgmmaKernel<T, T, D>, Cfg::kThreads, Cfg::SmemBytes());
+  }
   if (err != cudaSuccess) {
     return LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
                                    cudaGetErrorString(err));
   }
+  *blocks_per_sm = std::min(blocks[0], blocks[1]);
   return LaunchStatus::Ok();
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                                 \
-  template LaunchStatus LaunchPrefillTilesWgmma<T, D>(const PagedAttentionParams&, cudaStream_t); \
+#define PAGEDATTN_INSTANTIATE_PREFILL_WGMMA(T, D)                                         \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, float, D>(const PagedAttentionParams&, \
+                                                             cudaStream_t, Launcher&);    \
+  template LaunchStatus LaunchPrefillTilesWgmma<T, T, D>(const PagedAttentionParams&,     \
+                                                         cudaStream_t, Launcher&);        \
   template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
 
 }  // namespace pagedattn::kernels

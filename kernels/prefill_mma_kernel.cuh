@@ -1,10 +1,9 @@
-// The prefill tile kernel (FlashAttention-2 family): device body, thin
-// __global__ and host launcher, templated on (cache dtype, head_dim). Included
-// only by the per-head-dim .cu files.
+// The portable prefill tile kernel (FlashAttention-2 family, mma.sync, sm_80 and later): device
+// body, thin __global__ and host launcher, templated on (cache dtype, head_dim).
 //
-// A block takes one prefill work item: kPrefillTileRows (128) query rows (row =
-// query * group + head in group, all of one kv head) against a KV range,
-// streamed through a cp.async pipeline of 64-position K/V tiles gathered
+// Included only by the per-head-dim instantiation files. A block takes one prefill work item:
+// kPrefillTileRows (128) query rows (row = query * group + head in group, all of one kv head)
+// against a KV range, streamed through a cp.async pipeline of 64-position K/V tiles gathered
 // through the page table into swizzled shared memory. Each warp owns kMTiles
 // 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
 // Per 64-position tile: S = Q.K^T, one online-softmax update (exp2, scale
@@ -13,7 +12,13 @@
 // end of the range); tiles a warp cannot see are skipped.
 #pragma once
 
-#include "kernels/attention_kernel.cuh"
+#include <type_traits>
+
+#include "kernels/device/ptx.cuh"
+#include "kernels/device/split_merge.cuh"
+#include "kernels/device/tile_io.cuh"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
 
 namespace pagedattn::kernels {
 
@@ -43,7 +48,7 @@ struct PrefillTileConfig {
   static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
 };
 
-template <typename T, int D>
+template <typename T, typename TIO, int D>
 __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   using Cfg = PrefillTileConfig<T, D>;
   constexpr int MT = Cfg::kMTiles;
@@ -114,20 +119,24 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     }
   }
 
-  // ---- Q tile -> shared memory as T (once per block). Rows past the span are zero. (Not
-  // LoadQTile: its batched loads cost this kernel, at the register limit, a spill; its two
-  // blocks per SM hide one block's start behind the other's work.)
+  // ---- Q tile -> shared memory as T (once per block), from q in TIO. Rows past the span are
+  // zero. (Not LoadQTile: its batched loads cost this kernel, at the register limit, a spill;
+  // its two blocks per SM hide one block's start behind the other's work.)
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
     const int span_row = item.row_start + r;
     uint4 packed = make_uint4(0, 0, 0, 0);
     if (span_row < span_rows) {
-      const int query = span_row / group, head = kv_head * group + span_row % group;
-      const float4* src = reinterpret_cast<const float4*>(
-          p.q + ((span.q_offset + query) * p.num_q_heads + head) * D + chunk * 8);
-      const float4 lo = src[0], hi = src[1];
-      packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w), PackPair<T>(hi.x, hi.y),
-                          PackPair<T>(hi.z, hi.w));
+      if constexpr (std::is_same_v<TIO, float>) {
+        const float4* src = reinterpret_cast<const float4*>(
+            QChunk<float, D>(p, span, kv_head, group, span_row, chunk));
+        const float4 lo = src[0], hi = src[1];
+        packed = make_uint4(PackPair<T>(lo.x, lo.y), PackPair<T>(lo.z, lo.w),
+                            PackPair<T>(hi.x, hi.y), PackPair<T>(hi.z, hi.w));
+      } else {
+        packed = *reinterpret_cast<const uint4*>(
+            QChunk<TIO, D>(p, span, kv_head, group, span_row, chunk));
+      }
     }
     *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
   }
@@ -344,47 +353,36 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const float lse = sum > 0.f
                             ? (row_max[mt][i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
                             : -INFINITY;
-      WriteTileRow<D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i, inv,
-                      lse);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i,
+                           inv, lse);
     }
   }
 
-  MergeIfLastSplit<D, kTwoPassMerge>(p, item, span, kv_head, group);
+  MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-template <typename T, int D>
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D>
 __global__ void __launch_bounds__(PrefillTileConfig<T, D>::kThreads,
                                   PrefillTileConfig<T, D>::kMinBlocks)
     PagedPrefillTileKernel(const __grid_constant__ PagedAttentionParams params) {
-  PrefillTileBody<T, D>(params);
+  PrefillTileBody<T, TIO, D>(params);
 }
 
-// Launches a prefill tile kernel: one block per (work item, kv head), items in order and the
-// kv heads of one item side by side. Shared by the portable and the Hopper prefill kernels.
-template <typename Kernel>
-LaunchStatus LaunchPrefillGrid(Kernel kernel, int threads, size_t smem, SmemLimitFlags& smem_raised,
-                               const char* what, const PagedAttentionParams& params,
-                               cudaStream_t stream) {
-  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
-  const int64_t blocks = int64_t{params.num_prefill_items} * params.num_kv_heads;
-  if (blocks > INT32_MAX) {
-    return LaunchStatus::Unsupported("prefill work items x kv heads exceed the grid (got " +
-                                     std::to_string(blocks) + ")");
-  }
-  return LaunchKernelWithParams(kernel, dim3(static_cast<unsigned>(blocks)), dim3(threads), smem,
-                                stream, params, what);
-}
-
-template <typename T, int D>
-LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream) {
+template <typename T, typename TIO, int D>
+LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                                Launcher& launcher) {
   using Cfg = PrefillTileConfig<T, D>;
   static SmemLimitFlags smem_raised;
-  return LaunchPrefillGrid(PagedPrefillTileKernel<T, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                           smem_raised, "prefill attention", params, stream);
+  return LaunchItemMajorGrid(PagedPrefillTileKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
+                             smem_raised, "prefill attention", params.num_prefill_items, params,
+                             stream, launcher);
 }
 
-#define PAGEDATTN_INSTANTIATE_PREFILL(T, D) \
-  template LaunchStatus LaunchPrefillTiles<T, D>(const PagedAttentionParams&, cudaStream_t);
+#define PAGEDATTN_INSTANTIATE_PREFILL(T, D)                                                        \
+  template LaunchStatus LaunchPrefillTiles<T, float, D>(const PagedAttentionParams&, cudaStream_t, \
+                                                        Launcher&);                                \
+  template LaunchStatus LaunchPrefillTiles<T, T, D>(const PagedAttentionParams&, cudaStream_t,     \
+                                                    Launcher&);
 
 }  // namespace pagedattn::kernels

@@ -1,4 +1,6 @@
-#include "kernels/graph_launch.h"
+// Kernel launches through cached CUDA graphs (one node, or two with a programmatic edge), or
+// plain launches where graphs are off or the stream is being captured.
+#include "kernels/launch.h"
 
 #include <atomic>
 #include <cstdint>
@@ -9,8 +11,6 @@
 
 namespace pagedattn::kernels {
 namespace {
-
-std::atomic<bool> g_enabled{true};
 
 // One cached launch: the graph of one kernel node (or of two, the second programmatically
 // dependent on the first) and what those nodes were last given.
@@ -29,11 +29,6 @@ struct CachedLaunch {
 // Few streams launch kernels (one per cache or worker) and each launches a few kernels; past
 // this many entries the least recently used one is dropped.
 constexpr size_t kMaxCachedLaunches = 64;
-
-std::mutex g_mu;
-std::vector<CachedLaunch>* g_cache = new std::vector<CachedLaunch>();  // never freed: outlives
-                                                                       // static destructors
-uint64_t g_clock = 0;
 
 LaunchStatus Error(const char* what, const char* step, cudaError_t err) {
   return LaunchStatus::CudaError(std::string(what) + " launch (" + step +
@@ -84,9 +79,10 @@ bool SameKernelLaunch(const KernelLaunch& a, const KernelLaunch& b) {
          a.smem == b.smem;
 }
 
-// The helpers below run with g_mu held. k: the launch's kernels (num_nodes of them).
-CachedLaunch* Find(int device, unsigned long long stream_id, const KernelLaunch* k, int num_nodes) {
-  for (CachedLaunch& c : *g_cache) {
+// The helpers below run with the cache's mutex held. k: the launch's kernels (num_nodes of them).
+CachedLaunch* Find(std::vector<CachedLaunch>& cache, int device, unsigned long long stream_id,
+                   const KernelLaunch* k, int num_nodes) {
+  for (CachedLaunch& c : cache) {
     if (c.device != device || c.stream_id != stream_id || c.num_nodes != num_nodes) continue;
     bool same = true;
     for (int i = 0; i < num_nodes; ++i) same = same && c.launches[i].func == k[i].func;
@@ -148,25 +144,21 @@ cudaError_t Build(CachedLaunch& c, const KernelLaunch* k, void** args, const uns
 }
 
 // Drops an entry (a launch still in flight finishes: the exec is freed after it).
-void Forget(CachedLaunch* c) {
+void Forget(std::vector<CachedLaunch>& cache, CachedLaunch* c) {
   Destroy(*c);
-  if (c != &g_cache->back()) *c = std::move(g_cache->back());
-  g_cache->pop_back();
+  if (c != &cache.back()) *c = std::move(cache.back());
+  cache.pop_back();
 }
 
-CachedLaunch* LeastRecentlyUsed() {
-  CachedLaunch* oldest = &g_cache->front();
-  for (CachedLaunch& c : *g_cache) {
+CachedLaunch* LeastRecentlyUsed(std::vector<CachedLaunch>& cache) {
+  CachedLaunch* oldest = &cache.front();
+  for (CachedLaunch& c : cache) {
     if (c.last_use < oldest->last_use) oldest = &c;
   }
   return oldest;
 }
 
 }  // namespace
-
-void SetGraphLaunch(bool enabled) { g_enabled.store(enabled); }
-
-bool GraphLaunchEnabled() { return g_enabled.load(); }
 
 namespace {
 
@@ -180,10 +172,27 @@ LaunchStatus Capturing(cudaStream_t stream, bool* capturing, const char* what) {
   return LaunchStatus::Ok();
 }
 
-// Launches the cached graph of these num_nodes kernels on stream, building or updating it
-// first when this launch differs from its last one.
-LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
-                         const void* params, size_t params_bytes, const char* what) {
+}  // namespace
+
+// A launcher's graphs: one entry per (device, stream, kernels), least recently used dropped.
+struct Launcher::GraphCache {
+  std::mutex mu;
+  std::vector<CachedLaunch> entries;
+  uint64_t clock = 0;
+
+  ~GraphCache() {
+    for (CachedLaunch& c : entries) Destroy(c);
+  }
+
+  // Launches the cached graph of these num_nodes kernels on stream, building or updating it
+  // first when this launch differs from its last one.
+  LaunchStatus Launch(const KernelLaunch* k, int num_nodes, cudaStream_t stream, const void* params,
+                      size_t params_bytes, const char* what);
+};
+
+LaunchStatus Launcher::GraphCache::Launch(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
+                                          const void* params, size_t params_bytes,
+                                          const char* what) {
   // The key is the stream's id (a destroyed stream's handle may come back for a stream of
   // another device; its id does not) and the kernels. A created stream belongs to one device;
   // the special handles (0, legacy, per-thread) mean the current device's stream, so for them
@@ -201,11 +210,11 @@ LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stre
   const auto* bytes = static_cast<const unsigned char*>(params);
   void* args[] = {const_cast<void*>(params)};
 
-  std::lock_guard<std::mutex> lock(g_mu);
-  CachedLaunch* hit = Find(device, stream_id, k, num_nodes);
+  std::lock_guard<std::mutex> lock(mu);
+  CachedLaunch* hit = Find(entries, device, stream_id, k, num_nodes);
   if (hit != nullptr && !SameLaunch(*hit, k, bytes, params_bytes) &&
       !Update(*hit, k, args, bytes, params_bytes)) {
-    Forget(hit);  // these nodes cannot take the update: a new graph below
+    Forget(entries, hit);  // these nodes cannot take the update: a new graph below
     hit = nullptr;
   }
   if (hit == nullptr) {
@@ -216,27 +225,36 @@ LaunchStatus GraphLaunch(const KernelLaunch* k, int num_nodes, cudaStream_t stre
     if (cudaError_t err = Build(c, k, args, bytes, params_bytes); err != cudaSuccess) {
       return Error(what, "building its graph", err);
     }
-    if (g_cache->size() >= kMaxCachedLaunches) Forget(LeastRecentlyUsed());
-    g_cache->push_back(std::move(c));
-    hit = &g_cache->back();
+    if (entries.size() >= kMaxCachedLaunches) Forget(entries, LeastRecentlyUsed(entries));
+    entries.push_back(std::move(c));
+    hit = &entries.back();
   }
-  hit->last_use = ++g_clock;
+  hit->last_use = ++clock;
   if (cudaError_t err = cudaGraphLaunch(hit->exec, stream); err != cudaSuccess) {
     return Error(what, "cudaGraphLaunch", err);
   }
   return LaunchStatus::Ok();
 }
 
+Launcher::Launcher(bool graph_launch)
+    : graph_launch_(graph_launch), cache_(std::make_unique<GraphCache>()) {}
+
+Launcher::~Launcher() = default;
+
 // num_nodes kernels (1 or 2) as one launch, each after the one before it (programmatically for
-// the second: LaunchKernelPairWithParams): through their cached graph, or plain launches when
-// graph launches are off or the stream is being captured (a capture records them as kernel
-// nodes in plain stream order, the second's wait then a no-op).
-LaunchStatus LaunchKernels(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
-                           const void* params, size_t params_bytes, const char* what) {
+// the second: LaunchPair): through their cached graph, or plain launches when graph launches are
+// off or the stream is being captured (a capture records them as kernel nodes in plain stream
+// order, the second's wait then a no-op).
+LaunchStatus Launcher::LaunchKernels(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
+                                     const void* params, size_t params_bytes, const char* what) {
   bool capturing = false;
-  if (GraphLaunchEnabled()) {
+  if (graph_launch_) {
     if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;
-    if (!capturing) return GraphLaunch(k, num_nodes, stream, params, params_bytes, what);
+    if (!capturing) {
+      LaunchStatus st = cache_->Launch(k, num_nodes, stream, params, params_bytes, what);
+      if (st.ok()) graph_launches_.fetch_add(1, std::memory_order_relaxed);
+      return st;
+    }
   }
   for (int i = 0; i < num_nodes; ++i) {
     const bool after_previous = i > 0 && !capturing;
@@ -244,21 +262,18 @@ LaunchStatus LaunchKernels(const KernelLaunch* k, int num_nodes, cudaStream_t st
       return st;
     }
   }
+  plain_launches_.fetch_add(1, std::memory_order_relaxed);
   return LaunchStatus::Ok();
 }
 
-}  // namespace
-
-LaunchStatus LaunchKernelWithParams(const void* func, dim3 grid, dim3 block, size_t smem,
-                                    cudaStream_t stream, const void* params, size_t params_bytes,
-                                    const char* what) {
-  const KernelLaunch k = {func, grid, block, smem};
-  return LaunchKernels(&k, 1, stream, params, params_bytes, what);
+LaunchStatus Launcher::Launch(const KernelLaunch& kernel, cudaStream_t stream, const void* params,
+                              size_t params_bytes, const char* what) {
+  return LaunchKernels(&kernel, 1, stream, params, params_bytes, what);
 }
 
-LaunchStatus LaunchKernelPairWithParams(const KernelLaunch& first, const KernelLaunch& second,
-                                        cudaStream_t stream, const void* params,
-                                        size_t params_bytes, const char* what) {
+LaunchStatus Launcher::LaunchPair(const KernelLaunch& first, const KernelLaunch& second,
+                                  cudaStream_t stream, const void* params, size_t params_bytes,
+                                  const char* what) {
   const KernelLaunch k[2] = {first, second};
   return LaunchKernels(k, 2, stream, params, params_bytes, what);
 }

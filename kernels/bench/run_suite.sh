@@ -1,0 +1,169 @@
+#!/usr/bin/env bash
+# The GPU host's run of the kernel library: the GPU tests, compute-sanitizer's memcheck, the
+# bench over the default and beyond-the-default shapes, the peers on the same shapes, and the
+# ratio table, every JSON row and log written into OUT_DIR.
+#
+#   kernels/bench/run_suite.sh BUILD_DIR OUT_DIR
+#
+# BUILD_DIR is a CUDA build (scripts/build.sh BUILD_DIR, or cmake + ninja): its binaries are
+# taken where the build puts them (tests/, server/, client/, kernels/bench/); one that is missing
+# is reported and left out. Set LD_LIBRARY_PATH beforehand if the binaries need libraries the
+# host does not have. Environment knobs:
+#   SKIP_TESTS=1     no tests and no compute-sanitizer
+#   SANITIZER=0      no compute-sanitizer (it runs when compute-sanitizer is on PATH);
+#                    SANITIZER_FILTER narrows its gtest filter (default: every test)
+#   PEERS=0          no peers.py (FlashInfer rows only when `import flashinfer` works)
+#   QUICK=1          the default decode and prefill shapes only, with fewer repetitions
+#   BENCH_TIMEOUT=N  seconds per bench or peers run (default 300)
+#
+# Outputs: OUT_DIR/logs/*.log (one per test, sanitizer, bench and peers run), OUT_DIR/ours/*.json
+# (bench rows, one file per run, its name the row's "variant" in compare.py) and
+# OUT_DIR/peers/*.json (peers.py rows). The last lines printed are compare.py's tables.
+set -uo pipefail
+[ $# -eq 2 ] || { echo "usage: $0 BUILD_DIR OUT_DIR" >&2; exit 2; }
+build=$(cd "$1" && pwd)
+out=$2
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out/logs" "$out/ours" "$out/peers"
+out=$(cd "$out" && pwd)
+timeout_s=${BENCH_TIMEOUT:-300}
+bench_bin=$build/kernels/bench/pagedattn-bench
+export PYTHONUNBUFFERED=1
+
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader 2>/dev/null
+
+# test NAME TIMEOUT BINARY [ARGS...]: one test binary, its log to logs/NAME.log, a line of result.
+test_run() {
+  local name=$1 limit=$2 bin=$3
+  shift 3
+  if [ ! -x "$bin" ]; then
+    echo "$name: not built ($bin)"
+    return
+  fi
+  timeout "$limit" "$bin" "$@" > "$out/logs/$name.log" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $(grep -E '^\[  (PASSED|FAILED)  \]' "$out/logs/$name.log" | tr '\n' ' ')"
+}
+
+# The server on a free port and `pagedattn-cli smoke` against it, then SIGTERM.
+server_smoke() {
+  local server=$build/server/pagedattn-server cli=$build/client/pagedattn-cli
+  local log=$out/logs/server.log
+  if [ ! -x "$server" ] || [ ! -x "$cli" ]; then
+    echo "server smoke: not built"
+    return
+  fi
+  "$server" --listen=127.0.0.1:0 --health_listen=127.0.0.1:0 > "$log" 2>&1 &
+  local pid=$! port=""
+  for _ in $(seq 200); do
+    port=$(sed -n 's/.*listening on port \([0-9]*\).*/\1/p' "$log" | head -1)
+    { [ -n "$port" ] && grep -q "security: " "$log"; } && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.05
+  done
+  if [ -z "$port" ]; then
+    echo "server smoke: the server did not start (logs/server.log)"
+    kill "$pid" 2>/dev/null
+    return
+  fi
+  timeout 120 "$cli" --target="127.0.0.1:$port" smoke > "$out/logs/cli_smoke.log" 2>&1
+  echo "cli smoke rc=$? $(tail -1 "$out/logs/cli_smoke.log")"
+  kill -TERM "$pid"
+  wait "$pid"
+  echo "server exit rc=$?"
+}
+
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  t=$build/tests
+  test_run attention_plan_test 120 "$t/attention_plan_test"
+  test_run wgmma_layout_test 120 "$t/wgmma_layout_test"
+  test_run cuda_backend_test 1200 "$t/cuda_backend_test"
+  PAGEDATTN_PREFILL_KERNEL=portable test_run cuda_backend_test_portable_prefill 600 \
+    "$t/cuda_backend_test" --gtest_filter='*Prefill*:*Mixed*:*Odd*:*OwnDtype*'
+  PAGEDATTN_E2E_BACKEND=cuda test_run e2e_test_cuda 600 "$t/e2e_test"
+  test_run backend_parity_test 600 "$t/backend_parity_test"
+  server_smoke
+  if [ "${SANITIZER:-1}" != 0 ] && command -v compute-sanitizer > /dev/null; then
+    timeout 3600 compute-sanitizer --tool memcheck --error-exitcode 1 \
+      "$t/cuda_backend_test" --gtest_filter="${SANITIZER_FILTER:-*}" \
+      > "$out/logs/memcheck.log" 2>&1
+    echo "memcheck(cuda_backend_test) rc=$? $(grep -E 'ERROR SUMMARY' "$out/logs/memcheck.log" | tail -1)"
+  fi
+fi
+
+# bench NAME [FLAGS...]: one pagedattn-bench run, its rows to ours/NAME.json.
+bench() {
+  local name=$1
+  shift
+  if [ ! -x "$bench_bin" ]; then
+    echo "bench $name: not built ($bench_bin)"
+    return
+  fi
+  timeout "$timeout_s" "$bench_bin" "$@" --json "$out/ours/$name.json" \
+    > "$out/logs/bench_$name.log" 2>&1 || echo "bench $name failed rc=$? (logs/bench_$name.log)"
+}
+
+peers_flags=()
+if ! python3 -c "import flashinfer" > /dev/null 2>&1; then
+  peers_flags=(--peers cudnn,flash,gather_flash,flex)
+fi
+# peers NAME [FLAGS...]: one peers.py run, its rows to peers/NAME.json.
+peers() {
+  local name=$1
+  shift
+  [ "${PEERS:-1}" = 0 ] && return
+  timeout "$timeout_s" python3 "$here/peers.py" ${peers_flags[@]+"${peers_flags[@]}"} "$@" \
+    --out "$out/peers/$name.json" > "$out/logs/peers_$name.log" 2>&1 ||
+    echo "peers $name failed rc=$? (logs/peers_$name.log)"
+}
+
+# both NAME SHAPES [FLAGS...]: decode shapes beyond the defaults, bench and peers alike.
+both() {
+  local name=$1 shapes=$2
+  shift 2
+  bench "$name" --cases "$shapes" --reps 30 "$@"
+  peers "$name" --no-limits --prefill none --decode "$shapes" "$@"
+}
+
+if [ "${QUICK:-0}" = 1 ]; then
+  bench decode --reps 20
+  bench prefill --suite prefill --reps 10
+  peers default
+else
+  # The default shapes (peers.py's), page sizes, the float32 wire path, both prefill kernels.
+  bench decode
+  bench decode_q_f32 --q-dtype float32
+  bench decode_p64 --page-size 64
+  bench decode_p128 --page-size 128
+  bench decode_p1 --page-size 1 --cases "1,32768 16,4096"
+  bench prefill --suite prefill
+  bench prefill_portable --suite prefill --prefill-path portable
+  bench prefill_p128 --suite prefill --page-size 128
+  bench prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
+  bench prefill_non_causal --suite prefill --non-causal --cases "4,4096" --reps 20
+  peers default
+  # Beyond the defaults: head_dim 64 and 256, float16, GQA groups other than 4, few kv heads
+  # (wide tiles, many splits, the separate merge), short and long contexts.
+  defaults="1,32768 16,4096 64,4096 256,2048 128,8192"
+  both d64 "$defaults" --head-dim 64
+  both d256 "$defaults" --head-dim 256
+  both f16 "1,32768 256,2048" --dtype float16
+  both gqa8 "1,32768 16,4096 64,4096" --q-heads 64 --kv-heads 8
+  both mha "1,32768 16,4096 64,2048" --q-heads 32 --kv-heads 32
+  both gqa7 "1,32768 16,4096 64,4096 128,8192" --q-heads 28 --kv-heads 4
+  both gqa5 "1,32768 16,4096 64,4096" --q-heads 40 --kv-heads 8
+  both gqa2 "1,32768 16,4096 64,4096" --q-heads 16 --kv-heads 8
+  both kv1 "1,32768 8,4096 1,131072" --kv-heads 1
+  both kv2 "1,32768 2,16384" --kv-heads 2
+  both kv1_gqa8 "1,32768 16,4096 64,4096" --q-heads 8 --kv-heads 1
+  both short "4,512 8,2048 32,1024 64,512 256,512"
+  both long "1,131072 2,65536 4,32768 8,16384"
+  for d in 64 256; do
+    bench "prefill_d$d" --suite prefill --head-dim $d --cases "4,4096 2,8192" --reps 20
+    peers "prefill_d$d" --no-limits --decode none --prefill "4,4096 2,8192" --head-dim $d
+  done
+  bench prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 20
+  peers prefill_f16 --no-limits --decode none --prefill "2,8192" --dtype float16
+fi
+
+python3 "$here/compare.py" "$out/ours" "$out/peers"

@@ -1,0 +1,669 @@
+// The decode tile kernels (16 rows, and 32 for wide GQA groups): their configuration, the math of
+// one warp's rows, the device body, the thin __global__ wrappers and the host launcher.
+//
+// Included only by the per-head-dim instantiation files. A block takes one work item: up to
+// kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a
+// KV range, streamed through a cp.async pipeline of 64-position tiles gathered through the page
+// table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
+// online softmax between them. The kKvWarps warps that share a row slice split each KV tile and
+// combine their softmax states at the end, so each K/V byte is read once for every head of its
+// GQA group.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cstdint>
+#include <string>
+#include <type_traits>
+
+#include "kernels/device/dtype.cuh"
+#include "kernels/device/ptx.cuh"
+#include "kernels/device/split_merge.cuh"
+#include "kernels/device/tile_io.cuh"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+// ---- Tile configuration -------------------------------------------------------------------
+
+// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM) and 128 (two), 2 at 256 (one);
+// a fourth stage at 64 costs a block an SM (docs/PERFORMANCE.md#occupancy).
+constexpr int DecodeStages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
+
+template <typename T, int D, int kRowWarps, int kKvWarps>
+struct DecodeTileConfig {
+  static_assert(kRowWarps * kKvWarps == 4, "four warps per block");
+  static_assert(kKvWarps > 1, "the decode tiles split each KV tile among warps");
+  static constexpr int kThreads = 128;
+  static constexpr int kTileKv = kKvTileRows;         // positions per pipeline stage
+  static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
+  static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
+  static constexpr int kRows = kRowWarps * 16;        // query rows per block
+  static constexpr int kChunks = D / 8;               // 16-byte chunks per K/V row
+  static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
+  static constexpr int kRowStep = kThreads / kChunks;
+  static constexpr int kStages = DecodeStages(D);
+  static constexpr bool kQInRegisters = D <= 128;
+  static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
+  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
+  static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
+  static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
+  static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
+  // The pipeline's stages, reused for the warps' combine once the last tile is read; then Q.
+  static constexpr size_t kQOffset = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
+  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t SmemBytes() { return kQOffset + kQBytes; }
+  static_assert(kWarpKv % 16 == 0, "each warp takes whole 16-position steps");
+  static_assert(kTileKv * kChunks % kThreads == 0, "copy chunks divide among threads");
+};
+
+// ---- One warp's 16 rows: what they see and their softmax state ----------------------------
+
+// The decode tile's lazy softmax base may trail the row's max by up to this much (log2 units):
+// P <= 2^8 before normalization. Lazy at head_dim >= 128, where the skipped rescale of O is D/2
+// multiplies a step; at 64 the vote costs more than it saves (docs/PERFORMANCE.md#tried).
+inline constexpr float kRescaleSlack = 8.f;
+constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
+
+// The positions a thread's two rows (quad_row and quad_row + 8 of its warp's 16) may see.
+struct DecodeRows {
+  int q_pos[2];      // last position each row sees; -1 past the span
+  int warp_max_pos;  // last position any row of the warp sees (-1: no rows): steps past it skip
+};
+
+// Rows span_row = row_start + row_warp * 16 + quad_row (+ 8) of a span whose first query is at
+// position first_q_pos and whose rows end at span_rows.
+__device__ __forceinline__ DecodeRows DecodeRowsOf(const PagedAttentionParams& p,
+                                                   const AttentionWorkItem& item, int group,
+                                                   int span_rows, int first_q_pos, int row_warp,
+                                                   int quad_row) {
+  DecodeRows rows;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int span_row = item.row_start + row_warp * 16 + quad_row + 8 * i;
+    rows.q_pos[i] =
+        span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX);
+  }
+  const int warp_last_row = min(item.row_start + row_warp * 16 + 15, span_rows - 1);
+  rows.warp_max_pos = warp_last_row < item.row_start + row_warp * 16
+                          ? -1
+                          : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX);
+  return rows;
+}
+
+// A thread's part of its rows' online softmax: columns 2*quad_col..+1 of each 8-wide n tile of
+// O, and the rows' running max (log2 units) and sum.
+template <int D>
+struct DecodeState {
+  float o[D / 8][4];
+  float row_max[2];
+  float row_sum[2];
+
+  __device__ __forceinline__ void Start() {
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    row_max[0] = row_max[1] = -INFINITY;
+    row_sum[0] = row_sum[1] = 0.f;
+  }
+};
+
+// The arithmetic of one 16-position step of one warp: S = Q.K^T, mask and scale, the online
+// softmax update, O += P.V. s holds the step's scores, then its weights P.
+template <typename T, int D>
+struct DecodeTileMath {
+  // S = Q K^T over the 16 positions at row0 of the K tile sk: two n8 tiles, each summed over
+  // head_dim in two accumulators (even and odd k chunks) up to head_dim 128, so that the
+  // dependent mma chain before the softmax is D/32 deep rather than D/16 (at 256 the registers
+  // are spent).
+  template <typename QFragment>
+  __device__ __forceinline__ static void ScoreQK(const QFragment& q_fragment, const T* sk, int row0,
+                                                 int lane, float (&s)[2][4]) {
+    float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      uint32_t a[4];
+      q_fragment(kc, a);
+      uint32_t b[4];
+      const int r = row0 + (lane & 7) + 8 * (lane >> 4);
+      LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
+      float(&acc)[2][4] = (D <= 128 && (kc & 1)) ? s_odd : s;
+      Mma16816<T>(acc[0], a, b[0], b[1]);
+      Mma16816<T>(acc[1], a, b[2], b[3]);
+    }
+    if constexpr (D <= 128) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += s_odd[nt][e];
+      }
+    }
+  }
+
+  // Masks the positions past the split's end or a row's last (causal) and scales the rest to
+  // log2 units.
+  __device__ __forceinline__ static void MaskAndScale(float (&s)[2][4], int pos0, int kv_end,
+                                                      const DecodeRows& rows, int quad_col,
+                                                      float scale_log2) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
+        const bool visible = pos < kv_end && pos <= rows.q_pos[e >> 1];
+        s[nt][e] = visible ? s[nt][e] * scale_log2 : -INFINITY;
+      }
+    }
+  }
+
+  // P = 2^(s - base), the running sums, and O rescaled when the base moves. With LazyRescale(D)
+  // the base (row_max) is raised to the row's max only when some row of the warp has a score
+  // more than kRescaleSlack above its base; otherwise P stays below 2^kRescaleSlack, well within
+  // f32 and the P operand's exponent range, and the common step (the max settles after the
+  // first tiles) skips the rescale of O. Without it, every step raises the base and rescales.
+  // Each thread tests its own scores (some score of a row is over the bar exactly when the row's
+  // max is), so the row's max across its quad is found only when the base is raised.
+  __device__ __forceinline__ static void OnlineSoftmax(float (&s)[2][4], DecodeState<D>& st) {
+    float mx[2];
+    bool raise = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(fmaxf(s[0][2 * i], s[0][2 * i + 1]), fmaxf(s[1][2 * i], s[1][2 * i + 1]));
+      raise = raise || mx[i] > st.row_max[i] + kRescaleSlack;
+    }
+    if (!LazyRescale(D) || __any_sync(0xffffffffu, raise)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 1));
+        mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], 2));
+        const float new_max = fmaxf(st.row_max[i], mx[i]);
+        const float alpha = FastExp2(st.row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+        st.row_max[i] = new_max;
+        st.row_sum[i] *= alpha;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+          st.o[dt][2 * i] *= alpha;
+          st.o[dt][2 * i + 1] *= alpha;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float base = st.row_max[i] == -INFINITY ? 0.f : st.row_max[i];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        s[nt][2 * i] = FastExp2(s[nt][2 * i] - base);
+        s[nt][2 * i + 1] = FastExp2(s[nt][2 * i + 1] - base);
+      }
+      st.row_sum[i] += s[0][2 * i] + s[0][2 * i + 1] + s[1][2 * i] + s[1][2 * i + 1];
+    }
+  }
+
+  // O += P V over the 16 positions at row0 of the V tile sv: P's accumulator layout is the A
+  // operand layout of the next mma.
+  __device__ __forceinline__ static void AccumulatePV(const float (&s)[2][4], const T* sv, int row0,
+                                                      int lane, DecodeState<D>& st) {
+    const uint32_t pa[4] = {PackPair<T>(s[0][0], s[0][1]), PackPair<T>(s[0][2], s[0][3]),
+                            PackPair<T>(s[1][0], s[1][1]), PackPair<T>(s[1][2], s[1][3])};
+#pragma unroll
+    for (int dt = 0; dt < D / 8; dt += 2) {
+      uint32_t b[4];
+      const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<D>(r, dt + (lane >> 4))));
+      Mma16816<T>(st.o[dt], pa, b[0], b[1]);
+      Mma16816<T>(st.o[dt + 1], pa, b[2], b[3]);
+    }
+  }
+};
+
+// ---- Combine and write ----------------------------------------------------------------------
+
+// The kKvWarps warps that split each KV tile combine their (max, sum, O) through shared memory
+// (the pipeline's, free once the last tile is read): each stores its state for the tile's live
+// rows (rows past the span are skipped), then all threads combine 4-dim slices of those rows and
+// write them, normalized: to out (4 TIO in one store) / lse for an unsplit tile, to the partial
+// buffers (a float4) of its split otherwise.
+template <typename TIO, typename Cfg, int D, int kKvWarps>
+__device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
+                                                       const AttentionWorkItem& item, int kv_head,
+                                                       int group, DecodeState<D>& st,
+                                                       unsigned char* smem_raw, int row_warp,
+                                                       int kv_warp, int tid, int lane) {
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+  const int span_rows = item.span_info.num_queries * group;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    st.row_sum[i] += __shfl_xor_sync(0xffffffffu, st.row_sum[i], 1);
+    st.row_sum[i] += __shfl_xor_sync(0xffffffffu, st.row_sum[i], 2);
+  }
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  float* red_o = reinterpret_cast<float*>(smem_raw);  // [kKvWarps][kRows][kRedStride]
+  float* red_max = red_o + kKvWarps * Cfg::kRows * Cfg::kRedStride;  // [kKvWarps][kRows]
+  float* red_sum = red_max + kKvWarps * Cfg::kRows;                  // [kKvWarps][kRows]
+  const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = row_warp * 16 + quad_row + 8 * i;
+    if (r >= live_rows) continue;
+    if (quad_col == 0) {
+      red_max[kv_warp * Cfg::kRows + r] = st.row_max[i];
+      red_sum[kv_warp * Cfg::kRows + r] = st.row_sum[i];
+    }
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<float2*>(red_o + (kv_warp * Cfg::kRows + r) * Cfg::kRedStride + dt * 8 +
+                                 2 * quad_col) = make_float2(st.o[dt][2 * i], st.o[dt][2 * i + 1]);
+    }
+  }
+  __syncthreads();
+  constexpr int kQuads = D / 4;
+  for (int e = tid; e < live_rows * kQuads; e += Cfg::kThreads) {
+    const int r = e / kQuads, c = (e % kQuads) * 4;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kKvWarps; ++w) m = fmaxf(m, red_max[w * Cfg::kRows + r]);
+    const float base = m == -INFINITY ? 0.f : m;
+    float sum = 0.f;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int w = 0; w < kKvWarps; ++w) {
+      const float f = exp2f(red_max[w * Cfg::kRows + r] - base);
+      sum += red_sum[w * Cfg::kRows + r] * f;
+      const float4 v =
+          *reinterpret_cast<const float4*>(red_o + (w * Cfg::kRows + r) * Cfg::kRedStride + c);
+      acc.x += v.x * f;
+      acc.y += v.y * f;
+      acc.z += v.z * f;
+      acc.w += v.w * f;
+    }
+    const float inv = sum > 0.f ? 1.f / sum : 0.f;
+    const float lse = sum > 0.f ? (m + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    if constexpr (!std::is_same_v<TIO, float>) {  // out in the cache's type: 4 values, 8 bytes
+      if (item.partial_row < 0) {
+        const int64_t out_row =
+            OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
+        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + c) = make_uint2(
+            PackPair<TIO>(acc.x * inv, acc.y * inv), PackPair<TIO>(acc.z * inv, acc.w * inv));
+        if (p.lse && c == 0) p.lse[out_row] = lse;
+        continue;
+      }
+    }
+    float* dst;  // out in float, or the split's partial buffers
+    float* lse_dst;
+    TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
+                          lse_dst);
+    *reinterpret_cast<float4*>(dst + c) =
+        make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
+    if (lse_dst && c == 0) *lse_dst = lse;
+  }
+}
+
+// ---- Device body --------------------------------------------------------------------------
+
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+__device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
+                                               const AttentionWorkItem* items,
+                                               const ItemFirstPages* first_pages) {
+  using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
+  using Math = DecodeTileMath<T, D>;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* smem_kv = reinterpret_cast<T*>(smem_raw);
+  T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kQOffset);
+
+  // A separate merge launched after these tiles (Launcher::LaunchPair) may be scheduled
+  // now: its blocks wait for this grid's end in griddepcontrol.wait.
+  AllowDependentLaunch();
+  // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
+  // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
+  // rows, one after another) rather than one kv head's part of many pages
+  // (docs/PERFORMANCE.md#item-major).
+  const ItemMajorBlock block = ItemMajor(p);
+  const uint32_t item_index = block.item;
+  const AttentionWorkItem item = items[item_index];
+  const int kv_head = block.kv_head;
+  const AttentionSpan span = item.span_info;
+  const int group = p.num_q_heads / p.num_kv_heads;
+  const int span_rows = span.num_queries * group;
+  const int first_q_pos = span.kv_len - span.num_queries;
+  const int tid = threadIdx.x;
+  const int warp = tid >> 5, lane = tid & 31;
+  const int row_warp = warp % kRowWarps, kv_warp = warp / kRowWarps;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
+
+  // ---- The K/V pipeline: tile t of the item's KV range goes to stage t % kStages, kStages - 1
+  // tiles ahead of the arithmetic; each thread copies the same 16-byte chunk column of
+  // kRowsPerThread rows of every tile. K and V are read once per launch (each (span, kv head)
+  // has one decode tile): their lines leave L2 first, so the work items, page table and split
+  // partials stay there (docs/PERFORMANCE.md#evict-first).
+  const uint64_t read_once = EvictFirstPolicy();
+  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int32_t* pages = p.page_table + span.page_table_offset;
+  // A chunk's byte offset in the pool is page id * page_bytes (one 32 x 32 -> 64-bit multiply)
+  // plus its offset within the page: the kv head's rows, the position's row, the chunk.
+  const char* k_bytes = static_cast<const char*>(p.k_cache);
+  const char* v_bytes = static_cast<const char*>(p.v_cache);
+  constexpr uint32_t kRowBytes = D * sizeof(T);
+  static_assert(uint64_t{kMaxNumHeads} * kMaxPageSize * kRowBytes <= uint64_t{1} << 32,
+                "a page of every kv head is addressed in 32 bits");
+  const uint32_t page_bytes = static_cast<uint32_t>(p.num_kv_heads * p.page_size) * kRowBytes;
+  const uint32_t head_chunk_bytes =
+      static_cast<uint32_t>(kv_head * p.page_size) * kRowBytes + copy_chunk * 16;
+  // The rows a thread copies of one tile: their page ids, loaded one tile ahead of the copies so
+  // that their latency stays hidden, and (up to 8 rows a thread, head_dim <= 128, where the
+  // registers allow) their byte offsets within the page, found with the ids; with more rows the
+  // offsets are found again when the copies are issued. Rows past the range: page id 0 and
+  // offset 0, so that every address stays in the pool.
+  constexpr bool kKeepOffsets = Cfg::kRowsPerThread <= 8;
+  struct TileRows {
+    int id[Cfg::kRowsPerThread];
+    uint32_t offset[kKeepOffsets ? Cfg::kRowsPerThread : 1];
+  };
+  auto in_page_offset = [&](int pos, uint32_t page) {  // page: pos / page_size
+    return head_chunk_bytes + (pos - page * p.page_size) * kRowBytes;
+  };
+  // The item's first pages (AttachFirstPages), lane j holding page j: loaded beside the item, so
+  // the first tiles' copies wait for no page-table load (docs/PERFORMANCE.md#first-pages).
+  const bool pages_attached = first_pages != nullptr;
+  const int lane_first_page =
+      pages_attached && lane < kItemPages ? first_pages[item_index].ids[lane] : 0;
+  const uint32_t first_page = p.page_div.Div(item.kv_start);
+  // from_item: the page ids from the item's first pages (the prologue, when they hold its tiles'
+  // pages: carry_first below), otherwise from the page table.
+  auto fetch_pages = [&](int tile, TileRows& rows, auto from_item) {
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
+      const bool valid = tile < num_tiles && pos < item.kv_end;
+      const uint32_t page = p.page_div.Div(pos);
+      if constexpr (decltype(from_item)::value) {
+        const int carried = __shfl_sync(0xffffffffu, lane_first_page, (page - first_page) & 31);
+        rows.id[i] = valid ? carried : 0;
+      } else {
+        rows.id[i] = valid ? pages[page] : 0;
+      }
+      if constexpr (kKeepOffsets) {
+        rows.offset[i] = valid ? in_page_offset(pos, page) : 0;
+      }
+    }
+  };
+  auto issue_tile = [&](int tile, const TileRows& rows) {
+    T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    T* sv = sk + Cfg::kTileKv * D;
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      uint32_t in_page;
+      if constexpr (kKeepOffsets) {
+        in_page = rows.offset[i];
+      } else {
+        in_page = valid ? in_page_offset(pos, p.page_div.Div(pos)) : 0;
+      }
+      const uint64_t offset =
+          static_cast<uint64_t>(static_cast<uint32_t>(rows.id[i])) * page_bytes + in_page;
+      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
+      CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
+      CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+    }
+  };
+
+  TileRows next_rows;  // the ids of the next tile to issue
+  // The copies of tile + kStages - 1 (one commit group, empty past the range), then the page ids
+  // of the tile after it; and the wait until tile `tile` is in shared memory for every thread.
+  auto issue_ahead = [&](int tile) {
+    if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_rows);
+    CpAsyncCommit();
+    fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
+  };
+  auto wait_for = [&](int /*tile*/) {
+    CpAsyncWait<Cfg::kStages - 1>();
+    __syncthreads();
+  };
+  auto k_tile = [&](int tile) -> const T* {
+    return smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+  };
+  auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileKv * D; };
+
+  // Prologue: the first kStages - 1 tiles' copies, then the next tile's page ids; Q is loaded
+  // while those copies fly. When the item's first pages hold every page of the prologue's
+  // kStages tiles (a block-uniform test), the ids come from them and each tile's copies go out as
+  // soon as its ids are known (the prologue is bound by its instructions, not by loads);
+  // otherwise all ids of the first tiles are loaded at once from the page table, then copied.
+  const bool carry_first =
+      pages_attached &&
+      p.page_div.Div(min(item.kv_start + Cfg::kStages * Cfg::kTileKv, item.kv_end) - 1) -
+              first_page <
+          kItemPages;
+  if (carry_first) {
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      TileRows rows;
+      fetch_pages(s, rows, std::true_type{});
+      if (s < num_tiles) issue_tile(s, rows);
+      CpAsyncCommit();
+    }
+    fetch_pages(Cfg::kStages - 1, next_rows, std::true_type{});
+  } else {
+    TileRows first_rows[Cfg::kStages - 1];
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s], std::false_type{});
+#pragma unroll
+    for (int s = 0; s < Cfg::kStages - 1; ++s) {
+      if (s < num_tiles) issue_tile(s, first_rows[s]);
+      CpAsyncCommit();
+    }
+    fetch_pages(Cfg::kStages - 1, next_rows, std::false_type{});
+  }
+
+  // Q tile -> shared memory while those copies fly.
+  LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
+      p, item, span, kv_head, group, span_rows, smem_q,
+      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
+
+  // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16.
+  DecodeState<D> state;
+  state.Start();
+  const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
+  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+
+  // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
+  // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
+  const T* warp_q = smem_q + row_warp * 16 * D;
+  uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
+  auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
+    const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
+    LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
+  };
+  auto load_q_fragments = [&] {
+    if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+      for (int kc = 0; kc < D / 16; ++kc) load_q_frag(kc, q_frag[kc]);
+    }
+  };
+  auto q_fragment = [&](int kc, uint32_t(&a)[4]) {
+    if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+      for (int j = 0; j < 4; ++j) a[j] = q_frag[kc][j];
+    } else {
+      load_q_frag(kc, a);
+    }
+  };
+
+  for (int tile = 0; tile < num_tiles; ++tile) {
+    issue_ahead(tile);  // cp.async, kStages - 1 tiles ahead
+    wait_for(tile);
+    if (tile == 0) load_q_fragments();
+    const T* sk = k_tile(tile);
+    const T* sv = v_tile(tile);
+
+#pragma unroll
+    for (int step = 0; step < Cfg::kSteps; ++step) {
+      const int row0 = kv_warp * Cfg::kWarpKv + step * 16;  // first position row in the tile
+      const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
+      if (pos0 >= item.kv_end || pos0 > rows.warp_max_pos) continue;  // warp-uniform
+
+      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+      Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
+      Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, scale_log2);
+      Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
+      Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
+    }
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  }
+  CpAsyncWait<0>();
+
+  CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
+                                                kv_warp, tid, lane);
+  MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
+}
+
+// ---- Kernels and launcher -----------------------------------------------------------------
+
+// The work list of each decode tile shape, told apart by its number of 16-row warps.
+template <int kRowWarps>
+__host__ __device__ inline const AttentionWorkItem* DecodeItems(const PagedAttentionParams& p) {
+  static_assert(kRowWarps == 1 || kRowWarps == 2, "decode tile shapes: 16 or 32 rows");
+  return kRowWarps == 1 ? p.decode_items : p.decode_wide_items;
+}
+template <int kRowWarps>
+__host__ __device__ inline const ItemFirstPages* DecodeFirstPages(const PagedAttentionParams& p) {
+  return kRowWarps == 1 ? p.decode_first_pages : p.decode_wide_first_pages;
+}
+template <int kRowWarps>
+inline int NumDecodeItems(const PagedAttentionParams& p) {
+  return kRowWarps == 1 ? p.num_decode_items : p.num_decode_wide_items;
+}
+
+// TIO: q's and out's element type (float, or the cache's T).
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+__global__ void __launch_bounds__(128)
+    DecodeTileKernel(const __grid_constant__ PagedAttentionParams params) {
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
+                                                 DecodeFirstPages<kRowWarps>(params));
+}
+// The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
+// 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
+// blocks and waits there (docs/PERFORMANCE.md#occupancy). DecodeKernel picks the one a shape uses.
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+__global__ void __maxnreg__(192)
+    DecodeTileKernel192(const __grid_constant__ PagedAttentionParams params) {
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
+                                                 DecodeFirstPages<kRowWarps>(params));
+}
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+constexpr auto DecodeKernel() {
+  if constexpr (D == 128 && kRowWarps == 1) {
+    return DecodeTileKernel192<T, TIO, D, kRowWarps, kKvWarps>;
+  } else {
+    return DecodeTileKernel<T, TIO, D, kRowWarps, kKvWarps>;
+  }
+}
+
+// then: a kernel to launch right after the tiles, programmatically dependent on them (the
+// separate merge); null for none.
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
+                               const KernelLaunch* then, Launcher& launcher) {
+  using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
+  const int num_items = NumDecodeItems<kRowWarps>(params);
+  if (num_items == 0) return LaunchStatus::Ok();
+  auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
+  constexpr size_t smem = Cfg::SmemBytes();
+  static SmemLimitFlags smem_raised;
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
+      !st.ok()) {
+    return st;
+  }
+  unsigned blocks = 0;
+  if (LaunchStatus st = TileGridBlocks(num_items, params.num_kv_heads, &blocks); !st.ok()) {
+    return st;
+  }
+  const dim3 grid(blocks);
+  if (then != nullptr) {
+    const KernelLaunch tiles = {reinterpret_cast<const void*>(kernel), grid, dim3(Cfg::kThreads),
+                                smem};
+    return launcher.LaunchPair(tiles, *then, stream, &params, sizeof(params),
+                               "paged attention and split-KV merge");
+  }
+  return launcher.Launch(kernel, grid, dim3(Cfg::kThreads), smem, stream, params,
+                         "paged attention");
+}
+
+// Tile blocks of one decode kernel (q in TIO) an SM holds at once (resident), and how many of
+// them leave room for one separate-merge block (beside_merge).
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeKernelOccupancy(int* resident, int* beside_merge) {
+  using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
+  auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
+  constexpr size_t smem = Cfg::SmemBytes();
+  cudaFuncAttributes tile = {}, merge = {};
+  int device = 0, regs_per_sm = 0;
+  cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(smem));
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(resident, kernel, Cfg::kThreads, smem);
+  }
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&tile, kernel);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&merge, MergeSplitsKernel<TIO, D>);
+  if (err == cudaSuccess) err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&regs_per_sm, cudaDevAttrMaxRegistersPerMultiprocessor, device);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("occupancy(paged attention): ") +
+                                   cudaGetErrorString(err));
+  }
+  // Registers are allocated per warp in units of 256, so per thread in multiples of 8.
+  auto block_regs = [](int regs, int threads) { return (regs + 7) / 8 * 8 * threads; };
+  const int tile_regs = block_regs(tile.numRegs, Cfg::kThreads);
+  const int merge_regs = block_regs(merge.numRegs, kMergeThreads);
+  *beside_merge = *resident;
+  while (*beside_merge > 1 && *beside_merge * tile_regs + merge_regs > regs_per_sm) {
+    --*beside_merge;
+  }
+  return LaunchStatus::Ok();
+}
+
+// The decode tile's blocks an SM holds at once (resident), and how many of them leave room for
+// one separate-merge block (beside_merge), whose blocks must be resident, waiting, before the
+// tiles end (Launcher::LaunchPair): the planner counts the waves of a split plan in the second,
+// of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
+// (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
+// (docs/PERFORMANCE.md#occupancy). The fewer of the kernels for q in float and in T: one plan
+// serves either.
+template <typename T, int D, int kRowWarps, int kKvWarps>
+LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
+  int resident_t = 0, beside_t = 0;
+  if (LaunchStatus st =
+          DecodeKernelOccupancy<T, float, D, kRowWarps, kKvWarps>(resident, beside_merge);
+      !st.ok()) {
+    return st;
+  }
+  if (LaunchStatus st = DecodeKernelOccupancy<T, T, D, kRowWarps, kKvWarps>(&resident_t, &beside_t);
+      !st.ok()) {
+    return st;
+  }
+  *resident = std::min(*resident, resident_t);
+  *beside_merge = std::min(*beside_merge, beside_t);
+  return LaunchStatus::Ok();
+}
+
+// Explicit instantiation of both decode tile shapes for one (cache dtype, head_dim), with q in
+// float and in T.
+#define PAGEDATTN_INSTANTIATE_DECODE_Q(T, TIO, D)                                              \
+  template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(         \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);              \
+  template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>( \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);
+#define PAGEDATTN_INSTANTIATE_DECODE(T, D)    \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, float, D) \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, T, D)     \
+  template LaunchStatus DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(int*, int*);
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,203 @@
+// Where a tile's data lives: K/V chunk offsets in the paged pool, the swizzled shared-memory
+// layout, a block's work item, and the Q-tile load and output-row writes of every tile kernel.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "kernels/device/dtype.cuh"
+#include "kernels/launch.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+// Element offset, in the K or V pool ([page][kv_head][page_size][D]), of 16-byte chunk `chunk`
+// of KV position pos of kv head kv_head, pos lying in page page_id.
+template <int D>
+__device__ __forceinline__ int64_t KvChunkOffset(const PagedAttentionParams& p, int page_id,
+                                                 int pos, int kv_head, int chunk) {
+  const uint32_t in_page = pos - p.page_div.Div(pos) * p.page_size;
+  return ((int64_t{page_id} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D + chunk * 8;
+}
+
+// Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile: the chunk index is
+// XORed with row % 8 so that the eight rows an ldmatrix reads hit eight different bank groups.
+template <int D>
+__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+
+// This block's work item and kv head in an item-major grid (TileGridBlocks: the kv heads of one
+// work item are neighbours in launch order), by a multiply-shift (kv_heads_div) rather than an
+// integer division, so that nothing slow stands before the item's load.
+struct ItemMajorBlock {
+  uint32_t item;
+  int kv_head;
+};
+__device__ __forceinline__ ItemMajorBlock ItemMajor(const PagedAttentionParams& p) {
+  const uint32_t item = p.kv_heads_div.Div(blockIdx.x);
+  return {item, static_cast<int>(blockIdx.x - item * p.num_kv_heads)};
+}
+
+// Row of out / lse for row span_row (= query * group + head in group) of the span whose first
+// query is at q_offset.
+__device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int64_t q_offset,
+                                             int span_row, int kv_head, int group) {
+  return (q_offset + span_row / group) * p.num_q_heads + kv_head * group + span_row % group;
+}
+
+// Where row tile_row (span row span_row) of a work item's tile goes: out / lse (lse null when
+// not asked for) for an unsplit tile, the partial buffers of its split otherwise.
+template <int D>
+__device__ __forceinline__ void TileRowDestination(const PagedAttentionParams& p,
+                                                   const AttentionWorkItem& item,
+                                                   const AttentionSpan& span, int kv_head,
+                                                   int group, int tile_row, int span_row,
+                                                   float*& dst, float*& lse_dst) {
+  if (item.partial_row < 0) {
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+    dst = static_cast<float*>(p.out) + out_row * D;
+    lse_dst = p.lse ? p.lse + out_row : nullptr;
+  } else {
+    const int64_t part_row = int64_t{kv_head} * p.partial_rows + item.partial_row + tile_row;
+    dst = p.partial_out + part_row * D;
+    lse_dst = p.partial_lse + part_row;
+  }
+}
+
+// out's element type TIO (q's: float, or the cache's 16-bit type): two adjacent values from float.
+template <typename TIO>
+__device__ __forceinline__ void StorePair(TIO* dst, float lo, float hi) {
+  if constexpr (std::is_same_v<TIO, float>) {
+    *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
+  } else {
+    *reinterpret_cast<uint32_t*>(dst) = PackPair<TIO>(lo, hi);
+  }
+}
+
+// Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
+// 8-wide n tile, o_half selecting the row's pair): to out (in TIO) / lse for an unsplit tile, to
+// the partial buffers (float) of its split otherwise. Shared by the prefill tile kernels.
+template <typename TIO, int D>
+__device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
+                                             const AttentionWorkItem& item,
+                                             const AttentionSpan& span, int kv_head, int group,
+                                             int tile_row, int span_row, int quad_col,
+                                             const float (&o)[D / 8][4], int o_half, float inv,
+                                             float lse) {
+  if constexpr (std::is_same_v<TIO, float>) {  // out and the partials alike: one store loop
+    float* dst;
+    float* lse_dst;
+    TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
+          make_float2(o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+    }
+    if (lse_dst && quad_col == 0) *lse_dst = lse;
+  } else if (item.partial_row < 0) {
+    const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
+    TIO* dst = static_cast<TIO*>(p.out) + out_row * D;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      StorePair(dst + dt * 8 + 2 * quad_col, o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
+    }
+    if (p.lse && quad_col == 0) p.lse[out_row] = lse;
+  } else {
+    WriteTileRow<float, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, o_half,
+                           inv, lse);
+  }
+}
+
+// The address of 16-byte chunk `chunk` of q's row for span row span_row, in q's element type TIO.
+template <typename TIO, int D>
+__device__ __forceinline__ const TIO* QChunk(const PagedAttentionParams& p,
+                                             const AttentionSpan& span, int kv_head, int group,
+                                             int span_row, int chunk) {
+  const int query = span_row / group, head = kv_head * group + span_row % group;
+  return static_cast<const TIO*>(p.q) + ((span.q_offset + query) * p.num_q_heads + head) * D +
+         chunk * 8;
+}
+
+// Q tile -> shared memory as T, from q in TIO (float, converted; or T itself, copied); rows past
+// the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
+// any, so the tile costs one global-memory latency rather than one per chunk. offset(row, chunk)
+// is the element offset of a 16-byte chunk in the kernel's shared-memory layout.
+template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
+__device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
+                                          const AttentionWorkItem& item, const AttentionSpan& span,
+                                          int kv_head, int group, int span_rows, T* smem_q,
+                                          Offset offset) {
+  static_assert(std::is_same_v<TIO, float> || std::is_same_v<TIO, T>, "q in float or in T");
+  constexpr int kChunks = D / 8;
+  static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
+  constexpr int kPerThread = kRows * kChunks / kThreads;
+  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
+  static_assert(kPerThread % kBatch == 0, "whole batches");
+#pragma unroll 1
+  for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
+    if constexpr (std::is_same_v<TIO, float>) {
+      float4 lo[kBatch], hi[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        const int span_row = item.row_start + r;
+        lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
+        if (span_row < span_rows) {
+          const float4* src = reinterpret_cast<const float4*>(
+              QChunk<float, D>(p, span, kv_head, group, span_row, chunk));
+          lo[i] = src[0];
+          hi[i] = src[1];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
+            make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
+                       PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
+      }
+    } else {
+      uint4 x[kBatch];
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        const int span_row = item.row_start + r;
+        x[i] = make_uint4(0, 0, 0, 0);
+        if (span_row < span_rows) {
+          x[i] = *reinterpret_cast<const uint4*>(
+              QChunk<T, D>(p, span, kv_head, group, span_row, chunk));
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kBatch; ++i) {
+        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int r = c / kChunks, chunk = c % kChunks;
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = x[i];
+      }
+    }
+  }
+}
+
+// Launches a tile kernel on the item-major grid of num_items work items x the kv heads (one block
+// each, ItemMajor), its shared-memory limit raised first. Shared by both prefill kernels.
+template <typename Kernel>
+LaunchStatus LaunchItemMajorGrid(Kernel kernel, int threads, size_t smem,
+                                 SmemLimitFlags& smem_raised, const char* what, int64_t num_items,
+                                 const PagedAttentionParams& params, cudaStream_t stream,
+                                 Launcher& launcher) {
+  if (num_items == 0) return LaunchStatus::Ok();
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, what); !st.ok()) return st;
+  unsigned blocks = 0;
+  if (LaunchStatus st = TileGridBlocks(num_items, params.num_kv_heads, &blocks); !st.ok()) {
+    return st;
+  }
+  return launcher.Launch(kernel, dim3(blocks), dim3(threads), smem, stream, params, what);
+}
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,178 @@
+// Warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for the 128-byte swizzle,
+// the fence/commit/wait wrappers and the two wgmma shapes the Hopper prefill kernel issues.
+//
+// Device code exists only when compiled for sm_90a (PAGEDATTN_WGMMA_DEVICE).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define PAGEDATTN_WGMMA_DEVICE 1
+#else
+#define PAGEDATTN_WGMMA_DEVICE 0
+#endif
+
+namespace pagedattn::kernels {
+
+// Element offset of (row, 16-byte chunk) in a [R][D] tile in the 128-byte-swizzle layout.
+template <int R>
+__device__ __forceinline__ int Sw128Offset(int row, int chunk) {
+  return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
+}
+
+#if PAGEDATTN_WGMMA_DEVICE
+
+// Shared-memory matrix descriptor, 128-byte swizzle: start address, 1024 bytes between
+// consecutive groups of 8 rows (the stride field), and the leading field: for an MN-major
+// operand wider than one 64-column slice (P.V at head_dim 128), the bytes between slices;
+// unused by K-major operands (a k16 step stays inside one 128-byte row).
+__device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leading_bytes = 1024) {
+  return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |
+         (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void WgmmaFence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void WgmmaCommit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void WgmmaWait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
+}
+// Keeps the compiler from moving reads or writes of accumulator registers across a wgmma
+// issue or wait (the asm statements above do not name the registers the hardware writes).
+template <int N>
+__device__ __forceinline__ void FenceRegs(float (&d)[N][4]) {
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(d[j][e])::"memory");
+}
+__device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
+}
+
+// Stores two values to shared memory (a per-thread scratch slot), so that the instructions
+// producing them are scheduled before whatever follows (ptxas does not move wgmma waits above
+// shared-memory stores).
+__device__ __forceinline__ void PinBeforeWait(uint32_t slot, const float (&v)[2]) {
+  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(slot), "f"(v[0]), "f"(v[1]) : "memory");
+}
+
+__device__ __forceinline__ void ProxyFenceShared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+#define PAGEDATTN_WGMMA_D32                                                                     \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, " \
+  "%20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define PAGEDATTN_WGMMA_D32_OPERANDS(d)                                                         \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),     \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), \
+      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), \
+      "+f"(d[7][2]), "+f"(d[7][3])
+
+#define PAGEDATTN_WGMMA_D64                                                          \
+  "{"                                                                                \
+  "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
+  "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"   \
+  "}"
+#define PAGEDATTN_WGMMA_D64_OPERANDS(d)                                                           \
+  "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]),       \
+      "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),   \
+      "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]),   \
+      "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]),   \
+      "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]),   \
+      "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]),   \
+      "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), \
+      "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]),             \
+      "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]),             \
+      "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]),             \
+      "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]),             \
+      "+f"(d[15][2]), "+f"(d[15][3])
+
+// The wgmma's this kernel issues, as one asm statement each. TY is the PTX element type
+// (bf16, f16); DLIST the accumulator register list, DOPS the macro naming the accumulator
+// operands of d; the operand numbers after them follow.
+// A and B from shared memory (both K-major); the predicate scales D by 0 (first k step) or 1.
+#define PAGEDATTN_WGMMA_SS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                                     \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                             \
+               ", 0;\n"                                                                            \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", %" NA ", %" NB \
+               ", p, 1, 1, 0, 0;\n}\n"                                                             \
+               : DOPS(d)                                                                           \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+// A from registers (the mma.sync A fragment of the warp's 16 rows), B from shared memory read
+// MN-major (transpose bit); D accumulates.
+#define PAGEDATTN_WGMMA_RS(SHAPE, TY, DLIST, DOPS, NA, NB, NP)                             \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" NP                                     \
+               ", 0;\n"                                                                    \
+               "wgmma.mma_async.sync.aligned." SHAPE ".f32." TY "." TY " " DLIST ", {%" NA \
+               "}, %" NB ", p, 1, 1, 1;\n}\n"                                              \
+               : DOPS(d)                                                                   \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(1))
+// OP for T's PTX element type (the caller's template parameter T).
+#define PAGEDATTN_WGMMA_TYPED(OP, SHAPE, ...) \
+  if constexpr (kIsBf16<T>) {                 \
+    OP(SHAPE, "bf16", __VA_ARGS__);           \
+  } else {                                    \
+    OP(SHAPE, "f16", __VA_ARGS__);            \
+  }
+
+template <typename T>
+inline constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
+
+// d (64 x 64, f32) = [d +] A (64 x 16) * B (16 x 64).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[8][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n64k16", PAGEDATTN_WGMMA_D32,
+                        PAGEDATTN_WGMMA_D32_OPERANDS, "32", "33", "34")
+}
+
+// d (64 x 128, f32) = [d +] A (64 x 16) * B (16 x 128).
+template <typename T>
+__device__ __forceinline__ void WgmmaSS(float (&d)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                        int accumulate) {
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_SS, "m64n128k16", PAGEDATTN_WGMMA_D64,
+                        PAGEDATTN_WGMMA_D64_OPERANDS, "64", "65", "66")
+}
+
+// d (64 x 64, f32) += A (64 x 16, registers) * B (16 x 64, MN-major).
+template <typename T>
+__device__ __forceinline__ void WgmmaRS(float (&d)[8][4], const uint32_t (&a)[4], uint64_t desc_b) {
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n64k16", PAGEDATTN_WGMMA_D32,
+                        PAGEDATTN_WGMMA_D32_OPERANDS, "32, %33, %34, %35", "36", "37")
+}
+
+// d (64 x 128, f32) += A (64 x 16, registers) * B (16 x 128, MN-major: two 64-column slices,
+// the descriptor's leading byte offset apart).
+template <typename T>
+__device__ __forceinline__ void WgmmaRS(float (&d)[16][4], const uint32_t (&a)[4],
+                                        uint64_t desc_b) {
+  PAGEDATTN_WGMMA_TYPED(PAGEDATTN_WGMMA_RS, "m64n128k16", PAGEDATTN_WGMMA_D64,
+                        PAGEDATTN_WGMMA_D64_OPERANDS, "64, %65, %66, %67", "68", "69")
+}
+
+#undef PAGEDATTN_WGMMA_TYPED
+#undef PAGEDATTN_WGMMA_SS
+#undef PAGEDATTN_WGMMA_RS
+#undef PAGEDATTN_WGMMA_D32
+#undef PAGEDATTN_WGMMA_D32_OPERANDS
+#undef PAGEDATTN_WGMMA_D64
+#undef PAGEDATTN_WGMMA_D64_OPERANDS
+
+#endif  // PAGEDATTN_WGMMA_DEVICE
+
+}  // namespace pagedattn::kernels

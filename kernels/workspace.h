@@ -1,0 +1,58 @@
+// ForwardWorkspace: the buffers of Forwards on one stream (a pinned image, its device twin and
+// the split-KV counters), grown to the largest Forward seen, and the two copies of each Forward.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/attention_plan.h"
+#include "kernels/launch_status.h"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+// One Forward at a time: Reserve, StageInputs, Upload (one host-to-device copy), the kernels
+// (Bind), Download (one device-to-host copy), the stream's synchronization, ReadResults. Frees
+// its buffers on the current device when destroyed.
+class ForwardWorkspace {
+ public:
+  ForwardWorkspace() = default;
+  ~ForwardWorkspace();
+  ForwardWorkspace(const ForwardWorkspace&) = delete;
+  ForwardWorkspace& operator=(const ForwardWorkspace&) = delete;
+
+  // Grows the buffers to the plan's staging (at least doubling, so that growth is amortized).
+  // New split counters are zeroed on stream; every launch leaves them zero again.
+  LaunchStatus Reserve(const AttentionPlan& plan, cudaStream_t stream);
+
+  // Writes the plan's inputs (metadata, q, k, v: the caller's host buffers) into the pinned image.
+  void StageInputs(const AttentionPlan& plan, const void* q, const void* k, const void* v) {
+    plan.WriteStaging(host_, q, k, v);
+  }
+  // The pinned image's inputs to the device: one cudaMemcpyAsync.
+  LaunchStatus Upload(const AttentionPlan& plan, cudaStream_t stream);
+  // The kernels' params bound to this workspace's device image and the layer's K/V pools.
+  ForwardLaunch Bind(const AttentionPlan& plan, void* k_cache, void* v_cache) const {
+    return plan.Bind(device_, counters_, k_cache, v_cache);
+  }
+  // The results (out, then lse) into the pinned image: one cudaMemcpyAsync.
+  LaunchStatus Download(const AttentionPlan& plan, cudaStream_t stream);
+  // After the stream has synchronized: out (in q's dtype) and, when asked for, lse to the caller.
+  void ReadResults(const AttentionPlan& plan, void* out, float* lse) const;
+
+  void* host() const { return host_; }
+  void* device() const { return device_; }
+  int32_t* merge_counters() const { return counters_; }
+
+ private:
+  char* host_ = nullptr;
+  size_t host_bytes_ = 0;
+  char* device_ = nullptr;
+  size_t device_bytes_ = 0;
+  int32_t* counters_ = nullptr;
+  size_t counter_bytes_ = 0;
+};
+
+}  // namespace pagedattn::kernels

@@ -1,0 +1,543 @@
+// The host side of the kernel library, without a GPU: the split-KV planner (tiles, chunks, the
+// separate merge, first pages, the prefill schedule) and AttentionPlan's slots, staging and params.
+#include "kernels/attention_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <map>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "common/capabilities.h"
+#include "kernels/attention_work.h"
+#include "kernels/dispatch.h"
+
+namespace pagedattn {
+namespace {
+
+// The split-KV planner needs no GPU: every (tile, position) is covered exactly once.
+TEST(AttentionPlan, CoversEveryPositionOnce) {
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 1, 10000}, {1, 700, 3, 5}, {4, 701, 200, 900}, {204, 800, 0, 50}};
+  for (bool causal : {true, false}) {
+    for (int target : {1, 132, 264, 5000}) {
+      kernels::AttentionWork work;
+      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal,
+                                 {.target_blocks = target, .min_chunk = 64}, &work);
+      // coverage[span][row_start] -> positions covered
+      std::map<std::pair<int, int>, int64_t> covered;
+      for (const auto* list : {&work.decode_items, &work.decode_wide_items, &work.prefill_items}) {
+        for (const auto& it : *list) {
+          EXPECT_LT(it.kv_start, it.kv_end);
+          covered[{it.span, it.row_start}] += it.kv_end - it.kv_start;
+        }
+      }
+      for (const auto& [key, n] : covered) {
+        const auto& sp = spans[key.first];
+        const int group = 4;
+        const int rows = sp.num_queries * group;
+        const int tile = rows <= kernels::kDecodeTileRows       ? kernels::kDecodeTileRows
+                         : rows <= kernels::kDecodeWideTileRows ? kernels::kDecodeWideTileRows
+                                                                : kernels::kPrefillTileRows;
+        const int last_row = std::min(key.second + tile, rows) - 1;
+        const int64_t want = causal ? sp.kv_len - sp.num_queries + last_row / group + 1 : sp.kv_len;
+        EXPECT_EQ(n, want) << "span " << key.first << " row " << key.second;
+      }
+      EXPECT_EQ(covered.count({3, 0}), 0u);  // no queries, no work
+    }
+  }
+}
+
+// One long decode on 8 kv heads fills the 264 block slots with equal splits cut at any position
+// (not only at 64-position tiles), each position in exactly one split, the splits contiguous.
+TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  ASSERT_EQ(work.decode_items.size(), 33u) << "kv_chunk " << work.kv_chunk;
+  EXPECT_EQ(work.kv_chunk, 993);
+  int32_t next = 0;
+  for (const auto& it : work.decode_items) {
+    EXPECT_EQ(it.kv_start, next);
+    EXPECT_LE(it.kv_end - it.kv_start, 993);
+    next = it.kv_end;
+  }
+  EXPECT_EQ(next, 32768);
+  // A prefill tile in the plan keeps chunks at whole KV tiles.
+  // (Without that rule this plan would cut 334-position chunks.)
+  std::vector<kernels::AttentionSpan> mixed = {{0, 0, 1, 2000}, {1, 2048, 100, 1000}};
+  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  EXPECT_LT(work.kv_chunk, 2000) << "the plan splits";
+  EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
+}
+
+// A plan without splits has no merge, so its waves count every resident block (unsplit_blocks);
+// a split plan's count only those that leave room for a merge block (target_blocks): at head_dim
+// 64 on 132 SMs, 396 and 528.
+TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
+  std::vector<kernels::AttentionSpan> batch;
+  for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
+  kernels::AttentionWork work;
+  // 512 (sequence, kv head) blocks: two waves of 396, so the plan splits...
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, {.target_blocks = 396},
+                             &work);
+  EXPECT_LT(work.kv_chunk, 4096);
+  // ...but one wave of 528: no split, no merge.
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
+  EXPECT_EQ(work.kv_chunk, 4096);
+  EXPECT_EQ(work.decode_items.size(), 64u);
+  EXPECT_TRUE(work.merge_tasks.empty());
+  // A plan that splits either way is planned in waves of target_blocks alone.
+  std::vector<kernels::AttentionSpan> one = {{0, 0, 1, 32768}};
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 396}, &work);
+  const int32_t chunk = work.kv_chunk;
+  const size_t items = work.decode_items.size();
+  EXPECT_LT(chunk, 32768);
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
+  EXPECT_EQ(work.kv_chunk, chunk);
+  EXPECT_EQ(work.decode_items.size(), items);
+  // So is a plan with a prefill tile (the prefill kernels' residency is not the decode tile's):
+  // 56 decode tiles and one of 32 queries x 4 heads, 456 blocks, split as with 396 alone.
+  std::vector<kernels::AttentionSpan> mixed(batch.begin(), batch.begin() + 56);
+  mixed.push_back({56, 56 * 256, 32, 4096});
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, {.target_blocks = 396},
+                             &work);
+  const int32_t mixed_chunk = work.kv_chunk;
+  EXPECT_LT(mixed_chunk, 4096);
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true,
+                             {.target_blocks = 396, .unsplit_blocks = 528}, &work);
+  EXPECT_EQ(work.kv_chunk, mixed_chunk);
+}
+
+// Beside each decode item go the page ids of its first kItemPages pages (from the page holding
+// kv_start), 0 past its span's last page.
+TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
+  constexpr int kPage = 16;
+  // Span 0: 1000 positions (63 pages) from table entry 0; span 1: 40 positions (3 pages) from
+  // entry 63; span 2: a prefill of 200 queries (13 pages) from entry 66.
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 1000}, {1, 63, 1, 40}, {2, 66, 200, 200}};
+  std::vector<int32_t> table(79);
+  for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(1000 + 7 * i);
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+                             {.target_blocks = 264, .min_chunk = 64}, &work);
+  ASSERT_GT(work.decode_items.size(), 2u) << "span 0 no longer splits";
+  ASSERT_FALSE(work.prefill_items.empty());
+  EXPECT_TRUE(work.decode_first_pages.empty()) << "attached only when asked";
+  kernels::AttachFirstPages(table.data(), kPage, &work);
+  ASSERT_EQ(work.decode_first_pages.size(), work.decode_items.size());
+  ASSERT_EQ(work.decode_wide_first_pages.size(), work.decode_wide_items.size());
+  for (size_t i = 0; i < work.decode_items.size(); ++i) {
+    const auto& it = work.decode_items[i];
+    const auto& sp = spans[it.span];
+    const int64_t span_pages = (sp.kv_len + kPage - 1) / kPage;
+    for (int j = 0; j < kernels::kItemPages; ++j) {
+      const int64_t page = it.kv_start / kPage + j;
+      const int32_t want = page < span_pages ? table[sp.page_table_offset + page] : 0;
+      EXPECT_EQ(work.decode_first_pages[i].ids[j], want)
+          << "span " << it.span << " kv_start " << it.kv_start << " page " << j;
+    }
+  }
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+                             {.target_blocks = 264, .min_chunk = 64}, &work);
+  EXPECT_TRUE(work.decode_first_pages.empty()) << "a new plan drops the last one's pages";
+}
+
+// The tile grid is one block per (work item, kv head) in one dimension: its size, and a refusal
+// naming both numbers once it would pass the 2^31 - 1 blocks of a grid dimension.
+TEST(AttentionPlan, TileGridBlocksFitOneDimension) {
+  unsigned blocks = 0;
+  ASSERT_TRUE(kernels::TileGridBlocks(33, 8, &blocks).ok());
+  EXPECT_EQ(blocks, 264u);
+  ASSERT_TRUE(kernels::TileGridBlocks(int64_t{1} << 21, 1023, &blocks).ok());
+  EXPECT_EQ(blocks, (1u << 21) * 1023u);
+  const kernels::LaunchStatus over = kernels::TileGridBlocks(int64_t{1} << 21, 1024, &blocks);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.message().find("2097152 tiles x 1024 kv heads"), std::string::npos)
+      << over.message();
+}
+
+// Wide tiles on few kv heads (32 q / 1 kv head) are cut in enough splits to fill the GPU, and
+// their merge moves to the separate kernel; the usual decode shape keeps the in-kernel merge.
+TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  EXPECT_TRUE(work.separate_merge);
+  EXPECT_GE(work.decode_wide_items.size(), 200u) << "kv_chunk " << work.kv_chunk;
+  EXPECT_EQ(work.merge_rows, 32);
+  ASSERT_EQ(work.merge_tasks.size(), 1u);
+  EXPECT_EQ(work.merge_tasks[0].num_splits, static_cast<int>(work.decode_wide_items.size()));
+
+  // 33 splits of 4 rows (one decode on 8 kv heads) merge separately; 2 splits of 4 rows (16
+  // decodes) in the tile kernel.
+  spans = {{7, 0, 1, 32768}};
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  EXPECT_TRUE(work.separate_merge);
+  EXPECT_EQ(work.merge_rows, 4);
+  ASSERT_FALSE(work.merge_tasks.empty());
+  EXPECT_EQ(work.merge_tasks[0].q_offset, 7);
+  EXPECT_EQ(work.merge_tasks[0].num_splits, 33);
+  spans.clear();
+  for (int i = 0; i < 16; ++i) spans.push_back({i, i * 256, 1, 4096});
+  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  ASSERT_FALSE(work.merge_tasks.empty());
+  EXPECT_EQ(work.merge_tasks[0].num_splits, 2);
+  EXPECT_FALSE(work.separate_merge);
+
+  // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
+  // tiles only), even beside a wide decode tile that would want the separate one.
+  spans = {{0, 0, 300, 10000}, {300, 700, 1, 131072}};
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  bool prefill_split = false;
+  for (const auto& it : work.prefill_items) prefill_split |= it.partial_row >= 0;
+  ASSERT_TRUE(prefill_split) << "kv_chunk " << work.kv_chunk;
+  EXPECT_FALSE(work.separate_merge);
+}
+
+// Prefill blocks run span by span, the span with the longest block first, and longest first
+// within a span (load balance and L2 reuse of a span's K/V prefix; kernels/attention_plan.cc).
+TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
+  // Span 1 is the longest; span 0 and 2 tie on their longest block (span order decides).
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true,
+                             {.target_blocks = 100000, .min_chunk = 64}, &work);
+  ASSERT_FALSE(work.prefill_items.empty());
+  std::vector<int> span_order;
+  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
+    const auto& it = work.prefill_items[i];
+    EXPECT_NE(it.span, 3) << "a one-query span is a decode tile";
+    if (span_order.empty() || span_order.back() != it.span) span_order.push_back(it.span);
+    if (i > 0 && work.prefill_items[i - 1].span == it.span) {
+      const auto& prev = work.prefill_items[i - 1];
+      EXPECT_GE(prev.kv_end - prev.kv_start, it.kv_end - it.kv_start) << "item " << i;
+    }
+  }
+  EXPECT_EQ(span_order, (std::vector<int>{1, 0, 2})) << "each span once, longest span first";
+}
+
+// The persistent prefill kernel's schedule: every (item, kv head) exactly once, the first jobs
+// on blocks 0, 1, ... in the planner's order, each block's jobs in that order, and the blocks'
+// estimated work within one job of each other (greedy list scheduling).
+TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, {.target_blocks = 264},
+                             &work);
+  ASSERT_FALSE(work.prefill_items.empty());
+  constexpr int kHeads = 8, kBlocks = 132;
+  kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);
+  const size_t num_jobs = work.prefill_items.size() * kHeads;
+  ASSERT_EQ(work.prefill_jobs.size(), num_jobs);
+  ASSERT_EQ(work.prefill_job_start.size(), static_cast<size_t>(kBlocks + 1));
+  EXPECT_EQ(work.prefill_job_start.front(), 0);
+  EXPECT_EQ(work.prefill_job_start.back(), static_cast<int32_t>(num_jobs));
+
+  // Job (item i, head h) is the planner's job i * kHeads + h; find each in the schedule.
+  auto key = [](const kernels::AttentionWorkItem& it, int h) {
+    return std::make_tuple(it.span, it.row_start, it.kv_start, h);
+  };
+  std::map<std::tuple<int, int, int, int>, int> order;
+  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
+    for (int h = 0; h < kHeads; ++h) order[key(work.prefill_items[i], h)] = i * kHeads + h;
+  }
+  ASSERT_EQ(order.size(), num_jobs) << "planner jobs are distinct";
+  std::vector<int> seen(num_jobs, 0);
+  int64_t min_load = INT64_MAX, max_load = 0, longest_job = 0;
+  for (int b = 0; b < kBlocks; ++b) {
+    int64_t load = 0;
+    int prev = -1;
+    for (int j = work.prefill_job_start[b]; j < work.prefill_job_start[b + 1]; ++j) {
+      const kernels::AttentionPrefillJob& job = work.prefill_jobs[j];
+      ASSERT_TRUE(order.count(key(job.item, job.kv_head)));
+      const int k = order[key(job.item, job.kv_head)];
+      ++seen[k];
+      if (j == work.prefill_job_start[b]) {
+        EXPECT_EQ(k, b) << "block " << b << "'s first job";
+      }
+      EXPECT_GT(k, prev) << "block " << b << " runs its jobs in the planner's order";
+      prev = k;
+      const int64_t cost = job.item.kv_end - job.item.kv_start + 128;  // the planner's estimate
+      load += cost;
+      longest_job = std::max(longest_job, cost);
+    }
+    min_load = std::min(min_load, load);
+    max_load = std::max(max_load, load);
+  }
+  for (size_t k = 0; k < num_jobs; ++k) EXPECT_EQ(seen[k], 1) << "job " << k;
+  // A job goes to the block with the least estimated work (positions + 128 per job), so no
+  // block ends more than one job after the least loaded one.
+  EXPECT_LE(max_load - min_load, longest_job);
+
+  // Fewer jobs than blocks: one block per job; no blocks: no schedule.
+  kernels::SchedulePrefillJobs(kHeads, 100000, &work);
+  EXPECT_EQ(work.prefill_job_start.size(), num_jobs + 1);
+  kernels::SchedulePrefillJobs(kHeads, 0, &work);
+  EXPECT_TRUE(work.prefill_jobs.empty());
+  EXPECT_TRUE(work.prefill_job_start.empty());
+}
+
+// ---- AttentionPlan: one Forward's plan, slots and staging --------------------------------
+
+// A Forward of three spans on 2 kv heads x 4 (head_dim 64, pages of 16): a decode that appends
+// one row to 40, a prefill of 20 new rows, and a span that only appends 5 rows.
+struct SmallForward {
+  std::vector<kernels::ForwardSpan> spans = {{.q_offset = 0,
+                                              .kv_offset = 0,
+                                              .page_table_offset = 0,
+                                              .first_new_position = 39,
+                                              .num_new_tokens = 1,
+                                              .num_queries = 1,
+                                              .kv_len = 40},
+                                             {.q_offset = 1,
+                                              .kv_offset = 1,
+                                              .page_table_offset = 3,
+                                              .first_new_position = 0,
+                                              .num_new_tokens = 20,
+                                              .num_queries = 20,
+                                              .kv_len = 20},
+                                             {.q_offset = 21,
+                                              .kv_offset = 21,
+                                              .page_table_offset = 5,
+                                              .first_new_position = 30,
+                                              .num_new_tokens = 5,
+                                              .num_queries = 0,
+                                              .kv_len = 35}};
+  std::vector<int32_t> page_table = {7, 2, 9, 4, 11, 0, 3, 5};
+  kernels::ForwardBatch Batch(DType q_dtype) const {
+    return {.spans = spans,
+            .page_table = page_table,
+            .total_queries = 21,
+            .total_new_tokens = 26,
+            .num_q_heads = 8,
+            .num_kv_heads = 2,
+            .head_dim = 64,
+            .page_size = 16,
+            .kv_dtype = DType::kBFloat16,
+            .q_dtype = q_dtype,
+            .kv_wire_dtype = DType::kFloat32,
+            .causal = true,
+            .sm_scale = 0.125f,
+            .return_lse = true};
+  }
+};
+
+// Each new row's slot is its page (through its span's pages) times the page size plus its row.
+TEST(AttentionPlan, SlotsFollowEachSpansPages) {
+  const SmallForward f;
+  const kernels::AttentionPlan plan =
+      kernels::AttentionPlan::Make(f.Batch(DType::kBFloat16), {.target_blocks = 132});
+  ASSERT_EQ(plan.slots().size(), 26u);
+  EXPECT_EQ(plan.slots()[0], 9 * 16 + 7);  // position 39: the span's third page (id 9), row 7
+  for (int t = 0; t < 20; ++t) {
+    EXPECT_EQ(plan.slots()[1 + t], int64_t{f.page_table[3 + t / 16]} * 16 + t % 16) << t;
+  }
+  for (int t = 0; t < 5; ++t) {
+    const int pos = 30 + t;
+    EXPECT_EQ(plan.slots()[21 + t], int64_t{f.page_table[5 + pos / 16]} * 16 + pos % 16) << t;
+  }
+}
+
+// The sections are aligned and in order, none overlaps the next, the inputs end where the
+// results begin, and the device scratch comes last.
+TEST(AttentionPlan, StagingSectionsAreAlignedAndDisjoint) {
+  const SmallForward f;
+  for (DType q_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
+    const kernels::AttentionPlan plan =
+        kernels::AttentionPlan::Make(f.Batch(q_dtype), {.target_blocks = 132, .min_chunk = 64});
+    const kernels::ForwardStaging& st = plan.staging();
+    const kernels::AttentionWork& w = plan.work();
+    const size_t q_bytes = size_t{21} * 8 * 64 * DTypeSize(q_dtype);
+    const size_t kv_bytes = size_t{26} * 2 * 64 * 4;
+    struct Section {
+      size_t at, bytes;
+    };
+    const Section sections[] = {
+        {st.page_table, f.page_table.size() * 4},
+        {st.slots, 26 * 8},
+        {st.decode_items, w.decode_items.size() * sizeof(kernels::AttentionWorkItem)},
+        {st.decode_wide_items, w.decode_wide_items.size() * sizeof(kernels::AttentionWorkItem)},
+        {st.decode_first_pages, w.decode_first_pages.size() * sizeof(kernels::ItemFirstPages)},
+        {st.decode_wide_first_pages,
+         w.decode_wide_first_pages.size() * sizeof(kernels::ItemFirstPages)},
+        {st.prefill_items, w.prefill_items.size() * sizeof(kernels::AttentionWorkItem)},
+        {st.prefill_jobs, w.prefill_jobs.size() * sizeof(kernels::AttentionPrefillJob)},
+        {st.prefill_job_start, w.prefill_job_start.size() * 4},
+        {st.merge_tasks, w.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)},
+        {st.q, q_bytes},
+        {st.k, kv_bytes},
+        {st.v, kv_bytes},
+        {st.out, q_bytes},
+        {st.lse, size_t{21} * 8 * 4},
+        {st.q_f32, plan.converts_q() ? size_t{21} * 8 * 64 * 4 : 0},
+        {st.out_f32, plan.converts_q() ? size_t{21} * 8 * 64 * 4 : 0},
+        {st.partial_out, static_cast<size_t>(w.partial_rows) * 2 * 64 * 4},
+        {st.partial_lse, static_cast<size_t>(w.partial_rows) * 2 * 4}};
+    size_t end = 0;
+    for (const Section& s : sections) {
+      EXPECT_EQ(s.at % kernels::kStagingAlign, 0u) << "at " << s.at;
+      EXPECT_GE(s.at, end) << "overlaps the section before it";
+      end = s.at + s.bytes;
+    }
+    EXPECT_LE(end, st.device_bytes);
+    EXPECT_EQ(st.upload_bytes, st.out) << "the results follow the inputs";
+    EXPECT_LE(st.v + kv_bytes, st.upload_bytes);
+    EXPECT_EQ(st.out_bytes, q_bytes);
+    EXPECT_EQ(st.lse_bytes, size_t{21} * 8 * 4);
+    EXPECT_EQ(st.results_end, st.lse + kernels::kStagingAlign * ((st.lse_bytes + 255) / 256));
+    EXPECT_EQ(st.merge_counters, w.merge_tasks.size() * 2);
+    EXPECT_FALSE(w.prefill_items.empty());
+    EXPECT_FALSE(w.decode_items.empty());
+    EXPECT_EQ(w.decode_first_pages.size(), w.decode_items.size()) << "first pages attached";
+  }
+}
+
+// The image holds every input at its offset, bit for bit.
+TEST(AttentionPlan, WriteStagingPutsEachInputAtItsOffset) {
+  const SmallForward f;
+  const kernels::AttentionPlan plan =
+      kernels::AttentionPlan::Make(f.Batch(DType::kBFloat16), {.target_blocks = 132});
+  const kernels::ForwardStaging& st = plan.staging();
+  std::vector<uint16_t> q(21 * 8 * 64);
+  std::vector<float> k(26 * 2 * 64), v(26 * 2 * 64);
+  for (size_t i = 0; i < q.size(); ++i) q[i] = static_cast<uint16_t>(i * 7 + 1);
+  for (size_t i = 0; i < k.size(); ++i) {
+    k[i] = static_cast<float>(i) * 0.5f;
+    v[i] = -static_cast<float>(i);
+  }
+  std::vector<char> image(st.upload_bytes, 0x5a);
+  plan.WriteStaging(image.data(), q.data(), k.data(), v.data());
+  auto same = [&](size_t at, const void* want, size_t bytes) {
+    return std::memcmp(image.data() + at, want, bytes) == 0;
+  };
+  const kernels::AttentionWork& w = plan.work();
+  EXPECT_TRUE(same(st.page_table, f.page_table.data(), f.page_table.size() * 4));
+  EXPECT_TRUE(same(st.slots, plan.slots().data(), plan.slots().size() * 8));
+  EXPECT_TRUE(same(st.decode_items, w.decode_items.data(),
+                   w.decode_items.size() * sizeof(kernels::AttentionWorkItem)));
+  EXPECT_TRUE(same(st.decode_first_pages, w.decode_first_pages.data(),
+                   w.decode_first_pages.size() * sizeof(kernels::ItemFirstPages)));
+  EXPECT_TRUE(same(st.prefill_items, w.prefill_items.data(),
+                   w.prefill_items.size() * sizeof(kernels::AttentionWorkItem)));
+  EXPECT_TRUE(same(st.q, q.data(), q.size() * 2));
+  EXPECT_TRUE(same(st.k, k.data(), k.size() * 4));
+  EXPECT_TRUE(same(st.v, v.data(), v.size() * 4));
+}
+
+// The bound params point into the device image at the plan's offsets, and carry the batch's
+// shapes, the plan's work and the caller's pools and counters.
+TEST(AttentionPlan, BindPointsIntoTheDeviceImage) {
+  const SmallForward f;
+  const kernels::AttentionPlan plan =
+      kernels::AttentionPlan::Make(f.Batch(DType::kBFloat16), {.target_blocks = 132});
+  const kernels::ForwardStaging& st = plan.staging();
+  std::vector<char> device(st.device_bytes);
+  char* d = device.data();
+  int32_t counters[4];
+  char k_pool[16], v_pool[16];
+  const kernels::ForwardLaunch launch = plan.Bind(d, counters, k_pool, v_pool);
+  const kernels::AppendParams& a = launch.append;
+  EXPECT_EQ(a.k, d + st.k);
+  EXPECT_EQ(a.v, d + st.v);
+  EXPECT_EQ(static_cast<const void*>(a.slots), d + st.slots);
+  EXPECT_EQ(a.num_tokens, 26);
+  EXPECT_EQ(a.src_dtype, DType::kFloat32);
+  EXPECT_EQ(a.cache_dtype, DType::kBFloat16);
+  EXPECT_EQ(a.k_cache, k_pool);
+  const kernels::PagedAttentionParams& p = launch.attention;
+  EXPECT_EQ(static_cast<const void*>(p.page_table), d + st.page_table);
+  EXPECT_EQ(static_cast<const void*>(p.decode_items), d + st.decode_items);
+  EXPECT_EQ(static_cast<const void*>(p.decode_first_pages), d + st.decode_first_pages);
+  EXPECT_EQ(static_cast<const void*>(p.prefill_items), d + st.prefill_items);
+  EXPECT_EQ(static_cast<const void*>(p.merge_tasks), d + st.merge_tasks);
+  EXPECT_EQ(static_cast<const void*>(p.lse), d + st.lse);
+  EXPECT_EQ(static_cast<const void*>(p.partial_out), d + st.partial_out);
+  EXPECT_EQ(p.merge_counters, counters);
+  EXPECT_EQ(p.k_cache, k_pool);
+  EXPECT_EQ(p.v_cache, v_pool);
+  EXPECT_EQ(p.num_decode_items, static_cast<int32_t>(plan.work().decode_items.size()));
+  EXPECT_EQ(p.num_prefill_items, static_cast<int32_t>(plan.work().prefill_items.size()));
+  EXPECT_EQ(p.num_q_heads, 8);
+  EXPECT_EQ(p.head_dim, 64);
+  EXPECT_EQ(p.sm_scale, 0.125f);
+  // No lse asked for: none written.
+  kernels::ForwardBatch no_lse = f.Batch(DType::kBFloat16);
+  no_lse.return_lse = false;
+  const kernels::AttentionPlan plain = kernels::AttentionPlan::Make(no_lse, {.target_blocks = 132});
+  EXPECT_EQ(plain.staging().lse_bytes, 0u);
+  EXPECT_EQ(plain.Bind(d, counters, k_pool, v_pool).attention.lse, nullptr);
+}
+
+// The tiles read q (and write out) in float and in the cache's dtype as they are, in place in
+// the image; q in the other 16-bit type crosses them as a float copy: converted into q_f32 before
+// them, their out_f32 converted back into out after them.
+TEST(AttentionPlan, QInTheOther16BitTypeIsConvertedThroughFloat) {
+  const SmallForward f;  // a bf16 cache
+  std::vector<char> device(1 << 20);
+  char* d = device.data();
+  for (DType read : {DType::kFloat32, DType::kBFloat16}) {
+    const kernels::AttentionPlan plan =
+        kernels::AttentionPlan::Make(f.Batch(read), {.target_blocks = 132});
+    EXPECT_FALSE(plan.converts_q()) << DTypeName(read);
+    const kernels::ForwardLaunch launch = plan.Bind(d, nullptr, nullptr, nullptr);
+    EXPECT_EQ(launch.wire_dtype, DType::kUnspecified);
+    EXPECT_EQ(launch.attention.q_dtype, read);
+    EXPECT_EQ(launch.attention.q, d + plan.staging().q);
+    EXPECT_EQ(launch.attention.out, d + plan.staging().out);
+    EXPECT_EQ(plan.staging().q_f32, plan.staging().out_f32) << "no float copies";
+  }
+  const kernels::AttentionPlan plan =
+      kernels::AttentionPlan::Make(f.Batch(DType::kFloat16), {.target_blocks = 132});
+  ASSERT_TRUE(plan.converts_q());
+  const kernels::ForwardLaunch launch = plan.Bind(d, nullptr, nullptr, nullptr);
+  EXPECT_EQ(launch.wire_dtype, DType::kFloat16);
+  EXPECT_EQ(launch.wire_q, d + plan.staging().q);
+  EXPECT_EQ(launch.wire_out, d + plan.staging().out);
+  EXPECT_EQ(launch.wire_elems, 21 * 8 * 64);
+  EXPECT_EQ(launch.attention.q_dtype, DType::kFloat32);
+  EXPECT_EQ(launch.attention.q, d + plan.staging().q_f32);
+  EXPECT_EQ(launch.attention.out, d + plan.staging().out_f32);
+  EXPECT_GE(plan.staging().out_f32 - plan.staging().q_f32, size_t{21} * 8 * 64 * 4);
+}
+
+// The tiles' q dtype picks their instantiation: float32, or the cache's dtype; the other 16-bit
+// type is refused with a message naming both (the plan converts it before it gets there).
+TEST(AttentionDispatch, QDtypeIsFloatOrTheCaches) {
+  auto picked = [](DType q, DType cache) {
+    std::string name;
+    const kernels::LaunchStatus st = kernels::DispatchKvDType(cache, [&](auto tag) {
+      using T = typename decltype(tag)::type;
+      return kernels::DispatchQDType<T>(q, cache, [&](auto q_tag) {
+        using TIO = typename decltype(q_tag)::type;
+        name = std::is_same_v<TIO, float> ? "float" : (std::is_same_v<TIO, T> ? "cache" : "?");
+        return kernels::LaunchStatus::Ok();
+      });
+    });
+    return st.ok() ? name : st.message();
+  };
+  EXPECT_EQ(picked(DType::kFloat32, DType::kBFloat16), "float");
+  EXPECT_EQ(picked(DType::kBFloat16, DType::kBFloat16), "cache");
+  EXPECT_EQ(picked(DType::kFloat16, DType::kFloat16), "cache");
+  EXPECT_EQ(picked(DType::kFloat16, DType::kBFloat16),
+            "q dtype FLOAT16 on a BFLOAT16 cache: the tiles read FLOAT32 or the cache's dtype");
+}
+
+}  // namespace
+}  // namespace pagedattn

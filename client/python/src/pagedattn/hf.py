@@ -129,10 +129,9 @@ class PagedAttnCache(Cache):
     def get_max_length(self, *args: Any, **kwargs: Any) -> int:
         return -1
 
-    def get_mask_sizes(self, *args: Any, **kwargs: Any) -> tuple[int, int]:
-        query_length = args[0] if args and isinstance(args[0], int) else 0
-        if isinstance(args[0] if args else None, torch.Tensor):
-            query_length = args[0].shape[0]
+    def get_mask_sizes(self, query: Any = 0, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        # transformers 5.x passes the query length, 4.5x the cache_position tensor.
+        query_length = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
         return self._past_steps + query_length, 0
 
     def get_query_offset(self, *args: Any, **kwargs: Any) -> int:

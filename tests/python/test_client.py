@@ -403,3 +403,26 @@ def test_cli_info_validate_smoke(target, backend):
     assert r.stdout.strip().splitlines()[-1] == "PASS"
     r = _cli("--target=127.0.0.1:1", "--timeout_s=5", "info")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+def test_raw_protos_and_deadline(client, kv_dtypes):
+    rng = np.random.default_rng(15)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        q, k, v = randn(rng, 3, 4, 64), randn(rng, 3, 2, 64), randn(rng, 3, 2, 64)
+        req = pb.ForwardRequest(cache_id=cache.cache_id, layer=1, spans=[Span.prefill(4, 3).to_proto()],
+                                q=pagedattn.to_tensor(q), k=pagedattn.to_tensor(k),
+                                v=pagedattn.to_tensor(v))
+        req.options.return_lse = True
+        resp = client.forward_raw(req)
+        assert list(resp.out.shape) == [3, 4, 64] and list(resp.lse.shape) == [3, 4]
+        stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
+        ref, _ = reference_attention(q, stored(k), stored(v))
+        assert relative_error(pagedattn.to_numpy(resp.out), ref) <= TOLERANCE[kv_dtypes[0]]
+        assert cache.refresh().stats.forward_calls == 1
+        # 32 MiB cannot even be sent within 1 ms (a local unary call can finish within one).
+        big = np.zeros((8192, 8, 128), np.float32)
+        with pytest.raises(errors.DeadlineExceeded) as e:
+            client.forward(cache, 0, [Span.attend(4, 3, 8192)], big, timeout=1e-3)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(NotImplementedError):
+            client.step()

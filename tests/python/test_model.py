@@ -26,14 +26,14 @@ from pagedattn import hf  # noqa: E402
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [7, 7, 7] + list(range(100, 114))]  # 5, 11, 17
 NEW_TOKENS = 32
 # Relative error of the logits (||got - ref|| / ||ref|| per step) allowed per model dtype.
-LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 5e-3}
+LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
 
 
 def _device() -> str:
     return os.environ.get("PAGEDATTN_MODEL_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
 def test_generation_matches_transformers(client, kv_dtypes, backend, dtype):
     if dtype not in kv_dtypes:
         pytest.skip(f"the {backend} backend has no {dtype} cache")

@@ -22,8 +22,10 @@ fi
 # 2 minutes) let tests/python/test_model.py run a real model through the server; without them
 # (PAGEDATTN_TEST_TORCH=0, or no download) that test skips with its reason.
 if [ -x "$venv/bin/python3" ]; then
-  "$venv/bin/python3" -c "import pytest, ml_dtypes" 2>/dev/null ||
-    "$venv/bin/pip" install -q --disable-pip-version-check pytest ml_dtypes numpy
+  # googleapis-common-protos and grpcio-health-checking: the package must load beside them.
+  "$venv/bin/python3" -c "import pytest, ml_dtypes, google.rpc.status_pb2, grpc_health" 2>/dev/null ||
+    "$venv/bin/pip" install -q --disable-pip-version-check pytest ml_dtypes numpy \
+      googleapis-common-protos grpcio-health-checking
   if [ "${PAGEDATTN_TEST_TORCH:-1}" != 0 ] &&
      ! "$venv/bin/python3" -c "import torch, transformers" 2>/dev/null; then
     "$venv/bin/pip" install -q --disable-pip-version-check "torch>=2.4,<3" "transformers>=4.56,<6" ||

@@ -80,6 +80,10 @@ def test_vendored_messages_live_in_a_private_pool():
     for module in (status_pb2, error_details_pb2, health_pb2):
         assert module.DESCRIPTOR.pool is not descriptor_pool.Default()
     assert status_pb2.Status.DESCRIPTOR.full_name == "google.rpc.Status"
-    # So the standard modules can be loaded beside them (when installed).
-    googleapis = pytest.importorskip("google.rpc.status_pb2")
-    assert googleapis.Status.DESCRIPTOR.full_name == "google.rpc.Status"
+    # So the standard modules load beside them (googleapis-common-protos and
+    # grpcio-health-checking register the same full names in the default pool).
+    theirs_status = pytest.importorskip("google.rpc.status_pb2")
+    theirs_health = pytest.importorskip("grpc_health.v1.health_pb2")
+    wire = status_pb2.Status(code=3, message="m").SerializeToString()
+    assert theirs_status.Status.FromString(wire).message == "m"
+    assert theirs_health.HealthCheckResponse.SERVING == health_pb2.HealthCheckResponse.SERVING

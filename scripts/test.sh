@@ -15,6 +15,25 @@ if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflect
     rm -rf "$venv"
   }
 fi
+
+# The Python client (client/python) and its pytest suite (tests/python, ctest python_client_test).
+# The package is rebuilt from this checkout every run (its stubs come from proto/); a package that
+# does not build fails here. torch + transformers (CPU use of PyPI's default wheels, ~5 GB, about
+# 2 minutes) let tests/python/test_model.py run a real model through the server; without them
+# (PAGEDATTN_TEST_TORCH=0, or no download) that test skips with its reason.
+if [ -x "$venv/bin/python3" ]; then
+  # googleapis-common-protos and grpcio-health-checking: the package must load beside them.
+  "$venv/bin/python3" -c "import pytest, ml_dtypes, google.rpc.status_pb2, grpc_health" 2>/dev/null ||
+    "$venv/bin/pip" install -q --disable-pip-version-check pytest ml_dtypes numpy \
+      googleapis-common-protos grpcio-health-checking
+  if [ "${PAGEDATTN_TEST_TORCH:-1}" != 0 ] &&
+     ! "$venv/bin/python3" -c "import torch, transformers" 2>/dev/null; then
+    "$venv/bin/pip" install -q --disable-pip-version-check "torch>=2.4,<3" "transformers>=4.56,<6" ||
+      echo "test.sh: WARNING: could not install torch + transformers: test_model.py will skip"
+  fi
+  "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps ./client/python
+fi
+
 py=""
 # Not realpath: the venv's python3 is a symlink to the base interpreter.
 [ -x "$venv/bin/python3" ] && py="$PWD/$venv/bin/python3"

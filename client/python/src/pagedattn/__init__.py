@@ -1,0 +1,45 @@
+"""pagedattn: Python client of the pagedattn paged-attention gRPC service.
+
+    import numpy as np, pagedattn
+    with pagedattn.Client("localhost:50051") as client:
+        config = pagedattn.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=64,
+                                       page_size=16, kv_dtype="bfloat16", num_pages=64)
+        with client.create_cache(config) as cache:            # deleted on exit
+            q = np.random.randn(5, 8, 64).astype(np.float32)  # [queries, q heads, head_dim]
+            k = v = np.random.randn(5, 2, 64).astype(np.float32)
+            out = cache.forward(0, [pagedattn.Span.prefill(seq_id=1, num_tokens=5)], q, k, v)
+
+pagedattn.aio.Client is the asyncio twin; pagedattn.errors holds the exceptions;
+pagedattn.v1 the generated protos (attention_pb2) and stub (attention_pb2_grpc).
+"""
+
+from . import errors
+from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS
+from .client import Cache, Client
+from .errors import (
+    CacheConfigError,
+    DeadlineExceeded,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    OutOfPages,
+    PagedAttnError,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+    Unavailable,
+)
+from .reference import reference_attention, relative_error
+from .tensors import BFLOAT16, FLOAT16, FLOAT32, from_tensor, to_numpy, to_tensor, to_torch
+from .types import CacheConfig, Span
+from .v1 import attention_pb2 as pb
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
+    "DeadlineExceeded", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument", "NotFound",
+    "OutOfPages", "PagedAttnError", "PermissionDenied", "ResourceExhausted", "Span", "TLS",
+    "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",
+    "relative_error", "to_numpy", "to_tensor", "to_torch",
+]

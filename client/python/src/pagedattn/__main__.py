@@ -1,0 +1,140 @@
+"""python -m pagedattn [flags] info|health|validate|list|smoke: the basics of pagedattn-cli.
+
+Messages print as JSON. Exit codes: 0 success (SERVING, valid, PASS), 1 an RPC error or a
+negative answer (NOT_SERVING, invalid config, FAIL), 2 bad usage."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Optional, Sequence
+
+from google.protobuf import json_format
+
+from . import errors
+from ._common import TLS
+from .client import Client
+from .smoke import run_smoke
+from .types import CacheConfig
+from .v1 import attention_pb2 as pb
+
+COMMANDS = {
+    "info": "server version, backend, device and capability table",
+    "health": "grpc.health.v1 check: prints SERVING / NOT_SERVING",
+    "validate": "dry-run CreateCache with the config flags: every violation and the size",
+    "list": "every cache with its stats",
+    "smoke": "random mixed prefill/decode batch through Forward, compared with a float64 "
+    "reference; prints PASS/FAIL",
+}
+
+
+def to_json(message: Any) -> str:
+    try:  # protobuf >= 5.26
+        return json_format.MessageToJson(message, always_print_fields_with_no_presence=True)
+    except TypeError:  # protobuf 4.x
+        return json_format.MessageToJson(message, including_default_value_fields=True)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m pagedattn",
+        description="pagedattn Python client: "
+        + "; ".join(f"{k}: {v}" for k, v in COMMANDS.items()),
+    )
+    p.add_argument("command", choices=sorted(COMMANDS))
+    p.add_argument("--target", default="localhost:50051", help="server address, host:port")
+    p.add_argument("--timeout_s", type=float, default=60, help="deadline of each RPC, seconds")
+    p.add_argument("--token", default=os.environ.get("PAGEDATTN_TOKEN", ""),
+                   help="bearer token (default: $PAGEDATTN_TOKEN)")
+    p.add_argument("--tls", action="store_true", help="TLS with the system roots")
+    p.add_argument("--tls_ca", default="", help="PEM file of CA roots: connect with TLS")
+    p.add_argument("--tls_cert", default="", help="client certificate PEM (mTLS)")
+    p.add_argument("--tls_key", default="", help="client private key PEM (mTLS)")
+    p.add_argument("--tls_server_name", default="", help="name to expect in the server certificate")
+    g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, kv_dtype)")
+    g.add_argument("--num_layers", type=int, default=32)
+    g.add_argument("--num_q_heads", type=int, default=None, help="default 32 (smoke: 8)")
+    g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
+    g.add_argument("--head_dim", type=int, default=128)
+    g.add_argument("--page_size", type=int, default=16)
+    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED")
+    g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
+    g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
+    g.add_argument("--device", type=int, default=0)
+    g.add_argument("--q_dtype", default="FLOAT32", help="smoke: dtype of q on the wire")
+    g.add_argument("--seed", type=int, default=1, help="smoke: random seed")
+    return p
+
+
+def _tls(a: argparse.Namespace) -> Any:
+    if a.tls_ca or a.tls_cert:
+        return TLS(ca=a.tls_ca or None, cert=a.tls_cert or None, key=a.tls_key or None,
+                   server_name=a.tls_server_name or None)
+    return TLS(server_name=a.tls_server_name or None) if a.tls else False
+
+
+def run(a: argparse.Namespace) -> int:
+    with Client(a.target, a.token or None, tls=_tls(a), timeout=a.timeout_s) as c:
+        if a.command == "info":
+            print(to_json(c.server_info()))
+        elif a.command == "health":
+            serving = c.health()
+            print("SERVING" if serving else "NOT_SERVING")
+            return 0 if serving else 1
+        elif a.command == "list":
+            print(to_json(pb.ListCachesResponse(caches=c.list_caches())))
+        elif a.command == "validate":
+            config = CacheConfig(
+                a.num_layers,
+                32 if a.num_q_heads is None else a.num_q_heads,
+                8 if a.num_kv_heads is None else a.num_kv_heads,
+                a.head_dim,
+                a.page_size,
+                a.kv_dtype,
+                num_pages=a.num_pages or None,
+                max_bytes=a.max_bytes or None,
+                device=a.device,
+            )
+            r = c.validate(config)
+            print(to_json(r))
+            return 0 if r.valid else 1
+        elif a.command == "smoke":
+            info = c.server_info()
+            r = run_smoke(
+                c,
+                head_dim=a.head_dim,
+                page_size=a.page_size,
+                num_q_heads=8 if a.num_q_heads is None else a.num_q_heads,
+                num_kv_heads=2 if a.num_kv_heads is None else a.num_kv_heads,
+                kv_dtype=a.kv_dtype,
+                q_dtype=a.q_dtype,
+                seed=a.seed,
+            )
+            print(f"smoke against {a.target} (backend {info.backend}, {info.device_name}), "
+                  f"cache {r.cache_id}:")
+            print("\n".join(r.lines))
+            print(f"max relative error {r.max_rel_error:.3g} (tolerance {r.tolerance:g}), "
+                  f"max lse error {r.max_lse_error:.3g}, {r.spans_checked} spans checked")
+            print("PASS" if r.passed else "FAIL")
+            return 0 if r.passed else 1
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    a = parser().parse_args(argv)
+    try:
+        return run(a)
+    except errors.PagedAttnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, errors.CacheConfigError):
+            for field, description in e.violations:
+                print(f"  {field}: {description}", file=sys.stderr)
+        return 1
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

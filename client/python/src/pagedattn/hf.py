@@ -1,0 +1,300 @@
+"""Hugging Face transformers models with their attention and KV cache in pagedattn.
+
+Two pieces plug into transformers' own extension points:
+  * `paged_attention_forward`, registered with `AttentionInterface` (register()) and picked by
+    `model.set_attn_implementation("pagedattn")`: each layer's call sends that layer's q and the
+    step's new (post-RoPE) k/v as one Forward; the server appends k/v and returns the output.
+  * `PagedAttnCache`, a transformers `Cache` that keeps no tensors: the K/V live in the server.
+    It holds the sequence ids and lengths, and the plan of the step in progress (which rows of
+    the padded [batch, time] input are real tokens).
+
+`greedy_generate()` drives a causal LM step by step (ragged, left-padded prefill, then one token
+per sequence per step) with either this pair or transformers' own DynamicCache + attention, so
+the two can be compared token for token. Needs torch and transformers (4.5x or 5.x).
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import torch
+from transformers import AttentionInterface
+from transformers.cache_utils import Cache, DynamicCache
+
+from .client import Cache as CacheHandle
+from .types import CacheConfig, Span
+
+ATTN_IMPLEMENTATION = "pagedattn"
+CACHE_KWARG = "pagedattn_cache"  # the model-call kwarg transformers hands on to the attention
+
+
+def register(name: str = ATTN_IMPLEMENTATION) -> str:
+    """Registers paged_attention_forward with transformers' AttentionInterface as `name`."""
+    AttentionInterface.register(name, paged_attention_forward)
+    return name
+
+
+def set_attention(model: Any, name: str) -> None:
+    """Switches `model` to the attention implementation `name` ("eager", "pagedattn", ...)."""
+    if hasattr(model, "set_attn_implementation"):  # transformers >= 4.56
+        model.set_attn_implementation(name)
+    else:
+        model.config._attn_implementation = name
+
+
+def cache_config_for(model_config: Any, *, page_size: int = 16, kv_dtype: Any = "bfloat16",
+                     num_pages: Optional[int] = None) -> CacheConfig:
+    """A pagedattn CacheConfig with the layers and heads of a transformers model config."""
+    head_dim = getattr(model_config, "head_dim", None) or (
+        model_config.hidden_size // model_config.num_attention_heads
+    )
+    return CacheConfig(
+        num_layers=model_config.num_hidden_layers,
+        num_q_heads=model_config.num_attention_heads,
+        num_kv_heads=getattr(model_config, "num_key_value_heads", None)
+        or model_config.num_attention_heads,
+        head_dim=head_dim,
+        page_size=page_size,
+        kv_dtype=kv_dtype,
+        num_pages=num_pages,
+    )
+
+
+class PagedAttnCache(Cache):
+    """A transformers Cache whose K/V live in a pagedattn cache.
+
+    Args:
+        cache: the pagedattn Cache handle (client.create_cache(...)).
+        seq_ids: one server sequence id per batch row.
+
+    Before each model call, plan(real) says which positions of the [batch, time] input are real
+    tokens (False: padding); the model call must also get `pagedattn_cache=<this cache>`
+    (greedy_generate does both). update() stores nothing and returns the new k/v, which the
+    attention function sends to the server with q.
+    """
+
+    is_compileable = False
+
+    def __init__(self, cache: CacheHandle, seq_ids: Sequence[int]) -> None:
+        try:  # transformers >= 4.56: a Cache is a list of layers (none here)
+            super().__init__(layers=[])
+        except TypeError:
+            super().__init__()
+        self.handle = cache
+        self.seq_ids = [int(s) for s in seq_ids]
+        self.lengths = [0] * len(self.seq_ids)  # tokens per sequence held by the server
+        self.real: Optional[torch.Tensor] = None  # [batch, time] bool of the step in progress
+        self.spans: list[Span] = []
+        self._past_steps = 0  # padded time steps before the one in progress
+        self._steps = 0
+        self.forward_calls = 0
+
+    def plan(self, real: torch.Tensor) -> None:
+        """Starts a step: real[b, t] is True where input row b has a token at time t. Row b's
+        real tokens become positions lengths[b] .. lengths[b]+count-1 of sequence seq_ids[b]."""
+        if real.dim() != 2 or real.shape[0] != len(self.seq_ids):
+            raise ValueError(f"plan() needs a [batch={len(self.seq_ids)}, time] mask (got {tuple(real.shape)})")
+        self.real = real.to(torch.bool)
+        counts = self.real.sum(dim=1).tolist()
+        self.spans = [
+            Span.prefill(seq, n, start=length)
+            for seq, n, length in zip(self.seq_ids, counts, self.lengths)
+            if n > 0
+        ]
+        self.lengths = [length + n for length, n in zip(self.lengths, counts)]
+        self._past_steps = self._steps
+        self._steps += real.shape[1]
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
+               *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        # Nothing is kept here: the attention function sends these new k/v to the server.
+        return key_states, value_states
+
+    def release(self) -> Any:
+        """Frees the sequences' pages in the server; returns the ReleaseSequencesResponse."""
+        resp = self.handle.release(self.seq_ids)
+        self.lengths = [0] * len(self.seq_ids)
+        return resp
+
+    # The padded [batch, time] view that transformers' mask code may ask about.
+    def get_seq_length(self, layer_idx: Optional[int] = 0, *args: Any, **kwargs: Any) -> int:
+        return self._past_steps
+
+    def get_max_cache_shape(self, *args: Any, **kwargs: Any) -> int:
+        return -1
+
+    def get_max_length(self, *args: Any, **kwargs: Any) -> int:
+        return -1
+
+    def get_mask_sizes(self, query: Any = 0, *args: Any, **kwargs: Any) -> tuple[int, int]:
+        # transformers 5.x passes the query length, 4.5x the cache_position tensor.
+        query_length = query.shape[0] if isinstance(query, torch.Tensor) else int(query)
+        return self._past_steps + query_length, 0
+
+    def get_query_offset(self, *args: Any, **kwargs: Any) -> int:
+        return self._past_steps
+
+
+def paged_attention_forward(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: Optional[torch.Tensor],
+    scaling: Optional[float] = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention function: query [batch, q_heads, time, head_dim], key/value
+    [batch, kv_heads, time, head_dim] (this step's new tokens, post-RoPE). The real rows go to
+    the server as one Forward on layer module.layer_idx; returns [batch, time, q_heads, head_dim]
+    (zeros at padding) and no attention weights. The mask is not needed: each sequence is its
+    own span, causal in the server."""
+    cache = kwargs.get(CACHE_KWARG)
+    if not isinstance(cache, PagedAttnCache):
+        raise ValueError(
+            f"the '{ATTN_IMPLEMENTATION}' attention needs the model call to pass "
+            f"{CACHE_KWARG}=<PagedAttnCache> (pagedattn.hf.greedy_generate does)"
+        )
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise NotImplementedError("pagedattn serves full causal attention (no sliding window/softcap)")
+    if dropout:
+        raise NotImplementedError("pagedattn serves inference: dropout must be 0")
+    real = cache.real
+    if real is None or real.shape != (query.shape[0], query.shape[2]):
+        raise ValueError("PagedAttnCache.plan() was not called for this step's [batch, time] input")
+    real = real.to(query.device)
+    # [batch, heads, time, dim] -> [tokens, heads, dim], rows in span order (batch-major).
+    q = query.transpose(1, 2)[real]
+    k = key.transpose(1, 2)[real]
+    v = value.transpose(1, 2)[real]
+    out = cache.handle.forward(
+        module.layer_idx, cache.spans, q, k, v,
+        causal=getattr(module, "is_causal", True), sm_scale=scaling,
+    )
+    cache.forward_calls += 1
+    full = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
+    full[real] = out.to(dtype=query.dtype, device=query.device)
+    return full, None
+
+
+def _cache_kwarg(model: Any) -> str:
+    # transformers 5.x renames past_key_values to cache (the old name is deprecated).
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+@dataclass
+class Generation:
+    """tokens: [batch, steps] greedy (or forced) token ids; logits: one [batch, vocab] float32
+    CPU tensor per step (step 0: the prefill's last position); times in seconds."""
+
+    tokens: torch.Tensor
+    logits: list[torch.Tensor]
+    chosen: torch.Tensor  # [batch, steps] the model's own argmax at each step
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    decode_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else 0.0
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: Any,
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    *,
+    cache: Optional[PagedAttnCache] = None,
+    force_tokens: Optional[torch.Tensor] = None,
+    pad_token_id: int = 0,
+) -> Generation:
+    """Greedy decoding of a ragged batch: one left-padded prefill call, then one call per new
+    token with one token per sequence.
+
+    cache: a PagedAttnCache (the model set to the 'pagedattn' attention) or None for
+    transformers' own DynamicCache with the model's current attention (e.g. eager).
+    force_tokens: [batch, max_new_tokens] tokens to feed instead of the argmax (teacher forcing,
+    to compare logits step by step); `chosen` still records the argmax.
+    """
+    device = next(model.parameters()).device
+    batch = len(prompts)
+    width = max(len(p) for p in prompts)
+    ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    real = torch.zeros((batch, width), dtype=torch.bool)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(list(p), dtype=torch.long)
+        real[b, width - len(p):] = True
+    lengths = real.sum(dim=1)
+    position_ids = (real.long().cumsum(dim=1) - 1).clamp(min=0)
+    attn_mask = real.long()
+
+    kv = cache if cache is not None else DynamicCache()
+    kw = {_cache_kwarg(model): kv, "use_cache": True}
+    if cache is not None:
+        kw[CACHE_KWARG] = cache
+
+    tokens, chosen, logits = [], [], []
+    step_ids, step_pos, step_real = ids, position_ids, real
+    prefill_s = decode_s = 0.0
+    for step in range(max_new_tokens):
+        if cache is not None:
+            cache.plan(step_real)
+        t0 = time.perf_counter()
+        out = model(
+            input_ids=step_ids.to(device),
+            attention_mask=attn_mask.to(device),
+            position_ids=step_pos.to(device),
+            **kw,
+        )
+        last = out.logits[:, -1, :].float().cpu()
+        if step == 0:
+            prefill_s = time.perf_counter() - t0
+        else:
+            decode_s += time.perf_counter() - t0
+        argmax = last.argmax(dim=-1)
+        nxt = argmax if force_tokens is None else force_tokens[:, step].to(torch.long)
+        logits.append(last)
+        chosen.append(argmax)
+        tokens.append(nxt)
+        step_ids = nxt[:, None]
+        step_pos = lengths[:, None].clone()
+        step_real = torch.ones((batch, 1), dtype=torch.bool)
+        attn_mask = torch.cat([attn_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+        lengths = lengths + 1
+    return Generation(
+        tokens=torch.stack(tokens, dim=1),
+        logits=logits,
+        chosen=torch.stack(chosen, dim=1),
+        prefill_s=prefill_s,
+        decode_s=decode_s,
+        decode_tokens=batch * (max_new_tokens - 1),
+    )
+
+
+def tiny_llama(*, num_layers: int = 4, num_q_heads: int = 8, num_kv_heads: int = 2,
+               head_dim: int = 64, vocab_size: int = 512, seed: int = 0,
+               dtype: Any = torch.float32, device: Any = "cpu") -> Any:
+    """A LlamaForCausalLM with random weights from a fixed seed (nothing is downloaded)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=num_q_heads * head_dim,
+        intermediate_size=2 * num_q_heads * head_dim,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_q_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(dtype=dtype, device=device)
+    model.eval()
+    return model

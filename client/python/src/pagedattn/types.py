@@ -1,0 +1,138 @@
+"""Friendly Python types for the API's messages: CacheConfig and Span (dataclasses that convert
+to and from the pagedattn.v1 protos; every call also takes the raw protos)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional, Union
+
+from .tensors import DTypeLike, dtype_enum, dtype_name
+from .v1 import attention_pb2 as pb
+
+
+@dataclass
+class CacheConfig:
+    """The configuration of one paged KV cache (pagedattn.v1.CacheConfig).
+
+    Capacity: `num_pages`, or `max_bytes` (as many whole pages as fit), or neither (the largest
+    pool that fits in 90% of the free device memory). A page holds `page_size` tokens of every
+    layer: bytes = num_pages * 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize.
+    """
+
+    num_layers: int
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int = 16
+    kv_dtype: DTypeLike = "bfloat16"  # float16/bfloat16 (float32 on the CPU backend)
+    num_pages: Optional[int] = None
+    max_bytes: Optional[int] = None
+    device: int = 0  # CUDA device index; 0 on the CPU backend
+
+    def to_proto(self) -> pb.CacheConfig:
+        msg = pb.CacheConfig(
+            num_layers=self.num_layers,
+            num_q_heads=self.num_q_heads,
+            num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            page_size=self.page_size,
+            kv_dtype=dtype_enum(self.kv_dtype),
+            device=self.device,
+        )
+        if self.num_pages is not None and self.max_bytes is not None:
+            raise ValueError("CacheConfig: set num_pages or max_bytes, not both")
+        if self.num_pages is not None:
+            msg.num_pages = self.num_pages
+        if self.max_bytes is not None:
+            msg.max_bytes = self.max_bytes
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.CacheConfig) -> "CacheConfig":
+        capacity = msg.WhichOneof("capacity")
+        return cls(
+            num_layers=msg.num_layers,
+            num_q_heads=msg.num_q_heads,
+            num_kv_heads=msg.num_kv_heads,
+            head_dim=msg.head_dim,
+            page_size=msg.page_size,
+            kv_dtype=dtype_name(msg.kv_dtype),
+            num_pages=msg.num_pages if capacity == "num_pages" else None,
+            max_bytes=msg.max_bytes if capacity == "max_bytes" else None,
+            device=msg.device,
+        )
+
+
+ConfigLike = Union[CacheConfig, pb.CacheConfig]
+
+
+def config_proto(config: ConfigLike) -> pb.CacheConfig:
+    if isinstance(config, pb.CacheConfig):
+        return config
+    if isinstance(config, CacheConfig):
+        return config.to_proto()
+    raise TypeError(f"expected pagedattn.CacheConfig or pagedattn.v1 CacheConfig (got {type(config)})")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One sequence's piece of a Forward: write `num_new_tokens` K/V rows at positions
+    start..start+num_new_tokens-1, then attend its `num_queries` queries (the last positions)."""
+
+    seq_id: int
+    start: int
+    num_new_tokens: int
+    num_queries: int
+
+    @classmethod
+    def prefill(cls, seq_id: int, num_tokens: int, start: int = 0) -> "Span":
+        """Append `num_tokens` tokens at `start` (0 for a new sequence) and query all of them."""
+        return cls(seq_id, start, num_tokens, num_tokens)
+
+    @classmethod
+    def decode(cls, seq_id: int, position: int) -> "Span":
+        """Append one token at `position` (the sequence's length) and query it."""
+        return cls(seq_id, position, 1, 1)
+
+    @classmethod
+    def attend(cls, seq_id: int, length: int, num_queries: int = 1) -> "Span":
+        """Append nothing; query the last `num_queries` positions of a `length`-token sequence."""
+        return cls(seq_id, length, 0, num_queries)
+
+    def to_proto(self) -> pb.Span:
+        return pb.Span(
+            seq_id=self.seq_id,
+            start=self.start,
+            num_new_tokens=self.num_new_tokens,
+            num_queries=self.num_queries,
+        )
+
+
+SpanLike = Union[Span, pb.Span, tuple]
+
+
+def span_protos(spans: Iterable[SpanLike]) -> list[pb.Span]:
+    out = []
+    for s in spans:
+        if isinstance(s, pb.Span):
+            out.append(s)
+        elif isinstance(s, Span):
+            out.append(s.to_proto())
+        elif isinstance(s, tuple) and len(s) == 4:
+            out.append(Span(*s).to_proto())
+        else:
+            raise TypeError(
+                f"a span is a pagedattn.Span, a pagedattn.v1 Span or a tuple "
+                f"(seq_id, start, num_new_tokens, num_queries) (got {s!r})"
+            )
+    return out
+
+
+def cache_id_of(cache: Any) -> str:
+    """The cache id of a Cache handle, a CacheInfo or a plain id string."""
+    if isinstance(cache, str):
+        return cache
+    cid = getattr(cache, "cache_id", None)
+    if isinstance(cid, str) and cid:
+        return cid
+    raise TypeError(f"expected a cache id, a Cache or a CacheInfo (got {type(cache)})")

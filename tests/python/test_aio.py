@@ -1,0 +1,92 @@
+"""pagedattn.aio.Client: the same API under asyncio, many Forwards in flight at once, and
+errors with the same structure as the blocking client's."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+import pagedattn
+import pagedattn.aio
+from pagedattn import CacheConfig, Span, errors
+from pagedattn.reference import reference_attention, relative_error
+from pagedattn.smoke import round_to
+from pagedattn.tensors import dtype_enum
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def test_every_method(target, kv_dtypes):
+    async def main() -> None:
+        async with pagedattn.aio.Client(target) as client:
+            assert await client.health()
+            info = await client.server_info()
+            assert list(info.capabilities.head_dims) == [64, 128, 256]
+            bad = CacheConfig(2, 32, 5, 100, page_size=0, kv_dtype="dtype_unspecified", num_pages=8)
+            assert not (await client.validate(bad)).valid
+            with pytest.raises(errors.CacheConfigError) as e:
+                await client.create_cache(bad)
+            assert sorted(e.value.fields) == ["head_dim", "kv_dtype", "num_q_heads", "page_size"]
+            config = CacheConfig(1, 4, 2, 64, page_size=4, kv_dtype=kv_dtypes[0], num_pages=8)
+            async with await client.create_cache(config, "aio") as cache:
+                assert cache.cache_id in [c.cache_id for c in await client.list_caches()]
+                rng = np.random.default_rng(0)
+                q, k, v = (rng.standard_normal((5, h, 64), dtype=np.float32) for h in (4, 2, 2))
+                out, lse = await cache.forward(0, [Span.prefill(1, 5)], q, k, v, return_lse=True)
+                stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
+                ref, ref_lse = reference_attention(q, stored(k), stored(v))
+                assert relative_error(out, ref) <= TOLERANCE[kv_dtypes[0]]
+                assert lse.shape == (5, 4)
+                with pytest.raises(errors.FailedPrecondition):
+                    await cache.forward(0, [Span.decode(1, 9)], q[:1], k[:1], v[:1])
+                with pytest.raises(errors.OutOfPages) as e:
+                    await cache.forward(0, [Span.prefill(2, 32)], *(
+                        rng.standard_normal((32, h, 64), dtype=np.float32) for h in (4, 2, 2)))
+                assert (e.value.pages_needed, e.value.free_pages) == (8, 6)
+                assert (await cache.release([1])).freed_pages == 2
+                assert (await cache.stats()).used_pages == 0
+            assert cache.deleted
+            with pytest.raises(errors.NotFound) as e:
+                await client.get_cache(cache.cache_id)
+            assert e.value.code == grpc.StatusCode.NOT_FOUND
+
+    asyncio.run(main())
+
+
+def test_many_forwards_in_flight(target, kv_dtypes):
+    """32 sequences, each prefilled then decoded 4 steps; every step's Forwards run at once."""
+    cache_dtype = kv_dtypes[0]
+    stored = lambda x: round_to(dtype_enum(cache_dtype), x)  # noqa: E731
+    n_seq, steps = 32, 4
+
+    async def main() -> float:
+        rng = np.random.default_rng(7)
+        config = CacheConfig(1, 8, 2, 64, page_size=8, kv_dtype=cache_dtype, num_pages=n_seq * 2)
+        async with pagedattn.aio.Client(target) as client:
+            async with await client.create_cache(config) as cache:
+                k = {s: rng.standard_normal((5 + s % 7, 2, 64), dtype=np.float32) for s in range(n_seq)}
+                v = {s: rng.standard_normal(k[s].shape, dtype=np.float32) for s in range(n_seq)}
+                q = {s: rng.standard_normal((k[s].shape[0], 8, 64), dtype=np.float32) for s in range(n_seq)}
+                outs = await asyncio.gather(*(
+                    cache.forward(0, [Span.prefill(s, len(k[s]))], q[s], k[s], v[s]) for s in range(n_seq)))
+                worst = max(relative_error(o, reference_attention(q[s], stored(k[s]), stored(v[s]))[0])
+                            for s, o in enumerate(outs))
+                for _ in range(steps):
+                    new = {s: [rng.standard_normal((1, h, 64), dtype=np.float32) for h in (8, 2, 2)]
+                           for s in range(n_seq)}
+                    outs = await asyncio.gather(*(
+                        cache.forward(0, [Span.decode(s, len(k[s]))], *new[s]) for s in range(n_seq)))
+                    for s, o in enumerate(outs):
+                        k[s] = np.concatenate([k[s], new[s][1]])
+                        v[s] = np.concatenate([v[s], new[s][2]])
+                        ref = reference_attention(new[s][0], stored(k[s]), stored(v[s]))[0]
+                        worst = max(worst, relative_error(o, ref))
+                stats = await cache.stats()
+                assert stats.forward_calls == n_seq * (steps + 1)
+                assert stats.live_sequences == n_seq
+                return worst
+
+    assert asyncio.run(main()) <= TOLERANCE[cache_dtype]

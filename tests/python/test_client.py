@@ -1,0 +1,428 @@
+"""pagedattn.Client against a real server: every method, every error type with its structure,
+f32/f16/bf16 round trips against the float64 reference, big prefills, concurrent threads."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+
+import grpc
+import ml_dtypes
+import numpy as np
+import pytest
+
+import pagedattn
+from pagedattn import CacheConfig, Span, errors, pb
+from pagedattn.reference import reference_attention, relative_error
+from pagedattn.smoke import round_to
+from pagedattn.tensors import dtype_enum
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+NUMPY_DTYPE = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
+
+
+def small_config(kv_dtype: str = "float16", **kw) -> CacheConfig:
+    args = dict(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                kv_dtype=kv_dtype, num_pages=16)
+    args.update(kw)
+    return CacheConfig(**args)
+
+
+def issue_config() -> CacheConfig:
+    """The issue's invalid config: page_size 0, head_dim 100, 32 q heads over 5 kv heads, no dtype."""
+    return CacheConfig(num_layers=2, num_q_heads=32, num_kv_heads=5, head_dim=100, page_size=0,
+                       kv_dtype="dtype_unspecified", num_pages=8)
+
+
+def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
+    return rng.standard_normal(shape, dtype=np.float32)
+
+
+# -- metadata RPCs ---------------------------------------------------------------------------
+
+
+def test_server_info_has_capability_table(server_info, backend):
+    assert server_info.version
+    assert backend in ("cpu", "cuda")
+    assert list(server_info.capabilities.head_dims) == [64, 128, 256]
+    assert server_info.capabilities.min_page_size == 1
+    assert server_info.capabilities.max_page_size == 1024
+    assert (pb.FLOAT32 in server_info.capabilities.kv_dtypes) == (backend == "cpu")
+    assert server_info.device_memory_bytes > 0
+
+
+def test_health_is_serving(client):
+    assert client.health() is True
+
+
+def test_validate_reports_every_violation_and_allocates_nothing(client):
+    before = len(client.list_caches())
+    r = client.validate(issue_config())
+    assert not r.valid
+    assert sorted(v.field for v in r.violations) == ["head_dim", "kv_dtype", "num_q_heads", "page_size"]
+    ok = client.validate(small_config(num_pages=8))
+    assert ok.valid and ok.fits
+    assert ok.num_pages == 8
+    assert ok.capacity_tokens == 8 * 4
+    assert ok.bytes == 8 * 2 * 2 * 2 * 4 * 64 * 2  # pages x K,V x layers x kv heads x page x dim x f16
+    assert len(client.list_caches()) == before
+    # The raw proto works as well as the dataclass.
+    assert client.validate(small_config().to_proto()).valid
+
+
+def test_cache_lifecycle(client, kv_dtypes):
+    config = small_config(kv_dtypes[0])
+    with client.create_cache(config, name="py-lifecycle") as cache:
+        assert len(cache.cache_id) == 32
+        assert cache.info.name == "py-lifecycle"
+        assert cache.config.num_pages == 16
+        assert pagedattn.CacheConfig.from_proto(cache.config) == config
+        assert cache.cache_id in [c.cache_id for c in client.list_caches()]
+        info = client.get_cache(cache.cache_id)
+        assert info.stats.free_pages == 16 and info.stats.used_pages == 0
+        assert client.get_cache(cache).cache_id == cache.cache_id  # a handle works as an id
+    assert cache.deleted
+    with pytest.raises(errors.NotFound) as e:
+        client.get_cache(cache.cache_id)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    assert cache.cache_id in e.value.message
+
+    kept = client.create_cache(config, delete_on_exit=False)
+    with kept:
+        pass
+    assert client.get_cache(kept).cache_id == kept.cache_id
+    assert client.delete_cache(kept.cache_id) == kept.info.bytes
+
+
+# -- errors, with their structure ------------------------------------------------------------
+
+
+def test_create_cache_invalid_raises_cache_config_error_with_violations(client):
+    with pytest.raises(errors.CacheConfigError) as e:
+        client.create_cache(issue_config())
+    err = e.value
+    assert isinstance(err, errors.InvalidArgument) and isinstance(err, errors.PagedAttnError)
+    assert err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "4 violations" in err.message
+    assert sorted(err.fields) == ["head_dim", "kv_dtype", "num_q_heads", "page_size"]
+    described = dict(err.violations)
+    assert "(got 0" in described["page_size"]
+    assert "nearest valid: 30 or 35" in described["num_q_heads"]
+    # The google.rpc.Status from the grpc-status-details-bin trailer, as sent.
+    assert err.status is not None and err.status.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert err.status.details[0].type_url.endswith("google.rpc.BadRequest")
+    assert str(err).startswith("INVALID_ARGUMENT: invalid cache config")
+
+
+def test_oversized_cache_is_resource_exhausted_with_numbers(client):
+    with pytest.raises(errors.ResourceExhausted) as e:
+        client.create_cache(small_config(num_pages=10**9))
+    err = e.value
+    assert not isinstance(err, errors.OutOfPages)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert err.num_pages == 10**9
+    assert err.bytes_per_page == 2 * 2 * 2 * 4 * 64 * 2
+    assert err.bytes_needed == err.num_pages * err.bytes_per_page
+    assert 0 < err.free_bytes < err.bytes_needed
+    assert err.max_pages == err.free_bytes // err.bytes_per_page
+
+
+def test_out_of_pages_has_numbers_and_changes_nothing(client, kv_dtypes):
+    rng = np.random.default_rng(1)
+    with client.create_cache(small_config(kv_dtypes[0], num_pages=3)) as cache:  # 12 tokens
+        cache.forward(0, [Span.prefill(1, 5)], randn(rng, 5, 4, 64), randn(rng, 5, 2, 64),
+                      randn(rng, 5, 2, 64))  # 2 pages
+        with pytest.raises(errors.OutOfPages) as e:
+            cache.forward(0, [Span.prefill(2, 9)], randn(rng, 9, 4, 64), randn(rng, 9, 2, 64),
+                          randn(rng, 9, 2, 64))  # 3 more pages, 1 free
+        err = e.value
+        assert isinstance(err, errors.ResourceExhausted)
+        assert (err.pages_needed, err.free_pages, err.total_pages, err.page_size) == (3, 1, 3, 4)
+        stats = cache.stats()
+        assert (stats.used_pages, stats.live_sequences) == (2, 1)  # the failed Forward left nothing
+        # Longer than the whole cache: RESOURCE_EXHAUSTED with the capacity.
+        with pytest.raises(errors.ResourceExhausted) as e:
+            cache.forward(0, [Span.prefill(3, 13)], randn(rng, 13, 4, 64), randn(rng, 13, 2, 64),
+                          randn(rng, 13, 2, 64))
+        assert (e.value.sequence_length, e.value.capacity_tokens) == (13, 12)
+
+
+def test_not_found_errors(client, kv_dtypes):
+    rng = np.random.default_rng(2)
+    q, kv = randn(rng, 1, 4, 64), randn(rng, 1, 2, 64)
+    with pytest.raises(errors.NotFound) as e:
+        client.forward("0" * 32, 0, [Span.prefill(1, 1)], q, kv, kv)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        with pytest.raises(errors.NotFound) as e:
+            cache.forward(0, [Span.attend(7, 5, 1)], q)  # attend-only on an unknown sequence
+        assert "sequence 7 not found" in e.value.message
+    with pytest.raises(errors.NotFound):
+        client.delete_cache(cache.cache_id)
+
+
+def test_position_gap_is_failed_precondition(client, kv_dtypes):
+    rng = np.random.default_rng(3)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        cache.forward(0, [Span.prefill(1, 3)], randn(rng, 3, 4, 64), randn(rng, 3, 2, 64),
+                      randn(rng, 3, 2, 64))
+        with pytest.raises(errors.FailedPrecondition) as e:
+            cache.forward(0, [Span.decode(1, 5)], randn(rng, 1, 4, 64), randn(rng, 1, 2, 64),
+                          randn(rng, 1, 2, 64))
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "start=5 leaves a gap" in e.value.message
+
+
+def test_bad_shapes_and_fields_are_invalid_argument(client, kv_dtypes):
+    rng = np.random.default_rng(4)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        with pytest.raises(errors.InvalidArgument) as e:  # 3 q heads, the cache has 4
+            cache.forward(0, [Span.prefill(1, 2)], randn(rng, 2, 3, 64), randn(rng, 2, 2, 64),
+                          randn(rng, 2, 2, 64))
+        assert not isinstance(e.value, errors.CacheConfigError)
+        assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        with pytest.raises(errors.InvalidArgument) as e:
+            cache.forward(7, [Span.prefill(1, 2)], randn(rng, 2, 4, 64), randn(rng, 2, 2, 64),
+                          randn(rng, 2, 2, 64))
+        assert "layer" in e.value.message
+        with pytest.raises(ValueError):  # caught before sending: k without v
+            cache.forward(0, [Span.prefill(1, 2)], randn(rng, 2, 4, 64), randn(rng, 2, 2, 64))
+        with pytest.raises(TypeError):
+            cache.forward(0, [Span.prefill(1, 2)], np.zeros((2, 4, 64), np.int32))
+        assert cache.stats().used_pages == 0
+
+
+def test_unreachable_server_is_unavailable():
+    with pagedattn.Client("127.0.0.1:1", timeout=5) as c:
+        with pytest.raises(errors.Unavailable) as e:
+            c.server_info()
+    assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+# -- numerics --------------------------------------------------------------------------------
+
+
+def _spans_and_data(rng, wire: str, cache_dtype: str, hq: int, hkv: int, d: int):
+    """A mixed batch (two prefills of ragged length and a 1-token one) with host copies of the
+    values as the server stores them (rounded to the wire dtype, then to the cache dtype)."""
+    spans = [Span.prefill(1, 37), Span.prefill(2, 5), Span.prefill(3, 1)]
+    n = sum(s.num_new_tokens for s in spans)
+    q = randn(rng, n, hq, d).astype(NUMPY_DTYPE[wire])
+    k = randn(rng, n, hkv, d).astype(NUMPY_DTYPE[wire])
+    v = randn(rng, n, hkv, d).astype(NUMPY_DTYPE[wire])
+    stored = lambda x: round_to(dtype_enum(cache_dtype), x.astype(np.float32))  # noqa: E731
+    return spans, q, k, v, stored(k), stored(v)
+
+
+def _check(out, spans, q, k_ref, v_ref, tol, **ref_kw):
+    row = 0
+    for s in spans:
+        qs = q[row : row + s.num_queries].astype(np.float32)
+        ks = k_ref[row : row + s.num_new_tokens]
+        vs = v_ref[row : row + s.num_new_tokens]
+        ref, _ = reference_attention(qs, ks, vs, **ref_kw)
+        err = relative_error(np.asarray(out[row : row + s.num_queries], np.float64), ref)
+        assert err <= tol, f"span {s}: relative error {err:.3g} > {tol:g}"
+        row += s.num_queries
+
+
+@pytest.mark.parametrize("wire", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("cache_dtype", ["float32", "float16", "bfloat16"])
+def test_round_trip_matches_reference(client, kv_dtypes, wire, cache_dtype):
+    if cache_dtype not in kv_dtypes:
+        pytest.skip(f"the {cache_dtype} cache is not supported by this backend")
+    rng = np.random.default_rng(10)
+    hq, hkv, d = 8, 2, 128
+    config = CacheConfig(1, hq, hkv, d, page_size=16, kv_dtype=cache_dtype, num_pages=16)
+    with client.create_cache(config) as cache:
+        spans, q, k, v, k_ref, v_ref = _spans_and_data(rng, wire, cache_dtype, hq, hkv, d)
+        out = cache.forward(0, spans, q, k, v)
+        assert out.dtype == NUMPY_DTYPE[wire] and out.shape == q.shape
+        assert out.flags.writeable
+        tol = max(TOLERANCE[wire], TOLERANCE[cache_dtype])
+        _check(out, spans, q, k_ref, v_ref, tol)
+        # Decode one token per sequence on top: attends the whole cached prefix.
+        q2, k2, v2 = (randn(rng, 3, h, d).astype(NUMPY_DTYPE[wire]) for h in (hq, hkv, hkv))
+        lengths = [s.num_new_tokens for s in spans]
+        out2 = cache.forward(0, [Span.decode(s.seq_id, n) for s, n in zip(spans, lengths)], q2, k2, v2)
+        row = 0
+        for i, (s, n) in enumerate(zip(spans, lengths)):
+            ks = np.concatenate([k_ref[row : row + n], round_to(dtype_enum(cache_dtype), k2[i : i + 1].astype(np.float32))])
+            vs = np.concatenate([v_ref[row : row + n], round_to(dtype_enum(cache_dtype), v2[i : i + 1].astype(np.float32))])
+            ref, _ = reference_attention(q2[i : i + 1].astype(np.float32), ks, vs)
+            assert relative_error(np.asarray(out2[i : i + 1], np.float64), ref) <= tol
+            row += n
+
+
+def test_options_lse_non_causal_scale_and_wire_conversion(client, kv_dtypes):
+    rng = np.random.default_rng(11)
+    cache_dtype = kv_dtypes[0]
+    config = CacheConfig(1, 4, 2, 64, page_size=8, kv_dtype=cache_dtype, num_pages=8)
+    with client.create_cache(config) as cache:
+        q, k, v = randn(rng, 9, 4, 64), randn(rng, 9, 2, 64), randn(rng, 9, 2, 64)
+        out, lse = cache.forward(0, [Span.prefill(1, 9)], q, k, v, causal=False, sm_scale=0.3,
+                                 return_lse=True)
+        assert lse.shape == (9, 4) and lse.dtype == np.float32
+        stored = lambda x: round_to(dtype_enum(cache_dtype), x)  # noqa: E731
+        ref, ref_lse = reference_attention(q, stored(k), stored(v), causal=False, sm_scale=0.3)
+        tol = TOLERANCE[cache_dtype]
+        assert relative_error(out, ref) <= tol
+        assert np.abs(lse - ref_lse).max() <= 10 * tol
+        # Attend-only over the cache (num_new_tokens=0), float32 data sent as bfloat16.
+        q2 = randn(rng, 2, 4, 64)
+        out2 = cache.forward(0, [Span.attend(1, 9, 2)], q2, dtype="bfloat16")
+        assert out2.dtype == ml_dtypes.bfloat16
+        ref2, _ = reference_attention(round_to(pb.BFLOAT16, q2), stored(k), stored(v))
+        assert relative_error(np.asarray(out2, np.float64), ref2) <= max(tol, TOLERANCE["bfloat16"])
+
+
+def test_rewind_then_rewrite_matches_reference(client, kv_dtypes):
+    rng = np.random.default_rng(12)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        k, v = randn(rng, 10, 2, 64), randn(rng, 10, 2, 64)
+        cache.forward(0, [Span.prefill(1, 10)], randn(rng, 10, 4, 64), k, v)
+        # Rewrite positions 6..8: the sequence is rewound to 6 first (speculative rollback).
+        k2, v2, q2 = randn(rng, 3, 2, 64), randn(rng, 3, 2, 64), randn(rng, 3, 4, 64)
+        out = cache.forward(0, [Span(1, 6, 3, 3)], q2, k2, v2)
+        stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
+        ref, _ = reference_attention(q2, stored(np.concatenate([k[:6], k2])),
+                                     stored(np.concatenate([v[:6], v2])))
+        assert relative_error(out, ref) <= TOLERANCE[kv_dtypes[0]]
+
+
+def test_release_gives_pages_back(client, kv_dtypes):
+    rng = np.random.default_rng(13)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        spans = [Span.prefill(1, 9), Span.prefill(2, 4)]  # 3 + 1 pages of 4 tokens
+        cache.forward(0, spans, randn(rng, 13, 4, 64), randn(rng, 13, 2, 64), randn(rng, 13, 2, 64))
+        assert cache.stats().used_pages == 4
+        r = cache.release([1, 2, 99])
+        assert (r.released, r.freed_pages, list(r.unknown_seq_ids)) == (2, 4, [99])
+        stats = cache.stats()
+        assert (stats.used_pages, stats.free_pages, stats.live_sequences) == (0, 16, 0)
+        assert stats.forward_calls == 1
+
+
+def test_big_prefill_over_16_mib_each_way(client, kv_dtypes):
+    """520 tokens x 32 heads x 256 f32 = 16.25 MiB of q and of the answer: past gRPC's 4 MiB
+    default receive limit, which the client raises to the server's 512 MiB."""
+    rng = np.random.default_rng(14)
+    n, hq, hkv, d = 520, 32, 8, 256
+    cache_dtype = kv_dtypes[0]
+    config = CacheConfig(1, hq, hkv, d, page_size=64, kv_dtype=cache_dtype, num_pages=9)
+    with client.create_cache(config) as cache:
+        q, k, v = randn(rng, n, hq, d), randn(rng, n, hkv, d), randn(rng, n, hkv, d)
+        out = cache.forward(0, [Span.prefill(1, n)], q, k, v)
+        assert out.nbytes >= 16 << 20
+        stored = lambda x: round_to(dtype_enum(cache_dtype), x)  # noqa: E731
+        ref, _ = reference_attention(q, stored(k), stored(v))
+        assert relative_error(out, ref) <= TOLERANCE[cache_dtype]
+
+        # A plain gRPC channel keeps the 4 MiB default: a 5 MiB answer is refused, and the
+        # error maps to ResourceExhausted with both sizes.
+        req = pagedattn._common.forward_request(cache, 0, [Span.attend(1, n, 160)], q[-160:],
+                                                None, None, None, None, False, None)
+        with grpc.insecure_channel(client.target) as ch:
+            stub = pagedattn.v1.attention_pb2_grpc.AttentionServiceStub(ch)
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Forward(req, timeout=300)
+        err = errors.from_rpc_error(e.value)
+        assert isinstance(err, errors.ResourceExhausted)
+        assert err.max_message_bytes == 4 << 20 and err.message_bytes > 5 << 20
+
+
+def test_concurrent_threads_share_one_client(client, kv_dtypes):
+    """8 threads, one sequence each: prefill then 6 decode steps, interleaved on one channel."""
+    cache_dtype = kv_dtypes[0]
+    stored = lambda x: round_to(dtype_enum(cache_dtype), x)  # noqa: E731
+    config = CacheConfig(2, 8, 2, 64, page_size=8, kv_dtype=cache_dtype, num_pages=64)
+
+    def run(cache, seq: int) -> float:
+        rng = np.random.default_rng(100 + seq)
+        n0 = 3 + seq
+        k, v = randn(rng, n0, 2, 64), randn(rng, n0, 2, 64)
+        q = randn(rng, n0, 8, 64)
+        worst = relative_error(cache.forward(seq % 2, [Span.prefill(seq, n0)], q, k, v),
+                               reference_attention(q, stored(k), stored(v))[0])
+        for step in range(6):
+            q1, k1, v1 = randn(rng, 1, 8, 64), randn(rng, 1, 2, 64), randn(rng, 1, 2, 64)
+            out = cache.forward(seq % 2, [Span.decode(seq, n0 + step)], q1, k1, v1)
+            k, v = np.concatenate([k, k1]), np.concatenate([v, v1])
+            worst = max(worst, relative_error(out, reference_attention(q1, stored(k), stored(v))[0]))
+        return worst
+
+    with client.create_cache(config) as cache:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=8) as pool:
+            errs = list(pool.map(lambda s: run(cache, s), range(1, 9)))
+        assert max(errs) <= TOLERANCE[cache_dtype], errs
+        stats = cache.stats()
+        assert stats.live_sequences == 8 and stats.forward_calls == 8 * 7
+        assert cache.release(range(1, 9)).released == 8
+        assert cache.stats().used_pages == 0
+
+
+# -- torch tensors (optional) ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype_name", ["float32", "float16", "bfloat16"])
+def test_torch_tensors_in_and_out(client, kv_dtypes, dtype_name):
+    torch = pytest.importorskip("torch")
+    cache_dtype = kv_dtypes[0]
+    tdtype = getattr(torch, dtype_name)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, h, 64, generator=gen).to(tdtype) for n, h in ((6, 4), (6, 2), (6, 2)))
+    with client.create_cache(small_config(cache_dtype)) as cache:
+        out = cache.forward(0, [Span.prefill(1, 6)], q, k, v)
+    assert isinstance(out, torch.Tensor) and out.dtype == tdtype and tuple(out.shape) == (6, 4, 64)
+    stored = lambda x: round_to(dtype_enum(cache_dtype), x.float().numpy())  # noqa: E731
+    ref, _ = reference_attention(q.float().numpy(), stored(k), stored(v))
+    tol = max(TOLERANCE[cache_dtype], TOLERANCE[dtype_name])
+    assert relative_error(out.float().numpy(), ref) <= tol
+
+
+# -- the CLI ---------------------------------------------------------------------------------
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedattn", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_info_validate_smoke(target, backend):
+    r = _cli(f"--target={target}", "info")
+    assert r.returncode == 0 and f'"backend": "{backend}"' in r.stdout
+    r = _cli(f"--target={target}", "health")
+    assert (r.returncode, r.stdout.strip()) == (0, "SERVING")
+    r = _cli(f"--target={target}", "--num_layers=2", "--num_pages=16", "validate")
+    assert r.returncode == 0 and '"valid": true' in r.stdout
+    r = _cli(f"--target={target}", "--page_size=0", "--head_dim=100", "validate")
+    assert r.returncode == 1 and '"valid": false' in r.stdout
+    r = _cli(f"--target={target}", "smoke")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert r.stdout.strip().splitlines()[-1] == "PASS"
+    r = _cli("--target=127.0.0.1:1", "--timeout_s=5", "info")
+    assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+
+
+def test_raw_protos_and_deadline(client, kv_dtypes):
+    rng = np.random.default_rng(15)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        q, k, v = randn(rng, 3, 4, 64), randn(rng, 3, 2, 64), randn(rng, 3, 2, 64)
+        req = pb.ForwardRequest(cache_id=cache.cache_id, layer=1, spans=[Span.prefill(4, 3).to_proto()],
+                                q=pagedattn.to_tensor(q), k=pagedattn.to_tensor(k),
+                                v=pagedattn.to_tensor(v))
+        req.options.return_lse = True
+        resp = client.forward_raw(req)
+        assert list(resp.out.shape) == [3, 4, 64] and list(resp.lse.shape) == [3, 4]
+        stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
+        ref, _ = reference_attention(q, stored(k), stored(v))
+        assert relative_error(pagedattn.to_numpy(resp.out), ref) <= TOLERANCE[kv_dtypes[0]]
+        assert cache.refresh().stats.forward_calls == 1
+        # 32 MiB cannot even be sent within 1 ms (a local unary call can finish within one).
+        big = np.zeros((8192, 8, 128), np.float32)
+        with pytest.raises(errors.DeadlineExceeded) as e:
+            client.forward(cache, 0, [Span.attend(4, 3, 8192)], big, timeout=1e-3)
+        assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(NotImplementedError):
+            client.step()

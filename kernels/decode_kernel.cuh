@@ -155,7 +155,7 @@ struct DecodeTileMath {
       for (int e = 0; e < 4; ++e) {
         const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
         const bool visible = pos < kv_end && pos <= rows.q_pos[e >> 1];
-        s[nt][e] = visible ? s[nt][e] * scale_log2 : -INFINITY;
+        s[nt][e] = visible ? SaturatedScore(s[nt][e] * scale_log2) : -INFINITY;
       }
     }
   }
@@ -286,8 +286,9 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       if (item.partial_row < 0) {
         const int64_t out_row =
             OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
-        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + c) = make_uint2(
-            PackPair<TIO>(acc.x * inv, acc.y * inv), PackPair<TIO>(acc.z * inv, acc.w * inv));
+        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + c) =
+            make_uint2(PackOutputPair<TIO>(acc.x * inv, acc.y * inv),
+                       PackOutputPair<TIO>(acc.z * inv, acc.w * inv));
         if (p.lse && c == 0) p.lse[out_row] = lse;
         continue;
       }

@@ -104,4 +104,25 @@ LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType ds
   });
 }
 
+const char* CompiledArchitectures() { return PAGEDATTN_CUDA_ARCH_NAMES; }
+
+LaunchStatus CheckDeviceRunsKernels(int device) {
+  int previous = 0;
+  cudaError_t err = cudaGetDevice(&previous);
+  if (err == cudaSuccess) err = cudaSetDevice(device);
+  cudaFuncAttributes attributes = {};
+  // Every kernel of the library is built for the same architectures: one that loads on this
+  // device says they all do (the Hopper prefill kernel is only used on compute 9.0 devices).
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, AppendKvKernel<float, __half>);
+  const cudaError_t restore = cudaSetDevice(previous);
+  if (err == cudaSuccess) err = restore;
+  if (err != cudaSuccess) {
+    (void)cudaGetLastError();
+    return LaunchStatus::Unsupported(std::string("GPU ") + std::to_string(device) +
+                                     " cannot run this build's kernels (built as " +
+                                     CompiledArchitectures() + "): " + cudaGetErrorString(err));
+  }
+  return LaunchStatus::Ok();
+}
+
 }  // namespace pagedattn::kernels

@@ -54,6 +54,13 @@ struct AppendParams {
 
 LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream, Launcher& launcher);
 
+// The GPU code this build carries, space-separated: "sm_80 compute_80 sm_90a compute_90a"
+// (machine code, and PTX the driver compiles for newer GPUs).
+const char* CompiledArchitectures();
+// OK when the device can run this build's kernels; Unsupported naming both otherwise (e.g. an
+// sm_90a-only build on an A100).
+LaunchStatus CheckDeviceRunsKernels(int device);
+
 // ---- Paged attention ------------------------------------------------------------------------
 
 // Asks the device (the current one) how a plan may spread its work (target_blocks,

@@ -278,15 +278,16 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
               mx = fmaxf(mx, fmaxf(s[mt][nt][2 * i], s[mt][nt][2 * i + 1]));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
             mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-            const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
+            const float base = SoftmaxBase(mx, scale_log2);
             max_moved |= mx != row_max[mt][i];
-            alpha[mt][i] = FastExp2(row_max[mt][i] * scale_log2 - base);
+            alpha[mt][i] = FastExp2(SoftmaxExponent(row_max[mt][i], scale_log2, base));
             row_max[mt][i] = mx;
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              s[mt][nt][2 * i] = FastExp2(fmaf(s[mt][nt][2 * i], scale_log2, -base));
-              s[mt][nt][2 * i + 1] = FastExp2(fmaf(s[mt][nt][2 * i + 1], scale_log2, -base));
+              s[mt][nt][2 * i] = FastExp2(SoftmaxExponent(s[mt][nt][2 * i], scale_log2, base));
+              s[mt][nt][2 * i + 1] =
+                  FastExp2(SoftmaxExponent(s[mt][nt][2 * i + 1], scale_log2, base));
               sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
             }
             row_sum[mt][i] = row_sum[mt][i] * alpha[mt][i] + sum;

@@ -242,13 +242,13 @@ struct WgmmaTileMath {
       float mx = fmaxf(row_max[i], part[0]);
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = mx == -INFINITY ? 0.f : mx * scale_log2;
-      alpha[i] = FastExp2(row_max[i] * scale_log2 - base);
+      const float base = SoftmaxBase(mx, scale_log2);
+      alpha[i] = FastExp2(SoftmaxExponent(row_max[i], scale_log2, base));
       row_max[i] = mx;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
-        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
+        s[nt][2 * i] = FastExp2(SoftmaxExponent(s[nt][2 * i], scale_log2, base));
+        s[nt][2 * i + 1] = FastExp2(SoftmaxExponent(s[nt][2 * i + 1], scale_log2, base));
         part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
       }
 #pragma unroll

@@ -394,8 +394,8 @@ int main(int argc, char** argv) {
   if (backend.kind() == pagedattn::BackendKind::kCuda) {
     std::vector<std::string> ccs;
     for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
-    spdlog::info("CUDA: compute capability {}; kernels built for {}; prefill {}, launches {}",
-                 absl::StrJoin(ccs, ", "), absl::StrJoin(backend.compiled_architectures(), " "),
+    spdlog::info("CUDA: compute capability {}; kernels built as {}; prefill {}, launches {}",
+                 absl::StrJoin(ccs, ", "), absl::StrJoin(pagedattn::BuiltCudaArchitectures(), " "),
                  AbslUnparseFlag(options.backend.prefill_kernel),
                  options.backend.graph_launch ? "through cached graphs" : "plain");
   }

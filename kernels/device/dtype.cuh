@@ -19,15 +19,20 @@ template <>
 __device__ __forceinline__ float FromFloat<float>(float x) {
   return x;
 }
+// A finite value beyond the 16-bit type's range saturates to its largest value instead of
+// becoming inf (which attention's sums would turn into NaN); inf and NaN stay what they are.
+// The host's conversions (common/dtype.h) do the same.
 template <>
 __device__ __forceinline__ __half FromFloat<__half>(float x) {
-  return __float2half_rn(x);
+  return __float2half_rn(isfinite(x) ? fminf(fmaxf(x, -65504.f), 65504.f) : x);
 }
 template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
-  return __float2bfloat16_rn(x);
+  constexpr float kMax = 3.38953138925153547590e38f;  // the largest bfloat16
+  return __float2bfloat16_rn(isfinite(x) ? fminf(fmaxf(x, -kMax), kMax) : x);
 }
 
+// Two values into a 16-bit pair, rounded (mma operands: P, whose values lie in [0, 1]).
 template <typename T>
 __device__ __forceinline__ uint32_t PackPair(float lo, float hi);
 template <>
@@ -39,6 +44,31 @@ template <>
 __device__ __forceinline__ uint32_t PackPair<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Two output values into a pair of T, saturating like FromFloat (float: only the low one,
+// callers store floats themselves).
+template <typename T>
+__device__ __forceinline__ uint32_t PackOutputPair(float lo, float hi) {
+  const T pair[2] = {FromFloat<T>(lo), FromFloat<T>(hi)};
+  return *reinterpret_cast<const uint32_t*>(pair);
+}
+
+// A score (already multiplied by the softmax scale) that stays finite whatever q, k and the
+// scale are: an overflowing product saturates, and NaN (inf - inf inside a dot product) counts
+// as the lowest score. The softmax then never computes inf - inf.
+__device__ __forceinline__ float SaturatedScore(float s) {
+  return fminf(fmaxf(s, -3.402823466e38f), 3.402823466e38f);
+}
+
+// The softmax base of a row whose raw (unscaled) max is mx: mx * scale_log2, saturated, and 0
+// for a row that sees nothing yet. 2^(s * scale_log2 - base) is then at most 1 for every score
+// of the row, which SoftmaxWeight makes exact even when the product overflows.
+__device__ __forceinline__ float SoftmaxBase(float mx, float scale_log2) {
+  return mx == -INFINITY ? 0.f : SaturatedScore(mx * scale_log2);
+}
+__device__ __forceinline__ float SoftmaxExponent(float s, float scale_log2, float base) {
+  return fminf(fmaf(s, scale_log2, -base), 0.f);  // also maps an inf or NaN score to the max
 }
 
 }  // namespace pagedattn::kernels

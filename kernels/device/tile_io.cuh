@@ -73,7 +73,7 @@ __device__ __forceinline__ void StorePair(TIO* dst, float lo, float hi) {
   if constexpr (std::is_same_v<TIO, float>) {
     *reinterpret_cast<float2*>(dst) = make_float2(lo, hi);
   } else {
-    *reinterpret_cast<uint32_t*>(dst) = PackPair<TIO>(lo, hi);
+    *reinterpret_cast<uint32_t*>(dst) = PackOutputPair<TIO>(lo, hi);
   }
 }
 

@@ -109,9 +109,6 @@ class Backend {
   virtual absl::StatusOr<MemoryInfo> memory(int device) const = 0;
   // Compute capability of a device as "major.minor" ("9.0"); empty on the CPU backend.
   virtual std::string compute_capability(int /*device*/) const { return ""; }
-  // The GPU code this build carries: machine code as "sm_80", "sm_90a", PTX that the driver
-  // can compile for newer GPUs as "compute_80"; empty on the CPU backend.
-  virtual std::vector<std::string> compiled_architectures() const { return {}; }
 
   // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit; the stop
   // token's status (and nothing held) when the caller gives up while it is being allocated.

@@ -11,6 +11,14 @@ namespace pagedattn {
 
 bool BuiltWithCuda() { return PAGEDATTN_WITH_CUDA != 0; }
 
+std::vector<std::string> BuiltCudaArchitectures() {
+#if PAGEDATTN_WITH_CUDA
+  return CudaBuildArchitectures();
+#else
+  return {};
+#endif
+}
+
 absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   CreatedBackend created;
   auto cpu = [&] {

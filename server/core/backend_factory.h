@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/core/backend.h"
@@ -13,6 +14,9 @@ namespace pagedattn {
 
 // True when this binary was built with the CUDA backend.
 bool BuiltWithCuda();
+// The GPU code this binary carries ("sm_80", "compute_80", "sm_90a", ...; machine code and PTX
+// the driver compiles for newer GPUs); empty without CUDA. Whatever backend runs.
+std::vector<std::string> BuiltCudaArchitectures();
 
 enum class BackendChoice { kAuto, kCuda, kCpu };
 // Which CUDA prefill kernel runs: kAuto (the Hopper wgmma kernel where the build and the GPU

@@ -8,6 +8,7 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
+#include "server/core/error_info.h"
 
 namespace pagedattn {
 namespace {
@@ -105,11 +106,15 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
   const int64_t response_bytes = ForwardResponseBytes(g, a);
   if (limits_.max_response_bytes > 0 && response_bytes > limits_.max_response_bytes) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the response would be ", response_bytes, " bytes (", total_q, " queries x ", g.num_q_heads,
-        " heads x ", g.head_dim, " x ", DTypeName(out_dtype), a.return_lse ? ", plus lse" : "",
-        "), over the server's largest message of ", limits_.max_response_bytes,
-        " bytes (--max_message_mb); send fewer queries per Forward"));
+    return WithErrorInfo(
+        absl::ResourceExhaustedError(
+            absl::StrCat("the response would be ", response_bytes, " bytes (", total_q,
+                         " queries x ", g.num_q_heads, " heads x ", g.head_dim, " x ",
+                         DTypeName(out_dtype), a.return_lse ? ", plus lse" : "",
+                         "), over the server's largest message of ", limits_.max_response_bytes,
+                         " bytes (--max_message_mb); send fewer queries per Forward")),
+        {"RESPONSE_TOO_LARGE",
+         {{"response_bytes", response_bytes}, {"max_message_bytes", limits_.max_response_bytes}}});
   }
   return absl::OkStatus();
 }

@@ -9,6 +9,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "server/core/error_info.h"
 
 namespace pagedattn {
 namespace {
@@ -179,10 +180,18 @@ absl::Status ValidationStatus(const ValidationResult& result) {
   }
   if (!result.fits) {
     const CacheGeometry& g = result.geometry;
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "cache pool needs ", result.bytes, " bytes (", g.num_pages, " pages x ", g.BytesPerPage(),
-        " bytes) but only ", result.free_bytes, " bytes are ", result.free_bytes_source,
-        "; at most ", result.free_bytes / g.BytesPerPage(), " pages would fit"));
+    return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
+                             "cache pool needs ", result.bytes, " bytes (", g.num_pages,
+                             " pages x ", g.BytesPerPage(), " bytes) but only ", result.free_bytes,
+                             " bytes are ", result.free_bytes_source, "; at most ",
+                             result.free_bytes / g.BytesPerPage(), " pages would fit")),
+                         {"POOL_TOO_LARGE",
+                          {{"bytes_needed", result.bytes},
+                           {"num_pages", g.num_pages},
+                           {"bytes_per_page", g.BytesPerPage()},
+                           {"free_bytes", result.free_bytes},
+                           {"device", g.device},
+                           {"max_pages", result.free_bytes / g.BytesPerPage()}}});
   }
   return absl::OkStatus();
 }

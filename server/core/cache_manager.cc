@@ -10,6 +10,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "server/core/error_info.h"
 
 namespace pagedattn {
 
@@ -86,9 +87,10 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   absl::MutexLock create(&create_mu_);
   if (limits_.max_caches_per_tenant > 0 &&
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("at most ", limits_.max_caches_per_tenant,
-                     " caches per tenant (--max_caches_per_tenant); delete one first"));
+    return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
+                             "at most ", limits_.max_caches_per_tenant,
+                             " caches per tenant (--max_caches_per_tenant); delete one first")),
+                         {"TOO_MANY_CACHES", {{"max_caches", limits_.max_caches_per_tenant}}});
   }
   ValidationResult v = Validate(config);
   if (absl::Status s = ValidationStatus(v); !s.ok()) return s;

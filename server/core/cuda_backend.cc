@@ -13,6 +13,8 @@
 
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_replace.h"
+#include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "kernels/attention_plan.h"
 #include "kernels/launch.h"
@@ -138,6 +140,7 @@ class CudaBackend final : public Backend {
     return device_count_ > 1 ? absl::StrCat(prop.name, " x", device_count_) : prop.name;
   }
   int device_count() const override { return device_count_; }
+  std::string compute_capability(int device) const override { return ComputeCapability(device); }
 
   absl::StatusOr<MemoryInfo> memory(int device) const override {
     if (absl::Status st = SetDevice(device); !st.ok()) return st;
@@ -263,12 +266,39 @@ int CudaDeviceCount() {
   return count;
 }
 
+std::string ComputeCapability(int device) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "";
+  }
+  return absl::StrCat(major, ".", minor);
+}
+
 absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOptions& options) {
   const int count = CudaDeviceCount();
   if (count == 0) {
     return absl::FailedPreconditionError("no CUDA GPU is visible (cudaGetDeviceCount found none)");
   }
+  // A GPU the build has no code for would accept caches and fail every Forward: refuse it now.
+  for (int d = 0; d < count; ++d) {
+    if (k::LaunchStatus st = k::CheckDeviceRunsKernels(d); !st.ok()) {
+      cudaDeviceProp prop = {};
+      (void)cudaGetDeviceProperties(&prop, d);
+      return absl::FailedPreconditionError(absl::StrCat(
+          st.message(), " (", prop.name, ", compute capability ", ComputeCapability(d),
+          "); build with -DPAGEDATTN_CUDA_ARCHS naming its architecture, e.g. \"",
+          ComputeCapability(d).empty() ? "80"
+                                       : absl::StrReplaceAll(ComputeCapability(d), {{".", ""}}),
+          "\""));
+    }
+  }
   return std::unique_ptr<Backend>(new CudaBackend(count, options));
+}
+
+std::vector<std::string> CudaBuildArchitectures() {
+  return absl::StrSplit(k::CompiledArchitectures(), ' ', absl::SkipEmpty());
 }
 
 const kernels::Launcher* CudaLauncherOf(const Backend& backend) {

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <memory>
+#include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "server/core/backend.h"
@@ -22,6 +24,11 @@ struct CudaBackendOptions {
   // (kernels/launch.h). Each backend has its own kernels::Launcher with this setting.
   bool graph_launch = true;
 };
+
+// "major.minor" of a device ("9.0"); empty when it cannot be read.
+std::string ComputeCapability(int device);
+// The GPU code this build carries: "sm_80", "compute_80", "sm_90a", ...
+std::vector<std::string> CudaBuildArchitectures();
 
 // The CUDA backend over every visible GPU (a cache picks one through CacheGeometry::device).
 // FAILED_PRECONDITION when no GPU is visible.

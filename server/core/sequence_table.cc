@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "absl/strings/str_cat.h"
+#include "server/core/error_info.h"
 
 namespace pagedattn {
 
@@ -31,10 +32,13 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
   int64_t pages_needed = 0;
   for (const SpanWrite& s : spans) {
     if (s.start + s.num_new_tokens > capacity_tokens) {
-      return absl::ResourceExhaustedError(
-          absl::StrCat("sequence ", s.seq_id, ": length ", s.start + s.num_new_tokens,
-                       " exceeds the cache's capacity of ", capacity_tokens, " tokens (",
-                       pool_.num_pages(), " pages x ", page_size_, ")"));
+      return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
+                               "sequence ", s.seq_id, ": length ", s.start + s.num_new_tokens,
+                               " exceeds the cache's capacity of ", capacity_tokens, " tokens (",
+                               pool_.num_pages(), " pages x ", page_size_, ")")),
+                           {"SEQUENCE_TOO_LONG",
+                            {{"sequence_length", s.start + s.num_new_tokens},
+                             {"capacity_tokens", capacity_tokens}}});
     }
     if (s.num_new_tokens > 0) {
       auto it = seqs_.find(s.seq_id);
@@ -50,10 +54,16 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     }
   }
   if (pages_needed > pool_.num_free()) {
-    return absl::ResourceExhaustedError(
-        absl::StrCat("out of KV pages: this Forward needs ", pages_needed, " more pages of ",
-                     page_size_, " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
-                     " are free (release finished sequences or create a larger cache)"));
+    return WithErrorInfo(
+        absl::ResourceExhaustedError(
+            absl::StrCat("out of KV pages: this Forward needs ", pages_needed, " more pages of ",
+                         page_size_, " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
+                         " are free (release finished sequences or create a larger cache)")),
+        {"OUT_OF_PAGES",
+         {{"pages_needed", pages_needed},
+          {"free_pages", pool_.num_free()},
+          {"total_pages", pool_.num_pages()},
+          {"page_size", page_size_}}});
   }
 
   // Phase 2: apply. Cannot fail: the pages are known to be free.

@@ -9,6 +9,8 @@
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "server/core/backend_factory.h"
+#include "server/core/error_info.h"
 #include "server/service/convert.h"
 #include "server/service/status.h"
 #include "spdlog/spdlog.h"
@@ -118,7 +120,7 @@ grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
         resp->add_compute_capabilities(cc);
       }
     }
-    for (const std::string& arch : b.compiled_architectures()) resp->add_cuda_architectures(arch);
+    for (const std::string& arch : BuiltCudaArchitectures()) resp->add_cuda_architectures(arch);
     FillCapabilities(b.kind(), resp->mutable_capabilities());
     return absl::OkStatus();
   });
@@ -195,10 +197,15 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(Rpc& rpc,
   const int64_t held =
       static_cast<int64_t>(request_bytes) + ForwardResponseBytes((*cache)->geometry(), args);
   if (budget_ != nullptr && !budget_->TryAcquire(held)) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
-        "call needs ", held, " more and the budget is ", budget_->limit(),
-        " (--request_memory_mb); retry shortly"));
+    return WithErrorInfo(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
+            "call needs ", held, " more and the budget is ", budget_->limit(),
+            " (--request_memory_mb); retry shortly")),
+        {"SERVER_BUSY",
+         {{"bytes_in_flight", budget_->used()},
+          {"bytes_needed", held},
+          {"budget_bytes", budget_->limit()}}});
   }
   absl::Cleanup release = [&] {
     if (budget_ != nullptr) budget_->Release(held);

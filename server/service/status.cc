@@ -9,6 +9,7 @@
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "server/core/cache_config.h"
+#include "server/core/error_info.h"
 
 namespace pagedattn {
 namespace {
@@ -29,19 +30,33 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   const auto code = static_cast<grpc::StatusCode>(static_cast<int>(status.code()));
   const std::string message = Bounded(status.message(), kMaxStatusMessageBytes);
   std::vector<FieldViolation> violations = FieldViolationsFromStatus(status);
-  if (violations.empty()) return grpc::Status(code, message);
+  const ErrorInfo info = ErrorInfoOf(status);
+  if (violations.empty() && info.reason.empty()) return grpc::Status(code, message);
 
-  google::rpc::BadRequest bad_request;
-  const size_t shown = std::min(violations.size(), kMaxStatusViolations);
-  for (size_t i = 0; i < shown; ++i) {
-    auto* fv = bad_request.add_field_violations();
-    fv->set_field(Bounded(violations[i].field, kMaxViolationFieldBytes));
-    fv->set_description(Bounded(violations[i].description, kMaxViolationDescriptionBytes));
-  }
   google::rpc::Status rich;
   rich.set_code(static_cast<int>(code));
   rich.set_message(message);
-  rich.add_details()->PackFrom(bad_request);
+  if (!violations.empty()) {
+    google::rpc::BadRequest bad_request;
+    const size_t shown = std::min(violations.size(), kMaxStatusViolations);
+    for (size_t i = 0; i < shown; ++i) {
+      auto* fv = bad_request.add_field_violations();
+      fv->set_field(Bounded(violations[i].field, kMaxViolationFieldBytes));
+      fv->set_description(Bounded(violations[i].description, kMaxViolationDescriptionBytes));
+    }
+    rich.add_details()->PackFrom(bad_request);
+  }
+  if (!info.reason.empty()) {
+    // The numbers of a RESOURCE_EXHAUSTED (pages, bytes, limits), for clients to read rather
+    // than parse from the message.
+    google::rpc::ErrorInfo error_info;
+    error_info.set_reason(info.reason);
+    error_info.set_domain("pagedattn.v1");
+    for (const auto& [key, value] : info.fields) {
+      (*error_info.mutable_metadata())[key] = std::to_string(value);
+    }
+    rich.add_details()->PackFrom(error_info);
+  }
   return grpc::Status(code, message, rich.SerializeAsString());
 }
 

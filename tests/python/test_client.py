@@ -139,6 +139,7 @@ def test_out_of_pages_has_numbers_and_changes_nothing(client, kv_dtypes):
         err = e.value
         assert isinstance(err, errors.ResourceExhausted)
         assert (err.pages_needed, err.free_pages, err.total_pages, err.page_size) == (3, 1, 3, 4)
+        assert err.reason == "OUT_OF_PAGES"  # google.rpc.ErrorInfo, not the message text
         stats = cache.stats()
         assert (stats.used_pages, stats.live_sequences) == (2, 1)  # the failed Forward left nothing
         # Longer than the whole cache: RESOURCE_EXHAUSTED with the capacity.
@@ -146,6 +147,7 @@ def test_out_of_pages_has_numbers_and_changes_nothing(client, kv_dtypes):
             cache.forward(0, [Span.prefill(3, 13)], randn(rng, 13, 4, 64), randn(rng, 13, 2, 64),
                           randn(rng, 13, 2, 64))
         assert (e.value.sequence_length, e.value.capacity_tokens) == (13, 12)
+        assert e.value.reason == "SEQUENCE_TOO_LONG"
 
 
 def test_not_found_errors(client, kv_dtypes):

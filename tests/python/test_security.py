@@ -15,6 +15,10 @@ from pagedattn import CacheConfig, errors
 
 from conftest import ServerProcess
 
+# Tokens of the two tenants (the server refuses tokens under 16 characters).
+ALPHA = "alpha-7f3c1d9e2b8a4065"
+BETA = "beta-0c5e9a1f7d3b2864"
+
 CONFIG = CacheConfig(1, 4, 2, 64, page_size=4, kv_dtype="float16", num_pages=4)
 
 
@@ -40,7 +44,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def secure_server(server_binary: str, pki: Path):
     """TLS + bearer tokens for two tenants."""
     tokens = pki / "tokens"
-    tokens.write_text("tok-alpha alpha\ntok-beta beta\n")
+    tokens.write_text(f"{ALPHA} alpha\n{BETA} beta\n")
     server = ServerProcess(server_binary, "--backend=cpu", "--cpu_threads=1",
                            f"--tls_cert={pki / 'server.pem'}", f"--tls_key={pki / 'server.key'}",
                            f"--auth_tokens_file={tokens}")
@@ -59,8 +63,8 @@ def test_tokens_and_tenants(secure_server, pki):
     with pagedattn.Client(secure_server.target, token="wrong", tls=tls) as wrong:
         with pytest.raises(errors.Unauthenticated, match="invalid bearer token"):
             wrong.server_info()
-    with pagedattn.Client(secure_server.target, "tok-alpha", tls=tls) as alpha, \
-            pagedattn.Client(secure_server.target, "tok-beta", tls=tls) as beta:
+    with pagedattn.Client(secure_server.target, ALPHA, tls=tls) as alpha, \
+            pagedattn.Client(secure_server.target, BETA, tls=tls) as beta:
         with alpha.create_cache(CONFIG, "alpha's") as cache:
             assert [c.cache_id for c in alpha.list_caches()] == [cache.cache_id]
             assert beta.list_caches() == []
@@ -71,9 +75,9 @@ def test_tokens_and_tenants(secure_server, pki):
 def test_tls_needs_the_right_roots(secure_server, pki):
     # Bytes work as well as paths.
     tls = pagedattn.TLS(ca=(pki / "ca.pem").read_bytes())
-    with pagedattn.Client(secure_server.target, "tok-alpha", tls=tls) as c:
+    with pagedattn.Client(secure_server.target, ALPHA, tls=tls) as c:
         assert c.server_info().backend == "cpu"
-    with pagedattn.Client(secure_server.target, "tok-alpha", timeout=5) as plaintext:
+    with pagedattn.Client(secure_server.target, ALPHA, timeout=5) as plaintext:
         with pytest.raises(errors.Unavailable):
             plaintext.server_info()
 

@@ -12,6 +12,7 @@ from ._vendor.google.rpc import error_details_pb2, status_pb2
 
 STATUS_DETAILS_KEY = "grpc-status-details-bin"
 _BAD_REQUEST_TYPE = "google.rpc.BadRequest"
+_ERROR_INFO_TYPE = "google.rpc.ErrorInfo"
 
 
 class PagedAttnError(Exception):
@@ -88,7 +89,7 @@ _NUMBER_PATTERNS = [
         r"at most (?P<max_pages>\d+) pages"
     ),
     re.compile(
-        r"sequence length (?P<sequence_length>\d+) exceeds the cache's capacity of "
+        r"length (?P<sequence_length>\d+) exceeds the cache's capacity of "
         r"(?P<capacity_tokens>\d+) tokens"
     ),
     re.compile(r"could not allocate (?P<bytes_needed>\d+) bytes"),
@@ -120,10 +121,23 @@ class ResourceExhausted(PagedAttnError):
     sequence_length: Optional[int]
     total_pages: Optional[int]
 
+    reason: Optional[str]  # google.rpc.ErrorInfo's reason ("OUT_OF_PAGES", "SERVER_BUSY", ...)
+
     def __init__(self, message: str, code: Any = None, status: Any = None) -> None:
         super().__init__(message, code, status)
         for name in _NUMBER_FIELDS:
             setattr(self, name, None)
+        info = _error_info(status)
+        self.reason = info[0] if info else None
+        if info:
+            # The server's numbers as it sent them (google.rpc.ErrorInfo metadata).
+            for name, value in info[1].items():
+                try:
+                    setattr(self, name, int(value))
+                except ValueError:
+                    setattr(self, name, value)
+            return
+        # Older servers, and gRPC's own limits: the numbers the message states.
         for pattern in _NUMBER_PATTERNS:
             m = pattern.search(message)
             if m:
@@ -169,6 +183,17 @@ def _violations(status: Any) -> list[tuple[str, str]]:
     return out
 
 
+def _error_info(status: Any) -> Optional[tuple[str, dict[str, str]]]:
+    if status is None:
+        return None
+    for detail in status.details:
+        if detail.type_url.rsplit("/", 1)[-1] == _ERROR_INFO_TYPE:
+            info = error_details_pb2.ErrorInfo()
+            info.ParseFromString(detail.value)
+            return info.reason, dict(info.metadata)
+    return None
+
+
 def from_rpc_error(error: grpc.RpcError) -> PagedAttnError:
     """The pagedattn exception for a failed call (sync grpc.RpcError or grpc.aio.AioRpcError)."""
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
@@ -179,6 +204,8 @@ def from_rpc_error(error: grpc.RpcError) -> PagedAttnError:
         violations = _violations(status)
         if violations:
             return CacheConfigError(message, code, status, violations)
-    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and message.startswith("out of KV pages"):
-        return OutOfPages(message, code, status)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        info = _error_info(status)
+        if (info and info[0] == "OUT_OF_PAGES") or (not info and message.startswith("out of KV pages")):
+            return OutOfPages(message, code, status)
     return _BY_CODE.get(code, PagedAttnError)(message, code, status)

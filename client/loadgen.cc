@@ -1,0 +1,577 @@
+// pagedattn-loadgen: a model-shaped workload against a pagedattn server (prefill, then decode
+// steps of every layer), in each transport mode, beside a bare gRPC echo of the same bytes that
+// it serves itself (the transport floor), all in one process and run. One JSON row per (mode,
+// shape); progress on stderr.
+//
+//   pagedattn-loadgen --target=127.0.0.1:50051 --uds_target=unix:/tmp/pa.sock
+//       --cases=64x4096,16x4096,1x4096 --layers=8 --steps=20 --json=loadgen.json
+#include <grpcpp/create_channel.h>
+#include <grpcpp/generic/async_generic_service.h>
+#include <grpcpp/impl/codegen/client_unary_call.h>
+#include <grpcpp/server_builder.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <iostream>
+#include <map>
+#include <random>
+#include <thread>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "client/client.h"
+#include "common/transport.h"
+#include "pagedattn/v1/attention.pb.h"
+
+ABSL_FLAG(std::string, target, "127.0.0.1:50051", "the server, host:port (TCP modes)");
+ABSL_FLAG(std::string, uds_target, "",
+          "the server's Unix socket, unix:/path (the UDS modes; empty: left out)");
+ABSL_FLAG(std::string, modes, "unary_tcp,unary_uds,stream_tcp,echo_tcp,echo_uds,echo_proto_default",
+          "comma list of: unary_tcp, unary_uds (Forward, zero-copy client), unary_proto_tcp "
+          "(Forward with protobuf messages), stream_tcp, stream_uds (the Step stream, "
+          "--inflight layers ahead), echo_tcp, echo_uds (a bare gRPC echo of the same request and "
+          "response bytes, tuned transport), echo_proto_default (an echo that parses and "
+          "serializes protobuf messages over gRPC's default transport)");
+ABSL_FLAG(std::string, cases, "64x4096,16x4096,1x4096", "decode shapes: batch x context");
+ABSL_FLAG(int, layers, 8, "layers per decode step (each a Forward)");
+ABSL_FLAG(int, steps, 20, "decode steps measured per mode and shape");
+ABSL_FLAG(int, warmup, 3, "decode steps run first and not measured");
+ABSL_FLAG(int, inflight, 2, "stream modes: layers sent ahead of the answers");
+ABSL_FLAG(int, q_heads, 32, "query heads");
+ABSL_FLAG(int, kv_heads, 8, "KV heads");
+ABSL_FLAG(int, head_dim, 128, "head dim");
+ABSL_FLAG(int, page_size, 16, "tokens per page");
+ABSL_FLAG(std::string, dtype, "BFLOAT16", "q/k/v/out and cache dtype: BFLOAT16 or FLOAT16");
+ABSL_FLAG(std::string, json, "", "write the rows here as a JSON list");
+ABSL_FLAG(std::string, token, "", "bearer token (or PAGEDATTN_TOKEN)");
+
+namespace pagedattn {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double Since(Clock::time_point t) {
+  return std::chrono::duration<double, std::micro>(Clock::now() - t).count();
+}
+
+double Percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t i = std::min(v.size() - 1, static_cast<size_t>(p * (v.size() - 1) + 0.5));
+  return v[i];
+}
+
+// ---- The echo servers: the same bytes back and forth, nothing else ---------------------------
+
+constexpr char kEchoRaw[] = "/pagedattn.loadgen.Echo/Raw";
+constexpr char kEchoProto[] = "/pagedattn.loadgen.Echo/Proto";
+constexpr char kResponseBytesKey[] = "x-response-bytes";
+
+// Answers each call with as many bytes as the client's x-response-bytes asks: Raw from a
+// buffer it keeps (no copy), Proto by parsing the request into a ForwardRequest and
+// serializing a ForwardResponse of that size (the copies protobuf makes).
+class EchoService final : public grpc::CallbackGenericService {
+ public:
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    return new Call(this, ctx);
+  }
+
+ private:
+  class Call final : public grpc::ServerGenericBidiReactor {
+   public:
+    Call(EchoService* service, grpc::GenericCallbackServerContext* ctx)
+        : service_(service), ctx_(ctx) {
+      StartRead(&request_);
+    }
+    void OnReadDone(bool ok) override {
+      if (!ok) {
+        Finish(grpc::Status::OK);
+        return;
+      }
+      size_t n = 0;
+      auto it = ctx_->client_metadata().find(kResponseBytesKey);
+      if (it != ctx_->client_metadata().end()) {
+        (void)absl::SimpleAtoi(absl::string_view(it->second.data(), it->second.size()), &n);
+      }
+      if (ctx_->method() == kEchoProto) {
+        std::string bytes;
+        (void)request_.Dump(&slices_);
+        for (const grpc::Slice& s : slices_)
+          bytes.append(reinterpret_cast<const char*>(s.begin()), s.size());
+        v1::ForwardRequest parsed;
+        parsed.ParseFromString(bytes);
+        v1::ForwardResponse response;
+        response.mutable_out()->set_dtype(parsed.q().dtype());
+        response.mutable_out()->set_data(std::string(n, '\0'));
+        grpc::Slice slice(response.SerializeAsString());
+        response_ = grpc::ByteBuffer(&slice, 1);
+      } else {
+        grpc::Slice slice(service_->Bytes(n).data(), n, grpc::Slice::STATIC_SLICE);
+        response_ = grpc::ByteBuffer(&slice, 1);
+      }
+      StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
+    }
+    void OnDone() override { delete this; }
+
+   private:
+    EchoService* service_;
+    grpc::GenericCallbackServerContext* ctx_;
+    grpc::ByteBuffer request_, response_;
+    std::vector<grpc::Slice> slices_;
+  };
+
+  const std::string& Bytes(size_t n) {
+    absl::MutexLock lock(&mu_);
+    std::string& b = buffers_[n];
+    if (b.size() != n) b.assign(n, '\0');
+    return b;
+  }
+
+  absl::Mutex mu_;
+  std::map<size_t, std::string> buffers_;
+};
+
+struct EchoServer {
+  EchoService service;
+  std::unique_ptr<grpc::Server> server;
+  int port = 0;
+  std::string socket;
+};
+
+std::unique_ptr<EchoServer> StartEcho(bool tuned) {
+  auto echo = std::make_unique<EchoServer>();
+  echo->socket =
+      absl::StrCat("/tmp/pagedattn-loadgen-echo-", getpid(), tuned ? "" : "-default", ".sock");
+  unlink(echo->socket.c_str());
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &echo->port);
+  builder.AddListeningPort("unix:" + echo->socket, grpc::InsecureServerCredentials());
+  if (tuned) {
+    for (const auto& [name, value] : kTransportArgs) builder.AddChannelArgument(name, value);
+  }
+  builder.SetMaxReceiveMessageSize(kDefaultMaxMessageBytes);
+  builder.SetMaxSendMessageSize(kDefaultMaxMessageBytes);
+  builder.RegisterCallbackGenericService(&echo->service);
+  echo->server = builder.BuildAndStart();
+  return echo;
+}
+
+std::shared_ptr<grpc::Channel> EchoChannel(const std::string& target, bool tuned) {
+  grpc::ChannelArguments args;
+  if (tuned) {
+    for (const auto& [name, value] : kTransportArgs) args.SetInt(name, value);
+  }
+  args.SetMaxReceiveMessageSize(kDefaultMaxMessageBytes);
+  args.SetMaxSendMessageSize(kDefaultMaxMessageBytes);
+  return grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+}
+
+// ---- The workload --------------------------------------------------------------------------
+
+struct Shape {
+  int batch = 0;
+  int context = 0;
+};
+
+struct Workload {
+  Shape shape;
+  int layers, q_heads, kv_heads, head_dim;
+  v1::DType dtype;
+  int64_t elem_bytes = 2;
+  // One decode step's tensors (the same random bytes every step; their values do not matter).
+  std::string q, k, v;
+  int64_t out_bytes = 0;
+};
+
+Workload MakeWorkload(Shape shape) {
+  Workload w;
+  w.shape = shape;
+  w.layers = absl::GetFlag(FLAGS_layers);
+  w.q_heads = absl::GetFlag(FLAGS_q_heads);
+  w.kv_heads = absl::GetFlag(FLAGS_kv_heads);
+  w.head_dim = absl::GetFlag(FLAGS_head_dim);
+  v1::DType_Parse(absl::GetFlag(FLAGS_dtype), &w.dtype);
+  std::mt19937 rng(1);
+  auto random = [&](int64_t n) {
+    std::string s(static_cast<size_t>(n), '\0');
+    for (size_t i = 0; i + 1 < s.size(); i += 2) s[i + 1] = static_cast<char>(0x3c + rng() % 3);
+    return s;  // small finite 16-bit values
+  };
+  w.q = random(int64_t{shape.batch} * w.q_heads * w.head_dim * w.elem_bytes);
+  w.k = random(int64_t{shape.batch} * w.kv_heads * w.head_dim * w.elem_bytes);
+  w.v = random(int64_t{shape.batch} * w.kv_heads * w.head_dim * w.elem_bytes);
+  w.out_bytes = static_cast<int64_t>(w.q.size());
+  return w;
+}
+
+// One decode step's Forward of a layer: every sequence gets one new token at `position`.
+ForwardCall DecodeCall(const Workload& w, const std::string& cache, int layer, int64_t position) {
+  ForwardCall c;
+  c.cache_id = cache;
+  c.layer = layer;
+  for (int s = 0; s < w.shape.batch; ++s)
+    c.spans.push_back({static_cast<uint64_t>(s), position, 1, 1});
+  c.q = {w.dtype, {w.shape.batch, w.q_heads, w.head_dim}, w.q.data(), w.q.size()};
+  c.k = {w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.k.data(), w.k.size()};
+  c.v = {w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.v.data(), w.v.size()};
+  return c;
+}
+
+// Fills every sequence of every layer up to `context` tokens (appends only, no attention), in
+// messages of at most ~64 MiB.
+absl::Status Prefill(Client& client, const Workload& w, const std::string& cache) {
+  const int64_t token_bytes = int64_t{w.kv_heads} * w.head_dim * w.elem_bytes;
+  const int64_t chunk = std::max<int64_t>(1, (int64_t{64} << 20) / (2 * token_bytes));
+  std::string kv(static_cast<size_t>(std::min<int64_t>(chunk, w.shape.context) * token_bytes),
+                 '\0');
+  for (int layer = 0; layer < w.layers; ++layer) {
+    for (int s = 0; s < w.shape.batch; ++s) {
+      for (int64_t at = 0; at < w.shape.context; at += chunk) {
+        const int64_t n = std::min<int64_t>(chunk, w.shape.context - at);
+        ForwardCall c;
+        c.cache_id = cache;
+        c.layer = layer;
+        c.spans = {{static_cast<uint64_t>(s), at, static_cast<int32_t>(n), 0}};
+        c.k = {
+            w.dtype, {n, w.kv_heads, w.head_dim}, kv.data(), static_cast<size_t>(n * token_bytes)};
+        c.v = c.k;
+        absl::StatusOr<ForwardReply> r = client.ForwardTensors(c, {});
+        if (!r.ok()) return r.status();
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+struct Samples {
+  std::vector<double> latency_us;  // per layer (unary: per call; stream: answer gaps)
+  std::vector<double> server_us, kernel_us;
+  double wall_us = 0;  // all measured steps
+  int layers_done = 0;
+};
+
+// Unary Forwards, one layer after another, steps x layers of them.
+absl::StatusOr<Samples> RunUnary(Client& client, const Workload& w, const std::string& cache,
+                                 bool protobuf) {
+  Samples out;
+  std::string result(static_cast<size_t>(w.out_bytes), '\0');
+  const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
+  Clock::time_point measured_start;
+  for (int step = -warmup; step < steps; ++step) {
+    if (step == 0) measured_start = Clock::now();
+    for (int layer = 0; layer < w.layers; ++layer) {
+      const ForwardCall call = DecodeCall(w, cache, layer, w.shape.context + std::max(step, 0));
+      const Clock::time_point t = Clock::now();
+      if (protobuf) {
+        v1::ForwardRequest req;
+        req.set_cache_id(call.cache_id);
+        req.set_layer(call.layer);
+        for (const wire::SpanRef& s : call.spans) {
+          v1::Span* p = req.add_spans();
+          p->set_seq_id(s.seq_id);
+          p->set_start(s.start);
+          p->set_num_new_tokens(1);
+          p->set_num_queries(1);
+        }
+        for (const auto& [src, dst] : {std::pair{&call.q, req.mutable_q()},
+                                       {&call.k, req.mutable_k()},
+                                       {&call.v, req.mutable_v()}}) {
+          dst->set_dtype(src->dtype);
+          for (int64_t d : src->shape) dst->add_shape(d);
+          dst->set_data(std::string(static_cast<const char*>(src->data), src->bytes));
+        }
+        absl::StatusOr<v1::ForwardResponse> r = client.Forward(req);
+        if (!r.ok()) return r.status();
+      } else {
+        absl::StatusOr<ForwardReply> r =
+            client.ForwardTensors(call, {result.data(), result.size()});
+        if (!r.ok()) return r.status();
+        if (step >= 0) {
+          out.server_us.push_back(static_cast<double>(r->server_micros));
+          out.kernel_us.push_back(static_cast<double>(r->kernel_micros));
+        }
+      }
+      if (step >= 0) out.latency_us.push_back(Since(t));
+    }
+  }
+  out.wall_us = Since(measured_start);
+  out.layers_done = steps * w.layers;
+  return out;
+}
+
+// One Step stream per step: the first message opens the step (spans), the others carry a layer;
+// `inflight` layers are sent ahead of the answers.
+absl::StatusOr<Samples> RunStream(Client& client, const Workload& w, const std::string& cache) {
+  Samples out;
+  std::string result(static_cast<size_t>(w.out_bytes), '\0');
+  const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
+  const int inflight = std::max(1, absl::GetFlag(FLAGS_inflight));
+  absl::StatusOr<std::unique_ptr<StepStream>> stream = client.OpenStep();
+  if (!stream.ok()) return stream.status();
+  Clock::time_point measured_start;
+  for (int step = -warmup; step < steps; ++step) {
+    if (step == 0) measured_start = Clock::now();
+    std::vector<Clock::time_point> sent(w.layers);
+    int next = 0;
+    auto send = [&]() -> absl::Status {
+      ForwardCall call = DecodeCall(w, cache, next, w.shape.context + std::max(step, 0));
+      if (next > 0) {  // the step is open: a layer only
+        call.cache_id.clear();
+        call.spans.clear();
+      }
+      sent[next] = Clock::now();
+      ++next;
+      return (*stream)->Send(call);
+    };
+    for (int i = 0; i < std::min(inflight, w.layers); ++i) {
+      if (absl::Status s = send(); !s.ok()) return s;
+    }
+    Clock::time_point last = Clock::now();
+    for (int layer = 0; layer < w.layers; ++layer) {
+      absl::StatusOr<ForwardReply> r = (*stream)->Receive({result.data(), result.size()});
+      if (!r.ok()) return r.status();
+      if (step >= 0) {
+        out.latency_us.push_back(Since(last));  // the gap between answers: per-layer cost
+        out.server_us.push_back(static_cast<double>(r->server_micros));
+        out.kernel_us.push_back(static_cast<double>(r->kernel_micros));
+      }
+      last = Clock::now();
+      if (next < w.layers) {
+        if (absl::Status s = send(); !s.ok()) return s;
+      }
+    }
+  }
+  out.wall_us = Since(measured_start);
+  out.layers_done = steps * w.layers;
+  if (absl::Status s = (*stream)->Close(); !s.ok()) return s;
+  return out;
+}
+
+// The echo: the same request bytes a Forward sends, the same number of bytes back.
+absl::StatusOr<Samples> RunEcho(const std::shared_ptr<grpc::Channel>& channel, const Workload& w,
+                                const std::string& cache, bool proto) {
+  Samples out;
+  const ForwardCall call = DecodeCall(w, cache, 0, w.shape.context);
+  // The answer's size as the server would send it: out's bytes plus its framing.
+  const size_t response_bytes = static_cast<size_t>(w.out_bytes) + 32;
+  const grpc::internal::RpcMethod method(proto ? kEchoProto : kEchoRaw,
+                                         grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  const int calls = (absl::GetFlag(FLAGS_steps) + absl::GetFlag(FLAGS_warmup)) * w.layers;
+  const int warm = absl::GetFlag(FLAGS_warmup) * w.layers;
+  Clock::time_point measured_start;
+  for (int i = 0; i < calls; ++i) {
+    if (i == warm) measured_start = Clock::now();
+    const Clock::time_point t = Clock::now();
+    grpc::ByteBuffer request;
+    if (proto) {
+      v1::ForwardRequest req;
+      req.set_cache_id(call.cache_id);
+      for (const auto& [src, dst] : {std::pair{&call.q, req.mutable_q()},
+                                     {&call.k, req.mutable_k()},
+                                     {&call.v, req.mutable_v()}}) {
+        dst->set_dtype(src->dtype);
+        for (int64_t d : src->shape) dst->add_shape(d);
+        dst->set_data(std::string(static_cast<const char*>(src->data), src->bytes));
+      }
+      grpc::Slice slice(req.SerializeAsString());
+      request = grpc::ByteBuffer(&slice, 1);
+    } else {
+      std::vector<grpc::Slice> slices;
+      slices.emplace_back(wire::ForwardRequestHead(call.cache_id, call.layer, call.spans, {}));
+      for (const TensorArg* a : {&call.q, &call.k, &call.v}) {
+        slices.emplace_back(wire::TensorFieldPrefix(wire::kRequestQ, a->dtype, a->shape, a->bytes));
+        slices.emplace_back(a->data, a->bytes, grpc::Slice::STATIC_SLICE);
+      }
+      request = grpc::ByteBuffer(slices.data(), slices.size());
+    }
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(kResponseBytesKey, std::to_string(response_bytes));
+    grpc::ByteBuffer response;
+    grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel.get(), method, &ctx, request, &response);
+    if (!s.ok()) return FromGrpcStatus(s);
+    if (proto) {
+      std::string bytes;
+      std::vector<grpc::Slice> slices;
+      (void)response.Dump(&slices);
+      for (const grpc::Slice& sl : slices)
+        bytes.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+      v1::ForwardResponse parsed;
+      parsed.ParseFromString(bytes);
+    } else {
+      std::vector<grpc::Slice> slices;
+      (void)response.Dump(&slices);
+      std::string copy(response_bytes, '\0');  // as the client copies out's bytes
+      size_t at = 0;
+      for (const grpc::Slice& sl : slices) {
+        const size_t n = std::min(sl.size(), copy.size() - at);
+        std::memcpy(copy.data() + at, sl.begin(), n);
+        at += n;
+      }
+    }
+    if (i >= warm) out.latency_us.push_back(Since(t));
+  }
+  out.wall_us = Since(measured_start);
+  out.layers_done = calls - warm;
+  return out;
+}
+
+std::string Row(const std::string& mode, const Workload& w, const Samples& s, double echo_p50,
+                int64_t request_bytes) {
+  const double per_layer = s.wall_us / std::max(1, s.layers_done);
+  std::vector<double> overhead;
+  for (size_t i = 0; i < s.server_us.size() && i < s.kernel_us.size(); ++i) {
+    overhead.push_back(s.server_us[i] - s.kernel_us[i]);
+  }
+  return absl::StrFormat(
+      "{\"suite\": \"loadgen\", \"mode\": \"%s\", \"batch\": %d, \"ctx\": %d, \"layers\": %d, "
+      "\"q_heads\": %d, \"kv_heads\": %d, \"head_dim\": %d, \"dtype\": \"%s\", "
+      "\"request_bytes\": %d, \"response_bytes\": %d, \"p50_us\": %.1f, \"p99_us\": %.1f, "
+      "\"mean_layer_us\": %.1f, \"layers_per_s\": %.1f, \"tokens_per_s\": %.1f, "
+      "\"server_p50_us\": %.1f, \"kernel_p50_us\": %.1f, \"overhead_p50_us\": %.1f, "
+      "\"echo_p50_us\": %.1f, \"p50_over_echo\": %.3f}",
+      mode, w.shape.batch, w.shape.context, w.layers, w.q_heads, w.kv_heads, w.head_dim,
+      v1::DType_Name(w.dtype), request_bytes, w.out_bytes, Percentile(s.latency_us, 0.5),
+      Percentile(s.latency_us, 0.99), per_layer, 1e6 / per_layer,
+      1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5),
+      Percentile(s.kernel_us, 0.5), Percentile(overhead, 0.5), echo_p50,
+      echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0);
+}
+
+int Main() {
+  std::vector<Shape> shapes;
+  for (absl::string_view c : absl::StrSplit(absl::GetFlag(FLAGS_cases), ',', absl::SkipEmpty())) {
+    std::vector<std::string> bc = absl::StrSplit(c, 'x');
+    Shape s;
+    if (bc.size() != 2 || !absl::SimpleAtoi(bc[0], &s.batch) ||
+        !absl::SimpleAtoi(bc[1], &s.context)) {
+      std::cerr << "pagedattn-loadgen: --cases entries are BATCHxCONTEXT (got '" << c << "')\n";
+      return 2;
+    }
+    shapes.push_back(s);
+  }
+  std::vector<std::string> modes =
+      absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty());
+  const std::string uds = absl::GetFlag(FLAGS_uds_target);
+  ClientOptions options;
+  options.target = absl::GetFlag(FLAGS_target);
+  options.timeout = absl::Seconds(600);
+  options.bearer_token = absl::GetFlag(FLAGS_token);
+  if (options.bearer_token.empty() && std::getenv("PAGEDATTN_TOKEN") != nullptr) {
+    options.bearer_token = std::getenv("PAGEDATTN_TOKEN");
+  }
+  std::unique_ptr<Client> tcp = *Client::Connect(options);
+  std::unique_ptr<Client> unix_client;
+  if (!uds.empty()) {
+    ClientOptions u = options;
+    u.target = uds;
+    unix_client = *Client::Connect(u);
+  }
+  std::unique_ptr<EchoServer> echo = StartEcho(/*tuned=*/true);
+  std::unique_ptr<EchoServer> echo_default = StartEcho(/*tuned=*/false);
+  auto echo_tcp = EchoChannel(absl::StrCat("127.0.0.1:", echo->port), true);
+  auto echo_uds = EchoChannel("unix:" + echo->socket, true);
+  auto echo_default_tcp = EchoChannel(absl::StrCat("127.0.0.1:", echo_default->port), false);
+
+  std::vector<std::string> rows;
+  for (const Shape& shape : shapes) {
+    const Workload w = MakeWorkload(shape);
+    v1::CacheConfig config;
+    config.set_num_layers(w.layers);
+    config.set_num_q_heads(w.q_heads);
+    config.set_num_kv_heads(w.kv_heads);
+    config.set_head_dim(w.head_dim);
+    config.set_page_size(absl::GetFlag(FLAGS_page_size));
+    config.set_kv_dtype(w.dtype);
+    const int64_t tokens = int64_t{shape.batch} * (shape.context + absl::GetFlag(FLAGS_steps) + 1);
+    config.set_num_pages(tokens / config.page_size() + 2 * shape.batch + 1);
+    absl::StatusOr<v1::CacheInfo> cache = tcp->CreateCache(config, "pagedattn-loadgen");
+    if (!cache.ok()) {
+      std::cerr << "pagedattn-loadgen: CreateCache: " << cache.status() << "\n";
+      return 1;
+    }
+    std::cerr << absl::StrFormat("[%dx%d] prefill %d layers...\n", shape.batch, shape.context,
+                                 w.layers);
+    if (absl::Status s = Prefill(*tcp, w, cache->cache_id()); !s.ok()) {
+      std::cerr << "pagedattn-loadgen: prefill: " << s << "\n";
+      return 1;
+    }
+    const ForwardCall probe = DecodeCall(w, cache->cache_id(), 0, shape.context);
+    int64_t request_bytes =
+        static_cast<int64_t>(wire::ForwardRequestHead(probe.cache_id, 0, probe.spans, {}).size());
+    for (const TensorArg* a : {&probe.q, &probe.k, &probe.v}) request_bytes += a->bytes + 16;
+    // The echoes first: each mode's row names the echo of its transport.
+    std::map<std::string, double> echo_p50;
+    for (const auto& [name, channel, proto] : {std::tuple{"echo_tcp", echo_tcp, false},
+                                               {"echo_uds", echo_uds, false},
+                                               {"echo_proto_default", echo_default_tcp, true}}) {
+      if (std::find(modes.begin(), modes.end(), name) == modes.end()) continue;
+      std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, name);
+      absl::StatusOr<Samples> s = RunEcho(channel, w, cache->cache_id(), proto);
+      if (!s.ok()) {
+        std::cerr << "pagedattn-loadgen: " << name << ": " << s.status() << "\n";
+        return 1;
+      }
+      echo_p50[name] = Percentile(s->latency_us, 0.5);
+      rows.push_back(Row(name, w, *s, 0, request_bytes));
+      std::cerr << rows.back() << "\n";
+    }
+    for (const std::string& mode : modes) {
+      if (mode.rfind("echo", 0) == 0) continue;
+      const bool over_uds = mode.find("uds") != std::string::npos;
+      Client* client = over_uds ? unix_client.get() : tcp.get();
+      if (client == nullptr) continue;  // no --uds_target
+      std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
+      absl::StatusOr<Samples> s;
+      if (mode.rfind("stream", 0) == 0) {
+        s = RunStream(*client, w, cache->cache_id());
+      } else if (mode == "unary_proto_tcp") {
+        s = RunUnary(*client, w, cache->cache_id(), /*protobuf=*/true);
+      } else if (mode == "unary_tcp" || mode == "unary_uds") {
+        s = RunUnary(*client, w, cache->cache_id(), /*protobuf=*/false);
+      } else {
+        std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "'\n";
+        return 2;
+      }
+      if (!s.ok()) {
+        std::cerr << "pagedattn-loadgen: " << mode << ": " << s.status() << "\n";
+        return 1;
+      }
+      const double floor = echo_p50[over_uds ? "echo_uds" : "echo_tcp"];
+      rows.push_back(Row(mode, w, *s, floor, request_bytes));
+      std::cerr << rows.back() << "\n";
+    }
+    (void)tcp->DeleteCache(cache->cache_id());
+  }
+  const std::string json = "[\n" + absl::StrJoin(rows, ",\n") + "\n]\n";
+  if (!absl::GetFlag(FLAGS_json).empty()) {
+    std::ofstream(absl::GetFlag(FLAGS_json)) << json;
+  } else {
+    std::cout << json;
+  }
+  echo->server->Shutdown();
+  echo_default->server->Shutdown();
+  unlink(echo->socket.c_str());
+  unlink(echo_default->socket.c_str());
+  return 0;
+}
+
+}  // namespace
+}  // namespace pagedattn
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(
+      "model-shaped load against a pagedattn server, beside a bare gRPC echo of the same bytes.\n"
+      "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]");
+  absl::ParseCommandLine(argc, argv);
+  return pagedattn::Main();
+}

@@ -71,6 +71,11 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   const size_t kv_bytes = kv_elems * DTypeSize(batch.kv_wire_dtype);
   ForwardStaging& st = plan.staging_;
   Sections s;
+  // The tensors first: their place depends on their sizes alone (InputsLayout), so a caller may
+  // write them into the image before the Forward is planned.
+  st.q = s.Take(q_bytes);
+  st.k = s.Take(kv_bytes);
+  st.v = s.Take(kv_bytes);
   st.page_table = s.Take(batch.page_table.size() * sizeof(int32_t));
   st.slots = s.Take(BytesOf(plan.slots_));
   st.decode_items = s.Take(BytesOf(w.decode_items));
@@ -81,9 +86,6 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   st.prefill_jobs = s.Take(BytesOf(w.prefill_jobs));
   st.prefill_job_start = s.Take(BytesOf(w.prefill_job_start));
   st.merge_tasks = s.Take(BytesOf(w.merge_tasks));
-  st.q = s.Take(q_bytes);
-  st.k = s.Take(kv_bytes);
-  st.v = s.Take(kv_bytes);
   st.upload_bytes = s.end();
   st.out_bytes = q_bytes;
   st.lse_bytes = batch.return_lse
@@ -104,8 +106,9 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
 
 void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, const void* v) const {
   char* h = static_cast<char*>(image);
+  // A tensor already in its place (the caller wrote it into the image) is not copied.
   auto put = [h](size_t offset, const void* src, size_t bytes) {
-    if (bytes > 0) std::memcpy(h + offset, src, bytes);
+    if (bytes > 0 && h + offset != src) std::memcpy(h + offset, src, bytes);
   };
   const AttentionWork& w = work_;
   const ForwardStaging& st = staging_;
@@ -195,6 +198,16 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
     launch.wire_elems = batch_.total_queries * int64_t{batch_.num_q_heads} * batch_.head_dim;
   }
   return launch;
+}
+
+InputsLayout InputsLayout::Of(size_t q_bytes, size_t kv_bytes) {
+  Sections s;
+  InputsLayout l;
+  l.q = s.Take(q_bytes);
+  l.k = s.Take(kv_bytes);
+  l.v = s.Take(kv_bytes);
+  l.end = s.end();
+  return l;
 }
 
 }  // namespace pagedattn::kernels

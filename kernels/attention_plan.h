@@ -48,8 +48,9 @@ struct ForwardBatch {
   bool return_lse = false;
 };
 
-// Byte offsets of one Forward's sections (each 256-byte aligned). The inputs (metadata, then q,
-// k, v) lie alike in the pinned image and on the device and move in one copy, [0, upload_bytes).
+// Byte offsets of one Forward's sections (each 256-byte aligned). The inputs (q, k, v, then the
+// metadata) lie alike in the pinned image and on the device and move in one copy,
+// [0, upload_bytes); q, k and v come first, where InputsLayout puts them.
 // The results (out, then lse) lie alike after them on both sides and move back in one copy,
 // [out, results_end). The rest is the device's scratch.
 struct ForwardStaging {
@@ -81,6 +82,13 @@ struct ForwardStaging {
 };
 
 inline constexpr size_t kStagingAlign = 256;
+
+// Where a Forward's q, k and v lie at the start of its staging image: known from their sizes
+// alone, before the Forward is planned (ForwardStaging's q, k, v are the same).
+struct InputsLayout {
+  size_t q = 0, k = 0, v = 0, end = 0;
+  static InputsLayout Of(size_t q_bytes, size_t kv_bytes);
+};
 
 class AttentionPlan {
  public:

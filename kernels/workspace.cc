@@ -17,23 +17,29 @@ LaunchStatus CudaError(const std::string& what, cudaError_t err) {
 enum Memory { kPinned, kDevice };
 
 // Grows *buffer (*bytes of it) to hold `want` bytes, at least doubling so that growth is
-// amortized; its contents are not kept.
+// amortized; of its contents the first `keep` bytes are kept (pinned memory only).
 template <typename T>
-LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const char* what) {
+LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const char* what,
+                  size_t keep = 0) {
   if (want <= *bytes) return LaunchStatus::Ok();
   const size_t n = std::max(want, 2 * *bytes);
-  if (*buffer != nullptr) {
-    const cudaError_t err = where == kPinned ? cudaFreeHost(*buffer) : cudaFree(*buffer);
-    if (err != cudaSuccess) return CudaError(std::string("freeing the ") + what, err);
-  }
-  *buffer = nullptr;
-  *bytes = 0;
   void* p = nullptr;
   const cudaError_t err = where == kPinned ? cudaMallocHost(&p, n) : cudaMalloc(&p, n);
   if (err != cudaSuccess) {
     return CudaError(std::string(where == kPinned ? "cudaMallocHost(" : "cudaMalloc(") +
                          std::to_string(n) + " bytes of " + what + ")",
                      err);
+  }
+  if (*buffer != nullptr) {
+    if (where == kPinned && keep > 0) std::memcpy(p, *buffer, std::min(keep, *bytes));
+    const cudaError_t free_err = where == kPinned ? cudaFreeHost(*buffer) : cudaFree(*buffer);
+    if (free_err != cudaSuccess) {
+      if (where == kPinned)
+        cudaFreeHost(p);
+      else
+        cudaFree(p);
+      return CudaError(std::string("freeing the ") + what, free_err);
+    }
   }
   *buffer = static_cast<T*>(p);
   *bytes = n;
@@ -46,11 +52,27 @@ ForwardWorkspace::~ForwardWorkspace() {
   if (host_) cudaFreeHost(host_);
   if (device_) cudaFree(device_);
   if (counters_) cudaFree(counters_);
+  for (cudaEvent_t e : marks_) {
+    if (e) cudaEventDestroy(e);
+  }
+}
+
+LaunchStatus ForwardWorkspace::ReserveInputs(const InputsLayout& inputs) {
+  inputs_bytes_ = 0;
+  if (LaunchStatus s = Grow(kPinned, &host_, &host_bytes_, inputs.end, "pinned Forward image");
+      !s.ok()) {
+    return s;
+  }
+  inputs_bytes_ = inputs.end;
+  return LaunchStatus::Ok();
 }
 
 LaunchStatus ForwardWorkspace::Reserve(const AttentionPlan& plan, cudaStream_t stream) {
   const ForwardStaging& st = plan.staging();
-  if (LaunchStatus s = Grow(kPinned, &host_, &host_bytes_, st.results_end, "pinned Forward image");
+  const size_t keep = inputs_bytes_;
+  inputs_bytes_ = 0;  // one Forward's: the next starts afresh
+  if (LaunchStatus s =
+          Grow(kPinned, &host_, &host_bytes_, st.results_end, "pinned Forward image", keep);
       !s.ok()) {
     return s;
   }
@@ -92,6 +114,24 @@ LaunchStatus ForwardWorkspace::Download(const AttentionPlan& plan, cudaStream_t 
     return CudaError("cudaMemcpyAsync(Forward results)", err);
   }
   return LaunchStatus::Ok();
+}
+
+LaunchStatus ForwardWorkspace::Mark(MarkPoint point, cudaStream_t stream) {
+  cudaError_t err = cudaSuccess;
+  if (marks_[point] == nullptr) err = cudaEventCreate(&marks_[point]);
+  if (err == cudaSuccess) err = cudaEventRecord(marks_[point], stream);
+  if (err != cudaSuccess) return CudaError("cudaEventRecord", err);
+  return LaunchStatus::Ok();
+}
+
+float ForwardWorkspace::Elapsed(MarkPoint from, MarkPoint to) const {
+  float ms = 0.f;
+  if (marks_[from] == nullptr || marks_[to] == nullptr ||
+      cudaEventElapsedTime(&ms, marks_[from], marks_[to]) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0.f;
+  }
+  return ms;
 }
 
 void ForwardWorkspace::ReadResults(const AttentionPlan& plan, void* out, float* lse) const {

@@ -23,8 +23,12 @@ class ForwardWorkspace {
   ForwardWorkspace(const ForwardWorkspace&) = delete;
   ForwardWorkspace& operator=(const ForwardWorkspace&) = delete;
 
-  // Grows the buffers to the plan's staging (at least doubling, so that growth is amortized).
-  // New split counters are zeroed on stream; every launch leaves them zero again.
+  // Grows the pinned image to hold a Forward's inputs (InputsLayout) so that the caller can
+  // write q, k and v there before planning; StageInputs then leaves them where they are.
+  LaunchStatus ReserveInputs(const InputsLayout& inputs);
+  // Grows the buffers to the plan's staging (at least doubling, so that growth is amortized);
+  // the inputs already written (ReserveInputs) are kept. New split counters are zeroed on
+  // stream; every launch leaves them zero again.
   LaunchStatus Reserve(const AttentionPlan& plan, cudaStream_t stream);
 
   // Writes the plan's inputs (metadata, q, k, v: the caller's host buffers) into the pinned image.
@@ -42,7 +46,14 @@ class ForwardWorkspace {
   // After the stream has synchronized: out (in q's dtype) and, when asked for, lse to the caller.
   void ReadResults(const AttentionPlan& plan, void* out, float* lse) const;
 
-  void* host() const { return host_; }
+  // Where a Forward's phases went on the stream: around the upload, the kernels and the
+  // download (Mark), read after the stream's synchronization (Elapsed: milliseconds, 0 when the
+  // marks are not there).
+  enum MarkPoint { kBeforeUpload, kAfterUpload, kAfterKernels, kAfterDownload, kNumMarks };
+  LaunchStatus Mark(MarkPoint point, cudaStream_t stream);
+  float Elapsed(MarkPoint from, MarkPoint to) const;
+
+  char* host() const { return host_; }
   void* device() const { return device_; }
   int32_t* merge_counters() const { return counters_; }
 
@@ -53,6 +64,8 @@ class ForwardWorkspace {
   size_t device_bytes_ = 0;
   int32_t* counters_ = nullptr;
   size_t counter_bytes_ = 0;
+  size_t inputs_bytes_ = 0;  // the image's prefix the caller wrote (kept when it grows)
+  cudaEvent_t marks_[kNumMarks] = {};
 };
 
 }  // namespace pagedattn::kernels

@@ -16,6 +16,7 @@
 namespace pagedattn {
 
 struct ForwardTimings;  // server/core/cache.h
+class ForwardBuffers;   // below
 
 // A validated, resolved cache configuration: every field is in range and num_pages is set.
 struct CacheGeometry {
@@ -89,6 +90,46 @@ struct ForwardIO {
   float* lse = nullptr;  // [total_queries, num_q_heads]; null unless return_lse.
   // Filled with the backend's phases (stage, h2d, kernel, d2h) when set.
   ForwardTimings* timings = nullptr;
+  // When set (by the backend's own AcquireForwardBuffers): q, k and v lie in these (the caller
+  // wrote them there), out and lse are null, and the backend leaves the answer in
+  // buffers->out() and lse().
+  ForwardBuffers* buffers = nullptr;
+};
+
+// The host memory of one Forward, from the backend that runs it: the caller writes the request's
+// tensors into q(), k() and v() before Forward (on the CUDA backend this is pinned memory the
+// copy to the device reads directly: the one host copy of a Forward's inputs), and reads the
+// answer from out() and lse() after it (where the copy from the device lands: no further copy).
+// Held until the answer has been sent; destroying it gives the memory back to the backend.
+class ForwardBuffers {
+ public:
+  virtual ~ForwardBuffers() = default;
+  // Input areas, sized as asked (AcquireForwardBuffers).
+  virtual char* q() = 0;
+  virtual char* k() = 0;
+  virtual char* v() = 0;
+  // The answer, after a Forward that was given these buffers returned OK.
+  virtual const char* out() const = 0;
+  virtual const float* lse() const = 0;  // null unless return_lse
+};
+
+// ForwardBuffers in plain heap memory: the default, for backends that compute on the host.
+class HeapForwardBuffers final : public ForwardBuffers {
+ public:
+  HeapForwardBuffers(size_t q_bytes, size_t kv_bytes, size_t out_bytes, size_t lse_bytes)
+      : q_(q_bytes), k_(kv_bytes), v_(kv_bytes), out_(out_bytes), lse_(lse_bytes / sizeof(float)) {}
+  char* q() override { return q_.data(); }
+  char* k() override { return k_.data(); }
+  char* v() override { return v_.data(); }
+  const char* out() const override { return out_.data(); }
+  const float* lse() const override { return lse_.empty() ? nullptr : lse_.data(); }
+  // Where the backend writes the answer.
+  char* mutable_out() { return out_.data(); }
+  float* mutable_lse() { return lse_.empty() ? nullptr : lse_.data(); }
+
+ private:
+  std::vector<char> q_, k_, v_, out_;
+  std::vector<float> lse_;
 };
 
 // A pool of K/V pages owned by a backend. Layout per layer and per K/V:
@@ -109,6 +150,13 @@ class Backend {
   virtual absl::StatusOr<MemoryInfo> memory(int device) const = 0;
   // Compute capability of a device as "major.minor" ("9.0"); empty on the CPU backend.
   virtual std::string compute_capability(int /*device*/) const { return ""; }
+
+  // Host memory for one Forward on `device` with inputs of these sizes (bytes of q, and of k and
+  // of v each) and an answer of out_bytes (+ lse_bytes). The default: HeapForwardBuffers.
+  virtual absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(
+      int /*device*/, size_t q_bytes, size_t kv_bytes, size_t out_bytes, size_t lse_bytes) {
+    return std::make_unique<HeapForwardBuffers>(q_bytes, kv_bytes, out_bytes, lse_bytes);
+  }
 
   // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit; the stop
   // token's status (and nothing held) when the caller gives up while it is being allocated.

@@ -197,11 +197,14 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   // An append-only request may omit q: its (empty) output then takes the cache dtype.
   result.out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
   result.out_shape = {plan.total_queries, g.num_q_heads, g.head_dim};
-  result.out.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * g.head_dim *
-                    DTypeSize(result.out_dtype));
-  if (a.return_lse) {
-    result.lse_shape = {plan.total_queries, g.num_q_heads};
-    result.lse.resize(static_cast<size_t>(plan.total_queries) * g.num_q_heads * sizeof(float));
+  if (a.return_lse) result.lse_shape = {plan.total_queries, g.num_q_heads};
+  const size_t out_bytes = static_cast<size_t>(plan.total_queries) * g.num_q_heads * g.head_dim *
+                           DTypeSize(result.out_dtype);
+  const size_t lse_bytes =
+      a.return_lse ? static_cast<size_t>(plan.total_queries) * g.num_q_heads * sizeof(float) : 0;
+  if (a.buffers == nullptr) {  // the answer in strings of its own (else in the buffers)
+    result.out.resize(out_bytes);
+    result.lse.resize(lse_bytes);
   }
   ForwardIO io;
   io.q_dtype = result.out_dtype;
@@ -209,8 +212,10 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   io.kv_dtype = a.k.dtype;
   io.k = plan.total_new_tokens > 0 ? a.k.data : nullptr;
   io.v = plan.total_new_tokens > 0 ? a.v.data : nullptr;
-  io.out = result.out.data();
-  io.lse = a.return_lse ? reinterpret_cast<float*>(result.lse.data()) : nullptr;
+  io.out = a.buffers == nullptr ? result.out.data() : nullptr;
+  io.lse = a.buffers == nullptr && a.return_lse ? reinterpret_cast<float*>(result.lse.data())
+                                                : nullptr;
+  io.buffers = a.buffers;
   io.timings = timings;
   if (timings != nullptr) timings->validate_us = MicrosSince(start);
 

@@ -34,12 +34,15 @@ struct ForwardArgs {
   std::optional<bool> causal;     // Default true.
   std::optional<float> sm_scale;  // Default 1/sqrt(head_dim).
   bool return_lse = false;
+  // When set, q, k and v lie in these backend buffers and the answer is left in them
+  // (ForwardResult::out and lse stay empty). From the backend's AcquireForwardBuffers.
+  ForwardBuffers* buffers = nullptr;
 };
 
 struct ForwardResult {
   DType out_dtype = DType::kUnspecified;
   std::vector<int64_t> out_shape;  // [total_queries, num_q_heads, head_dim]
-  std::string out;                 // Raw bytes in out_dtype.
+  std::string out;                 // Raw bytes in out_dtype (empty when ForwardArgs::buffers).
   std::vector<int64_t> lse_shape;  // [total_queries, num_q_heads] when asked.
   std::string lse;                 // Raw float32 bytes when asked.
 };
@@ -99,6 +102,9 @@ class Cache {
   // includes the stop token's status when the caller gives up before the Forward commits.
   absl::StatusOr<ForwardResult> Forward(const ForwardArgs& args, const StopToken& stop = {},
                                         ForwardTimings* timings = nullptr);
+  // The checks of Forward that need no data: layer, spans, limits, tensor dtypes, shapes and
+  // sizes (a tensor's data pointer may be null), sm_scale, the answer's size.
+  absl::Status Check(const ForwardArgs& args) const { return ValidateForward(args); }
   // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
   CacheStats Stats() const;

@@ -173,8 +173,14 @@ absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeom
 }
 
 absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
-                                 const ForwardIO& io) {
+                                 const ForwardIO& io_in) {
   auto& pool = static_cast<CpuPool&>(pool_base);
+  ForwardIO io = io_in;
+  if (io.buffers != nullptr) {  // this backend's own (the default heap buffers)
+    auto* heap = static_cast<HeapForwardBuffers*>(io.buffers);
+    io.out = heap->mutable_out();
+    io.lse = plan.return_lse ? heap->mutable_lse() : nullptr;
+  }
   const int D = g.head_dim;
   const int Hq = g.num_q_heads;
   const int Hkv = g.num_kv_heads;

@@ -16,10 +16,12 @@
 #include "absl/strings/str_replace.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "kernels/attention_plan.h"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 #include "kernels/workspace.h"
+#include "server/core/cache.h"
 
 namespace pagedattn {
 namespace {
@@ -88,6 +90,43 @@ struct Workspace {
     cudaSetDevice(device);
     if (stream) cudaStreamDestroy(stream);
   }
+};
+
+class CudaBackend;
+
+// ForwardBuffers of the CUDA backend: a workspace taken for one Forward, its inputs written by
+// the caller straight into the pinned image the upload reads, and the answer left where the
+// download puts it. The workspace goes back to the backend's free list when this is destroyed
+// (once the answer has been sent).
+class CudaForwardBuffers final : public ForwardBuffers {
+ public:
+  CudaForwardBuffers(CudaBackend* backend, std::unique_ptr<Workspace> ws,
+                     const k::InputsLayout& inputs)
+      : backend_(backend), ws_(std::move(ws)), inputs_(inputs) {}
+  ~CudaForwardBuffers() override;
+
+  char* q() override { return ws_->buffers.host() + inputs_.q; }
+  char* k() override { return ws_->buffers.host() + inputs_.k; }
+  char* v() override { return ws_->buffers.host() + inputs_.v; }
+  const char* out() const override { return ws_->buffers.host() + out_; }
+  const float* lse() const override {
+    return has_lse_ ? reinterpret_cast<const float*>(ws_->buffers.host() + lse_) : nullptr;
+  }
+
+  Workspace& workspace() { return *ws_; }
+  // Where the answer lies once the Forward's download is done.
+  void SetResults(size_t out, size_t lse, bool has_lse) {
+    out_ = out;
+    lse_ = lse;
+    has_lse_ = has_lse;
+  }
+
+ private:
+  CudaBackend* backend_;
+  std::unique_ptr<Workspace> ws_;
+  k::InputsLayout inputs_;
+  size_t out_ = 0, lse_ = 0;
+  bool has_lse_ = false;
 };
 
 // The kernel library's view of a Forward: its spans, page table, shapes and dtypes.
@@ -180,6 +219,20 @@ class CudaBackend final : public Backend {
     return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits));
   }
 
+  absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(
+      int device, size_t q_bytes, size_t kv_bytes, size_t /*out_bytes*/,
+      size_t /*lse_bytes*/) override {
+    if (absl::Status st = SetDevice(device); !st.ok()) return st;
+    absl::StatusOr<std::unique_ptr<Workspace>> ws = Acquire(device);
+    if (!ws.ok()) return ws.status();
+    const k::InputsLayout inputs = k::InputsLayout::Of(q_bytes, kv_bytes);
+    if (k::LaunchStatus st = (*ws)->buffers.ReserveInputs(inputs); !st.ok()) {
+      Release(*std::move(ws));
+      return FromLaunch(st);
+    }
+    return std::unique_ptr<ForwardBuffers>(new CudaForwardBuffers(this, *std::move(ws), inputs));
+  }
+
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                        const ForwardIO& io) override {
     auto& pool = static_cast<CudaKvPool&>(pool_base);
@@ -187,14 +240,25 @@ class CudaBackend final : public Backend {
     // anything is written.
     if (absl::Status st = plan.stop.Check(); !st.ok()) return st;
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
-    absl::StatusOr<std::unique_ptr<Workspace>> ws = Acquire(g.device);
-    if (!ws.ok()) return ws.status();
-    absl::Status st = Run(pool, g, plan, io, **ws);
+    auto* buffers = static_cast<CudaForwardBuffers*>(io.buffers);  // this backend's own
+    std::unique_ptr<Workspace> own;
+    if (buffers == nullptr) {
+      absl::StatusOr<std::unique_ptr<Workspace>> ws = Acquire(g.device);
+      if (!ws.ok()) return ws.status();
+      own = *std::move(ws);
+    }
+    Workspace& ws = buffers != nullptr ? buffers->workspace() : *own;
+    absl::Status st = Run(pool, g, plan, io, ws, buffers);
     // Whatever happened, nothing may still be in flight on a workspace that is reused.
-    const cudaError_t sync_err = cudaStreamSynchronize((*ws)->stream);
+    const cudaError_t sync_err = cudaStreamSynchronize(ws.stream);
     if (st.ok()) st = CudaStatus(sync_err, "cudaStreamSynchronize(Forward)");
-    Release(std::move(*ws));
+    if (own != nullptr) Release(std::move(own));
     return st;
+  }
+
+  void Release(std::unique_ptr<Workspace> ws) {
+    absl::MutexLock lock(&mu_);
+    free_.push_back(std::move(ws));
   }
 
  private:
@@ -220,27 +284,50 @@ class CudaBackend final : public Backend {
     return ws;
   }
 
-  void Release(std::unique_ptr<Workspace> ws) {
-    absl::MutexLock lock(&mu_);
-    free_.push_back(std::move(ws));
-  }
-
-  // Plan, stage, one H2D copy, append, attention, one D2H copy, one synchronization.
+  // Plan, stage, one H2D copy, append, attention, one D2H copy, one synchronization. With
+  // buffers, q, k and v are already in the workspace's image and the answer stays there.
   absl::Status Run(CudaKvPool& pool, const CacheGeometry& g, const ForwardPlan& plan,
-                   const ForwardIO& io, Workspace& ws) {
+                   const ForwardIO& io, Workspace& ws, CudaForwardBuffers* buffers) {
+    using k::ForwardWorkspace;
+    const absl::Time start = absl::Now();
     std::vector<k::ForwardSpan> spans;
     const k::AttentionPlan attention =
         k::AttentionPlan::Make(BatchOf(g, plan, io, spans), pool.limits());
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Reserve(attention, ws.stream));
-    ws.buffers.StageInputs(attention, io.q, io.k, io.v);
+    if (buffers != nullptr) {
+      ws.buffers.StageInputs(attention, buffers->q(), buffers->k(), buffers->v());
+    } else {
+      ws.buffers.StageInputs(attention, io.q, io.k, io.v);
+    }
+    const bool timed = io.timings != nullptr;
+    if (timed) io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
     const k::ForwardLaunch launch =
         ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer));
     PAGEDATTN_LAUNCH_RETURN(k::LaunchAppendKv(launch.append, ws.stream, launcher_));
     PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, launcher_));
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Download(attention, ws.stream));
+    if (timed) {
+      PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterDownload, ws.stream));
+    }
     PAGEDATTN_CUDA_RETURN(cudaStreamSynchronize(ws.stream), "Forward on the GPU");
-    ws.buffers.ReadResults(attention, io.out, io.lse);
+    if (timed) {
+      io.timings->h2d_us =
+          1e3 * ws.buffers.Elapsed(ForwardWorkspace::kBeforeUpload, ForwardWorkspace::kAfterUpload);
+      io.timings->kernel_us =
+          1e3 * ws.buffers.Elapsed(ForwardWorkspace::kAfterUpload, ForwardWorkspace::kAfterKernels);
+      io.timings->d2h_us = 1e3 * ws.buffers.Elapsed(ForwardWorkspace::kAfterKernels,
+                                                    ForwardWorkspace::kAfterDownload);
+    }
+    const k::ForwardStaging& st = attention.staging();
+    if (buffers != nullptr) {
+      buffers->SetResults(st.out, st.lse, st.lse_bytes > 0);
+    } else {
+      ws.buffers.ReadResults(attention, io.out, io.lse);
+    }
     return absl::OkStatus();
   }
 
@@ -256,6 +343,8 @@ class CudaBackend final : public Backend {
 };
 
 }  // namespace
+
+CudaForwardBuffers::~CudaForwardBuffers() { backend_->Release(std::move(ws_)); }
 
 int CudaDeviceCount() {
   int count = 0;

@@ -185,17 +185,20 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
   });
 }
 
-absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(Rpc& rpc,
-                                                               const std::string& cache_id,
-                                                               const ForwardArgs& args,
-                                                               size_t request_bytes) {
+absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
+    Rpc& rpc, const std::string& cache_id, const wire::ForwardRequestRef& request,
+    size_t request_bytes) {
   rpc.set_cache(cache_id);
   absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(cache_id, rpc.tenant());
   if (!cache.ok()) return cache.status();
+  const CacheGeometry& g = (*cache)->geometry();
+  // Checked before anything is allocated for it: a request's sizes are the caller's word.
+  ForwardArgs args = ToForwardArgs(request, nullptr);
+  if (absl::Status s = (*cache)->Check(args); !s.ok()) return s;
+  const int64_t response_bytes = ForwardResponseBytes(g, args);
   // The request's bytes and the answer's, held until the answer is built, against the server's
   // budget for data in flight.
-  const int64_t held =
-      static_cast<int64_t>(request_bytes) + ForwardResponseBytes((*cache)->geometry(), args);
+  const int64_t held = static_cast<int64_t>(request_bytes) + response_bytes;
   if (budget_ != nullptr && !budget_->TryAcquire(held)) {
     return WithErrorInfo(
         absl::ResourceExhaustedError(absl::StrCat(
@@ -211,6 +214,22 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(Rpc& rpc,
     if (budget_ != nullptr) budget_->Release(held);
   };
   ForwardAnswer answer;
+  const absl::Time stage_start = absl::Now();
+  int64_t total_queries = 0;
+  for (const wire::SpanRef& s : request.spans) total_queries += std::max(0, s.num_queries);
+  const DType out_dtype = request.q.present ? static_cast<DType>(request.q.dtype) : g.kv_dtype;
+  const size_t out_bytes = static_cast<size_t>(total_queries) * g.num_q_heads * g.head_dim *
+                           static_cast<size_t>(std::max(0, DTypeSize(out_dtype)));
+  const size_t lse_bytes = request.options.return_lse
+                               ? static_cast<size_t>(total_queries) * g.num_q_heads * sizeof(float)
+                               : 0;
+  absl::StatusOr<std::unique_ptr<ForwardBuffers>> buffers =
+      manager_->backend().AcquireForwardBuffers(g.device, QBytes(request), KvBytes(request),
+                                                out_bytes, lse_bytes);
+  if (!buffers.ok()) return buffers.status();
+  answer.buffers = *std::move(buffers);
+  args = ToForwardArgs(request, answer.buffers.get());
+  answer.stage_in_us = absl::ToDoubleMicroseconds(absl::Now() - stage_start);
   absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop(), &answer.timings);
   if (!result.ok()) return result.status();
   answer.result = *std::move(result);
@@ -240,20 +259,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   reactor->Finish(Handle("Forward", ctx, [&](Rpc& rpc) -> absl::Status {
     ReceivedForward received;
     if (absl::Status s = ParseForward(*req, &received); !s.ok()) return s;
-    std::vector<char> gathered;
-    const ForwardArgs args = ToForwardArgs(received.request, &gathered);
     const double parse_us = rpc.seconds() * 1e6;
     absl::StatusOr<ForwardAnswer> answer =
-        RunForward(rpc, received.request.cache_id, args, received.bytes);
+        RunForward(rpc, received.request.cache_id, received.request, received.bytes);
     if (!answer.ok()) return answer.status();
-    const double kernel_us = answer->timings.kernel_us;
     const double before_encode_us = rpc.seconds() * 1e6;
-    *resp = EncodeResponse(std::move(answer->result), /*step=*/false, 0, 0, 0);
+    *resp = EncodeResponse(answer->result, answer->buffers, /*step=*/false, 0, 0, 0);
     const double server_us = rpc.seconds() * 1e6;
     ctx->AddTrailingMetadata("pagedattn-server-us", std::to_string(Micros(server_us)));
-    ctx->AddTrailingMetadata("pagedattn-kernel-us", std::to_string(Micros(kernel_us)));
+    ctx->AddTrailingMetadata("pagedattn-kernel-us",
+                             std::to_string(Micros(answer->timings.kernel_us)));
     if (metrics_ != nullptr) {
-      metrics_->RecordForwardPhases(parse_us, answer->timings, server_us - before_encode_us);
+      metrics_->RecordForwardPhases(parse_us, answer->stage_in_us, answer->timings,
+                                    server_us - before_encode_us);
     }
     return absl::OkStatus();
   }));
@@ -333,8 +351,6 @@ class AttentionServiceImpl::StepReactor final
     int32_t layer = 0;
     ReceivedForward received;
     std::string cache_id;
-    ForwardArgs args;
-    std::vector<char> gathered;
     bool running = false;
     bool done = false;
     grpc::ByteBuffer answer;
@@ -370,7 +386,6 @@ class AttentionServiceImpl::StepReactor final
     r.spans = spans_;
     r.options = options_;
     job.cache_id = cache_id_;
-    job.args = ToForwardArgs(r, &job.gathered);
   }
 
   void ReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -402,13 +417,12 @@ class AttentionServiceImpl::StepReactor final
     rpc.set_tenant(tenant_);
     grpc::ByteBuffer answer;
     absl::StatusOr<ForwardAnswer> result =
-        service_->RunForward(rpc, job->cache_id, job->args, job->received.bytes);
+        service_->RunForward(rpc, job->cache_id, job->received.request, job->received.bytes);
     const grpc::Status status =
         service_->Finish(rpc, result.ok() ? absl::OkStatus() : result.status());
     if (result.ok()) {
-      const double kernel_us = result->timings.kernel_us;
-      answer = EncodeResponse(std::move(result->result), /*step=*/true, job->layer,
-                              Micros(rpc.seconds() * 1e6), Micros(kernel_us));
+      answer = EncodeResponse(result->result, result->buffers, /*step=*/true, job->layer,
+                              Micros(rpc.seconds() * 1e6), Micros(result->timings.kernel_us));
     } else {
       answer = EncodeStepError(job->layer, status);
     }

@@ -45,11 +45,13 @@ class Rpc {
   std::chrono::steady_clock::time_point start_;
 };
 
-// One layer of a Forward as the service runs it (unary Forward, or one message of a Step).
+// One layer of a Forward as the service runs it (unary Forward, or one message of a Step): the
+// result, the backend buffers its answer lies in, and where the time went.
 struct ForwardAnswer {
   ForwardResult result;
+  std::shared_ptr<ForwardBuffers> buffers;
   ForwardTimings timings;
-  double parse_us = 0;
+  double stage_in_us = 0;  // copying the request's tensors into the buffers
 };
 
 class AttentionServiceImpl final
@@ -102,7 +104,8 @@ class AttentionServiceImpl final
   // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,
   // the byte budget, the core.
   absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,
-                                           const ForwardArgs& args, size_t request_bytes);
+                                           const wire::ForwardRequestRef& request,
+                                           size_t request_bytes);
 
   CacheManager* const manager_;
   const TokenAuthenticator* const auth_;

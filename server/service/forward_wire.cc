@@ -1,6 +1,7 @@
 // ParseForward / ToForwardArgs / EncodeResponse: common/wire over gRPC's byte buffers.
 #include "server/service/forward_wire.h"
 
+#include <algorithm>
 #include <memory>
 
 #include "absl/strings/str_cat.h"
@@ -9,30 +10,26 @@
 namespace pagedattn {
 namespace {
 
-TensorView ViewOf(const wire::TensorRef& t, std::vector<char>* gathered) {
+// The tensor's view in the core, its bytes copied from the request's chunks to dst.
+TensorView Place(const wire::TensorRef& t, char* dst) {
   TensorView v;
   if (!t.present) return v;
   v.dtype = static_cast<DType>(t.dtype);
   v.shape = t.shape;
   v.size_bytes = t.data_size;
-  if (t.data.size() == 1) {
-    v.data = t.data[0].data;
-  } else if (t.data_size > 0) {
-    // The caller reserved room for every gathered tensor: this never reallocates, so the views
-    // already taken stay valid.
-    const size_t at = gathered->size();
-    gathered->resize(at + t.data_size);
-    t.CopyTo(gathered->data() + at);
-    v.data = gathered->data() + at;
+  if (t.data_size > 0 && dst != nullptr) {
+    t.CopyTo(dst);
+    v.data = dst;
   }
   return v;
 }
 
-// A slice that owns a string (moved in, freed when gRPC is done with the bytes).
-grpc::Slice OwningSlice(std::string&& bytes) {
-  auto* owned = new std::string(std::move(bytes));
+// A slice of bytes that `owner` keeps alive (released when gRPC is done with the slice).
+grpc::Slice SliceOf(const char* data, size_t size, const std::shared_ptr<ForwardBuffers>& owner) {
+  auto* keep = new std::shared_ptr<ForwardBuffers>(owner);
   return grpc::Slice(
-      owned->data(), owned->size(), [](void* p) { delete static_cast<std::string*>(p); }, owned);
+      const_cast<char*>(data), size,
+      [](void* p) { delete static_cast<std::shared_ptr<ForwardBuffers>*>(p); }, keep);
 }
 
 }  // namespace
@@ -55,41 +52,45 @@ absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out) 
   return absl::OkStatus();
 }
 
-ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& r, std::vector<char>* gathered) {
+size_t QBytes(const wire::ForwardRequestRef& r) { return r.q.data_size; }
+size_t KvBytes(const wire::ForwardRequestRef& r) { return std::max(r.k.data_size, r.v.data_size); }
+
+ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& r, ForwardBuffers* buffers) {
   ForwardArgs a;
   a.layer = r.layer;
   a.spans.reserve(r.spans.size());
   for (const wire::SpanRef& s : r.spans) {
     a.spans.push_back({s.seq_id, s.start, s.num_new_tokens, s.num_queries});
   }
-  gathered->clear();
-  size_t gathered_bytes = 0;
-  for (const wire::TensorRef* t : {&r.q, &r.k, &r.v}) {
-    if (t->data.size() > 1) gathered_bytes += t->data_size;
-  }
-  gathered->reserve(gathered_bytes);
-  a.q = ViewOf(r.q, gathered);
-  a.k = ViewOf(r.k, gathered);
-  a.v = ViewOf(r.v, gathered);
+  a.q = Place(r.q, buffers != nullptr ? buffers->q() : nullptr);
+  a.k = Place(r.k, buffers != nullptr ? buffers->k() : nullptr);
+  a.v = Place(r.v, buffers != nullptr ? buffers->v() : nullptr);
   a.causal = r.options.causal;
   a.sm_scale = r.options.sm_scale;
   a.return_lse = r.options.return_lse;
+  a.buffers = buffers;
   return a;
 }
 
-grpc::ByteBuffer EncodeResponse(ForwardResult&& result, bool step, int32_t layer,
+grpc::ByteBuffer EncodeResponse(const ForwardResult& result,
+                                std::shared_ptr<ForwardBuffers> buffers, bool step, int32_t layer,
                                 int64_t server_micros, int64_t kernel_micros) {
   std::vector<grpc::Slice> slices;
   slices.reserve(5);
-  const size_t out_bytes = result.out.size();
+  int64_t out_elems = 1;
+  for (int64_t d : result.out_shape) out_elems *= d;
+  const size_t out_bytes = static_cast<size_t>(out_elems) * DTypeSize(result.out_dtype);
   slices.emplace_back(wire::TensorFieldPrefix(
       wire::kResponseOut, static_cast<int32_t>(result.out_dtype), result.out_shape, out_bytes));
-  if (out_bytes > 0) slices.push_back(OwningSlice(std::move(result.out)));
+  if (out_bytes > 0) slices.push_back(SliceOf(buffers->out(), out_bytes, buffers));
   if (!result.lse_shape.empty()) {
-    const size_t lse_bytes = result.lse.size();
+    const size_t lse_bytes =
+        static_cast<size_t>(result.lse_shape[0] * result.lse_shape[1]) * sizeof(float);
     slices.emplace_back(wire::TensorFieldPrefix(
         wire::kResponseLse, static_cast<int32_t>(DType::kFloat32), result.lse_shape, lse_bytes));
-    if (lse_bytes > 0) slices.push_back(OwningSlice(std::move(result.lse)));
+    if (lse_bytes > 0) {
+      slices.push_back(SliceOf(reinterpret_cast<const char*>(buffers->lse()), lse_bytes, buffers));
+    }
   }
   if (step) {
     slices.emplace_back(wire::StepResponseFields(layer, "", server_micros, kernel_micros));

@@ -6,6 +6,7 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/status.h>
 
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -25,13 +26,20 @@ struct ReceivedForward {
 // INVALID_ARGUMENT naming what is wrong when the bytes are not a ForwardRequest.
 absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out);
 
-// The core's arguments. A tensor that arrived in one chunk is used where it lies; one spread
-// over several chunks is gathered into *gathered (the one copy).
-ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, std::vector<char>* gathered);
+// Bytes of the request's q, and of its k (= v's).
+size_t QBytes(const wire::ForwardRequestRef& request);
+size_t KvBytes(const wire::ForwardRequestRef& request);
+
+// The core's arguments, with q, k and v copied from the request's chunks into the backend's
+// buffers (the one host copy of the inputs; on the CUDA backend the upload reads them there).
+// Without buffers: the tensors' dtypes, shapes and sizes only, to check the request.
+ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, ForwardBuffers* buffers);
 
 // The answer's bytes: a ForwardResponse (step: false), or a StepResponse for `layer` with the
-// timing (step: true). The result's buffers become the message's slices without a copy.
-grpc::ByteBuffer EncodeResponse(ForwardResult&& result, bool step, int32_t layer,
+// timing (step: true). out and lse are slices of the buffers they lie in (no copy); the buffers
+// go back to the backend when gRPC is done with the bytes.
+grpc::ByteBuffer EncodeResponse(const ForwardResult& result,
+                                std::shared_ptr<ForwardBuffers> buffers, bool step, int32_t layer,
                                 int64_t server_micros, int64_t kernel_micros);
 // A StepResponse that answers a layer with an error.
 grpc::ByteBuffer EncodeStepError(int32_t layer, const grpc::Status& status);

@@ -36,11 +36,11 @@ void Metrics::RecordForward(double seconds, int64_t tokens_appended, int64_t que
   queries_attended_.fetch_add(queries, std::memory_order_relaxed);
 }
 
-void Metrics::RecordForwardPhases(double parse_us, const ForwardTimings& core,
+void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const ForwardTimings& core,
                                   double serialize_us) {
-  const std::array<double, kPhases.size()> us = {parse_us,       core.validate_us, core.stage_us,
-                                                 core.h2d_us,    core.kernel_us,   core.d2h_us,
-                                                 core.commit_us, serialize_us};
+  const std::array<double, kPhases.size()> us = {parse_us,      stage_in_us,    core.validate_us,
+                                                 core.stage_us, core.h2d_us,    core.kernel_us,
+                                                 core.d2h_us,   core.commit_us, serialize_us};
   for (size_t p = 0; p < kPhases.size(); ++p) {
     const double seconds = us[p] * 1e-6;
     size_t b = 0;
@@ -75,7 +75,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
   Header(&out, "pagedattn_forward_phase_seconds", "histogram",
          "Where successful Forwards' time went in the server, by phase: parse (the request's "
-         "bytes), validate (checks, the layer's lock, pages, plan), stage (host-side "
+         "bytes), stage_in (its tensors into the backend's buffers), validate (checks, the layer's "
+         "lock, pages, plan), stage (host-side "
          "preparation in the backend), h2d, kernel (GPU time; CPU: the compute), d2h, commit, "
          "serialize (the answer's bytes).");
   for (size_t p = 0; p < kPhases.size(); ++p) {

@@ -355,8 +355,8 @@ TEST(AttentionPlan, SlotsFollowEachSpansPages) {
   }
 }
 
-// The sections are aligned and in order, none overlaps the next, the inputs end where the
-// results begin, and the device scratch comes last.
+// The sections are aligned and in order (q, k and v first), none overlaps the next, the inputs
+// end where the results begin, and the device scratch comes last.
 TEST(AttentionPlan, StagingSectionsAreAlignedAndDisjoint) {
   const SmallForward f;
   for (DType q_dtype : {DType::kFloat32, DType::kBFloat16, DType::kFloat16}) {
@@ -370,6 +370,9 @@ TEST(AttentionPlan, StagingSectionsAreAlignedAndDisjoint) {
       size_t at, bytes;
     };
     const Section sections[] = {
+        {st.q, q_bytes},
+        {st.k, kv_bytes},
+        {st.v, kv_bytes},
         {st.page_table, f.page_table.size() * 4},
         {st.slots, 26 * 8},
         {st.decode_items, w.decode_items.size() * sizeof(kernels::AttentionWorkItem)},
@@ -381,9 +384,6 @@ TEST(AttentionPlan, StagingSectionsAreAlignedAndDisjoint) {
         {st.prefill_jobs, w.prefill_jobs.size() * sizeof(kernels::AttentionPrefillJob)},
         {st.prefill_job_start, w.prefill_job_start.size() * 4},
         {st.merge_tasks, w.merge_tasks.size() * sizeof(kernels::AttentionMergeTask)},
-        {st.q, q_bytes},
-        {st.k, kv_bytes},
-        {st.v, kv_bytes},
         {st.out, q_bytes},
         {st.lse, size_t{21} * 8 * 4},
         {st.q_f32, plan.converts_q() ? size_t{21} * 8 * 64 * 4 : 0},
@@ -398,6 +398,11 @@ TEST(AttentionPlan, StagingSectionsAreAlignedAndDisjoint) {
     }
     EXPECT_LE(end, st.device_bytes);
     EXPECT_EQ(st.upload_bytes, st.out) << "the results follow the inputs";
+    // q, k and v lie first, where InputsLayout says before the Forward is planned.
+    const kernels::InputsLayout inputs = kernels::InputsLayout::Of(q_bytes, kv_bytes);
+    EXPECT_EQ(inputs.q, st.q);
+    EXPECT_EQ(inputs.k, st.k);
+    EXPECT_EQ(inputs.v, st.v);
     EXPECT_LE(st.v + kv_bytes, st.upload_bytes);
     EXPECT_EQ(st.out_bytes, q_bytes);
     EXPECT_EQ(st.lse_bytes, size_t{21} * 8 * 4);

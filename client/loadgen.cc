@@ -42,6 +42,8 @@ ABSL_FLAG(std::string, modes, "unary_tcp,unary_uds,stream_tcp,echo_tcp,echo_uds,
           "response bytes, tuned transport), echo_proto_default (an echo that parses and "
           "serializes protobuf messages over gRPC's default transport)");
 ABSL_FLAG(std::string, cases, "64x4096,16x4096,1x4096", "decode shapes: batch x context");
+ABSL_FLAG(int, echo_mib, 4,
+          "also echo messages of this many MiB each way, tuned and default transport (0: no)");
 ABSL_FLAG(int, layers, 8, "layers per decode step (each a Forward)");
 ABSL_FLAG(int, steps, 20, "decode steps measured per mode and shape");
 ABSL_FLAG(int, warmup, 3, "decode steps run first and not measured");
@@ -425,6 +427,51 @@ absl::StatusOr<Samples> RunEcho(const std::shared_ptr<grpc::Channel>& channel, c
   return out;
 }
 
+// Echoes of `mib` MiB each way: the transport alone, tuned (raw bytes) or default (protobuf).
+absl::StatusOr<Samples> RunEchoMessages(const std::shared_ptr<grpc::Channel>& channel, int mib,
+                                        bool proto, int calls) {
+  Samples out;
+  const size_t bytes = static_cast<size_t>(mib) << 20;
+  const std::string payload(bytes, '\x01');
+  const grpc::internal::RpcMethod method(proto ? kEchoProto : kEchoRaw,
+                                         grpc::internal::RpcMethod::NORMAL_RPC, channel);
+  Clock::time_point measured_start = Clock::now();
+  for (int i = -2; i < calls; ++i) {
+    if (i == 0) measured_start = Clock::now();
+    const Clock::time_point t = Clock::now();
+    grpc::ByteBuffer request;
+    if (proto) {
+      v1::ForwardRequest req;
+      req.mutable_q()->set_data(payload);
+      grpc::Slice slice(req.SerializeAsString());
+      request = grpc::ByteBuffer(&slice, 1);
+    } else {
+      grpc::Slice slice(payload.data(), payload.size(), grpc::Slice::STATIC_SLICE);
+      request = grpc::ByteBuffer(&slice, 1);
+    }
+    grpc::ClientContext ctx;
+    ctx.AddMetadata(kResponseBytesKey, std::to_string(bytes));
+    grpc::ByteBuffer response;
+    grpc::Status s = grpc::internal::BlockingUnaryCall<grpc::ByteBuffer, grpc::ByteBuffer>(
+        channel.get(), method, &ctx, request, &response);
+    if (!s.ok()) return FromGrpcStatus(s);
+    std::vector<grpc::Slice> slices;
+    (void)response.Dump(&slices);
+    std::string copy;
+    copy.reserve(bytes + 64);
+    for (const grpc::Slice& sl : slices)
+      copy.append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    if (proto) {
+      v1::ForwardResponse parsed;
+      parsed.ParseFromString(copy);
+    }
+    if (i >= 0) out.latency_us.push_back(Since(t));
+  }
+  out.wall_us = Since(measured_start);
+  out.layers_done = calls;
+  return out;
+}
+
 std::string Row(const std::string& mode, const Workload& w, const Samples& s, double echo_p50,
                 int64_t request_bytes) {
   const double per_layer = s.wall_us / std::max(1, s.layers_done);
@@ -551,6 +598,23 @@ int Main() {
       std::cerr << rows.back() << "\n";
     }
     (void)tcp->DeleteCache(cache->cache_id());
+  }
+  if (const int mib = absl::GetFlag(FLAGS_echo_mib); mib > 0) {
+    for (const auto& [name, channel, proto] : {std::tuple{"echo_tcp", echo_tcp, false},
+                                               {"echo_proto_default", echo_default_tcp, true}}) {
+      std::cerr << absl::StrFormat("[%d MiB] %s...\n", mib, name);
+      absl::StatusOr<Samples> s = RunEchoMessages(channel, mib, proto, 30);
+      if (!s.ok()) {
+        std::cerr << "pagedattn-loadgen: " << name << ": " << s.status() << "\n";
+        return 1;
+      }
+      const double p50 = Percentile(s->latency_us, 0.5);
+      rows.push_back(absl::StrFormat(
+          "{\"suite\": \"loadgen\", \"mode\": \"%s\", \"message_mib\": %d, \"p50_us\": %.1f, "
+          "\"p99_us\": %.1f, \"gb_per_s\": %.3f}",
+          name, mib, p50, Percentile(s->latency_us, 0.99), 2.0 * (mib << 20) / p50 / 1e3));
+      std::cerr << rows.back() << "\n";
+    }
   }
   const std::string json = "[\n" + absl::StrJoin(rows, ",\n") + "\n]\n";
   if (!absl::GetFlag(FLAGS_json).empty()) {

@@ -9,6 +9,8 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/server_builder.h>
+#include <netdb.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +25,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -55,6 +59,9 @@ ABSL_FLAG(int, page_size, 16, "tokens per page");
 ABSL_FLAG(std::string, dtype, "BFLOAT16", "q/k/v/out and cache dtype: BFLOAT16 or FLOAT16");
 ABSL_FLAG(std::string, json, "", "write the rows here as a JSON list");
 ABSL_FLAG(std::string, token, "", "bearer token (or PAGEDATTN_TOKEN)");
+ABSL_FLAG(std::string, metrics_target, "",
+          "the server's metrics endpoint, host:port (--metrics_listen): each server mode's row "
+          "then has phases_us, the server's mean time per Forward in each phase over that mode");
 
 namespace pagedattn {
 namespace {
@@ -472,8 +479,68 @@ absl::StatusOr<Samples> RunEchoMessages(const std::shared_ptr<grpc::Channel>& ch
   return out;
 }
 
+// The server's phase histograms (pagedattn_forward_phase_seconds): phase -> {sum s, count}.
+using Phases = std::map<std::string, std::pair<double, double>>;
+
+absl::StatusOr<Phases> ScrapePhases(const std::string& target) {
+  const size_t colon = target.rfind(':');
+  if (colon == std::string::npos) return absl::InvalidArgumentError("--metrics_target: host:port");
+  std::string host = target.substr(0, colon);
+  if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (getaddrinfo(host.c_str(), target.substr(colon + 1).c_str(), &hints, &found) != 0) {
+    return absl::UnavailableError(absl::StrCat("cannot resolve ", target));
+  }
+  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
+  const bool connected = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
+  freeaddrinfo(found);
+  if (!connected) {
+    if (fd >= 0) close(fd);
+    return absl::UnavailableError(absl::StrCat("cannot connect to ", target));
+  }
+  const std::string get = "GET /metrics HTTP/1.0\r\nHost: " + host + "\r\n\r\n";
+  std::string body;
+  if (send(fd, get.data(), get.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(get.size())) {
+    char buf[65536];
+    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) body.append(buf, n);
+  }
+  close(fd);
+  Phases phases;
+  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+    for (const auto& [suffix, second] :
+         {std::pair{"_sum{phase=\"", false}, {"_count{phase=\"", true}}) {
+      const std::string prefix = absl::StrCat("pagedattn_forward_phase_seconds", suffix);
+      if (!absl::StartsWith(line, prefix)) continue;
+      line.remove_prefix(prefix.size());
+      const size_t end = line.find('"');
+      double value = 0;
+      if (end == absl::string_view::npos ||
+          !absl::SimpleAtod(absl::StripAsciiWhitespace(line.substr(line.find('}') + 1)), &value)) {
+        continue;
+      }
+      auto& entry = phases[std::string(line.substr(0, end))];
+      (second ? entry.second : entry.first) = value;
+    }
+  }
+  if (phases.empty()) return absl::NotFoundError(absl::StrCat(target, " has no phase metrics"));
+  return phases;
+}
+
+// Each phase's mean microseconds per Forward between two scrapes, as a JSON object.
+std::string PhaseMeans(const Phases& before, const Phases& after) {
+  std::vector<std::string> parts;
+  for (const auto& [phase, sum_count] : after) {
+    auto it = before.find(phase);
+    const double sum = sum_count.first - (it != before.end() ? it->second.first : 0);
+    const double count = sum_count.second - (it != before.end() ? it->second.second : 0);
+    parts.push_back(absl::StrFormat("\"%s\": %.1f", phase, count > 0 ? 1e6 * sum / count : 0.0));
+  }
+  return absl::StrCat("{", absl::StrJoin(parts, ", "), "}");
+}
+
 std::string Row(const std::string& mode, const Workload& w, const Samples& s, double echo_p50,
-                int64_t request_bytes) {
+                int64_t request_bytes, const std::string& phases = "") {
   const double per_layer = s.wall_us / std::max(1, s.layers_done);
   std::vector<double> overhead;
   for (size_t i = 0; i < s.server_us.size() && i < s.kernel_us.size(); ++i) {
@@ -485,13 +552,14 @@ std::string Row(const std::string& mode, const Workload& w, const Samples& s, do
       "\"request_bytes\": %d, \"response_bytes\": %d, \"p50_us\": %.1f, \"p99_us\": %.1f, "
       "\"mean_layer_us\": %.1f, \"layers_per_s\": %.1f, \"tokens_per_s\": %.1f, "
       "\"server_p50_us\": %.1f, \"kernel_p50_us\": %.1f, \"overhead_p50_us\": %.1f, "
-      "\"echo_p50_us\": %.1f, \"p50_over_echo\": %.3f}",
+      "\"echo_p50_us\": %.1f, \"p50_over_echo\": %.3f%s}",
       mode, w.shape.batch, w.shape.context, w.layers, w.q_heads, w.kv_heads, w.head_dim,
       v1::DType_Name(w.dtype), request_bytes, w.out_bytes, Percentile(s.latency_us, 0.5),
       Percentile(s.latency_us, 0.99), per_layer, 1e6 / per_layer,
       1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5),
       Percentile(s.kernel_us, 0.5), Percentile(overhead, 0.5), echo_p50,
-      echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0);
+      echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0,
+      phases.empty() ? "" : absl::StrCat(", \"phases_us\": ", phases));
 }
 
 int Main() {
@@ -578,6 +646,13 @@ int Main() {
       Client* client = over_uds ? unix_client.get() : tcp.get();
       if (client == nullptr) continue;  // no --uds_target
       std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
+      const std::string metrics = absl::GetFlag(FLAGS_metrics_target);
+      absl::StatusOr<Phases> phases_before =
+          metrics.empty() ? absl::NotFoundError("") : ScrapePhases(metrics);
+      if (!metrics.empty() && !phases_before.ok()) {
+        std::cerr << "pagedattn-loadgen: --metrics_target: " << phases_before.status() << "\n";
+        return 1;
+      }
       absl::StatusOr<Samples> s;
       if (mode.rfind("stream", 0) == 0) {
         s = RunStream(*client, w, cache->cache_id());
@@ -594,7 +669,12 @@ int Main() {
         return 1;
       }
       const double floor = echo_p50[over_uds ? "echo_uds" : "echo_tcp"];
-      rows.push_back(Row(mode, w, *s, floor, request_bytes));
+      std::string phases;
+      if (phases_before.ok()) {
+        absl::StatusOr<Phases> after = ScrapePhases(metrics);
+        if (after.ok()) phases = PhaseMeans(*phases_before, *after);
+      }
+      rows.push_back(Row(mode, w, *s, floor, request_bytes, phases));
       std::cerr << rows.back() << "\n";
     }
     (void)tcp->DeleteCache(cache->cache_id());

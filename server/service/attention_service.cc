@@ -350,6 +350,7 @@ class AttentionServiceImpl::StepReactor final
     int64_t seq = 0;
     int32_t layer = 0;
     ReceivedForward received;
+    double parse_us = 0;
     std::string cache_id;
     bool running = false;
     bool done = false;
@@ -359,7 +360,9 @@ class AttentionServiceImpl::StepReactor final
   // Parses the message just read into job: a layer of the open step, or a new step; a message
   // that cannot run is answered with its error right away.
   void Accept(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const absl::Time parse_start = absl::Now();
     absl::Status s = ParseForward(incoming_, &job.received);
+    job.parse_us = absl::ToDoubleMicroseconds(absl::Now() - parse_start);
     incoming_.Clear();
     wire::ForwardRequestRef& r = job.received.request;
     job.layer = r.layer;
@@ -421,8 +424,13 @@ class AttentionServiceImpl::StepReactor final
     const grpc::Status status =
         service_->Finish(rpc, result.ok() ? absl::OkStatus() : result.status());
     if (result.ok()) {
+      const double before_encode_us = rpc.seconds() * 1e6;
       answer = EncodeResponse(result->result, result->buffers, /*step=*/true, job->layer,
-                              Micros(rpc.seconds() * 1e6), Micros(result->timings.kernel_us));
+                              Micros(before_encode_us), Micros(result->timings.kernel_us));
+      if (service_->metrics_ != nullptr) {
+        service_->metrics_->RecordForwardPhases(job->parse_us, result->stage_in_us, result->timings,
+                                                rpc.seconds() * 1e6 - before_encode_us);
+      }
     } else {
       answer = EncodeStepError(job->layer, status);
     }

@@ -85,8 +85,8 @@ def main() -> int:
             print(f"sequence {i + 1} (prompt {lengths[i]} tokens): {row}")
         print(f"prefill {out.prefill_s * 1e3:.1f} ms; decode {out.decode_tokens} tokens in "
               f"{out.decode_s:.3f} s = {out.decode_tokens_per_s:.1f} tokens/s "
-              f"({kv.forward_calls} Forwards {transport}, {total:.2f} s in all); {used} pages used, "
-              f"{freed} freed on release")
+              f"({kv.forward_calls} Forwards {transport}, {total:.2f} s in all); "
+              f"{used} pages used, {freed} freed on release")
 
         if a.compare:
             hf.set_attention(model, "eager")

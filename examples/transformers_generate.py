@@ -5,7 +5,8 @@ pagedattn server.
 The model is a LlamaForCausalLM built from a small LlamaConfig with random weights from a fixed
 seed (nothing is downloaded). A ragged batch of prompts is prefilled in one call, then decoded
 greedily one token per sequence per step; each layer of each step is one Forward carrying that
-layer's q and the new (post-RoPE) k/v of every sequence. Prints the generated token ids and
+layer's q and the new (post-RoPE) k/v of every sequence, all of them on one Step stream (a step
+on it per model call; --unary: one unary Forward RPC per layer). Prints the generated token ids and
 tokens/s; --compare also runs transformers' own eager attention + DynamicCache and checks the
 tokens match.
 
@@ -44,6 +45,8 @@ def main() -> int:
                         "auto: float32 on a CPU server, bfloat16 on a CUDA one")
     p.add_argument("--device", default="auto", help="torch device of the model (auto: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--unary", action="store_true",
+                   help="one unary Forward RPC per layer instead of a Step stream per step")
     p.add_argument("--compare", action="store_true",
                    help="also generate with transformers' eager attention and compare the tokens")
     a = p.parse_args()
@@ -70,18 +73,20 @@ def main() -> int:
         hf.register()
         hf.set_attention(model, hf.ATTN_IMPLEMENTATION)
         with client.create_cache(config, "transformers_generate") as cache:
-            kv = hf.PagedAttnCache(cache, seq_ids=range(1, len(prompts) + 1))
+            kv = hf.PagedAttnCache(cache, seq_ids=range(1, len(prompts) + 1),
+                                   step_stream=not a.unary)
             t0 = time.perf_counter()
             out = hf.greedy_generate(model, prompts, a.new_tokens, cache=kv)
             total = time.perf_counter() - t0
             used = cache.stats().used_pages
             freed = kv.release().freed_pages
+        transport = f"on {kv.step_streams} Step stream(s)" if kv.step_streams else "as unary RPCs"
         for i, row in enumerate(out.tokens.tolist()):
             print(f"sequence {i + 1} (prompt {lengths[i]} tokens): {row}")
         print(f"prefill {out.prefill_s * 1e3:.1f} ms; decode {out.decode_tokens} tokens in "
               f"{out.decode_s:.3f} s = {out.decode_tokens_per_s:.1f} tokens/s "
-              f"({kv.forward_calls} Forwards, {total:.2f} s in all); {used} pages used, "
-              f"{freed} freed on release")
+              f"({kv.forward_calls} Forwards {transport}, {total:.2f} s in all); "
+              f"{used} pages used, {freed} freed on release")
 
         if a.compare:
             hf.set_attention(model, "eager")

@@ -1,8 +1,10 @@
 """Build hook: generates the gRPC stubs from the .proto files with grpcio-tools.
 
 The wheel gets pagedattn/v1/attention_pb2{,_grpc}.py (+ .pyi) and, under pagedattn/_vendor/,
-google.rpc (status, error details) and grpc.health.v1 registered in a private descriptor pool;
-an sdist gets a copy of the .proto files under proto/ so that it builds on its own.
+google.rpc (status, error details) and grpc.health.v1, all registered in a private descriptor
+pool (the API imports google.rpc.Status, which it takes from the vendored copy: the package needs
+no googleapis-common-protos); an sdist gets a copy of the .proto files under proto/ so that it
+builds on its own.
 """
 
 from __future__ import annotations
@@ -75,18 +77,31 @@ def _use_private_pool(path: Path) -> None:
     path.write_text(text.replace(DEFAULT_POOL, "_private_pool.POOL"))
 
 
+def _vendored_imports(text: str) -> str:
+    """The API's .proto text with its imports of the vendored files renamed to their copies."""
+    for p in VENDOR_PROTOS:
+        text = text.replace(f'import "{p}";', f'import "{VENDOR_PREFIX}/{p}";')
+    return text
+
+
 def generate(proto_root: Path, out: Path) -> None:
     """Writes the generated package files under out/pagedattn/."""
-    _protoc(proto_root, out, API_PROTOS)
-    # Staged under pagedattn/_vendor/ so the generated imports name the vendored modules.
+    # Staged under pagedattn/_vendor/ so the generated imports name the vendored modules; the
+    # API staged under its own name, importing those copies (google.rpc.Status of StepResponse).
     stage = out / "_stage"
     for p in VENDOR_PROTOS:
         dst = stage / VENDOR_PREFIX / p
         dst.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(proto_root / p, dst)
+    for p in API_PROTOS:
+        dst = stage / p
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        dst.write_text(_vendored_imports((proto_root / p).read_text()))
+    _protoc(stage, out, API_PROTOS)
     _protoc(stage, out, [f"{VENDOR_PREFIX}/{p}" for p in VENDOR_PROTOS])
     shutil.rmtree(stage)
-    for pb2 in (out / VENDOR_PREFIX).rglob("*_pb2.py"):
+    # The API depends on the vendored files, so it lives in their (private) pool too.
+    for pb2 in [*(out / VENDOR_PREFIX).rglob("*_pb2.py"), *(out / "pagedattn" / "v1").glob("*_pb2.py")]:
         _use_private_pool(pb2)
     for stub in (out / VENDOR_PREFIX / "google").rglob("*_pb2_grpc.py"):
         stub.unlink()  # google.rpc defines messages only: its stub modules are empty

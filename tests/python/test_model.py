@@ -8,7 +8,9 @@ bfloat16 / float16 (any backend): logits within the dtype's tolerance at every s
 reference fed the same tokens), and the same greedy token at every step except where the
 reference's own top two logits are within that noise of each other (a tie in the dtype: random
 weights make a few); the free-running token ids agree up to the first such tie.
-After release every page is back. Skipped with the reason when torch or transformers is missing.
+After release every page is back. Both transports: the layers of each model call over one Step
+stream (the default), and one unary Forward per layer. Skipped with the reason when torch or
+transformers is missing.
 """
 
 from __future__ import annotations
@@ -33,8 +35,9 @@ def _device() -> str:
     return os.environ.get("PAGEDATTN_MODEL_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
 
 
+@pytest.mark.parametrize("step_stream", [True, False], ids=["step", "forward"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
-def test_generation_matches_transformers(client, kv_dtypes, backend, dtype):
+def test_generation_matches_transformers(client, kv_dtypes, backend, dtype, step_stream):
     if dtype not in kv_dtypes:
         pytest.skip(f"the {backend} backend has no {dtype} cache")
     device = _device()
@@ -44,11 +47,14 @@ def test_generation_matches_transformers(client, kv_dtypes, backend, dtype):
     hf.set_attention(model, "pagedattn")
     config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
     with client.create_cache(config, "test_model") as cache:
-        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13], step_stream=step_stream)
         got = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, cache=paged_cache)
-        # One Forward per layer per step: a prefill and 31 decode steps, 4 layers.
+        # One Forward per layer per step: a prefill and 31 decode steps, 4 layers; with
+        # step_stream, all of them on one Step stream (a step on it per model call).
         assert paged_cache.forward_calls == NEW_TOKENS * model.config.num_hidden_layers
+        assert paged_cache.step_streams == (1 if step_stream else 0)
         stats = cache.stats()
+        assert stats.forward_calls == paged_cache.forward_calls
         lengths = [len(p) + NEW_TOKENS - 1 for p in PROMPTS]  # the last token is never fed back
         assert stats.live_sequences == 3
         assert stats.used_pages == sum(-(-n // 16) for n in lengths)

@@ -1,13 +1,19 @@
 """pagedattn.tensors without a server: dtype names, bfloat16 bit conversions against ml_dtypes,
-Tensor round trips, malformed tensors, and the private descriptor pool."""
+Tensor round trips, malformed tensors, and the private descriptor pool (no google.rpc needed)."""
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
 import pytest
 from google.protobuf import descriptor_pool
 
+import pagedattn
 from pagedattn import pb, tensors
 from pagedattn.tensors import BFLOAT16, FLOAT16, FLOAT32, dtype_enum, to_numpy, to_tensor
 
@@ -87,3 +93,25 @@ def test_vendored_messages_live_in_a_private_pool():
     wire = status_pb2.Status(code=3, message="m").SerializeToString()
     assert theirs_status.Status.FromString(wire).message == "m"
     assert theirs_health.HealthCheckResponse.SERVING == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_the_package_needs_no_googleapis_common_protos():
+    # pagedattn.v1's StepResponse.error is a google.rpc.Status: the vendored one, in the same
+    # private pool, so the package imports where google.rpc (googleapis-common-protos) is absent.
+    from pagedattn._vendor.google.rpc import status_pb2
+
+    assert pb.StepResponse.DESCRIPTOR.file.pool is not descriptor_pool.Default()
+    assert isinstance(pb.StepResponse().error, status_pb2.Status)
+    code = (
+        "import sys\n"
+        "sys.modules['google.rpc'] = None\n"  # any import of google.rpc now fails
+        "import pagedattn\n"
+        "r = pagedattn.pb.StepResponse(layer=2)\n"
+        "r.error.code = 5\n"
+        "print(pagedattn.pb.StepResponse.FromString(r.SerializeToString()).error.code)\n"
+    )
+    root = str(Path(pagedattn.__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "5"

@@ -8,14 +8,17 @@
             q = np.random.randn(5, 8, 64).astype(np.float32)  # [queries, q heads, head_dim]
             k = v = np.random.randn(5, 2, 64).astype(np.float32)
             out = cache.forward(0, [pagedattn.Span.prefill(seq_id=1, num_tokens=5)], q, k, v)
+            with cache.step([pagedattn.Span.decode(seq_id=1, position=5)]) as step:  # a stream
+                outs = [step.submit(layer, q[:1], k[:1], v[:1]) for layer in range(2)]
+                outs = [f.result() for f in outs]                 # answers in the order sent
 
 pagedattn.aio.Client is the asyncio twin; pagedattn.errors holds the exceptions;
 pagedattn.v1 the generated protos (attention_pb2) and stub (attention_pb2_grpc).
 """
 
 from . import errors
-from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS
-from .client import Cache, Client
+from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS, Timing
+from .client import Cache, Client, LayerFuture, Step
 from .errors import (
     CacheConfigError,
     DeadlineExceeded,
@@ -38,8 +41,9 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
-    "DeadlineExceeded", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument", "NotFound",
-    "OutOfPages", "PagedAttnError", "PermissionDenied", "ResourceExhausted", "Span", "TLS",
-    "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",
-    "relative_error", "to_numpy", "to_tensor", "to_torch",
+    "DeadlineExceeded", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
+    "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
+    "ResourceExhausted", "Span", "Step", "TLS", "Timing", "Unauthenticated", "Unavailable",
+    "errors", "from_tensor", "pb", "reference_attention", "relative_error", "to_numpy",
+    "to_tensor", "to_torch",
 ]

@@ -1,14 +1,15 @@
-"""What the sync and asyncio clients share: channel options, TLS credentials, metadata, and
-building a ForwardRequest / reading a ForwardResponse."""
+"""What the sync and asyncio clients share: channel options, TLS credentials, metadata,
+building a ForwardRequest / reading a ForwardResponse, and the messages of a Step stream."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence, Union
+from typing import Any, NamedTuple, Optional, Sequence, Union
 
 import grpc
 
+from .errors import from_status
 from .tensors import ArrayLike, DTypeLike, fill_tensor, from_tensor
 from .types import SpanLike, cache_id_of, span_protos
 from .v1 import attention_pb2 as pb
@@ -72,18 +73,34 @@ def forward_request(
     dtype: Optional[DTypeLike],
 ) -> pb.ForwardRequest:
     req = pb.ForwardRequest(cache_id=cache_id_of(cache), layer=layer, spans=span_protos(spans))
-    fill_tensor(req.q, q, dtype)
+    _fill_qkv(req, q, k, v, dtype)
+    _fill_options(req, causal, sm_scale, return_lse)
+    return req
+
+
+def _fill_qkv(
+    req: pb.ForwardRequest,
+    q: ArrayLike,
+    k: Optional[ArrayLike],
+    v: Optional[ArrayLike],
+    dtype: Optional[DTypeLike],
+) -> None:
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither, when no span appends tokens)")
+    fill_tensor(req.q, q, dtype)
     if k is not None:
         fill_tensor(req.k, k, dtype)
         fill_tensor(req.v, v, dtype)
+
+
+def _fill_options(
+    req: pb.ForwardRequest, causal: Optional[bool], sm_scale: Optional[float], return_lse: bool
+) -> None:
     if causal is not None:
         req.options.causal = causal
     if sm_scale is not None:
         req.options.sm_scale = sm_scale
     req.options.return_lse = return_lse
-    return req
 
 
 def forward_result(resp: pb.ForwardResponse, q: ArrayLike, return_lse: bool) -> Any:
@@ -91,3 +108,109 @@ def forward_result(resp: pb.ForwardResponse, q: ArrayLike, return_lse: bool) -> 
     if not return_lse:
         return out
     return out, from_tensor(resp.lse, like=q)
+
+
+# -- the Step stream -------------------------------------------------------------------------
+
+
+class Timing(NamedTuple):
+    """The server's time for one layer of a Step stream (StepResponse.timing)."""
+
+    server_micros: int  # from the request's bytes received to the answer's bytes ready
+    kernel_micros: int  # time of the layer's kernels (GPU time on the CUDA backend)
+
+
+class StepMessages:
+    """Builds the messages of one Step stream, as the server reads them: a message that sets
+    spans opens a step (with its cache_id and options); the messages after it carry only a
+    layer and its q/k/v and run with the open step's spans, cache and options."""
+
+    def __init__(self) -> None:
+        self._opening: Optional[pb.ForwardRequest] = None  # spans/options for the next message
+        self.return_lse = False  # of the open step (or the one the next message opens)
+        self.dtype: Optional[DTypeLike] = None
+
+    def begin(
+        self,
+        cache: Any,
+        spans: Sequence[SpanLike],
+        causal: Optional[bool],
+        sm_scale: Optional[float],
+        return_lse: bool,
+        dtype: Optional[DTypeLike],
+    ) -> None:
+        """The next message opens a step with these spans and options (defaults when unset)
+        on `cache` (None: the stream's cache)."""
+        opening = pb.ForwardRequest(spans=span_protos(spans))
+        if not opening.spans:
+            raise ValueError("a step needs at least one span")
+        if cache is not None:
+            opening.cache_id = cache_id_of(cache)
+        elif self._opening is not None:  # the stream's first message is still to go out
+            opening.cache_id = self._opening.cache_id
+        _fill_options(opening, causal, sm_scale, return_lse)
+        self._opening = opening
+        self.return_lse = return_lse
+        self.dtype = dtype
+
+    def request(
+        self, layer: int, q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike]
+    ) -> pb.ForwardRequest:
+        """The message for `layer`: the opening one (spans, cache_id, options) after begin(),
+        else only the layer and its tensors. Call sent() once it is on its way."""
+        req = pb.ForwardRequest(layer=layer)
+        _fill_qkv(req, q, k, v, self.dtype)
+        if self._opening is not None:
+            req.MergeFrom(self._opening)
+        return req
+
+    def sent(self) -> None:
+        self._opening = None
+
+
+_UNSET = object()
+
+
+class LayerAnswer:
+    """What the sync and asyncio LayerFutures share: the answer to one layer of a Step stream
+    once read, decoded (once) as forward() returns it."""
+
+    def __init__(self, layer: int, like: ArrayLike, return_lse: bool) -> None:
+        self.layer = layer
+        self.timing: Optional[Timing] = None  # the server's time, once answered
+        self._like: Any = like  # the result is the same kind of array as q
+        self._return_lse = return_lse
+        self._response: Optional[pb.StepResponse] = None
+        self._failed: Optional[Exception] = None  # the stream's failure, not the layer's
+        self._value: Any = _UNSET
+        self._error: Optional[Exception] = None  # the layer's own error (StepResponse.error)
+
+    def done(self) -> bool:
+        """True once the answer (or the stream's failure) is here: result() will not wait."""
+        return self._response is not None or self._failed is not None
+
+    def _answer(self, resp: pb.StepResponse) -> None:
+        self.timing = Timing(resp.timing.server_micros, resp.timing.kernel_micros)
+        self._response = resp
+
+    def _outcome(self) -> Any:
+        """The value, or raises the stream's failure or the layer's error (once done)."""
+        if self._failed is not None:
+            raise self._failed
+        if self._value is _UNSET and self._error is None:
+            assert self._response is not None
+            resp = self._response
+            if resp.HasField("error") and resp.error.code != 0:
+                # What forward() raises for the same google.rpc.Status.
+                self._error = from_status(resp.error)
+            else:
+                self._value = forward_result(resp, self._like, self._return_lse)
+            self._response = pb.StepResponse()  # decoded: the bytes are not kept twice
+            self._like = None
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "pending"
+        return f"{type(self).__name__}(layer={self.layer}, {state})"

@@ -4,15 +4,17 @@ coroutines. Create it inside the event loop that uses it; many calls may be in f
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence, Union
+import asyncio
+from collections import deque
+from typing import Any, Generator, Optional, Sequence, Union
 
 import grpc
 import grpc.aio
 
 from . import _common
-from ._common import TLS
+from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import from_rpc_error
+from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import ConfigLike, SpanLike, cache_id_of, config_proto
 from .v1 import attention_pb2 as pb
@@ -142,10 +144,234 @@ class Client:
         req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
         return await self._call(self.stub.ReleaseSequences, req, timeout)
 
-    # The streaming step() goes here too once the server has a step stream (see pagedattn.Client).
-    async def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Not available yet: the server has no step stream. Use forward() per layer."""
-        raise NotImplementedError("step() needs the server's step stream; use forward() per layer")
+    def step(
+        self,
+        cache: Any,
+        spans: Sequence[SpanLike],
+        *,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+        dtype: Optional[DTypeLike] = None,
+        timeout: Optional[float] = None,
+    ) -> "Step":
+        """See pagedattn.Client.step: `async with client.step(cache, spans) as step:` then
+        `out = await step.forward(layer, q, k, v)`, or `f = await step.submit(...)` for every
+        layer first and `await f` (or `await f.result()`) after."""
+        return Step(self, cache, spans, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                    dtype=dtype, timeout=self.timeout if timeout is None else timeout)
+
+
+_END = object()  # the end of a Step's outbox: half-closes the stream
+
+
+class LayerFuture(_common.LayerAnswer):
+    """See pagedattn.client.LayerFuture; `await future` is `await future.result()`."""
+
+    def __init__(self, step: "Step", layer: int, like: Any, return_lse: bool) -> None:
+        super().__init__(layer, like, return_lse)
+        self._step = step
+
+    async def result(self) -> Any:
+        """See pagedattn.client.LayerFuture.result."""
+        await self._step._wait(self)
+        if self._failed is not None:
+            self._step._error_seen = True
+        return self._outcome()
+
+    def __await__(self) -> Generator[Any, None, Any]:
+        return self.result().__await__()
+
+
+class Step:
+    """The asyncio twin of pagedattn.client.Step, for tasks of one event loop. The stream
+    opens at `async with` (or at the first submit). Messages go out from a task of their own,
+    so that sending every layer before reading any answer never waits for the reads (the
+    server stops reading while its answers wait to be read)."""
+
+    def __init__(
+        self,
+        client: Client,
+        cache: Any,
+        spans: Sequence[SpanLike],
+        *,
+        causal: Optional[bool],
+        sm_scale: Optional[float],
+        return_lse: bool,
+        dtype: Optional[DTypeLike],
+        timeout: Optional[float],
+    ) -> None:
+        self.client = client
+        self.cache_id = cache_id_of(cache)
+        self.last_timing: Optional[Timing] = None  # of the last answer read
+        self._timeout = timeout
+        self._messages = _common.StepMessages()
+        self._messages.begin(cache, spans, causal, sm_scale, return_lse, dtype)
+        self._pending: deque[LayerFuture] = deque()  # sent, not answered, in order
+        self._outbox: "asyncio.Queue[Any]" = asyncio.Queue()  # messages, then _END
+        self._writer: Optional[asyncio.Task] = None  # writes the outbox to the call
+        self._read_lock = asyncio.Lock()  # one reader of the stream at a time
+        self._call: Any = None  # the grpc.aio call, once opened
+        self._closed = False
+        self._cancelled = False
+        self._finished = False
+        self._failure: Optional[PagedAttnError] = None
+        self._error_seen = False
+
+    def _open(self) -> Any:
+        if self._call is None:
+            self._call = self.client.stub.Step(timeout=self._timeout,
+                                               metadata=self.client._metadata)
+            self._writer = asyncio.get_running_loop().create_task(self._write_all())
+        return self._call
+
+    async def _write_all(self) -> None:
+        """The outbox to the stream, in order; _END half-closes it. Stops where the stream
+        ends: reading it says why."""
+        try:
+            while True:
+                request = await self._outbox.get()
+                if request is _END:
+                    await self._call.done_writing()
+                    return
+                await self._call.write(request)
+        except (asyncio.InvalidStateError, grpc.aio.AioRpcError, asyncio.CancelledError):
+            pass
+
+    def begin(
+        self,
+        spans: Sequence[SpanLike],
+        *,
+        cache: Any = None,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+    ) -> None:
+        """See pagedattn.client.Step.begin."""
+        self._messages.begin(cache, spans, causal, sm_scale, return_lse, self._messages.dtype)
+        if cache is not None:
+            self.cache_id = cache_id_of(cache)
+
+    async def submit(
+        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        v: Optional[ArrayLike] = None,
+    ) -> LayerFuture:
+        """See pagedattn.client.Step.submit (the message is queued for the stream's writer
+        task; it goes out in the order submitted)."""
+        if self._failure is not None:
+            self._error_seen = True
+            raise self._failure
+        if self._closed:
+            raise RuntimeError("the Step stream is closed")
+        request = self._messages.request(layer, q, k, v)
+        future = LayerFuture(self, layer, q, self._messages.return_lse)
+        self._open()
+        self._pending.append(future)
+        self._outbox.put_nowait(request)
+        self._messages.sent()
+        return future
+
+    async def forward(
+        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        v: Optional[ArrayLike] = None,
+    ) -> Any:
+        """See pagedattn.client.Step.forward."""
+        return await (await self.submit(layer, q, k, v)).result()
+
+    async def close(self) -> None:
+        """See pagedattn.client.Step.close."""
+        already, self._closed = self._closed, True
+        if self._call is None:  # never opened: nothing was sent
+            self._finished = True
+            return
+        if not already:
+            self._outbox.put_nowait(_END)
+        async with self._read_lock:
+            while self._failure is None and self._pending:
+                await self._read_one()
+            if self._failure is None and not self._finished:
+                try:
+                    extra = await self._call.read()
+                except grpc.aio.AioRpcError as e:
+                    self._fail(from_rpc_error(e))
+                else:
+                    if extra is grpc.aio.EOF:
+                        self._finished = True
+                    else:
+                        self._fail(PagedAttnError("the Step stream answered a message never sent",
+                                                  grpc.StatusCode.INTERNAL))
+        if self._writer is not None:
+            await asyncio.gather(self._writer, return_exceptions=True)
+        if self._failure is not None and not self._error_seen:
+            self._error_seen = True
+            raise self._failure
+
+    def cancel(self) -> None:
+        """See pagedattn.client.Step.cancel."""
+        if self._finished or self._failure is not None:
+            return
+        self._closed = self._cancelled = True
+        if self._call is not None:
+            self._call.cancel()
+        if self._writer is not None:
+            self._writer.cancel()
+        self._fail(PagedAttnError("the Step stream was cancelled", grpc.StatusCode.CANCELLED))
+        self._error_seen = True
+
+    @property
+    def closed(self) -> bool:
+        return self._closed or self._failure is not None
+
+    async def __aenter__(self) -> "Step":
+        self._open()
+        return self
+
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            await self.close()
+        else:
+            self.cancel()
+
+    def __repr__(self) -> str:
+        return f"aio.Step(cache_id={self.cache_id!r}, pending={len(self._pending)})"
+
+    async def _wait(self, future: LayerFuture) -> None:
+        while not future.done():
+            async with self._read_lock:
+                if not future.done():
+                    await self._read_one()
+
+    async def _read_one(self) -> None:
+        try:
+            resp = await self._call.read()
+        except grpc.aio.AioRpcError as e:
+            self._fail(from_rpc_error(e))
+            return
+        except asyncio.CancelledError:
+            if not self._cancelled:  # this task was cancelled, not the stream
+                raise
+            resp = grpc.aio.EOF  # read() raises CancelledError on a stream cancel() ended
+        if resp is grpc.aio.EOF:
+            self._fail(PagedAttnError("the Step stream ended before answering every message",
+                                      grpc.StatusCode.INTERNAL))
+            return
+        future = self._pending.popleft() if self._pending else None
+        if future is None:
+            self._fail(PagedAttnError("the Step stream answered a message never sent",
+                                      grpc.StatusCode.INTERNAL))
+            return
+        future._answer(resp)
+        self.last_timing = future.timing
+
+    def _fail(self, error: PagedAttnError) -> None:
+        if self._failure is None:
+            self._failure = error
+        self._closed = True
+        self._outbox.put_nowait(_END)  # the writer stops (at the latest) here
+        pending = list(self._pending)
+        self._pending.clear()
+        for future in pending:
+            future._failed = self._failure
 
 
 class Cache:
@@ -165,6 +391,9 @@ class Cache:
     async def forward(self, layer: int, spans: Sequence[SpanLike], q: ArrayLike, k: Any = None,
                       v: Any = None, **kwargs: Any) -> Any:
         return await self.client.forward(self, layer, spans, q, k, v, **kwargs)
+
+    def step(self, spans: Sequence[SpanLike], **kwargs: Any) -> Step:
+        return self.client.step(self, spans, **kwargs)
 
     async def release(self, seq_ids: Sequence[int], **kwargs: Any) -> pb.ReleaseSequencesResponse:
         return await self.client.release(self, seq_ids, **kwargs)

@@ -3,14 +3,17 @@ Client (one gRPC channel) can serve any number of threads at once."""
 
 from __future__ import annotations
 
+import queue
+import threading
+from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
 import grpc
 
 from . import _common
-from ._common import TLS
+from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import from_rpc_error
+from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import ConfigLike, SpanLike, cache_id_of, config_proto
 from .v1 import attention_pb2 as pb
@@ -177,12 +180,241 @@ class Client:
         req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
         return self._call(self.stub.ReleaseSequences, req, timeout)
 
-    # A streaming step() -- every layer of one decode step over one bidirectional stream, so a
-    # step costs one round trip setup instead of num_layers -- goes here once the server has a
-    # step stream. Until then a step is one forward() per layer.
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        """Not available yet: the server has no step stream. Use forward() per layer."""
-        raise NotImplementedError("step() needs the server's step stream; use forward() per layer")
+    def step(
+        self,
+        cache: Any,
+        spans: Sequence[SpanLike],
+        *,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+        dtype: Optional[DTypeLike] = None,
+        timeout: Optional[float] = None,
+    ) -> "Step":
+        """Opens a Step stream: every layer of a step (e.g. one decode step of a model) on one
+        bidirectional stream, each layer exactly a forward() with these spans and options.
+
+        The first message sends `cache`, `spans` and the options; each later one only a layer
+        and its q/k/v. `step.forward(layer, q, k, v)` sends a layer and waits for its answer;
+        `step.submit(...)` sends it and returns a LayerFuture, so that every layer can be sent
+        before the first answer is read (answers come in the order sent). A layer's error
+        raises what forward() would raise, from its result(); the stream goes on.
+
+        `with client.step(cache, spans) as step:` closes the stream on exit (cancels it when
+        the block raises). `timeout` (default: the client's) is the deadline of the whole
+        stream. Arguments as forward()."""
+        return Step(self, cache, spans, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
+                    dtype=dtype, timeout=self.timeout if timeout is None else timeout)
+
+
+_END = object()  # ends the request iterator: the stream is half-closed
+
+
+class LayerFuture(_common.LayerAnswer):
+    """The answer to one layer sent on a Step stream (Step.submit): `layer`, `timing` (the
+    server's time, a Timing, once answered), done() and result()."""
+
+    def __init__(self, step: "Step", layer: int, like: Any, return_lse: bool) -> None:
+        super().__init__(layer, like, return_lse)
+        self._step = step
+
+    def result(self) -> Any:
+        """Waits for this layer's answer, reading the stream's answers up to it, and returns it
+        as Client.forward() does (out, or (out, lse)). Raises the layer's error as forward()
+        would (the stream goes on), or the stream's failure (e.g. DeadlineExceeded; a
+        cancelled stream: PagedAttnError with code CANCELLED)."""
+        self._step._wait(self)
+        if self._failed is not None:
+            self._step._error_seen = True
+        return self._outcome()
+
+
+class Step:
+    """A Step stream (Client.step): layers of the open step go out as they are submitted and
+    their answers come back in the same order. Thread-safe: one thread may submit while
+    another waits for results. Not reusable once closed."""
+
+    def __init__(
+        self,
+        client: Client,
+        cache: Any,
+        spans: Sequence[SpanLike],
+        *,
+        causal: Optional[bool],
+        sm_scale: Optional[float],
+        return_lse: bool,
+        dtype: Optional[DTypeLike],
+        timeout: Optional[float],
+    ) -> None:
+        self.client = client
+        self.cache_id = cache_id_of(cache)
+        self.last_timing: Optional[Timing] = None  # of the last answer read
+        self._messages = _common.StepMessages()
+        self._messages.begin(cache, spans, causal, sm_scale, return_lse, dtype)
+        self._pending: deque[LayerFuture] = deque()  # sent, not answered, in order
+        self._lock = threading.Lock()  # the order of sending and _pending; the state below
+        self._read_lock = threading.Lock()  # one reader of the stream at a time
+        self._closed = False  # no more messages (close() or cancel())
+        self._cancelled = False
+        self._finished = False  # the stream ended well (every answer read)
+        self._failure: Optional[PagedAttnError] = None  # what ended the stream otherwise
+        self._error_seen = False  # the failure was raised to the caller
+        self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._call = client.stub.Step(
+            iter(self._requests.get, _END), timeout=timeout, metadata=client._metadata
+        )
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def begin(
+        self,
+        spans: Sequence[SpanLike],
+        *,
+        cache: Any = None,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+    ) -> None:
+        """Opens the next step (or micro-batch) on this stream: the next message sends these
+        spans and options (defaults when unset, as in Client.step) and, when given, `cache`;
+        the layers after it run with them."""
+        with self._lock:
+            self._messages.begin(cache, spans, causal, sm_scale, return_lse,
+                                 self._messages.dtype)
+            if cache is not None:
+                self.cache_id = cache_id_of(cache)
+
+    def submit(
+        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        v: Optional[ArrayLike] = None,
+    ) -> LayerFuture:
+        """Sends `layer` of the open step (q, k, v as in Client.forward) without waiting for
+        its answer; its result() waits. Raises RuntimeError once the stream is closed, and
+        the stream's failure once it is known."""
+        with self._lock:
+            if self._failure is not None:
+                self._error_seen = True
+                raise self._failure
+            if self._closed:
+                raise RuntimeError("the Step stream is closed")
+            request = self._messages.request(layer, q, k, v)
+            future = LayerFuture(self, layer, q, self._messages.return_lse)
+            self._pending.append(future)
+            self._requests.put(request)
+            self._messages.sent()
+        return future
+
+    def forward(
+        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        v: Optional[ArrayLike] = None,
+    ) -> Any:
+        """submit(layer, q, k, v).result(): sends the layer and waits for its answer, which is
+        what Client.forward would return for it (its error too)."""
+        return self.submit(layer, q, k, v).result()
+
+    # -- ending --------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Half-closes the stream (no more messages), reads the answers still due (their
+        futures keep them) and the stream's end. Raises the stream's failure (not a layer's
+        error) when no result() or submit() has raised it yet. Idempotent."""
+        with self._lock:
+            already = self._closed
+            self._closed = True
+        if not already:
+            self._requests.put(_END)
+        with self._read_lock:
+            while self._failure is None and self._pending:
+                self._read_one()
+            if self._failure is None and not self._finished:
+                try:
+                    next(self._call)
+                except StopIteration:
+                    self._finished = True
+                except grpc.RpcError as e:
+                    self._fail(from_rpc_error(e))
+                else:
+                    self._fail(PagedAttnError("the Step stream answered a message never sent",
+                                              grpc.StatusCode.INTERNAL))
+        if self._failure is not None and not self._error_seen:
+            self._error_seen = True
+            raise self._failure
+
+    def cancel(self) -> None:
+        """Cancels the stream. Layers the server completed stay committed, none partially;
+        the futures not answered yet raise PagedAttnError (code CANCELLED), whether or not
+        the server completed them."""
+        with self._lock:
+            if self._finished or self._failure is not None:
+                return
+            self._closed = self._cancelled = True
+        self._call.cancel()
+        self._fail(PagedAttnError("the Step stream was cancelled", grpc.StatusCode.CANCELLED))
+        self._error_seen = True
+
+    @property
+    def closed(self) -> bool:
+        """True once close() or cancel() was called (or the stream failed)."""
+        return self._closed or self._failure is not None
+
+    def __enter__(self) -> "Step":
+        return self
+
+    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.cancel()
+
+    def __del__(self) -> None:
+        try:
+            if not self._finished and self._failure is None:
+                self.cancel()
+        except Exception:  # pragma: no cover - interpreter shutdown
+            pass
+
+    def __repr__(self) -> str:
+        return f"Step(cache_id={self.cache_id!r}, pending={len(self._pending)})"
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def _wait(self, future: LayerFuture) -> None:
+        while not future.done():
+            with self._read_lock:
+                if not future.done():
+                    self._read_one()
+
+    def _read_one(self) -> None:
+        """Reads the next answer into the oldest pending future (or fails the stream)."""
+        try:
+            resp = next(self._call)
+        except StopIteration:
+            self._fail(PagedAttnError("the Step stream ended before answering every message",
+                                      grpc.StatusCode.INTERNAL))
+            return
+        except grpc.RpcError as e:
+            self._fail(from_rpc_error(e))
+            return
+        with self._lock:
+            future = self._pending.popleft() if self._pending else None
+        if future is None:
+            self._fail(PagedAttnError("the Step stream answered a message never sent",
+                                      grpc.StatusCode.INTERNAL))
+            return
+        future._answer(resp)
+        self.last_timing = future.timing
+
+    def _fail(self, error: PagedAttnError) -> None:
+        """The stream is over: every pending future gets `error` (the first failure wins)."""
+        with self._lock:
+            if self._failure is None:
+                self._failure = error
+            self._closed = True
+            pending = list(self._pending)
+            self._pending.clear()
+        self._requests.put(_END)  # the request iterator's thread ends
+        for future in pending:
+            future._failed = self._failure
 
 
 class Cache:
@@ -206,6 +438,10 @@ class Cache:
                 v: Any = None, **kwargs: Any) -> Any:
         """Client.forward on this cache."""
         return self.client.forward(self, layer, spans, q, k, v, **kwargs)
+
+    def step(self, spans: Sequence[SpanLike], **kwargs: Any) -> Step:
+        """Client.step on this cache."""
+        return self.client.step(self, spans, **kwargs)
 
     def release(self, seq_ids: Sequence[int], **kwargs: Any) -> pb.ReleaseSequencesResponse:
         """Client.release on this cache."""

@@ -199,7 +199,20 @@ def from_rpc_error(error: grpc.RpcError) -> PagedAttnError:
     code = error.code() if hasattr(error, "code") else grpc.StatusCode.UNKNOWN
     message = (error.details() if hasattr(error, "details") else None) or str(error)
     metadata = error.trailing_metadata() if hasattr(error, "trailing_metadata") else None
-    status = _status_details(metadata)
+    return _exception(code, message, _status_details(metadata))
+
+
+_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+def from_status(status: Any) -> PagedAttnError:
+    """The pagedattn exception for a google.rpc.Status, e.g. a Step stream's per-layer error
+    (StepResponse.error): the same type and attributes as the failed unary call would raise."""
+    code = _CODES.get(status.code, grpc.StatusCode.UNKNOWN)
+    return _exception(code, status.message, status)
+
+
+def _exception(code: grpc.StatusCode, message: str, status: Optional[Any]) -> PagedAttnError:
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = _violations(status)
         if violations:

@@ -4,6 +4,8 @@ Two pieces plug into transformers' own extension points:
   * `paged_attention_forward`, registered with `AttentionInterface` (register()) and picked by
     `model.set_attn_implementation("pagedattn")`: each layer's call sends that layer's q and the
     step's new (post-RoPE) k/v as one Forward; the server appends k/v and returns the output.
+    The Forwards go over a Step stream (one step per model call, its spans sent once, with the
+    first layer), or with `step_stream=False` as unary Forward RPCs.
   * `PagedAttnCache`, a transformers `Cache` that keeps no tensors: the K/V live in the server.
     It holds the sequence ids and lengths, and the plan of the step in progress (which rows of
     the padded [batch, time] input are real tokens).
@@ -25,6 +27,7 @@ from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache
 
 from .client import Cache as CacheHandle
+from .client import Step
 from .types import CacheConfig, Span
 
 ATTN_IMPLEMENTATION = "pagedattn"
@@ -69,16 +72,23 @@ class PagedAttnCache(Cache):
     Args:
         cache: the pagedattn Cache handle (client.create_cache(...)).
         seq_ids: one server sequence id per batch row.
+        step_stream: send the Forwards over a Step stream, each model call a step on it (its
+            spans sent with its first layer only); False: one unary Forward RPC per layer.
 
     Before each model call, plan(real) says which positions of the [batch, time] input are real
     tokens (False: padding); the model call must also get `pagedattn_cache=<this cache>`
     (greedy_generate does both). update() stores nothing and returns the new k/v, which the
     attention function sends to the server with q.
+
+    The Step stream is opened by the first layer sent and kept for the steps after it; it is
+    replaced by a new one when half of the client's deadline (which covers a whole stream) has
+    passed, and closed by close_stream() (greedy_generate's end, release()).
     """
 
     is_compileable = False
 
-    def __init__(self, cache: CacheHandle, seq_ids: Sequence[int]) -> None:
+    def __init__(self, cache: CacheHandle, seq_ids: Sequence[int], *,
+                 step_stream: bool = True) -> None:
         try:  # transformers >= 4.56: a Cache is a list of layers (none here)
             super().__init__(layers=[])
         except TypeError:
@@ -90,7 +100,12 @@ class PagedAttnCache(Cache):
         self.spans: list[Span] = []
         self._past_steps = 0  # padded time steps before the one in progress
         self._steps = 0
-        self.forward_calls = 0
+        self.step_stream = step_stream
+        self._stream: Optional[Step] = None
+        self._stream_opened = 0.0  # time.monotonic() of its opening
+        self._step_options: Optional[tuple] = None  # of the step open on it; None: none open
+        self.forward_calls = 0  # layers sent (unary Forwards or Step stream messages)
+        self.step_streams = 0  # Step streams opened
 
     def plan(self, real: torch.Tensor) -> None:
         """Starts a step: real[b, t] is True where input row b has a token at time t. Row b's
@@ -107,14 +122,44 @@ class PagedAttnCache(Cache):
         self.lengths = [length + n for length, n in zip(self.lengths, counts)]
         self._past_steps = self._steps
         self._steps += real.shape[1]
+        self._step_options = None  # the next layer opens this step on the stream
+        timeout = self.handle.client.timeout
+        if self._stream is not None and timeout is not None and (
+                time.monotonic() - self._stream_opened > timeout / 2):
+            self.close_stream()  # before its deadline: the next layer opens another
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         # Nothing is kept here: the attention function sends these new k/v to the server.
         return key_states, value_states
 
+    def stream(self, causal: bool, sm_scale: Optional[float]) -> Step:
+        """The Step stream with this step open on it (opened with this step's spans and these
+        options by the step's first layer; a layer with other options opens it again)."""
+        options = (causal, sm_scale)
+        if self._stream is None:
+            self._stream = self.handle.step(self.spans, causal=causal, sm_scale=sm_scale)
+            self._stream_opened = time.monotonic()
+            self.step_streams += 1
+        elif options != self._step_options:
+            self._stream.begin(self.spans, causal=causal, sm_scale=sm_scale)
+        self._step_options = options
+        return self._stream
+
+    def close_stream(self, cancel: bool = False) -> None:
+        """Closes the Step stream, if one is open (cancels it with cancel=True: after a model
+        call that raised). The next layer sent opens a new one."""
+        stream, self._stream = self._stream, None
+        self._step_options = None
+        if stream is not None:
+            if cancel:
+                stream.cancel()
+            else:
+                stream.close()
+
     def release(self) -> Any:
         """Frees the sequences' pages in the server; returns the ReleaseSequencesResponse."""
+        self.close_stream()
         resp = self.handle.release(self.seq_ids)
         self.lengths = [0] * len(self.seq_ids)
         return resp
@@ -171,10 +216,12 @@ def paged_attention_forward(
     q = query.transpose(1, 2)[real]
     k = key.transpose(1, 2)[real]
     v = value.transpose(1, 2)[real]
-    out = cache.handle.forward(
-        module.layer_idx, cache.spans, q, k, v,
-        causal=getattr(module, "is_causal", True), sm_scale=scaling,
-    )
+    causal = getattr(module, "is_causal", True)
+    if cache.step_stream:
+        out = cache.stream(causal, scaling).forward(module.layer_idx, q, k, v)
+    else:
+        out = cache.handle.forward(module.layer_idx, cache.spans, q, k, v, causal=causal,
+                                   sm_scale=scaling)
     cache.forward_calls += 1
     full = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])
     full[real] = out.to(dtype=query.dtype, device=query.device)
@@ -218,7 +265,8 @@ def greedy_generate(
     token with one token per sequence.
 
     cache: a PagedAttnCache (the model set to the 'pagedattn' attention) or None for
-    transformers' own DynamicCache with the model's current attention (e.g. eager).
+    transformers' own DynamicCache with the model's current attention (e.g. eager); its Step
+    stream is closed at the end (cancelled when a model call raises).
     force_tokens: [batch, max_new_tokens] tokens to feed instead of the argmax (teacher forcing,
     to compare logits step by step); `chosen` still records the argmax.
     """
@@ -242,31 +290,38 @@ def greedy_generate(
     tokens, chosen, logits = [], [], []
     step_ids, step_pos, step_real = ids, position_ids, real
     prefill_s = decode_s = 0.0
-    for step in range(max_new_tokens):
+    try:
+        for step in range(max_new_tokens):
+            if cache is not None:
+                cache.plan(step_real)
+            t0 = time.perf_counter()
+            out = model(
+                input_ids=step_ids.to(device),
+                attention_mask=attn_mask.to(device),
+                position_ids=step_pos.to(device),
+                **kw,
+            )
+            last = out.logits[:, -1, :].float().cpu()
+            if step == 0:
+                prefill_s = time.perf_counter() - t0
+            else:
+                decode_s += time.perf_counter() - t0
+            argmax = last.argmax(dim=-1)
+            nxt = argmax if force_tokens is None else force_tokens[:, step].to(torch.long)
+            logits.append(last)
+            chosen.append(argmax)
+            tokens.append(nxt)
+            step_ids = nxt[:, None]
+            step_pos = lengths[:, None].clone()
+            step_real = torch.ones((batch, 1), dtype=torch.bool)
+            attn_mask = torch.cat([attn_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
+            lengths = lengths + 1
+    except BaseException:
         if cache is not None:
-            cache.plan(step_real)
-        t0 = time.perf_counter()
-        out = model(
-            input_ids=step_ids.to(device),
-            attention_mask=attn_mask.to(device),
-            position_ids=step_pos.to(device),
-            **kw,
-        )
-        last = out.logits[:, -1, :].float().cpu()
-        if step == 0:
-            prefill_s = time.perf_counter() - t0
-        else:
-            decode_s += time.perf_counter() - t0
-        argmax = last.argmax(dim=-1)
-        nxt = argmax if force_tokens is None else force_tokens[:, step].to(torch.long)
-        logits.append(last)
-        chosen.append(argmax)
-        tokens.append(nxt)
-        step_ids = nxt[:, None]
-        step_pos = lengths[:, None].clone()
-        step_real = torch.ones((batch, 1), dtype=torch.bool)
-        attn_mask = torch.cat([attn_mask, torch.ones((batch, 1), dtype=torch.long)], dim=1)
-        lengths = lengths + 1
+            cache.close_stream(cancel=True)
+        raise
+    if cache is not None:
+        cache.close_stream()
     return Generation(
         tokens=torch.stack(tokens, dim=1),
         logits=logits,

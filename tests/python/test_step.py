@@ -1,0 +1,380 @@
+"""The Step stream (Client.step / aio.Client.step) against a real server: every layer of a step
+on one stream, answers equal to unary Forwards of the same inputs, layers pipelined (all sent
+before the first answer is read), per-layer errors raised as forward() raises them while the
+stream goes on, closing and cancelling mid-step, the asyncio twin, and the messages on the wire
+(spans with the first layer only)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import numpy as np
+import pytest
+
+import pagedattn
+import pagedattn.aio
+from pagedattn import CacheConfig, Span, errors
+from pagedattn._common import StepMessages
+from pagedattn.reference import reference_attention, relative_error
+from pagedattn.smoke import round_to
+from pagedattn.tensors import dtype_enum
+
+TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+HQ, HKV, D = 4, 2, 64
+
+
+def config(kv_dtype: str, num_layers: int = 4, num_pages: int = 32) -> CacheConfig:
+    return CacheConfig(num_layers, HQ, HKV, D, page_size=4, kv_dtype=kv_dtype, num_pages=num_pages)
+
+
+def qkv(rng: np.random.Generator, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return tuple(rng.standard_normal((n, h, D), dtype=np.float32) for h in (HQ, HKV, HKV))
+
+
+def assert_same(a, b) -> None:
+    """The step's answer is the unary Forward's, bit for bit (same server, same inputs)."""
+    if isinstance(a, tuple):
+        assert isinstance(b, tuple) and len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_same(x, y)
+        return
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
+# -- the messages --------------------------------------------------------------------------
+
+
+def test_spans_go_with_the_first_message_of_each_step_only():
+    rng = np.random.default_rng(0)
+    q, k, v = qkv(rng, 3)
+    m = StepMessages()
+    m.begin("c" * 32, [Span.prefill(1, 3)], False, 0.5, True, None)
+    first = m.request(0, q, k, v)
+    m.sent()
+    assert first.cache_id == "c" * 32 and first.layer == 0
+    assert [(s.seq_id, s.num_new_tokens) for s in first.spans] == [(1, 3)]
+    assert first.options.causal is False and first.options.sm_scale == 0.5
+    assert first.options.return_lse and list(first.q.shape) == [3, HQ, D]
+    second = m.request(1, q, k, v)
+    m.sent()
+    assert second.layer == 1 and not second.cache_id and not second.spans
+    assert not second.HasField("options") and list(second.k.shape) == [3, HKV, D]
+    assert m.return_lse
+    # The next step on the same stream: spans and options again, the stream's cache kept.
+    m.begin(None, [Span.decode(1, 3)], None, None, False, None)
+    third = m.request(0, q[:1], None, None)
+    m.sent()
+    assert not third.cache_id and [s.start for s in third.spans] == [3]
+    assert not third.options.HasField("causal") and not third.options.return_lse
+    assert not third.HasField("k")
+    assert not m.request(1, q[:1], None, None).spans
+    with pytest.raises(ValueError, match="at least one span"):
+        m.begin(None, [], None, None, False, None)
+    # begin() before the stream's first message: that message still names the cache.
+    m = StepMessages()
+    m.begin("c" * 32, [Span.prefill(1, 3)], None, None, False, None)
+    m.begin(None, [Span.prefill(2, 3)], True, None, False, None)
+    first = m.request(0, q, k, v)
+    assert first.cache_id == "c" * 32 and [s.seq_id for s in first.spans] == [2]
+    assert first.options.causal
+    with pytest.raises(ValueError, match="k and v together"):
+        m.request(0, q, k, None)
+
+
+# -- results -------------------------------------------------------------------------------
+
+
+def test_step_answers_equal_unary_forwards(client, kv_dtypes):
+    """Two caches fed the same data, one through Step streams and one through unary Forwards:
+    a prefill of two sequences (every layer), then decode steps, with lse and options."""
+    rng = np.random.default_rng(1)
+    cache_dtype = kv_dtypes[0]
+    layers = 4
+    with client.create_cache(config(cache_dtype)) as streamed, \
+            client.create_cache(config(cache_dtype)) as unary:
+        spans = [Span.prefill(1, 7), Span.prefill(2, 3)]
+        data = [qkv(rng, 10) for _ in range(layers)]
+        with streamed.step(spans, return_lse=True, causal=True, sm_scale=0.2) as step:
+            got = [step.forward(layer, *data[layer]) for layer in range(layers)]
+        want = [unary.forward(layer, spans, *data[layer], return_lse=True, causal=True,
+                              sm_scale=0.2) for layer in range(layers)]
+        for g, w in zip(got, want):
+            assert_same(g, w)
+        # And the answer is right, not only equal: layer 0, sequence 1, against float64.
+        q, k, v = data[0]
+        stored = lambda x: round_to(dtype_enum(cache_dtype), x)  # noqa: E731
+        ref, _ = reference_attention(q[:7], stored(k[:7]), stored(v[:7]), sm_scale=0.2)
+        assert relative_error(got[0][0][:7], ref) <= TOLERANCE[cache_dtype]
+
+        # Decode steps: one stream per step, then several steps on one stream (begin()).
+        lengths = [7, 3]
+        with streamed.step([Span.decode(1, 7), Span.decode(2, 3)]) as step:
+            data = [qkv(rng, 2) for _ in range(layers)]
+            got = [step.forward(layer, *data[layer]) for layer in range(layers)]
+        for layer in range(layers):
+            want = unary.forward(layer, [Span.decode(1, 7), Span.decode(2, 3)], *data[layer])
+            assert_same(got[layer], want)
+        lengths = [8, 4]
+        with client.step(streamed.cache_id, [Span.decode(1, 8), Span.decode(2, 4)]) as step:
+            for n in range(3):
+                if n:
+                    step.begin([Span.decode(1, lengths[0]), Span.decode(2, lengths[1])])
+                data = [qkv(rng, 2) for _ in range(layers)]
+                got = [step.forward(layer, *data[layer]) for layer in range(layers)]
+                spans = [Span.decode(1, lengths[0]), Span.decode(2, lengths[1])]
+                for layer in range(layers):
+                    assert_same(got[layer], unary.forward(layer, spans, *data[layer]))
+                lengths = [n + 1 for n in lengths]
+        a, b = streamed.stats(), unary.stats()
+        assert (a.used_pages, a.live_sequences) == (b.used_pages, b.live_sequences) == (5, 2)
+        assert a.forward_calls == b.forward_calls == 5 * layers
+
+
+def test_torch_tensors_and_wire_dtype(client, kv_dtypes):
+    torch = pytest.importorskip("torch")
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(5, h, D, generator=gen) for h in (HQ, HKV, HKV))
+    with client.create_cache(config(kv_dtypes[0], num_layers=2)) as a, \
+            client.create_cache(config(kv_dtypes[0], num_layers=2)) as b:
+        with a.step([Span.prefill(1, 5)], dtype="bfloat16") as step:
+            got = [step.forward(layer, q, k, v) for layer in range(2)]
+        for layer in range(2):
+            want = b.forward(layer, [Span.prefill(1, 5)], q, k, v, dtype="bfloat16")
+            assert isinstance(got[layer], torch.Tensor) and got[layer].dtype == torch.bfloat16
+            assert torch.equal(got[layer], want)
+
+
+def test_pipelined_layers_answer_in_order(client, kv_dtypes):
+    """Every layer sent before the first answer is read; answers in the order sent."""
+    rng = np.random.default_rng(3)
+    layers = 8
+    with client.create_cache(config(kv_dtypes[0], num_layers=layers)) as streamed, \
+            client.create_cache(config(kv_dtypes[0], num_layers=layers)) as unary:
+        spans = [Span.prefill(1, 9), Span.prefill(2, 4), Span.prefill(3, 1)]
+        data = [qkv(rng, 14) for _ in range(layers)]
+        with streamed.step(spans) as step:
+            futures = [step.submit(layer, *data[layer]) for layer in range(layers)]
+            assert [f.layer for f in futures] == list(range(layers))
+            assert all(f.timing is None for f in futures if not f.done())
+            # Read the last first: it reads (and keeps) every answer before it.
+            last = futures[-1].result()
+            assert all(f.done() for f in futures)
+            got = [f.result() for f in futures]
+            assert got[-1] is last
+            for f in futures:
+                assert f.timing.server_micros > 0 and f.timing.kernel_micros >= 0
+            assert step.last_timing == futures[-1].timing
+        for layer in range(layers):
+            assert_same(got[layer], unary.forward(layer, spans, *data[layer]))
+        assert streamed.stats().forward_calls == layers
+
+
+# -- errors --------------------------------------------------------------------------------
+
+
+def _unary_error(cache, *args, **kwargs) -> errors.PagedAttnError:
+    with pytest.raises(errors.PagedAttnError) as e:
+        cache.forward(*args, **kwargs)
+    return e.value
+
+
+def test_a_layers_error_is_forwards_and_the_stream_goes_on(client, kv_dtypes):
+    rng = np.random.default_rng(4)
+    with client.create_cache(config(kv_dtypes[0], num_layers=2, num_pages=3)) as cache:  # 12 tokens
+        q, k, v = qkv(rng, 5)
+        with cache.step([Span.prefill(1, 5)]) as step:
+            out0 = step.submit(0, q, k, v)
+            beyond = step.submit(7, q, k, v)  # layer out of range
+            heads = step.submit(1, q[:, :3], k, v)  # 3 q heads, the cache has 4
+            out1 = step.submit(1, q, k, v)  # fine: the stream went on
+            with pytest.raises(errors.InvalidArgument) as e:
+                beyond.result()
+            want = _unary_error(cache, 7, [Span.prefill(9, 5)], q, k, v)
+            assert type(e.value) is type(want) and e.value.code == grpc.StatusCode.INVALID_ARGUMENT
+            assert e.value.message == want.message and "layer" in e.value.message
+            assert e.value.status is not None and e.value.status.code == 3
+            with pytest.raises(errors.InvalidArgument) as e:
+                heads.result()
+            assert not isinstance(e.value, errors.CacheConfigError)
+            with pytest.raises(errors.InvalidArgument):  # raised again, the same
+                heads.result()
+            assert out0.result().shape == out1.result().shape == (5, HQ, D)
+            # OUT_OF_PAGES, with the numbers of its google.rpc.ErrorInfo, as forward() has them.
+            step.begin([Span.prefill(2, 9)])  # 3 more pages, 1 free
+            q9, k9, v9 = qkv(rng, 9)
+            with pytest.raises(errors.OutOfPages) as e:
+                step.forward(0, q9, k9, v9)
+            err = e.value
+            assert (err.pages_needed, err.free_pages, err.total_pages) == (3, 1, 3)
+            assert err.page_size == 4
+            assert err.reason == "OUT_OF_PAGES"
+            want = _unary_error(cache, 0, [Span.prefill(2, 9)], q9, k9, v9)
+            assert type(want) is errors.OutOfPages and want.message == err.message
+            # A gap: FailedPrecondition; then a good decode step on the same stream.
+            step.begin([Span.decode(1, 6)])
+            with pytest.raises(errors.FailedPrecondition):
+                step.forward(0, *qkv(rng, 1))
+            step.begin([Span.decode(1, 5)])
+            assert step.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
+        stats = cache.stats()
+        assert (stats.used_pages, stats.live_sequences) == (2, 1)  # the failures left nothing
+
+
+def test_stream_failure_reaches_every_future_and_close():
+    q, k, v = qkv(np.random.default_rng(5), 1)
+    with pagedattn.Client("127.0.0.1:1", timeout=5) as c:
+        step = c.step("0" * 32, [Span.prefill(1, 1)])
+        first, second = step.submit(0, q, k, v), step.submit(1, q, k, v)
+        with pytest.raises(errors.Unavailable):
+            second.result()
+        assert first.done()
+        with pytest.raises(errors.Unavailable):
+            first.result()
+        step.close()  # the failure was raised already: not again
+        with pytest.raises(errors.Unavailable):
+            step.submit(0, q, k, v)
+        # Not read by anyone: close() raises it.
+        step = c.step("0" * 32, [Span.prefill(1, 1)])
+        step.submit(0, q, k, v)
+        with pytest.raises(errors.Unavailable):
+            step.close()
+    with pytest.raises(ValueError, match="at least one span"):
+        pagedattn.Client("127.0.0.1:1").step("0" * 32, [])
+
+
+# -- ending mid-step -----------------------------------------------------------------------
+
+
+def test_close_mid_step_drains_the_answers(client, kv_dtypes):
+    rng = np.random.default_rng(6)
+    layers = 4
+    with client.create_cache(config(kv_dtypes[0])) as streamed, \
+            client.create_cache(config(kv_dtypes[0])) as unary:
+        data = [qkv(rng, 6) for _ in range(layers)]
+        step = streamed.step([Span.prefill(1, 6)])
+        futures = [step.submit(layer, *data[layer]) for layer in range(layers)]
+        step.close()  # nothing read yet: close() reads every answer and the stream's end
+        assert step.closed and all(f.done() for f in futures)
+        for layer, f in enumerate(futures):
+            assert_same(f.result(), unary.forward(layer, [Span.prefill(1, 6)], *data[layer]))
+        with pytest.raises(RuntimeError, match="closed"):
+            step.submit(0, *data[0])
+        step.close()  # idempotent
+        assert streamed.stats().forward_calls == layers
+
+
+def test_cancel_mid_step(client, kv_dtypes):
+    rng = np.random.default_rng(7)
+    layers = 4
+    with client.create_cache(config(kv_dtypes[0])) as cache:
+        step = cache.step([Span.prefill(1, 6)])
+        done = step.forward(0, *qkv(rng, 6))
+        futures = [step.submit(layer, *qkv(rng, 6)) for layer in range(1, layers)]
+        step.cancel()
+        assert step.closed
+        for f in futures:
+            with pytest.raises(errors.PagedAttnError) as e:
+                f.result()
+            assert e.value.code == grpc.StatusCode.CANCELLED
+        with pytest.raises(errors.PagedAttnError):
+            step.submit(0, *qkv(rng, 6))
+        step.close()  # after a cancel: nothing to raise
+        assert done.shape == (6, HQ, D)
+        # An exception in the with-block cancels the stream and propagates as it is.
+        with pytest.raises(KeyError):
+            with cache.step([Span.prefill(2, 2)]) as step2:
+                step2.submit(0, *qkv(rng, 2))
+                raise KeyError("boom")
+        assert step2.closed
+        # The cache serves new streams; layer 0 of sequence 1 was committed before the cancel.
+        with cache.step([Span.decode(1, 6)]) as step3:
+            assert step3.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
+        with cache.step([Span.prefill(3, 2)]) as step4:
+            assert [f.result().shape for f in [step4.submit(layer, *qkv(rng, 2))
+                                               for layer in range(layers)]] == [(2, HQ, D)] * layers
+
+
+# -- asyncio -------------------------------------------------------------------------------
+
+
+def test_async_step(target, kv_dtypes):
+    layers = 4
+
+    async def main() -> None:
+        rng = np.random.default_rng(8)
+        async with pagedattn.aio.Client(target) as client:
+            async with await client.create_cache(config(kv_dtypes[0])) as streamed, \
+                    await client.create_cache(config(kv_dtypes[0])) as unary:
+                spans = [Span.prefill(1, 5), Span.prefill(2, 2)]
+                data = [qkv(rng, 7) for _ in range(layers)]
+                async with streamed.step(spans, return_lse=True) as step:
+                    first = await step.forward(0, *data[0])
+                    futures = [await step.submit(layer, *data[layer]) for layer in range(1, layers)]
+                    rest = [await f for f in futures]
+                    assert all(f.timing.server_micros > 0 for f in futures)
+                for layer, got in enumerate([first, *rest]):
+                    want = await unary.forward(layer, spans, *data[layer], return_lse=True)
+                    assert_same(got, want)
+
+                # A layer's error raises forward()'s exception; the stream goes on.
+                async with client.step(streamed, [Span.decode(1, 5)]) as step:
+                    bad = await step.submit(9, *qkv(rng, 1))
+                    good = await step.submit(1, *qkv(rng, 1))
+                    with pytest.raises(errors.InvalidArgument, match="layer"):
+                        await bad.result()
+                    assert (await good).shape == (1, HQ, D)
+                    step.begin([Span.decode(1, 7)])  # a gap
+                    with pytest.raises(errors.FailedPrecondition):
+                        await step.forward(0, *qkv(rng, 1))
+
+                # Closing mid-step drains; cancelling fails what is not answered.
+                step = streamed.step([Span.prefill(3, 3)])
+                futures = [await step.submit(layer, *qkv(rng, 3)) for layer in range(layers)]
+                await step.close()
+                assert all(f.done() for f in futures)
+                assert [(await f).shape for f in futures] == [(3, HQ, D)] * layers
+                with pytest.raises(RuntimeError, match="closed"):
+                    await step.submit(0, *qkv(rng, 3))
+                step = streamed.step([Span.prefill(4, 3)])
+                futures = [await step.submit(layer, *qkv(rng, 3)) for layer in range(layers)]
+                step.cancel()
+                for f in futures:
+                    with pytest.raises(errors.PagedAttnError) as e:
+                        await f
+                    assert e.value.code == grpc.StatusCode.CANCELLED
+                await step.close()
+                assert (await streamed.stats()).live_sequences >= 3
+
+        async with pagedattn.aio.Client("127.0.0.1:1", timeout=5) as client:
+            step = client.step("0" * 32, [Span.prefill(1, 1)])
+            f = await step.submit(0, *qkv(rng, 1))
+            with pytest.raises(errors.Unavailable):
+                await f
+            await step.close()
+
+    asyncio.run(main())
+
+
+def test_async_every_layer_sent_before_reading_big_answers(target, kv_dtypes):
+    """12 layers of 8 MiB each way, all submitted before the first answer is read: the server
+    reads ahead only a few messages while its answers wait to be read, so the messages must go
+    out from a writer of their own (a submit that waited for its write would hang here)."""
+    layers, seqs, tokens, hq, d = 12, 256, 4, 8, 256
+
+    async def main() -> None:
+        rng = np.random.default_rng(9)
+        cfg = CacheConfig(layers, hq, 2, d, page_size=4, kv_dtype=kv_dtypes[0], num_pages=seqs)
+        q = rng.standard_normal((seqs * tokens, hq, d), dtype=np.float32)
+        k = rng.standard_normal((seqs * tokens, 2, d), dtype=np.float32)
+        async with pagedattn.aio.Client(target, timeout=60) as client:
+            async with await client.create_cache(cfg) as cache:
+                spans = [Span.prefill(s, tokens) for s in range(seqs)]
+                async with cache.step(spans) as step:
+                    futures = [await step.submit(layer, q, k, k) for layer in range(layers)]
+                    outs = [await f for f in futures]
+                assert all(o.shape == q.shape for o in outs)
+                assert outs[0].nbytes == 8 << 20
+
+    asyncio.run(main())

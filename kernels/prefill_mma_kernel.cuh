@@ -285,19 +285,10 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
             float sum = 0.f;
 #pragma unroll
             for (int nt = 0; nt < NT; ++nt) {
-              s[mt][nt][2 * i] = FastExp2(SoftmaxScoreExponent(s[mt][nt][2 * i], scale_log2, base));
+              s[mt][nt][2 * i] = FastExp2(SoftmaxExponent(s[mt][nt][2 * i], scale_log2, base));
               s[mt][nt][2 * i + 1] =
-                  FastExp2(SoftmaxScoreExponent(s[mt][nt][2 * i + 1], scale_log2, base));
+                  FastExp2(SoftmaxExponent(s[mt][nt][2 * i + 1], scale_log2, base));
               sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
-            }
-            if (!IsFiniteSum(sum)) {  // an inf or NaN score in this thread's part of the row
-              sum = 0.f;
-#pragma unroll
-              for (int nt = 0; nt < NT; ++nt) {
-                s[mt][nt][2 * i] = FiniteWeight(s[mt][nt][2 * i]);
-                s[mt][nt][2 * i + 1] = FiniteWeight(s[mt][nt][2 * i + 1]);
-                sum += s[mt][nt][2 * i] + s[mt][nt][2 * i + 1];
-              }
             }
             row_sum[mt][i] = row_sum[mt][i] * alpha[mt][i] + sum;
           }

@@ -247,32 +247,16 @@ struct WgmmaTileMath {
       row_max[i] = mx;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
-        s[nt][2 * i] = FastExp2(SoftmaxScoreExponent(s[nt][2 * i], scale_log2, base));
-        s[nt][2 * i + 1] = FastExp2(SoftmaxScoreExponent(s[nt][2 * i + 1], scale_log2, base));
+        s[nt][2 * i] = FastExp2(SoftmaxExponent(s[nt][2 * i], scale_log2, base));
+        s[nt][2 * i + 1] = FastExp2(SoftmaxExponent(s[nt][2 * i + 1], scale_log2, base));
+        part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
       }
-      float sum = RowSum(s, i);
-      if (!IsFiniteSum(sum)) {  // an inf or NaN score in this thread's part of the row
 #pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          s[nt][2 * i] = FiniteWeight(s[nt][2 * i]);
-          s[nt][2 * i + 1] = FiniteWeight(s[nt][2 * i + 1]);
-        }
-        sum = RowSum(s, i);
-      }
-      row_sum[i] = row_sum[i] * alpha[i] + sum;
+      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
+      row_sum[i] = row_sum[i] * alpha[i] + part[0];
     }
-  }
-
-  // The sum of row i's weights in s, as a tree over the n tiles.
-  __device__ __forceinline__ static float RowSum(const float (&s)[kNT][4], int i) {
-    float part[kNT];
-#pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
-#pragma unroll
-    for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
-#pragma unroll
-      for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
-    return part[0];
   }
 
   // P as the A operand of P.V (k step kp covers positions 16kp..16kp+15).

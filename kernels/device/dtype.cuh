@@ -62,27 +62,13 @@ __device__ __forceinline__ float SaturatedScore(float s) {
 }
 
 // The softmax base of a row whose raw (unscaled) max is mx: mx * scale_log2, saturated, and 0
-// for a row that sees nothing yet. 2^(s * scale_log2 - base) is then at most 1 for every finite
-// score of the row whose product did not overflow.
+// for a row that sees nothing yet. 2^(s * scale_log2 - base) is then at most 1 for every score
+// of the row, which SoftmaxWeight makes exact even when the product overflows.
 __device__ __forceinline__ float SoftmaxBase(float mx, float scale_log2) {
   return mx == -INFINITY ? 0.f : SaturatedScore(mx * scale_log2);
 }
-// The exponent of a row's old max against its new base, clamped: also maps an inf or NaN to the
-// max. Once per row; the scores themselves take the cheaper FiniteWeight path below.
 __device__ __forceinline__ float SoftmaxExponent(float s, float scale_log2, float base) {
-  return fminf(fmaf(s, scale_log2, -base), 0.f);
+  return fminf(fmaf(s, scale_log2, -base), 0.f);  // also maps an inf or NaN score to the max
 }
-// A score's exponent, unclamped: an inf or NaN score (or one above a saturated base) gives a
-// non-finite weight 2^x. Weights are otherwise at most 1, so a row's partial sum is finite
-// unless one is not, and only such a row (never, for real data) pays for FiniteWeight: one
-// compare per row per tile instead of one clamp per score (2-3% of prefill).
-__device__ __forceinline__ float SoftmaxScoreExponent(float s, float scale_log2, float base) {
-  return fmaf(s, scale_log2, -base);
-}
-__device__ __forceinline__ bool IsFiniteSum(float sum) {
-  return sum <= 3.402823466e38f;
-}  // NaN: false
-// A weight as the clamped exponent would give it: inf and NaN become 1, the weight of the max.
-__device__ __forceinline__ float FiniteWeight(float w) { return IsFiniteSum(w) ? w : 1.f; }
 
 }  // namespace pagedattn::kernels

@@ -84,19 +84,15 @@ ABSL_FLAG(BackendChoice, backend, BackendChoice::kAuto,
 ABSL_FLAG(int64_t, max_message_mb, 512,
           "largest request or response, MiB (1..2047). A Forward carries q, k and v in and out "
           "(and lse) back; one whose answer would be larger is refused before anything is written");
-ABSL_FLAG(
-    int64_t, request_memory_mb, 0,
-    "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
-    "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
-    "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
-    "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
-    "+ 64");
+ABSL_FLAG(int64_t, request_memory_mb, 0,
+          "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
+          "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
+          "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
+          "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
+          "+ 64");
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
           "gRPC's own debug lines");
-ABSL_FLAG(int, copy_threads, 4,
-          "threads (the handler's included) that copy a Forward's q/k/v of 256 KiB or more out "
-          "of the request into the backend's buffers; 1: the handler alone");
 ABSL_FLAG(int, cpu_threads, 0, "worker threads of the CPU backend (0: one per hardware thread)");
 ABSL_FLAG(PrefillKernel, prefill_kernel, PrefillKernel::kAuto,
           "auto | portable. The CUDA backend's prefill kernel: auto runs the Hopper (wgmma) "
@@ -244,7 +240,6 @@ std::vector<std::string> InvalidFlags() {
   range("--max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
   range("--request_memory_mb", absl::GetFlag(FLAGS_request_memory_mb), 0, 1 << 24);
   range("--cpu_threads", absl::GetFlag(FLAGS_cpu_threads), 0, 4096);
-  range("--copy_threads", absl::GetFlag(FLAGS_copy_threads), 1, 64);
   range("--shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), 0, 3600);
   range("--max_caches_per_tenant", absl::GetFlag(FLAGS_max_caches_per_tenant), 0, 1e9);
   range("--max_total_pool_gb", absl::GetFlag(FLAGS_max_total_pool_gb), 0, 1e7);
@@ -373,7 +368,6 @@ int main(int argc, char** argv) {
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.metrics_per_cache = absl::GetFlag(FLAGS_metrics_per_cache);
-  options.copy_threads = absl::GetFlag(FLAGS_copy_threads);
 
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);

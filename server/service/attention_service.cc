@@ -228,7 +228,7 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
                                                 out_bytes, lse_bytes);
   if (!buffers.ok()) return buffers.status();
   answer.buffers = *std::move(buffers);
-  args = ToForwardArgs(request, answer.buffers.get(), copy_pool_);
+  args = ToForwardArgs(request, answer.buffers.get());
   answer.stage_in_us = absl::ToDoubleMicroseconds(absl::Now() - stage_start);
   absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop(), &answer.timings);
   if (!result.ok()) return result.status();

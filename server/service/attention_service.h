@@ -13,7 +13,6 @@
 #include "pagedattn/v1/attention.grpc.pb.h"
 #include "server/core/cache_manager.h"
 #include "server/core/stop_token.h"
-#include "server/core/thread_pool.h"
 #include "server/service/auth.h"
 #include "server/service/executor.h"
 #include "server/service/forward_wire.h"
@@ -66,15 +65,13 @@ class AttentionServiceImpl final
   // gate: the server's calls in flight. budget: bytes of Forward data in flight. executor: runs
   // the layers of Step streams.
   AttentionServiceImpl(CacheManager* manager, const TokenAuthenticator* auth, Metrics* metrics,
-                       RpcGate* gate, ByteBudget* budget, Executor* executor,
-                       ThreadPool* copy_pool = nullptr)
+                       RpcGate* gate, ByteBudget* budget, Executor* executor)
       : manager_(manager),
         auth_(auth),
         metrics_(metrics),
         gate_(gate),
         budget_(budget),
-        executor_(executor),
-        copy_pool_(copy_pool) {}
+        executor_(executor) {}
 
   grpc::Status GetServerInfo(grpc::ServerContext* ctx, const v1::GetServerInfoRequest* req,
                              v1::ServerInfo* resp) override;
@@ -116,7 +113,6 @@ class AttentionServiceImpl final
   RpcGate* const gate_;
   ByteBudget* const budget_;
   Executor* const executor_;
-  ThreadPool* const copy_pool_;  // copies large requests' inputs (null: the calling thread)
 };
 
 // The capability table of a backend, as sent in ServerInfo.

@@ -2,10 +2,7 @@
 #include "server/service/forward_wire.h"
 
 #include <algorithm>
-#include <cstring>
-#include <initializer_list>
 #include <memory>
-#include <utility>
 
 #include "absl/strings/str_cat.h"
 #include "google/rpc/status.pb.h"
@@ -13,16 +10,15 @@
 namespace pagedattn {
 namespace {
 
-// The tensor's view in the core, its bytes copied (unless already) from the request's chunks to
-// dst.
-TensorView Place(const wire::TensorRef& t, char* dst, bool copy = true) {
+// The tensor's view in the core, its bytes copied from the request's chunks to dst.
+TensorView Place(const wire::TensorRef& t, char* dst) {
   TensorView v;
   if (!t.present) return v;
   v.dtype = static_cast<DType>(t.dtype);
   v.shape = t.shape;
   v.size_bytes = t.data_size;
   if (t.data_size > 0 && dst != nullptr) {
-    if (copy) t.CopyTo(dst);
+    t.CopyTo(dst);
     v.data = dst;
   }
   return v;
@@ -34,33 +30,6 @@ grpc::Slice SliceOf(const char* data, size_t size, const std::shared_ptr<Forward
   return grpc::Slice(
       const_cast<char*>(data), size,
       [](void* p) { delete static_cast<std::shared_ptr<ForwardBuffers>*>(p); }, keep);
-}
-
-// Copies the tensors' bytes to their destinations in about equal parts, one per thread of the
-// pool (the caller's included): one thread's memcpy reaches ~10 GB/s, a fraction of a host's
-// bandwidth, and a decode step's q/k/v are megabytes.
-void CopyParallel(std::initializer_list<std::pair<const wire::TensorRef*, char*>> tensors,
-                  size_t total, ThreadPool& pool) {
-  struct Part {
-    const char* src;
-    char* dst;
-    size_t size;
-  };
-  const size_t share = (total + pool.num_threads() - 1) / pool.num_threads();
-  std::vector<Part> parts;
-  for (const auto& [t, dst] : tensors) {
-    if (!t->present || dst == nullptr) continue;
-    char* to = dst;
-    for (const wire::Piece& p : t->data) {
-      for (size_t off = 0; off < p.size; off += share) {
-        const size_t n = std::min(share, p.size - off);
-        parts.push_back({p.data + off, to, n});
-        to += n;
-      }
-    }
-  }
-  pool.ParallelFor(static_cast<int64_t>(parts.size()),
-                   [&](int64_t i) { std::memcpy(parts[i].dst, parts[i].src, parts[i].size); });
 }
 
 }  // namespace
@@ -86,27 +55,16 @@ absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out) 
 size_t QBytes(const wire::ForwardRequestRef& r) { return r.q.data_size; }
 size_t KvBytes(const wire::ForwardRequestRef& r) { return std::max(r.k.data_size, r.v.data_size); }
 
-ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& r, ForwardBuffers* buffers,
-                          ThreadPool* copy_pool) {
+ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& r, ForwardBuffers* buffers) {
   ForwardArgs a;
   a.layer = r.layer;
   a.spans.reserve(r.spans.size());
   for (const wire::SpanRef& s : r.spans) {
     a.spans.push_back({s.seq_id, s.start, s.num_new_tokens, s.num_queries});
   }
-  const size_t total = r.q.data_size + r.k.data_size + r.v.data_size;
-  if (buffers != nullptr && copy_pool != nullptr && copy_pool->num_threads() > 1 &&
-      total >= kParallelCopyBytes) {
-    CopyParallel({{&r.q, buffers->q()}, {&r.k, buffers->k()}, {&r.v, buffers->v()}}, total,
-                 *copy_pool);
-    a.q = Place(r.q, buffers->q(), /*copy=*/false);
-    a.k = Place(r.k, buffers->k(), /*copy=*/false);
-    a.v = Place(r.v, buffers->v(), /*copy=*/false);
-  } else {
-    a.q = Place(r.q, buffers != nullptr ? buffers->q() : nullptr);
-    a.k = Place(r.k, buffers != nullptr ? buffers->k() : nullptr);
-    a.v = Place(r.v, buffers != nullptr ? buffers->v() : nullptr);
-  }
+  a.q = Place(r.q, buffers != nullptr ? buffers->q() : nullptr);
+  a.k = Place(r.k, buffers != nullptr ? buffers->k() : nullptr);
+  a.v = Place(r.v, buffers != nullptr ? buffers->v() : nullptr);
   a.causal = r.options.causal;
   a.sm_scale = r.options.sm_scale;
   a.return_lse = r.options.return_lse;

@@ -13,7 +13,6 @@
 #include "absl/status/status.h"
 #include "common/wire.h"
 #include "server/core/cache.h"
-#include "server/core/thread_pool.h"
 
 namespace pagedattn {
 
@@ -33,11 +32,8 @@ size_t KvBytes(const wire::ForwardRequestRef& request);
 
 // The core's arguments, with q, k and v copied from the request's chunks into the backend's
 // buffers (the one host copy of the inputs; on the CUDA backend the upload reads them there).
-// Without buffers: the tensors' dtypes, shapes and sizes only, to check the request. With a
-// copy pool, a request of kParallelCopyBytes or more is copied by the pool's threads together.
-inline constexpr size_t kParallelCopyBytes = 256 << 10;
-ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, ForwardBuffers* buffers,
-                          ThreadPool* copy_pool = nullptr);
+// Without buffers: the tensors' dtypes, shapes and sizes only, to check the request.
+ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, ForwardBuffers* buffers);
 
 // The answer's bytes: a ForwardResponse (step: false), or a StepResponse for `layer` with the
 // timing (step: true). out and lse are slices of the buffers they lie in (no copy); the buffers

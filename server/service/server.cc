@@ -119,12 +119,11 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->metrics_ = std::make_unique<Metrics>(options.metrics_per_cache);
   s->gate_ = std::make_unique<RpcGate>();
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
-  if (options.copy_threads > 1) s->copy_pool_ = std::make_unique<ThreadPool>(options.copy_threads);
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
-  s->service_ = std::make_unique<AttentionServiceImpl>(
-      s->manager_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(), s->budget_.get(),
-      s->executor_.get(), s->copy_pool_.get());
+  s->service_ =
+      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get(),
+                                             s->gate_.get(), s->budget_.get(), s->executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 

@@ -12,7 +12,6 @@
 #include "absl/time/time.h"
 #include "server/core/backend_factory.h"
 #include "server/core/cache_manager.h"
-#include "server/core/thread_pool.h"
 #include "server/service/attention_service.h"
 #include "server/service/auth.h"
 #include "server/service/health.h"
@@ -41,10 +40,7 @@ struct ServerOptions {
   std::string auth_tokens_file;  // Bearer tokens ("token [tenant]" per line); empty = no auth.
   std::string health_listen;     // Extra plaintext port serving grpc.health.v1 only; empty = none.
   std::string metrics_listen;    // Prometheus /metrics over HTTP; empty = none.
-  bool metrics_per_cache = false;
-  // Threads that copy a large Forward's inputs out of the request (the handler's included);
-  // 1: the handler alone.
-  int copy_threads = 4;  // Per-cache series with ids, names, tenants (Metrics).
+  bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
 };
 
 // A quarter of the memory this process may use (cgroup limits included), at most twice the
@@ -90,7 +86,6 @@ class PagedAttnServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcGate> gate_;
   std::unique_ptr<ByteBudget> budget_;
-  std::unique_ptr<ThreadPool> copy_pool_;
   std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;

@@ -136,6 +136,9 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
   plan.sm_scale = a.sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(geometry_.head_dim)));
   plan.return_lse = a.return_lse;
   plan.spans.reserve(a.spans.size());
+  size_t pages = 0;
+  for (const auto& e : r.entries) pages += static_cast<size_t>(table_.PagesFor(e.kv_len));
+  plan.page_table.reserve(pages);
   for (size_t i = 0; i < a.spans.size(); ++i) {
     const SpanRequest& s = a.spans[i];
     SpanPlan sp;

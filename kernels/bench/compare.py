@@ -7,8 +7,9 @@ OURS and PEERS are each a JSON file of rows or a folder of them (run_suite.sh wr
 and OUT/peers/); a row without a "variant" takes its file's name. Each decode row gets a line:
 pagedattn's time and TB/s, each peer's TB/s on the same shape (batch, ctx, heads, head_dim,
 dtype), pagedattn's ratio to cudnn, and its fraction of the HBM read limit peers.py measured
-(read_tbps). Prefill rows get a second table: TFLOP/s of pagedattn and of each peer on the same
-shape, and pagedattn's ratio to flash and flex.
+(read_tbps), and its ratios to cudnn and to FlashInfer. Prefill rows get a second table: TFLOP/s
+of pagedattn and of each peer on the same shape, and pagedattn's ratio to each. FlashInfer's rows
+(one per variant: fa2, fa2_tc, fa3) count as its fastest on each shape.
 """
 import json
 import os
@@ -31,24 +32,35 @@ def load(path):
     return rows
 
 
-def decode_table(ours, peers, read):
-    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
+def by_peer(peers, suite, metric, key):
+    """shape -> peer -> row; of a peer's several variants, the fastest."""
     by_shape = {}
     for r in peers:
-        if r.get("suite") == "decode" and "tbps" in r:
-            by_shape.setdefault(key(r), {})[r["peer"]] = r
+        if r.get("suite") != suite or metric not in r:
+            continue
+        slot = by_shape.setdefault(key(r), {})
+        if r["peer"] not in slot or r["time_us"] < slot[r["peer"]]["time_us"]:
+            slot[r["peer"]] = r
+    return by_shape
+
+
+def decode_table(ours, peers, read):
+    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
+    by_shape = by_peer(peers, "decode", "tbps", key)
     print("| variant | batch x ctx | q/kv heads | head_dim | page | dtype | q | pagedattn us "
-          "| pagedattn TB/s | cudnn TB/s | flash TB/s | gather_flash TB/s | vs cudnn | of HBM read |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| pagedattn TB/s | cudnn TB/s | flash TB/s | flashinfer TB/s | gather_flash TB/s "
+          "| vs cudnn | vs flashinfer | of HBM read |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in (r for r in ours if r.get("suite", "decode") == "decode"):
         p = by_shape.get(key(r), {})
         tb = lambda name: f"{p[name]['tbps']:.2f}" if name in p else "-"
-        ratio = f"{p['cudnn']['time_us'] / r['time_us']:.2f}x" if "cudnn" in p else "-"
+        vs = lambda name: f"{p[name]['time_us'] / r['time_us']:.2f}x" if name in p else "-"
         frac = f"{r['tbps'] / read:.0%}" if read else "-"
         print(f"| {r.get('variant', '')} | {r['batch']} x {r['ctx']} | {r['q_heads']}/{r['kv_heads']} "
               f"| {r['head_dim']} | {r['page_size']} | {r['dtype']} | {r.get('q_dtype', '-')} "
               f"| {r['time_us']:.1f} | {r['tbps']:.2f} | {tb('cudnn')} | {tb('flash')} "
-              f"| {tb('gather_flash')} | {ratio} | {frac} |")
+              f"| {tb('flashinfer')} | {tb('gather_flash')} | {vs('cudnn')} | {vs('flashinfer')} "
+              f"| {frac} |")
 
 
 def prefill_table(ours, peers):
@@ -57,14 +69,11 @@ def prefill_table(ours, peers):
         return
     key = lambda r: (r["batch"], r["seqlen"], r["q_heads"], r["kv_heads"], r["head_dim"],
                      r["dtype"], r.get("causal", True))
-    by_shape = {}
-    for r in peers:
-        if r.get("suite") == "prefill" and "tflops" in r:
-            by_shape.setdefault(key(r), {})[r["peer"]] = r
+    by_shape = by_peer(peers, "prefill", "tflops", key)
     print()
     print("| variant | batch x seqlen | head_dim | page | dtype | causal | kernel | pagedattn TFLOP/s "
-          "| flash | flex | cudnn | vs flash | vs flex |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| flash | flex | cudnn | flashinfer | vs flash | vs flex | vs cudnn | vs flashinfer |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p = by_shape.get(key(r), {})
         tf = lambda name: f"{p[name]['tflops']:.1f}" if name in p else "-"
@@ -72,7 +81,8 @@ def prefill_table(ours, peers):
         print(f"| {r.get('variant', '')} | {r['batch']} x {r['seqlen']} | {r['head_dim']} "
               f"| {r.get('page_size', '-')} | {r['dtype']} | {r.get('causal', True)} "
               f"| {r.get('kernel', '')} | {r['tflops']:.1f} | {tf('flash')} | {tf('flex')} "
-              f"| {tf('cudnn')} | {vs('flash')} | {vs('flex')} |")
+              f"| {tf('cudnn')} | {tf('flashinfer')} | {vs('flash')} | {vs('flex')} "
+              f"| {vs('cudnn')} | {vs('flashinfer')} |")
 
 
 def main():

@@ -131,6 +131,21 @@ absl::StatusOr<v1::ForwardResponse> Client::Forward(const v1::ForwardRequest& re
   return response;
 }
 
+absl::StatusOr<v1::TruncateSequencesResponse> Client::TruncateSequences(
+    const std::string& cache_id, int32_t layer,
+    const std::vector<std::pair<uint64_t, int64_t>>& lengths) {
+  v1::TruncateSequencesRequest request;
+  request.set_cache_id(cache_id);
+  request.set_layer(layer);
+  for (const auto& [seq_id, length] : lengths) {
+    v1::SequenceLength* l = request.add_lengths();
+    l->set_seq_id(seq_id);
+    l->set_length(length);
+  }
+  PAGEDATTN_UNARY(TruncateSequences, request, v1::TruncateSequencesResponse);
+  return response;
+}
+
 absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
     const std::string& cache_id, const std::vector<uint64_t>& seq_ids) {
   v1::ReleaseSequencesRequest request;

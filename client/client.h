@@ -85,6 +85,9 @@ class Client {
   absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches();
   absl::StatusOr<int64_t> DeleteCache(const std::string& cache_id);
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
+  absl::StatusOr<v1::TruncateSequencesResponse> TruncateSequences(
+      const std::string& cache_id, int32_t layer,
+      const std::vector<std::pair<uint64_t, int64_t>>& lengths);
   absl::StatusOr<v1::ReleaseSequencesResponse> ReleaseSequences(
       const std::string& cache_id, const std::vector<uint64_t>& seq_ids);
   // Forward with the tensors sent from and the answer written to the caller's memory (no

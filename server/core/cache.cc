@@ -216,8 +216,8 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   io.k = plan.total_new_tokens > 0 ? a.k.data : nullptr;
   io.v = plan.total_new_tokens > 0 ? a.v.data : nullptr;
   io.out = a.buffers == nullptr ? result.out.data() : nullptr;
-  io.lse = a.buffers == nullptr && a.return_lse ? reinterpret_cast<float*>(result.lse.data())
-                                                : nullptr;
+  io.lse =
+      a.buffers == nullptr && a.return_lse ? reinterpret_cast<float*>(result.lse.data()) : nullptr;
   io.buffers = a.buffers;
   io.timings = timings;
   if (timings != nullptr) timings->validate_us = MicrosSince(start);
@@ -236,6 +236,34 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   if (!s.ok()) return s;
   forward_calls_.fetch_add(1, std::memory_order_relaxed);
   return result;
+}
+
+absl::StatusOr<TruncateResult> Cache::Truncate(
+    int32_t layer, absl::Span<const std::pair<uint64_t, int64_t>> lengths) {
+  if (layer < 0 || layer >= geometry_.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer must be in 0..", geometry_.num_layers - 1, " (got ", layer, ")"));
+  }
+  for (const auto& [seq_id, length] : lengths) {
+    if (length < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("length of sequence ", seq_id, " is ", length, " (must be >= 0)"));
+    }
+  }
+  absl::ReaderMutexLock structure(&structure_mu_);
+  absl::MutexLock layer_lock(layer_mu_[layer].get());
+  absl::MutexLock meta(&meta_mu_);
+  TruncateResult r;
+  for (const auto& [seq_id, length] : lengths) {
+    const Sequence* seq = table_.Find(seq_id);
+    if (seq == nullptr) {
+      r.unknown_seq_ids.push_back(seq_id);
+      continue;
+    }
+    if (seq->layer_len[layer] > length) ++r.truncated;
+    r.freed_pages += table_.Truncate(layer, seq_id, length);
+  }
+  return r;
 }
 
 ReleaseResult Cache::Release(absl::Span<const uint64_t> seq_ids) {

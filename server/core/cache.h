@@ -64,6 +64,12 @@ struct CacheStats {
   int64_t forward_calls = 0;
 };
 
+struct TruncateResult {
+  int64_t truncated = 0;
+  int64_t freed_pages = 0;
+  std::vector<uint64_t> unknown_seq_ids;
+};
+
 struct ReleaseResult {
   int64_t released = 0;
   int64_t freed_pages = 0;
@@ -107,6 +113,11 @@ class Cache {
   absl::Status Check(const ForwardArgs& args) const { return ValidateForward(args); }
   // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
+  // Shortens each (seq_id, length) in `layer` to at most length tokens. INVALID_ARGUMENT (and
+  // nothing changed) for a layer out of range or a negative length. Waits for in-flight
+  // Forwards on the layer.
+  absl::StatusOr<TruncateResult> Truncate(int32_t layer,
+                                          absl::Span<const std::pair<uint64_t, int64_t>> lengths);
   CacheStats Stats() const;
 
  private:

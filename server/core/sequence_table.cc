@@ -126,6 +126,17 @@ int64_t SequenceTable::Release(uint64_t seq_id) {
   return n;
 }
 
+int64_t SequenceTable::Truncate(int32_t layer, uint64_t seq_id, int64_t length) {
+  auto it = seqs_.find(seq_id);
+  if (it == seqs_.end()) return -1;
+  const int64_t before = static_cast<int64_t>(it->second.pages.size());
+  int64_t& len = it->second.layer_len[layer];
+  len = std::min(len, length);
+  Shrink(seq_id);
+  it = seqs_.find(seq_id);
+  return before - (it == seqs_.end() ? 0 : static_cast<int64_t>(it->second.pages.size()));
+}
+
 const Sequence* SequenceTable::Find(uint64_t seq_id) const {
   auto it = seqs_.find(seq_id);
   return it == seqs_.end() ? nullptr : &it->second;

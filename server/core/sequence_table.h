@@ -54,6 +54,9 @@ class SequenceTable {
 
   // Frees the sequence's pages. Returns the pages freed, or -1 when unknown.
   int64_t Release(uint64_t seq_id);
+  // Shortens the layer to at most `length` tokens (freeing pages no layer needs any more, and
+  // the sequence when no layer has a token). Returns the pages freed, or -1 when unknown.
+  int64_t Truncate(int32_t layer, uint64_t seq_id, int64_t length);
 
   const Sequence* Find(uint64_t seq_id) const;
   int64_t num_sequences() const { return static_cast<int64_t>(seqs_.size()); }

@@ -506,4 +506,23 @@ grpc::Status AttentionServiceImpl::ReleaseSequences(grpc::ServerContext* ctx,
   });
 }
 
+grpc::Status AttentionServiceImpl::TruncateSequences(grpc::ServerContext* ctx,
+                                                     const v1::TruncateSequencesRequest* req,
+                                                     v1::TruncateSequencesResponse* resp) {
+  return Handle("TruncateSequences", ctx, [&](Rpc& rpc) -> absl::Status {
+    rpc.set_cache(req->cache_id());
+    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
+    if (!cache.ok()) return cache.status();
+    std::vector<std::pair<uint64_t, int64_t>> lengths;
+    lengths.reserve(static_cast<size_t>(req->lengths_size()));
+    for (const v1::SequenceLength& l : req->lengths()) lengths.emplace_back(l.seq_id(), l.length());
+    absl::StatusOr<TruncateResult> r = (*cache)->Truncate(req->layer(), lengths);
+    if (!r.ok()) return r.status();
+    resp->set_truncated(r->truncated);
+    resp->set_freed_pages(r->freed_pages);
+    for (uint64_t id : r->unknown_seq_ids) resp->add_unknown_seq_ids(id);
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace pagedattn

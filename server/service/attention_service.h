@@ -91,6 +91,8 @@ class AttentionServiceImpl final
       grpc::CallbackServerContext* ctx) override;
   grpc::Status ReleaseSequences(grpc::ServerContext* ctx, const v1::ReleaseSequencesRequest* req,
                                 v1::ReleaseSequencesResponse* resp) override;
+  grpc::Status TruncateSequences(grpc::ServerContext* ctx, const v1::TruncateSequencesRequest* req,
+                                 v1::TruncateSequencesResponse* resp) override;
 
  private:
   class StepReactor;  // attention_service.cc

@@ -20,7 +20,8 @@ class CacheTest : public ::testing::Test {
  protected:
   void SetUp() override {
     g_ = MakeGeometry(4, 4, 2, 64, 8, DType::kBFloat16, 20);
-    cache_ = std::make_unique<Cache>("c", "", "", g_, *backend_.AllocatePool(g_, StopToken()), &backend_, 0);
+    cache_ = std::make_unique<Cache>("c", "", "", g_, *backend_.AllocatePool(g_, StopToken()),
+                                     &backend_, 0);
   }
 
   // A valid single-span prefill request over owned buffers.
@@ -226,6 +227,54 @@ TEST_F(CacheTest, ConcurrentForwardsOnDifferentLayersAreCorrect) {
   }
   EXPECT_EQ(cache_->Stats().live_sequences, 2);
   EXPECT_EQ(cache_->Stats().used_pages, 4 + 2);  // 30 tokens -> 4 pages, 10 -> 2
+}
+
+TEST_F(CacheTest, TruncateRewindsOneLayerAndFreesWhatNoLayerNeeds) {
+  for (int32_t layer : {0, 1}) {
+    ForwardArgs a = Prefill(1, 0, 20);  // 3 pages of 8
+    a.layer = layer;
+    ASSERT_TRUE(cache_->Forward(a).ok());
+  }
+  ASSERT_EQ(cache_->Stats().used_pages, 3);
+  // Layer 1 back to 4 tokens: layer 0 still needs 3 pages.
+  absl::StatusOr<TruncateResult> r = cache_->Truncate(1, {{1, 4}, {7, 0}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->truncated, 1);
+  EXPECT_EQ(r->freed_pages, 0);
+  EXPECT_EQ(r->unknown_seq_ids, std::vector<uint64_t>{7});
+  ForwardArgs gap = Prefill(1, 5, 1);
+  gap.layer = 1;
+  EXPECT_EQ(cache_->Forward(gap).status().code(), absl::StatusCode::kFailedPrecondition);
+  ForwardArgs next = Prefill(1, 4, 1);
+  next.layer = 1;
+  EXPECT_TRUE(cache_->Forward(next).ok());
+  // Longer than the layer: nothing changes.
+  r = cache_->Truncate(0, {{1, 100}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->truncated, 0);
+  // Layer 0 to 2 tokens: one page is left for the longest layer (5 tokens).
+  r = cache_->Truncate(0, {{1, 2}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->freed_pages, 2);
+  EXPECT_EQ(cache_->Stats().used_pages, 1);
+  // Both layers at 0: the sequence is gone.
+  ASSERT_TRUE(cache_->Truncate(0, {{1, 0}}).ok());
+  r = cache_->Truncate(1, {{1, 0}});
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->freed_pages, 1);
+  EXPECT_EQ(cache_->Stats().live_sequences, 0);
+  EXPECT_EQ(cache_->Stats().used_pages, 0);
+}
+
+TEST_F(CacheTest, TruncateRejectsBadArgumentsAndChangesNothing) {
+  ASSERT_TRUE(cache_->Forward(Prefill(1, 0, 10)).ok());
+  const CacheStats before = cache_->Stats();
+  absl::StatusOr<TruncateResult> r = cache_->Truncate(4, {{1, 0}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("layer must be in 0..3"), std::string::npos);
+  r = cache_->Truncate(0, {{1, 0}, {1, -1}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  ExpectUnchanged(before);
 }
 
 }  // namespace

@@ -1,0 +1,318 @@
+#include "client/sharded.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+
+namespace pagedattn {
+namespace {
+
+size_t ElementSize(v1::DType dtype) {
+  switch (dtype) {
+    case v1::FLOAT32:
+      return 4;
+    case v1::FLOAT16:
+    case v1::BFLOAT16:
+      return 2;
+    default:
+      return 0;
+  }
+}
+
+// Rows of [rows, heads, row] elements: shard `part` of `parts` takes heads [part*h/parts, ...).
+// Gather copies that slice of every row into dst (contiguous); Scatter puts it back.
+struct HeadSlice {
+  int64_t rows = 0, heads = 0;
+  size_t row_bytes = 0;  // one head's bytes (head_dim * element size, or 4 for an lse)
+  int parts = 1;
+
+  size_t part_bytes() const { return static_cast<size_t>(heads / parts) * row_bytes; }
+  size_t offset(int64_t r, int part) const {
+    return (static_cast<size_t>(r) * heads + static_cast<size_t>(part) * (heads / parts)) *
+           row_bytes;
+  }
+  void Gather(const void* src, int part, char* dst) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(dst + r * part_bytes(), static_cast<const char*>(src) + offset(r, part),
+                  part_bytes());
+    }
+  }
+  void Scatter(const char* src, int part, void* dst) const {
+    for (int64_t r = 0; r < rows; ++r) {
+      std::memcpy(static_cast<char*>(dst) + offset(r, part), src + r * part_bytes(), part_bytes());
+    }
+  }
+};
+
+// Shard `part`'s slice of a whole-cache tensor, gathered into `storage`.
+TensorArg SliceTensor(const TensorArg& t, int part, int parts, std::string* storage) {
+  if (t.dtype == v1::DTYPE_UNSPECIFIED || t.shape.size() != 3) return t;
+  HeadSlice s{t.shape[0], t.shape[1], static_cast<size_t>(t.shape[2]) * ElementSize(t.dtype),
+              parts};
+  storage->resize(static_cast<size_t>(s.rows) * s.part_bytes());
+  if (t.data != nullptr) s.Gather(t.data, part, storage->data());
+  TensorArg out = t;
+  out.shape[1] = t.shape[1] / parts;
+  out.data = storage->data();
+  out.bytes = storage->size();
+  return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
+    std::vector<std::string> targets, const ClientOptions& options) {
+  if (targets.empty()) return absl::InvalidArgumentError("a sharded client needs >= 1 target");
+  std::vector<std::unique_ptr<Client>> shards;
+  for (const std::string& t : targets) {
+    ClientOptions o = options;
+    o.target = t;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    if (!c.ok()) {
+      return absl::Status(c.status().code(), absl::StrCat("shard ", shards.size(), " (", t,
+                                                          "): ", c.status().message()));
+    }
+    shards.push_back(*std::move(c));
+  }
+  return std::unique_ptr<ShardedClient>(new ShardedClient(std::move(targets), std::move(shards)));
+}
+
+absl::Status ShardedClient::Named(int shard, const absl::Status& status) const {
+  if (status.ok()) return status;
+  absl::Status named(status.code(),
+                     absl::StrCat("shard ", shard, " (", targets_[shard], "): ", status.message()));
+  status.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { named.SetPayload(url, payload); });
+  return named;
+}
+
+absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig& config) const {
+  const int n = num_shards();
+  const int kv = config.num_kv_heads(), q = config.num_q_heads();
+  if (kv <= 0 || kv % n != 0) {
+    std::vector<int> valid;
+    for (int d = 1; d <= std::max(kv, 1); ++d) {
+      if (kv > 0 && kv % d == 0) valid.push_back(d);
+    }
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_kv_heads: ", kv, " kv heads cannot be split over ", n,
+        " shards (each shard holds num_kv_heads / shards of them); shard counts that divide it: ",
+        valid.empty() ? "none" : absl::StrJoin(valid, ", ")));
+  }
+  if (q <= 0 || q % kv != 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "num_q_heads: ", q, " must be a positive multiple of num_kv_heads (", kv, ")"));
+  }
+  v1::CacheConfig part = config;
+  part.set_num_kv_heads(kv / n);
+  part.set_num_q_heads(q / n);
+  return part;
+}
+
+absl::StatusOr<ShardedCache> ShardedClient::CreateCache(const v1::CacheConfig& config,
+                                                        const std::string& name) {
+  return CreateCache(config, name, {});
+}
+
+absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
+    const v1::CacheConfig& config, const std::string& name,
+    const std::vector<int64_t>& num_pages_per_shard) {
+  absl::StatusOr<v1::CacheConfig> part = ShardConfig(config);
+  if (!part.ok()) return part.status();
+  std::vector<v1::CacheConfig> parts(static_cast<size_t>(num_shards()), *part);
+  for (size_t i = 0; i < parts.size() && i < num_pages_per_shard.size(); ++i) {
+    parts[i].set_num_pages(num_pages_per_shard[i]);
+  }
+  // Every shard's violations, before anything is allocated.
+  std::vector<std::string> problems;
+  for (int i = 0; i < num_shards(); ++i) {
+    absl::StatusOr<v1::ValidateCacheConfigResponse> v = shards_[i]->ValidateCacheConfig(parts[i]);
+    if (!v.ok()) return Named(i, v.status());
+    for (const v1::ConfigViolation& violation : v->violations()) {
+      problems.push_back(absl::StrCat("shard ", i, " (", targets_[i], "): ", violation.field(),
+                                      ": ", violation.description()));
+    }
+  }
+  if (!problems.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "invalid sharded cache config (", num_shards(), " shards of ", part->num_q_heads(), " q / ",
+        part->num_kv_heads(), " kv heads): ", absl::StrJoin(problems, "; ")));
+  }
+  ShardedCache cache;
+  cache.config = config;
+  for (int i = 0; i < num_shards(); ++i) {
+    absl::StatusOr<v1::CacheInfo> info =
+        shards_[i]->CreateCache(parts[i], name.empty() ? name : absl::StrCat(name, "/", i));
+    if (!info.ok()) {
+      for (int j = 0; j < i; ++j) (void)shards_[j]->DeleteCache(cache.cache_ids[j]);
+      return Named(i, info.status());
+    }
+    cache.cache_ids.push_back(info->cache_id());
+  }
+  return cache;
+}
+
+absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
+  absl::Status first;
+  for (int i = 0; i < num_shards() && i < static_cast<int>(cache.cache_ids.size()); ++i) {
+    absl::StatusOr<int64_t> freed = shards_[i]->DeleteCache(cache.cache_ids[i]);
+    if (!freed.ok() && first.ok()) first = Named(i, freed.status());
+  }
+  return first;
+}
+
+absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
+                                             const std::vector<uint64_t>& seq_ids) {
+  absl::Status first;
+  for (int i = 0; i < num_shards() && i < static_cast<int>(cache.cache_ids.size()); ++i) {
+    absl::StatusOr<v1::ReleaseSequencesResponse> r =
+        shards_[i]->ReleaseSequences(cache.cache_ids[i], seq_ids);
+    if (!r.ok() && first.ok()) first = Named(i, r.status());
+  }
+  return first;
+}
+
+absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
+                                                    const ForwardCall& call,
+                                                    const ForwardOutput& output) {
+  const int n = num_shards();
+  if (static_cast<int>(cache.cache_ids.size()) != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("the sharded cache has ", cache.cache_ids.size(), " shards, the client ", n));
+  }
+  if (call.q.dtype != v1::DTYPE_UNSPECIFIED &&
+      (call.q.shape.size() != 3 || call.q.shape[1] != cache.config.num_q_heads())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "q must be [total_queries, num_q_heads=", cache.config.num_q_heads(), ", head_dim]"));
+  }
+  for (const TensorArg* t : {&call.k, &call.v}) {
+    if (t->dtype != v1::DTYPE_UNSPECIFIED &&
+        (t->shape.size() != 3 || t->shape[1] != cache.config.num_kv_heads())) {
+      return absl::InvalidArgumentError(absl::StrCat("k and v must be [new_tokens, num_kv_heads=",
+                                                     cache.config.num_kv_heads(), ", head_dim]"));
+    }
+  }
+  const int64_t queries = call.q.dtype != v1::DTYPE_UNSPECIFIED ? call.q.shape[0] : 0;
+  const HeadSlice out_slice{
+      queries, cache.config.num_q_heads(),
+      static_cast<size_t>(cache.config.head_dim()) * ElementSize(call.q.dtype), n};
+  const HeadSlice lse_slice{queries, cache.config.num_q_heads(), sizeof(float), n};
+  if (output.out_bytes != static_cast<size_t>(queries) * out_slice.heads * out_slice.row_bytes ||
+      (output.lse != nullptr &&
+       output.lse_bytes != static_cast<size_t>(queries) * lse_slice.heads * sizeof(float))) {
+    return absl::InvalidArgumentError("output buffers must be exactly out's and lse's size");
+  }
+
+  struct Part {
+    std::string q, k, v, out, lse;
+    ForwardCall call;
+    absl::StatusOr<ForwardReply> reply;
+  };
+  std::vector<Part> parts(static_cast<size_t>(n));
+  auto run = [&](int i) {
+    Part& p = parts[i];
+    p.call = call;
+    p.call.cache_id = cache.cache_ids[i];
+    p.call.q = SliceTensor(call.q, i, n, &p.q);
+    p.call.k = SliceTensor(call.k, i, n, &p.k);
+    p.call.v = SliceTensor(call.v, i, n, &p.v);
+    p.out.resize(static_cast<size_t>(queries) * out_slice.part_bytes());
+    ForwardOutput o{p.out.data(), p.out.size()};
+    if (output.lse != nullptr) {
+      p.lse.resize(static_cast<size_t>(queries) * lse_slice.part_bytes());
+      o.lse = reinterpret_cast<float*>(p.lse.data());
+      o.lse_bytes = p.lse.size();
+    }
+    p.reply = shards_[i]->ForwardTensors(p.call, o);
+  };
+  std::vector<std::thread> threads;
+  for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
+  run(0);
+  for (std::thread& t : threads) t.join();
+
+  std::vector<int> failed;
+  for (int i = 0; i < n; ++i) {
+    if (!parts[i].reply.ok()) failed.push_back(i);
+  }
+  if (!failed.empty()) {
+    // Put the shards that committed back to the lengths they had.
+    std::vector<std::pair<uint64_t, int64_t>> lengths;
+    for (const wire::SpanRef& s : call.spans) {
+      if (s.num_new_tokens > 0) lengths.emplace_back(s.seq_id, s.start);
+    }
+    std::vector<std::string> notes;
+    for (int i = 0; i < n; ++i) {
+      if (!parts[i].reply.ok() || lengths.empty()) continue;
+      absl::StatusOr<v1::TruncateSequencesResponse> t =
+          shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
+      if (!t.ok()) {
+        notes.push_back(
+            absl::StrCat("shard ", i, " (", targets_[i],
+                         ") committed and could not be rewound: ", t.status().message()));
+      }
+    }
+    for (size_t j = 1; j < failed.size(); ++j) {
+      notes.push_back(Named(failed[j], parts[failed[j]].reply.status()).ToString());
+    }
+    absl::Status first = Named(failed[0], parts[failed[0]].reply.status());
+    if (notes.empty()) return first;
+    absl::Status with_notes(first.code(),
+                            absl::StrCat(first.message(), "; ", absl::StrJoin(notes, "; ")));
+    first.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+      with_notes.SetPayload(url, payload);
+    });
+    return with_notes;
+  }
+
+  ForwardReply joined = *parts[0].reply;
+  if (!joined.out_shape.empty()) joined.out_shape[1] = cache.config.num_q_heads();
+  for (int i = 0; i < n; ++i) {
+    if (output.out != nullptr) out_slice.Scatter(parts[i].out.data(), i, output.out);
+    if (output.lse != nullptr) lse_slice.Scatter(parts[i].lse.data(), i, output.lse);
+    joined.server_micros = std::max(joined.server_micros, parts[i].reply->server_micros);
+    joined.kernel_micros = std::max(joined.kernel_micros, parts[i].reply->kernel_micros);
+  }
+  return joined;
+}
+
+std::vector<std::string> StatefulSetTargets(const std::string& set, const std::string& service,
+                                            int replicas, int port) {
+  std::vector<std::string> targets;
+  for (int i = 0; i < replicas; ++i) {
+    targets.push_back(absl::StrCat(set, "-", i, ".", service, ":", port));
+  }
+  return targets;
+}
+
+absl::StatusOr<std::vector<std::string>> ResolveShardTargets(const std::string& name, int port) {
+  addrinfo hints{}, *found = nullptr;
+  hints.ai_socktype = SOCK_STREAM;
+  if (int err = getaddrinfo(name.c_str(), nullptr, &hints, &found); err != 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve shard name ", name, ": ", gai_strerror(err)));
+  }
+  std::vector<std::string> targets;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    char ip[INET6_ADDRSTRLEN] = {};
+    if (a->ai_family == AF_INET) {
+      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof ip);
+      targets.push_back(absl::StrCat(ip, ":", port));
+    } else if (a->ai_family == AF_INET6) {
+      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip, sizeof ip);
+      targets.push_back(absl::StrCat("[", ip, "]:", port));
+    }
+  }
+  freeaddrinfo(found);
+  std::sort(targets.begin(), targets.end());
+  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  if (targets.empty()) return absl::UnavailableError(absl::StrCat(name, " has no addresses"));
+  return targets;
+}
+
+}  // namespace pagedattn

@@ -1,0 +1,80 @@
+// ShardedClient: one cache split by KV head over N servers. Attention is independent per KV head
+// (and its group of query heads), so shard i holds kv heads [i*kv/N, (i+1)*kv/N) and q heads
+// [i*q/N, (i+1)*q/N) of every layer, computes their attention, and the client joins the outputs:
+// no traffic between servers, the same pages and sequences on each. A tensor-parallel rank of
+// the dense layers can give each rank its own attention server the same way.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "client/client.h"
+
+namespace pagedattn {
+
+// A sharded cache: the whole cache's config and one cache id per shard, in shard order.
+struct ShardedCache {
+  v1::CacheConfig config;
+  std::vector<std::string> cache_ids;
+};
+
+class ShardedClient {
+ public:
+  // One Client per target (options.target is ignored); shard i is targets[i].
+  static absl::StatusOr<std::unique_ptr<ShardedClient>> Connect(std::vector<std::string> targets,
+                                                                const ClientOptions& options);
+
+  int num_shards() const { return static_cast<int>(shards_.size()); }
+  const std::string& target(int shard) const { return targets_[shard]; }
+  Client& shard(int i) { return *shards_[i]; }
+
+  // Shard i's part of `config`: num_kv_heads / N, num_q_heads / N. INVALID_ARGUMENT naming
+  // num_kv_heads (and the shard counts that would divide it) otherwise.
+  absl::StatusOr<v1::CacheConfig> ShardConfig(const v1::CacheConfig& config) const;
+  // Validates the whole config once, then each shard's part on its server (errors name the
+  // shard and the field, every violation of every shard), then creates a cache on each. If a
+  // shard fails, the caches already created are deleted and the status names the shard.
+  absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name);
+  // As CreateCache, with each shard's num_pages given (tests and uneven memory).
+  absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,
+                                           const std::vector<int64_t>& num_pages_per_shard);
+  // Every shard's, even when one fails (the first failure is returned, naming its shard).
+  absl::Status DeleteCache(const ShardedCache& cache);
+  absl::Status ReleaseSequences(const ShardedCache& cache, const std::vector<uint64_t>& seq_ids);
+
+  // One Forward on every shard. call.q [T, num_q_heads, head_dim] and call.k / call.v
+  // [new tokens, num_kv_heads, head_dim] are the whole cache's (cache ids are taken from
+  // `cache`); the N Forwards run concurrently and `output` receives the joined answer (lse
+  // too). server_micros and kernel_micros are the slowest shard's. Each shard's Forward is all
+  // or nothing; when some fail, the shards that succeeded are rewound to each appending span's
+  // start (TruncateSequences), so every shard's sequences keep the lengths they had, and the
+  // status (the failed shard's code) names the shard(s). Rows a rewinding span (start < the
+  // sequence's length) overwrote are not put back there: the sequence then ends at the span's
+  // start, and a retry at the same start writes them again.
+  absl::StatusOr<ForwardReply> Forward(const ShardedCache& cache, const ForwardCall& call,
+                                       const ForwardOutput& output);
+
+ private:
+  ShardedClient(std::vector<std::string> targets, std::vector<std::unique_ptr<Client>> shards)
+      : targets_(std::move(targets)), shards_(std::move(shards)) {}
+
+  // `status` with its message prefixed by the shard (index and target); payloads kept.
+  absl::Status Named(int shard, const absl::Status& status) const;
+
+  std::vector<std::string> targets_;
+  std::vector<std::unique_ptr<Client>> shards_;
+};
+
+// The shard targets of a StatefulSet behind a headless Service: "<set>-<i>.<service>:<port>" for
+// i in [0, replicas) (stable names: pod i is shard i across restarts).
+std::vector<std::string> StatefulSetTargets(const std::string& set, const std::string& service,
+                                            int replicas, int port);
+
+// The addresses `name` resolves to, sorted, as "ip:port" targets ("[ip6]:port"). The order is
+// the addresses', not the pods': prefer StatefulSetTargets where names are stable.
+absl::StatusOr<std::vector<std::string>> ResolveShardTargets(const std::string& name, int port);
+
+}  // namespace pagedattn

@@ -1,0 +1,329 @@
+// ShardedClient against real servers on loopback: a cache split by KV head over 2 and 4 servers
+// answers bit-identically to one unsharded server (prefill, decode, mixed, rewind, lse), bad
+// configs name the field and the shard, and a shard that fails (out of pages, killed) leaves
+// every shard's cache as it was, with an error naming the shard.
+#include "client/sharded.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+#include "server/service/server.h"
+
+namespace pagedattn {
+namespace {
+
+constexpr int kLayers = 2, kQHeads = 8, kKvHeads = 4, kHeadDim = 64;
+
+bool OnCpu() {
+  const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
+  return b == nullptr || *b == '\0' || std::string(b) == "cpu";
+}
+
+std::unique_ptr<PagedAttnServer> StartServer() {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 1};
+  return *PagedAttnServer::Start(o);
+}
+
+ClientOptions Options() {
+  ClientOptions c;
+  c.timeout = absl::Seconds(60);
+  return c;
+}
+
+v1::CacheConfig Config(v1::DType dtype, int q_heads = kQHeads, int kv_heads = kKvHeads) {
+  v1::CacheConfig c;
+  c.set_num_layers(kLayers);
+  c.set_num_q_heads(q_heads);
+  c.set_num_kv_heads(kv_heads);
+  c.set_head_dim(kHeadDim);
+  c.set_page_size(7);
+  c.set_kv_dtype(dtype);
+  c.set_num_pages(64);
+  return c;
+}
+
+// One Forward's inputs in the whole cache's layout, random but deterministic.
+struct Step {
+  int32_t layer;
+  std::vector<wire::SpanRef> spans;  // seq, start, new, queries
+  std::string q, k, v;
+  std::vector<int64_t> q_shape, kv_shape;
+  v1::DType dtype;
+
+  Step(int32_t l, std::vector<wire::SpanRef> s, v1::DType d, uint64_t seed, int q_heads = kQHeads,
+       int kv_heads = kKvHeads)
+      : layer(l), spans(std::move(s)), dtype(d) {
+    int64_t queries = 0, tokens = 0;
+    for (const wire::SpanRef& span : spans) {
+      queries += span.num_queries;
+      tokens += span.num_new_tokens;
+    }
+    std::mt19937 rng(static_cast<uint32_t>(seed));
+    std::normal_distribution<float> dist;
+    auto make = [&](int64_t n) {
+      const size_t e = d == v1::FLOAT32 ? 4 : 2;
+      std::string bytes(static_cast<size_t>(n) * e, '\0');
+      for (int64_t i = 0; i < n; ++i) {
+        const float f = dist(rng);
+        if (e == 4) {
+          std::memcpy(bytes.data() + 4 * i, &f, 4);
+        } else {
+          uint32_t u;
+          std::memcpy(&u, &f, 4);
+          const uint16_t h = static_cast<uint16_t>(u >> 16);  // bf16 by truncation
+          std::memcpy(bytes.data() + 2 * i, &h, 2);
+        }
+      }
+      return bytes;
+    };
+    q_shape = {queries, q_heads, kHeadDim};
+    kv_shape = {tokens, kv_heads, kHeadDim};
+    q = make(queries * q_heads * kHeadDim);
+    k = make(tokens * kv_heads * kHeadDim);
+    v = make(tokens * kv_heads * kHeadDim);
+  }
+
+  ForwardCall Call(const std::string& cache_id) const {
+    ForwardCall call;
+    call.cache_id = cache_id;
+    call.layer = layer;
+    call.spans = spans;
+    call.options.return_lse = true;
+    call.q = {dtype, q_shape, q.data(), q.size()};
+    if (kv_shape[0] > 0) {
+      call.k = {dtype, kv_shape, k.data(), k.size()};
+      call.v = {dtype, kv_shape, v.data(), v.size()};
+    }
+    return call;
+  }
+  size_t out_bytes() const { return q.size(); }
+  size_t lse_bytes() const { return static_cast<size_t>(q_shape[0] * q_shape[1]) * 4; }
+};
+
+// Prefill, decode, a mixed batch, attend-only spans, a rewind, on both layers.
+std::vector<Step> Script(v1::DType d, int q_heads = kQHeads, int kv_heads = kKvHeads) {
+  std::vector<Step> s;
+  uint64_t seed = 1;
+  auto add = [&](int32_t layer, std::vector<wire::SpanRef> spans) {
+    s.emplace_back(layer, std::move(spans), d, seed++, q_heads, kv_heads);
+  };
+  for (int32_t l = 0; l < kLayers; ++l) add(l, {{1, 0, 37, 37}, {2, 0, 19, 19}});
+  for (int32_t l = 0; l < kLayers; ++l) add(l, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}});
+  add(0, {{1, 30, 3, 3}, {2, 32, 0, 4}, {3, 5, 0, 2}});  // rewind, attend-only
+  add(1, {{1, 38, 2, 2}, {3, 5, 1, 1}});
+  add(0, {{1, 33, 1, 1}, {3, 5, 1, 1}});
+  return s;
+}
+
+struct Answer {
+  std::string out, lse;
+};
+
+class ShardedTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    for (int i = 0; i < 5; ++i) servers_.push_back(StartServer());  // the last: unsharded
+  }
+  static void TearDownTestSuite() { servers_.clear(); }
+
+  static std::string Target(int i) { return absl::StrCat("127.0.0.1:", servers_[i]->port()); }
+
+  std::unique_ptr<ShardedClient> Sharded(int n) {
+    std::vector<std::string> targets;
+    for (int i = 0; i < n; ++i) targets.push_back(Target(i));
+    return *ShardedClient::Connect(targets, Options());
+  }
+  std::unique_ptr<Client> Reference() {
+    ClientOptions o = Options();
+    o.target = Target(4);
+    return *Client::Connect(o);
+  }
+
+  static absl::StatusOr<Answer> Run(ShardedClient& c, const ShardedCache& cache, const Step& s) {
+    Answer a;
+    a.out.resize(s.out_bytes());
+    a.lse.resize(s.lse_bytes());
+    absl::StatusOr<ForwardReply> r = c.Forward(
+        cache, s.Call(""),
+        {a.out.data(), a.out.size(), reinterpret_cast<float*>(a.lse.data()), a.lse.size()});
+    if (!r.ok()) return r.status();
+    EXPECT_EQ(r->out_shape, s.q_shape);
+    return a;
+  }
+  static absl::StatusOr<Answer> Run(Client& c, const std::string& cache, const Step& s) {
+    Answer a;
+    a.out.resize(s.out_bytes());
+    a.lse.resize(s.lse_bytes());
+    absl::StatusOr<ForwardReply> r = c.ForwardTensors(
+        s.Call(cache),
+        {a.out.data(), a.out.size(), reinterpret_cast<float*>(a.lse.data()), a.lse.size()});
+    if (!r.ok()) return r.status();
+    return a;
+  }
+
+  static std::vector<std::unique_ptr<PagedAttnServer>> servers_;
+};
+std::vector<std::unique_ptr<PagedAttnServer>> ShardedTest::servers_;
+
+TEST_F(ShardedTest, AnswersAreBitIdenticalToOneServer) {
+  struct Variant {
+    int shards;
+    v1::DType dtype;
+    int q_heads, kv_heads;
+  };
+  for (const Variant& v : {Variant{2, v1::BFLOAT16, 8, 4}, Variant{4, v1::BFLOAT16, 8, 4},
+                           Variant{2, v1::FLOAT32, 8, 4}, Variant{4, v1::BFLOAT16, 16, 4}}) {
+    if (!OnCpu() && v.dtype == v1::FLOAT32) continue;  // the CUDA backend has no float32 cache
+    SCOPED_TRACE(absl::StrCat(v.shards, " shards, dtype ", v.dtype, ", ", v.q_heads, "/",
+                              v.kv_heads, " heads"));
+    std::unique_ptr<ShardedClient> sharded = Sharded(v.shards);
+    std::unique_ptr<Client> ref = Reference();
+    const v1::CacheConfig config = Config(v.dtype, v.q_heads, v.kv_heads);
+    absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "sharded");
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    const std::string ref_cache = ref->CreateCache(config)->cache_id();
+    int i = 0;
+    for (const Step& s : Script(v.dtype, v.q_heads, v.kv_heads)) {
+      SCOPED_TRACE(absl::StrCat("step ", i++));
+      absl::StatusOr<Answer> want = Run(*ref, ref_cache, s);
+      ASSERT_TRUE(want.ok()) << want.status();
+      absl::StatusOr<Answer> got = Run(*sharded, *cache, s);
+      ASSERT_TRUE(got.ok()) << got.status();
+      if (OnCpu()) {
+        EXPECT_TRUE(got->out == want->out) << "out differs";
+        EXPECT_TRUE(got->lse == want->lse) << "lse differs";
+      } else {
+        EXPECT_EQ(got->out.size(), want->out.size());
+      }
+    }
+    EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+    EXPECT_TRUE(ref->DeleteCache(ref_cache).ok());
+  }
+}
+
+TEST_F(ShardedTest, ConfigErrorsNameTheFieldAndTheShard) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(4);
+  v1::CacheConfig c = Config(v1::BFLOAT16, 6, 2);  // 2 kv heads over 4 shards
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(c, "");
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cache.status().message().find("num_kv_heads: 2"), std::string::npos) << cache.status();
+  EXPECT_NE(cache.status().message().find("divide it: 1, 2"), std::string::npos) << cache.status();
+  // Valid as a whole, not on shard 2 (its pool of -1 pages).
+  cache = sharded->CreateCache(Config(v1::BFLOAT16), "", {64, 64, -1, 64});
+  EXPECT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(cache.status().message().find("shard 2 (" + Target(2) + "): num_pages"),
+            std::string::npos)
+      << cache.status();
+  // Nothing was created anywhere.
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(sharded->shard(i).ListCaches()->empty());
+}
+
+TEST_F(ShardedTest, OutOfPagesOnOneShardChangesNoShard) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  std::unique_ptr<Client> ref = Reference();
+  const v1::CacheConfig config = Config(v1::BFLOAT16);
+  // Shard 1 holds 10 pages (70 tokens), shard 0 and the reference 64.
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "", {64, 10});
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const std::string ref_cache = ref->CreateCache(config)->cache_id();
+  const Step first(0, {{1, 0, 40, 40}}, v1::BFLOAT16, 11);
+  ASSERT_TRUE(Run(*sharded, *cache, first).ok());
+  ASSERT_TRUE(Run(*ref, ref_cache, first).ok());
+  std::vector<v1::CacheStats> before;
+  for (int i = 0; i < 2; ++i)
+    before.push_back(sharded->shard(i).GetCache(cache->cache_ids[i])->stats());
+
+  // 40 more tokens of a new sequence need 6 more pages: shard 1 has 4.
+  const Step big(0, {{1, 40, 1, 1}, {2, 0, 40, 40}}, v1::BFLOAT16, 12);
+  absl::StatusOr<Answer> failed = Run(*sharded, *cache, big);
+  EXPECT_EQ(failed.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(failed.status().message().find("shard 1 (" + Target(1) + ")"), std::string::npos)
+      << failed.status();
+  for (int i = 0; i < 2; ++i) {
+    const v1::CacheStats now = sharded->shard(i).GetCache(cache->cache_ids[i])->stats();
+    EXPECT_EQ(now.used_pages(), before[i].used_pages()) << "shard " << i;
+    EXPECT_EQ(now.live_sequences(), before[i].live_sequences()) << "shard " << i;
+  }
+  // The shards answer as the reference that never saw the failed call...
+  const Step decode(0, {{1, 40, 1, 1}}, v1::BFLOAT16, 13);
+  absl::StatusOr<Answer> want = Run(*ref, ref_cache, decode);
+  absl::StatusOr<Answer> got = Run(*sharded, *cache, decode);
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  if (OnCpu()) {
+    EXPECT_TRUE(got->out == want->out && got->lse == want->lse);
+  }
+  // ... and a retry after pages are freed succeeds as the reference.
+  const Step retry(1, {{2, 0, 40, 40}}, v1::BFLOAT16, 14);
+  ASSERT_TRUE(sharded->ReleaseSequences(*cache, {1}).ok());
+  ASSERT_TRUE(ref->ReleaseSequences(ref_cache, {1}).ok());
+  want = Run(*ref, ref_cache, retry);
+  got = Run(*sharded, *cache, retry);
+  ASSERT_TRUE(want.ok() && got.ok()) << got.status();
+  if (OnCpu()) {
+    EXPECT_TRUE(got->out == want->out && got->lse == want->lse);
+  }
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+}
+
+TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
+  std::vector<std::unique_ptr<PagedAttnServer>> servers;
+  for (int i = 0; i < 2; ++i) servers.push_back(StartServer());
+  std::vector<std::string> targets;
+  for (const auto& s : servers) targets.push_back(absl::StrCat("127.0.0.1:", s->port()));
+  ClientOptions options = Options();
+  options.timeout = absl::Seconds(5);
+  std::unique_ptr<ShardedClient> sharded = *ShardedClient::Connect(targets, options);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const Step first(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 21);
+  std::string out(first.out_bytes(), '\0');
+  std::string lse(first.lse_bytes(), '\0');
+  ForwardOutput o{out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()};
+  ASSERT_TRUE(sharded->Forward(*cache, first.Call(""), o).ok());
+  const v1::CacheStats before = sharded->shard(0).GetCache(cache->cache_ids[0])->stats();
+
+  servers[1]->Shutdown(absl::ZeroDuration());
+  servers[1].reset();
+  const Step next(0, {{1, 20, 1, 1}, {2, 0, 9, 9}}, v1::BFLOAT16, 22);
+  std::string out2(next.out_bytes(), '\0');
+  std::string lse2(next.lse_bytes(), '\0');
+  absl::StatusOr<ForwardReply> r = sharded->Forward(
+      *cache, next.Call(""),
+      {out2.data(), out2.size(), reinterpret_cast<float*>(lse2.data()), lse2.size()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_NE(r.status().message().find("shard 1 (" + targets[1] + ")"), std::string::npos)
+      << r.status();
+  const v1::CacheStats now = sharded->shard(0).GetCache(cache->cache_ids[0])->stats();
+  EXPECT_EQ(now.used_pages(), before.used_pages());
+  EXPECT_EQ(now.live_sequences(), before.live_sequences());
+  // Shard 0 still ends sequence 1 at 20 tokens: a write at 21 is a gap there.
+  const Step gap(0, {{1, 21, 1, 1}}, v1::BFLOAT16, 23, kQHeads / 2, kKvHeads / 2);
+  std::string out3(gap.out_bytes(), '\0');
+  std::string lse3(gap.lse_bytes(), '\0');
+  EXPECT_EQ(sharded->shard(0)
+                .ForwardTensors(
+                    gap.Call(cache->cache_ids[0]),
+                    {out3.data(), out3.size(), reinterpret_cast<float*>(lse3.data()), lse3.size()})
+                .status()
+                .code(),
+            absl::StatusCode::kFailedPrecondition);
+}
+
+TEST(ShardTargetsTest, StatefulSetNamesAndResolvedAddresses) {
+  EXPECT_EQ(StatefulSetTargets("pagedattn", "pagedattn-headless.ml.svc", 2, 50051),
+            (std::vector<std::string>{"pagedattn-0.pagedattn-headless.ml.svc:50051",
+                                      "pagedattn-1.pagedattn-headless.ml.svc:50051"}));
+  absl::StatusOr<std::vector<std::string>> r = ResolveShardTargets("127.0.0.1", 7);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(*r, std::vector<std::string>{"127.0.0.1:7"});
+  EXPECT_FALSE(ResolveShardTargets("no-such-host.invalid", 7).ok());
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -33,6 +33,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
+#include "client/sharded.h"
 #include "common/transport.h"
 #include "pagedattn/v1/attention.pb.h"
 
@@ -42,7 +43,8 @@ ABSL_FLAG(std::string, uds_target, "",
 ABSL_FLAG(std::string, modes, "unary_tcp,unary_uds,stream_tcp,echo_tcp,echo_uds,echo_proto_default",
           "comma list of: unary_tcp, unary_uds (Forward, zero-copy client), unary_proto_tcp "
           "(Forward with protobuf messages), stream_tcp, stream_uds (the Step stream, "
-          "--inflight layers ahead), echo_tcp, echo_uds (a bare gRPC echo of the same request and "
+          "--inflight layers ahead), sharded_tcp (unary Forwards on a cache split over "
+          "--shard_targets), echo_tcp, echo_uds (a bare gRPC echo of the same request and "
           "response bytes, tuned transport), echo_proto_default (an echo that parses and "
           "serializes protobuf messages over gRPC's default transport)");
 ABSL_FLAG(std::string, cases, "64x4096,16x4096,1x4096", "decode shapes: batch x context");
@@ -59,6 +61,9 @@ ABSL_FLAG(int, page_size, 16, "tokens per page");
 ABSL_FLAG(std::string, dtype, "BFLOAT16", "q/k/v/out and cache dtype: BFLOAT16 or FLOAT16");
 ABSL_FLAG(std::string, json, "", "write the rows here as a JSON list");
 ABSL_FLAG(std::string, token, "", "bearer token (or PAGEDATTN_TOKEN)");
+ABSL_FLAG(std::string, shard_targets, "",
+          "mode sharded_tcp: the servers (host:port, comma-separated) of a cache split by KV "
+          "head, one shard each; its prefill and decode steps go through ShardedClient");
 ABSL_FLAG(std::string, metrics_target, "",
           "the server's metrics endpoint, host:port (--metrics_listen): each server mode's row "
           "then has phases_us, the server's mean time per Forward in each phase over that mode");
@@ -237,7 +242,16 @@ ForwardCall DecodeCall(const Workload& w, const std::string& cache, int layer, i
 
 // Fills every sequence of every layer up to `context` tokens (appends only, no attention), in
 // messages of at most ~64 MiB.
-absl::Status Prefill(Client& client, const Workload& w, const std::string& cache) {
+using ForwardFn =
+    std::function<absl::StatusOr<ForwardReply>(const ForwardCall&, const ForwardOutput&)>;
+
+ForwardFn Unary(Client& client) {
+  return [&client](const ForwardCall& c, const ForwardOutput& o) {
+    return client.ForwardTensors(c, o);
+  };
+}
+
+absl::Status Prefill(const ForwardFn& forward, const Workload& w, const std::string& cache) {
   const int64_t token_bytes = int64_t{w.kv_heads} * w.head_dim * w.elem_bytes;
   const int64_t chunk = std::max<int64_t>(1, (int64_t{64} << 20) / (2 * token_bytes));
   std::string kv(static_cast<size_t>(std::min<int64_t>(chunk, w.shape.context) * token_bytes),
@@ -253,7 +267,7 @@ absl::Status Prefill(Client& client, const Workload& w, const std::string& cache
         c.k = {
             w.dtype, {n, w.kv_heads, w.head_dim}, kv.data(), static_cast<size_t>(n * token_bytes)};
         c.v = c.k;
-        absl::StatusOr<ForwardReply> r = client.ForwardTensors(c, {});
+        absl::StatusOr<ForwardReply> r = forward(c, {});
         if (!r.ok()) return r.status();
       }
     }
@@ -268,9 +282,10 @@ struct Samples {
   int layers_done = 0;
 };
 
-// Unary Forwards, one layer after another, steps x layers of them.
-absl::StatusOr<Samples> RunUnary(Client& client, const Workload& w, const std::string& cache,
-                                 bool protobuf) {
+// Unary Forwards, one layer after another, steps x layers of them; through protobuf messages
+// when `protobuf` is set, else `forward`.
+absl::StatusOr<Samples> RunUnary(const ForwardFn& forward, const Workload& w,
+                                 const std::string& cache, Client* protobuf) {
   Samples out;
   std::string result(static_cast<size_t>(w.out_bytes), '\0');
   const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
@@ -280,7 +295,7 @@ absl::StatusOr<Samples> RunUnary(Client& client, const Workload& w, const std::s
     for (int layer = 0; layer < w.layers; ++layer) {
       const ForwardCall call = DecodeCall(w, cache, layer, w.shape.context + std::max(step, 0));
       const Clock::time_point t = Clock::now();
-      if (protobuf) {
+      if (protobuf != nullptr) {
         v1::ForwardRequest req;
         req.set_cache_id(call.cache_id);
         req.set_layer(call.layer);
@@ -298,11 +313,10 @@ absl::StatusOr<Samples> RunUnary(Client& client, const Workload& w, const std::s
           for (int64_t d : src->shape) dst->add_shape(d);
           dst->set_data(std::string(static_cast<const char*>(src->data), src->bytes));
         }
-        absl::StatusOr<v1::ForwardResponse> r = client.Forward(req);
+        absl::StatusOr<v1::ForwardResponse> r = protobuf->Forward(req);
         if (!r.ok()) return r.status();
       } else {
-        absl::StatusOr<ForwardReply> r =
-            client.ForwardTensors(call, {result.data(), result.size()});
+        absl::StatusOr<ForwardReply> r = forward(call, {result.data(), result.size()});
         if (!r.ok()) return r.status();
         if (step >= 0) {
           out.server_us.push_back(static_cast<double>(r->server_micros));
@@ -479,6 +493,28 @@ absl::StatusOr<Samples> RunEchoMessages(const std::shared_ptr<grpc::Channel>& ch
   return out;
 }
 
+// The same decode steps on a cache split by KV head over --shard_targets (its own prefill).
+absl::StatusOr<Samples> RunSharded(const Workload& w, const v1::CacheConfig& config) {
+  std::vector<std::string> targets =
+      absl::StrSplit(absl::GetFlag(FLAGS_shard_targets), ',', absl::SkipEmpty());
+  ClientOptions options;
+  options.timeout = absl::Seconds(600);
+  absl::StatusOr<std::unique_ptr<ShardedClient>> sharded = ShardedClient::Connect(targets, options);
+  if (!sharded.ok()) return sharded.status();
+  absl::StatusOr<ShardedCache> cache = (*sharded)->CreateCache(config, "pagedattn-loadgen");
+  if (!cache.ok()) return cache.status();
+  const ForwardFn forward = [&](const ForwardCall& c, const ForwardOutput& o) {
+    return (*sharded)->Forward(*cache, c, o);
+  };
+  if (absl::Status p = Prefill(forward, w, ""); !p.ok()) {
+    (void)(*sharded)->DeleteCache(*cache);
+    return p;
+  }
+  absl::StatusOr<Samples> s = RunUnary(forward, w, "", nullptr);
+  (void)(*sharded)->DeleteCache(*cache);
+  return s;
+}
+
 // The server's phase histograms (pagedattn_forward_phase_seconds): phase -> {sum s, count}.
 using Phases = std::map<std::string, std::pair<double, double>>;
 
@@ -616,7 +652,7 @@ int Main() {
     }
     std::cerr << absl::StrFormat("[%dx%d] prefill %d layers...\n", shape.batch, shape.context,
                                  w.layers);
-    if (absl::Status s = Prefill(*tcp, w, cache->cache_id()); !s.ok()) {
+    if (absl::Status s = Prefill(Unary(*tcp), w, cache->cache_id()); !s.ok()) {
       std::cerr << "pagedattn-loadgen: prefill: " << s << "\n";
       return 1;
     }
@@ -645,6 +681,10 @@ int Main() {
       const bool over_uds = mode.find("uds") != std::string::npos;
       Client* client = over_uds ? unix_client.get() : tcp.get();
       if (client == nullptr) continue;  // no --uds_target
+      if (mode == "sharded_tcp" && absl::GetFlag(FLAGS_shard_targets).empty()) {
+        std::cerr << "pagedattn-loadgen: mode sharded_tcp needs --shard_targets\n";
+        return 2;
+      }
       std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
       const std::string metrics = absl::GetFlag(FLAGS_metrics_target);
       absl::StatusOr<Phases> phases_before =
@@ -657,9 +697,11 @@ int Main() {
       if (mode.rfind("stream", 0) == 0) {
         s = RunStream(*client, w, cache->cache_id());
       } else if (mode == "unary_proto_tcp") {
-        s = RunUnary(*client, w, cache->cache_id(), /*protobuf=*/true);
+        s = RunUnary(Unary(*client), w, cache->cache_id(), client);
       } else if (mode == "unary_tcp" || mode == "unary_uds") {
-        s = RunUnary(*client, w, cache->cache_id(), /*protobuf=*/false);
+        s = RunUnary(Unary(*client), w, cache->cache_id(), nullptr);
+      } else if (mode == "sharded_tcp") {
+        s = RunSharded(w, config);
       } else {
         std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "'\n";
         return 2;

@@ -33,6 +33,12 @@ for name, value in env.items():
     assert name.startswith("PAGEDATTN_") and flag in flags, f"{name} is not a server flag"
 health_port = int(env["PAGEDATTN_HEALTH_LISTEN"].rsplit(":", 1)[1])
 
+# The sharded overlay: the base, two replicas of the StatefulSet.
+overlay = yaml.safe_load((root / "deploy/k8s-sharded/kustomization.yaml").read_text())
+assert overlay["resources"] == ["../k8s"], "the sharded overlay must build on deploy/k8s"
+assert overlay["replicas"] == [{"name": docs["StatefulSet"]["metadata"]["name"], "count": 2}], \
+    "the sharded overlay must scale the StatefulSet to 2"
+
 sts = docs["StatefulSet"]["spec"]
 assert sts["serviceName"] == docs["Service"]["metadata"]["name"], "StatefulSet must name the Service"
 pod = sts["template"]["spec"]

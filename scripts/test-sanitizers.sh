@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The CPU-side tests (core, service end to end, hardening, security) under AddressSanitizer with
-# UndefinedBehaviorSanitizer, then under ThreadSanitizer: two more builds (CPU backend only), in
-# build-asan/ and build-tsan/. CI runs it after scripts/test.sh.
+# The CPU-side tests (core, service end to end, hardening, security, data plane, sharding) under
+# AddressSanitizer with UndefinedBehaviorSanitizer, then under ThreadSanitizer: two more builds
+# (CPU backend only), in build-asan/ and build-tsan/. CI runs it after scripts/test.sh.
 #   scripts/test-sanitizers.sh [asan|tsan]...        (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh > /dev/null
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
-tests=(core_test e2e_test hardening_test security_test)
+tests=(core_test e2e_test hardening_test security_test data_plane_test sharded_test)
 supp=$PWD/tests/sanitizers
 for kind in "${kinds[@]}"; do
   case $kind in
@@ -21,7 +21,9 @@ for kind in "${kinds[@]}"; do
     -DPAGEDATTN_SANITIZE=$sanitize > "$dir.configure.log" 2>&1 ||
     { cat "$dir.configure.log"; exit 1; }
   ninja -C "$dir" -j"$(nproc)" "${tests[@]}" pagedattn-server
-  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:suppressions=$supp/lsan.supp"
+  # Full stacks for allocations: through gRPC (no frame pointers) the fast unwinder stops short
+  # of the frames lsan.supp names.
+  export ASAN_OPTIONS="detect_leaks=1:abort_on_error=1:fast_unwind_on_malloc=0"
   export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
   export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
   export TSAN_OPTIONS="halt_on_error=1:second_deadlock_stack=1:suppressions=$supp/tsan.supp"

@@ -16,7 +16,7 @@ from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
-from .types import ConfigLike, SpanLike, cache_id_of, config_proto
+from .types import ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, sequence_lengths
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
@@ -143,6 +143,15 @@ class Client:
         """See pagedattn.Client.release."""
         req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
         return await self._call(self.stub.ReleaseSequences, req, timeout)
+
+    async def truncate(
+        self, cache: Any, layer: int, lengths: LengthsLike, *, timeout: Optional[float] = None
+    ) -> pb.TruncateSequencesResponse:
+        """See pagedattn.Client.truncate."""
+        req = pb.TruncateSequencesRequest(
+            cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
+        )
+        return await self._call(self.stub.TruncateSequences, req, timeout)
 
     def step(
         self,
@@ -397,6 +406,10 @@ class Cache:
 
     async def release(self, seq_ids: Sequence[int], **kwargs: Any) -> pb.ReleaseSequencesResponse:
         return await self.client.release(self, seq_ids, **kwargs)
+
+    async def truncate(self, layer: int, lengths: LengthsLike,
+                       **kwargs: Any) -> pb.TruncateSequencesResponse:
+        return await self.client.truncate(self, layer, lengths, **kwargs)
 
     async def refresh(self, **kwargs: Any) -> pb.CacheInfo:
         self.info = await self.client.get_cache(self, **kwargs)

@@ -1,7 +1,7 @@
 """pagedattn.ShardedClient: a cache split by KV head over N servers answers exactly what one
-server holding the whole cache answers (bit for bit); its config is checked whole and on each
-shard; a Forward that fails on one shard is rolled back on the others (out of pages, a killed
-server); and the asyncio twin."""
+server holding the whole cache answers (bit for bit on the CPU backend); its config is checked
+whole and on each shard; a Forward that fails on one shard is rolled back on the others (out of
+pages, a killed server); and the asyncio twin."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ import pytest
 import pagedattn
 import pagedattn.aio
 from pagedattn import CacheConfig, Span, errors
+from pagedattn.reference import relative_error
 
 NUMPY_DTYPE = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}
 
@@ -30,14 +31,33 @@ def qkv(rng, tokens: int, queries: int, hq: int, hkv: int, dtype=np.float32, hea
             randn(rng, tokens, hkv, head_dim, dtype=dtype))
 
 
+# Bit for bit on the CPU backend. The CUDA backend splits a sequence's KV over more blocks when a
+# launch has fewer heads to fill the GPU with, so a shard's sums may be ordered otherwise there:
+# equal up to rounding.
+EXACT = {"cpu": True}
+CLOSE = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def _exactness(request):
+    if "client" in request.fixturenames:
+        EXACT["now"] = request.getfixturevalue("backend") == "cpu"
+    yield
+    EXACT.pop("now", None)
+
+
 def same_bits(a, b) -> None:
-    """Identical dtype, shape and bytes (not merely close)."""
+    """Identical dtype, shape and bytes (not merely close); on CUDA, equal up to rounding."""
     if isinstance(a, tuple):
         assert isinstance(b, tuple) and len(a) == len(b)
         for x, y in zip(a, b):
             same_bits(x, y)
         return
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, a.shape, b.dtype, b.shape)
+    if not EXACT.get("now", True):
+        tol = CLOSE.get(str(a.dtype), 1e-5)
+        assert relative_error(np.asarray(b, np.float32), np.asarray(a, np.float32)) <= tol
+        return
     diff = np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64))
     assert a.tobytes() == b.tobytes(), f"max |diff| {diff.max()}"
 
@@ -125,7 +145,10 @@ def test_torch_tensors_and_wire_dtype(client, shard_targets):
         want = ref.forward(0, [Span.prefill(1, 6)], q, k, v, dtype="bfloat16")
         got = sh.forward(0, [Span.prefill(1, 6)], q, k, v, dtype="bfloat16")
         assert isinstance(got, torch.Tensor) and got.dtype == torch.bfloat16
-        assert torch.equal(want, got)
+        if EXACT["now"]:
+            assert torch.equal(want, got)
+        else:
+            assert relative_error(got.float().numpy(), want.float().numpy()) <= 1e-2
 
 
 def test_heads_are_checked_before_sending(shard_targets):

@@ -3,7 +3,8 @@ servers. Attention is independent per KV head, so shard i of N holds KV heads
 [i*kv/N, (i+1)*kv/N) and the query heads that read them, [i*q/N, (i+1)*q/N) (a contiguous
 split keeps each GQA group with its KV head). A forward() sends every shard its heads of q, k
 and v at once and joins the answers along the head axis: the result is what one server holding
-the whole cache would return, bit for bit.
+the whole cache would return (bit for bit on the CPU backend; on CUDA up to rounding, since a
+launch with fewer heads may split a sequence's KV over more blocks).
 
     with pagedattn.ShardedClient(["10.0.0.1:50051", "10.0.0.2:50051"]) as client:
         with client.create_cache(config) as cache:    # one cache per server, deleted on exit
@@ -706,8 +707,8 @@ class ShardedCache(_ShardedCacheBase):
         """Client.forward over the shards: q [total_queries, num_q_heads, head_dim] and k/v
         [total_new_tokens, num_kv_heads, head_dim] of the whole cache are split by head, every
         shard's Forward is sent at once, and the answers are joined along the head axis: out
-        (and lse) as one server holding the whole cache would return them, bit for bit
-        (sm_scale's default, 1/sqrt(head_dim), is the same).
+        (and lse) as one server holding the whole cache would return them (sm_scale's default,
+        1/sqrt(head_dim), is the same): bit for bit on the CPU backend, up to rounding on CUDA.
 
         When some shards fail, every shard is rolled back: TruncateSequences of `layer` to each
         appending span's start (not sent when every shard failed before writing anything). For

@@ -16,7 +16,7 @@ import re
 import subprocess
 import threading
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import pytest
 
@@ -104,6 +104,50 @@ def server_binary(request: pytest.FixtureRequest) -> str:
     if binary is None:
         pytest.skip("needs a pagedattn-server binary (--pagedattn-server or $PAGEDATTN_SERVER)")
     return binary
+
+
+def _start_servers(config: pytest.Config, binary: str, n: int, *flags: str) -> list[ServerProcess]:
+    """n servers of the backend under test on loopback, one CPU thread each (all or none)."""
+    backend = config.getoption("--pagedattn-backend")
+    servers: list[ServerProcess] = []
+    try:
+        for _ in range(n):
+            servers.append(ServerProcess(binary, f"--backend={backend}", "--cpu_threads=1", *flags))
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return servers
+
+
+@pytest.fixture(scope="session")
+def shard_servers(
+    request: pytest.FixtureRequest, server_binary: str
+) -> Iterator[list[ServerProcess]]:
+    """Four servers of the session on loopback: the shards of sharded caches (test_sharded.py;
+    a test uses the first N). Stopped (SIGTERM, exit 0) at the end of the session."""
+    servers = _start_servers(request.config, server_binary, 4)
+    yield servers
+    rcs = [s.stop() for s in servers]
+    assert rcs == [0] * len(servers), f"shard servers exited {rcs}"
+
+
+@pytest.fixture
+def start_servers(
+    request: pytest.FixtureRequest, server_binary: str
+) -> Iterator[Callable[..., list[ServerProcess]]]:
+    """start_servers(n, *flags): n servers of this test alone, with extra flags; stopped
+    (or reaped, when the test killed them) after it."""
+    started: list[ServerProcess] = []
+
+    def start(n: int, *flags: str) -> list[ServerProcess]:
+        servers = _start_servers(request.config, server_binary, n, *flags)
+        started.extend(servers)
+        return servers
+
+    yield start
+    for s in started:
+        s.stop()
 
 
 @pytest.fixture(scope="session")

@@ -306,6 +306,30 @@ def test_release_gives_pages_back(client, kv_dtypes):
         assert stats.forward_calls == 1
 
 
+def test_truncate_rewinds_one_layer(client, kv_dtypes):
+    rng = np.random.default_rng(15)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        q, k, v = randn(rng, 6, 4, 64), randn(rng, 6, 2, 64), randn(rng, 6, 2, 64)
+        for layer in (0, 1):
+            cache.forward(layer, [Span.prefill(1, 6)], q, k, v)
+        cache.forward(0, [Span.prefill(2, 2)], q[:2], k[:2], v[:2])
+        r = cache.truncate(0, {1: 2, 2: 5, 7: 0})  # seq 2 is shorter already; 7 is unknown
+        assert (r.truncated, r.freed_pages, list(r.unknown_seq_ids)) == (1, 0, [7])  # layer 1: 6
+        # Layer 0 of seq 1 now ends at 2: a token at 3 leaves a gap, one at 2 follows.
+        with pytest.raises(errors.FailedPrecondition):
+            cache.forward(0, [Span.decode(1, 3)], q[:1], k[:1], v[:1])
+        cache.forward(0, [Span.decode(1, 2)], q[:1], k[:1], v[:1])
+        cache.truncate(0, [(1, 2)])
+        r = cache.truncate(1, [(1, 0)])
+        assert (r.truncated, r.freed_pages) == (1, 1)  # 2 tokens left in layer 0: 1 page
+        r = cache.truncate(0, [pb.SequenceLength(seq_id=1, length=0), (2, 0)])
+        assert (r.truncated, r.freed_pages) == (2, 2)  # both empty everywhere: freed
+        stats = cache.stats()
+        assert (stats.used_pages, stats.live_sequences) == (0, 0)
+        with pytest.raises(errors.InvalidArgument):
+            cache.truncate(2, {1: 0})  # no layer 2
+
+
 def test_big_prefill_over_16_mib_each_way(client, kv_dtypes):
     """520 tokens x 32 heads x 256 f32 = 16.25 MiB of q and of the answer: past gRPC's 4 MiB
     default receive limit, which the client raises to the server's 512 MiB."""

@@ -12,8 +12,9 @@
                 outs = [step.submit(layer, q[:1], k[:1], v[:1]) for layer in range(2)]
                 outs = [f.result() for f in outs]                 # answers in the order sent
 
-pagedattn.aio.Client is the asyncio twin; pagedattn.errors holds the exceptions;
-pagedattn.v1 the generated protos (attention_pb2) and stub (attention_pb2_grpc).
+pagedattn.ShardedClient splits a cache by KV head across several servers (pagedattn.sharded);
+pagedattn.aio.Client (and aio.ShardedClient) is the asyncio twin; pagedattn.errors holds the
+exceptions; pagedattn.v1 the generated protos (attention_pb2) and stub (attention_pb2_grpc).
 """
 
 from . import errors
@@ -33,6 +34,7 @@ from .errors import (
     Unavailable,
 )
 from .reference import reference_attention, relative_error
+from .sharded import ShardedCache, ShardedClient, targets_from_dns
 from .tensors import BFLOAT16, FLOAT16, FLOAT32, from_tensor, to_numpy, to_tensor, to_torch
 from .types import CacheConfig, Span
 from .v1 import attention_pb2 as pb
@@ -43,7 +45,7 @@ __all__ = [
     "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
     "DeadlineExceeded", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
     "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
-    "ResourceExhausted", "Span", "Step", "TLS", "Timing", "Unauthenticated", "Unavailable",
-    "errors", "from_tensor", "pb", "reference_attention", "relative_error", "to_numpy",
-    "to_tensor", "to_torch",
+    "ResourceExhausted", "ShardedCache", "ShardedClient", "Span", "Step", "TLS", "Timing",
+    "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",
+    "relative_error", "targets_from_dns", "to_numpy", "to_tensor", "to_torch",
 ]

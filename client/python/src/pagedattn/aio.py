@@ -1,6 +1,7 @@
 """pagedattn.aio.Client: the asyncio client (grpc.aio), the same API as pagedattn.Client with
 coroutines. Create it inside the event loop that uses it; many calls may be in flight at once
-(e.g. one Forward per sequence group with asyncio.gather)."""
+(e.g. one Forward per sequence group with asyncio.gather). pagedattn.aio.ShardedClient is the
+twin of pagedattn.ShardedClient (a cache split by head across servers)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ from typing import Any, Generator, Optional, Sequence, Union
 import grpc
 import grpc.aio
 
-from . import _common
+from . import _common, sharded
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
-from .types import ConfigLike, SpanLike, cache_id_of, config_proto
+from .types import (
+    ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, sequence_lengths, span_protos,
+)
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
@@ -143,6 +146,15 @@ class Client:
         """See pagedattn.Client.release."""
         req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
         return await self._call(self.stub.ReleaseSequences, req, timeout)
+
+    async def truncate(
+        self, cache: Any, layer: int, lengths: LengthsLike, *, timeout: Optional[float] = None
+    ) -> pb.TruncateSequencesResponse:
+        """See pagedattn.Client.truncate."""
+        req = pb.TruncateSequencesRequest(
+            cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
+        )
+        return await self._call(self.stub.TruncateSequences, req, timeout)
 
     def step(
         self,
@@ -398,6 +410,10 @@ class Cache:
     async def release(self, seq_ids: Sequence[int], **kwargs: Any) -> pb.ReleaseSequencesResponse:
         return await self.client.release(self, seq_ids, **kwargs)
 
+    async def truncate(self, layer: int, lengths: LengthsLike,
+                       **kwargs: Any) -> pb.TruncateSequencesResponse:
+        return await self.client.truncate(self, layer, lengths, **kwargs)
+
     async def refresh(self, **kwargs: Any) -> pb.CacheInfo:
         self.info = await self.client.get_cache(self, **kwargs)
         return self.info
@@ -419,3 +435,158 @@ class Cache:
 
     def __repr__(self) -> str:
         return f"aio.Cache(cache_id={self.cache_id!r}, name={self.info.name!r})"
+
+
+class ShardedClient(sharded._ShardedClientBase):
+    """The asyncio twin of pagedattn.ShardedClient (arguments as there; a list of targets may
+    hold pagedattn.aio.Client objects). Create it inside the event loop that uses it;
+    `async with` closes the channels it opened."""
+
+    def __init__(
+        self,
+        targets: sharded.TargetsLike,
+        token: Optional[str] = None,
+        *,
+        tls: Union[bool, TLS] = False,
+        timeout: Optional[float] = _common.DEFAULT_TIMEOUT_S,
+        max_message_bytes: int = _common.DEFAULT_MAX_MESSAGE_BYTES,
+        options: Sequence[tuple[str, Any]] = (),
+    ) -> None:
+        self._connect(Client, targets, token, tls, timeout, max_message_bytes, options)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._owned))
+
+    async def __aenter__(self) -> "ShardedClient":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.close()
+
+    async def fan_out(
+        self, method: str, requests: Sequence[Optional[Any]], timeout: Optional[float] = None
+    ) -> list[Any]:
+        """See pagedattn.ShardedClient.fan_out: the calls run concurrently (asyncio.gather)."""
+
+        async def one(client: Client, request: Any) -> Any:
+            if request is None:
+                return None
+            return await client._call(getattr(client.stub, method), request, timeout)
+
+        return list(await asyncio.gather(
+            *(one(c, r) for c, r in zip(self.clients, requests)), return_exceptions=True))
+
+    async def _each(self, method: str, requests: Sequence[Any], timeout: Optional[float],
+                    doing: str) -> list[Any]:
+        outcomes = await self.fan_out(method, requests, timeout)
+        sharded._raise_first_failure(outcomes, self.targets, doing)
+        return outcomes
+
+    async def server_info(self, *, timeout: Optional[float] = None) -> list[pb.ServerInfo]:
+        """See pagedattn.ShardedClient.server_info."""
+        return await self._each("GetServerInfo", [pb.GetServerInfoRequest()] * self.num_shards,
+                                timeout, "in GetServerInfo")
+
+    async def validate(
+        self, config: ConfigLike, *, timeout: Optional[float] = None
+    ) -> list[pb.ValidateCacheConfigResponse]:
+        """See pagedattn.ShardedClient.validate."""
+        return await self._each("ValidateCacheConfig",
+                                sharded.shard_configs(config, self.num_shards), timeout,
+                                "in ValidateCacheConfig")
+
+    async def create_cache(
+        self,
+        config: ConfigLike,
+        name: str = "",
+        *,
+        delete_on_exit: bool = True,
+        timeout: Optional[float] = None,
+    ) -> "ShardedCache":
+        """See pagedattn.ShardedClient.create_cache; `async with` deletes on exit."""
+        configs = sharded.shard_configs(config, self.num_shards)
+        error = sharded.validation_error(
+            await self.fan_out("ValidateCacheConfig", configs, timeout), self.targets)
+        if error is not None:
+            raise error from getattr(error, "original", None)
+        outcomes = await self.fan_out("CreateCache", self._create_requests(configs, name),
+                                      timeout)
+        if sharded._failed(outcomes):
+            created = self._undo_requests(outcomes)
+            deleted = await self.fan_out("DeleteCache", created, timeout)
+            error = self._create_failure(outcomes, created, deleted)
+            raise error from error.original
+        shards = [Cache(c, info, delete_on_exit=False) for c, info in zip(self.clients, outcomes)]
+        return ShardedCache(self, shards, delete_on_exit=delete_on_exit)
+
+
+class ShardedCache(sharded._ShardedCacheBase):
+    """The asyncio twin of pagedattn.ShardedCache (`async with` deletes on exit when asked)."""
+
+    client: ShardedClient
+
+    async def forward(
+        self,
+        layer: int,
+        spans: Sequence[SpanLike],
+        q: ArrayLike,
+        k: Optional[ArrayLike] = None,
+        v: Optional[ArrayLike] = None,
+        *,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        return_lse: bool = False,
+        dtype: Optional[DTypeLike] = None,
+        timeout: Optional[float] = None,
+    ) -> Any:
+        """See pagedattn.ShardedCache.forward (the same split, join, rollback and errors)."""
+        spans = span_protos(spans)
+        requests, likes = self._forward_requests(layer, spans, q, k, v, causal, sm_scale,
+                                                 return_lse, dtype)
+        outcomes = await self.client.fan_out("Forward", requests, timeout)
+        if not sharded._failed(outcomes):
+            return self._forward_answer(outcomes, likes, return_lse)
+        undo = self._rollback_requests(layer, spans, outcomes)
+        rollback = None if undo is None else await self.client.fan_out(
+            "TruncateSequences", undo, timeout)
+        error = sharded.forward_failure(outcomes, self.targets, rollback)
+        raise error from error.original
+
+    async def release(self, seq_ids: Sequence[int], *,
+                      timeout: Optional[float] = None) -> list[pb.ReleaseSequencesResponse]:
+        """See pagedattn.ShardedCache.release."""
+        return await self.client._each("ReleaseSequences", self._release_requests(seq_ids),
+                                       timeout, "in ReleaseSequences")
+
+    async def truncate(self, layer: int, lengths: LengthsLike, *,
+                       timeout: Optional[float] = None) -> list[pb.TruncateSequencesResponse]:
+        """See pagedattn.ShardedCache.truncate."""
+        return await self.client._each("TruncateSequences",
+                                       self._truncate_requests(layer, lengths), timeout,
+                                       "in TruncateSequences")
+
+    async def refresh(self, *, timeout: Optional[float] = None) -> list[pb.CacheInfo]:
+        """See pagedattn.ShardedCache.refresh."""
+        infos = await self.client._each("GetCache", self._get_requests(), timeout, "in GetCache")
+        self._keep_infos(infos)
+        return infos
+
+    async def stats(self, *, timeout: Optional[float] = None) -> list[pb.CacheStats]:
+        """See pagedattn.ShardedCache.stats."""
+        return [info.stats for info in await self.refresh(timeout=timeout)]
+
+    async def delete(self, *, timeout: Optional[float] = None) -> int:
+        """See pagedattn.ShardedCache.delete."""
+        return self._deleted(await self.client.fan_out("DeleteCache", self._delete_requests(),
+                                                       timeout))
+
+    async def __aenter__(self) -> "ShardedCache":
+        return self
+
+    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+        if self.delete_on_exit and not self.deleted:
+            try:
+                await self.delete()
+            except Exception:
+                if exc_type is None:
+                    raise

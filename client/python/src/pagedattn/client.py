@@ -15,7 +15,7 @@ from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
-from .types import ConfigLike, SpanLike, cache_id_of, config_proto
+from .types import ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, sequence_lengths
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
@@ -179,6 +179,20 @@ class Client:
         `unknown_seq_ids` that had no sequence (not an error)."""
         req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
         return self._call(self.stub.ReleaseSequences, req, timeout)
+
+    def truncate(
+        self, cache: Any, layer: int, lengths: LengthsLike, *, timeout: Optional[float] = None
+    ) -> pb.TruncateSequencesResponse:
+        """Rewinds sequences in one layer to shorter lengths ({seq_id: length} or (seq_id,
+        length) pairs), as a forward() writing at `length` would before it writes: undoes
+        appends (rejected speculative tokens, a sharded forward that failed elsewhere). A
+        sequence already that short is left as is; one left with no token in any layer is
+        freed. All or nothing. Returns `truncated`, `freed_pages` and `unknown_seq_ids` (not
+        an error)."""
+        req = pb.TruncateSequencesRequest(
+            cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
+        )
+        return self._call(self.stub.TruncateSequences, req, timeout)
 
     def step(
         self,
@@ -446,6 +460,11 @@ class Cache:
     def release(self, seq_ids: Sequence[int], **kwargs: Any) -> pb.ReleaseSequencesResponse:
         """Client.release on this cache."""
         return self.client.release(self, seq_ids, **kwargs)
+
+    def truncate(self, layer: int, lengths: LengthsLike,
+                 **kwargs: Any) -> pb.TruncateSequencesResponse:
+        """Client.truncate on this cache."""
+        return self.client.truncate(self, layer, lengths, **kwargs)
 
     def refresh(self, **kwargs: Any) -> pb.CacheInfo:
         """Fetches the current CacheInfo (live stats) and keeps it in `info`."""

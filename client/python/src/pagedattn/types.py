@@ -4,7 +4,7 @@ to and from the pagedattn.v1 protos; every call also takes the raw protos)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 from .tensors import DTypeLike, dtype_enum, dtype_name
 from .v1 import attention_pb2 as pb
@@ -124,6 +124,26 @@ def span_protos(spans: Iterable[SpanLike]) -> list[pb.Span]:
             raise TypeError(
                 f"a span is a pagedattn.Span, a pagedattn.v1 Span or a tuple "
                 f"(seq_id, start, num_new_tokens, num_queries) (got {s!r})"
+            )
+    return out
+
+
+# TruncateSequences lengths: {seq_id: length}, or (seq_id, length) pairs / SequenceLength protos.
+LengthsLike = Union[Mapping[int, int], Iterable[Union[tuple, pb.SequenceLength]]]
+
+
+def sequence_lengths(lengths: LengthsLike) -> list[pb.SequenceLength]:
+    if isinstance(lengths, Mapping):
+        lengths = lengths.items()
+    out = []
+    for x in lengths:
+        if isinstance(x, pb.SequenceLength):
+            out.append(x)
+        elif isinstance(x, tuple) and len(x) == 2:
+            out.append(pb.SequenceLength(seq_id=x[0], length=x[1]))
+        else:
+            raise TypeError(
+                f"a length is a (seq_id, length) tuple or a pagedattn.v1 SequenceLength (got {x!r})"
             )
     return out
 

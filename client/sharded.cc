@@ -247,14 +247,16 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
       if (s.num_new_tokens > 0) lengths.emplace_back(s.seq_id, s.start);
     }
     std::vector<std::string> notes;
+    // Every shard, the failed ones too: a shard whose call failed in transport may have
+    // committed, and all shards then end each sequence at the same length.
     for (int i = 0; i < n; ++i) {
-      if (!parts[i].reply.ok() || lengths.empty()) continue;
+      if (lengths.empty()) continue;
       absl::StatusOr<v1::TruncateSequencesResponse> t =
           shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
       if (!t.ok()) {
         notes.push_back(
-            absl::StrCat("shard ", i, " (", targets_[i],
-                         ") committed and could not be rewound: ", t.status().message()));
+            absl::StrCat("could not rewind shard ", i, " (", targets_[i],
+                         "), which may keep the call's tokens: ", t.status().message()));
       }
     }
     for (size_t j = 1; j < failed.size(); ++j) {

@@ -49,9 +49,10 @@ class ShardedClient {
   // [new tokens, num_kv_heads, head_dim] are the whole cache's (cache ids are taken from
   // `cache`); the N Forwards run concurrently and `output` receives the joined answer (lse
   // too). server_micros and kernel_micros are the slowest shard's. Each shard's Forward is all
-  // or nothing; when some fail, the shards that succeeded are rewound to each appending span's
-  // start (TruncateSequences), so every shard's sequences keep the lengths they had, and the
-  // status (the failed shard's code) names the shard(s). Rows a rewinding span (start < the
+  // or nothing; when some fail, every shard is rewound to each appending span's start
+  // (TruncateSequences; a call that failed in transport may have committed), so every shard's
+  // sequences keep the lengths they had, and the status (the failed shard's code) names the
+  // shard(s) and any shard that could not be rewound. Rows a rewinding span (start < the
   // sequence's length) overwrote are not put back there: the sequence then ends at the span's
   // start, and a retry at the same start writes them again.
   absl::StatusOr<ForwardReply> Forward(const ShardedCache& cache, const ForwardCall& call,

@@ -41,6 +41,19 @@ Fn Real(const char* suffix) {
 void Acquire(const void* mu) { __tsan_acquire(const_cast<void*>(mu)); }
 void Release(const void* mu) { __tsan_release(const_cast<void*>(mu)); }
 
+// A Condition is evaluated inside the library with the mutex held, by the waiter or by the
+// thread that unlocks: the evaluation is made to acquire and release the mutex for TSan too.
+struct Guarded {
+  const absl::Condition* cond;
+  const void* mu;
+};
+bool EvalGuarded(Guarded* g) {
+  Acquire(g->mu);
+  const bool result = g->cond->Eval();
+  Release(g->mu);
+  return result;
+}
+
 }  // namespace
 
 namespace absl {
@@ -80,34 +93,39 @@ bool Mutex::ReaderTryLock() {
 }
 void Mutex::LockWhen(const Condition& cond) {
   REAL(void, "5Mutex8LockWhenERKNS0_9ConditionE", Mutex*, const Condition&);
-  real(this, cond);
+  Guarded g{&cond, this};
+  real(this, Condition(&EvalGuarded, &g));
   Acquire(this);
 }
 bool Mutex::LockWhenWithTimeout(const Condition& cond, absl::Duration timeout) {
   REAL(bool, "5Mutex19LockWhenWithTimeoutERKNS0_9ConditionENS0_8DurationE",
        Mutex*, const Condition&, absl::Duration);
-  const bool ok = real(this, cond, timeout);
+  Guarded g{&cond, this};
+  const bool ok = real(this, Condition(&EvalGuarded, &g), timeout);
   Acquire(this);
   return ok;
 }
 bool Mutex::LockWhenWithDeadline(const Condition& cond, absl::Time deadline) {
   REAL(bool, "5Mutex20LockWhenWithDeadlineERKNS0_9ConditionENS0_4TimeE", Mutex*,
        const Condition&, absl::Time);
-  const bool ok = real(this, cond, deadline);
+  Guarded g{&cond, this};
+  const bool ok = real(this, Condition(&EvalGuarded, &g), deadline);
   Acquire(this);
   return ok;
 }
 void Mutex::Await(const Condition& cond) {
   REAL(void, "5Mutex5AwaitERKNS0_9ConditionE", Mutex*, const Condition&);
   Release(this);
-  real(this, cond);
+  Guarded g{&cond, this};
+  real(this, Condition(&EvalGuarded, &g));
   Acquire(this);
 }
 bool Mutex::AwaitWithTimeout(const Condition& cond, absl::Duration timeout) {
   REAL(bool, "5Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE", Mutex*,
        const Condition&, absl::Duration);
   Release(this);
-  const bool ok = real(this, cond, timeout);
+  Guarded g{&cond, this};
+  const bool ok = real(this, Condition(&EvalGuarded, &g), timeout);
   Acquire(this);
   return ok;
 }
@@ -115,7 +133,8 @@ bool Mutex::AwaitWithDeadline(const Condition& cond, absl::Time deadline) {
   REAL(bool, "5Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE", Mutex*,
        const Condition&, absl::Time);
   Release(this);
-  const bool ok = real(this, cond, deadline);
+  Guarded g{&cond, this};
+  const bool ok = real(this, Condition(&EvalGuarded, &g), deadline);
   Acquire(this);
   return ok;
 }

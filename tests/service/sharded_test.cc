@@ -299,6 +299,8 @@ TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
   EXPECT_NE(r.status().message().find("shard 1 (" + targets[1] + ")"), std::string::npos)
       << r.status();
+  EXPECT_NE(r.status().message().find("could not rewind shard 1"), std::string::npos)
+      << r.status();
   const v1::CacheStats now = sharded->shard(0).GetCache(cache->cache_ids[0])->stats();
   EXPECT_EQ(now.used_pages(), before.used_pages());
   EXPECT_EQ(now.live_sequences(), before.live_sequences());

@@ -210,9 +210,9 @@ def test_config_invalid_on_one_shard_or_create_failing_on_one(client, start_serv
     with pagedattn.ShardedClient([client, small.target]) as sc:
         targets = sc.targets
         before = len(client.list_caches())
-        # 64 pages x 2 (K, V) x 2 layers x 2 kv heads x 16 tokens x 64 x 4 bytes = 2 MiB a shard
+        # 128 pages x 2 (K, V) x 2 layers x 2 kv heads x 16 tokens x 64 x 2 bytes = 2 MiB a shard
         big = CacheConfig(num_layers=2, num_q_heads=4, num_kv_heads=4, head_dim=64, page_size=16,
-                          kv_dtype="float32", num_pages=64)
+                          kv_dtype="bfloat16", num_pages=128)
         with pytest.raises(errors.CacheConfigError) as e:
             sc.create_cache(big)
         err = e.value
@@ -224,7 +224,7 @@ def test_config_invalid_on_one_shard_or_create_failing_on_one(client, start_serv
         assert len(client.list_caches()) == before
 
         small_config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64,
-                                   page_size=4, kv_dtype="float32", num_pages=4)
+                                   page_size=4, kv_dtype="bfloat16", num_pages=4)
         with sc.clients[1].create_cache(small_config):  # its one cache
             with pytest.raises(errors.ResourceExhausted) as e:
                 sc.create_cache(small_config)
@@ -245,7 +245,7 @@ def test_config_invalid_on_one_shard_or_create_failing_on_one(client, start_serv
 def test_out_of_pages_on_one_shard_rolls_back_the_others(client, shard_targets):
     hq, hkv = 8, 4
     config = CacheConfig(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=4,
-                         kv_dtype="float32", num_pages=8)
+                         kv_dtype="bfloat16", num_pages=8)
     rng = np.random.default_rng(7)
     with pagedattn.ShardedClient(shard_targets[:2]) as sc, client.create_cache(config) as ref, \
             sc.create_cache(config) as sh:
@@ -294,7 +294,7 @@ def test_killed_shard_fails_the_forward_and_the_rest_roll_back(client, start_ser
     targets = [s.target for s in servers]
     hq, hkv = 6, 3
     config = CacheConfig(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=4,
-                         kv_dtype="float32", num_pages=16)
+                         kv_dtype="bfloat16", num_pages=16)
     rng = np.random.default_rng(11)
     with pagedattn.ShardedClient(targets, timeout=30) as sc, client.create_cache(config) as ref:
         sh = sc.create_cache(config)
@@ -376,13 +376,13 @@ def test_one_dns_name_is_its_addresses(shard_targets, monkeypatch):
 def test_aio_sharded_cache(client, shard_targets):
     hq, hkv = 8, 4
     config = CacheConfig(num_layers=1, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=4,
-                         kv_dtype="float32", num_pages=8)
+                         kv_dtype="bfloat16", num_pages=8)
     rng = np.random.default_rng(5)
 
     async def main(ref) -> None:
         async with pagedattn.aio.ShardedClient(shard_targets[:2]) as sc:
             with pytest.raises(errors.CacheConfigError):
-                await sc.create_cache(CacheConfig(1, 6, 3, 64, 4, "float32", num_pages=8))
+                await sc.create_cache(CacheConfig(1, 6, 3, 64, 4, "bfloat16", num_pages=8))
             async with await sc.create_cache(config, "aio") as sh:
                 async def both_aio(spans, q, k=None, v=None, **kw):
                     want = ref.forward(0, spans, q, k, v, **kw)

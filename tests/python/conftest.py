@@ -1,7 +1,7 @@
 """pytest fixtures: a real pagedattn-server on a free loopback port (CPU backend unless told
 otherwise), and clients to it.
 
-Which server: `--pagedattn-server=PATH` or $PAGEDATTN_SERVER (the binary: started per session
+Which server: `--pagedattn-server=PATH` or $PAGEDATTN_SERVER (the binary: started once per pytest run
 with --listen=127.0.0.1:0, its port read from its "listening on port N" log line), else
 `--pagedattn-target=HOST:PORT` or $PAGEDATTN_TARGET (a running server; the tests that need a
 server of their own -- auth, TLS -- then skip), else build/server/pagedattn-server or
@@ -124,8 +124,8 @@ def _start_servers(config: pytest.Config, binary: str, n: int, *flags: str) -> l
 def shard_servers(
     request: pytest.FixtureRequest, server_binary: str
 ) -> Iterator[list[ServerProcess]]:
-    """Four servers of the session on loopback: the shards of sharded caches (test_sharded.py;
-    a test uses the first N). Stopped (SIGTERM, exit 0) at the end of the session."""
+    """Four servers on loopback for the whole pytest run: the shards of sharded caches (test_sharded.py;
+    a test uses the first N). Stopped (SIGTERM, exit 0) when the pytest run ends."""
     servers = _start_servers(request.config, server_binary, 4)
     yield servers
     rcs = [s.stop() for s in servers]

@@ -124,8 +124,8 @@ def _start_servers(config: pytest.Config, binary: str, n: int, *flags: str) -> l
 def shard_servers(
     request: pytest.FixtureRequest, server_binary: str
 ) -> Iterator[list[ServerProcess]]:
-    """Four servers on loopback for the whole pytest run: the shards of sharded caches (test_sharded.py;
-    a test uses the first N). Stopped (SIGTERM, exit 0) when the pytest run ends."""
+    """Four servers on loopback for the whole pytest run: the shards of sharded caches
+    (test_sharded.py; a test uses the first N). Stopped (SIGTERM, exit 0) when the run ends."""
     servers = _start_servers(request.config, server_binary, 4)
     yield servers
     rcs = [s.stop() for s in servers]

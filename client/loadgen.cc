@@ -9,8 +9,6 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/server_builder.h>
-#include <netdb.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -519,31 +517,10 @@ absl::StatusOr<Samples> RunSharded(const Workload& w, const v1::CacheConfig& con
 using Phases = std::map<std::string, std::pair<double, double>>;
 
 absl::StatusOr<Phases> ScrapePhases(const std::string& target) {
-  const size_t colon = target.rfind(':');
-  if (colon == std::string::npos) return absl::InvalidArgumentError("--metrics_target: host:port");
-  std::string host = target.substr(0, colon);
-  if (host.size() > 1 && host.front() == '[') host = host.substr(1, host.size() - 2);
-  addrinfo hints{}, *found = nullptr;
-  hints.ai_socktype = SOCK_STREAM;
-  if (getaddrinfo(host.c_str(), target.substr(colon + 1).c_str(), &hints, &found) != 0) {
-    return absl::UnavailableError(absl::StrCat("cannot resolve ", target));
-  }
-  const int fd = socket(found->ai_family, SOCK_STREAM, 0);
-  const bool connected = fd >= 0 && connect(fd, found->ai_addr, found->ai_addrlen) == 0;
-  freeaddrinfo(found);
-  if (!connected) {
-    if (fd >= 0) close(fd);
-    return absl::UnavailableError(absl::StrCat("cannot connect to ", target));
-  }
-  const std::string get = "GET /metrics HTTP/1.0\r\nHost: " + host + "\r\n\r\n";
-  std::string body;
-  if (send(fd, get.data(), get.size(), MSG_NOSIGNAL) == static_cast<ssize_t>(get.size())) {
-    char buf[65536];
-    for (ssize_t n; (n = recv(fd, buf, sizeof buf, 0)) > 0;) body.append(buf, n);
-  }
-  close(fd);
+  absl::StatusOr<std::string> body = FetchMetrics(target);
+  if (!body.ok()) return body.status();
   Phases phases;
-  for (absl::string_view line : absl::StrSplit(body, '\n')) {
+  for (absl::string_view line : absl::StrSplit(*body, '\n')) {
     for (const auto& [suffix, second] :
          {std::pair{"_sum{phase=\"", false}, {"_count{phase=\"", true}}) {
       const std::string prefix = absl::StrCat("pagedattn_forward_phase_seconds", suffix);

@@ -155,6 +155,27 @@ absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
   return response;
 }
 
+absl::StatusOr<v1::MemoryRegion> Client::RegisterMemory(const std::string& cache_id,
+                                                         const std::string& ipc_handle,
+                                                         int64_t size_bytes, int32_t device,
+                                                         int32_t lease_seconds) {
+  v1::RegisterMemoryRequest req;
+  req.set_cache_id(cache_id);
+  req.set_cuda_ipc_handle(ipc_handle);
+  req.set_size_bytes(size_bytes);
+  req.set_device(device);
+  req.set_lease_seconds(lease_seconds);
+  PAGEDATTN_UNARY(RegisterMemory, req, v1::MemoryRegion);
+  return response;
+}
+
+absl::Status Client::UnregisterMemory(const std::string& region_id) {
+  v1::UnregisterMemoryRequest req;
+  req.set_region_id(region_id);
+  PAGEDATTN_UNARY(UnregisterMemory, req, v1::UnregisterMemoryResponse);
+  return absl::OkStatus();
+}
+
 #undef PAGEDATTN_UNARY
 
 namespace {
@@ -169,8 +190,15 @@ grpc::ByteBuffer EncodeCall(const ForwardCall& call) {
       wire::ForwardRequestHead(call.cache_id, call.layer, call.spans, call.options));
   for (const auto& [field, t] : {std::pair{wire::kRequestQ, &call.q},
                                  {wire::kRequestK, &call.k},
-                                 {wire::kRequestV, &call.v}}) {
+                                 {wire::kRequestV, &call.v},
+                                 {wire::kRequestOut, &call.out},
+                                 {wire::kRequestLse, &call.lse}}) {
     if (t->dtype == v1::DTYPE_UNSPECIFIED) continue;
+    if (!t->region_id.empty()) {
+      slices.emplace_back(
+          wire::DeviceTensorField(field, t->dtype, t->shape, t->region_id, t->offset));
+      continue;
+    }
     slices.emplace_back(wire::TensorFieldPrefix(field, t->dtype, t->shape, t->bytes));
     if (t->bytes > 0) slices.emplace_back(t->data, t->bytes, grpc::Slice::STATIC_SLICE);
   }

@@ -35,11 +35,34 @@ struct ClientOptions {
 
 // A tensor sent from the caller's own memory (no copy): it must stay valid until the call that
 // sends it returns. dtype UNSPECIFIED: the field is not sent.
+// With region_id set, it is a device tensor instead: its elements lie at `offset` in memory
+// registered with RegisterMemory (data and bytes unused).
 struct TensorArg {
   v1::DType dtype = v1::DTYPE_UNSPECIFIED;
   std::vector<int64_t> shape;
   const void* data = nullptr;
   size_t bytes = 0;
+  std::string region_id;
+  int64_t offset = 0;
+
+  static TensorArg Host(v1::DType dtype, std::vector<int64_t> shape, const void* data,
+                        size_t bytes) {
+    TensorArg t;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.data = data;
+    t.bytes = bytes;
+    return t;
+  }
+  static TensorArg Device(v1::DType dtype, std::vector<int64_t> shape, std::string region_id,
+                          int64_t offset) {
+    TensorArg t;
+    t.dtype = dtype;
+    t.shape = std::move(shape);
+    t.region_id = std::move(region_id);
+    t.offset = offset;
+    return t;
+  }
 };
 
 // One Forward (or one message of a Step stream) with its tensors in the caller's memory.
@@ -49,6 +72,8 @@ struct ForwardCall {
   std::vector<wire::SpanRef> spans;  // Step: empty continues the open step.
   wire::ForwardOptionsRef options;
   TensorArg q, k, v;
+  // Device tensors only: where the server writes the answer (ForwardOutput is then unused).
+  TensorArg out, lse;
 };
 
 // Where a Forward's answer goes: the caller's buffers, exactly out's and lse's size (lse may be
@@ -93,6 +118,15 @@ class Client {
   // Forward with the tensors sent from and the answer written to the caller's memory (no
   // protobuf copies; the answer's bytes are copied once, into `output`).
   absl::StatusOr<ForwardReply> ForwardTensors(const ForwardCall& call, const ForwardOutput& output);
+  // Maps a device allocation of this process into the server for cache_id (CUDA backend, same
+  // node): ipc_handle is the cudaIpcMemHandle_t of the allocation's start (client/device.h
+  // makes one), size_bytes how much of it Forwards may use, lease_seconds 0 for the server's
+  // default. Forward's TensorArgs then name {region_id, offset} in it.
+  absl::StatusOr<v1::MemoryRegion> RegisterMemory(const std::string& cache_id,
+                                                  const std::string& ipc_handle,
+                                                  int64_t size_bytes, int32_t device = 0,
+                                                  int32_t lease_seconds = 0);
+  absl::Status UnregisterMemory(const std::string& region_id);
   // A Step stream (one Forward per message, answered in order); the deadline covers the stream.
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStep();
   // grpc.health.v1 Check: true when SERVING.

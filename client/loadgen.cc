@@ -32,6 +32,9 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/sharded.h"
+#if PAGEDATTN_WITH_CUDA
+#include "client/device_region.h"
+#endif
 #include "common/transport.h"
 #include "pagedattn/v1/attention.pb.h"
 
@@ -44,7 +47,9 @@ ABSL_FLAG(std::string, modes, "unary_tcp,unary_uds,stream_tcp,echo_tcp,echo_uds,
           "--inflight layers ahead), sharded_tcp (unary Forwards on a cache split over "
           "--shard_targets), echo_tcp, echo_uds (a bare gRPC echo of the same request and "
           "response bytes, tuned transport), echo_proto_default (an echo that parses and "
-          "serializes protobuf messages over gRPC's default transport)");
+          "serializes protobuf messages over gRPC's default transport), ipc_tcp, ipc_uds "
+          "(Forward with device tensors: q/k/v/out in this process's GPU memory, registered "
+          "with the server over CUDA IPC; same node, CUDA server, builds with CUDA only)");
 ABSL_FLAG(std::string, cases, "64x4096,16x4096,1x4096", "decode shapes: batch x context");
 ABSL_FLAG(int, echo_mib, 4,
           "also echo messages of this many MiB each way, tuned and default transport (0: no)");
@@ -232,9 +237,9 @@ ForwardCall DecodeCall(const Workload& w, const std::string& cache, int layer, i
   c.layer = layer;
   for (int s = 0; s < w.shape.batch; ++s)
     c.spans.push_back({static_cast<uint64_t>(s), position, 1, 1});
-  c.q = {w.dtype, {w.shape.batch, w.q_heads, w.head_dim}, w.q.data(), w.q.size()};
-  c.k = {w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.k.data(), w.k.size()};
-  c.v = {w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.v.data(), w.v.size()};
+  c.q = TensorArg::Host(w.dtype, {w.shape.batch, w.q_heads, w.head_dim}, w.q.data(), w.q.size());
+  c.k = TensorArg::Host(w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.k.data(), w.k.size());
+  c.v = TensorArg::Host(w.dtype, {w.shape.batch, w.kv_heads, w.head_dim}, w.v.data(), w.v.size());
   return c;
 }
 
@@ -262,8 +267,8 @@ absl::Status Prefill(const ForwardFn& forward, const Workload& w, const std::str
         c.cache_id = cache;
         c.layer = layer;
         c.spans = {{static_cast<uint64_t>(s), at, static_cast<int32_t>(n), 0}};
-        c.k = {
-            w.dtype, {n, w.kv_heads, w.head_dim}, kv.data(), static_cast<size_t>(n * token_bytes)};
+        c.k = TensorArg::Host(w.dtype, {n, w.kv_heads, w.head_dim}, kv.data(),
+                              static_cast<size_t>(n * token_bytes));
         c.v = c.k;
         absl::StatusOr<ForwardReply> r = forward(c, {});
         if (!r.ok()) return r.status();
@@ -328,6 +333,38 @@ absl::StatusOr<Samples> RunUnary(const ForwardFn& forward, const Workload& w,
   out.layers_done = steps * w.layers;
   return out;
 }
+
+#if PAGEDATTN_WITH_CUDA
+// Unary Forwards with device tensors: q, k and v in a region of this process's GPU memory that
+// the server reads in place, and out written there (RegisterMemory, CUDA IPC). Before each call
+// the client synchronizes its device, as a caller whose kernels just wrote q/k/v must.
+absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::string& cache) {
+  auto align = [](size_t n) { return (n + 255) / 256 * 256; };
+  const size_t q_at = 0, k_at = align(w.q.size()), v_at = k_at + align(w.k.size()),
+               out_at = v_at + align(w.v.size()), bytes = out_at + align(w.out_bytes);
+  absl::StatusOr<std::unique_ptr<DeviceRegion>> region = DeviceRegion::Allocate(0, bytes);
+  if (!region.ok()) return region.status();
+  for (const auto& [at, src] : {std::pair{q_at, &w.q}, {k_at, &w.k}, {v_at, &w.v}}) {
+    if (absl::Status s = (*region)->Write(at, src->data(), src->size()); !s.ok()) return s;
+  }
+  absl::StatusOr<v1::MemoryRegion> registered =
+      client.RegisterMemory(cache, (*region)->ipc_handle(), static_cast<int64_t>(bytes));
+  if (!registered.ok()) return registered.status();
+  const std::string& id = registered->region_id();
+  const ForwardFn forward = [&](const ForwardCall& host, const ForwardOutput&) {
+    ForwardCall c = host;
+    c.q = TensorArg::Device(w.dtype, host.q.shape, id, q_at);
+    c.k = TensorArg::Device(w.dtype, host.k.shape, id, k_at);
+    c.v = TensorArg::Device(w.dtype, host.v.shape, id, v_at);
+    c.out = TensorArg::Device(w.dtype, host.q.shape, id, out_at);
+    if (absl::Status s = (*region)->Synchronize(); !s.ok()) return absl::StatusOr<ForwardReply>(s);
+    return client.ForwardTensors(c, {});
+  };
+  absl::StatusOr<Samples> samples = RunUnary(forward, w, cache, nullptr);
+  (void)client.UnregisterMemory(id);
+  return samples;
+}
+#endif
 
 // One Step stream per step: the first message opens the step (spans), the others carry a layer;
 // `inflight` layers are sent ahead of the answers.
@@ -565,13 +602,16 @@ std::string Row(const std::string& mode, const Workload& w, const Samples& s, do
       "\"request_bytes\": %d, \"response_bytes\": %d, \"p50_us\": %.1f, \"p99_us\": %.1f, "
       "\"mean_layer_us\": %.1f, \"layers_per_s\": %.1f, \"tokens_per_s\": %.1f, "
       "\"server_p50_us\": %.1f, \"kernel_p50_us\": %.1f, \"overhead_p50_us\": %.1f, "
-      "\"echo_p50_us\": %.1f, \"p50_over_echo\": %.3f%s}",
+      "\"echo_p50_us\": %.1f, \"p50_over_echo\": %.3f, \"p50_over_kernel\": %.3f%s}",
       mode, w.shape.batch, w.shape.context, w.layers, w.q_heads, w.kv_heads, w.head_dim,
       v1::DType_Name(w.dtype), request_bytes, w.out_bytes, Percentile(s.latency_us, 0.5),
       Percentile(s.latency_us, 0.99), per_layer, 1e6 / per_layer,
       1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5),
       Percentile(s.kernel_us, 0.5), Percentile(overhead, 0.5), echo_p50,
       echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0,
+      Percentile(s.kernel_us, 0.5) > 0
+          ? Percentile(s.latency_us, 0.5) / Percentile(s.kernel_us, 0.5)
+          : 0.0,
       phases.empty() ? "" : absl::StrCat(", \"phases_us\": ", phases));
 }
 
@@ -679,6 +719,12 @@ int Main() {
         s = RunUnary(Unary(*client), w, cache->cache_id(), nullptr);
       } else if (mode == "sharded_tcp") {
         s = RunSharded(w, config);
+      } else if (mode == "ipc_tcp" || mode == "ipc_uds") {
+#if PAGEDATTN_WITH_CUDA
+        s = RunIpc(*client, w, cache->cache_id());
+#else
+        s = absl::FailedPreconditionError("this pagedattn-loadgen was built without CUDA");
+#endif
       } else {
         std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "'\n";
         return 2;

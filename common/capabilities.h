@@ -93,6 +93,12 @@ constexpr bool IsSupportedIoDType(DType t) {
   return false;
 }
 
+// Forward tensors in memory the caller registered (RegisterMemory, CUDA IPC): the kernels read
+// and write them in place, so only the CUDA backend has them. Their offsets are multiples of
+// kDeviceTensorAlign (the kernels' widest vector access).
+constexpr bool SupportsDeviceTensors(BackendKind backend) { return backend == BackendKind::kCuda; }
+inline constexpr int64_t kDeviceTensorAlign = 16;
+
 constexpr bool IsSupportedGqaRatio(int num_q_heads, int num_kv_heads) {
   return num_kv_heads > 0 && num_q_heads > 0 && num_q_heads % num_kv_heads == 0 &&
          num_q_heads / num_kv_heads <= kMaxGqaRatio;

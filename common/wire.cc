@@ -188,6 +188,24 @@ class Parser {
         t->data_size = data_end - r_.pos();
         return r_.ReadPieces(t->data_size, &t->data) ? 1 : -1;
       }
+      if (number == 4 && wt == kLength) {  // DeviceBuffer
+        size_t buffer_end = 0;
+        if (!LengthEnd(&buffer_end)) return -1;
+        t->on_device = true;
+        return Fields(buffer_end, [&](uint32_t n, uint32_t bt) -> int {
+          if (n == 1 && bt == kLength) {
+            size_t id_end = 0;
+            if (!LengthEnd(&id_end)) return -1;
+            return r_.ReadString(id_end - r_.pos(), &t->region_id) ? 1 : -1;
+          }
+          if (n == 2 && bt == kVarint) {
+            if (!Varint(&v)) return -1;
+            t->offset = static_cast<int64_t>(v);
+            return 1;
+          }
+          return 0;
+        }) ? 1 : -1;
+      }
       return 0;
     });
   }
@@ -219,6 +237,21 @@ void PutLengthField(std::string* out, int number, const std::string& bytes) {
 
 // int32/int64 fields: negative values as their 64-bit two's complement (10 bytes).
 uint64_t AsVarint(int64_t v) { return static_cast<uint64_t>(v); }
+
+// A Tensor's dtype and shape fields.
+std::string TensorHead(int32_t dtype, const std::vector<int64_t>& shape) {
+  std::string head;
+  if (dtype != 0) {
+    PutTag(&head, 1, kVarint);
+    PutVarint(&head, AsVarint(dtype));
+  }
+  if (!shape.empty()) {
+    std::string packed;
+    for (int64_t d : shape) PutVarint(&packed, AsVarint(d));
+    PutLengthField(&head, 2, packed);
+  }
+  return head;
+}
 
 }  // namespace
 
@@ -267,6 +300,8 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
     if (number == kRequestQ && type == kLength) return p.Tensor(&out->q) ? 1 : -1;
     if (number == kRequestK && type == kLength) return p.Tensor(&out->k) ? 1 : -1;
     if (number == kRequestV && type == kLength) return p.Tensor(&out->v) ? 1 : -1;
+    if (number == kRequestOut && type == kLength) return p.Tensor(&out->out) ? 1 : -1;
+    if (number == kRequestLse && type == kLength) return p.Tensor(&out->lse) ? 1 : -1;
     if (number == 7 && type == kLength) {
       if (!p.LengthEnd(&end)) return -1;
       const bool ok = p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
@@ -328,16 +363,7 @@ bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* 
 
 std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
                               size_t data_size) {
-  std::string inner;
-  if (dtype != 0) {
-    PutTag(&inner, 1, kVarint);
-    PutVarint(&inner, AsVarint(dtype));
-  }
-  if (!shape.empty()) {
-    std::string packed;
-    for (int64_t d : shape) PutVarint(&packed, AsVarint(d));
-    PutLengthField(&inner, 2, packed);
-  }
+  std::string inner = TensorHead(dtype, shape);
   PutTag(&inner, 3, kLength);
   PutVarint(&inner, data_size);
   std::string prefix;
@@ -345,6 +371,21 @@ std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector
   PutVarint(&prefix, inner.size() + data_size);
   prefix += inner;
   return prefix;
+}
+
+std::string DeviceTensorField(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
+                              const std::string& region_id, int64_t offset) {
+  std::string inner = TensorHead(dtype, shape);
+  std::string buffer;
+  if (!region_id.empty()) PutLengthField(&buffer, 1, region_id);
+  if (offset != 0) {
+    PutTag(&buffer, 2, kVarint);
+    PutVarint(&buffer, AsVarint(offset));
+  }
+  PutLengthField(&inner, 4, buffer);
+  std::string field;
+  PutLengthField(&field, field_number, inner);
+  return field;
 }
 
 std::string StepResponseFields(int32_t layer, const std::string& error_status,

@@ -27,6 +27,10 @@ struct TensorRef {
   std::vector<int64_t> shape;
   std::vector<Piece> data;
   size_t data_size = 0;
+  // Tensor.device_buffer: the tensor lies in a registered region instead of data.
+  bool on_device = false;
+  std::string region_id;
+  int64_t offset = 0;
 
   // Copies the data's bytes to dst (data_size bytes).
   void CopyTo(char* dst) const;
@@ -51,6 +55,7 @@ struct ForwardRequestRef {
   std::vector<SpanRef> spans;
   TensorRef q, k, v;
   ForwardOptionsRef options;
+  TensorRef out, lse;  // Where device tensors' answer goes (fields 8 and 9).
 };
 
 // Parses a ForwardRequest whose bytes are `chunks` in order (protobuf's rules: unknown fields
@@ -66,6 +71,11 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
 std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
                               size_t data_size);
 
+// A Tensor field that names a place in a registered region (Tensor.device_buffer) instead of
+// carrying data.
+std::string DeviceTensorField(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
+                              const std::string& region_id, int64_t offset);
+
 // The bytes of a ForwardRequest without its tensors (cache id, layer, spans, options), to which
 // the q, k and v fields (TensorFieldPrefix + data) are appended in any order.
 std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
@@ -73,6 +83,7 @@ std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
 
 // Field numbers of the messages (proto/pagedattn/v1/attention.proto).
 inline constexpr int kRequestQ = 4, kRequestK = 5, kRequestV = 6;
+inline constexpr int kRequestOut = 8, kRequestLse = 9;
 inline constexpr int kResponseOut = 1, kResponseLse = 2;
 
 // The fields of a StepResponse besides its tensors (which are ForwardResponse's out and lse,

@@ -67,8 +67,10 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
       static_cast<size_t>(batch.total_queries) * batch.num_q_heads * batch.head_dim;
   const size_t kv_elems =
       static_cast<size_t>(batch.total_new_tokens) * batch.num_kv_heads * batch.head_dim;
-  const size_t q_bytes = q_elems * DTypeSize(batch.q_dtype);
-  const size_t kv_bytes = kv_elems * DTypeSize(batch.kv_wire_dtype);
+  // External tensors take no room in the image and are not copied either way.
+  const size_t staged = batch.external_tensors ? 0 : 1;
+  const size_t q_bytes = staged * q_elems * DTypeSize(batch.q_dtype);
+  const size_t kv_bytes = staged * kv_elems * DTypeSize(batch.kv_wire_dtype);
   ForwardStaging& st = plan.staging_;
   Sections s;
   // The tensors first: their place depends on their sizes alone (InputsLayout), so a caller may
@@ -88,9 +90,9 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   st.merge_tasks = s.Take(BytesOf(w.merge_tasks));
   st.upload_bytes = s.end();
   st.out_bytes = q_bytes;
-  st.lse_bytes = batch.return_lse
-                     ? static_cast<size_t>(batch.total_queries) * batch.num_q_heads * sizeof(float)
-                     : 0;
+  st.lse_bytes = batch.return_lse ? staged * static_cast<size_t>(batch.total_queries) *
+                                         batch.num_q_heads * sizeof(float)
+                                   : 0;
   st.out = s.Take(st.out_bytes);
   st.lse = s.Take(st.lse_bytes);
   st.results_end = s.end();
@@ -123,6 +125,7 @@ void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, cons
   put(st.prefill_jobs, w.prefill_jobs.data(), BytesOf(w.prefill_jobs));
   put(st.prefill_job_start, w.prefill_job_start.data(), BytesOf(w.prefill_job_start));
   put(st.merge_tasks, w.merge_tasks.data(), BytesOf(w.merge_tasks));
+  if (batch_.external_tensors) return;  // the kernels read them where the caller keeps them
   put(st.q, q, st.out_bytes);  // q has out's dtype and shape
   const size_t kv_bytes = static_cast<size_t>(batch_.total_new_tokens) * batch_.num_kv_heads *
                           batch_.head_dim * DTypeSize(batch_.kv_wire_dtype);
@@ -131,15 +134,19 @@ void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, cons
 }
 
 ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, void* k_cache,
-                                  void* v_cache) const {
+                                  void* v_cache, const ExternalTensors& external) const {
   char* d = static_cast<char*>(device_base);
+  // Where q, k, v, out and lse lie: in the image, or where the caller keeps them.
+  const bool ext = batch_.external_tensors;
+  const void* q = ext ? external.q : d + staging_.q;
+  void* out = ext ? external.out : d + staging_.out;
   const AttentionWork& w = work_;
   const ForwardStaging& st = staging_;
   ForwardLaunch launch;
 
   AppendParams& ap = launch.append;
-  ap.k = d + st.k;
-  ap.v = d + st.v;
+  ap.k = ext ? external.k : d + st.k;
+  ap.v = ext ? external.v : d + st.v;
   ap.src_dtype = batch_.kv_wire_dtype;
   ap.k_cache = k_cache;
   ap.v_cache = v_cache;
@@ -162,10 +169,12 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.k_cache = k_cache;
   p.v_cache = v_cache;
   p.page_table = reinterpret_cast<const int32_t*>(d + st.page_table);
-  p.q = d + (converts_q_ ? st.q_f32 : st.q);
-  p.out = d + (converts_q_ ? st.out_f32 : st.out);
+  p.q = converts_q_ ? d + st.q_f32 : q;
+  p.out = converts_q_ ? d + st.out_f32 : out;
   p.q_dtype = converts_q_ ? DType::kFloat32 : batch_.q_dtype;
-  p.lse = batch_.return_lse ? reinterpret_cast<float*>(d + st.lse) : nullptr;
+  p.lse = !batch_.return_lse ? nullptr
+          : ext              ? external.lse
+                             : reinterpret_cast<float*>(d + st.lse);
   p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_items);
   p.num_decode_items = static_cast<int32_t>(w.decode_items.size());
   p.decode_wide_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_wide_items);
@@ -193,8 +202,8 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
 
   if (converts_q_) {
     launch.wire_dtype = batch_.q_dtype;
-    launch.wire_q = d + st.q;
-    launch.wire_out = d + st.out;
+    launch.wire_q = q;
+    launch.wire_out = out;
     launch.wire_elems = batch_.total_queries * int64_t{batch_.num_q_heads} * batch_.head_dim;
   }
   return launch;

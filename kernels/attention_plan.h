@@ -46,6 +46,19 @@ struct ForwardBatch {
   bool causal = true;
   float sm_scale = 0.f;
   bool return_lse = false;
+  // q, k, v, out and lse lie in device memory of their own (ExternalTensors, given to Bind):
+  // the image holds only the metadata, and nothing is copied back.
+  bool external_tensors = false;
+};
+
+// Device addresses of a Forward's tensors outside the image (ForwardBatch::external_tensors):
+// the kernels read q, k and v there and write out (q's dtype and shape) and lse in place.
+struct ExternalTensors {
+  const void* q = nullptr;
+  const void* k = nullptr;  // null when nothing is appended
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // null unless return_lse
 };
 
 // Byte offsets of one Forward's sections (each 256-byte aligned). The inputs (q, k, v, then the
@@ -109,9 +122,10 @@ class AttentionPlan {
   void WriteStaging(void* image, const void* q, const void* k, const void* v) const;
 
   // The kernels' params bound to the image's copy at device_base (staging().device_bytes),
-  // the split counters (staging().merge_counters of them, zero) and the layer's K/V pools.
-  ForwardLaunch Bind(void* device_base, int32_t* merge_counters, void* k_cache,
-                     void* v_cache) const;
+  // the split counters (staging().merge_counters of them, zero) and the layer's K/V pools; the
+  // tensors are the image's, or `external`'s when the batch says external_tensors.
+  ForwardLaunch Bind(void* device_base, int32_t* merge_counters, void* k_cache, void* v_cache,
+                     const ExternalTensors& external = {}) const;
 
  private:
   ForwardBatch batch_;  // scalars, and the caller's page table for WriteStaging

@@ -38,8 +38,9 @@ class ForwardWorkspace {
   // The pinned image's inputs to the device: one cudaMemcpyAsync.
   LaunchStatus Upload(const AttentionPlan& plan, cudaStream_t stream);
   // The kernels' params bound to this workspace's device image and the layer's K/V pools.
-  ForwardLaunch Bind(const AttentionPlan& plan, void* k_cache, void* v_cache) const {
-    return plan.Bind(device_, counters_, k_cache, v_cache);
+  ForwardLaunch Bind(const AttentionPlan& plan, void* k_cache, void* v_cache,
+                     const ExternalTensors& external = {}) const {
+    return plan.Bind(device_, counters_, k_cache, v_cache, external);
   }
   // The results (out, then lse) into the pinned image: one cudaMemcpyAsync.
   LaunchStatus Download(const AttentionPlan& plan, cudaStream_t stream);

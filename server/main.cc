@@ -133,6 +133,11 @@ ABSL_FLAG(std::string, metrics_listen, "",
 ABSL_FLAG(bool, metrics_per_cache, false,
           "also export per-cache series labelled with cache id, name and tenant. /metrics needs "
           "no token and a cache id is a capability: turn on only where /metrics is private");
+ABSL_FLAG(int64_t, max_memory_regions, 1024,
+          "device memory regions clients may hold at once (RegisterMemory, CUDA backend)");
+ABSL_FLAG(int64_t, memory_lease_seconds, 300,
+          "a registered memory region no Forward has used for this long is released (the "
+          "default of a RegisterMemory that names no lease): what a client that died leaves");
 
 namespace {
 
@@ -245,6 +250,8 @@ std::vector<std::string> InvalidFlags() {
   range("--max_total_pool_gb", absl::GetFlag(FLAGS_max_total_pool_gb), 0, 1e7);
   range("--max_forward_tokens", absl::GetFlag(FLAGS_max_forward_tokens), 1, 1e12);
   range("--max_forward_spans", absl::GetFlag(FLAGS_max_forward_spans), 1, 1e9);
+  range("--max_memory_regions", absl::GetFlag(FLAGS_max_memory_regions), 0, 1e6);
+  range("--memory_lease_seconds", absl::GetFlag(FLAGS_memory_lease_seconds), 1, 86400);
   const int64_t request_mb = absl::GetFlag(FLAGS_request_memory_mb);
   if (request_mb > 0 && request_mb < absl::GetFlag(FLAGS_max_message_mb)) {
     bad.push_back(absl::StrCat(
@@ -368,6 +375,8 @@ int main(int argc, char** argv) {
   options.health_listen = absl::GetFlag(FLAGS_health_listen);
   options.metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   options.metrics_per_cache = absl::GetFlag(FLAGS_metrics_per_cache);
+  options.memory.max_regions = absl::GetFlag(FLAGS_max_memory_regions);
+  options.memory.default_lease = absl::Seconds(absl::GetFlag(FLAGS_memory_lease_seconds));
 
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);

@@ -94,6 +94,18 @@ struct ForwardIO {
   // wrote them there), out and lse are null, and the backend leaves the answer in
   // buffers->out() and lse().
   ForwardBuffers* buffers = nullptr;
+  // q, k, v, out and lse are addresses on the cache's device (memory a client registered,
+  // ImportMemory): read and written there in place. Only where SupportsDeviceTensors.
+  bool device_tensors = false;
+};
+
+// A device allocation of another process, mapped into this one (Backend::ImportMemory).
+// Unmapped when destroyed.
+class ImportedMemory {
+ public:
+  virtual ~ImportedMemory() = default;
+  virtual char* base() const = 0;
+  virtual int64_t size() const = 0;  // The whole allocation's bytes, as the driver knows it.
 };
 
 // The host memory of one Forward, from the backend that runs it: the caller writes the request's
@@ -156,6 +168,16 @@ class Backend {
   virtual absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(
       int /*device*/, size_t q_bytes, size_t kv_bytes, size_t out_bytes, size_t lse_bytes) {
     return std::make_unique<HeapForwardBuffers>(q_bytes, kv_bytes, out_bytes, lse_bytes);
+  }
+
+  // Maps another process's device allocation (handle: its cudaIpcMemHandle_t's bytes) on
+  // `device`. INVALID_ARGUMENT for a handle that cannot be opened or lies on another device;
+  // FAILED_PRECONDITION on a backend without device tensors (the default).
+  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int /*device*/,
+                                                                       const std::string& /*handle*/) {
+    return absl::FailedPreconditionError(
+        "device tensors (RegisterMemory, Tensor.device_buffer) need the CUDA backend; this server "
+        "runs the " + name() + " backend: send the tensors' data instead");
   }
 
   // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit; the stop

@@ -101,6 +101,33 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     return absl::InvalidArgumentError(
         absl::StrCat("options.sm_scale must be positive and finite (got ", *a.sm_scale, ")"));
   }
+  if (a.device_tensors) {
+    if (!(total_q == 0 && a.q.empty() && a.out.empty())) {
+      if (s = CheckTensor("out", a.out, {total_q, g.num_q_heads, g.head_dim},
+                          "total_queries, num_q_heads, head_dim");
+          !s.ok()) {
+        return s;
+      }
+      if (a.out.dtype != a.q.dtype) {
+        return absl::InvalidArgumentError(absl::StrCat("out.dtype must be q's, ",
+                                                       DTypeName(a.q.dtype), " (got ",
+                                                       DTypeName(a.out.dtype), ")"));
+      }
+    }
+    if (a.return_lse) {
+      if (s = CheckTensor("lse", a.lse, {total_q, g.num_q_heads}, "total_queries, num_q_heads");
+          !s.ok()) {
+        return s;
+      }
+      if (a.lse.dtype != DType::kFloat32) {
+        return absl::InvalidArgumentError(absl::StrCat("lse.dtype must be FLOAT32 (got ",
+                                                       DTypeName(a.lse.dtype), ")"));
+      }
+    } else if (!a.lse.empty()) {
+      return absl::InvalidArgumentError("lse is set but options.return_lse is false");
+    }
+    return absl::OkStatus();  // the answer is written in place: no response size to check
+  }
   // The answer must be sendable, or the K/V would be committed for a reply the caller never
   // gets.
   const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
@@ -205,7 +232,7 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
                            DTypeSize(result.out_dtype);
   const size_t lse_bytes =
       a.return_lse ? static_cast<size_t>(plan.total_queries) * g.num_q_heads * sizeof(float) : 0;
-  if (a.buffers == nullptr) {  // the answer in strings of its own (else in the buffers)
+  if (a.buffers == nullptr && !a.device_tensors) {  // the answer in strings of its own
     result.out.resize(out_bytes);
     result.lse.resize(lse_bytes);
   }
@@ -219,6 +246,11 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   io.lse =
       a.buffers == nullptr && a.return_lse ? reinterpret_cast<float*>(result.lse.data()) : nullptr;
   io.buffers = a.buffers;
+  if (a.device_tensors) {  // the caller's device memory, writable (RegisterMemory)
+    io.device_tensors = true;
+    io.out = const_cast<void*>(a.out.data);
+    io.lse = static_cast<float*>(const_cast<void*>(a.lse.data));
+  }
   io.timings = timings;
   if (timings != nullptr) timings->validate_us = MicrosSince(start);
 

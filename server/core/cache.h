@@ -37,6 +37,12 @@ struct ForwardArgs {
   // When set, q, k and v lie in these backend buffers and the answer is left in them
   // (ForwardResult::out and lse stay empty). From the backend's AcquireForwardBuffers.
   ForwardBuffers* buffers = nullptr;
+  // q, k and v are device tensors (their data: addresses on the cache's device, or null while
+  // only being checked), and the answer is written to out and lse, which then are required:
+  // out as q (dtype and shape), lse [total_queries, num_q_heads] FLOAT32 iff return_lse.
+  bool device_tensors = false;
+  TensorView out;
+  TensorView lse;
 };
 
 struct ForwardResult {

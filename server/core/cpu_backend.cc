@@ -175,6 +175,9 @@ absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeom
 absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                                  const ForwardIO& io_in) {
   auto& pool = static_cast<CpuPool&>(pool_base);
+  if (io_in.device_tensors) {
+    return absl::FailedPreconditionError("device tensors need the CUDA backend");
+  }
   ForwardIO io = io_in;
   if (io.buffers != nullptr) {  // this backend's own (the default heap buffers)
     auto* heap = static_cast<HeapForwardBuffers*>(io.buffers);

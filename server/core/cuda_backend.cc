@@ -2,6 +2,7 @@
 // append and attention kernels, one D2H copy and one synchronization, on a pooled workspace.
 #include "server/core/cuda_backend.h"
 
+#include <cuda.h>  // driver types only: entry points come through the runtime
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -78,6 +79,53 @@ class CudaKvPool final : public KvPool {
   int64_t layer_bytes_;
   k::AttentionPlanLimits limits_;
 };
+
+// Another process's allocation mapped here by cudaIpcOpenMemHandle.
+class CudaImportedMemory final : public ImportedMemory {
+ public:
+  CudaImportedMemory(int device, char* base) : device_(device), base_(base) {}
+  ~CudaImportedMemory() override {
+    int current = 0;
+    cudaGetDevice(&current);
+    cudaSetDevice(device_);
+    cudaIpcCloseMemHandle(base_);
+    cudaSetDevice(current);
+  }
+  char* base() const override { return base_; }
+  int64_t size() const override { return size_; }
+  void set_size(int64_t size) { size_ = size; }
+
+ private:
+  int device_;
+  char* base_;
+  int64_t size_ = 0;
+};
+
+// The size of the allocation holding `ptr`, from the driver's cuMemGetAddressRange, looked up
+// through the runtime (the server does not link libcuda, so it starts where there is no driver).
+absl::StatusOr<int64_t> AllocationSize(void* ptr) {
+  using GetAddressRange = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+  static GetAddressRange fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      f = nullptr;
+    }
+    return reinterpret_cast<GetAddressRange>(f);
+  }();
+  if (fn == nullptr) return absl::InternalError("the driver has no cuMemGetAddressRange");
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (CUresult r = fn(&base, &size, reinterpret_cast<CUdeviceptr>(ptr)); r != CUDA_SUCCESS) {
+    return absl::InternalError(absl::StrCat("cuMemGetAddressRange failed (CUresult ", r, ")"));
+  }
+  // The handle names an allocation's start (cudaIpcGetMemHandle); what lies before ptr is not
+  // the caller's to use.
+  return static_cast<int64_t>(size) - static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(ptr) - base);
+}
 
 // A stream and the buffers of the Forwards that run on it. One Forward uses one workspace at a
 // time; concurrent Forwards take different ones.
@@ -156,7 +204,8 @@ k::ForwardBatch BatchOf(const CacheGeometry& g, const ForwardPlan& plan, const F
           .kv_wire_dtype = io.kv_dtype,
           .causal = plan.causal,
           .sm_scale = plan.sm_scale,
-          .return_lse = plan.return_lse};
+          .return_lse = plan.return_lse,
+          .external_tensors = io.device_tensors};
 }
 
 class CudaBackend final : public Backend {
@@ -217,6 +266,39 @@ class CudaBackend final : public Backend {
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
     return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits));
+  }
+
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int device,
+                                                               const std::string& handle) override {
+    if (handle.size() != sizeof(cudaIpcMemHandle_t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_ipc_handle must be the ", sizeof(cudaIpcMemHandle_t),
+                       " bytes of a cudaIpcMemHandle_t (got ", handle.size(), " bytes)"));
+    }
+    if (absl::Status st = SetDevice(device); !st.ok()) return st;
+    cudaIpcMemHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    void* ptr = nullptr;
+    if (cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
+        err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "cuda_ipc_handle could not be opened on GPU ", device, ": ", cudaGetErrorName(err), " (",
+          cudaGetErrorString(err), "); it must come from cudaIpcGetMemHandle in a live process "
+          "on this node, not the server's own"));
+    }
+    // Closed again on any error below.
+    auto mem = std::make_unique<CudaImportedMemory>(device, static_cast<char*>(ptr));
+    cudaPointerAttributes attr = {};
+    PAGEDATTN_CUDA_RETURN(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
+    if (attr.device != device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "the allocation lies on GPU ", attr.device, ", the cache on GPU ", device));
+    }
+    absl::StatusOr<int64_t> size = AllocationSize(ptr);
+    if (!size.ok()) return size.status();
+    mem->set_size(*size);
+    return std::unique_ptr<ImportedMemory>(std::move(mem));
   }
 
   absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(
@@ -294,7 +376,9 @@ class CudaBackend final : public Backend {
     const k::AttentionPlan attention =
         k::AttentionPlan::Make(BatchOf(g, plan, io, spans), pool.limits());
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Reserve(attention, ws.stream));
-    if (buffers != nullptr) {
+    if (io.device_tensors) {
+      ws.buffers.StageInputs(attention, nullptr, nullptr, nullptr);  // the metadata only
+    } else if (buffers != nullptr) {
       ws.buffers.StageInputs(attention, buffers->q(), buffers->k(), buffers->v());
     } else {
       ws.buffers.StageInputs(attention, io.q, io.k, io.v);
@@ -305,7 +389,8 @@ class CudaBackend final : public Backend {
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
     const k::ForwardLaunch launch =
-        ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer));
+        ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer),
+                        {.q = io.q, .k = io.k, .v = io.v, .out = io.out, .lse = io.lse});
     PAGEDATTN_LAUNCH_RETURN(k::LaunchAppendKv(launch.append, ws.stream, launcher_));
     PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, launcher_));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));
@@ -323,7 +408,9 @@ class CudaBackend final : public Backend {
                                                     ForwardWorkspace::kAfterDownload);
     }
     const k::ForwardStaging& st = attention.staging();
-    if (buffers != nullptr) {
+    if (io.device_tensors) {
+      // The answer is where the caller said.
+    } else if (buffers != nullptr) {
       buffers->SetResults(st.out, st.lse, st.lse_bytes > 0);
     } else {
       ws.buffers.ReadResults(attention, io.out, io.lse);

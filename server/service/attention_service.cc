@@ -100,6 +100,7 @@ void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
   out->set_supports_non_causal(true);
   out->set_supports_lse(true);
   out->set_supports_custom_sm_scale(true);
+  out->set_supports_device_tensors(SupportsDeviceTensors(backend));
 }
 
 grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
@@ -157,6 +158,7 @@ grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx,
     absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
     if (!cache.ok()) return cache.status();
     ToProto(**cache, resp);
+    resp->mutable_stats()->set_memory_regions(regions_->CountFor((*cache)->id()));
     return absl::OkStatus();
   });
 }
@@ -166,7 +168,9 @@ grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx,
                                               v1::ListCachesResponse* resp) {
   return Handle("ListCaches", ctx, [&](Rpc& rpc) {
     for (const std::shared_ptr<Cache>& cache : manager_->List(rpc.tenant())) {
-      ToProto(*cache, resp->add_caches());
+      v1::CacheInfo* info = resp->add_caches();
+      ToProto(*cache, info);
+      info->mutable_stats()->set_memory_regions(regions_->CountFor(cache->id()));
     }
     return absl::OkStatus();
   });
@@ -179,6 +183,7 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
     rpc.set_cache(req->cache_id());
     absl::StatusOr<int64_t> freed = manager_->Delete(req->cache_id(), rpc.tenant());
     if (!freed.ok()) return freed.status();
+    regions_->ReleaseCache(req->cache_id());
     resp->set_freed_bytes(*freed);
     spdlog::info("deleted cache {} ({} bytes)", rpc.cache(), *freed);
     return absl::OkStatus();
@@ -194,6 +199,12 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   const CacheGeometry& g = (*cache)->geometry();
   // Checked before anything is allocated for it: a request's sizes are the caller's word.
   ForwardArgs args = ToForwardArgs(request, nullptr);
+  if (args.device_tensors) return RunDeviceForward(rpc, **cache, request, std::move(args));
+  if (request.out.present || request.lse.present) {
+    return absl::InvalidArgumentError(
+        "out and lse are set in a request only when q, k and v are device tensors "
+        "(Tensor.device_buffer); otherwise the answer carries them");
+  }
   if (absl::Status s = (*cache)->Check(args); !s.ok()) return s;
   const int64_t response_bytes = ForwardResponseBytes(g, args);
   // The request's bytes and the answer's, held until the answer is built, against the server's
@@ -233,14 +244,61 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop(), &answer.timings);
   if (!result.ok()) return result.status();
   answer.result = *std::move(result);
-  if (metrics_ != nullptr) {
-    int64_t appended = 0, queries = 0;
-    for (const SpanRequest& s : args.spans) {
-      appended += s.num_new_tokens;
-      queries += s.num_queries;
-    }
-    metrics_->RecordForward(rpc.seconds(), appended, queries);
+  RecordForward(rpc, args);
+  return answer;
+}
+
+void AttentionServiceImpl::RecordForward(const Rpc& rpc, const ForwardArgs& args) {
+  if (metrics_ == nullptr) return;
+  int64_t appended = 0, queries = 0;
+  for (const SpanRequest& s : args.spans) {
+    appended += s.num_new_tokens;
+    queries += s.num_queries;
   }
+  metrics_->RecordForward(rpc.seconds(), appended, queries);
+}
+
+absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunDeviceForward(
+    Rpc& rpc, Cache& cache, const wire::ForwardRequestRef& request, ForwardArgs args) {
+  if (!SupportsDeviceTensors(manager_->backend().kind())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "device tensors (Tensor.device_buffer) need the CUDA backend; this server runs the ",
+        manager_->backend().name(), " backend: send the tensors' data instead"));
+  }
+  struct Named {
+    const char* name;
+    const wire::TensorRef& ref;
+    TensorView& view;
+  };
+  const Named tensors[] = {{"q", request.q, args.q},
+                           {"k", request.k, args.k},
+                           {"v", request.v, args.v},
+                           {"out", request.out, args.out},
+                           {"lse", request.lse, args.lse}};
+  for (const Named& t : tensors) {
+    if (t.ref.present && !t.ref.on_device) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "q, k, v, out and lse are all device tensors (Tensor.device_buffer) or none is; ",
+          t.name, " carries data"));
+    }
+  }
+  if (absl::Status s = cache.Check(args); !s.ok()) return s;
+  // Every address checked before anything runs; the pins keep the mappings until it is done.
+  std::vector<MemoryRegistry::Pin> pins;
+  for (const Named& t : tensors) {
+    if (!t.ref.present) continue;
+    absl::StatusOr<char*> address =
+        regions_->Resolve(t.ref.region_id, t.ref.offset, static_cast<int64_t>(t.view.size_bytes),
+                          cache.id(), rpc.tenant(), t.name, &pins);
+    if (!address.ok()) return address.status();
+    t.view.data = *address;
+  }
+  ForwardAnswer answer;
+  answer.device_tensors = true;
+  absl::StatusOr<ForwardResult> result = cache.Forward(args, rpc.stop(), &answer.timings);
+  if (!result.ok()) return result.status();
+  answer.result = *std::move(result);
+  RecordForward(rpc, args);
   return answer;
 }
 
@@ -264,7 +322,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
         RunForward(rpc, received.request.cache_id, received.request, received.bytes);
     if (!answer.ok()) return answer.status();
     const double before_encode_us = rpc.seconds() * 1e6;
-    *resp = EncodeResponse(answer->result, answer->buffers, /*step=*/false, 0, 0, 0);
+    *resp = answer->device_tensors
+                ? EncodeDeviceResponse(answer->result, received.request, /*step=*/false, 0, 0, 0)
+                : EncodeResponse(answer->result, answer->buffers, /*step=*/false, 0, 0, 0);
     const double server_us = rpc.seconds() * 1e6;
     ctx->AddTrailingMetadata("pagedattn-server-us", std::to_string(Micros(server_us)));
     ctx->AddTrailingMetadata("pagedattn-kernel-us",
@@ -425,8 +485,12 @@ class AttentionServiceImpl::StepReactor final
         service_->Finish(rpc, result.ok() ? absl::OkStatus() : result.status());
     if (result.ok()) {
       const double before_encode_us = rpc.seconds() * 1e6;
-      answer = EncodeResponse(result->result, result->buffers, /*step=*/true, job->layer,
-                              Micros(before_encode_us), Micros(result->timings.kernel_us));
+      answer = result->device_tensors
+                   ? EncodeDeviceResponse(result->result, job->received.request, /*step=*/true,
+                                          job->layer, Micros(before_encode_us),
+                                          Micros(result->timings.kernel_us))
+                   : EncodeResponse(result->result, result->buffers, /*step=*/true, job->layer,
+                                    Micros(before_encode_us), Micros(result->timings.kernel_us));
       if (service_->metrics_ != nullptr) {
         service_->metrics_->RecordForwardPhases(job->parse_us, result->stage_in_us, result->timings,
                                                 rpc.seconds() * 1e6 - before_encode_us);
@@ -522,6 +586,46 @@ grpc::Status AttentionServiceImpl::TruncateSequences(grpc::ServerContext* ctx,
     resp->set_freed_pages(r->freed_pages);
     for (uint64_t id : r->unknown_seq_ids) resp->add_unknown_seq_ids(id);
     return absl::OkStatus();
+  });
+}
+
+grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
+                                                  const v1::RegisterMemoryRequest* req,
+                                                  v1::MemoryRegion* resp) {
+  return Handle("RegisterMemory", ctx, [&](Rpc& rpc) -> absl::Status {
+    rpc.set_cache(req->cache_id());
+    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
+    if (!cache.ok()) return cache.status();
+    const int32_t device = (*cache)->geometry().device;
+    if (req->device() != device) {
+      return absl::InvalidArgumentError(absl::StrCat("device is ", req->device(), " but cache ",
+                                                     (*cache)->id(), " lives on GPU ", device,
+                                                     ": register memory on the cache's GPU"));
+    }
+    absl::StatusOr<RegionInfo> region = regions_->Register({.owner = rpc.tenant(),
+                                                            .cache_id = (*cache)->id(),
+                                                            .device = device,
+                                                            .handle = req->cuda_ipc_handle(),
+                                                            .size_bytes = req->size_bytes(),
+                                                            .lease = absl::Seconds(req->lease_seconds())});
+    if (!region.ok()) return region.status();
+    resp->set_region_id(region->id);
+    resp->set_cache_id(region->cache_id);
+    resp->set_size_bytes(region->size_bytes);
+    resp->set_device(region->device);
+    resp->set_lease_seconds(static_cast<int32_t>(absl::ToInt64Seconds(region->lease)));
+    spdlog::info("registered memory region {} for cache {}: {} bytes on GPU {}, lease {} s",
+                 region->id, region->cache_id, region->size_bytes, region->device,
+                 resp->lease_seconds());
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status AttentionServiceImpl::UnregisterMemory(grpc::ServerContext* ctx,
+                                                    const v1::UnregisterMemoryRequest* req,
+                                                    v1::UnregisterMemoryResponse*) {
+  return Handle("UnregisterMemory", ctx, [&](Rpc& rpc) {
+    return regions_->Unregister(req->region_id(), rpc.tenant());
   });
 }
 

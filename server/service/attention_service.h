@@ -12,6 +12,7 @@
 
 #include "pagedattn/v1/attention.grpc.pb.h"
 #include "server/core/cache_manager.h"
+#include "server/core/memory_registry.h"
 #include "server/core/stop_token.h"
 #include "server/service/auth.h"
 #include "server/service/executor.h"
@@ -52,6 +53,8 @@ struct ForwardAnswer {
   std::shared_ptr<ForwardBuffers> buffers;
   ForwardTimings timings;
   double stage_in_us = 0;  // copying the request's tensors into the buffers
+  // Device tensors: out and lse were written where the request said (no buffers).
+  bool device_tensors = false;
 };
 
 class AttentionServiceImpl final
@@ -64,9 +67,12 @@ class AttentionServiceImpl final
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
   // gate: the server's calls in flight. budget: bytes of Forward data in flight. executor: runs
   // the layers of Step streams.
-  AttentionServiceImpl(CacheManager* manager, const TokenAuthenticator* auth, Metrics* metrics,
-                       RpcGate* gate, ByteBudget* budget, Executor* executor)
+  // regions: the memory clients registered (RegisterMemory).
+  AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
+                       const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
+                       ByteBudget* budget, Executor* executor)
       : manager_(manager),
+        regions_(regions),
         auth_(auth),
         metrics_(metrics),
         gate_(gate),
@@ -93,6 +99,10 @@ class AttentionServiceImpl final
                                 v1::ReleaseSequencesResponse* resp) override;
   grpc::Status TruncateSequences(grpc::ServerContext* ctx, const v1::TruncateSequencesRequest* req,
                                  v1::TruncateSequencesResponse* resp) override;
+  grpc::Status RegisterMemory(grpc::ServerContext* ctx, const v1::RegisterMemoryRequest* req,
+                              v1::MemoryRegion* resp) override;
+  grpc::Status UnregisterMemory(grpc::ServerContext* ctx, const v1::UnregisterMemoryRequest* req,
+                                v1::UnregisterMemoryResponse* resp) override;
 
  private:
   class StepReactor;  // attention_service.cc
@@ -108,8 +118,14 @@ class AttentionServiceImpl final
   absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,
                                            const wire::ForwardRequestRef& request,
                                            size_t request_bytes);
+  // RunForward for device tensors: every region resolved and checked, then the core.
+  absl::StatusOr<ForwardAnswer> RunDeviceForward(Rpc& rpc, Cache& cache,
+                                                 const wire::ForwardRequestRef& request,
+                                                 ForwardArgs args);
+  void RecordForward(const Rpc& rpc, const ForwardArgs& args);
 
   CacheManager* const manager_;
+  MemoryRegistry* const regions_;
   const TokenAuthenticator* const auth_;
   Metrics* const metrics_;
   RpcGate* const gate_;

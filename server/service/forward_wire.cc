@@ -24,6 +24,21 @@ TensorView Place(const wire::TensorRef& t, char* dst) {
   return v;
 }
 
+// A device tensor's view: dtype, shape and the bytes the shape spans (saturated: a shape that
+// does not fit is refused by the shape check first); its address comes from its region later.
+TensorView Described(const wire::TensorRef& t) {
+  TensorView v;
+  if (!t.present) return v;
+  v.dtype = static_cast<DType>(t.dtype);
+  v.shape = t.shape;
+  int64_t bytes = std::max(0, DTypeSize(v.dtype));
+  for (int64_t d : t.shape) {
+    bytes = (d < 0 || (d > 0 && bytes > INT64_MAX / d)) ? INT64_MAX : bytes * d;
+  }
+  v.size_bytes = static_cast<size_t>(bytes);
+  return v;
+}
+
 // A slice of bytes that `owner` keeps alive (released when gRPC is done with the slice).
 grpc::Slice SliceOf(const char* data, size_t size, const std::shared_ptr<ForwardBuffers>& owner) {
   auto* keep = new std::shared_ptr<ForwardBuffers>(owner);
@@ -52,6 +67,10 @@ absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out) 
   return absl::OkStatus();
 }
 
+bool HasDeviceTensors(const wire::ForwardRequestRef& r) {
+  return r.q.on_device || r.k.on_device || r.v.on_device || r.out.on_device || r.lse.on_device;
+}
+
 size_t QBytes(const wire::ForwardRequestRef& r) { return r.q.data_size; }
 size_t KvBytes(const wire::ForwardRequestRef& r) { return std::max(r.k.data_size, r.v.data_size); }
 
@@ -62,9 +81,18 @@ ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& r, ForwardBuffers* buff
   for (const wire::SpanRef& s : r.spans) {
     a.spans.push_back({s.seq_id, s.start, s.num_new_tokens, s.num_queries});
   }
-  a.q = Place(r.q, buffers != nullptr ? buffers->q() : nullptr);
-  a.k = Place(r.k, buffers != nullptr ? buffers->k() : nullptr);
-  a.v = Place(r.v, buffers != nullptr ? buffers->v() : nullptr);
+  a.device_tensors = HasDeviceTensors(r);
+  if (a.device_tensors) {
+    a.q = Described(r.q);
+    a.k = Described(r.k);
+    a.v = Described(r.v);
+    a.out = Described(r.out);
+    a.lse = Described(r.lse);
+  } else {
+    a.q = Place(r.q, buffers != nullptr ? buffers->q() : nullptr);
+    a.k = Place(r.k, buffers != nullptr ? buffers->k() : nullptr);
+    a.v = Place(r.v, buffers != nullptr ? buffers->v() : nullptr);
+  }
   a.causal = r.options.causal;
   a.sm_scale = r.options.sm_scale;
   a.return_lse = r.options.return_lse;
@@ -96,6 +124,23 @@ grpc::ByteBuffer EncodeResponse(const ForwardResult& result,
     slices.emplace_back(wire::StepResponseFields(layer, "", server_micros, kernel_micros));
   }
   return grpc::ByteBuffer(slices.data(), slices.size());
+}
+
+grpc::ByteBuffer EncodeDeviceResponse(const ForwardResult& result,
+                                      const wire::ForwardRequestRef& request, bool step,
+                                      int32_t layer, int64_t server_micros,
+                                      int64_t kernel_micros) {
+  std::string bytes = wire::DeviceTensorField(wire::kResponseOut,
+                                              static_cast<int32_t>(result.out_dtype),
+                                              result.out_shape, request.out.region_id,
+                                              request.out.offset);
+  if (!result.lse_shape.empty()) {
+    bytes += wire::DeviceTensorField(wire::kResponseLse, static_cast<int32_t>(DType::kFloat32),
+                                     result.lse_shape, request.lse.region_id, request.lse.offset);
+  }
+  if (step) bytes += wire::StepResponseFields(layer, "", server_micros, kernel_micros);
+  grpc::Slice slice(bytes);
+  return grpc::ByteBuffer(&slice, 1);
 }
 
 grpc::ByteBuffer EncodeStepError(int32_t layer, const grpc::Status& status) {

@@ -26,13 +26,18 @@ struct ReceivedForward {
 // INVALID_ARGUMENT naming what is wrong when the bytes are not a ForwardRequest.
 absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out);
 
+// Whether any of the request's tensors names a device buffer (RegisterMemory).
+bool HasDeviceTensors(const wire::ForwardRequestRef& request);
+
 // Bytes of the request's q, and of its k (= v's).
 size_t QBytes(const wire::ForwardRequestRef& request);
 size_t KvBytes(const wire::ForwardRequestRef& request);
 
 // The core's arguments, with q, k and v copied from the request's chunks into the backend's
 // buffers (the one host copy of the inputs; on the CUDA backend the upload reads them there).
-// Without buffers: the tensors' dtypes, shapes and sizes only, to check the request.
+// Without buffers: the tensors' dtypes, shapes and sizes only, to check the request. Device
+// tensors (HasDeviceTensors) come with dtypes, shapes and sizes only: their addresses are the
+// caller's to fill in (MemoryRegistry::Resolve).
 ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, ForwardBuffers* buffers);
 
 // The answer's bytes: a ForwardResponse (step: false), or a StepResponse for `layer` with the
@@ -41,6 +46,10 @@ ForwardArgs ToForwardArgs(const wire::ForwardRequestRef& request, ForwardBuffers
 grpc::ByteBuffer EncodeResponse(const ForwardResult& result,
                                 std::shared_ptr<ForwardBuffers> buffers, bool step, int32_t layer,
                                 int64_t server_micros, int64_t kernel_micros);
+// The answer of a Forward with device tensors: out and lse named where they were written.
+grpc::ByteBuffer EncodeDeviceResponse(const ForwardResult& result,
+                                      const wire::ForwardRequestRef& request, bool step,
+                                      int32_t layer, int64_t server_micros, int64_t kernel_micros);
 // A StepResponse that answers a layer with an error.
 grpc::ByteBuffer EncodeStepError(int32_t layer, const grpc::Status& status);
 

@@ -21,6 +21,7 @@
 #include "server/core/host_memory.h"
 #include "server/service/address.h"
 #include "server/service/tls.h"
+#include "spdlog/spdlog.h"
 
 namespace pagedattn {
 namespace {
@@ -116,14 +117,20 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   CacheManagerLimits limits = options.limits;
   limits.forward.max_response_bytes = options.max_message_bytes;
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), limits);
+  s->regions_ = std::make_unique<MemoryRegistry>(
+      s->backend_.get(), options.memory, [](const RegionInfo& r, const std::string& why) {
+        spdlog::info("released memory region {} of cache {} ({} bytes): {}", r.id, r.cache_id,
+                     r.size_bytes, why);
+      });
   s->metrics_ = std::make_unique<Metrics>(options.metrics_per_cache);
   s->gate_ = std::make_unique<RpcGate>();
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
   s->service_ =
-      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->auth_.get(), s->metrics_.get(),
-                                             s->gate_.get(), s->budget_.get(), s->executor_.get());
+      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->regions_.get(), s->auth_.get(),
+                                             s->metrics_.get(), s->gate_.get(), s->budget_.get(),
+                                             s->executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 

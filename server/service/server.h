@@ -17,6 +17,7 @@
 #include "server/service/health.h"
 #include "server/service/http_server.h"
 #include "server/service/metrics.h"
+#include "server/core/memory_registry.h"
 #include "server/service/rpc_gate.h"
 
 namespace pagedattn {
@@ -41,6 +42,7 @@ struct ServerOptions {
   std::string health_listen;     // Extra plaintext port serving grpc.health.v1 only; empty = none.
   std::string metrics_listen;    // Prometheus /metrics over HTTP; empty = none.
   bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
+  MemoryRegistryOptions memory;    // RegisterMemory: how many regions, their leases.
 };
 
 // A quarter of the memory this process may use (cgroup limits included), at most twice the
@@ -62,6 +64,7 @@ class PagedAttnServer {
   const TokenAuthenticator* auth() const { return auth_.get(); }
   Backend& backend() const { return *backend_; }
   CacheManager& manager() const { return *manager_; }
+  MemoryRegistry& regions() const { return *regions_; }
   int64_t request_memory_bytes() const { return budget_->limit(); }
   // AttentionService calls running now (for tests and logs).
   int64_t calls_in_flight() const { return gate_->in_flight(); }
@@ -82,6 +85,7 @@ class PagedAttnServer {
   // Declared first, destroyed last: the services below point at them.
   std::unique_ptr<Backend> backend_;
   std::unique_ptr<CacheManager> manager_;
+  std::unique_ptr<MemoryRegistry> regions_;  // after the backend: its mappings close first
   std::unique_ptr<TokenAuthenticator> auth_;
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcGate> gate_;

@@ -13,90 +13,25 @@
 
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "tests/service/forward_script.h"
 #include "server/service/server.h"
 
 namespace pagedattn {
 namespace {
 
-constexpr int kLayers = 2, kHeads = 8, kKvHeads = 2, kHeadDim = 64;
+using forward_script::CallOf;
+using forward_script::Case;
+using forward_script::kHeadDim;
+using forward_script::kHeads;
+using forward_script::kKvHeads;
+using forward_script::kLayers;
+using forward_script::MakeTensors;
+using forward_script::Script;
+using forward_script::Tensors;
 
 bool OnCpu() {
   const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
   return b == nullptr || *b == '\0' || std::string(b) == "cpu";
-}
-
-// One Forward of the script: spans, layer, and whether it must fail (with which code).
-struct Case {
-  int32_t layer;
-  std::vector<wire::SpanRef> spans;  // seq, start, new, queries
-  absl::StatusCode want = absl::StatusCode::kOk;
-  bool bad_q_shape = false;
-};
-
-// The script: every kind of span, errors in between (which must change nothing), rewinds.
-std::vector<Case> Script() {
-  using C = absl::StatusCode;
-  return {
-      {0, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
-      {1, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
-      {0, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
-      {0, {{1, 40, 1, 1}}, C::kFailedPrecondition},     // a gap
-      {0, {{9, 5, 0, 1}}, C::kNotFound},                // attend an unknown sequence
-      {1, {{1, 37, 1, 1}}, C::kInvalidArgument, true},  // q of the wrong shape
-      {0, {{4, 0, 600, 600}}, C::kResourceExhausted},   // more pages than the pool has
-      {1, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
-      {0, {{1, 30, 3, 3}, {2, 32, 0, 4}, {3, 5, 0, 2}}},  // rewind, attend-only spans
-      {1, {{1, 38, 2, 2}, {3, 5, 1, 1}}},
-      {0, {{1, 33, 1, 1}, {3, 5, 1, 1}}},
-  };
-}
-
-// Deterministic tensors of a case (the same for every path).
-struct Tensors {
-  std::string q, k, v;
-  std::vector<int64_t> q_shape, kv_shape;
-};
-Tensors MakeTensors(const Case& c, uint64_t seed) {
-  int64_t queries = 0, tokens = 0;
-  for (const wire::SpanRef& s : c.spans) {
-    queries += s.num_queries;
-    tokens += s.num_new_tokens;
-  }
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d;
-  auto bf16 = [&](int64_t n) {
-    std::string bytes(static_cast<size_t>(n) * 2, '\0');
-    for (int64_t i = 0; i < n; ++i) {
-      const float f = d(rng);
-      uint32_t u;
-      std::memcpy(&u, &f, 4);
-      const uint16_t h = static_cast<uint16_t>((u + 0x7fff + ((u >> 16) & 1)) >> 16);
-      std::memcpy(bytes.data() + 2 * i, &h, 2);
-    }
-    return bytes;
-  };
-  Tensors t;
-  t.q_shape = {queries, kHeads, kHeadDim};
-  if (c.bad_q_shape) t.q_shape = {queries, kHeads + 1, kHeadDim};
-  t.q = bf16(t.q_shape[0] * t.q_shape[1] * t.q_shape[2]);
-  t.kv_shape = {tokens, kKvHeads, kHeadDim};
-  t.k = bf16(tokens * kKvHeads * kHeadDim);
-  t.v = bf16(tokens * kKvHeads * kHeadDim);
-  return t;
-}
-
-ForwardCall CallOf(const std::string& cache, const Case& c, const Tensors& t) {
-  ForwardCall call;
-  call.cache_id = cache;
-  call.layer = c.layer;
-  call.spans = c.spans;
-  call.options.return_lse = true;
-  call.q = {v1::BFLOAT16, t.q_shape, t.q.data(), t.q.size()};
-  if (t.kv_shape[0] > 0) {
-    call.k = {v1::BFLOAT16, t.kv_shape, t.k.data(), t.k.size()};
-    call.v = {v1::BFLOAT16, t.kv_shape, t.v.data(), t.v.size()};
-  }
-  return call;
 }
 
 v1::ForwardRequest ProtoOf(const ForwardCall& call) {

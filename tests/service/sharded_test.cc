@@ -95,10 +95,10 @@ struct Step {
     call.layer = layer;
     call.spans = spans;
     call.options.return_lse = true;
-    call.q = {dtype, q_shape, q.data(), q.size()};
+    call.q = TensorArg::Host(dtype, q_shape, q.data(), q.size());
     if (kv_shape[0] > 0) {
-      call.k = {dtype, kv_shape, k.data(), k.size()};
-      call.v = {dtype, kv_shape, v.data(), v.size()};
+      call.k = TensorArg::Host(dtype, kv_shape, k.data(), k.size());
+      call.v = TensorArg::Host(dtype, kv_shape, v.data(), v.size());
     }
     return call;
   }

@@ -1,0 +1,160 @@
+// MemoryRegistry without a GPU: a backend whose ImportMemory hands out host buffers, counting
+// what is mapped and unmapped. Bounds, alignment, ownership, leases (swept at chosen times),
+// pins that outlive an unregistration, and one mapping per handle.
+#include "server/core/memory_registry.h"
+
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "absl/time/clock.h"
+
+namespace pagedattn {
+namespace {
+
+int g_mapped = 0;  // mappings alive
+
+class HostMemory final : public ImportedMemory {
+ public:
+  explicit HostMemory(int64_t size) : bytes_(static_cast<size_t>(size)) { ++g_mapped; }
+  ~HostMemory() override { --g_mapped; }
+  char* base() const override { return const_cast<char*>(bytes_.data()); }
+  int64_t size() const override { return static_cast<int64_t>(bytes_.size()); }
+
+ private:
+  std::vector<char> bytes_;
+};
+
+// Handles are "<size>" in decimal; "bad" fails to open.
+class FakeBackend final : public Backend {
+ public:
+  BackendKind kind() const override { return BackendKind::kCuda; }
+  std::string name() const override { return "fake"; }
+  std::string device_name() const override { return "fake"; }
+  int device_count() const override { return 1; }
+  absl::StatusOr<MemoryInfo> memory(int) const override { return MemoryInfo{}; }
+  absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry&,
+                                                       const StopToken&) override {
+    return absl::UnimplementedError("");
+  }
+  absl::Status Forward(KvPool&, const CacheGeometry&, const ForwardPlan&,
+                       const ForwardIO&) override {
+    return absl::UnimplementedError("");
+  }
+  absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int,
+                                                               const std::string& handle) override {
+    ++imports;
+    if (handle == "bad") return absl::InvalidArgumentError("cannot open");
+    return std::unique_ptr<ImportedMemory>(new HostMemory(std::stoll(handle)));
+  }
+  int imports = 0;
+};
+
+class MemoryRegistryTest : public ::testing::Test {
+ protected:
+  MemoryRegistryTest()
+      : registry_(&backend_, {.max_regions = 3,
+                              .default_lease = absl::Seconds(60),
+                              .sweep_interval = absl::Hours(1)}) {}
+
+  RegionInfo Register(const std::string& cache, const std::string& owner = "a",
+                      const std::string& handle = "4096", int64_t size = 4096,
+                      absl::Duration lease = absl::ZeroDuration()) {
+    absl::StatusOr<RegionInfo> r = registry_.Register({.owner = owner,
+                                                       .cache_id = cache,
+                                                       .device = 0,
+                                                       .handle = handle,
+                                                       .size_bytes = size,
+                                                       .lease = lease});
+    EXPECT_TRUE(r.ok()) << r.status();
+    return r.ok() ? *r : RegionInfo{};
+  }
+  absl::StatusCode ResolveCode(const std::string& id, int64_t offset, int64_t bytes,
+                               const std::string& cache = "c1", const std::string& owner = "a") {
+    std::vector<MemoryRegistry::Pin> pins;
+    return registry_.Resolve(id, offset, bytes, cache, owner, "q", &pins).status().code();
+  }
+
+  FakeBackend backend_;
+  MemoryRegistry registry_;
+};
+
+TEST_F(MemoryRegistryTest, ResolveChecksBoundsAlignmentCacheAndOwner) {
+  const RegionInfo r = Register("c1", "a", "8192", 4096);
+  EXPECT_EQ(r.size_bytes, 4096);
+  EXPECT_EQ(r.lease, absl::Seconds(60));
+  using C = absl::StatusCode;
+  EXPECT_EQ(ResolveCode(r.id, 0, 4096), C::kOk);
+  EXPECT_EQ(ResolveCode(r.id, 4096, 0), C::kOk);
+  EXPECT_EQ(ResolveCode(r.id, 16, 4096), C::kInvalidArgument) << "past the registered size";
+  EXPECT_EQ(ResolveCode(r.id, 4112, 0), C::kInvalidArgument);
+  EXPECT_EQ(ResolveCode(r.id, 8, 16), C::kInvalidArgument) << "misaligned";
+  EXPECT_EQ(ResolveCode(r.id, -16, 16), C::kInvalidArgument);
+  EXPECT_EQ(ResolveCode(r.id, 16, INT64_MAX), C::kInvalidArgument) << "overflowing end";
+  EXPECT_EQ(ResolveCode(r.id, 0, 16, "c2"), C::kInvalidArgument) << "another cache";
+  EXPECT_EQ(ResolveCode(r.id, 0, 16, "c1", "b"), C::kNotFound) << "another owner";
+  EXPECT_EQ(ResolveCode("nope", 0, 16), C::kNotFound);
+  std::vector<MemoryRegistry::Pin> pins;
+  absl::StatusOr<char*> a = registry_.Resolve(r.id, 32, 16, "c1", "a", "q", &pins);
+  absl::StatusOr<char*> b = registry_.Resolve(r.id, 48, 16, "c1", "a", "q", &pins);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(*b - *a, 16);
+}
+
+TEST_F(MemoryRegistryTest, RegisterChecksSizeLeaseHandleAndLimit) {
+  using C = absl::StatusCode;
+  auto code = [&](const std::string& handle, int64_t size, absl::Duration lease) {
+    return registry_
+        .Register({.owner = "a", .cache_id = "c1", .device = 0, .handle = handle,
+                   .size_bytes = size, .lease = lease})
+        .status()
+        .code();
+  };
+  EXPECT_EQ(code("4096", 4097, absl::ZeroDuration()), C::kInvalidArgument) << "past the allocation";
+  EXPECT_EQ(code("4096", 0, absl::ZeroDuration()), C::kInvalidArgument);
+  EXPECT_EQ(code("4096", 16, absl::Milliseconds(10)), C::kInvalidArgument);
+  EXPECT_EQ(code("4096", 16, absl::Hours(25)), C::kInvalidArgument);
+  EXPECT_EQ(code("bad", 16, absl::ZeroDuration()), C::kInvalidArgument);
+  for (int i = 0; i < 3; ++i) Register("c1");
+  EXPECT_EQ(code("4096", 16, absl::ZeroDuration()), C::kResourceExhausted);
+  EXPECT_EQ(registry_.size(), 3);
+}
+
+TEST_F(MemoryRegistryTest, OneMappingPerHandleAndPinsOutliveUnregistration) {
+  const RegionInfo r1 = Register("c1");
+  const RegionInfo r2 = Register("c2");  // the same allocation for another cache
+  EXPECT_EQ(backend_.imports, 1);
+  EXPECT_EQ(g_mapped, 1);
+  std::vector<MemoryRegistry::Pin> pins;
+  ASSERT_TRUE(registry_.Resolve(r1.id, 0, 16, "c1", "a", "q", &pins).ok());
+  EXPECT_EQ(registry_.Unregister(r1.id, "b").code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(registry_.Unregister(r1.id, "a").ok());
+  ASSERT_TRUE(registry_.Unregister(r2.id, "a").ok());
+  EXPECT_EQ(g_mapped, 1) << "unmapped under a Forward that still uses it";
+  pins.clear();
+  EXPECT_EQ(g_mapped, 0);
+  EXPECT_EQ(registry_.Unregister(r1.id, "a").code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(MemoryRegistryTest, LeasesExpireUnlessUsedAndCacheDeletionReleases) {
+  const absl::Time t0 = absl::Now();
+  const RegionInfo idle = Register("c1", "a", "4096", 4096, absl::Seconds(2));
+  const RegionInfo used = Register("c1", "a", "8192", 4096, absl::Seconds(2));
+  const RegionInfo other = Register("c2", "a", "16384", 4096, absl::Seconds(60));
+  EXPECT_EQ(registry_.Sweep(t0 + absl::Seconds(1)), 0);
+  EXPECT_EQ(registry_.CountFor("c1"), 2);
+  absl::SleepFor(absl::Milliseconds(1200));
+  EXPECT_EQ(ResolveCode(used.id, 0, 16), absl::StatusCode::kOk);  // renews the lease now
+  // A second on: idle is 2.2 s unused, past its lease; used 1 s.
+  EXPECT_EQ(registry_.Sweep(absl::Now() + absl::Seconds(1)), 1);
+  EXPECT_EQ(ResolveCode(idle.id, 0, 16), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ResolveCode(used.id, 0, 16), absl::StatusCode::kOk);
+  EXPECT_EQ(registry_.Sweep(absl::Now() + absl::Seconds(3)), 1);
+  EXPECT_EQ(registry_.CountFor("c2"), 1);
+  EXPECT_EQ(registry_.ReleaseCache("c2"), 1);
+  EXPECT_EQ(ResolveCode(other.id, 0, 16, "c2"), absl::StatusCode::kNotFound);
+  EXPECT_EQ(g_mapped, 0);
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -158,13 +158,15 @@ absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
 absl::StatusOr<v1::MemoryRegion> Client::RegisterMemory(const std::string& cache_id,
                                                          const std::string& ipc_handle,
                                                          int64_t size_bytes, int32_t device,
-                                                         int32_t lease_seconds) {
+                                                         int32_t lease_seconds,
+                                                         const std::vector<std::string>& ipc_events) {
   v1::RegisterMemoryRequest req;
   req.set_cache_id(cache_id);
   req.set_cuda_ipc_handle(ipc_handle);
   req.set_size_bytes(size_bytes);
   req.set_device(device);
   req.set_lease_seconds(lease_seconds);
+  for (const std::string& e : ipc_events) req.add_cuda_ipc_events(e);
   PAGEDATTN_UNARY(RegisterMemory, req, v1::MemoryRegion);
   return response;
 }
@@ -202,6 +204,7 @@ grpc::ByteBuffer EncodeCall(const ForwardCall& call) {
     slices.emplace_back(wire::TensorFieldPrefix(field, t->dtype, t->shape, t->bytes));
     if (t->bytes > 0) slices.emplace_back(t->data, t->bytes, grpc::Slice::STATIC_SLICE);
   }
+  if (call.sync.present) slices.emplace_back(wire::DeviceSyncField(call.sync));
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 

@@ -72,8 +72,11 @@ struct ForwardCall {
   std::vector<wire::SpanRef> spans;  // Step: empty continues the open step.
   wire::ForwardOptionsRef options;
   TensorArg q, k, v;
-  // Device tensors only: where the server writes the answer (ForwardOutput is then unused).
+  // Device tensors only: where the server writes the answer (ForwardOutput is then unused),
+  // and the events that order the work with the caller's stream (wire::DeviceSyncRef; set
+  // present to send it).
   TensorArg out, lse;
+  wire::DeviceSyncRef sync;
 };
 
 // Where a Forward's answer goes: the caller's buffers, exactly out's and lse's size (lse may be
@@ -121,11 +124,13 @@ class Client {
   // Maps a device allocation of this process into the server for cache_id (CUDA backend, same
   // node): ipc_handle is the cudaIpcMemHandle_t of the allocation's start (client/device.h
   // makes one), size_bytes how much of it Forwards may use, lease_seconds 0 for the server's
-  // default. Forward's TensorArgs then name {region_id, offset} in it.
+  // default; ipc_events the cudaIpcEventHandle_t of events for ForwardCall::sync (IpcEvent).
+  // Forward's TensorArgs then name {region_id, offset} in it.
   absl::StatusOr<v1::MemoryRegion> RegisterMemory(const std::string& cache_id,
                                                   const std::string& ipc_handle,
                                                   int64_t size_bytes, int32_t device = 0,
-                                                  int32_t lease_seconds = 0);
+                                                  int32_t lease_seconds = 0,
+                                                  const std::vector<std::string>& ipc_events = {});
   absl::Status UnregisterMemory(const std::string& region_id);
   // A Step stream (one Forward per message, answered in order); the deadline covers the stream.
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStep();

@@ -60,6 +60,42 @@ absl::Status DeviceRegion::Fill(size_t offset, int byte, size_t n) {
   return Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
 }
 
+absl::StatusOr<std::unique_ptr<IpcEvent>> IpcEvent::Create(int device) {
+  if (absl::Status s = Cuda(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
+  cudaEvent_t event = nullptr;
+  if (absl::Status s = Cuda(
+          cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+          "cudaEventCreate");
+      !s.ok()) {
+    return s;
+  }
+  cudaIpcEventHandle_t handle;
+  if (absl::Status s = Cuda(cudaIpcGetEventHandle(&handle, event), "cudaIpcGetEventHandle");
+      !s.ok()) {
+    cudaEventDestroy(event);
+    return s;
+  }
+  return std::unique_ptr<IpcEvent>(
+      new IpcEvent(event, std::string(reinterpret_cast<const char*>(&handle), sizeof(handle))));
+}
+
+IpcEvent::~IpcEvent() { cudaEventDestroy(static_cast<cudaEvent_t>(event_)); }
+
+absl::Status IpcEvent::Record(void* stream) {
+  return Cuda(cudaEventRecord(static_cast<cudaEvent_t>(event_), static_cast<cudaStream_t>(stream)),
+              "cudaEventRecord");
+}
+
+absl::Status IpcEvent::Synchronize() const {
+  return Cuda(cudaEventSynchronize(static_cast<cudaEvent_t>(event_)), "cudaEventSynchronize");
+}
+
+absl::Status IpcEvent::StreamWait(void* stream) const {
+  return Cuda(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
+                                  static_cast<cudaEvent_t>(event_), 0),
+              "cudaStreamWaitEvent");
+}
+
 absl::Status DeviceRegion::Synchronize() const {
   if (absl::Status s = Cuda(cudaSetDevice(device_), "cudaSetDevice"); !s.ok()) return s;
   return Cuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");

@@ -49,4 +49,28 @@ class DeviceRegion {
   std::string handle_;
 };
 
+// An event of the client's process the server can wait on and record (DeviceSync): created
+// with cudaEventInterprocess | cudaEventDisableTiming; register its ipc_handle() with the memory.
+class IpcEvent {
+ public:
+  static absl::StatusOr<std::unique_ptr<IpcEvent>> Create(int device);
+  ~IpcEvent();
+  IpcEvent(const IpcEvent&) = delete;
+  IpcEvent& operator=(const IpcEvent&) = delete;
+
+  const std::string& ipc_handle() const { return handle_; }
+  void* event() const { return event_; }  // the cudaEvent_t
+  // Records it on `stream` (a cudaStream_t; null: the legacy default stream).
+  absl::Status Record(void* stream = nullptr);
+  // Waits on the host until the work it was last recorded after (by either side) is done.
+  absl::Status Synchronize() const;
+  // Makes `stream`'s later work wait for it (null: the legacy default stream).
+  absl::Status StreamWait(void* stream = nullptr) const;
+
+ private:
+  IpcEvent(void* event, std::string handle) : event_(event), handle_(std::move(handle)) {}
+  void* event_;
+  std::string handle_;
+};
+
 }  // namespace pagedattn

@@ -49,7 +49,10 @@ ABSL_FLAG(std::string, modes, "unary_tcp,unary_uds,stream_tcp,echo_tcp,echo_uds,
           "response bytes, tuned transport), echo_proto_default (an echo that parses and "
           "serializes protobuf messages over gRPC's default transport), ipc_tcp, ipc_uds "
           "(Forward with device tensors: q/k/v/out in this process's GPU memory, registered "
-          "with the server over CUDA IPC; same node, CUDA server, builds with CUDA only)");
+          "with the server over CUDA IPC; the client synchronizes before each call), "
+          "ipc_events_tcp, ipc_events_uds (the same ordered by CUDA events instead), "
+          "ipc_stream_uds (a Step stream with events, a step's layers sent at once; same node, "
+          "CUDA server, builds with CUDA only)");
 ABSL_FLAG(std::string, cases, "64x4096,16x4096,1x4096", "decode shapes: batch x context");
 ABSL_FLAG(int, echo_mib, 4,
           "also echo messages of this many MiB each way, tuned and default transport (0: no)");
@@ -335,10 +338,18 @@ absl::StatusOr<Samples> RunUnary(const ForwardFn& forward, const Workload& w,
 }
 
 #if PAGEDATTN_WITH_CUDA
-// Unary Forwards with device tensors: q, k and v in a region of this process's GPU memory that
-// the server reads in place, and out written there (RegisterMemory, CUDA IPC). Before each call
-// the client synchronizes its device, as a caller whose kernels just wrote q/k/v must.
-absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::string& cache) {
+// Forwards with device tensors: q, k and v in a region of this process's GPU memory that the
+// server reads in place, and out written there (RegisterMemory, CUDA IPC).
+//   ipc_*: unary; before each call the client synchronizes its device (as a caller whose
+//     kernels just wrote q/k/v must), and the answer comes once out is written.
+//   ipc_events_*: unary with DeviceSync events: the server's work waits on the GPU for the
+//     client's event, the answer comes once the work is queued, and a layer is done when the
+//     client's wait on the server's event returns.
+//   ipc_stream_*: a Step stream with events, every layer of a step sent at once; layer i's
+//     input event is recorded on the client's stream after it waited for layer i-1's output
+//     event, as a model's dense layer in between would. Per layer: the step's time / layers.
+absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::string& cache,
+                               bool events, bool stream) {
   auto align = [](size_t n) { return (n + 255) / 256 * 256; };
   const size_t q_at = 0, k_at = align(w.q.size()), v_at = k_at + align(w.k.size()),
                out_at = v_at + align(w.v.size()), bytes = out_at + align(w.out_bytes);
@@ -347,20 +358,89 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
   for (const auto& [at, src] : {std::pair{q_at, &w.q}, {k_at, &w.k}, {v_at, &w.v}}) {
     if (absl::Status s = (*region)->Write(at, src->data(), src->size()); !s.ok()) return s;
   }
-  absl::StatusOr<v1::MemoryRegion> registered =
-      client.RegisterMemory(cache, (*region)->ipc_handle(), static_cast<int64_t>(bytes));
+  // Events 1..layers: layer i's input is ready; layers+1..2*layers: layer i's output is.
+  std::vector<std::unique_ptr<IpcEvent>> ev;
+  std::vector<std::string> handles;
+  for (int i = 0; events && i < 2 * w.layers; ++i) {
+    absl::StatusOr<std::unique_ptr<IpcEvent>> e = IpcEvent::Create(0);
+    if (!e.ok()) return e.status();
+    handles.push_back((*e)->ipc_handle());
+    ev.push_back(*std::move(e));
+  }
+  absl::StatusOr<v1::MemoryRegion> registered = client.RegisterMemory(
+      cache, (*region)->ipc_handle(), static_cast<int64_t>(bytes), 0, 0, handles);
   if (!registered.ok()) return registered.status();
-  const std::string& id = registered->region_id();
-  const ForwardFn forward = [&](const ForwardCall& host, const ForwardOutput&) {
+  const std::string id = registered->region_id();
+  auto device_call = [&](const ForwardCall& host) {
     ForwardCall c = host;
     c.q = TensorArg::Device(w.dtype, host.q.shape, id, q_at);
     c.k = TensorArg::Device(w.dtype, host.k.shape, id, k_at);
     c.v = TensorArg::Device(w.dtype, host.v.shape, id, v_at);
     c.out = TensorArg::Device(w.dtype, host.q.shape, id, out_at);
-    if (absl::Status s = (*region)->Synchronize(); !s.ok()) return absl::StatusOr<ForwardReply>(s);
-    return client.ForwardTensors(c, {});
+    if (events) {
+      c.sync = {.present = true,
+                .region_id = id,
+                .wait_event = 1 + host.layer,
+                .done_event = 1 + w.layers + host.layer};
+    }
+    return c;
   };
-  absl::StatusOr<Samples> samples = RunUnary(forward, w, cache, nullptr);
+  absl::StatusOr<Samples> samples;
+  if (!stream) {
+    const ForwardFn forward = [&](const ForwardCall& host,
+                                  const ForwardOutput&) -> absl::StatusOr<ForwardReply> {
+      if (!events) {
+        if (absl::Status s = (*region)->Synchronize(); !s.ok()) return s;
+        return client.ForwardTensors(device_call(host), {});
+      }
+      if (absl::Status s = ev[host.layer]->Record(); !s.ok()) return s;
+      absl::StatusOr<ForwardReply> r = client.ForwardTensors(device_call(host), {});
+      if (!r.ok()) return r;
+      if (absl::Status s = ev[w.layers + host.layer]->Synchronize(); !s.ok()) return s;
+      return r;
+    };
+    samples = RunUnary(forward, w, cache, nullptr);
+  } else {
+    samples = [&]() -> absl::StatusOr<Samples> {
+      Samples out;
+      absl::StatusOr<std::unique_ptr<StepStream>> steps = client.OpenStep();
+      if (!steps.ok()) return steps.status();
+      const int n = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
+      Clock::time_point measured_start;
+      for (int step = -warmup; step < n; ++step) {
+        if (step == 0) measured_start = Clock::now();
+        const Clock::time_point t = Clock::now();
+        std::thread receiver([&] {
+          for (int layer = 0; layer < w.layers; ++layer) (void)(*steps)->Receive({});
+        });
+        absl::Status sent;
+        for (int layer = 0; layer < w.layers && sent.ok(); ++layer) {
+          if (layer > 0) {  // the "dense layer" waits for the previous attention's output
+            sent = ev[w.layers + layer - 1]->StreamWait();
+          }
+          if (sent.ok()) sent = ev[layer]->Record();
+          ForwardCall call =
+              device_call(DecodeCall(w, cache, layer, w.shape.context + std::max(step, 0)));
+          if (layer > 0) {
+            call.cache_id.clear();
+            call.spans.clear();
+          }
+          if (sent.ok()) sent = (*steps)->Send(call);
+        }
+        receiver.join();
+        if (!sent.ok()) return sent;
+        if (absl::Status s = ev[2 * w.layers - 1]->Synchronize(); !s.ok()) return s;
+        if (step >= 0) {
+          const double per_layer = Since(t) / w.layers;
+          for (int layer = 0; layer < w.layers; ++layer) out.latency_us.push_back(per_layer);
+        }
+      }
+      out.wall_us = Since(measured_start);
+      out.layers_done = n * w.layers;
+      if (absl::Status s = (*steps)->Close(); !s.ok()) return s;
+      return out;
+    }();
+  }
   (void)client.UnregisterMemory(id);
   return samples;
 }
@@ -589,8 +669,14 @@ std::string PhaseMeans(const Phases& before, const Phases& after) {
   return absl::StrCat("{", absl::StrJoin(parts, ", "), "}");
 }
 
+// kernel_p50: the kernel time to compare p50 with when the mode's answers carry none (events
+// modes answer before the kernel ran): another mode's in the same run, named in the row.
 std::string Row(const std::string& mode, const Workload& w, const Samples& s, double echo_p50,
-                int64_t request_bytes, const std::string& phases = "") {
+                int64_t request_bytes, const std::string& phases = "",
+                double kernel_p50 = 0, const std::string& kernel_from = "") {
+  const double own_kernel = Percentile(s.kernel_us, 0.5);
+  const bool borrowed = own_kernel <= 0 && kernel_p50 > 0;
+  if (!borrowed) kernel_p50 = own_kernel;
   const double per_layer = s.wall_us / std::max(1, s.layers_done);
   std::vector<double> overhead;
   for (size_t i = 0; i < s.server_us.size() && i < s.kernel_us.size(); ++i) {
@@ -607,12 +693,11 @@ std::string Row(const std::string& mode, const Workload& w, const Samples& s, do
       v1::DType_Name(w.dtype), request_bytes, w.out_bytes, Percentile(s.latency_us, 0.5),
       Percentile(s.latency_us, 0.99), per_layer, 1e6 / per_layer,
       1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5),
-      Percentile(s.kernel_us, 0.5), Percentile(overhead, 0.5), echo_p50,
+      kernel_p50, Percentile(overhead, 0.5), echo_p50,
       echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0,
-      Percentile(s.kernel_us, 0.5) > 0
-          ? Percentile(s.latency_us, 0.5) / Percentile(s.kernel_us, 0.5)
-          : 0.0,
-      phases.empty() ? "" : absl::StrCat(", \"phases_us\": ", phases));
+      kernel_p50 > 0 ? Percentile(s.latency_us, 0.5) / kernel_p50 : 0.0,
+      absl::StrCat(phases.empty() ? "" : absl::StrCat(", \"phases_us\": ", phases),
+                   borrowed ? absl::StrCat(", \"kernel_from\": \"", kernel_from, "\"") : ""));
 }
 
 int Main() {
@@ -693,6 +778,8 @@ int Main() {
       rows.push_back(Row(name, w, *s, 0, request_bytes));
       std::cerr << rows.back() << "\n";
     }
+    double kernel_p50 = 0;  // from the last ipc mode that reported kernel times
+    std::string kernel_from;
     for (const std::string& mode : modes) {
       if (mode.rfind("echo", 0) == 0) continue;
       const bool over_uds = mode.find("uds") != std::string::npos;
@@ -719,9 +806,10 @@ int Main() {
         s = RunUnary(Unary(*client), w, cache->cache_id(), nullptr);
       } else if (mode == "sharded_tcp") {
         s = RunSharded(w, config);
-      } else if (mode == "ipc_tcp" || mode == "ipc_uds") {
+      } else if (mode.rfind("ipc_", 0) == 0) {
 #if PAGEDATTN_WITH_CUDA
-        s = RunIpc(*client, w, cache->cache_id());
+        s = RunIpc(*client, w, cache->cache_id(), mode.find("events") != std::string::npos,
+                   mode.find("stream") != std::string::npos);
 #else
         s = absl::FailedPreconditionError("this pagedattn-loadgen was built without CUDA");
 #endif
@@ -739,8 +827,12 @@ int Main() {
         absl::StatusOr<Phases> after = ScrapePhases(metrics);
         if (after.ok()) phases = PhaseMeans(*phases_before, *after);
       }
-      rows.push_back(Row(mode, w, *s, floor, request_bytes, phases));
+      rows.push_back(Row(mode, w, *s, floor, request_bytes, phases, kernel_p50, kernel_from));
       std::cerr << rows.back() << "\n";
+      if (Percentile(s->kernel_us, 0.5) > 0 && mode.rfind("ipc", 0) == 0) {
+        kernel_p50 = Percentile(s->kernel_us, 0.5);  // same kernels, same device tensors
+        kernel_from = mode;
+      }
     }
     (void)tcp->DeleteCache(cache->cache_id());
   }

@@ -302,6 +302,23 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
     if (number == kRequestV && type == kLength) return p.Tensor(&out->v) ? 1 : -1;
     if (number == kRequestOut && type == kLength) return p.Tensor(&out->out) ? 1 : -1;
     if (number == kRequestLse && type == kLength) return p.Tensor(&out->lse) ? 1 : -1;
+    if (number == kRequestSync && type == kLength) {
+      if (!p.LengthEnd(&end)) return -1;
+      out->sync.present = true;
+      return p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
+        if (n == 1 && t == kLength) {
+          size_t id_end = 0;
+          if (!p.LengthEnd(&id_end)) return -1;
+          return r.ReadString(id_end - r.pos(), &out->sync.region_id) ? 1 : -1;
+        }
+        if ((n == 2 || n == 3) && t == kVarint) {
+          if (!p.Varint(&v)) return -1;
+          (n == 2 ? out->sync.wait_event : out->sync.done_event) = static_cast<int32_t>(v);
+          return 1;
+        }
+        return 0;
+      }) ? 1 : -1;
+    }
     if (number == 7 && type == kLength) {
       if (!p.LengthEnd(&end)) return -1;
       const bool ok = p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
@@ -385,6 +402,19 @@ std::string DeviceTensorField(int field_number, int32_t dtype, const std::vector
   PutLengthField(&inner, 4, buffer);
   std::string field;
   PutLengthField(&field, field_number, inner);
+  return field;
+}
+
+std::string DeviceSyncField(const DeviceSyncRef& sync) {
+  std::string inner;
+  if (!sync.region_id.empty()) PutLengthField(&inner, 1, sync.region_id);
+  for (const auto& [number, value] : {std::pair{2, sync.wait_event}, {3, sync.done_event}}) {
+    if (value == 0) continue;
+    PutTag(&inner, number, kVarint);
+    PutVarint(&inner, AsVarint(value));
+  }
+  std::string field;
+  PutLengthField(&field, kRequestSync, inner);
   return field;
 }
 

@@ -49,6 +49,14 @@ struct ForwardOptionsRef {
   bool return_lse = false;
 };
 
+// ForwardRequest.sync: events of a region ordering the device work (0: none).
+struct DeviceSyncRef {
+  bool present = false;
+  std::string region_id;
+  int32_t wait_event = 0;
+  int32_t done_event = 0;
+};
+
 struct ForwardRequestRef {
   std::string cache_id;
   int32_t layer = 0;
@@ -56,6 +64,7 @@ struct ForwardRequestRef {
   TensorRef q, k, v;
   ForwardOptionsRef options;
   TensorRef out, lse;  // Where device tensors' answer goes (fields 8 and 9).
+  DeviceSyncRef sync;  // Field 10.
 };
 
 // Parses a ForwardRequest whose bytes are `chunks` in order (protobuf's rules: unknown fields
@@ -76,6 +85,9 @@ std::string TensorFieldPrefix(int field_number, int32_t dtype, const std::vector
 std::string DeviceTensorField(int field_number, int32_t dtype, const std::vector<int64_t>& shape,
                               const std::string& region_id, int64_t offset);
 
+// A ForwardRequest's sync field (DeviceSync).
+std::string DeviceSyncField(const DeviceSyncRef& sync);
+
 // The bytes of a ForwardRequest without its tensors (cache id, layer, spans, options), to which
 // the q, k and v fields (TensorFieldPrefix + data) are appended in any order.
 std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
@@ -83,7 +95,7 @@ std::string ForwardRequestHead(const std::string& cache_id, int32_t layer,
 
 // Field numbers of the messages (proto/pagedattn/v1/attention.proto).
 inline constexpr int kRequestQ = 4, kRequestK = 5, kRequestV = 6;
-inline constexpr int kRequestOut = 8, kRequestLse = 9;
+inline constexpr int kRequestOut = 8, kRequestLse = 9, kRequestSync = 10;
 inline constexpr int kResponseOut = 1, kResponseLse = 2;
 
 // The fields of a StepResponse besides its tensors (which are ForwardResponse's out and lse,

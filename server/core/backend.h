@@ -97,6 +97,18 @@ struct ForwardIO {
   // q, k, v, out and lse are addresses on the cache's device (memory a client registered,
   // ImportMemory): read and written there in place. Only where SupportsDeviceTensors.
   bool device_tensors = false;
+  // Device tensors only, events of the client (ImportEvent's handle()): the work waits on the
+  // GPU for wait_event before it reads q/k/v, and records done_event once out/lse are written;
+  // with done_event the backend returns once the work is queued, without waiting for it.
+  void* wait_event = nullptr;
+  void* done_event = nullptr;
+};
+
+// An event of another process opened in this one (Backend::ImportEvent); closed when destroyed.
+class ImportedEvent {
+ public:
+  virtual ~ImportedEvent() = default;
+  virtual void* handle() const = 0;  // What ForwardIO::wait_event / done_event take.
 };
 
 // A device allocation of another process, mapped into this one (Backend::ImportMemory).
@@ -178,6 +190,12 @@ class Backend {
     return absl::FailedPreconditionError(
         "device tensors (RegisterMemory, Tensor.device_buffer) need the CUDA backend; this server "
         "runs the " + name() + " backend: send the tensors' data instead");
+  }
+
+  // Opens another process's event (handle: its cudaIpcEventHandle_t's bytes) on `device`.
+  virtual absl::StatusOr<std::unique_ptr<ImportedEvent>> ImportEvent(int /*device*/,
+                                                                     const std::string& /*handle*/) {
+    return absl::FailedPreconditionError("device events need the CUDA backend");
   }
 
   // Allocates the whole pool up front. RESOURCE_EXHAUSTED when it does not fit; the stop

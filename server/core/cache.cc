@@ -250,6 +250,8 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
     io.device_tensors = true;
     io.out = const_cast<void*>(a.out.data);
     io.lse = static_cast<float*>(const_cast<void*>(a.lse.data));
+    io.wait_event = a.wait_event;
+    io.done_event = a.done_event;
   }
   io.timings = timings;
   if (timings != nullptr) timings->validate_us = MicrosSince(start);

@@ -43,6 +43,9 @@ struct ForwardArgs {
   bool device_tensors = false;
   TensorView out;
   TensorView lse;
+  // Device tensors only: ForwardIO::wait_event / done_event (ImportedEvent handles).
+  void* wait_event = nullptr;
+  void* done_event = nullptr;
 };
 
 struct ForwardResult {

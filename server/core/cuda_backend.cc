@@ -58,15 +58,25 @@ absl::Status FromLaunch(const k::LaunchStatus& st) {
 
 class CudaKvPool final : public KvPool {
  public:
-  CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits)
-      : device_(device), base_(base), layer_bytes_(layer_bytes), limits_(limits) {}
+  CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits,
+             std::vector<cudaEvent_t> layer_done)
+      : device_(device),
+        base_(base),
+        layer_bytes_(layer_bytes),
+        limits_(limits),
+        layer_done_(std::move(layer_done)) {}
   ~CudaKvPool() override {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device_);
-    cudaFree(base_);
+    cudaFree(base_);  // waits for the work still using it
+    for (cudaEvent_t e : layer_done_) cudaEventDestroy(e);
     cudaSetDevice(current);
   }
+  // Recorded after each Forward's work on a layer, waited for by the next Forward's: Forwards
+  // of one layer run on the GPU in the order the cache admitted them, whichever streams they
+  // take, also when the server answers before the work is done (ForwardIO::done_event).
+  cudaEvent_t layer_done(int layer) const { return layer_done_[layer]; }
   // Layer l's K pool then its V pool, each [num_pages][num_kv_heads][page_size][head_dim].
   void* k(int layer) const { return base_ + 2 * layer * layer_bytes_; }
   void* v(int layer) const { return base_ + (2 * layer + 1) * layer_bytes_; }
@@ -78,6 +88,7 @@ class CudaKvPool final : public KvPool {
   char* base_;
   int64_t layer_bytes_;
   k::AttentionPlanLimits limits_;
+  std::vector<cudaEvent_t> layer_done_;
 };
 
 // Another process's allocation mapped here by cudaIpcOpenMemHandle.
@@ -88,6 +99,8 @@ class CudaImportedMemory final : public ImportedMemory {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device_);
+    // Forwards answered before their work was done may still read or write it.
+    cudaDeviceSynchronize();
     cudaIpcCloseMemHandle(base_);
     cudaSetDevice(current);
   }
@@ -99,6 +112,17 @@ class CudaImportedMemory final : public ImportedMemory {
   int device_;
   char* base_;
   int64_t size_ = 0;
+};
+
+// Another process's event opened by cudaIpcOpenEventHandle.
+class CudaImportedEvent final : public ImportedEvent {
+ public:
+  explicit CudaImportedEvent(cudaEvent_t event) : event_(event) {}
+  ~CudaImportedEvent() override { cudaEventDestroy(event_); }
+  void* handle() const override { return event_; }
+
+ private:
+  cudaEvent_t event_;
 };
 
 // The size of the allocation holding `ptr`, from the driver's cuMemGetAddressRange, looked up
@@ -265,7 +289,19 @@ class CudaBackend final : public Backend {
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
-    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits));
+    std::vector<cudaEvent_t> layer_done(static_cast<size_t>(g.num_layers));
+    for (cudaEvent_t& e : layer_done) {
+      if (cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+          err != cudaSuccess) {
+        for (cudaEvent_t made : layer_done) {
+          if (made != nullptr) cudaEventDestroy(made);
+        }
+        cudaFree(base);
+        return CudaStatus(err, "cudaEventCreate(layer order)");
+      }
+    }
+    return std::unique_ptr<KvPool>(
+        new CudaKvPool(g.device, base, layer_bytes, limits, std::move(layer_done)));
   }
 
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int device,
@@ -301,6 +337,27 @@ class CudaBackend final : public Backend {
     return std::unique_ptr<ImportedMemory>(std::move(mem));
   }
 
+  absl::StatusOr<std::unique_ptr<ImportedEvent>> ImportEvent(int device,
+                                                             const std::string& handle) override {
+    if (handle.size() != sizeof(cudaIpcEventHandle_t)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("a cuda_ipc_events entry must be the ", sizeof(cudaIpcEventHandle_t),
+                       " bytes of a cudaIpcEventHandle_t (got ", handle.size(), " bytes)"));
+    }
+    if (absl::Status st = SetDevice(device); !st.ok()) return st;
+    cudaIpcEventHandle_t h;
+    std::memcpy(&h, handle.data(), sizeof(h));
+    cudaEvent_t event = nullptr;
+    if (cudaError_t err = cudaIpcOpenEventHandle(&event, h); err != cudaSuccess) {
+      cudaGetLastError();
+      return absl::InvalidArgumentError(absl::StrCat(
+          "a cuda_ipc_events entry could not be opened: ", cudaGetErrorName(err), " (",
+          cudaGetErrorString(err), "); it must come from cudaIpcGetEventHandle of an event "
+          "created with cudaEventInterprocess | cudaEventDisableTiming in a live process"));
+    }
+    return std::unique_ptr<ImportedEvent>(new CudaImportedEvent(event));
+  }
+
   absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(
       int device, size_t q_bytes, size_t kv_bytes, size_t /*out_bytes*/,
       size_t /*lse_bytes*/) override {
@@ -331,9 +388,12 @@ class CudaBackend final : public Backend {
     }
     Workspace& ws = buffers != nullptr ? buffers->workspace() : *own;
     absl::Status st = Run(pool, g, plan, io, ws, buffers);
-    // Whatever happened, nothing may still be in flight on a workspace that is reused.
-    const cudaError_t sync_err = cudaStreamSynchronize(ws.stream);
-    if (st.ok()) st = CudaStatus(sync_err, "cudaStreamSynchronize(Forward)");
+    // Whatever happened, nothing may still be in flight on a workspace that is reused; but a
+    // Forward with a done event is answered once queued (the stream orders what reuses it).
+    if (!st.ok() || io.done_event == nullptr) {
+      const cudaError_t sync_err = cudaStreamSynchronize(ws.stream);
+      if (st.ok()) st = CudaStatus(sync_err, "cudaStreamSynchronize(Forward)");
+    }
     if (own != nullptr) Release(std::move(own));
     return st;
   }
@@ -383,16 +443,35 @@ class CudaBackend final : public Backend {
     } else {
       ws.buffers.StageInputs(attention, io.q, io.k, io.v);
     }
-    const bool timed = io.timings != nullptr;
-    if (timed) io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    // Answered once queued: no timings (they need the work done) and an upload that leaves
+    // the image free at once.
+    const bool detached = io.done_event != nullptr;
+    const bool timed = io.timings != nullptr && !detached;
+    if (io.timings != nullptr) io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
-    PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
+    PAGEDATTN_LAUNCH_RETURN(detached ? ws.buffers.UploadDetached(attention, ws.stream)
+                                     : ws.buffers.Upload(attention, ws.stream));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
+    if (io.wait_event != nullptr) {  // the caller's q/k/v writes
+      PAGEDATTN_CUDA_RETURN(
+          cudaStreamWaitEvent(ws.stream, static_cast<cudaEvent_t>(io.wait_event), 0),
+          "cudaStreamWaitEvent(the caller's event)");
+    }
+    const cudaEvent_t layer_done = pool.layer_done(plan.layer);
+    PAGEDATTN_CUDA_RETURN(cudaStreamWaitEvent(ws.stream, layer_done, 0),
+                          "cudaStreamWaitEvent(layer order)");
     const k::ForwardLaunch launch =
         ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer),
                         {.q = io.q, .k = io.k, .v = io.v, .out = io.out, .lse = io.lse});
     PAGEDATTN_LAUNCH_RETURN(k::LaunchAppendKv(launch.append, ws.stream, launcher_));
     PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, launcher_));
+    PAGEDATTN_CUDA_RETURN(cudaEventRecord(layer_done, ws.stream), "cudaEventRecord(layer order)");
+    if (detached) {
+      PAGEDATTN_CUDA_RETURN(
+          cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
+          "cudaEventRecord(the caller's done event)");
+      return absl::OkStatus();
+    }
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Download(attention, ws.stream));
     if (timed) {

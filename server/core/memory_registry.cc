@@ -23,6 +23,7 @@ struct MemoryRegistry::Region {
   RegionInfo info;
   std::string owner;
   std::shared_ptr<ImportedMemory> memory;
+  std::vector<std::shared_ptr<ImportedEvent>> events;
   absl::Time last_used;  // guarded by the registry's mu_
 };
 
@@ -94,12 +95,24 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
         absl::StrCat("size_bytes is ", spec.size_bytes, " but the allocation the handle names has ",
                      memory->size(), " bytes"));
   }
+  std::vector<std::shared_ptr<ImportedEvent>> events;
+  for (size_t i = 0; i < spec.event_handles.size(); ++i) {
+    absl::StatusOr<std::unique_ptr<ImportedEvent>> event =
+        backend_->ImportEvent(spec.device, spec.event_handles[i]);
+    if (!event.ok()) {
+      return absl::Status(event.status().code(),
+                          absl::StrCat("cuda_ipc_events[", i, "]: ", event.status().message()));
+    }
+    events.push_back(*std::move(event));
+  }
   auto region = std::make_shared<Region>();
+  region->events = std::move(events);
   region->info = {.id = NewCacheId(),
                   .cache_id = spec.cache_id,
                   .size_bytes = spec.size_bytes,
                   .device = spec.device,
-                  .lease = lease};
+                  .lease = lease,
+                  .num_events = static_cast<int32_t>(spec.event_handles.size())};
   region->owner = spec.owner;
   region->memory = std::move(memory);
   absl::MutexLock lock(&mu_);
@@ -127,42 +140,67 @@ absl::Status MemoryRegistry::Unregister(const std::string& region_id, const std:
   return absl::OkStatus();
 }
 
-absl::StatusOr<char*> MemoryRegistry::Resolve(const std::string& region_id, int64_t offset,
-                                              int64_t bytes, const std::string& cache_id,
-                                              const std::string& owner, const char* what,
-                                              std::vector<Pin>* pins) {
+absl::StatusOr<std::shared_ptr<MemoryRegistry::Region>> MemoryRegistry::Use(
+    const std::string& region_id, const std::string& cache_id, const std::string& owner,
+    const std::string& what) {
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second->owner != owner) {
       return absl::NotFoundError(absl::StrCat(
-          what, ".device_buffer.region_id '", region_id.substr(0, 64),
+          what, ".region_id '", region_id.substr(0, 64),
           "' is not registered (unregistered, released after its lease, or the server "
           "restarted): register the memory again"));
     }
     region = it->second;
     region->last_used = absl::Now();
   }
-  const RegionInfo& info = region->info;
-  if (info.cache_id != cache_id) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ".device_buffer: region ", info.id,
-                                                   " serves cache ", info.cache_id,
+  if (region->info.cache_id != cache_id) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": region ", region->info.id,
+                                                   " serves cache ", region->info.cache_id,
                                                    ", not this Forward's cache ", cache_id));
   }
+  return region;
+}
+
+absl::StatusOr<char*> MemoryRegistry::Resolve(const std::string& region_id, int64_t offset,
+                                              int64_t bytes, const std::string& cache_id,
+                                              const std::string& owner, const char* what,
+                                              std::vector<Pin>* pins) {
+  const std::string field = absl::StrCat(what, ".device_buffer");
+  absl::StatusOr<std::shared_ptr<Region>> region = Use(region_id, cache_id, owner, field);
+  if (!region.ok()) return region.status();
+  const RegionInfo& info = (*region)->info;
   if (offset < 0 || offset % kDeviceTensorAlign != 0) {
-    return absl::InvalidArgumentError(absl::StrCat(what, ".device_buffer.offset must be >= 0 and ",
-                                                   "a multiple of ", kDeviceTensorAlign, " (got ",
-                                                   offset, ")"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ".offset must be >= 0 and a multiple of ",
+                                                   kDeviceTensorAlign, " (got ", offset, ")"));
   }
   if (bytes > info.size_bytes || offset > info.size_bytes - bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, ".device_buffer: ", bytes, " bytes at offset ", offset, " run past the end of region ",
-        info.id, " (", info.size_bytes, " bytes)"));
+    return absl::InvalidArgumentError(absl::StrCat(field, ": ", bytes, " bytes at offset ", offset,
+                                                   " run past the end of region ", info.id, " (",
+                                                   info.size_bytes, " bytes)"));
   }
-  char* address = region->memory->base() + offset;
-  pins->push_back(std::move(region));
+  char* address = (*region)->memory->base() + offset;
+  pins->push_back(*std::move(region));
   return address;
+}
+
+absl::StatusOr<void*> MemoryRegistry::ResolveEvent(const std::string& region_id, int32_t index,
+                                                   const std::string& cache_id,
+                                                   const std::string& owner, const char* what,
+                                                   std::vector<Pin>* pins) {
+  absl::StatusOr<std::shared_ptr<Region>> region = Use(region_id, cache_id, owner, "sync");
+  if (!region.ok()) return region.status();
+  const auto& events = (*region)->events;
+  if (index < 1 || index > static_cast<int32_t>(events.size())) {
+    return absl::InvalidArgumentError(absl::StrCat("sync.", what, " must be in 1..", events.size(),
+                                                   ", the events of region ", region_id,
+                                                   " (got ", index, ")"));
+  }
+  void* handle = events[static_cast<size_t>(index - 1)]->handle();
+  pins->push_back(*std::move(region));
+  return handle;
 }
 
 int64_t MemoryRegistry::ReleaseCache(const std::string& cache_id) {

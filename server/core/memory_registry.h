@@ -27,6 +27,7 @@ struct RegionSpec {
   std::string handle;    // cudaIpcMemHandle_t bytes.
   int64_t size_bytes = 0;
   absl::Duration lease = absl::ZeroDuration();  // Zero: the registry's default.
+  std::vector<std::string> event_handles;  // cudaIpcEventHandle_t bytes, for DeviceSync.
 };
 
 struct RegionInfo {
@@ -35,6 +36,7 @@ struct RegionInfo {
   int64_t size_bytes = 0;
   int32_t device = 0;
   absl::Duration lease;
+  int32_t num_events = 0;
 };
 
 struct MemoryRegistryOptions {
@@ -72,6 +74,12 @@ class MemoryRegistry {
                                 const std::string& cache_id, const std::string& owner,
                                 const char* what, std::vector<Pin>* pins);
 
+  // The event at 1-based `index` of the region (ImportedEvent::handle()), with Resolve's checks
+  // of region, cache and owner; INVALID_ARGUMENT for an index the region has no event for.
+  absl::StatusOr<void*> ResolveEvent(const std::string& region_id, int32_t index,
+                                     const std::string& cache_id, const std::string& owner,
+                                     const char* what, std::vector<Pin>* pins);
+
   // Releases the regions serving a cache (it was deleted); returns how many.
   int64_t ReleaseCache(const std::string& cache_id);
   // Releases regions idle past their lease at `now`; returns how many. The sweeper calls it.
@@ -82,6 +90,10 @@ class MemoryRegistry {
 
  private:
   struct Region;
+  // The owner's region serving cache_id, its lease renewed; `what` names the field in errors.
+  absl::StatusOr<std::shared_ptr<Region>> Use(const std::string& region_id,
+                                              const std::string& cache_id,
+                                              const std::string& owner, const std::string& what);
   void SweepLoop();
   void Released(std::vector<std::shared_ptr<Region>> regions, const std::string& why);
 

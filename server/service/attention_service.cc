@@ -200,10 +200,10 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   // Checked before anything is allocated for it: a request's sizes are the caller's word.
   ForwardArgs args = ToForwardArgs(request, nullptr);
   if (args.device_tensors) return RunDeviceForward(rpc, **cache, request, std::move(args));
-  if (request.out.present || request.lse.present) {
+  if (request.out.present || request.lse.present || request.sync.present) {
     return absl::InvalidArgumentError(
-        "out and lse are set in a request only when q, k and v are device tensors "
-        "(Tensor.device_buffer); otherwise the answer carries them");
+        "out, lse and sync are set in a request only when q, k and v are device tensors "
+        "(Tensor.device_buffer); otherwise the answer carries out and lse");
   }
   if (absl::Status s = (*cache)->Check(args); !s.ok()) return s;
   const int64_t response_bytes = ForwardResponseBytes(g, args);
@@ -292,6 +292,15 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunDeviceForward(
                           cache.id(), rpc.tenant(), t.name, &pins);
     if (!address.ok()) return address.status();
     t.view.data = *address;
+  }
+  const wire::DeviceSyncRef& sync = request.sync;
+  for (const auto& [name, index, event] : {std::tuple{"wait_event", sync.wait_event, &args.wait_event},
+                                           {"done_event", sync.done_event, &args.done_event}}) {
+    if (index == 0) continue;
+    absl::StatusOr<void*> handle =
+        regions_->ResolveEvent(sync.region_id, index, cache.id(), rpc.tenant(), name, &pins);
+    if (!handle.ok()) return handle.status();
+    *event = *handle;
   }
   ForwardAnswer answer;
   answer.device_tensors = true;
@@ -607,13 +616,16 @@ grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
                                                             .device = device,
                                                             .handle = req->cuda_ipc_handle(),
                                                             .size_bytes = req->size_bytes(),
-                                                            .lease = absl::Seconds(req->lease_seconds())});
+                                                            .lease = absl::Seconds(req->lease_seconds()),
+                                                            .event_handles = {req->cuda_ipc_events().begin(),
+                                                                              req->cuda_ipc_events().end()}});
     if (!region.ok()) return region.status();
     resp->set_region_id(region->id);
     resp->set_cache_id(region->cache_id);
     resp->set_size_bytes(region->size_bytes);
     resp->set_device(region->device);
     resp->set_lease_seconds(static_cast<int32_t>(absl::ToInt64Seconds(region->lease)));
+    resp->set_num_events(region->num_events);
     spdlog::info("registered memory region {} for cache {}: {} bytes on GPU {}, lease {} s",
                  region->id, region->cache_id, region->size_bytes, region->device,
                  resp->lease_seconds());

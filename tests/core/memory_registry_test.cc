@@ -47,7 +47,18 @@ class FakeBackend final : public Backend {
     if (handle == "bad") return absl::InvalidArgumentError("cannot open");
     return std::unique_ptr<ImportedMemory>(new HostMemory(std::stoll(handle)));
   }
+  absl::StatusOr<std::unique_ptr<ImportedEvent>> ImportEvent(int,
+                                                             const std::string& handle) override {
+    if (handle == "bad") return absl::InvalidArgumentError("cannot open");
+    return std::unique_ptr<ImportedEvent>(new FakeEvent());
+  }
   int imports = 0;
+
+ private:
+  class FakeEvent final : public ImportedEvent {
+   public:
+    void* handle() const override { return const_cast<FakeEvent*>(this); }
+  };
 };
 
 class MemoryRegistryTest : public ::testing::Test {
@@ -65,7 +76,8 @@ class MemoryRegistryTest : public ::testing::Test {
                                                        .device = 0,
                                                        .handle = handle,
                                                        .size_bytes = size,
-                                                       .lease = lease});
+                                                       .lease = lease,
+                                                       .event_handles = {}});
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? *r : RegionInfo{};
   }
@@ -106,7 +118,7 @@ TEST_F(MemoryRegistryTest, RegisterChecksSizeLeaseHandleAndLimit) {
   auto code = [&](const std::string& handle, int64_t size, absl::Duration lease) {
     return registry_
         .Register({.owner = "a", .cache_id = "c1", .device = 0, .handle = handle,
-                   .size_bytes = size, .lease = lease})
+                   .size_bytes = size, .lease = lease, .event_handles = {}})
         .status()
         .code();
   };
@@ -154,6 +166,39 @@ TEST_F(MemoryRegistryTest, LeasesExpireUnlessUsedAndCacheDeletionReleases) {
   EXPECT_EQ(registry_.ReleaseCache("c2"), 1);
   EXPECT_EQ(ResolveCode(other.id, 0, 16, "c2"), absl::StatusCode::kNotFound);
   EXPECT_EQ(g_mapped, 0);
+}
+
+TEST_F(MemoryRegistryTest, EventsAreNamedByOneBasedIndex) {
+  absl::StatusOr<RegionInfo> r = registry_.Register({.owner = "a",
+                                                     .cache_id = "c1",
+                                                     .device = 0,
+                                                     .handle = "4096",
+                                                     .size_bytes = 4096,
+                                                     .lease = absl::ZeroDuration(),
+                                                     .event_handles = {"e1", "e2"}});
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->num_events, 2);
+  std::vector<MemoryRegistry::Pin> pins;
+  absl::StatusOr<void*> e1 = registry_.ResolveEvent(r->id, 1, "c1", "a", "wait_event", &pins);
+  absl::StatusOr<void*> e2 = registry_.ResolveEvent(r->id, 2, "c1", "a", "done_event", &pins);
+  ASSERT_TRUE(e1.ok() && e2.ok());
+  EXPECT_NE(*e1, *e2);
+  using C = absl::StatusCode;
+  EXPECT_EQ(registry_.ResolveEvent(r->id, 0, "c1", "a", "wait_event", &pins).status().code(),
+            C::kInvalidArgument);
+  EXPECT_EQ(registry_.ResolveEvent(r->id, 3, "c1", "a", "wait_event", &pins).status().code(),
+            C::kInvalidArgument);
+  EXPECT_EQ(registry_.ResolveEvent(r->id, 1, "c2", "a", "wait_event", &pins).status().code(),
+            C::kInvalidArgument);
+  EXPECT_EQ(registry_.ResolveEvent(r->id, 1, "c1", "b", "wait_event", &pins).status().code(),
+            C::kNotFound);
+  EXPECT_EQ(registry_
+                .Register({.owner = "a", .cache_id = "c1", .device = 0, .handle = "4096",
+                           .size_bytes = 16, .lease = absl::ZeroDuration(),
+                           .event_handles = {"e1", "bad"}})
+                .status()
+                .code(),
+            C::kInvalidArgument);
 }
 
 }  // namespace

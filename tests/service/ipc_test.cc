@@ -325,6 +325,137 @@ TEST_F(IpcTest, StepStreamAnswersAreBitIdenticalToTheBytePath) {
   EXPECT_TRUE((*stream)->Close().ok());
 }
 
+// Keeps the client's stream busy for a while (memsets of a scratch buffer), so that what is
+// queued after it lands late: a server that did not wait for the caller's event would read
+// q/k/v before they are written.
+void DelayStream(cudaStream_t stream) {
+  static void* scratch = [] {
+    void* p = nullptr;
+    cudaMalloc(&p, size_t{1} << 30);
+    return p;
+  }();
+  for (int i = 0; i < 8; ++i) cudaMemsetAsync(scratch, i, size_t{1} << 30, stream);
+}
+
+// With DeviceSync events the caller does not synchronize: it queues its writes, records an
+// event, sends the call; the server's work waits for the event on the GPU, the answer comes
+// once queued, and out is ready when the server's event is.
+TEST_F(IpcTest, EventsOrderTheWorkWithoutHostSynchronization) {
+  const std::string bytes_cache = NewCache(), ipc_cache = NewCache();
+  std::unique_ptr<IpcEvent> ready = *IpcEvent::Create(0), done = *IpcEvent::Create(0);
+  absl::StatusOr<v1::MemoryRegion> reg = client_->RegisterMemory(
+      ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0,
+      {ready->ipc_handle(), done->ipc_handle()});
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  EXPECT_EQ(reg->num_events(), 2);
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  const std::vector<Case> script = Script();
+  for (size_t i = 0; i < script.size(); ++i) {
+    if (script[i].want != absl::StatusCode::kOk) continue;
+    SCOPED_TRACE(absl::StrCat("case ", i));
+    const Tensors t = MakeTensors(script[i], i);
+    const Answer want = BytesForward(bytes_cache, script[i], t);
+    const Placement p = Place(t);
+    ASSERT_TRUE(region_->Fill(p.q, 0, p.out - p.q).ok());  // stale inputs: zeros
+    ASSERT_TRUE(region_->Fill(p.out, 0xff, p.end - p.out).ok());
+    DelayStream(stream);
+    for (const auto& [at, src] : {std::pair{p.q, &t.q}, {p.k, &t.k}, {p.v, &t.v}}) {
+      ASSERT_EQ(cudaMemcpyAsync(region_->data() + at, src->data(), src->size(),
+                                cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+    }
+    ASSERT_TRUE(ready->Record(stream).ok());
+    ForwardCall call = DeviceCall(CallOf(ipc_cache, script[i], t), t, p, reg->region_id());
+    call.sync = {.present = true, .region_id = reg->region_id(), .wait_event = 1, .done_event = 2};
+    absl::StatusOr<ForwardReply> r = client_->ForwardTensors(call, {});
+    ASSERT_TRUE(r.ok()) << r.status();
+    ASSERT_TRUE(done->Synchronize().ok());
+    EXPECT_EQ(ReadBack(p.out, want.out.size()), want.out) << "out differs from the byte path";
+    EXPECT_EQ(ReadBack(p.lse, want.lse.size()), want.lse);
+  }
+  cudaStreamDestroy(stream);
+  // An event index the region does not have is refused before anything runs.
+  const Case c = Script()[0];
+  const Tensors t = MakeTensors(c, 0);
+  const Placement p = Place(t);
+  Stage(t, p);
+  ForwardCall call = DeviceCall(CallOf(NewCache(), c, t), t, p, reg->region_id());
+  call.sync = {.present = true, .region_id = reg->region_id(), .wait_event = 3};
+  EXPECT_EQ(client_->ForwardTensors(call, {}).status().code(), absl::StatusCode::kInvalidArgument);
+}
+
+// A Step stream of the whole script with events, nothing waited for until the end: the server
+// answers each layer once queued and takes the next at once, so Forwards of one layer run on
+// different streams back to back; their order on the GPU must still be the cache's.
+TEST_F(IpcTest, QueuedLayersKeepTheirOrderOnTheGpu) {
+  const std::string bytes_cache = NewCache(), ipc_cache = NewCache();
+  std::vector<Case> script = Script();
+  script.erase(std::remove_if(script.begin(), script.end(),
+                              [](const Case& c) { return c.want != absl::StatusCode::kOk; }),
+               script.end());
+  std::vector<std::unique_ptr<IpcEvent>> done;
+  std::vector<std::string> handles;
+  std::unique_ptr<IpcEvent> ready = *IpcEvent::Create(0);
+  handles.push_back(ready->ipc_handle());
+  for (size_t i = 0; i < script.size(); ++i) {
+    done.push_back(*IpcEvent::Create(0));
+    handles.push_back(done.back()->ipc_handle());
+  }
+  absl::StatusOr<v1::MemoryRegion> reg = client_->RegisterMemory(
+      ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0, handles);
+  ASSERT_TRUE(reg.ok()) << reg.status();
+  constexpr size_t kSlot = 512 << 10;  // each case's tensors in a slot of their own
+  ASSERT_LE(script.size() * kSlot, kRegionBytes);
+  std::vector<Tensors> tensors;
+  std::vector<Answer> want;
+  std::vector<ForwardCall> calls;
+  cudaStream_t stream;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  DelayStream(stream);
+  for (size_t i = 0; i < script.size(); ++i) {
+    tensors.push_back(MakeTensors(script[i], i));
+  }
+  for (size_t i = 0; i < script.size(); ++i) {
+    const Tensors& t = tensors[i];
+    want.push_back(BytesForward(bytes_cache, script[i], t));
+    Placement p = Place(t);
+    for (size_t* at : {&p.q, &p.k, &p.v, &p.out, &p.lse, &p.end}) *at += i * kSlot;
+    ASSERT_LE(p.end, (i + 1) * kSlot);
+    ASSERT_TRUE(region_->Fill(p.out, 0xff, p.end - p.out).ok());
+    for (const auto& [at, src] : {std::pair{p.q, &t.q}, {p.k, &t.k}, {p.v, &t.v}}) {
+      ASSERT_EQ(cudaMemcpyAsync(region_->data() + at, src->data(), src->size(),
+                                cudaMemcpyHostToDevice, stream),
+                cudaSuccess);
+    }
+    ForwardCall call = DeviceCall(CallOf(ipc_cache, script[i], tensors[i]), tensors[i], p,
+                                  reg->region_id());
+    call.sync = {.present = true,
+                 .region_id = reg->region_id(),
+                 .wait_event = 1,
+                 .done_event = static_cast<int32_t>(2 + i)};
+    calls.push_back(std::move(call));
+  }
+  ASSERT_TRUE(ready->Record(stream).ok());
+  absl::StatusOr<std::unique_ptr<StepStream>> steps = client_->OpenStep();
+  ASSERT_TRUE(steps.ok());
+  for (const ForwardCall& call : calls) ASSERT_TRUE((*steps)->Send(call).ok());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    absl::StatusOr<ForwardReply> r = (*steps)->Receive({});
+    ASSERT_TRUE(r.ok()) << r.status();
+  }
+  EXPECT_TRUE((*steps)->Close().ok());
+  for (size_t i = 0; i < calls.size(); ++i) {
+    SCOPED_TRACE(absl::StrCat("case ", i));
+    ASSERT_TRUE(done[i]->Synchronize().ok());
+    const size_t out_at = static_cast<size_t>(calls[i].out.offset);
+    const size_t lse_at = static_cast<size_t>(calls[i].lse.offset);
+    EXPECT_EQ(ReadBack(out_at, want[i].out.size()), want[i].out);
+    EXPECT_EQ(ReadBack(lse_at, want[i].lse.size()), want[i].lse);
+  }
+  cudaStreamDestroy(stream);
+}
+
 TEST_F(IpcTest, BadRegionsAreRefusedAndNothingIsWritten) {
   const std::string cache = NewCache(), other_cache = NewCache(), bytes_cache = NewCache();
   const std::string region = Register(cache);

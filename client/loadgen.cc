@@ -808,8 +808,9 @@ int Main() {
         s = RunSharded(w, config);
       } else if (mode.rfind("ipc_", 0) == 0) {
 #if PAGEDATTN_WITH_CUDA
-        s = RunIpc(*client, w, cache->cache_id(), mode.find("events") != std::string::npos,
-                   mode.find("stream") != std::string::npos);
+        const bool stream = mode.find("stream") != std::string::npos;  // always with events
+        s = RunIpc(*client, w, cache->cache_id(),
+                   stream || mode.find("events") != std::string::npos, stream);
 #else
         s = absl::FailedPreconditionError("this pagedattn-loadgen was built without CUDA");
 #endif

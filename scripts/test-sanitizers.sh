@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 scripts/install-deps.sh > /dev/null
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
-tests=(core_test e2e_test hardening_test security_test data_plane_test sharded_test)
+tests=(core_test e2e_test hardening_test security_test data_plane_test sharded_test ipc_test)
 supp=$PWD/tests/sanitizers
 for kind in "${kinds[@]}"; do
   case $kind in

@@ -20,6 +20,7 @@ exceptions; pagedattn.v1 the generated protos (attention_pb2) and stub (attentio
 from . import errors
 from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS, Timing
 from .client import Cache, Client, LayerFuture, Step
+from .device import DeviceMemory
 from .errors import (
     CacheConfigError,
     DeadlineExceeded,
@@ -43,7 +44,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
-    "DeadlineExceeded", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
+    "DeadlineExceeded", "DeviceMemory", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
     "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
     "ResourceExhausted", "ShardedCache", "ShardedClient", "Span", "Step", "TLS", "Timing",
     "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",

@@ -10,12 +10,20 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 import grpc
 
-from . import _common
+from . import _common, device
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
-from .types import ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, sequence_lengths
+from .types import (
+    ConfigLike,
+    LengthsLike,
+    SpanLike,
+    cache_id_of,
+    config_proto,
+    sequence_lengths,
+    span_protos,
+)
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
@@ -171,6 +179,48 @@ class Client:
     ) -> pb.ForwardResponse:
         """Forward with the raw protos (tensors as bytes; see pagedattn.tensors)."""
         return self._call(self.stub.Forward, request, timeout)
+
+    def register_memory(
+        self, cache: Any, buffer: Any, *, lease_seconds: int = 0, timeout: Optional[float] = None
+    ) -> device.DeviceMemory:
+        """Maps the GPU allocation holding torch CUDA tensor `buffer` into the server (CUDA
+        IPC; a CUDA server on this node) for the cache's forward_device() calls. lease_seconds:
+        released after this long unused (0: the server's default)."""
+        handle, dev, size, base, keep = device.ipc_handle(buffer)
+        req = pb.RegisterMemoryRequest(
+            cache_id=cache_id_of(cache), cuda_ipc_handle=handle, size_bytes=size, device=dev,
+            lease_seconds=lease_seconds,
+        )
+        return device.DeviceMemory(self, self._call(self.stub.RegisterMemory, req, timeout), base,
+                                   keep)
+
+    def unregister_memory(self, region_id: str, *, timeout: Optional[float] = None) -> None:
+        self._call(self.stub.UnregisterMemory, pb.UnregisterMemoryRequest(region_id=region_id),
+                   timeout)
+
+    def forward_device(
+        self,
+        cache: Any,
+        layer: int,
+        spans: Sequence[SpanLike],
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any = None,
+        *,
+        memory: device.DeviceMemory,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """forward() on torch CUDA tensors in registered memory: the server reads q/k/v and
+        writes out (q's shape and dtype) and lse ([total_queries, num_q_heads] float32: asks
+        for it) in place. Synchronize first (torch.cuda.synchronize() or the writing stream):
+        the server reads q/k/v when the call arrives; out is written when this returns."""
+        req = device.device_request(memory, cache_id_of(cache), layer, span_protos(spans), q, k,
+                                    v, out, lse, causal, sm_scale)
+        self._call(self.stub.Forward, req, timeout)
 
     def release(
         self, cache: Any, seq_ids: Sequence[int], *, timeout: Optional[float] = None

@@ -1,0 +1,103 @@
+"""Device tensors: a CUDA server on the same node reads q/k/v from, and writes out/lse into,
+the caller's torch CUDA tensors in place (RegisterMemory over CUDA IPC; no bytes on the wire).
+
+    mem = client.register_memory(cache, buffer)   # buffer: any CUDA tensor of the allocation
+    q, k, v, out = ...views of tensors in that allocation...
+    torch.cuda.synchronize()                      # q/k/v written before the server reads them
+    client.forward_device(cache, layer, spans, q, k, v, out, memory=mem)   # out is written
+    mem.close()                                   # or leave it to the server's lease
+
+torch's caching allocator hands out blocks of larger allocations; what is registered is the
+whole allocation that holds `buffer` (torch's CUDA IPC handle names it), so every tensor later
+carved from it can be named by offset."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .tensors import dtype_enum
+from .v1 import attention_pb2 as pb
+
+ALIGN = 16  # the server's alignment of device tensor offsets
+
+
+class DeviceMemory:
+    """A registered allocation: region id, its device address range in this process, lease.
+    Keep the tensors (and so the allocation) alive until close()."""
+
+    def __init__(self, client: Any, region: pb.MemoryRegion, base: int, keep: Any) -> None:
+        self._client = client
+        self.region = region
+        self.region_id = region.region_id
+        self.base = base  # the allocation's start address in this process
+        self.size = region.size_bytes
+        self._keep = keep  # the storage, so the allocation outlives the registration
+
+    def tensor(self, t: Any) -> pb.Tensor:
+        """The pb.Tensor naming torch CUDA tensor `t` (contiguous, inside this allocation)."""
+        if not getattr(t, "is_cuda", False):
+            raise ValueError("device tensors must be torch CUDA tensors")
+        if not t.is_contiguous():
+            raise ValueError("device tensors must be contiguous")
+        offset = t.data_ptr() - self.base
+        nbytes = t.numel() * t.element_size()
+        if offset < 0 or offset + nbytes > self.size:
+            raise ValueError(
+                f"the tensor ({nbytes} bytes at address {t.data_ptr():#x}) lies outside region "
+                f"{self.region_id} ({self.size} bytes at {self.base:#x})"
+            )
+        if offset % ALIGN:
+            raise ValueError(f"device tensors must start at a multiple of {ALIGN} bytes "
+                             f"(this one at offset {offset})")
+        return pb.Tensor(
+            dtype=dtype_enum(t.dtype), shape=list(t.shape),
+            device_buffer=pb.DeviceBuffer(region_id=self.region_id, offset=offset),
+        )
+
+    def close(self, *, timeout: Optional[float] = None) -> None:
+        """Unregisters (the server's lease releases it otherwise)."""
+        if self._keep is not None:
+            self._client.unregister_memory(self.region_id, timeout=timeout)
+            self._keep = None
+
+    def __enter__(self) -> "DeviceMemory":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"DeviceMemory({self.region_id}, {self.size} bytes, device {self.region.device})"
+
+
+def ipc_handle(buffer: Any) -> tuple[bytes, int, int, int, Any]:
+    """(cudaIpcMemHandle_t bytes, device, allocation size used, the allocation's base address,
+    the storage) of torch CUDA tensor `buffer`'s allocation."""
+    if not getattr(buffer, "is_cuda", False):
+        raise ValueError("register_memory takes a torch CUDA tensor")
+    storage = buffer.untyped_storage()
+    shared = storage._share_cuda_()  # (device, handle, size, offset in the allocation, ...)
+    device, handle, size, offset = shared[0], shared[1], shared[2], shared[3]
+    return bytes(handle), int(device), int(offset) + int(size), storage.data_ptr() - int(offset), storage
+
+
+def device_request(
+    memory: DeviceMemory, cache_id: str, layer: int, spans: list[pb.Span], q: Any, k: Any, v: Any,
+    out: Any, lse: Any, causal: Optional[bool], sm_scale: Optional[float],
+) -> pb.ForwardRequest:
+    req = pb.ForwardRequest(cache_id=cache_id, layer=layer, spans=spans)
+    req.q.CopyFrom(memory.tensor(q))
+    if (k is None) != (v is None):
+        raise ValueError("pass k and v together (or neither, when no span appends tokens)")
+    if k is not None:
+        req.k.CopyFrom(memory.tensor(k))
+        req.v.CopyFrom(memory.tensor(v))
+    req.out.CopyFrom(memory.tensor(out))
+    if lse is not None:
+        req.lse.CopyFrom(memory.tensor(lse))
+        req.options.return_lse = True
+    if causal is not None:
+        req.options.causal = causal
+    if sm_scale is not None:
+        req.options.sm_scale = sm_scale
+    return req

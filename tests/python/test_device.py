@@ -1,0 +1,72 @@
+"""Device tensors from torch CUDA tensors (Client.register_memory / forward_device): the server
+(another process, on the same GPU) reads q/k/v and writes out/lse in place. The answers must be
+bit-identical to forward() with the same tensors sent as bytes. Needs a CUDA server and torch
+with CUDA; on a CPU server, registering is refused with FailedPrecondition."""
+
+import pytest
+
+import pagedattn
+
+CONFIG = pagedattn.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=128,
+                               page_size=16, kv_dtype="bfloat16", num_pages=64)
+
+
+def test_cpu_server_refuses_device_memory(client, backend):
+    if backend != "cpu":
+        pytest.skip("the CPU backend's refusal")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA in this torch: nothing to register")
+    with client.create_cache(CONFIG) as cache:
+        with pytest.raises(pagedattn.FailedPrecondition, match="CUDA backend"):
+            client.register_memory(cache, torch.zeros(16, device="cuda"))
+
+
+def test_forward_device_matches_bytes(client, backend):
+    if backend != "cuda":
+        pytest.skip("device tensors need a CUDA server")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA in this torch")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    # One allocation holds every tensor: carve views out of it.
+    pool = torch.empty(1 << 22, dtype=torch.bfloat16, device="cuda")
+    at = 0
+
+    def carve(*shape):
+        nonlocal at
+        n = 1
+        for d in shape:
+            n *= d
+        t = pool[at:at + n].view(*shape)
+        at += (n + 63) // 64 * 64  # 128-byte steps
+        return t
+
+    with client.create_cache(CONFIG) as ref, client.create_cache(CONFIG) as dev:
+        mem = client.register_memory(dev, pool)
+        assert dev.refresh().stats.memory_regions == 1
+        steps = [([(1, 0, 37, 37), (2, 0, 9, 9)], 46, 46),   # prefill
+                 ([(1, 37, 1, 1), (2, 9, 1, 1)], 2, 2),      # decode
+                 ([(1, 30, 3, 3), (2, 10, 0, 2)], 3, 5)]     # rewind, attend only
+        for layer in (0, 1):
+            for spans, new, queries in steps:
+                q = carve(queries, 8, 128)
+                k, v = carve(new, 2, 128), carve(new, 2, 128)
+                for t in (q, k, v):
+                    t.copy_(torch.randn(t.shape, generator=gen, device="cuda"))
+                out = carve(queries, 8, 128).fill_(float("nan"))
+                lse = torch.full((queries, 8), float("nan"), device="cuda")
+                want, want_lse = ref.forward(layer, spans, q, k, v, return_lse=True)
+                torch.cuda.synchronize()
+                with pytest.raises(ValueError, match="outside region"):
+                    client.forward_device(dev, layer, spans, q, k, v, out, lse, memory=mem)
+                lse = carve(queries * 8 * 2).view(torch.float32).view(queries, 8)
+                lse.fill_(float("nan"))
+                client.forward_device(dev, layer, spans, q, k, v, out, lse, memory=mem)
+                assert torch.equal(out, want.to(out.device)), "out differs from the byte path"
+                assert torch.equal(lse, want_lse.to(lse.device))
+        mem.close()
+        assert dev.refresh().stats.memory_regions == 0
+        with pytest.raises(pagedattn.NotFound, match="register the memory again"):
+            client.forward_device(dev, 0, [(1, 40, 0, 1)], q[:1], None, None, out[:1],
+                                  memory=mem)

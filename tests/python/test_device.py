@@ -11,6 +11,18 @@ CONFIG = pagedattn.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head
                                page_size=16, kv_dtype="bfloat16", num_pages=64)
 
 
+def test_torch_handles_are_unwrapped():
+    from pagedattn.device import _cuda_malloc_handle
+
+    raw = bytes(range(64))
+    assert _cuda_malloc_handle(raw) == raw
+    assert _cuda_malloc_handle(b"\x02c" + raw) == raw
+    with pytest.raises(ValueError, match="expandable segment"):
+        _cuda_malloc_handle(b"\x02e" + raw + b"\0" * 16)
+    with pytest.raises(ValueError, match="unknown"):
+        _cuda_malloc_handle(b"\x02x" + raw)
+
+
 def test_cpu_server_refuses_device_memory(client, backend):
     if backend != "cpu":
         pytest.skip("the CPU backend's refusal")

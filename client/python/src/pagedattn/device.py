@@ -77,8 +77,33 @@ def ipc_handle(buffer: Any) -> tuple[bytes, int, int, int, Any]:
         raise ValueError("register_memory takes a torch CUDA tensor")
     storage = buffer.untyped_storage()
     shared = storage._share_cuda_()  # (device, handle, size, offset in the allocation, ...)
-    device, handle, size, offset = shared[0], shared[1], shared[2], shared[3]
-    return bytes(handle), int(device), int(offset) + int(size), storage.data_ptr() - int(offset), storage
+    device, handle, size, offset = shared[0], bytes(shared[1]), int(shared[2]), int(shared[3])
+    # torch counts the share as one its consumer will release; the server is no torch process,
+    # so release it here (DeviceMemory keeps the storage alive instead), or torch warns at exit.
+    try:
+        type(storage)._release_ipc_counter_cuda(shared[4], shared[5])
+    except Exception:  # noqa: BLE001 - an older or newer torch without it: only the warning
+        pass
+    return _cuda_malloc_handle(handle), int(device), offset + size, storage.data_ptr() - offset, storage
+
+
+_IPC_HANDLE_BYTES = 64  # sizeof(cudaIpcMemHandle_t)
+
+
+def _cuda_malloc_handle(handle: bytes) -> bytes:
+    """The cudaIpcMemHandle_t inside torch's shareable handle: the raw 64 bytes (older torch),
+    or a version byte, a type byte ('c': a cudaMalloc block) and the 64 bytes."""
+    if len(handle) == _IPC_HANDLE_BYTES:
+        return handle
+    if len(handle) == _IPC_HANDLE_BYTES + 2 and handle[1:2] == b"c":
+        return handle[2:]
+    if len(handle) >= 2 and handle[1:2] == b"e":
+        raise ValueError(
+            "this tensor lies in an expandable segment (PYTORCH_CUDA_ALLOC_CONF="
+            "expandable_segments:True), which has no cudaIpcMemHandle_t: allocate the tensors "
+            "to register without expandable segments"
+        )
+    raise ValueError(f"unknown torch CUDA IPC handle format ({len(handle)} bytes)")
 
 
 def device_request(

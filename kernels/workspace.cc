@@ -104,17 +104,6 @@ LaunchStatus ForwardWorkspace::Upload(const AttentionPlan& plan, cudaStream_t st
   return LaunchStatus::Ok();
 }
 
-LaunchStatus ForwardWorkspace::UploadDetached(const AttentionPlan& plan, cudaStream_t stream) {
-  const size_t bytes = plan.staging().upload_bytes;
-  detached_.assign(host_, host_ + bytes);
-  if (cudaError_t err =
-          cudaMemcpyAsync(device_, detached_.data(), bytes, cudaMemcpyHostToDevice, stream);
-      err != cudaSuccess) {
-    return CudaError("cudaMemcpyAsync(Forward inputs)", err);
-  }
-  return LaunchStatus::Ok();
-}
-
 LaunchStatus ForwardWorkspace::Download(const AttentionPlan& plan, cudaStream_t stream) {
   const ForwardStaging& st = plan.staging();
   if (st.out_bytes == 0) return LaunchStatus::Ok();

@@ -6,7 +6,6 @@
 
 #include <cstddef>
 #include <cstdint>
-#include <vector>
 
 #include "kernels/attention_plan.h"
 #include "kernels/launch_status.h"
@@ -38,10 +37,6 @@ class ForwardWorkspace {
   }
   // The pinned image's inputs to the device: one cudaMemcpyAsync.
   LaunchStatus Upload(const AttentionPlan& plan, cudaStream_t stream);
-  // The same copy for a Forward that is not waited for: through pageable memory, which the
-  // driver has taken in when the call returns, so the next Forward may write the image at once
-  // (while this one's copy still waits behind earlier work on the stream).
-  LaunchStatus UploadDetached(const AttentionPlan& plan, cudaStream_t stream);
   // The kernels' params bound to this workspace's device image and the layer's K/V pools.
   ForwardLaunch Bind(const AttentionPlan& plan, void* k_cache, void* v_cache,
                      const ExternalTensors& external = {}) const {
@@ -71,7 +66,6 @@ class ForwardWorkspace {
   int32_t* counters_ = nullptr;
   size_t counter_bytes_ = 0;
   size_t inputs_bytes_ = 0;  // the image's prefix the caller wrote (kept when it grows)
-  std::vector<char> detached_;  // UploadDetached's pageable copy
   cudaEvent_t marks_[kNumMarks] = {};
 };
 

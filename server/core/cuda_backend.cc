@@ -157,9 +157,20 @@ struct Workspace {
   int device = 0;
   cudaStream_t stream = nullptr;
   k::ForwardWorkspace buffers;  // freed after the destructor's body: on `device`
+  // Recorded after the upload of a Forward answered before its work was done: until it has
+  // passed, the pinned image is still to be read and the workspace is not handed out.
+  cudaEvent_t uploaded = nullptr;
+
+  bool Busy() const {
+    if (uploaded == nullptr) return false;
+    const cudaError_t err = cudaEventQuery(uploaded);
+    if (err == cudaErrorNotReady) cudaGetLastError();
+    return err == cudaErrorNotReady;
+  }
 
   ~Workspace() {
     cudaSetDevice(device);
+    if (uploaded) cudaEventDestroy(uploaded);
     if (stream) cudaStreamDestroy(stream);
   }
 };
@@ -412,7 +423,7 @@ class CudaBackend final : public Backend {
     {
       absl::MutexLock lock(&mu_);
       for (auto it = free_.begin(); it != free_.end(); ++it) {
-        if ((*it)->device == device) {
+        if ((*it)->device == device && !(*it)->Busy()) {
           std::unique_ptr<Workspace> ws = std::move(*it);
           free_.erase(it);
           return ws;
@@ -443,15 +454,20 @@ class CudaBackend final : public Backend {
     } else {
       ws.buffers.StageInputs(attention, io.q, io.k, io.v);
     }
-    // Answered once queued: no timings (they need the work done) and an upload that leaves
-    // the image free at once.
+    // Answered once queued: no timings (they need the work done).
     const bool detached = io.done_event != nullptr;
     const bool timed = io.timings != nullptr && !detached;
     if (io.timings != nullptr) io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
-    PAGEDATTN_LAUNCH_RETURN(detached ? ws.buffers.UploadDetached(attention, ws.stream)
-                                     : ws.buffers.Upload(attention, ws.stream));
+    PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
+    if (detached) {  // the image is read later: the workspace waits for that (Acquire)
+      if (ws.uploaded == nullptr) {
+        PAGEDATTN_CUDA_RETURN(cudaEventCreateWithFlags(&ws.uploaded, cudaEventDisableTiming),
+                              "cudaEventCreate(upload)");
+      }
+      PAGEDATTN_CUDA_RETURN(cudaEventRecord(ws.uploaded, ws.stream), "cudaEventRecord(upload)");
+    }
     if (io.wait_event != nullptr) {  // the caller's q/k/v writes
       PAGEDATTN_CUDA_RETURN(
           cudaStreamWaitEvent(ws.stream, static_cast<cudaEvent_t>(io.wait_event), 0),

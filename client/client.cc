@@ -155,11 +155,9 @@ absl::StatusOr<v1::ReleaseSequencesResponse> Client::ReleaseSequences(
   return response;
 }
 
-absl::StatusOr<v1::MemoryRegion> Client::RegisterMemory(const std::string& cache_id,
-                                                         const std::string& ipc_handle,
-                                                         int64_t size_bytes, int32_t device,
-                                                         int32_t lease_seconds,
-                                                         const std::vector<std::string>& ipc_events) {
+absl::StatusOr<v1::MemoryRegion> Client::RegisterMemory(
+    const std::string& cache_id, const std::string& ipc_handle, int64_t size_bytes, int32_t device,
+    int32_t lease_seconds, const std::vector<std::string>& ipc_events) {
   v1::RegisterMemoryRequest req;
   req.set_cache_id(cache_id);
   req.set_cuda_ipc_handle(ipc_handle);

@@ -127,9 +127,8 @@ class Client {
   // default; ipc_events the cudaIpcEventHandle_t of events for ForwardCall::sync (IpcEvent).
   // Forward's TensorArgs then name {region_id, offset} in it.
   absl::StatusOr<v1::MemoryRegion> RegisterMemory(const std::string& cache_id,
-                                                  const std::string& ipc_handle,
-                                                  int64_t size_bytes, int32_t device = 0,
-                                                  int32_t lease_seconds = 0,
+                                                  const std::string& ipc_handle, int64_t size_bytes,
+                                                  int32_t device = 0, int32_t lease_seconds = 0,
                                                   const std::vector<std::string>& ipc_events = {});
   absl::Status UnregisterMemory(const std::string& region_id);
   // A Step stream (one Forward per message, answered in order); the deadline covers the stream.

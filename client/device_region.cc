@@ -11,8 +11,8 @@ namespace {
 absl::Status Cuda(cudaError_t err, const char* what) {
   if (err == cudaSuccess) return absl::OkStatus();
   cudaGetLastError();
-  return absl::InternalError(absl::StrCat(what, ": ", cudaGetErrorName(err), " (",
-                                          cudaGetErrorString(err), ")"));
+  return absl::InternalError(
+      absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
 absl::Status InRange(size_t offset, size_t n, size_t size) {
@@ -63,9 +63,9 @@ absl::Status DeviceRegion::Fill(size_t offset, int byte, size_t n) {
 absl::StatusOr<std::unique_ptr<IpcEvent>> IpcEvent::Create(int device) {
   if (absl::Status s = Cuda(cudaSetDevice(device), "cudaSetDevice"); !s.ok()) return s;
   cudaEvent_t event = nullptr;
-  if (absl::Status s = Cuda(
-          cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
-          "cudaEventCreate");
+  if (absl::Status s =
+          Cuda(cudaEventCreateWithFlags(&event, cudaEventInterprocess | cudaEventDisableTiming),
+               "cudaEventCreate");
       !s.ok()) {
     return s;
   }
@@ -91,9 +91,9 @@ absl::Status IpcEvent::Synchronize() const {
 }
 
 absl::Status IpcEvent::StreamWait(void* stream) const {
-  return Cuda(cudaStreamWaitEvent(static_cast<cudaStream_t>(stream),
-                                  static_cast<cudaEvent_t>(event_), 0),
-              "cudaStreamWaitEvent");
+  return Cuda(
+      cudaStreamWaitEvent(static_cast<cudaStream_t>(stream), static_cast<cudaEvent_t>(event_), 0),
+      "cudaStreamWaitEvent");
 }
 
 absl::Status DeviceRegion::Synchronize() const {

@@ -672,8 +672,8 @@ std::string PhaseMeans(const Phases& before, const Phases& after) {
 // kernel_p50: the kernel time to compare p50 with when the mode's answers carry none (events
 // modes answer before the kernel ran): another mode's in the same run, named in the row.
 std::string Row(const std::string& mode, const Workload& w, const Samples& s, double echo_p50,
-                int64_t request_bytes, const std::string& phases = "",
-                double kernel_p50 = 0, const std::string& kernel_from = "") {
+                int64_t request_bytes, const std::string& phases = "", double kernel_p50 = 0,
+                const std::string& kernel_from = "") {
   const double own_kernel = Percentile(s.kernel_us, 0.5);
   const bool borrowed = own_kernel <= 0 && kernel_p50 > 0;
   if (!borrowed) kernel_p50 = own_kernel;
@@ -692,8 +692,8 @@ std::string Row(const std::string& mode, const Workload& w, const Samples& s, do
       mode, w.shape.batch, w.shape.context, w.layers, w.q_heads, w.kv_heads, w.head_dim,
       v1::DType_Name(w.dtype), request_bytes, w.out_bytes, Percentile(s.latency_us, 0.5),
       Percentile(s.latency_us, 0.99), per_layer, 1e6 / per_layer,
-      1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5),
-      kernel_p50, Percentile(overhead, 0.5), echo_p50,
+      1e6 / per_layer / w.layers * w.shape.batch, Percentile(s.server_us, 0.5), kernel_p50,
+      Percentile(overhead, 0.5), echo_p50,
       echo_p50 > 0 ? Percentile(s.latency_us, 0.5) / echo_p50 : 0.0,
       kernel_p50 > 0 ? Percentile(s.latency_us, 0.5) / kernel_p50 : 0.0,
       absl::StrCat(phases.empty() ? "" : absl::StrCat(", \"phases_us\": ", phases),

@@ -192,19 +192,22 @@ class Parser {
         size_t buffer_end = 0;
         if (!LengthEnd(&buffer_end)) return -1;
         t->on_device = true;
-        return Fields(buffer_end, [&](uint32_t n, uint32_t bt) -> int {
-          if (n == 1 && bt == kLength) {
-            size_t id_end = 0;
-            if (!LengthEnd(&id_end)) return -1;
-            return r_.ReadString(id_end - r_.pos(), &t->region_id) ? 1 : -1;
-          }
-          if (n == 2 && bt == kVarint) {
-            if (!Varint(&v)) return -1;
-            t->offset = static_cast<int64_t>(v);
-            return 1;
-          }
-          return 0;
-        }) ? 1 : -1;
+        return Fields(buffer_end,
+                      [&](uint32_t n, uint32_t bt) -> int {
+                        if (n == 1 && bt == kLength) {
+                          size_t id_end = 0;
+                          if (!LengthEnd(&id_end)) return -1;
+                          return r_.ReadString(id_end - r_.pos(), &t->region_id) ? 1 : -1;
+                        }
+                        if (n == 2 && bt == kVarint) {
+                          if (!Varint(&v)) return -1;
+                          t->offset = static_cast<int64_t>(v);
+                          return 1;
+                        }
+                        return 0;
+                      })
+                   ? 1
+                   : -1;
       }
       return 0;
     });
@@ -305,19 +308,23 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
     if (number == kRequestSync && type == kLength) {
       if (!p.LengthEnd(&end)) return -1;
       out->sync.present = true;
-      return p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
-        if (n == 1 && t == kLength) {
-          size_t id_end = 0;
-          if (!p.LengthEnd(&id_end)) return -1;
-          return r.ReadString(id_end - r.pos(), &out->sync.region_id) ? 1 : -1;
-        }
-        if ((n == 2 || n == 3) && t == kVarint) {
-          if (!p.Varint(&v)) return -1;
-          (n == 2 ? out->sync.wait_event : out->sync.done_event) = static_cast<int32_t>(v);
-          return 1;
-        }
-        return 0;
-      }) ? 1 : -1;
+      return p.Fields(end,
+                      [&](uint32_t n, uint32_t t) -> int {
+                        if (n == 1 && t == kLength) {
+                          size_t id_end = 0;
+                          if (!p.LengthEnd(&id_end)) return -1;
+                          return r.ReadString(id_end - r.pos(), &out->sync.region_id) ? 1 : -1;
+                        }
+                        if ((n == 2 || n == 3) && t == kVarint) {
+                          if (!p.Varint(&v)) return -1;
+                          (n == 2 ? out->sync.wait_event : out->sync.done_event) =
+                              static_cast<int32_t>(v);
+                          return 1;
+                        }
+                        return 0;
+                      })
+                 ? 1
+                 : -1;
     }
     if (number == 7 && type == kLength) {
       if (!p.LengthEnd(&end)) return -1;

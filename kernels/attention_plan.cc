@@ -91,8 +91,8 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   st.upload_bytes = s.end();
   st.out_bytes = q_bytes;
   st.lse_bytes = batch.return_lse ? staged * static_cast<size_t>(batch.total_queries) *
-                                         batch.num_q_heads * sizeof(float)
-                                   : 0;
+                                        batch.num_q_heads * sizeof(float)
+                                  : 0;
   st.out = s.Take(st.out_bytes);
   st.lse = s.Take(st.lse_bytes);
   st.results_end = s.end();
@@ -126,7 +126,7 @@ void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, cons
   put(st.prefill_job_start, w.prefill_job_start.data(), BytesOf(w.prefill_job_start));
   put(st.merge_tasks, w.merge_tasks.data(), BytesOf(w.merge_tasks));
   if (batch_.external_tensors) return;  // the kernels read them where the caller keeps them
-  put(st.q, q, st.out_bytes);  // q has out's dtype and shape
+  put(st.q, q, st.out_bytes);           // q has out's dtype and shape
   const size_t kv_bytes = static_cast<size_t>(batch_.total_new_tokens) * batch_.num_kv_heads *
                           batch_.head_dim * DTypeSize(batch_.kv_wire_dtype);
   put(st.k, k, kv_bytes);
@@ -172,9 +172,7 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.q = converts_q_ ? d + st.q_f32 : q;
   p.out = converts_q_ ? d + st.out_f32 : out;
   p.q_dtype = converts_q_ ? DType::kFloat32 : batch_.q_dtype;
-  p.lse = !batch_.return_lse ? nullptr
-          : ext              ? external.lse
-                             : reinterpret_cast<float*>(d + st.lse);
+  p.lse = !batch_.return_lse ? nullptr : ext ? external.lse : reinterpret_cast<float*>(d + st.lse);
   p.decode_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_items);
   p.num_decode_items = static_cast<int32_t>(w.decode_items.size());
   p.decode_wide_items = reinterpret_cast<const AttentionWorkItem*>(d + st.decode_wide_items);

@@ -10,9 +10,9 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "server/core/cache.h"
 #include "common/dtype.h"
 #include "common/reference.h"
+#include "server/core/cache.h"
 
 namespace pagedattn::testing {
 
@@ -115,8 +115,14 @@ class ForwardModel {
       const int64_t kv_len = s.start + s.num_new;
       std::vector<double> ref(static_cast<size_t>(s.num_queries) * Hq * D),
           ref_lse(static_cast<size_t>(s.num_queries) * Hq);
+      ReferenceVariant variant;
+      if (const LayerAttention* a = g_.attention(layer); a != nullptr) {
+        variant.window = a->sliding_window;
+        variant.softcap = a->logit_softcap;
+        variant.sinks.assign(a->sinks.begin(), a->sinks.end());
+      }
       ReferenceAttention(&q[q_row * Hq * D], kh.data(), vh.data(), s.num_queries, kv_len, Hq, Hkv,
-                         D, causal, scale, ref.data(), ref_lse.data());
+                         D, causal, scale, ref.data(), ref_lse.data(), variant);
       std::vector<float> got =
           Decode(io_dtype_, r->out.data() + q_row * Hq * D * DTypeSize(io_dtype_),
                  int64_t{s.num_queries} * Hq * D);

@@ -18,6 +18,15 @@ namespace pagedattn {
 struct ForwardTimings;  // server/core/cache.h
 class ForwardBuffers;   // below
 
+// One layer's attention variant (CacheConfig.layers), validated. All unset: plain attention.
+struct LayerAttention {
+  int32_t sliding_window = 0;  // 0: none; else a query at p attends p - sliding_window + 1 .. p.
+  float logit_softcap = 0.f;   // 0: none; else scores become cap * tanh(score / cap).
+  std::vector<float> sinks;    // Empty: none; else one logit per q head in the denominator.
+
+  bool plain() const { return sliding_window == 0 && logit_softcap == 0.f && sinks.empty(); }
+};
+
 // A validated, resolved cache configuration: every field is in range and num_pages is set.
 struct CacheGeometry {
   int32_t num_layers = 0;
@@ -28,6 +37,14 @@ struct CacheGeometry {
   DType kv_dtype = DType::kUnspecified;
   int32_t device = 0;
   int64_t num_pages = 0;
+  // Each layer's variant: empty when every layer is plain, else num_layers entries.
+  std::vector<LayerAttention> layers;
+
+  // Layer l's variant; null when plain.
+  const LayerAttention* attention(int32_t layer) const {
+    if (layers.empty() || layers[static_cast<size_t>(layer)].plain()) return nullptr;
+    return &layers[static_cast<size_t>(layer)];
+  }
 
   // Elements of one page of K (or V) in one layer: [num_kv_heads][page_size][head_dim].
   int64_t PageElems() const { return int64_t{num_kv_heads} * page_size * head_dim; }
@@ -75,6 +92,8 @@ struct ForwardPlan {
   bool causal = true;
   float sm_scale = 0.f;
   bool return_lse = false;
+  // The layer's variant (CacheGeometry::attention); null: plain attention.
+  const LayerAttention* attention = nullptr;
   // Polled between pieces of work and once more before the backend returns OK.
   StopToken stop;
 };
@@ -185,16 +204,17 @@ class Backend {
   // Maps another process's device allocation (handle: its cudaIpcMemHandle_t's bytes) on
   // `device`. INVALID_ARGUMENT for a handle that cannot be opened or lies on another device;
   // FAILED_PRECONDITION on a backend without device tensors (the default).
-  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int /*device*/,
-                                                                       const std::string& /*handle*/) {
+  virtual absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(
+      int /*device*/, const std::string& /*handle*/) {
     return absl::FailedPreconditionError(
         "device tensors (RegisterMemory, Tensor.device_buffer) need the CUDA backend; this server "
-        "runs the " + name() + " backend: send the tensors' data instead");
+        "runs the " +
+        name() + " backend: send the tensors' data instead");
   }
 
   // Opens another process's event (handle: its cudaIpcEventHandle_t's bytes) on `device`.
-  virtual absl::StatusOr<std::unique_ptr<ImportedEvent>> ImportEvent(int /*device*/,
-                                                                     const std::string& /*handle*/) {
+  virtual absl::StatusOr<std::unique_ptr<ImportedEvent>> ImportEvent(
+      int /*device*/, const std::string& /*handle*/) {
     return absl::FailedPreconditionError("device events need the CUDA backend");
   }
 

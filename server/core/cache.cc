@@ -120,8 +120,8 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
         return s;
       }
       if (a.lse.dtype != DType::kFloat32) {
-        return absl::InvalidArgumentError(absl::StrCat("lse.dtype must be FLOAT32 (got ",
-                                                       DTypeName(a.lse.dtype), ")"));
+        return absl::InvalidArgumentError(
+            absl::StrCat("lse.dtype must be FLOAT32 (got ", DTypeName(a.lse.dtype), ")"));
       }
     } else if (!a.lse.empty()) {
       return absl::InvalidArgumentError("lse is set but options.return_lse is false");
@@ -162,6 +162,7 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
   plan.causal = a.causal.value_or(true);
   plan.sm_scale = a.sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(geometry_.head_dim)));
   plan.return_lse = a.return_lse;
+  plan.attention = geometry_.attention(a.layer);
   plan.spans.reserve(a.spans.size());
   size_t pages = 0;
   for (const auto& e : r.entries) pages += static_cast<size_t>(table_.PagesFor(e.kv_len));

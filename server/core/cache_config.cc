@@ -2,6 +2,7 @@
 // would be valid (the nearest valid value where there is one); all rules run every time.
 #include "server/core/cache_config.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <limits>
 
@@ -42,6 +43,77 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   int64_t r;
   if (__builtin_mul_overflow(a, b, &r)) return std::nullopt;
   return r;
+}
+
+const char* BackendName(BackendKind backend) {
+  return backend == BackendKind::kCuda ? "cuda" : "cpu";
+}
+
+// The rules of CacheConfig.layers: how many entries, and each option's range and backend.
+template <typename Violate>
+void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& violate) {
+  const size_t n = c.layers.size();
+  if (n > 1 && static_cast<int64_t>(n) != c.num_layers) {
+    violate("layers", absl::StrCat("layers must have 0, 1 (every layer) or num_layers=",
+                                   c.num_layers, " entries (got ", n, ")"));
+    return;
+  }
+  for (size_t i = 0; i < n; ++i) {
+    const LayerAttentionRequest& l = c.layers[i];
+    const std::string at = absl::StrCat("layers[", i, "].");
+    auto unsupported = [&](const char* option, bool supported) {
+      if (supported) return false;
+      violate(at + option, absl::StrCat(option, " is not supported by the ", BackendName(backend),
+                                        " backend (the cpu backend runs it; see "
+                                        "ServerInfo.capabilities)"));
+      return true;
+    };
+    if (l.sliding_window.has_value() &&
+        !unsupported("sliding_window", SupportsSlidingWindow(backend)) &&
+        (*l.sliding_window < 1 || *l.sliding_window > kMaxSlidingWindow)) {
+      violate(at + "sliding_window",
+              absl::StrCat("sliding_window must be in 1..", kMaxSlidingWindow,
+                           " positions, or unset for none (got ", *l.sliding_window, ")"));
+    }
+    if (l.logit_softcap.has_value() &&
+        !unsupported("logit_softcap", SupportsLogitSoftcap(backend)) &&
+        !(std::isfinite(*l.logit_softcap) && *l.logit_softcap > 0)) {
+      violate(at + "logit_softcap",
+              absl::StrCat("logit_softcap must be positive and finite, or unset for none (got ",
+                           *l.logit_softcap, ")"));
+    }
+    if (!l.sinks.empty() && !unsupported("sinks", SupportsSinks(backend))) {
+      if (static_cast<int64_t>(l.sinks.size()) != c.num_q_heads) {
+        violate(at + "sinks", absl::StrCat("sinks must have num_q_heads=", c.num_q_heads,
+                                           " values, one per q head (got ", l.sinks.size(), ")"));
+      } else {
+        for (size_t h = 0; h < l.sinks.size(); ++h) {
+          if (!std::isfinite(l.sinks[h])) {
+            violate(at + "sinks",
+                    absl::StrCat("sinks must be finite (sinks[", h, "] is ", l.sinks[h], ")"));
+            break;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Each layer's variant (empty when every layer is plain).
+std::vector<LayerAttention> ResolveLayers(const CacheConfigRequest& c) {
+  std::vector<LayerAttention> layers;
+  bool any = false;
+  for (int32_t i = 0; i < c.num_layers && !c.layers.empty(); ++i) {
+    const LayerAttentionRequest& l = c.layers[c.layers.size() == 1 ? 0 : static_cast<size_t>(i)];
+    LayerAttention a;
+    a.sliding_window = l.sliding_window.value_or(0);
+    a.logit_softcap = l.logit_softcap.value_or(0.f);
+    a.sinks = l.sinks;
+    any = any || !a.plain();
+    layers.push_back(std::move(a));
+  }
+  if (!any) layers.clear();
+  return layers;
 }
 
 }  // namespace
@@ -124,6 +196,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   if (c.max_bytes.has_value() && *c.max_bytes < 1) {
     violate("max_bytes", absl::StrCat("max_bytes must be positive (got ", *c.max_bytes, ")"));
   }
+  ValidateLayers(c, ctx.backend, violate);
   if (!r.violations.empty()) return r;
 
   CacheGeometry g;
@@ -134,6 +207,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   g.page_size = c.page_size;
   g.kv_dtype = c.kv_dtype;
   g.device = c.device;
+  g.layers = ResolveLayers(c);
   // Every factor is bounded above, so this product cannot overflow; the pool size can.
   const int64_t bytes_per_page = g.BytesPerPage();
   if (c.num_pages.has_value()) {

@@ -12,6 +12,13 @@
 
 namespace pagedattn {
 
+// One layer's attention options as requested (pagedattn.v1.LayerAttention).
+struct LayerAttentionRequest {
+  std::optional<int32_t> sliding_window;
+  std::optional<float> logit_softcap;
+  std::vector<float> sinks;
+};
+
 // A cache configuration as requested, before defaults are resolved.
 struct CacheConfigRequest {
   int32_t num_layers = 0;
@@ -23,6 +30,7 @@ struct CacheConfigRequest {
   std::optional<int64_t> num_pages;  // Exactly one of num_pages / max_bytes, or neither.
   std::optional<int64_t> max_bytes;
   int32_t device = 0;
+  std::vector<LayerAttentionRequest> layers;  // Empty, one (every layer), or num_layers.
 };
 
 struct FieldViolation {

@@ -237,36 +237,48 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     }
     const WorkItem& w = items[ii];
     const SpanPlan& sp = plan.spans[w.span];
+    const LayerAttention* variant = plan.attention;
+    const int64_t window = variant != nullptr ? variant->sliding_window : 0;
+    const float softcap = variant != nullptr ? variant->logit_softcap : 0.f;
     const int64_t first_pos = sp.kv_len - sp.num_queries;  // Position of query 0.
-    // Positions any query of the block can see.
-    const int64_t visible_max = plan.causal ? first_pos + w.q_end : sp.kv_len;
-    std::vector<float> k(static_cast<size_t>(visible_max) * D);
-    std::vector<float> v(static_cast<size_t>(visible_max) * D);
-    for (int64_t j = 0; j < visible_max; ++j) {
+    // Positions query qi sees: [lo(qi), hi(qi)); the block's queries together
+    // [lo(q_begin), hi(q_end - 1)), loaded once.
+    auto lo = [&](int64_t qi) {
+      return window > 0 ? std::max<int64_t>(0, first_pos + qi - window + 1) : 0;
+    };
+    auto hi = [&](int64_t qi) { return plan.causal ? first_pos + qi + 1 : sp.kv_len; };
+    const int64_t base = lo(w.q_begin), visible_max = hi(w.q_end - 1);
+    std::vector<float> k(static_cast<size_t>(visible_max - base) * D);
+    std::vector<float> v(static_cast<size_t>(visible_max - base) * D);
+    for (int64_t j = base; j < visible_max; ++j) {
       const int64_t off = RowOffset(g, plan, sp, j, w.kv_head);
       for (int d = 0; d < D; ++d) {
-        k[j * D + d] = LoadAsFloat(g.kv_dtype, k_layer, off + d);
-        v[j * D + d] = LoadAsFloat(g.kv_dtype, v_layer, off + d);
+        k[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, k_layer, off + d);
+        v[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, v_layer, off + d);
       }
     }
-    std::vector<float> q(D), scores(static_cast<size_t>(visible_max)), acc(D);
+    std::vector<float> q(D), scores(static_cast<size_t>(visible_max - base)), acc(D);
+    // A sink is a logit of the row with no value: it joins the max and the denominator.
+    const bool sink = variant != nullptr && !variant->sinks.empty();
     for (int32_t qi = w.q_begin; qi < w.q_end; ++qi) {
-      const int64_t visible = plan.causal ? first_pos + qi + 1 : sp.kv_len;
+      const int64_t first = lo(qi) - base, visible = hi(qi) - base;
       for (int hg = 0; hg < group; ++hg) {
         const int h = w.kv_head * group + hg;
         const int64_t qrow = (sp.q_offset + qi) * Hq + h;
         for (int d = 0; d < D; ++d) q[d] = LoadAsFloat(io.q_dtype, io.q, qrow * D + d);
-        float m = -std::numeric_limits<float>::infinity();
-        for (int64_t j = 0; j < visible; ++j) {
+        float m = sink ? variant->sinks[h] : -std::numeric_limits<float>::infinity();
+        for (int64_t j = first; j < visible; ++j) {
           const float* kj = &k[j * D];
           float s = 0.f;
           for (int d = 0; d < D; ++d) s += q[d] * kj[d];
-          scores[j] = SaturatedScore(s * plan.sm_scale);
+          s *= plan.sm_scale;
+          if (softcap > 0.f) s = softcap * std::tanh(s / softcap);
+          scores[j] = SaturatedScore(s);
           m = std::max(m, scores[j]);
         }
-        float denom = 0.f;
+        float denom = sink ? std::exp(variant->sinks[h] - m) : 0.f;
         std::fill(acc.begin(), acc.end(), 0.f);
-        for (int64_t j = 0; j < visible; ++j) {
+        for (int64_t j = first; j < visible; ++j) {
           const float p = std::exp(scores[j] - m);
           denom += p;
           const float* vj = &v[j * D];

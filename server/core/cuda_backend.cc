@@ -148,7 +148,8 @@ absl::StatusOr<int64_t> AllocationSize(void* ptr) {
   }
   // The handle names an allocation's start (cudaIpcGetMemHandle); what lies before ptr is not
   // the caller's to use.
-  return static_cast<int64_t>(size) - static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(ptr) - base);
+  return static_cast<int64_t>(size) -
+         static_cast<int64_t>(reinterpret_cast<CUdeviceptr>(ptr) - base);
 }
 
 // A stream and the buffers of the Forwards that run on it. One Forward uses one workspace at a
@@ -329,18 +330,19 @@ class CudaBackend final : public Backend {
     if (cudaError_t err = cudaIpcOpenMemHandle(&ptr, h, cudaIpcMemLazyEnablePeerAccess);
         err != cudaSuccess) {
       cudaGetLastError();
-      return absl::InvalidArgumentError(absl::StrCat(
-          "cuda_ipc_handle could not be opened on GPU ", device, ": ", cudaGetErrorName(err), " (",
-          cudaGetErrorString(err), "); it must come from cudaIpcGetMemHandle in a live process "
-          "on this node, not the server's own"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("cuda_ipc_handle could not be opened on GPU ", device, ": ",
+                       cudaGetErrorName(err), " (", cudaGetErrorString(err),
+                       "); it must come from cudaIpcGetMemHandle in a live process "
+                       "on this node, not the server's own"));
     }
     // Closed again on any error below.
     auto mem = std::make_unique<CudaImportedMemory>(device, static_cast<char*>(ptr));
     cudaPointerAttributes attr = {};
     PAGEDATTN_CUDA_RETURN(cudaPointerGetAttributes(&attr, ptr), "cudaPointerGetAttributes");
     if (attr.device != device) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "the allocation lies on GPU ", attr.device, ", the cache on GPU ", device));
+      return absl::InvalidArgumentError(
+          absl::StrCat("the allocation lies on GPU ", attr.device, ", the cache on GPU ", device));
     }
     absl::StatusOr<int64_t> size = AllocationSize(ptr);
     if (!size.ok()) return size.status();
@@ -363,7 +365,8 @@ class CudaBackend final : public Backend {
       cudaGetLastError();
       return absl::InvalidArgumentError(absl::StrCat(
           "a cuda_ipc_events entry could not be opened: ", cudaGetErrorName(err), " (",
-          cudaGetErrorString(err), "); it must come from cudaIpcGetEventHandle of an event "
+          cudaGetErrorString(err),
+          "); it must come from cudaIpcGetEventHandle of an event "
           "created with cudaEventInterprocess | cudaEventDisableTiming in a live process"));
     }
     return std::unique_ptr<ImportedEvent>(new CudaImportedEvent(event));
@@ -386,6 +389,9 @@ class CudaBackend final : public Backend {
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                        const ForwardIO& io) override {
     auto& pool = static_cast<CudaKvPool&>(pool_base);
+    if (plan.attention != nullptr) {  // validation refuses these configs on this backend
+      return absl::InternalError("a layer attention variant reached the CUDA backend");
+    }
     // The kernels take milliseconds and cannot be interrupted: the stop token is read before
     // anything is written.
     if (absl::Status st = plan.stop.Check(); !st.ok()) return st;
@@ -457,7 +463,8 @@ class CudaBackend final : public Backend {
     // Answered once queued: no timings (they need the work done).
     const bool detached = io.done_event != nullptr;
     const bool timed = io.timings != nullptr && !detached;
-    if (io.timings != nullptr) io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    if (io.timings != nullptr)
+      io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
@@ -483,9 +490,8 @@ class CudaBackend final : public Backend {
     PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, launcher_));
     PAGEDATTN_CUDA_RETURN(cudaEventRecord(layer_done, ws.stream), "cudaEventRecord(layer order)");
     if (detached) {
-      PAGEDATTN_CUDA_RETURN(
-          cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
-          "cudaEventRecord(the caller's done event)");
+      PAGEDATTN_CUDA_RETURN(cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
+                            "cudaEventRecord(the caller's done event)");
       return absl::OkStatus();
     }
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));

@@ -60,9 +60,9 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
   const absl::Duration lease =
       spec.lease == absl::ZeroDuration() ? options_.default_lease : spec.lease;
   if (lease < absl::Seconds(1) || lease > options_.max_lease) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("lease_seconds must be in 1..", absl::ToInt64Seconds(options_.max_lease),
-                     " or 0 for the server's default (got ", absl::ToInt64Seconds(spec.lease), ")"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "lease_seconds must be in 1..", absl::ToInt64Seconds(options_.max_lease),
+        " or 0 for the server's default (got ", absl::ToInt64Seconds(spec.lease), ")"));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -91,9 +91,9 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
     }
   }
   if (spec.size_bytes > memory->size()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("size_bytes is ", spec.size_bytes, " but the allocation the handle names has ",
-                     memory->size(), " bytes"));
+    return absl::InvalidArgumentError(absl::StrCat("size_bytes is ", spec.size_bytes,
+                                                   " but the allocation the handle names has ",
+                                                   memory->size(), " bytes"));
   }
   std::vector<std::shared_ptr<ImportedEvent>> events;
   for (size_t i = 0; i < spec.event_handles.size(); ++i) {
@@ -130,8 +130,8 @@ absl::Status MemoryRegistry::Unregister(const std::string& region_id, const std:
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second->owner != owner) {
-      return absl::NotFoundError(absl::StrCat("memory region '", region_id.substr(0, 64),
-                                              "' is not registered"));
+      return absl::NotFoundError(
+          absl::StrCat("memory region '", region_id.substr(0, 64), "' is not registered"));
     }
     region = std::move(it->second);
     regions_.erase(it);
@@ -148,10 +148,10 @@ absl::StatusOr<std::shared_ptr<MemoryRegistry::Region>> MemoryRegistry::Use(
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second->owner != owner) {
-      return absl::NotFoundError(absl::StrCat(
-          what, ".region_id '", region_id.substr(0, 64),
-          "' is not registered (unregistered, released after its lease, or the server "
-          "restarted): register the memory again"));
+      return absl::NotFoundError(
+          absl::StrCat(what, ".region_id '", region_id.substr(0, 64),
+                       "' is not registered (unregistered, released after its lease, or the server "
+                       "restarted): register the memory again"));
     }
     region = it->second;
     region->last_used = absl::Now();
@@ -195,8 +195,8 @@ absl::StatusOr<void*> MemoryRegistry::ResolveEvent(const std::string& region_id,
   const auto& events = (*region)->events;
   if (index < 1 || index > static_cast<int32_t>(events.size())) {
     return absl::InvalidArgumentError(absl::StrCat("sync.", what, " must be in 1..", events.size(),
-                                                   ", the events of region ", region_id,
-                                                   " (got ", index, ")"));
+                                                   ", the events of region ", region_id, " (got ",
+                                                   index, ")"));
   }
   void* handle = events[static_cast<size_t>(index - 1)]->handle();
   pins->push_back(*std::move(region));

@@ -27,7 +27,7 @@ struct RegionSpec {
   std::string handle;    // cudaIpcMemHandle_t bytes.
   int64_t size_bytes = 0;
   absl::Duration lease = absl::ZeroDuration();  // Zero: the registry's default.
-  std::vector<std::string> event_handles;  // cudaIpcEventHandle_t bytes, for DeviceSync.
+  std::vector<std::string> event_handles;       // cudaIpcEventHandle_t bytes, for DeviceSync.
 };
 
 struct RegionInfo {
@@ -92,8 +92,8 @@ class MemoryRegistry {
   struct Region;
   // The owner's region serving cache_id, its lease renewed; `what` names the field in errors.
   absl::StatusOr<std::shared_ptr<Region>> Use(const std::string& region_id,
-                                              const std::string& cache_id,
-                                              const std::string& owner, const std::string& what);
+                                              const std::string& cache_id, const std::string& owner,
+                                              const std::string& what);
   void SweepLoop();
   void Released(std::vector<std::shared_ptr<Region>> regions, const std::string& why);
 

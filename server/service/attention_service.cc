@@ -101,6 +101,9 @@ void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
   out->set_supports_lse(true);
   out->set_supports_custom_sm_scale(true);
   out->set_supports_device_tensors(SupportsDeviceTensors(backend));
+  out->set_supports_sliding_window(SupportsSlidingWindow(backend));
+  out->set_supports_logit_softcap(SupportsLogitSoftcap(backend));
+  out->set_supports_sinks(SupportsSinks(backend));
 }
 
 grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
@@ -278,8 +281,8 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunDeviceForward(
   for (const Named& t : tensors) {
     if (t.ref.present && !t.ref.on_device) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "q, k, v, out and lse are all device tensors (Tensor.device_buffer) or none is; ",
-          t.name, " carries data"));
+          "q, k, v, out and lse are all device tensors (Tensor.device_buffer) or none is; ", t.name,
+          " carries data"));
     }
   }
   if (absl::Status s = cache.Check(args); !s.ok()) return s;
@@ -294,8 +297,9 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunDeviceForward(
     t.view.data = *address;
   }
   const wire::DeviceSyncRef& sync = request.sync;
-  for (const auto& [name, index, event] : {std::tuple{"wait_event", sync.wait_event, &args.wait_event},
-                                           {"done_event", sync.done_event, &args.done_event}}) {
+  for (const auto& [name, index, event] :
+       {std::tuple{"wait_event", sync.wait_event, &args.wait_event},
+        {"done_event", sync.done_event, &args.done_event}}) {
     if (index == 0) continue;
     absl::StatusOr<void*> handle =
         regions_->ResolveEvent(sync.region_id, index, cache.id(), rpc.tenant(), name, &pins);
@@ -611,14 +615,14 @@ grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
                                                      (*cache)->id(), " lives on GPU ", device,
                                                      ": register memory on the cache's GPU"));
     }
-    absl::StatusOr<RegionInfo> region = regions_->Register({.owner = rpc.tenant(),
-                                                            .cache_id = (*cache)->id(),
-                                                            .device = device,
-                                                            .handle = req->cuda_ipc_handle(),
-                                                            .size_bytes = req->size_bytes(),
-                                                            .lease = absl::Seconds(req->lease_seconds()),
-                                                            .event_handles = {req->cuda_ipc_events().begin(),
-                                                                              req->cuda_ipc_events().end()}});
+    absl::StatusOr<RegionInfo> region = regions_->Register(
+        {.owner = rpc.tenant(),
+         .cache_id = (*cache)->id(),
+         .device = device,
+         .handle = req->cuda_ipc_handle(),
+         .size_bytes = req->size_bytes(),
+         .lease = absl::Seconds(req->lease_seconds()),
+         .event_handles = {req->cuda_ipc_events().begin(), req->cuda_ipc_events().end()}});
     if (!region.ok()) return region.status();
     resp->set_region_id(region->id);
     resp->set_cache_id(region->cache_id);
@@ -636,9 +640,8 @@ grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
 grpc::Status AttentionServiceImpl::UnregisterMemory(grpc::ServerContext* ctx,
                                                     const v1::UnregisterMemoryRequest* req,
                                                     v1::UnregisterMemoryResponse*) {
-  return Handle("UnregisterMemory", ctx, [&](Rpc& rpc) {
-    return regions_->Unregister(req->region_id(), rpc.tenant());
-  });
+  return Handle("UnregisterMemory", ctx,
+                [&](Rpc& rpc) { return regions_->Unregister(req->region_id(), rpc.tenant()); });
 }
 
 }  // namespace pagedattn

@@ -14,6 +14,12 @@ CacheConfigRequest FromProto(const v1::CacheConfig& c) {
   if (c.capacity_case() == v1::CacheConfig::kNumPages) r.num_pages = c.num_pages();
   if (c.capacity_case() == v1::CacheConfig::kMaxBytes) r.max_bytes = c.max_bytes();
   r.device = c.device();
+  for (const v1::LayerAttention& l : c.layers()) {
+    LayerAttentionRequest& out = r.layers.emplace_back();
+    if (l.has_sliding_window()) out.sliding_window = l.sliding_window();
+    if (l.has_logit_softcap()) out.logit_softcap = l.logit_softcap();
+    out.sinks.assign(l.sinks().begin(), l.sinks().end());
+  }
   return r;
 }
 
@@ -26,6 +32,12 @@ void ToProto(const CacheGeometry& g, v1::CacheConfig* out) {
   out->set_kv_dtype(static_cast<v1::DType>(g.kv_dtype));
   out->set_num_pages(g.num_pages);
   out->set_device(g.device);
+  for (const LayerAttention& l : g.layers) {  // resolved: one entry per layer, or none
+    v1::LayerAttention* pl = out->add_layers();
+    if (l.sliding_window > 0) pl->set_sliding_window(l.sliding_window);
+    if (l.logit_softcap > 0) pl->set_logit_softcap(l.logit_softcap);
+    for (float sink : l.sinks) pl->add_sinks(sink);
+  }
 }
 
 void ToProto(const Cache& cache, v1::CacheInfo* out) {

@@ -128,12 +128,10 @@ grpc::ByteBuffer EncodeResponse(const ForwardResult& result,
 
 grpc::ByteBuffer EncodeDeviceResponse(const ForwardResult& result,
                                       const wire::ForwardRequestRef& request, bool step,
-                                      int32_t layer, int64_t server_micros,
-                                      int64_t kernel_micros) {
-  std::string bytes = wire::DeviceTensorField(wire::kResponseOut,
-                                              static_cast<int32_t>(result.out_dtype),
-                                              result.out_shape, request.out.region_id,
-                                              request.out.offset);
+                                      int32_t layer, int64_t server_micros, int64_t kernel_micros) {
+  std::string bytes =
+      wire::DeviceTensorField(wire::kResponseOut, static_cast<int32_t>(result.out_dtype),
+                              result.out_shape, request.out.region_id, request.out.offset);
   if (!result.lse_shape.empty()) {
     bytes += wire::DeviceTensorField(wire::kResponseLse, static_cast<int32_t>(DType::kFloat32),
                                      result.lse_shape, request.lse.region_id, request.lse.offset);

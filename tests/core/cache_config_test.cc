@@ -183,5 +183,71 @@ TEST(CacheConfigTest, TooLargeForMemoryIsResourceExhaustedWithNumbers) {
   EXPECT_NE(s.message().find("12345678"), std::string::npos);
 }
 
+
+TEST(CacheConfigTest, LayerVariantsResolvePerLayer) {
+  CacheConfigRequest c = Valid();  // 4 layers: Gemma-style, windowed and global alternating
+  LayerAttentionRequest windowed, global;
+  windowed.sliding_window = 4096;
+  windowed.logit_softcap = 50.f;
+  global.logit_softcap = 50.f;
+  c.layers = {windowed, global, windowed, global};
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid()) << Fields(r).size();
+  ASSERT_EQ(r.geometry.layers.size(), 4u);
+  EXPECT_EQ(r.geometry.attention(0)->sliding_window, 4096);
+  EXPECT_EQ(r.geometry.attention(1)->sliding_window, 0);
+  EXPECT_EQ(r.geometry.attention(1)->logit_softcap, 50.f);
+  // One entry holds for every layer; sinks one per q head.
+  LayerAttentionRequest sinks;
+  sinks.sinks.assign(32, 0.5f);
+  c.layers = {sinks};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid());
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(r.geometry.attention(l)->sinks.size(), 32u);
+  // Entries with no option set: every layer plain, nothing kept.
+  c.layers = {LayerAttentionRequest{}};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid());
+  EXPECT_TRUE(r.geometry.layers.empty());
+  EXPECT_EQ(r.geometry.attention(2), nullptr);
+}
+
+TEST(CacheConfigTest, LayerVariantRulesNameTheFieldAndTheValue) {
+  CacheConfigRequest c = Valid();
+  c.layers.resize(3);  // neither 1 nor num_layers
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), std::vector<std::string>{"layers"});
+  EXPECT_NE(r.violations[0].description.find("(got 3)"), std::string::npos);
+
+  c.layers.assign(4, LayerAttentionRequest{});
+  c.layers[0].sliding_window = 0;
+  c.layers[1].logit_softcap = -1.f;
+  c.layers[2].sinks.assign(31, 0.f);
+  c.layers[3].sinks.assign(32, 0.f);
+  c.layers[3].sinks[5] = std::numeric_limits<float>::infinity();
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"layers[0].sliding_window",
+                                                 "layers[1].logit_softcap", "layers[2].sinks",
+                                                 "layers[3].sinks"}));
+  EXPECT_NE(r.violations[0].description.find("(got 0)"), std::string::npos);
+  EXPECT_NE(r.violations[2].description.find("num_q_heads=32"), std::string::npos);
+  EXPECT_NE(r.violations[3].description.find("sinks[5]"), std::string::npos);
+}
+
+TEST(CacheConfigTest, LayerVariantsNeedABackendThatRunsThem) {
+  CacheConfigRequest c = Valid();
+  LayerAttentionRequest l;
+  l.sliding_window = 128;
+  l.logit_softcap = 30.f;
+  l.sinks.assign(32, 0.f);
+  c.layers = {l};
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx(BackendKind::kCpu)).valid());
+  ValidationResult r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"layers[0].sliding_window",
+                                                 "layers[0].logit_softcap", "layers[0].sinks"}));
+  EXPECT_NE(r.violations[0].description.find("not supported by the cuda backend"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace pagedattn

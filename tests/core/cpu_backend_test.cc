@@ -1,11 +1,12 @@
 // CPU backend attention against the float64 reference, through Cache::Forward: page sizes,
 // head dims, GQA ratios, ragged prefill / chunked prefill / decode mixes, causal or not,
 // sm_scale and LSE, float32 and bfloat16.
+#include "server/core/cpu_backend.h"
+
 #include <gtest/gtest.h>
 
 #include <tuple>
 
-#include "server/core/cpu_backend.h"
 #include "tests/test_util.h"
 
 namespace pagedattn {
@@ -96,6 +97,87 @@ TEST(CpuAttentionTest, LongSequenceDecode) {
   ForwardModel model(g, DType::kFloat32, 11);
   ExpectClose(model.Run(*cache, 0, {{1, 0, 10000, 0}}), DType::kFloat32, "10k append");
   ExpectClose(model.Run(*cache, 0, {{1, 10000, 1, 1}}), DType::kFloat32, "10k decode");
+}
+
+// Layer attention variants (CacheConfig.layers) against the reference: each option alone and
+// all combined, on pages {1, 7, 16, 128} and GQA {1, 4, 5, 8}; prefill, chunked prefill,
+// decode and mixed batches; windows shorter and longer than a page, sequences shorter and
+// longer than the window. Layer 1 of every cache stays plain (the per-layer table).
+struct VariantCase {
+  const char* name;
+  int32_t window;
+  float softcap;
+  bool sinks;
+};
+
+class CpuVariantSweep : public ::testing::TestWithParam<std::tuple<VariantCase, int, int>> {
+};  // page, gqa
+
+TEST_P(CpuVariantSweep, MatchesReference) {
+  const auto [variant, page, gqa] = GetParam();
+  const int hkv = gqa == 5 ? 1 : 2;
+  for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
+    CacheGeometry g = MakeGeometry(2, hkv * gqa, hkv, 64, page, dtype, /*pages=*/900 / page + 60);
+    LayerAttention a;
+    a.sliding_window = variant.window;
+    a.logit_softcap = variant.softcap;
+    for (int h = 0; variant.sinks && h < g.num_q_heads; ++h) a.sinks.push_back(0.5f * h - 1.f);
+    g.layers = {a, LayerAttention{}};
+    auto cache = MakeCache(g);
+    ForwardModel model(g, dtype, /*seed=*/page * 100 + gqa);
+    const std::string what =
+        absl::StrCat(variant.name, " page ", page, " gqa ", gqa, " ", DTypeName(dtype));
+    // Prefills: shorter than the window, longer, one token.
+    ExpectClose(model.Run(*cache, 0, {{1, 0, 5, 5}, {2, 0, 70, 70}, {3, 0, 1, 1}}), dtype,
+                what + " prefill");
+    // Decode, chunked prefill across the window, a fresh prefill, in one batch.
+    ExpectClose(model.Run(*cache, 0, {{1, 5, 1, 1}, {2, 70, 40, 40}, {4, 0, 9, 9}}), dtype,
+                what + " mixed");
+    // Decode far past the window; attend-only; a rewind.
+    ExpectClose(model.Run(*cache, 0, {{2, 110, 1, 1}, {3, 1, 0, 1}, {1, 3, 2, 2}}), dtype,
+                what + " decode");
+    // Non-causal with a custom scale.
+    ExpectClose(model.Run(*cache, 0, {{4, 9, 3, 3}}, /*causal=*/false, 0.3f), dtype,
+                what + " non-causal");
+    // The plain layer beside it.
+    ExpectClose(model.Run(*cache, 1, {{1, 0, 40, 40}}), dtype, what + " plain layer");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Options, CpuVariantSweep,
+    ::testing::Combine(::testing::Values(VariantCase{"window4", 4, 0.f, false},
+                                         VariantCase{"window33", 33, 0.f, false},
+                                         VariantCase{"softcap", 0, 2.f, false},
+                                         VariantCase{"sinks", 0, 0.f, true},
+                                         VariantCase{"all", 20, 5.f, true}),
+                       ::testing::Values(1, 7, 16, 128), ::testing::Values(1, 4, 5, 8)),
+    [](const auto& info) {
+      return absl::StrCat(std::get<0>(info.param).name, "_page", std::get<1>(info.param), "_gqa",
+                          std::get<2>(info.param));
+    });
+
+// The options change the answer (a test that passed with them ignored would prove nothing):
+// the same Forward on a plain cache and on a windowed / capped / sunk one differ.
+TEST(CpuAttentionTest, EachOptionChangesTheAnswer) {
+  auto run = [](const LayerAttention& a) {
+    CacheGeometry g = MakeGeometry(1, 4, 2, 64, 16, DType::kFloat32, 64);
+    if (!a.plain()) g.layers = {a};
+    auto cache = MakeCache(g);
+    ForwardModel model(g, DType::kFloat32, 3);
+    ForwardModel::Outcome o = model.Run(*cache, 0, {{1, 0, 50, 50}}, true, 1.0f);
+    EXPECT_TRUE(o.status.ok());
+    EXPECT_LE(o.max_rel_error, 1e-5);
+    return o.result.out;
+  };
+  const std::string plain = run({});
+  LayerAttention window, softcap, sinks;
+  window.sliding_window = 8;
+  softcap.logit_softcap = 1.f;
+  sinks.sinks = {3.f, 3.f, 3.f, 3.f};
+  EXPECT_NE(run(window), plain);
+  EXPECT_NE(run(softcap), plain);
+  EXPECT_NE(run(sinks), plain);
 }
 
 }  // namespace

@@ -117,8 +117,13 @@ TEST_F(MemoryRegistryTest, RegisterChecksSizeLeaseHandleAndLimit) {
   using C = absl::StatusCode;
   auto code = [&](const std::string& handle, int64_t size, absl::Duration lease) {
     return registry_
-        .Register({.owner = "a", .cache_id = "c1", .device = 0, .handle = handle,
-                   .size_bytes = size, .lease = lease, .event_handles = {}})
+        .Register({.owner = "a",
+                   .cache_id = "c1",
+                   .device = 0,
+                   .handle = handle,
+                   .size_bytes = size,
+                   .lease = lease,
+                   .event_handles = {}})
         .status()
         .code();
   };
@@ -193,8 +198,12 @@ TEST_F(MemoryRegistryTest, EventsAreNamedByOneBasedIndex) {
   EXPECT_EQ(registry_.ResolveEvent(r->id, 1, "c1", "b", "wait_event", &pins).status().code(),
             C::kNotFound);
   EXPECT_EQ(registry_
-                .Register({.owner = "a", .cache_id = "c1", .device = 0, .handle = "4096",
-                           .size_bytes = 16, .lease = absl::ZeroDuration(),
+                .Register({.owner = "a",
+                           .cache_id = "c1",
+                           .device = 0,
+                           .handle = "4096",
+                           .size_bytes = 16,
+                           .lease = absl::ZeroDuration(),
                            .event_handles = {"e1", "bad"}})
                 .status()
                 .code(),

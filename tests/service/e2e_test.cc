@@ -422,5 +422,52 @@ TEST(E2EStartTest, BadListenAddressIsAnError) {
   EXPECT_FALSE(PagedAttnServer::Start(options).ok());
 }
 
+
+// A Gemma-style cache (windowed and global layers, soft-capped, sinks on the global one) over
+// gRPC: the CPU backend takes it and echoes the per-layer table, the option changes the
+// answer of its layer only; the CUDA backend refuses it at CreateCache, naming each field.
+TEST_F(E2ETest, LayerVariantsAreValidatedAtCreateCache) {
+  v1::CacheConfig c = SmallConfig();
+  v1::LayerAttention* windowed = c.add_layers();
+  windowed->set_sliding_window(3);
+  windowed->set_logit_softcap(20.f);
+  v1::LayerAttention* global = c.add_layers();
+  global->set_logit_softcap(20.f);
+  for (int h = 0; h < 4; ++h) global->add_sinks(0.25f * h);
+  absl::StatusOr<v1::ServerInfo> info = client_->GetServerInfo();
+  ASSERT_TRUE(info.ok());
+  EXPECT_EQ(info->capabilities().supports_sliding_window(), OnCpu());
+  EXPECT_EQ(info->capabilities().supports_logit_softcap(), OnCpu());
+  EXPECT_EQ(info->capabilities().supports_sinks(), OnCpu());
+  absl::StatusOr<v1::CacheInfo> cache = client_->CreateCache(c);
+  if (!OnCpu()) {
+    ASSERT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(cache.status().message().find("layers[0].sliding_window"), std::string::npos);
+    EXPECT_NE(cache.status().message().find("layers[1].sinks"), std::string::npos);
+    return;
+  }
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_EQ(cache->config().layers_size(), 2);
+  EXPECT_EQ(cache->config().layers(0).sliding_window(), 3);
+  EXPECT_FALSE(cache->config().layers(1).has_sliding_window());
+  EXPECT_EQ(cache->config().layers(1).sinks_size(), 4);
+  // The same inputs on a plain cache and on this one: layer 0 (window 3 over 8 tokens) differs.
+  const std::string plain = client_->CreateCache(SmallConfig())->cache_id();
+  v1::ForwardRequest req = Request(cache->cache_id(), 1, 0, 8, 5);
+  absl::StatusOr<v1::ForwardResponse> varied = client_->Forward(req);
+  req.set_cache_id(plain);
+  absl::StatusOr<v1::ForwardResponse> base = client_->Forward(req);
+  ASSERT_TRUE(varied.ok() && base.ok()) << varied.status() << base.status();
+  EXPECT_NE(varied->out().data(), base->out().data());
+  // Bad tables are refused with every field named.
+  c.mutable_layers(0)->set_sliding_window(0);
+  c.mutable_layers(1)->add_sinks(1.f);  // 5 sinks for 4 q heads
+  absl::StatusOr<v1::ValidateCacheConfigResponse> v = client_->ValidateCacheConfig(c);
+  ASSERT_TRUE(v.ok());
+  ASSERT_EQ(v->violations_size(), 2);
+  EXPECT_EQ(v->violations(0).field(), "layers[0].sliding_window");
+  EXPECT_EQ(v->violations(1).field(), "layers[1].sinks");
+}
+
 }  // namespace
 }  // namespace pagedattn

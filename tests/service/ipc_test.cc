@@ -86,8 +86,7 @@ TEST(IpcCpuTest, CpuBackendRefusesDeviceTensorsWithFailedPrecondition) {
   std::unique_ptr<Client> client = *Client::Connect(c);
   EXPECT_FALSE(client->GetServerInfo()->capabilities().supports_device_tensors());
   const std::string cache = client->CreateCache(Config())->cache_id();
-  absl::StatusOr<v1::MemoryRegion> r =
-      client->RegisterMemory(cache, std::string(64, '\1'), 4096);
+  absl::StatusOr<v1::MemoryRegion> r = client->RegisterMemory(cache, std::string(64, '\1'), 4096);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_NE(r.status().message().find("CUDA backend"), std::string::npos) << r.status();
   absl::StatusOr<v1::ForwardResponse> f = client->Forward(DeviceRequest(cache));
@@ -111,9 +110,7 @@ class ServerProcess {
   absl::Status Start(const std::vector<std::string>& extra = {}) {
     const char* bin = std::getenv("PAGEDATTN_SERVER_BIN");
     if (bin == nullptr) return absl::FailedPreconditionError("PAGEDATTN_SERVER_BIN is not set");
-    std::vector<std::string> args = {bin,
-                                     "--backend=cuda",
-                                     absl::StrCat("--listen=unix:", socket_),
+    std::vector<std::string> args = {bin, "--backend=cuda", absl::StrCat("--listen=unix:", socket_),
                                      absl::StrCat("--auth_tokens_file=", tokens_file_),
                                      "--log_level=warn"};
     args.insert(args.end(), extra.begin(), extra.end());
@@ -187,8 +184,8 @@ ForwardCall DeviceCall(const ForwardCall& host, const Tensors& t, const Placemen
   }
   c.out = TensorArg::Device(v1::BFLOAT16, {t.q_shape[0], kHeads, kHeadDim}, region,
                             static_cast<int64_t>(p.out));
-  c.lse = TensorArg::Device(v1::FLOAT32, {t.q_shape[0], kHeads}, region,
-                            static_cast<int64_t>(p.lse));
+  c.lse =
+      TensorArg::Device(v1::FLOAT32, {t.q_shape[0], kHeads}, region, static_cast<int64_t>(p.lse));
   return c;
 }
 
@@ -226,9 +223,9 @@ class IpcTest : public ::testing::Test {
   std::string NewCache() { return client_->CreateCache(Config())->cache_id(); }
 
   std::string Register(const std::string& cache, Client* client = nullptr) {
-    absl::StatusOr<v1::MemoryRegion> r = (client ? client : client_.get())
-                                             ->RegisterMemory(cache, region_->ipc_handle(),
-                                                              kRegionBytes);
+    absl::StatusOr<v1::MemoryRegion> r =
+        (client ? client : client_.get())
+            ->RegisterMemory(cache, region_->ipc_handle(), kRegionBytes);
     EXPECT_TRUE(r.ok()) << r.status();
     return r.ok() ? r->region_id() : "";
   }
@@ -260,8 +257,8 @@ class IpcTest : public ::testing::Test {
     std::string out(static_cast<size_t>(t.q_shape[0]) * kHeads * kHeadDim * 2, '\0');
     std::string lse(static_cast<size_t>(t.q_shape[0]) * kHeads * 4, '\0');
     absl::StatusOr<ForwardReply> r = client_->ForwardTensors(
-        CallOf(cache, c, t), {out.data(), out.size(), reinterpret_cast<float*>(lse.data()),
-                              lse.size()});
+        CallOf(cache, c, t),
+        {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
     return {r.status().code(), r.ok() ? out : "", r.ok() ? lse : ""};
   }
 
@@ -314,8 +311,7 @@ TEST_F(IpcTest, StepStreamAnswersAreBitIdenticalToTheBytePath) {
     const Answer want = BytesForward(bytes_cache, script[i], t);
     const Placement p = Place(t);
     Stage(t, p);
-    ASSERT_TRUE(
-        (*stream)->Send(DeviceCall(CallOf(ipc_cache, script[i], t), t, p, region)).ok());
+    ASSERT_TRUE((*stream)->Send(DeviceCall(CallOf(ipc_cache, script[i], t), t, p, region)).ok());
     absl::StatusOr<ForwardReply> r = (*stream)->Receive({});
     ASSERT_TRUE(r.ok()) << r.status();
     EXPECT_EQ(r->layer, script[i].layer);
@@ -343,9 +339,9 @@ void DelayStream(cudaStream_t stream) {
 TEST_F(IpcTest, EventsOrderTheWorkWithoutHostSynchronization) {
   const std::string bytes_cache = NewCache(), ipc_cache = NewCache();
   std::unique_ptr<IpcEvent> ready = *IpcEvent::Create(0), done = *IpcEvent::Create(0);
-  absl::StatusOr<v1::MemoryRegion> reg = client_->RegisterMemory(
-      ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0,
-      {ready->ipc_handle(), done->ipc_handle()});
+  absl::StatusOr<v1::MemoryRegion> reg =
+      client_->RegisterMemory(ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0,
+                              {ready->ipc_handle(), done->ipc_handle()});
   ASSERT_TRUE(reg.ok()) << reg.status();
   EXPECT_EQ(reg->num_events(), 2);
   cudaStream_t stream;
@@ -402,8 +398,8 @@ TEST_F(IpcTest, QueuedLayersKeepTheirOrderOnTheGpu) {
     done.push_back(*IpcEvent::Create(0));
     handles.push_back(done.back()->ipc_handle());
   }
-  absl::StatusOr<v1::MemoryRegion> reg = client_->RegisterMemory(
-      ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0, handles);
+  absl::StatusOr<v1::MemoryRegion> reg =
+      client_->RegisterMemory(ipc_cache, region_->ipc_handle(), kRegionBytes, 0, 0, handles);
   ASSERT_TRUE(reg.ok()) << reg.status();
   constexpr size_t kSlot = 512 << 10;  // each case's tensors in a slot of their own
   ASSERT_LE(script.size() * kSlot, kRegionBytes);
@@ -428,8 +424,8 @@ TEST_F(IpcTest, QueuedLayersKeepTheirOrderOnTheGpu) {
                                 cudaMemcpyHostToDevice, stream),
                 cudaSuccess);
     }
-    ForwardCall call = DeviceCall(CallOf(ipc_cache, script[i], tensors[i]), tensors[i], p,
-                                  reg->region_id());
+    ForwardCall call =
+        DeviceCall(CallOf(ipc_cache, script[i], tensors[i]), tensors[i], p, reg->region_id());
     call.sync = {.present = true,
                  .region_id = reg->region_id(),
                  .wait_event = 1,
@@ -519,10 +515,9 @@ TEST_F(IpcTest, BadRegionsAreRefusedAndNothingIsWritten) {
   EXPECT_EQ(client_->RegisterMemory(cache, std::string(64, '\0'), 4096).status().code(),
             C::kInvalidArgument)
       << "a handle of nothing";
-  EXPECT_EQ(client_->RegisterMemory(cache, region_->ipc_handle(), 4096, /*device=*/1)
-                .status()
-                .code(),
-            C::kInvalidArgument)
+  EXPECT_EQ(
+      client_->RegisterMemory(cache, region_->ipc_handle(), 4096, /*device=*/1).status().code(),
+      C::kInvalidArgument)
       << "another device than the cache's";
   // And after all that, the good call gives the byte path's answer.
   const Answer want = BytesForward(bytes_cache, c, t);
@@ -557,8 +552,8 @@ TEST_F(IpcTest, RegionOfAClientThatExitedIsReleasedAfterTheLease) {
   const pid_t pid = fork();
   if (pid == 0) {
     const std::string self = std::filesystem::read_symlink("/proc/self/exe").string();
-    execl(self.c_str(), self.c_str(), "--register_and_exit",
-          (dir_ / "s.sock").string().c_str(), cache.c_str(), nullptr);
+    execl(self.c_str(), self.c_str(), "--register_and_exit", (dir_ / "s.sock").string().c_str(),
+          cache.c_str(), nullptr);
     _exit(127);
   }
   int status = 0;
@@ -592,8 +587,7 @@ TEST_F(IpcTest, ZzServerRestartGivesAClearErrorAndRegisteringAgainWorks) {
   EXPECT_NE(r.status().message().find("the server restarted"), std::string::npos) << r.status();
   EXPECT_TRUE(Untouched(p));
   const std::string again = Register(new_cache);
-  EXPECT_TRUE(
-      client_->ForwardTensors(DeviceCall(CallOf(new_cache, c, t), t, p, again), {}).ok());
+  EXPECT_TRUE(client_->ForwardTensors(DeviceCall(CallOf(new_cache, c, t), t, p, again), {}).ok());
   EXPECT_FALSE(Untouched(p));
 }
 

@@ -37,7 +37,7 @@ from .errors import (
 from .reference import reference_attention, relative_error
 from .sharded import ShardedCache, ShardedClient, targets_from_dns
 from .tensors import BFLOAT16, FLOAT16, FLOAT32, from_tensor, to_numpy, to_tensor, to_torch
-from .types import CacheConfig, Span
+from .types import CacheConfig, LayerAttention, Span
 from .v1 import attention_pb2 as pb
 
 __version__ = "0.1.0"
@@ -45,7 +45,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
     "DeadlineExceeded", "DeviceMemory", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
-    "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
+    "LayerAttention", "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
     "ResourceExhausted", "ShardedCache", "ShardedClient", "Span", "Step", "TLS", "Timing",
     "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",
     "relative_error", "targets_from_dns", "to_numpy", "to_tensor", "to_torch",

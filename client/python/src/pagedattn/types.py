@@ -4,7 +4,7 @@ to and from the pagedattn.v1 protos; every call also takes the raw protos)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 from .tensors import DTypeLike, dtype_enum, dtype_name
 from .v1 import attention_pb2 as pb
@@ -28,6 +28,9 @@ class CacheConfig:
     num_pages: Optional[int] = None
     max_bytes: Optional[int] = None
     device: int = 0  # CUDA device index; 0 on the CPU backend
+    # Per-layer attention variants: () for none, one LayerAttention for every layer, or one per
+    # layer (see LayerAttention and ServerInfo.capabilities.supports_*).
+    layers: Sequence["LayerAttention"] = ()
 
     def to_proto(self) -> pb.CacheConfig:
         msg = pb.CacheConfig(
@@ -45,6 +48,8 @@ class CacheConfig:
             msg.num_pages = self.num_pages
         if self.max_bytes is not None:
             msg.max_bytes = self.max_bytes
+        for layer in self.layers:
+            msg.layers.append(layer.to_proto())
         return msg
 
     @classmethod
@@ -60,6 +65,37 @@ class CacheConfig:
             num_pages=msg.num_pages if capacity == "num_pages" else None,
             max_bytes=msg.max_bytes if capacity == "max_bytes" else None,
             device=msg.device,
+            layers=tuple(LayerAttention.from_proto(layer) for layer in msg.layers),
+        )
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """One layer's attention variant (pagedattn.v1.LayerAttention); None / () for none.
+
+    sliding_window: a query at position p attends p - sliding_window + 1 .. p (Mistral, Gemma).
+    logit_softcap: scores become cap * tanh(score / cap) before the softmax (Gemma 2).
+    sinks: one logit per q head joining each row's softmax denominator (gpt-oss).
+    """
+
+    sliding_window: Optional[int] = None
+    logit_softcap: Optional[float] = None
+    sinks: Sequence[float] = ()
+
+    def to_proto(self) -> pb.LayerAttention:
+        msg = pb.LayerAttention(sinks=list(self.sinks))
+        if self.sliding_window is not None:
+            msg.sliding_window = self.sliding_window
+        if self.logit_softcap is not None:
+            msg.logit_softcap = self.logit_softcap
+        return msg
+
+    @classmethod
+    def from_proto(cls, msg: pb.LayerAttention) -> "LayerAttention":
+        return cls(
+            sliding_window=msg.sliding_window if msg.HasField("sliding_window") else None,
+            logit_softcap=msg.logit_softcap if msg.HasField("logit_softcap") else None,
+            sinks=tuple(msg.sinks),
         )
 
 

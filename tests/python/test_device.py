@@ -82,3 +82,32 @@ def test_forward_device_matches_bytes(client, backend):
         with pytest.raises(pagedattn.NotFound, match="register the memory again"):
             client.forward_device(dev, 0, [(1, 40, 0, 1)], q[:1], None, None, out[:1],
                                   memory=mem)
+
+
+def test_aio_forward_device(target, backend):
+    if backend != "cuda":
+        pytest.skip("device tensors need a CUDA server")
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA in this torch")
+    import asyncio
+
+    import pagedattn.aio
+
+    async def run():
+        async with pagedattn.aio.Client(target) as client:
+            cache = await client.create_cache(CONFIG)
+            pool = torch.zeros(1 << 16, dtype=torch.bfloat16, device="cuda")
+            q, k, v, out = (pool[i * 4096:(i + 1) * 4096].view(4, 8, 128)[:1] for i in range(4))
+            k, v = k.view(-1)[:256].view(1, 2, 128), v.view(-1)[:256].view(1, 2, 128)
+            for t in (q, k, v):
+                t.normal_()
+            mem = await client.register_memory(cache, pool)
+            torch.cuda.synchronize()
+            await client.forward_device(cache, 0, [(1, 0, 1, 1)], q, k, v, out, memory=mem)
+            await mem.close()
+            # One token attends itself: the output is its v, repeated over the GQA group.
+            assert torch.allclose(out[0, :4].float(), v[0, 0].float().expand(4, 128))
+            await cache.delete()
+
+    asyncio.run(run())

@@ -12,7 +12,7 @@ from typing import Any, Generator, Optional, Sequence, Union
 import grpc
 import grpc.aio
 
-from . import _common, sharded
+from . import _common, device, sharded
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
@@ -155,6 +155,39 @@ class Client:
             cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
         )
         return await self._call(self.stub.TruncateSequences, req, timeout)
+
+    async def register_memory(
+        self, cache: Any, buffer: Any, *, lease_seconds: int = 0, timeout: Optional[float] = None
+    ) -> device.DeviceMemory:
+        """See pagedattn.Client.register_memory (`await memory.close()` to unregister)."""
+        req, base, keep = device.register_request(cache_id_of(cache), buffer, lease_seconds)
+        region = await self._call(self.stub.RegisterMemory, req, timeout)
+        return device.DeviceMemory(self, region, base, keep)
+
+    async def unregister_memory(self, region_id: str, *, timeout: Optional[float] = None) -> None:
+        await self._call(self.stub.UnregisterMemory,
+                         pb.UnregisterMemoryRequest(region_id=region_id), timeout)
+
+    async def forward_device(
+        self,
+        cache: Any,
+        layer: int,
+        spans: Sequence[SpanLike],
+        q: Any,
+        k: Any,
+        v: Any,
+        out: Any,
+        lse: Any = None,
+        *,
+        memory: device.DeviceMemory,
+        causal: Optional[bool] = None,
+        sm_scale: Optional[float] = None,
+        timeout: Optional[float] = None,
+    ) -> None:
+        """See pagedattn.Client.forward_device."""
+        req = device.device_request(memory, cache_id_of(cache), layer, span_protos(spans), q, k,
+                                    v, out, lse, causal, sm_scale)
+        await self._call(self.stub.Forward, req, timeout)
 
     def step(
         self,

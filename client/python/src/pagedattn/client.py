@@ -186,11 +186,7 @@ class Client:
         """Maps the GPU allocation holding torch CUDA tensor `buffer` into the server (CUDA
         IPC; a CUDA server on this node) for the cache's forward_device() calls. lease_seconds:
         released after this long unused (0: the server's default)."""
-        handle, dev, size, base, keep = device.ipc_handle(buffer)
-        req = pb.RegisterMemoryRequest(
-            cache_id=cache_id_of(cache), cuda_ipc_handle=handle, size_bytes=size, device=dev,
-            lease_seconds=lease_seconds,
-        )
+        req, base, keep = device.register_request(cache_id_of(cache), buffer, lease_seconds)
         return device.DeviceMemory(self, self._call(self.stub.RegisterMemory, req, timeout), base,
                                    keep)
 

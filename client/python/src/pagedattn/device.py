@@ -54,11 +54,12 @@ class DeviceMemory:
             device_buffer=pb.DeviceBuffer(region_id=self.region_id, offset=offset),
         )
 
-    def close(self, *, timeout: Optional[float] = None) -> None:
-        """Unregisters (the server's lease releases it otherwise)."""
-        if self._keep is not None:
-            self._client.unregister_memory(self.region_id, timeout=timeout)
-            self._keep = None
+    def close(self, *, timeout: Optional[float] = None) -> Any:
+        """Unregisters (the server's lease releases it otherwise). With pagedattn.aio, await it."""
+        if self._keep is None:
+            return None
+        self._keep = None
+        return self._client.unregister_memory(self.region_id, timeout=timeout)
 
     def __enter__(self) -> "DeviceMemory":
         return self
@@ -104,6 +105,17 @@ def _cuda_malloc_handle(handle: bytes) -> bytes:
             "to register without expandable segments"
         )
     raise ValueError(f"unknown torch CUDA IPC handle format ({len(handle)} bytes)")
+
+
+def register_request(
+    cache_id: str, buffer: Any, lease_seconds: int
+) -> tuple[pb.RegisterMemoryRequest, int, Any]:
+    """RegisterMemory's request for the allocation holding `buffer`, its base address in this
+    process, and the storage to keep alive."""
+    handle, dev, size, base, keep = ipc_handle(buffer)
+    req = pb.RegisterMemoryRequest(cache_id=cache_id, cuda_ipc_handle=handle, size_bytes=size,
+                                   device=dev, lease_seconds=lease_seconds)
+    return req, base, keep
 
 
 def device_request(

@@ -64,6 +64,8 @@ struct ForwardTimings {
   double kernel_us = 0;    // CUDA: the kernels' GPU time; CPU: the append and attention.
   double d2h_us = 0;       // CUDA: the copy back.
   double commit_us = 0;    // Committing (or rolling back) the sequence table.
+  // Answered once queued (ForwardIO::done_event): h2d, kernel and d2h were not measured.
+  bool queued = false;
 };
 
 struct CacheStats {

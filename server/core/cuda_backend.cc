@@ -463,6 +463,7 @@ class CudaBackend final : public Backend {
     // Answered once queued: no timings (they need the work done).
     const bool detached = io.done_event != nullptr;
     const bool timed = io.timings != nullptr && !detached;
+    if (io.timings != nullptr) io.timings->queued = detached;
     if (io.timings != nullptr)
       io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));

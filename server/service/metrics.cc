@@ -1,6 +1,8 @@
 // Metrics rendering (Prometheus text format 0.0.4).
 #include "server/service/metrics.h"
 
+#include <string_view>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_replace.h"
@@ -42,6 +44,9 @@ void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const For
                                                  core.stage_us, core.h2d_us,    core.kernel_us,
                                                  core.d2h_us,   core.commit_us, serialize_us};
   for (size_t p = 0; p < kPhases.size(); ++p) {
+    // A Forward answered once queued has no GPU phases to count.
+    const std::string_view phase = kPhases[p];
+    if (core.queued && (phase == "h2d" || phase == "kernel" || phase == "d2h")) continue;
     const double seconds = us[p] * 1e-6;
     size_t b = 0;
     while (b < kPhaseBuckets.size() && seconds > kPhaseBuckets[b]) ++b;

@@ -528,7 +528,10 @@ class AttentionServiceImpl::StepReactor final
   }
 
   void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (finished_ || running_ > 0 || writing_ || reading_) return;
+    // A cancelled stream finishes with its read still pending (gRPC then completes the read
+    // with ok=false): a read started as the cancellation arrives is not always completed
+    // otherwise, and the call would never end (a server shutdown would wait for it forever).
+    if (finished_ || running_ > 0 || writing_ || (reading_ && !cancelled_)) return;
     if (cancelled_) {
       FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the Step stream was cancelled"));
     } else if (reads_done_ && jobs_.empty()) {

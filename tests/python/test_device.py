@@ -11,6 +11,16 @@ CONFIG = pagedattn.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head
                                page_size=16, kv_dtype="bfloat16", num_pages=64)
 
 
+def cuda_torch(backend, wanted, why):
+    """torch with CUDA, on a server of the `wanted` backend; skips the test otherwise."""
+    if backend != wanted:
+        pytest.skip(why)
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA in this torch")
+    return torch
+
+
 def test_torch_handles_are_unwrapped():
     from pagedattn.device import _cuda_malloc_handle
 
@@ -24,22 +34,14 @@ def test_torch_handles_are_unwrapped():
 
 
 def test_cpu_server_refuses_device_memory(client, backend):
-    if backend != "cpu":
-        pytest.skip("the CPU backend's refusal")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA in this torch: nothing to register")
+    torch = cuda_torch(backend, "cpu", "the CPU backend's refusal")
     with client.create_cache(CONFIG) as cache:
         with pytest.raises(pagedattn.FailedPrecondition, match="CUDA backend"):
             client.register_memory(cache, torch.zeros(16, device="cuda"))
 
 
 def test_forward_device_matches_bytes(client, backend):
-    if backend != "cuda":
-        pytest.skip("device tensors need a CUDA server")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA in this torch")
+    torch = cuda_torch(backend, "cuda", "device tensors need a CUDA server")
     gen = torch.Generator(device="cuda").manual_seed(0)
     # One allocation holds every tensor: carve views out of it.
     pool = torch.empty(1 << 22, dtype=torch.bfloat16, device="cuda")
@@ -85,11 +87,7 @@ def test_forward_device_matches_bytes(client, backend):
 
 
 def test_aio_forward_device(target, backend):
-    if backend != "cuda":
-        pytest.skip("device tensors need a CUDA server")
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA in this torch")
+    torch = cuda_torch(backend, "cuda", "device tensors need a CUDA server")
     import asyncio
 
     import pagedattn.aio

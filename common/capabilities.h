@@ -99,12 +99,12 @@ constexpr bool IsSupportedIoDType(DType t) {
 constexpr bool SupportsDeviceTensors(BackendKind backend) { return backend == BackendKind::kCuda; }
 inline constexpr int64_t kDeviceTensorAlign = 16;
 
-// Per-layer attention variants (CacheConfig.layers: sliding window, logit soft-cap, sinks):
-// the CPU backend, the reference, runs them; the CUDA kernels do not yet, so a CUDA server
-// refuses such a config at CreateCache rather than fail a Forward later.
-constexpr bool SupportsSlidingWindow(BackendKind backend) { return backend == BackendKind::kCpu; }
-constexpr bool SupportsLogitSoftcap(BackendKind backend) { return backend == BackendKind::kCpu; }
-constexpr bool SupportsSinks(BackendKind backend) { return backend == BackendKind::kCpu; }
+// Per-layer attention variants (CacheConfig.layers: sliding window, logit soft-cap, sinks): both
+// backends run them, in decode and prefill tiles alike. (Kept per backend: a backend that lacks
+// one refuses the config at CreateCache rather than fail a Forward later.)
+constexpr bool SupportsSlidingWindow(BackendKind) { return true; }
+constexpr bool SupportsLogitSoftcap(BackendKind) { return true; }
+constexpr bool SupportsSinks(BackendKind) { return true; }
 inline constexpr int32_t kMaxSlidingWindow = 1 << 24;  // positions
 
 constexpr bool IsSupportedGqaRatio(int num_q_heads, int num_kv_heads) {

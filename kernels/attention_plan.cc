@@ -56,7 +56,7 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   }
   if (batch.total_queries > 0) {
     PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), batch.num_q_heads,
-                      batch.num_kv_heads, batch.causal, limits, &plan.work_);
+                      batch.num_kv_heads, batch.causal, batch.window, limits, &plan.work_);
     SchedulePrefillJobs(batch.num_kv_heads, limits.prefill_blocks, &plan.work_);
     AttachFirstPages(batch.page_table.data(), batch.page_size, &plan.work_);
   }
@@ -165,6 +165,9 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.page_size = batch_.page_size;
   p.causal = batch_.causal;
   p.sm_scale = batch_.sm_scale;
+  p.window = batch_.window;
+  p.softcap = batch_.softcap;
+  p.sinks = batch_.sinks;
   p.prefill_path = limits_.prefill_path;
   p.k_cache = k_cache;
   p.v_cache = v_cache;

@@ -49,6 +49,11 @@ struct ForwardBatch {
   // q, k, v, out and lse lie in device memory of their own (ExternalTensors, given to Bind):
   // the image holds only the metadata, and nothing is copied back.
   bool external_tensors = false;
+  // The layer's attention variant (PagedAttentionParams::window, softcap, sinks; sinks in
+  // device memory).
+  int32_t window = 0;
+  float softcap = 0.f;
+  const float* sinks = nullptr;
 };
 
 // Device addresses of a Forward's tensors outside the image (ForwardBatch::external_tensors):

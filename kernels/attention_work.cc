@@ -16,8 +16,10 @@ struct Tile {
   int32_t span;
   int32_t row_start;
   int32_t num_rows;
-  int32_t kv_end;  // Last visible position + 1 over the tile's rows.
+  int32_t kv_begin;  // First visible position over the tile's rows (0 without a window).
+  int32_t kv_end;    // Last visible position + 1 over the tile's rows.
   int32_t tile_rows;
+  int64_t length() const { return int64_t{kv_end} - kv_begin; }
 };
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -70,7 +72,8 @@ LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* block
 }
 
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, const AttentionPlanLimits& limits, AttentionWork* work) {
+                       bool causal, int32_t window, const AttentionPlanLimits& limits,
+                       AttentionWork* work) {
   work->decode_items.clear();
   work->decode_wide_items.clear();
   work->decode_first_pages.clear();  // AttachFirstPages fills them for these items
@@ -94,9 +97,15 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
                                                         : kPrefillTileRows;
     for (int row_start = 0; row_start < rows; row_start += tile_rows) {
       const int num_rows = std::min(tile_rows, rows - row_start);
+      const int first_pos = span.kv_len - span.num_queries;
       const int last_query = (row_start + num_rows - 1) / group;
-      const int kv_end = causal ? span.kv_len - span.num_queries + last_query + 1 : span.kv_len;
-      tiles.push_back({i, row_start, num_rows, kv_end, tile_rows});
+      const int kv_end = causal ? first_pos + last_query + 1 : span.kv_len;
+      // A window hides what lies before the tile's first query's window. The prefill tiles start
+      // on a KV tile boundary (their masks cover the rest); the decode tiles start anywhere.
+      int kv_begin = window > 0 ? std::max(0, first_pos + row_start / group - window + 1) : 0;
+      if (tile_rows == kPrefillTileRows) kv_begin -= kv_begin % kKvTileRows;
+      kv_begin = std::min(kv_begin, kv_end);
+      tiles.push_back({i, row_start, num_rows, kv_begin, kv_end, tile_rows});
     }
   }
 
@@ -111,8 +120,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   const int64_t whole_blocks =
       limits.unsplit_blocks > 0 && decode_only ? limits.unsplit_blocks : blocks;
   const int64_t floor_chunk = std::max(limits.min_chunk, kKvTileRows);
-  int64_t max_end = 1;
-  for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.kv_end);
+  int64_t max_end = 1;  // the longest range
+  for (const Tile& t : tiles) max_end = std::max<int64_t>(max_end, t.length());
   auto round_chunk = [&](int64_t c) {
     return std::max(floor_chunk, CeilDiv(std::max<int64_t>(c, 1), kKvTileRows) * kKvTileRows);
   };
@@ -129,11 +138,12 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     bool prefill_split = false;
     double total_cost = 0;
     for (const Tile& t : tiles) {
-      const int64_t n = CeilDiv(t.kv_end, chunk);
+      const int64_t n = CeilDiv(t.length(), chunk);
       units += n;
       total_cost +=
-          static_cast<double>(t.kv_end) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
-      max_cost = std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.kv_end) + kBlockStartCost);
+          static_cast<double>(t.length()) + n * (kBlockStartCost + (n > 1 ? kMergeCost : 0));
+      max_cost =
+          std::max<int64_t>(max_cost, std::min<int64_t>(chunk, t.length()) + kBlockStartCost);
       if (n > 1) {
         in_kernel_merge = std::max(in_kernel_merge, n * t.num_rows * kMergeCostPerSplitRow);
         most_splits = std::max(most_splits, n);
@@ -194,7 +204,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     std::vector<int32_t> partial_base(last - first, -1), task_index(last - first, -1);
     for (size_t t = first; t < last; ++t) {
       const Tile& tile = tiles[t];
-      const int64_t splits = CeilDiv(tile.kv_end, chunk);
+      const int64_t splits = CeilDiv(tile.length(), chunk);
       max_splits = std::max(max_splits, splits);
       if (splits > 1) {
         const int tile_rows = tile.tile_rows;
@@ -210,7 +220,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     for (int64_t s = 0; s < max_splits; ++s) {
       for (size_t t = first; t < last; ++t) {
         const Tile& tile = tiles[t];
-        const int64_t kv_start = s * chunk;
+        const int64_t kv_start = tile.kv_begin + s * chunk;
         if (kv_start >= tile.kv_end) continue;
         AttentionWorkItem item;
         item.span_info = spans[tile.span];

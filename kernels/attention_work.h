@@ -134,8 +134,11 @@ struct AttentionPlanLimits {
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV
 // range into chunks (flash-decoding), so that about limits.target_blocks blocks carry equal work.
+// window > 0 (a sliding window): a tile's range starts where its first query's window does, so
+// only the window's pages are read.
 void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_heads, int num_kv_heads,
-                       bool causal, const AttentionPlanLimits& limits, AttentionWork* work);
+                       bool causal, int32_t window, const AttentionPlanLimits& limits,
+                       AttentionWork* work);
 
 // Fills decode_first_pages and decode_wide_first_pages from page_table, the launch's page table
 // as the spans index it (host memory).

@@ -24,6 +24,7 @@
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
+#include "kernels/device/variant.cuh"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 
@@ -72,8 +73,10 @@ constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 
 // The positions a thread's two rows (quad_row and quad_row + 8 of its warp's 16) may see.
 struct DecodeRows {
-  int q_pos[2];      // last position each row sees; -1 past the span
-  int warp_max_pos;  // last position any row of the warp sees (-1: no rows): steps past it skip
+  int q_pos[2];        // last position each row sees; -1 past the span
+  int first_pos[2];    // first position each row sees (a sliding window's; INT32_MIN: all)
+  int warp_max_pos;    // last position any row of the warp sees (-1: no rows): steps past it skip
+  int warp_min_first;  // first position any row of the warp sees: steps before it skip
 };
 
 // Rows span_row = row_start + row_warp * 16 + quad_row (+ 8) of a span whose first query is at
@@ -88,11 +91,14 @@ __device__ __forceinline__ DecodeRows DecodeRowsOf(const PagedAttentionParams& p
     const int span_row = item.row_start + row_warp * 16 + quad_row + 8 * i;
     rows.q_pos[i] =
         span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX);
+    rows.first_pos[i] = WindowFirst(p, first_q_pos + span_row / group);
   }
-  const int warp_last_row = min(item.row_start + row_warp * 16 + 15, span_rows - 1);
-  rows.warp_max_pos = warp_last_row < item.row_start + row_warp * 16
+  const int warp_first_row = item.row_start + row_warp * 16;
+  const int warp_last_row = min(warp_first_row + 15, span_rows - 1);
+  rows.warp_max_pos = warp_last_row < warp_first_row
                           ? -1
                           : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX);
+  rows.warp_min_first = WindowFirst(p, first_q_pos + warp_first_row / group);
   return rows;
 }
 
@@ -144,17 +150,20 @@ struct DecodeTileMath {
     }
   }
 
-  // Masks the positions past the split's end or a row's last (causal) and scales the rest to
-  // log2 units.
+  // Soft-caps the scores (when the layer has a cap), masks the positions past the split's end,
+  // past a row's last (causal) or before its first (window), and scales the rest to log2 units.
   __device__ __forceinline__ static void MaskAndScale(float (&s)[2][4], int pos0, int kv_end,
                                                       const DecodeRows& rows, int quad_col,
+                                                      const RawSoftcap& softcap,
                                                       float scale_log2) {
+    softcap.Apply(s);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
-        const bool visible = pos < kv_end && pos <= rows.q_pos[e >> 1];
+        const bool visible =
+            pos < kv_end && pos <= rows.q_pos[e >> 1] && pos >= rows.first_pos[e >> 1];
         s[nt][e] = visible ? SaturatedScore(s[nt][e] * scale_log2) : -INFINITY;
       }
     }
@@ -280,8 +289,12 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       acc.z += v.z * f;
       acc.w += v.w * f;
     }
-    const float inv = sum > 0.f ? 1.f / sum : 0.f;
-    const float lse = sum > 0.f ? (m + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
+    // A sink joins the row's softmax once, where the row is finished: here for an unsplit tile,
+    // in the merge for a split one.
+    const float sink =
+        item.partial_row < 0 ? SinkLog2(p, kv_head, group, item.row_start + r) : -INFINITY;
+    const RowNorm norm = NormalizeRow(sum, base, sink);
+    const float inv = norm.inv, lse = norm.lse;
     if constexpr (!std::is_same_v<TIO, float>) {  // out in the cache's type: 4 values, 8 bytes
       if (item.partial_row < 0) {
         const int64_t out_row =
@@ -472,6 +485,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   state.Start();
   const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+  const RawSoftcap softcap = RawSoftcap::Of(p);
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
@@ -507,11 +521,13 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     for (int step = 0; step < Cfg::kSteps; ++step) {
       const int row0 = kv_warp * Cfg::kWarpKv + step * 16;  // first position row in the tile
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
-      if (pos0 >= item.kv_end || pos0 > rows.warp_max_pos) continue;  // warp-uniform
+      if (pos0 >= item.kv_end || pos0 > rows.warp_max_pos || pos0 + 15 < rows.warp_min_first) {
+        continue;  // warp-uniform: no row of the warp sees these 16 positions
+      }
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
       Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
-      Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, scale_log2);
+      Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
       Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
       Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
     }

@@ -119,6 +119,16 @@ struct PagedAttentionParams {
   int32_t num_prefill_blocks = 0;
   // q's and out's dtype: kFloat32 or kv_dtype (last, so the fields before it keep their offsets).
   DType q_dtype = DType::kFloat32;
+
+  // The layer's attention variant (pagedattn.v1.LayerAttention); zero / null: none.
+  // window > 0: a query at position p sees p - window + 1 .. p (the planner starts each tile's
+  // range where its first query's window does; the tiles mask the rest).
+  int32_t window = 0;
+  // softcap > 0: a score s (after sm_scale) becomes softcap * tanh(s / softcap).
+  float softcap = 0.f;
+  // [num_q_heads] logits (natural log, the units of the scaled scores) that join each row's
+  // softmax denominator and carry no value.
+  const float* sinks = nullptr;
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as

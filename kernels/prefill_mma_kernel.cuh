@@ -8,8 +8,8 @@
 // 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
 // Per 64-position tile: S = Q.K^T, one online-softmax update (exp2, scale
 // folded into an FMA), O += P.V with P kept in registers as the A operand.
-// Masks are applied only on the tiles that need them (the causal diagonal, the
-// end of the range); tiles a warp cannot see are skipped.
+// Masks are applied only on the tiles that need them (the causal diagonal, a sliding window's
+// start, the end of the range); tiles a warp cannot see are skipped.
 #pragma once
 
 #include <type_traits>
@@ -17,6 +17,7 @@
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
+#include "kernels/device/variant.cuh"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 
@@ -170,7 +171,12 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       !warp_has_rows ? -1 : (p.causal ? first_q_pos + warp_last_row / group : INT32_MAX - 1);
   const int warp_min_pos =
       !warp_has_rows ? -1 : (p.causal ? first_q_pos + warp_first_row / group : INT32_MAX - 1);
+  // Under a window: steps ending before the warp's first row's window are skipped, steps
+  // starting at or after its last row's window start need no window mask.
+  const int warp_min_first = WindowFirst(p, first_q_pos + warp_first_row / group);
+  const int warp_max_first = WindowFirst(p, first_q_pos + warp_last_row / group);
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+  const RawSoftcap softcap = RawSoftcap::Of(p);
 
   // ldmatrix addresses: a lane's row and chunk within a 16 x 16 fragment are fixed, and the
   // swizzle only XORs the low 3 bits of the chunk, so chunk 2j + 8m of the lane's row sits at
@@ -217,7 +223,9 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const uint32_t k_addr = SmemAddr(sk) + sub_row * kRowBytes;
       const uint32_t v_addr = SmemAddr(sv) + sub_row * kRowBytes;
 
-      if (pos0 <= warp_max_pos && pos0 < item.kv_end) {  // warp-uniform: skip unseen positions
+      // Warp-uniform: skip positions no row of the warp sees.
+      if (pos0 <= warp_max_pos && pos0 < item.kv_end &&
+          pos0 + Cfg::kSubKv - 1 >= warp_min_first) {
         // S = Q K^T: each K fragment (16 positions x 16 dims) serves all MT slices.
         float s[MT][NT][4];
 #pragma unroll
@@ -249,7 +257,10 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
           }
         }
 
-        // Masks only where the step crosses the item's end or this warp's causal diagonal.
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) softcap.Apply(s[mt]);
+        // Masks only where the step crosses the item's end or this warp's causal diagonal (and,
+        // below, its window's start).
         const bool needs_mask =
             pos0 + Cfg::kSubKv > item.kv_end || pos0 + Cfg::kSubKv - 1 > warp_min_pos;
         if (needs_mask) {
@@ -262,6 +273,21 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
                 const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
                 if (pos >= item.kv_end || pos > q_pos[mt][e >> 1]) s[mt][nt][e] = -INFINITY;
               }
+        }
+        if (pos0 < warp_max_first) {  // a window's start: its rows' first positions, found here
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              const int first = WindowFirst(
+                  p, first_q_pos + (warp_first_row + mt * 16 + quad_row + 8 * i) / group);
+#pragma unroll
+              for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+                for (int e = 0; e < 2; ++e) {
+                  if (pos0 + nt * 8 + 2 * quad_col + e < first) s[mt][nt][2 * i + e] = -INFINITY;
+                }
+            }
         }
 
         // Online softmax, once per step: new row max, rescaled sum, P = 2^(s*scale - max).
@@ -350,12 +376,11 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const int tile_row = warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
       const int span_row = item.row_start + tile_row;
       if (span_row >= span_rows) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const float lse = sum > 0.f
-                            ? (row_max[mt][i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f
-                            : -INFINITY;
+      // A sink joins an unsplit tile's rows here, a split one's in the merge.
+      const float sink = item.partial_row < 0 ? SinkLog2(p, kv_head, group, span_row) : -INFINITY;
+      const RowNorm norm = NormalizeRow(sum, SoftmaxBase(row_max[mt][i], scale_log2), sink);
       WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i,
-                           inv, lse);
+                           norm.inv, norm.lse);
     }
   }
 

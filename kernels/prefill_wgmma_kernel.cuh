@@ -27,6 +27,7 @@
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
+#include "kernels/device/variant.cuh"
 #include "kernels/device/wgmma.cuh"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
@@ -113,6 +114,9 @@ struct WgmmaTileMath {
                        // is decided per warpgroup (under a causal mask, a prefix of the tiles)
     int warp_min_pos;  // last visible position of the warp's first row: masks are decided per
                        // warp, and a tile ending at or before it needs none
+    int first_pos[2];    // first visible position of each row (a window's; INT32_MIN: all)
+    int warp_max_first;  // first visible position of the warp's last row: a tile starting at or
+                         // after it needs no window mask
   };
   __device__ __forceinline__ static Rows RowsOf(const PagedAttentionParams& p,
                                                 const AttentionWorkItem& item, int group,
@@ -137,6 +141,11 @@ struct WgmmaTileMath {
                      ? 0
                      : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
     r.warp_min_pos = last_visible(warp_first_row);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      r.first_pos[i] = WindowFirst(p, first_q_pos + (warp_first_row + quad_row + 8 * i) / group);
+    }
+    r.warp_max_first = WindowFirst(p, first_q_pos + min(warp_first_row + 15, span_rows - 1) / group);
     return r;
   }
 
@@ -210,22 +219,27 @@ struct WgmmaTileMath {
     }
   }
 
-  // Mask (positions pos0.. of the tile: past kv_end, or past a row's q_pos), new row max,
-  // s <- 2^(s*scale - max) in place, running sum; alpha is the factor O must be rescaled by.
-  // Apart from PackP so that P's registers, the operand of a P.V in flight, can be written
-  // after it is waited for while the exponentials run beside it.
+  // Soft-cap (when the layer has one), mask (positions pos0.. of the tile: past kv_end, past a
+  // row's q_pos, before its window), new row max, s <- 2^(s*scale - max) in place, running sum;
+  // alpha is the factor O must be rescaled by. Apart from PackP so that P's registers, the
+  // operand of a P.V in flight, can be written after it is waited for while the exponentials
+  // run beside it.
   __device__ __forceinline__ static void SoftmaxExp(float (&s)[kNT][4], int pos0, int kv_end,
-                                                    int warp_min_pos, const int (&q_pos)[2],
-                                                    int quad_col, float scale_log2,
+                                                    const Rows& rows, int quad_col,
+                                                    const RawSoftcap& softcap, float scale_log2,
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float (&alpha)[2]) {
-    if (pos0 + Cfg::kTileKv > kv_end || pos0 + Cfg::kTileKv - 1 > warp_min_pos) {
+    softcap.Apply(s);
+    if (pos0 + Cfg::kTileKv > kv_end || pos0 + Cfg::kTileKv - 1 > rows.warp_min_pos ||
+        pos0 < rows.warp_max_first) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
-          if (pos >= kv_end || pos > q_pos[e >> 1]) s[nt][e] = -INFINITY;
+          if (pos >= kv_end || pos > rows.q_pos[e >> 1] || pos < rows.first_pos[e >> 1]) {
+            s[nt][e] = -INFINITY;
+          }
         }
     }
     // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
@@ -306,11 +320,12 @@ struct WgmmaTileMath {
       const int tile_row = first_tile_row + 8 * i;
       const int span_row = item.row_start + tile_row;
       if (span_row >= span_rows) continue;
-      const float inv = sum > 0.f ? 1.f / sum : 0.f;
-      const float lse =
-          sum > 0.f ? (row_max[i] * scale_log2 + __log2f(sum)) * 0.6931471805599453f : -INFINITY;
-      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i, inv,
-                           lse);
+      // A sink joins an unsplit tile's rows here, a split one's in the merge.
+      const float sink =
+          item.partial_row < 0 ? SinkLog2(p, kv_head, group, span_row) : -INFINITY;
+      const RowNorm norm = NormalizeRow(sum, SoftmaxBase(row_max[i], scale_log2), sink);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i,
+                           norm.inv, norm.lse);
     }
   }
 };
@@ -395,6 +410,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = rows.wg_tiles;
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+  const RawSoftcap softcap = RawSoftcap::Of(p);
   const uint32_t q_wg_base = smem.q_rows(wg);
   auto issue_s = [&](float(&s)[kNT][4], int tile) {
     M::IssueS(s, q_wg_base, smem.k_addr(tile % kS));
@@ -403,8 +419,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
     M::IssuePV(o, pa, smem.v_addr(tile % kS));
   };
   auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows.warp_min_pos,
-                  rows.q_pos, quad_col, scale_log2, row_max, row_sum, alpha);
+    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows, quad_col, softcap,
+                  scale_log2, row_max, row_sum, alpha);
   };
   auto fence_o = [&]() { FenceRegs(o); };
 
@@ -594,6 +610,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   load_q(ring[0]);
 
   const float scale_log2 = p.sm_scale * 1.4426950408889634f;
+  const RawSoftcap softcap = RawSoftcap::Of(p);
   const uint32_t q_wg_base = smem.q_rows(wg);
   // S = Q K^T of stream tile g; issued, not waited for.
   auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, smem.k_addr(g % kS)); };
@@ -624,8 +641,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
       M::IssuePV(o, pa, smem.v_addr((g0 + tile) % kS));
     };
     auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, rows.warp_min_pos, rows.q_pos,
-                    quad_col, scale_log2, row_max, row_sum, alpha);
+      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, rows, quad_col, softcap,
+                    scale_log2, row_max, row_sum, alpha);
     };
     auto fence_o = [&]() { FenceRegs(o); };
     // The stream tile kS - 1 ahead of g (whichever job it belongs to), as one commit group.

@@ -11,6 +11,9 @@
 //                   [--dtype bfloat16|float16]          the cache's
 //                   [--q-dtype float32|bfloat16|float16] q's and out's (default: the cache's)
 //                   [--causal | --non-causal]          (default: causal)
+//                   [--window W] [--softcap C] [--sinks]  a layer attention variant: a sliding
+//                     window (decode rows then count only the window's bytes), a logit soft-cap,
+//                     sinks (1 + h/4 for q head h)
 //                   [--warmup 10] [--reps 50] [--json FILE]
 //                   [--prefill-path auto|portable]     the Hopper (wgmma) or the mma.sync kernel
 //                   [--launch graph|plain]              how kernels are submitted (launch.h)
@@ -77,6 +80,9 @@ struct Config {
   DType dtype = DType::kBFloat16;
   DType q_dtype = DType::kUnspecified;  // kUnspecified: the cache's
   bool causal = true;
+  int32_t window = 0;  // the layer attention variant (PagedAttentionParams::window, softcap, sinks)
+  float softcap = 0.f;
+  bool sinks = false;
   int warmup = 10, reps = 50;
   std::string merge = "planned";  // --merge separate|in-kernel: override the plan's choice
   bool prefill = false;           // --suite prefill: every position of each sequence is a query
@@ -169,6 +175,12 @@ Config ParseFlags(int argc, char** argv) {
       c.causal = true;
     else if (a == "--non-causal")
       c.causal = false;
+    else if (a == "--window")
+      c.window = std::atoi(next().c_str());
+    else if (a == "--softcap")
+      c.softcap = static_cast<float>(std::atof(next().c_str()));
+    else if (a == "--sinks")
+      c.sinks = true;
     else if (a == "--warmup")
       c.warmup = std::atoi(next().c_str());
     else if (a == "--reps")
@@ -293,10 +305,13 @@ struct BenchCase {
   int64_t l2_bytes = 0;
   void* l2_scratch = nullptr;
   unsigned* sink = nullptr;
+  std::vector<float> sinks;           // --sinks: one logit per q head
+  float* sinks_device = nullptr;
 
   ~BenchCase() {
     for (void* p : k_pools) cudaFree(p);
     for (void* p : v_pools) cudaFree(p);
+    if (sinks_device) cudaFree(sinks_device);
     if (l2_scratch) cudaFree(l2_scratch);
     if (sink) cudaFree(sink);
     if (stream) cudaStreamDestroy(stream);
@@ -385,6 +400,12 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
 
   AttentionPlanLimits limits;
   CheckLaunch(QueryPlanLimits(cfg.dtype, D, cfg.prefill_path, &limits), "plan limits");
+  if (cfg.sinks) {
+    for (int h = 0; h < Hq; ++h) c->sinks.push_back(1.f + 0.25f * h);
+    BENCH_CHECK_CUDA(cudaMalloc(&c->sinks_device, c->sinks.size() * sizeof(float)));
+    BENCH_CHECK_CUDA(cudaMemcpy(c->sinks_device, c->sinks.data(), c->sinks.size() * sizeof(float),
+                                cudaMemcpyHostToDevice));
+  }
   const ForwardBatch batch = {.spans = c->spans,
                               .page_table = c->table,
                               .total_queries = c->total_queries(),
@@ -397,7 +418,10 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
                               .kv_wire_dtype = cfg.dtype,
                               .causal = cfg.causal,
                               .sm_scale = 1.f / std::sqrt(static_cast<float>(D)),
-                              .return_lse = true};
+                              .return_lse = true,
+                              .window = cfg.window,
+                              .softcap = cfg.softcap,
+                              .sinks = c->sinks_device};
   c->plan = AttentionPlan::Make(batch, limits);
   CheckLaunch(c->ws.Reserve(c->plan, c->stream), "workspace");
   c->ws.StageInputs(c->plan, q_wire.data(), nullptr, nullptr);
@@ -472,9 +496,14 @@ double CheckAgainstReference(const Config& cfg, BenchCase& c, Launcher& launcher
       const int64_t row = cfg.prefill ? c.q_offset[b] + pos : c.q_offset[b];
       std::vector<double> ref(int64_t{Hq} * D), ref_lse(Hq), got(ref.size());
       // The query at pos sees positions 0..pos (causal) or all L.
+      testing::ReferenceVariant variant;
+      variant.window = cfg.window;
+      variant.softcap = cfg.softcap;
+      variant.sinks.assign(c.sinks.begin(), c.sinks.end());
       testing::ReferenceAttention(c.q.data() + row * Hq * D, k.data(), v.data(), 1,
                                   cfg.causal ? pos + 1 : L, Hq, Hkv, D, cfg.causal,
-                                  c.launch.attention.sm_scale, ref.data(), ref_lse.data());
+                                  c.launch.attention.sm_scale, ref.data(), ref_lse.data(),
+                                  variant);
       int64_t nans = 0;
       for (size_t e = 0; e < ref.size(); ++e) {
         got[e] = LoadAsFloat(cfg.q_dtype, out, row * Hq * D + static_cast<int64_t>(e));
@@ -583,6 +612,17 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
                                                   : work.prefill_items.size() * Hkv);
   const char* causal = cfg.causal ? "true" : "false";
   char row[1024];
+  // A layer attention variant, when one is set: its keys before the row's closing brace.
+  auto with_variant = [&](const char* r) {
+    std::string out = r;
+    if (cfg.window > 0 || cfg.softcap > 0.f || cfg.sinks) {
+      char keys[128];
+      std::snprintf(keys, sizeof(keys), ", \"window\": %d, \"softcap\": %g, \"sinks\": %s",
+                    cfg.window, cfg.softcap, cfg.sinks ? "true" : "false");
+      out.insert(out.size() - 1, keys);
+    }
+    return out;
+  };
   if (cfg.prefill) {
     double flops = 0;
     for (int len : c.ctx) flops += 4.0 * Hq * double(len) * len * D * (cfg.causal ? 0.5 : 1.0);
@@ -597,10 +637,10 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
         flops / t.launch_us / 1e6, cfg.page_size, t.b2b_us, err, blocks,
         UseHopperPrefill(cfg.prefill_path) ? "wgmma" : "mma.sync",
         cfg.graph_launch ? "graph" : "plain");
-    return row;
+    return with_variant(row);
   }
-  int64_t positions = 0;
-  for (int len : c.ctx) positions += len;
+  int64_t positions = 0;  // read: a window's positions only
+  for (int len : c.ctx) positions += cfg.window > 0 ? std::min(len, cfg.window) : len;
   const double kv_bytes = 2.0 * positions * Hkv * D * DTypeSize(cfg.dtype);
   const bool uniform =
       std::all_of(c.ctx.begin(), c.ctx.end(), [&](int x) { return x == c.ctx[0]; });
@@ -621,7 +661,7 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
       cfg.graph_launch ? "graph" : "plain", blocks, c.copies, static_cast<long long>(positions),
       /*stages: the kernels' own, as older rows print it*/ 0, read.read_us,
       read.read_us > 0 ? kv_bytes / read.read_us / 1e6 : 0.0, read.blocks_per_sm);
-  return row;
+  return with_variant(row);
 }
 
 // Checks, times, checks again (a launch that left state behind shows in the second check), and

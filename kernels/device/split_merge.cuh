@@ -10,6 +10,7 @@
 #include "kernels/device/dtype.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/tile_io.cuh"
+#include "kernels/device/variant.cuh"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 
@@ -63,7 +64,8 @@ struct SplitMergeState {
 };
 
 // A merged row r of a task, out of one warp (lane: D/32 consecutive dims): acc / weight_sum to
-// out (in q's element type TIO), base + log(weight_sum) to lse. Shared by both in-kernel merges.
+// out (in q's element type TIO), base + log(weight_sum) to lse, the row's sink (if any) joining
+// both. Shared by both in-kernel merges.
 template <typename TIO, int D>
 __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
                                                const AttentionMergeTask& task,
@@ -72,13 +74,13 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
                                                float base) {
   constexpr int kDims = D / 32;
   const int lane = threadIdx.x & 31;
-  const float inv = weight_sum > 0.f ? 1.f / weight_sum : 0.f;
   const int span_row = task.row_start + r;
+  const RowNorm norm = NormalizeMergedRow(p, weight_sum, base, kv_head, group, span_row);
   const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
   TIO* dst = static_cast<TIO*>(p.out) + out_row * D + lane * kDims;
 #pragma unroll
-  for (int d = 0; d < kDims; d += 2) StorePair(dst + d, acc[d] * inv, acc[d + 1] * inv);
-  if (p.lse && lane == 0) p.lse[out_row] = weight_sum > 0.f ? base + __logf(weight_sum) : -INFINITY;
+  for (int d = 0; d < kDims; d += 2) StorePair(dst + d, acc[d] * norm.inv, acc[d + 1] * norm.inv);
+  if (p.lse && lane == 0) p.lse[out_row] = norm.lse;
 }
 
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
@@ -292,17 +294,17 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     scale[w] = __expf(red_max[w] - base);  // 0 for a warp that had no split
     total += red_sum[w] * scale[w];
   }
-  const float inv = total > 0.f ? 1.f / total : 0.f;
   const int group = p.num_q_heads / p.num_kv_heads;
   const int span_row = task.row_start + r;
+  const RowNorm norm = NormalizeMergedRow(p, total, base, kv_head, group, span_row);
   const int64_t out_row = OutputRow(p, task.q_offset, span_row, kv_head, group);
   for (int d = threadIdx.x; d < D; d += kMergeThreads) {
     float sum = 0.f;
 #pragma unroll
     for (int w = 0; w < kWarps; ++w) sum += red[w][d] * scale[w];
-    static_cast<TIO*>(p.out)[out_row * D + d] = FromFloat<TIO>(sum * inv);
+    static_cast<TIO*>(p.out)[out_row * D + d] = FromFloat<TIO>(sum * norm.inv);
   }
-  if (p.lse && threadIdx.x == 0) p.lse[out_row] = total > 0.f ? base + __logf(total) : -INFINITY;
+  if (p.lse && threadIdx.x == 0) p.lse[out_row] = norm.lse;
 }
 
 template <typename TIO, int D>

@@ -64,8 +64,7 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
     auto unsupported = [&](const char* option, bool supported) {
       if (supported) return false;
       violate(at + option, absl::StrCat(option, " is not supported by the ", BackendName(backend),
-                                        " backend (the cpu backend runs it; see "
-                                        "ServerInfo.capabilities)"));
+                                        " backend (see ServerInfo.capabilities)"));
       return true;
     };
     if (l.sliding_window.has_value() &&

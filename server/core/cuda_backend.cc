@@ -58,20 +58,30 @@ absl::Status FromLaunch(const k::LaunchStatus& st) {
 
 class CudaKvPool final : public KvPool {
  public:
+  // sinks: num_layers x num_q_heads floats on the device (layers without sinks unused), or null
+  // when no layer has sinks.
   CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits,
-             std::vector<cudaEvent_t> layer_done)
+             std::vector<cudaEvent_t> layer_done, float* sinks, int32_t num_q_heads)
       : device_(device),
         base_(base),
         layer_bytes_(layer_bytes),
         limits_(limits),
-        layer_done_(std::move(layer_done)) {}
+        layer_done_(std::move(layer_done)),
+        sinks_(sinks),
+        num_q_heads_(num_q_heads) {}
   ~CudaKvPool() override {
     int current = 0;
     cudaGetDevice(&current);
     cudaSetDevice(device_);
     cudaFree(base_);  // waits for the work still using it
+    if (sinks_ != nullptr) cudaFree(sinks_);
     for (cudaEvent_t e : layer_done_) cudaEventDestroy(e);
     cudaSetDevice(current);
+  }
+  // Layer l's sinks on the device (num_q_heads logits); null when it has none.
+  const float* sinks(const LayerAttention* attention, int layer) const {
+    if (attention == nullptr || attention->sinks.empty()) return nullptr;
+    return sinks_ + int64_t{layer} * num_q_heads_;
   }
   // Recorded after each Forward's work on a layer, waited for by the next Forward's: Forwards
   // of one layer run on the GPU in the order the cache admitted them, whichever streams they
@@ -89,6 +99,8 @@ class CudaKvPool final : public KvPool {
   int64_t layer_bytes_;
   k::AttentionPlanLimits limits_;
   std::vector<cudaEvent_t> layer_done_;
+  float* sinks_;
+  int32_t num_q_heads_;
 };
 
 // Another process's allocation mapped here by cudaIpcOpenMemHandle.
@@ -215,7 +227,7 @@ class CudaForwardBuffers final : public ForwardBuffers {
 
 // The kernel library's view of a Forward: its spans, page table, shapes and dtypes.
 k::ForwardBatch BatchOf(const CacheGeometry& g, const ForwardPlan& plan, const ForwardIO& io,
-                        std::vector<k::ForwardSpan>& spans) {
+                        const float* sinks, std::vector<k::ForwardSpan>& spans) {
   spans.resize(plan.spans.size());
   for (size_t i = 0; i < plan.spans.size(); ++i) {
     const SpanPlan& sp = plan.spans[i];
@@ -241,7 +253,36 @@ k::ForwardBatch BatchOf(const CacheGeometry& g, const ForwardPlan& plan, const F
           .causal = plan.causal,
           .sm_scale = plan.sm_scale,
           .return_lse = plan.return_lse,
-          .external_tensors = io.device_tensors};
+          .external_tensors = io.device_tensors,
+          .window = plan.attention != nullptr ? plan.attention->sliding_window : 0,
+          .softcap = plan.attention != nullptr ? plan.attention->logit_softcap : 0.f,
+          .sinks = sinks};
+}
+
+// Every layer's sinks in one device array (num_layers x num_q_heads floats, a layer without sinks
+// left zero and never read); null when no layer has sinks.
+absl::StatusOr<float*> UploadSinks(const CacheGeometry& g) {
+  bool any = false;
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    if (const LayerAttention* a = g.attention(l); a != nullptr && !a->sinks.empty()) any = true;
+  }
+  if (!any) return nullptr;
+  std::vector<float> host(static_cast<size_t>(g.num_layers) * g.num_q_heads, 0.f);
+  for (int32_t l = 0; l < g.num_layers; ++l) {
+    if (const LayerAttention* a = g.attention(l); a != nullptr && !a->sinks.empty()) {
+      std::copy(a->sinks.begin(), a->sinks.end(), host.begin() + int64_t{l} * g.num_q_heads);
+    }
+  }
+  float* sinks = nullptr;
+  PAGEDATTN_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&sinks), host.size() * sizeof(float)),
+                        "cudaMalloc(sinks)");
+  if (cudaError_t err =
+          cudaMemcpy(sinks, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+      err != cudaSuccess) {
+    cudaFree(sinks);
+    return CudaStatus(err, "cudaMemcpy(sinks)");
+  }
+  return sinks;
 }
 
 class CudaBackend final : public Backend {
@@ -301,6 +342,11 @@ class CudaBackend final : public Backend {
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
+    absl::StatusOr<float*> sinks = UploadSinks(g);
+    if (!sinks.ok()) {
+      cudaFree(base);
+      return sinks.status();
+    }
     std::vector<cudaEvent_t> layer_done(static_cast<size_t>(g.num_layers));
     for (cudaEvent_t& e : layer_done) {
       if (cudaError_t err = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
@@ -309,11 +355,12 @@ class CudaBackend final : public Backend {
           if (made != nullptr) cudaEventDestroy(made);
         }
         cudaFree(base);
+        if (*sinks != nullptr) cudaFree(*sinks);
         return CudaStatus(err, "cudaEventCreate(layer order)");
       }
     }
-    return std::unique_ptr<KvPool>(
-        new CudaKvPool(g.device, base, layer_bytes, limits, std::move(layer_done)));
+    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits,
+                                                  std::move(layer_done), *sinks, g.num_q_heads));
   }
 
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int device,
@@ -389,9 +436,6 @@ class CudaBackend final : public Backend {
   absl::Status Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                        const ForwardIO& io) override {
     auto& pool = static_cast<CudaKvPool&>(pool_base);
-    if (plan.attention != nullptr) {  // validation refuses these configs on this backend
-      return absl::InternalError("a layer attention variant reached the CUDA backend");
-    }
     // The kernels take milliseconds and cannot be interrupted: the stop token is read before
     // anything is written.
     if (absl::Status st = plan.stop.Check(); !st.ok()) return st;
@@ -451,7 +495,8 @@ class CudaBackend final : public Backend {
     const absl::Time start = absl::Now();
     std::vector<k::ForwardSpan> spans;
     const k::AttentionPlan attention =
-        k::AttentionPlan::Make(BatchOf(g, plan, io, spans), pool.limits());
+        k::AttentionPlan::Make(BatchOf(g, plan, io, pool.sinks(plan.attention, plan.layer), spans),
+                               pool.limits());
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Reserve(attention, ws.stream));
     if (io.device_tensors) {
       ws.buffers.StageInputs(attention, nullptr, nullptr, nullptr);  // the metadata only

@@ -28,7 +28,7 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   for (bool causal : {true, false}) {
     for (int target : {1, 132, 264, 5000}) {
       kernels::AttentionWork work;
-      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal,
+      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal, /*window=*/0,
                                  {.target_blocks = target, .min_chunk = 64}, &work);
       // coverage[span][row_start] -> positions covered
       std::map<std::pair<int, int>, int64_t> covered;
@@ -54,12 +54,51 @@ TEST(AttentionPlan, CoversEveryPositionOnce) {
   }
 }
 
+// A sliding window: each tile's range starts where its first query's window does (a decode tile
+// exactly, a prefill tile on the KV tile boundary below) and is covered once, up to its end.
+TEST(AttentionPlan, WindowStartsEachTileAtItsWindow) {
+  std::vector<kernels::AttentionSpan> spans = {
+      {0, 0, 1, 10000}, {1, 700, 3, 5}, {4, 701, 200, 900}, {204, 800, 8, 4100}};
+  constexpr int kWindow = 300, kGroup = 4;
+  for (bool causal : {true, false}) {
+    for (int target : {1, 264, 5000}) {
+      kernels::AttentionWork work;
+      kernels::PlanAttentionWork(spans.data(), 4, 32, 8, causal, kWindow,
+                                 {.target_blocks = target, .min_chunk = 64}, &work);
+      std::map<std::pair<int, int>, std::vector<std::pair<int, int>>> ranges;
+      for (const auto* list : {&work.decode_items, &work.decode_wide_items, &work.prefill_items}) {
+        for (const auto& it : *list) ranges[{it.span, it.row_start}].push_back({it.kv_start, it.kv_end});
+      }
+      ASSERT_EQ(ranges.size(), 1u + 1u + 7u + 1u) << "tiles: 16, 16, 7 x 128 (800 rows), 32";
+      for (auto& [key, parts] : ranges) {
+        const auto& sp = spans[key.first];
+        const int rows = sp.num_queries * kGroup;
+        const bool prefill = rows > kernels::kDecodeWideTileRows;
+        const int tile = prefill ? kernels::kPrefillTileRows : rows;
+        const int first_pos = sp.kv_len - sp.num_queries;
+        int begin = std::max(0, first_pos + key.second / kGroup - kWindow + 1);
+        if (prefill) begin -= begin % kernels::kKvTileRows;
+        const int last_row = std::min(key.second + tile, rows) - 1;
+        const int end = causal ? first_pos + last_row / kGroup + 1 : sp.kv_len;
+        std::sort(parts.begin(), parts.end());
+        int at = begin;
+        for (const auto& [s, e] : parts) {
+          EXPECT_EQ(s, at) << "span " << key.first << " row " << key.second;
+          EXPECT_LT(s, e);
+          at = e;
+        }
+        EXPECT_EQ(at, end) << "span " << key.first << " row " << key.second;
+      }
+    }
+  }
+}
+
 // One long decode on 8 kv heads fills the 264 block slots with equal splits cut at any position
 // (not only at 64-position tiles), each position in exactly one split, the splits contiguous.
 TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   ASSERT_EQ(work.decode_items.size(), 33u) << "kv_chunk " << work.kv_chunk;
   EXPECT_EQ(work.kv_chunk, 993);
@@ -73,7 +112,7 @@ TEST(AttentionPlan, OneWaveOfEqualUnalignedSplits) {
   // A prefill tile in the plan keeps chunks at whole KV tiles.
   // (Without that rule this plan would cut 334-position chunks.)
   std::vector<kernels::AttentionSpan> mixed = {{0, 0, 1, 2000}, {1, 2048, 100, 1000}};
-  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(mixed.data(), 2, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   EXPECT_LT(work.kv_chunk, 2000) << "the plan splits";
   EXPECT_EQ(work.kv_chunk % kernels::kKvTileRows, 0) << "kv_chunk " << work.kv_chunk;
@@ -87,22 +126,22 @@ TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   for (int i = 0; i < 64; ++i) batch.push_back({i, i * 256, 1, 4096});
   kernels::AttentionWork work;
   // 512 (sequence, kv head) blocks: two waves of 396, so the plan splits...
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, {.target_blocks = 396},
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 396},
                              &work);
   EXPECT_LT(work.kv_chunk, 4096);
   // ...but one wave of 528: no split, no merge.
-  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(batch.data(), 64, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, 4096);
   EXPECT_EQ(work.decode_items.size(), 64u);
   EXPECT_TRUE(work.merge_tasks.empty());
   // A plan that splits either way is planned in waves of target_blocks alone.
   std::vector<kernels::AttentionSpan> one = {{0, 0, 1, 32768}};
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 396}, &work);
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 396}, &work);
   const int32_t chunk = work.kv_chunk;
   const size_t items = work.decode_items.size();
   EXPECT_LT(chunk, 32768);
-  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(one.data(), 1, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, chunk);
   EXPECT_EQ(work.decode_items.size(), items);
@@ -110,11 +149,11 @@ TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   // 56 decode tiles and one of 32 queries x 4 heads, 456 blocks, split as with 396 alone.
   std::vector<kernels::AttentionSpan> mixed(batch.begin(), batch.begin() + 56);
   mixed.push_back({56, 56 * 256, 32, 4096});
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, {.target_blocks = 396},
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 396},
                              &work);
   const int32_t mixed_chunk = work.kv_chunk;
   EXPECT_LT(mixed_chunk, 4096);
-  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(mixed.data(), 57, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 396, .unsplit_blocks = 528}, &work);
   EXPECT_EQ(work.kv_chunk, mixed_chunk);
 }
@@ -129,7 +168,7 @@ TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
   std::vector<int32_t> table(79);
   for (size_t i = 0; i < table.size(); ++i) table[i] = static_cast<int32_t>(1000 + 7 * i);
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 264, .min_chunk = 64}, &work);
   ASSERT_GT(work.decode_items.size(), 2u) << "span 0 no longer splits";
   ASSERT_FALSE(work.prefill_items.empty());
@@ -148,7 +187,7 @@ TEST(AttentionPlan, AttachFirstPagesCopiesEachItemsFirstPages) {
           << "span " << it.span << " kv_start " << it.kv_start << " page " << j;
     }
   }
-  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(spans.data(), 3, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 264, .min_chunk = 64}, &work);
   EXPECT_TRUE(work.decode_first_pages.empty()) << "a new plan drops the last one's pages";
 }
@@ -172,7 +211,7 @@ TEST(AttentionPlan, TileGridBlocksFitOneDimension) {
 TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 131072}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 1, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   EXPECT_TRUE(work.separate_merge);
   EXPECT_GE(work.decode_wide_items.size(), 200u) << "kv_chunk " << work.kv_chunk;
@@ -183,7 +222,7 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   // 33 splits of 4 rows (one decode on 8 kv heads) merge separately; 2 splits of 4 rows (16
   // decodes) in the tile kernel.
   spans = {{7, 0, 1, 32768}};
-  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 1, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   EXPECT_TRUE(work.separate_merge);
   EXPECT_EQ(work.merge_rows, 4);
@@ -192,7 +231,7 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   EXPECT_EQ(work.merge_tasks[0].num_splits, 33);
   spans.clear();
   for (int i = 0; i < 16; ++i) spans.push_back({i, i * 256, 1, 4096});
-  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 16, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   ASSERT_FALSE(work.merge_tasks.empty());
   EXPECT_EQ(work.merge_tasks[0].num_splits, 2);
@@ -201,7 +240,7 @@ TEST(AttentionPlan, SeparateMergeOnlyForLargeMerges) {
   // A split prefill tile keeps the in-kernel merge (the separate one is measured for decode
   // tiles only), even beside a wide decode tile that would want the separate one.
   spans = {{0, 0, 300, 10000}, {300, 700, 1, 131072}};
-  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 2, 32, 1, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   bool prefill_split = false;
   for (const auto& it : work.prefill_items) prefill_split |= it.partial_row >= 0;
@@ -216,7 +255,7 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 300, 300}, {300, 100, 900, 900}, {1200, 300, 300, 300}, {1500, 400, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true,
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, /*window=*/0,
                              {.target_blocks = 100000, .min_chunk = 64}, &work);
   ASSERT_FALSE(work.prefill_items.empty());
   std::vector<int> span_order;
@@ -239,7 +278,7 @@ TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
   kernels::AttentionWork work;
-  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, {.target_blocks = 264},
+  kernels::PlanAttentionWork(spans.data(), 4, 32, 8, /*causal=*/true, /*window=*/0, {.target_blocks = 264},
                              &work);
   ASSERT_FALSE(work.prefill_items.empty());
   constexpr int kHeads = 8, kBlocks = 132;

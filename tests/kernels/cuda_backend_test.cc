@@ -61,6 +61,11 @@ struct CaseSpec {
   // q's values are exact in this dtype too (kUnspecified: only in q_dtype), so that one seed gives
   // the same queries in any q_dtype that holds them.
   DType q_exact_in = DType::kUnspecified;
+  // The layer's attention variant (layer 1 runs it; layer 0 of the cache stays plain). sinks:
+  // 1 + h / 4 for q head h (large enough that a sink left out moves out and lse past tolerance).
+  int32_t window = 0;
+  float softcap = 0.f;
+  bool sinks = false;
 };
 
 std::string Describe(const CaseSpec& c) {
@@ -68,7 +73,9 @@ std::string Describe(const CaseSpec& c) {
          " kv_wire=" + std::string(DTypeName(c.kv_wire_dtype)) +
          " d=" + std::to_string(c.head_dim) + " page=" + std::to_string(c.page_size) +
          " kv_heads=" + std::to_string(c.num_kv_heads) + " gqa=" + std::to_string(c.gqa) +
-         (c.causal ? " causal" : " non-causal");
+         (c.causal ? " causal" : " non-causal") +
+         (c.window > 0 ? " window=" + std::to_string(c.window) : "") +
+         (c.softcap > 0 ? " softcap=" + std::to_string(c.softcap) : "") + (c.sinks ? " sinks" : "");
 }
 
 float RoundTo(DType t, float f) {
@@ -112,6 +119,15 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
   g.kv_dtype = c.cache_dtype;
   g.device = 0;
   g.num_pages = total_pages;
+  LayerAttention variant;
+  variant.sliding_window = c.window;
+  variant.logit_softcap = c.softcap;
+  for (int h = 0; c.sinks && h < Hq; ++h) variant.sinks.push_back(1.f + 0.25f * h);
+  if (!variant.plain()) g.layers = {LayerAttention{}, variant};
+  testing::ReferenceVariant ref_variant;
+  ref_variant.window = c.window;
+  ref_variant.softcap = c.softcap;
+  ref_variant.sinks.assign(variant.sinks.begin(), variant.sinks.end());
   absl::StatusOr<std::unique_ptr<KvPool>> pool = backend.AllocatePool(g, StopToken());
   EXPECT_TRUE(pool.ok()) << pool.status();
   if (!pool.ok()) return 1.0;
@@ -130,6 +146,7 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
     const auto& step = c.steps[step_index];
     ForwardPlan plan;
     plan.layer = 1;
+    plan.attention = g.attention(1);
     plan.causal = c.causal;
     plan.sm_scale = 1.f / std::sqrt(static_cast<float>(D));
     plan.return_lse = c.return_lse;
@@ -207,7 +224,7 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
         testing::ReferenceAttention(q_vals.data() + sp.q_offset * Hq * D, seqs[i].k.data(),
                                     seqs[i].v.data(), sp.num_queries, sp.kv_len, Hq, Hkv, D,
                                     c.causal, plan.sm_scale, ref.data() + sp.q_offset * Hq * D,
-                                    ref_lse.data() + sp.q_offset * Hq);
+                                    ref_lse.data() + sp.q_offset * Hq, ref_variant);
       }));
     }
     for (auto& j : jobs) j.get();
@@ -271,7 +288,7 @@ kernels::AttentionWork PlannedWork(const std::vector<kernels::AttentionSpan>& sp
   EXPECT_TRUE(st.ok()) << st.message();
   kernels::AttentionWork work;
   kernels::PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), q_heads, kv_heads,
-                             /*causal=*/true, limits, &work);
+                             /*causal=*/true, /*window=*/0, limits, &work);
   return work;
 }
 
@@ -308,6 +325,86 @@ TEST_F(CudaKernelTest, SweepPageSizeHeadDimGqa) {
         ++index;
       }
     }
+  }
+}
+
+// Layer attention variants (CacheConfig.layers) against the reference: each option alone and
+// all combined, on pages {1, 7, 16, 128} and GQA {1, 4, 5, 8}, every head_dim and both cache
+// dtypes in turn, over the mixed batch (split decode, prefill and chunked prefill tiles, short
+// decode): windows shorter and longer than a page and than the sequences, caps that bend most
+// scores and few.
+struct VariantCase {
+  const char* name;
+  int32_t window;
+  float softcap;
+  bool sinks;
+};
+constexpr VariantCase kVariants[] = {
+    {"window4", 4, 0.f, false},   {"window33", 33, 0.f, false}, {"window300", 300, 0.f, false},
+    {"softcap2", 0, 2.f, false},  {"softcap30", 0, 30.f, false}, {"sinks", 0, 0.f, true},
+    {"all", 20, 5.f, true},       {"all_wide", 1000, 50.f, true}};
+
+TEST_F(CudaKernelTest, VariantSweep) {
+  constexpr int kHeadDims[] = {64, 128, 256};
+  int index = 0;
+  for (const VariantCase& v : kVariants) {
+    for (int ps : {1, 7, 16, 128}) {
+      for (int gqa : {1, 4, 5, 8}) {
+        CaseSpec c;
+        c.window = v.window;
+        c.softcap = v.softcap;
+        c.sinks = v.sinks;
+        c.head_dim = kHeadDims[index % 3];
+        c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
+        c.q_dtype = index % 3 == 1 ? c.cache_dtype : DType::kFloat32;
+        c.kv_wire_dtype = index % 4 == 3 ? DType::kBFloat16 : DType::kFloat32;
+        c.page_size = ps;
+        c.num_kv_heads = 2;
+        c.gqa = gqa;
+        c.causal = index % 6 != 5;
+        c.steps = MixedSteps(500 + 37 * index);
+        c.seed = 5000 + index;
+        SCOPED_TRACE(v.name);
+        RunCase(*backend_, c);
+        ++index;
+      }
+    }
+  }
+}
+
+// Variants on the long paths: a 4096 window over a 20k decode (the planner starts the splits
+// at the window) beside a chunked prefill across the window; sinks through the separate merge
+// (one kv head, 32 q heads, long history) and through the split prefill tiles' merge (chunked
+// prefill over 10k of history).
+TEST_F(CudaKernelTest, VariantsOnSplitAndMergePaths) {
+  {
+    CaseSpec c;
+    c.window = 4096;
+    c.softcap = 30.f;
+    c.num_kv_heads = 8;
+    c.steps = {{{20000, 0}, {4000, 0}}, {{1, 1}, {300, 300}}, {{1, 1}, {1, 1}}};
+    RunCase(*backend_, c);
+  }
+  for (int gqa : {32, 16}) {
+    const int queries = kernels::kDecodeWideTileRows / gqa;
+    CaseSpec c;
+    c.sinks = true;
+    c.num_kv_heads = 1;
+    c.gqa = gqa;
+    c.steps = {{{30000, 0}, {6000, 0}}, {{queries, queries}, {queries, queries}}};
+    const kernels::AttentionWork work =
+        PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
+                    gqa, 1, c.cache_dtype, c.head_dim);
+    ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
+    RunCase(*backend_, c);
+  }
+  {
+    CaseSpec c;
+    c.sinks = true;
+    c.window = 5000;
+    c.page_size = 32;
+    c.steps = {{{10200, 0}}, {{300, 300}}};
+    RunCase(*backend_, c);
   }
 }
 

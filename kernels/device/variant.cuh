@@ -1,0 +1,94 @@
+// A layer's attention variant in the tiles (PagedAttentionParams::window, softcap, sinks): the
+// first position a row sees, the soft-cap of a raw score, and a sink folded into a finished row.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels/device/ptx.cuh"
+#include "kernels/paged_attention.h"
+
+namespace pagedattn::kernels {
+
+// The first position a query at position pos sees: pos - window + 1 under a sliding window,
+// INT32_MIN (everything) without one.
+__device__ __forceinline__ int WindowFirst(const PagedAttentionParams& p, int pos) {
+  return p.window > 0 ? pos - p.window + 1 : INT32_MIN;
+}
+
+// The soft-cap on raw scores (before sm_scale), which the tiles keep until their exponentials:
+// s becomes (cap / scale) * tanh(s * scale / cap), so that s * scale becomes
+// cap * tanh(s * scale / cap). tanh(x) = 1 - 2 / (e^2x + 1) on the exp2 unit: within 1e-7 of
+// tanh absolutely (what the logit's error is), and saturating to +-1 at both ends.
+struct RawSoftcap {
+  float in = 0.f;   // sm_scale / softcap, times 2 log2(e)
+  float out = 0.f;  // softcap / sm_scale
+  bool on = false;
+
+  __device__ __forceinline__ static RawSoftcap Of(const PagedAttentionParams& p) {
+    RawSoftcap c;
+    c.on = p.softcap > 0.f;
+    if (c.on) {
+      c.in = p.sm_scale / p.softcap * 2.8853900817779268f;
+      c.out = p.softcap / p.sm_scale;
+    }
+    return c;
+  }
+  __device__ __forceinline__ float operator()(float s) const {
+    return out * (1.f - __fdividef(2.f, FastExp2(s * in) + 1.f));
+  }
+  // Every score of an accumulator fragment, when on (a block-uniform branch).
+  template <int kN>
+  __device__ __forceinline__ void Apply(float (&s)[kN][4]) const {
+    if (!on) return;
+#pragma unroll
+    for (int n = 0; n < kN; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[n][e] = (*this)(s[n][e]);
+  }
+};
+
+// The sink logit of span row span_row of kv head kv_head (its q head's), in log2 units;
+// -INFINITY when the layer has none.
+__device__ __forceinline__ float SinkLog2(const PagedAttentionParams& p, int kv_head, int group,
+                                          int span_row) {
+  if (p.sinks == nullptr) return -INFINITY;
+  return p.sinks[kv_head * group + span_row % group] * 1.4426950408889634f;
+}
+
+// A finished row whose O sum and weight sum are relative to 2^base (log2 units; base 0 for a row
+// that saw nothing): the factor that normalizes O, and the row's log-sum-exp (natural log). A
+// sink joins the max and the denominator: it takes probability mass and adds no value.
+struct RowNorm {
+  float inv;
+  float lse;
+};
+__device__ __forceinline__ RowNorm NormalizeRow(float sum, float base, float sink_log2) {
+  if (sink_log2 == -INFINITY) {
+    return {sum > 0.f ? 1.f / sum : 0.f,
+            sum > 0.f ? (base + __log2f(sum)) * 0.6931471805599453f : -INFINITY};
+  }
+  const float top = fmaxf(base, sink_log2);
+  const float f = exp2f(base - top);
+  const float total = sum * f + exp2f(sink_log2 - top);
+  return {f / total, (top + __log2f(total)) * 0.6931471805599453f};
+}
+
+// The same for the merges, whose bases are natural-log (an LSE; -INFINITY for a row that saw
+// nothing) and whose sink is p.sinks' own.
+__device__ __forceinline__ RowNorm NormalizeMergedRow(const PagedAttentionParams& p, float sum,
+                                                      float base, int kv_head, int group,
+                                                      int span_row) {
+  if (p.sinks == nullptr) {
+    return {sum > 0.f ? 1.f / sum : 0.f, sum > 0.f ? base + __logf(sum) : -INFINITY};
+  }
+  const float sink = p.sinks[kv_head * group + span_row % group];
+  const float b = sum > 0.f ? base : sink;
+  const float top = fmaxf(b, sink);
+  const float f = sum > 0.f ? expf(b - top) : 0.f;
+  const float total = sum * f + expf(sink - top);
+  return {f / total, top + __logf(total)};
+}
+
+}  // namespace pagedattn::kernels

@@ -154,7 +154,7 @@ struct DecodeTileMath {
   // past a row's last (causal) or before its first (window), and scales the rest to log2 units.
   __device__ __forceinline__ static void MaskAndScale(float (&s)[2][4], int pos0, int kv_end,
                                                       const DecodeRows& rows, int quad_col,
-                                                      const RawSoftcap& softcap,
+                                                      const Softcap& softcap,
                                                       float scale_log2) {
     softcap.Apply(s);
 #pragma unroll
@@ -484,8 +484,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   DecodeState<D> state;
   state.Start();
   const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
-  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-  const RawSoftcap softcap = RawSoftcap::Of(p);
+  const Softcap softcap = Softcap::Of(p);
+  const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.

@@ -175,8 +175,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   // starting at or after its last row's window start need no window mask.
   const int warp_min_first = WindowFirst(p, first_q_pos + warp_first_row / group);
   const int warp_max_first = WindowFirst(p, first_q_pos + warp_last_row / group);
-  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-  const RawSoftcap softcap = RawSoftcap::Of(p);
+  const Softcap softcap = Softcap::Of(p);
+  const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
 
   // ldmatrix addresses: a lane's row and chunk within a 16 x 16 fragment are fixed, and the
   // swizzle only XORs the low 3 bits of the chunk, so chunk 2j + 8m of the lane's row sits at

@@ -226,7 +226,7 @@ struct WgmmaTileMath {
   // run beside it.
   __device__ __forceinline__ static void SoftmaxExp(float (&s)[kNT][4], int pos0, int kv_end,
                                                     const Rows& rows, int quad_col,
-                                                    const RawSoftcap& softcap, float scale_log2,
+                                                    const Softcap& softcap, float scale_log2,
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float (&alpha)[2]) {
     softcap.Apply(s);
@@ -409,8 +409,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   M::StartRows(o, row_max, row_sum);
   const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = rows.wg_tiles;
-  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-  const RawSoftcap softcap = RawSoftcap::Of(p);
+  const Softcap softcap = Softcap::Of(p);
+  const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint32_t q_wg_base = smem.q_rows(wg);
   auto issue_s = [&](float(&s)[kNT][4], int tile) {
     M::IssueS(s, q_wg_base, smem.k_addr(tile % kS));
@@ -609,8 +609,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
   load_q(ring[0]);
 
-  const float scale_log2 = p.sm_scale * 1.4426950408889634f;
-  const RawSoftcap softcap = RawSoftcap::Of(p);
+  const Softcap softcap = Softcap::Of(p);
+  const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint32_t q_wg_base = smem.q_rows(wg);
   // S = Q K^T of stream tile g; issued, not waited for.
   auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, smem.k_addr(g % kS)); };

@@ -82,6 +82,12 @@ __device__ __forceinline__ float FastExp2(float x) {
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+// tanh on the special function unit (sm_75 and later): max relative error 2^-11, +-1 at the ends.
+__device__ __forceinline__ float FastTanh(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 __device__ __forceinline__ uint32_t SmemAddr(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));

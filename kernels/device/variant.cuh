@@ -1,5 +1,5 @@
 // A layer's attention variant in the tiles (PagedAttentionParams::window, softcap, sinks): the
-// first position a row sees, the soft-cap of a raw score, and a sink folded into a finished row.
+// first position a row sees, the soft-cap of the scores, and a sink folded into a finished row.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -17,26 +17,23 @@ __device__ __forceinline__ int WindowFirst(const PagedAttentionParams& p, int po
   return p.window > 0 ? pos - p.window + 1 : INT32_MIN;
 }
 
-// The soft-cap on raw scores (before sm_scale), which the tiles keep until their exponentials:
-// s becomes (cap / scale) * tanh(s * scale / cap), so that s * scale becomes
-// cap * tanh(s * scale / cap). tanh(x) = 1 - 2 / (e^2x + 1) on the exp2 unit: within 1e-7 of
-// tanh absolutely (what the logit's error is), and saturating to +-1 at both ends.
-struct RawSoftcap {
-  float in = 0.f;   // sm_scale / softcap, times 2 log2(e)
-  float out = 0.f;  // softcap / sm_scale
+// The soft-cap. The tiles keep scores unscaled until their exponentials, which take them to log2
+// units with one multiply (scale_log2, folded into an FMA). Capped, a score s becomes
+// tanh(s * sm_scale / cap) and its unit cap * log2(e): cap * tanh(s * sm_scale / cap) in log2
+// units, for a multiply and a tanh.approx more per score (a logit error of at most
+// |logit| * 5e-4, the size of P's rounding to 16 bits). The special-function unit also runs the
+// exponentials: in prefill that op is the cap's cost (docs/PERFORMANCE.md#variants).
+struct Softcap {
+  float scale_log2 = 0.f;  // what takes a score as the tiles hold it to log2 units
+  float in = 0.f;          // sm_scale / cap
   bool on = false;
 
-  __device__ __forceinline__ static RawSoftcap Of(const PagedAttentionParams& p) {
-    RawSoftcap c;
+  __device__ __forceinline__ static Softcap Of(const PagedAttentionParams& p) {
+    Softcap c;
     c.on = p.softcap > 0.f;
-    if (c.on) {
-      c.in = p.sm_scale / p.softcap * 2.8853900817779268f;
-      c.out = p.softcap / p.sm_scale;
-    }
+    c.in = c.on ? p.sm_scale / p.softcap : 0.f;
+    c.scale_log2 = (c.on ? p.softcap : p.sm_scale) * 1.4426950408889634f;
     return c;
-  }
-  __device__ __forceinline__ float operator()(float s) const {
-    return out * (1.f - __fdividef(2.f, FastExp2(s * in) + 1.f));
   }
   // Every score of an accumulator fragment, when on (a block-uniform branch).
   template <int kN>
@@ -45,7 +42,7 @@ struct RawSoftcap {
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[n][e] = (*this)(s[n][e]);
+      for (int e = 0; e < 4; ++e) s[n][e] = FastTanh(s[n][e] * in);
   }
 };
 

@@ -4,6 +4,7 @@ f32/f16/bf16 round trips against the float64 reference, big prefills, concurrent
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import subprocess
 import sys
 
@@ -452,17 +453,17 @@ def test_raw_protos_and_deadline(client, kv_dtypes):
         assert e.value.code == grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_layer_attention_variants_round_trip(client, backend):
-    """A Gemma-style table (windowed + global layers, soft-cap, sinks) on the CPU backend; the
-    CUDA backend refuses it at create_cache, naming each field."""
+def test_layer_attention_variants_round_trip(client):
+    """A Gemma-style table (windowed + global layers, soft-cap, sinks) on either backend: the
+    server echoes it; a bad entry is refused at create_cache, naming the field."""
     layers = (pagedattn.LayerAttention(sliding_window=4, logit_softcap=30.0),
               pagedattn.LayerAttention(logit_softcap=30.0, sinks=(0.5,) * 4))
     config = pagedattn.CacheConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
                                    page_size=16, kv_dtype="bfloat16", num_pages=16, layers=layers)
-    if backend != "cpu":
-        with pytest.raises(pagedattn.CacheConfigError, match=r"layers\[0\]\.sliding_window"):
-            client.create_cache(config)
-        return
     with client.create_cache(config) as cache:
         assert pagedattn.CacheConfig.from_proto(cache.config).layers == layers
-        assert client.server_info().capabilities.supports_sliding_window
+        caps = client.server_info().capabilities
+        assert caps.supports_sliding_window and caps.supports_logit_softcap and caps.supports_sinks
+    bad = dataclasses.replace(config, layers=(pagedattn.LayerAttention(sliding_window=0),) * 2)
+    with pytest.raises(pagedattn.CacheConfigError, match=r"layers\[0\]\.sliding_window"):
+        client.create_cache(bad)

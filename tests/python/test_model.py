@@ -15,6 +15,7 @@ transformers is missing.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -63,6 +64,12 @@ def test_generation_matches_transformers(client, kv_dtypes, backend, dtype, step
         after = cache.stats()
         assert (after.used_pages, after.free_pages, after.live_sequences) == (0, 16, 0)
 
+    _expect_same_generation(model, got, dtype, f"{backend}/{device}")
+
+
+def _expect_same_generation(model, got, dtype, where):
+    """got (through pagedattn) against the model on transformers' eager attention: free-running,
+    and fed got's tokens (teacher forcing) to compare the logits step by step."""
     hf.set_attention(model, "eager")
     ref = hf.greedy_generate(model, PROMPTS, NEW_TOKENS)
     forced = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, force_tokens=got.tokens)
@@ -83,7 +90,7 @@ def test_generation_matches_transformers(client, kv_dtypes, backend, dtype, step
                     f"{margin:.4g} > twice the logits noise {noise[b].item():.4g}")
                 ties.append((b, step, margin))
                 first_tie[b] = min(first_tie[b], step)
-    print(f"\n{dtype} on {backend}/{device}: max relative logits error {worst:.3g} over "
+    print(f"\n{dtype} on {where}: max relative logits error {worst:.3g} over "
           f"{NEW_TOKENS} steps; {len(ties)} tie decisions {ties}; decode "
           f"{got.decode_tokens_per_s:.1f} tokens/s through pagedattn, "
           f"{ref.decode_tokens_per_s:.1f} tokens/s eager")
@@ -94,3 +101,65 @@ def test_generation_matches_transformers(client, kv_dtypes, backend, dtype, step
             f"row {b}: free-running tokens differ before the first tie (step {n})")
     if dtype == "float32":
         assert torch.equal(got.tokens, ref.tokens)
+
+
+def _tiny(kind, dtype, device):
+    """Models with per-layer attention options, random weights from a fixed seed: Gemma 2
+    (windowed and global layers alternating, every score soft-capped: a small cap and window so
+    that both change the answer) and gpt-oss (the same alternation, with sinks)."""
+    import transformers
+
+    common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, head_dim=64, sliding_window=4,
+                  max_position_embeddings=4096, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    if kind == "gemma2":
+        config = transformers.Gemma2Config(attn_logit_softcapping=2.0, **common)
+        model = transformers.Gemma2ForCausalLM(config)
+    else:
+        # Every expert on every token: top-k routing would turn the dtype's noise into a
+        # different expert (a jump in the logits) wherever two experts' scores are close.
+        config = transformers.GptOssConfig(num_local_experts=2, num_experts_per_tok=2, **common)
+        model = transformers.GptOssForCausalLM(config)
+        for layer in model.model.layers:  # sinks large enough to take a share of each row
+            layer.self_attn.sinks.data = 2.0 * torch.randn_like(layer.self_attn.sinks)
+    return model.to(dtype=dtype, device=device).eval()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+def test_models_with_layer_options_match_transformers(client, kv_dtypes, backend, kind, dtype):
+    """Gemma 2 and gpt-oss through pagedattn: the cache made from the model (cache_config_for
+    with sinks_of) carries each layer's window, soft-cap and sinks; the generation matches
+    transformers' eager attention as above."""
+    if dtype not in kv_dtypes:
+        pytest.skip(f"the {backend} backend has no {dtype} cache")
+    device = _device()
+    model = _tiny(kind, getattr(torch, dtype), device)
+    hf.register()
+    hf.set_attention(model, "pagedattn")
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16,
+                                 sinks=hf.sinks_of(model))
+    windows = [layer.sliding_window for layer in config.layers]
+    assert windows == [4, None, 4, None]
+    assert all((layer.logit_softcap == 2.0) == (kind == "gemma2") for layer in config.layers)
+    assert all(bool(layer.sinks) == (kind == "gpt_oss") for layer in config.layers)
+    with client.create_cache(config, f"test_model_{kind}") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        got = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, cache=paged_cache)
+    _expect_same_generation(model, got, dtype, f"{kind} on {backend}/{device}")
+
+
+def test_a_cache_without_the_models_options_is_refused(client, kv_dtypes):
+    """A Gemma 2 model on a plain cache: the attention function names the layer and what
+    differs instead of attending without its window and cap."""
+    dtype = "float32" if "float32" in kv_dtypes else "bfloat16"
+    model = _tiny("gemma2", getattr(torch, dtype), _device())
+    hf.register()
+    hf.set_attention(model, "pagedattn")
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
+    plain = dataclasses.replace(config, layers=())
+    with client.create_cache(plain, "test_model_plain") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        with pytest.raises(ValueError, match=r"layer 0: .*sliding_window=4, softcap=2.0"):
+            hf.greedy_generate(model, PROMPTS, 2, cache=paged_cache)

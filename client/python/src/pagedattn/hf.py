@@ -28,7 +28,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from .client import Cache as CacheHandle
 from .client import Step
-from .types import CacheConfig, Span
+from .types import CacheConfig, LayerAttention, Span
 
 ATTN_IMPLEMENTATION = "pagedattn"
 CACHE_KWARG = "pagedattn_cache"  # the model-call kwarg transformers hands on to the attention
@@ -49,11 +49,33 @@ def set_attention(model: Any, name: str) -> None:
 
 
 def cache_config_for(model_config: Any, *, page_size: int = 16, kv_dtype: Any = "bfloat16",
-                     num_pages: Optional[int] = None) -> CacheConfig:
-    """A pagedattn CacheConfig with the layers and heads of a transformers model config."""
+                     num_pages: Optional[int] = None,
+                     sinks: Optional[Sequence[Sequence[float]]] = None) -> CacheConfig:
+    """A pagedattn CacheConfig with the layers, heads and per-layer attention of a transformers
+    model config: a sliding window on the layers `layer_types` marks "sliding_attention" (on
+    every layer when the config has a window and no layer types, as Mistral's), Gemma 2's
+    `attn_logit_softcapping`, and sinks (learned weights, not config: `sinks_of(model)`, one
+    sequence per layer). The attention function checks each layer's call against it."""
     head_dim = getattr(model_config, "head_dim", None) or (
         model_config.hidden_size // model_config.num_attention_heads
     )
+    num_layers = model_config.num_hidden_layers
+    window = getattr(model_config, "sliding_window", None)
+    if not getattr(model_config, "use_sliding_window", True):  # Qwen2: a window it does not use
+        window = None
+    types = getattr(model_config, "layer_types", None)
+    softcap = getattr(model_config, "attn_logit_softcapping", None)
+    layers = tuple(
+        LayerAttention(
+            sliding_window=window if window and (types is None or types[i] == "sliding_attention")
+            else None,
+            logit_softcap=float(softcap) if softcap else None,
+            sinks=tuple(float(x) for x in sinks[i]) if sinks is not None else (),
+        )
+        for i in range(num_layers)
+    )
+    if all(layer == LayerAttention() for layer in layers):
+        layers = ()
     return CacheConfig(
         num_layers=model_config.num_hidden_layers,
         num_q_heads=model_config.num_attention_heads,
@@ -63,7 +85,33 @@ def cache_config_for(model_config: Any, *, page_size: int = 16, kv_dtype: Any = 
         page_size=page_size,
         kv_dtype=kv_dtype,
         num_pages=num_pages,
+        layers=layers,
     )
+
+
+def sinks_of(model: Any) -> Optional[list[list[float]]]:
+    """Each decoder layer's attention sinks (gpt-oss: `self_attn.sinks`, one logit per q head),
+    for cache_config_for(..., sinks=); None when the model has none."""
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
+    found = [getattr(layer.self_attn, "sinks", None) for layer in layers]
+    if all(x is None for x in found):
+        return None
+    return [[] if x is None else x.detach().float().cpu().tolist() for x in found]
+
+
+def _same(a: Optional[float], b: Optional[float]) -> bool:
+    """Two optional options alike (0 and None both none; floats to float32's precision)."""
+    if not a or not b:
+        return not a and not b
+    return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def _layer_of(config: Any, layer: int) -> LayerAttention:
+    """Layer `layer`'s options in a cache's config (CacheConfig.layers: none, one, or one each)."""
+    layers = config.layers
+    if len(layers) == 0:
+        return LayerAttention()
+    return LayerAttention.from_proto(layers[layer if len(layers) > 1 else 0])
 
 
 class PagedAttnCache(Cache):
@@ -106,6 +154,29 @@ class PagedAttnCache(Cache):
         self._step_options: Optional[tuple] = None  # of the step open on it; None: none open
         self.forward_calls = 0  # layers sent (unary Forwards or Step stream messages)
         self.step_streams = 0  # Step streams opened
+        self._checked_layers: set[int] = set()  # layers whose attention matched the cache's
+
+    def check_layer(self, layer: int, sliding_window: Optional[int], softcap: Optional[float],
+                    sinks: Optional[torch.Tensor]) -> None:
+        """Raises ValueError when the layer's attention (what transformers passes the attention
+        function) differs from what the server's cache runs for it; checked once per layer."""
+        if layer in self._checked_layers:
+            return
+        have = _layer_of(self.handle.config, layer)
+        want_sinks = () if sinks is None else tuple(sinks.detach().float().cpu().tolist())
+        same = (
+            (have.sliding_window or None) == (sliding_window or None)
+            and _same(have.logit_softcap, softcap)
+            and len(have.sinks) == len(want_sinks)
+            and all(_same(a, b) for a, b in zip(have.sinks, want_sinks))
+        )
+        if not same:
+            raise ValueError(
+                f"layer {layer}: the model attends with sliding_window={sliding_window}, "
+                f"softcap={softcap}, sinks={'none' if sinks is None else len(want_sinks)} but the "
+                f"cache runs {have}; create it with hf.cache_config_for(model.config, "
+                f"sinks=hf.sinks_of(model))")
+        self._checked_layers.add(layer)
 
     def plan(self, real: torch.Tensor) -> None:
         """Starts a step: real[b, t] is True where input row b has a token at time t. Row b's
@@ -204,8 +275,8 @@ def paged_attention_forward(
             f"the '{ATTN_IMPLEMENTATION}' attention needs the model call to pass "
             f"{CACHE_KWARG}=<PagedAttnCache> (pagedattn.hf.greedy_generate does)"
         )
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("pagedattn serves full causal attention (no sliding window/softcap)")
+    cache.check_layer(module.layer_idx, kwargs.get("sliding_window"), kwargs.get("softcap"),
+                      kwargs.get("s_aux"))
     if dropout:
         raise NotImplementedError("pagedattn serves inference: dropout must be 0")
     real = cache.real

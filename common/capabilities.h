@@ -8,8 +8,18 @@
 
 namespace pagedattn {
 
-// Element types of tensors and caches. Values match pagedattn.v1.DType on the wire.
-enum class DType : int32_t { kUnspecified = 0, kFloat32 = 1, kFloat16 = 2, kBFloat16 = 3 };
+// Element types of tensors and caches. Values match pagedattn.v1.DType on the wire. FP8 E4M3 is a
+// cache dtype only (its values scaled, KvScaling), never a tensor's.
+enum class DType : int32_t {
+  kUnspecified = 0,
+  kFloat32 = 1,
+  kFloat16 = 2,
+  kBFloat16 = 3,
+  kFloat8E4M3 = 4
+};
+
+// How an FP8 cache scales K and V (pagedattn.v1.KvScaling): unset for 16/32-bit caches.
+enum class KvScaling : int32_t { kUnspecified = 0, kPerToken = 1, kStatic = 2 };
 
 constexpr int DTypeSize(DType t) {
   switch (t) {
@@ -19,6 +29,8 @@ constexpr int DTypeSize(DType t) {
       return 2;
     case DType::kBFloat16:
       return 2;
+    case DType::kFloat8E4M3:
+      return 1;
     default:
       return 0;
   }
@@ -33,6 +45,8 @@ constexpr const char* DTypeName(DType t) {
       return "FLOAT16";
     case DType::kBFloat16:
       return "BFLOAT16";
+    case DType::kFloat8E4M3:
+      return "FLOAT8_E4M3";
     default:
       return "DTYPE_UNSPECIFIED";
   }
@@ -56,8 +70,8 @@ inline constexpr int kMaxNumHeads = 1024;
 
 // Cache dtypes per backend; tensor (q/k/v) dtypes are accepted in any of kIoDTypes and
 // converted to the cache dtype.
-inline constexpr std::array<DType, 3> kCpuKvDTypes = {DType::kFloat32, DType::kFloat16,
-                                                      DType::kBFloat16};
+inline constexpr std::array<DType, 4> kCpuKvDTypes = {DType::kFloat32, DType::kFloat16,
+                                                      DType::kBFloat16, DType::kFloat8E4M3};
 inline constexpr std::array<DType, 2> kCudaKvDTypes = {DType::kFloat16, DType::kBFloat16};
 inline constexpr std::array<DType, 3> kIoDTypes = {DType::kFloat32, DType::kFloat16,
                                                    DType::kBFloat16};

@@ -1,9 +1,11 @@
-// Host-side conversions between float and the 16-bit storage types (IEEE half, bfloat16),
+// Host-side conversions between float and the storage types (IEEE half, bfloat16, FP8 E4M3),
 // and helpers to read/write a raw element buffer of any pagedattn DType as float.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "common/capabilities.h"
 
@@ -65,6 +67,49 @@ inline float HalfToFloat(uint16_t h) {
   return BitsFloat(sign | ((exp + 112u) << 23) | (mant << 13));
 }
 
+// OCP FP8 E4M3 (1 sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities, 0x7f NaN):
+// round to nearest even, and a value past the largest (448), infinities included, saturates to
+// it (NVIDIA's __NV_SATFINITE), so that no finite or infinite input becomes NaN.
+inline constexpr float kE4m3Max = 448.f;
+inline uint8_t FloatToE4m3(float f) {
+  const uint32_t u = FloatBits(f);
+  const uint8_t sign = static_cast<uint8_t>((u >> 24) & 0x80u);
+  const uint32_t abs = u & 0x7fffffffu;
+  if (abs > 0x7f800000u) return static_cast<uint8_t>(sign | 0x7f);  // NaN
+  const float a = BitsFloat(abs);
+  if (a >= kE4m3Max) return static_cast<uint8_t>(sign | 0x7e);  // saturate (>= 464 rounds past)
+  if (a < 0.015625f) {  // below 2^-6: subnormal steps of 2^-9, the rounding done by nearbyint
+    const int m = static_cast<int>(std::nearbyint(a * 512.f));  // 8: the smallest normal, 0x08
+    return static_cast<uint8_t>(sign | m);
+  }
+  // Normal: keep 3 mantissa bits, rounding to nearest even; a carry moves the exponent up.
+  const uint32_t rounded = abs + 0x7ffffu + ((abs >> 20) & 1u);
+  const int exp = static_cast<int>(rounded >> 23) - 127 + 7;
+  const uint32_t mant = (rounded >> 20) & 7u;
+  if (exp > 15 || (exp == 15 && mant == 7)) return static_cast<uint8_t>(sign | 0x7e);
+  return static_cast<uint8_t>(sign | (exp << 3) | mant);
+}
+inline float E4m3ToFloat(uint8_t b) {
+  const float sign = (b & 0x80) ? -1.f : 1.f;
+  const int exp = (b >> 3) & 0xf, mant = b & 7;
+  if (exp == 15 && mant == 7) return std::numeric_limits<float>::quiet_NaN();
+  if (exp == 0) return sign * static_cast<float>(mant) * 0.001953125f;  // 2^-9
+  return sign * std::ldexp(1.f + static_cast<float>(mant) / 8.f, exp - 7);
+}
+
+// An FP8 row's scale and its inverse: PER_TOKEN's from the row's largest finite magnitude (a
+// zero row: 1), so that the row's largest value is stored as 448. Stored = E4M3(x * inverse),
+// read back as float(stored) * scale; the GPU kernels compute both the same way.
+struct Fp8RowScale {
+  float scale = 1.f;
+  float inverse = 1.f;
+  static Fp8RowScale OfMax(float max_abs) {
+    if (!(max_abs > 0.f) || !std::isfinite(max_abs)) return {};
+    return {max_abs / kE4m3Max, kE4m3Max / max_abs};
+  }
+  static Fp8RowScale Static(float scale) { return {scale, 1.f / scale}; }
+};
+
 // Element i of a raw buffer of dtype t, as float.
 inline float LoadAsFloat(DType t, const void* data, int64_t i) {
   switch (t) {
@@ -83,6 +128,8 @@ inline float LoadAsFloat(DType t, const void* data, int64_t i) {
       std::memcpy(&h, static_cast<const char*>(data) + i * 2, 2);
       return Bf16ToFloat(h);
     }
+    case DType::kFloat8E4M3:  // the stored value, unscaled
+      return E4m3ToFloat(static_cast<const uint8_t*>(data)[i]);
     default:
       return 0.f;
   }
@@ -104,6 +151,9 @@ inline void StoreFromFloat(DType t, void* data, int64_t i, float f) {
       std::memcpy(static_cast<char*>(data) + i * 2, &h, 2);
       break;
     }
+    case DType::kFloat8E4M3:  // f already scaled
+      static_cast<uint8_t*>(data)[i] = FloatToE4m3(f);
+      break;
     default:
       break;
   }

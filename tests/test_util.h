@@ -66,15 +66,22 @@ class ForwardModel {
               std::optional<float> sm_scale = std::nullopt) {
     const int D = g_.head_dim, Hq = g_.num_q_heads, Hkv = g_.num_kv_heads;
     std::vector<float> q, k, v;
-    auto next = [&](DType t) { return RoundTo(t, dist_(rng_)); };
     int64_t total_q = 0, total_new = 0;
+    // K/V as the cache will hold them: rounded to the I/O dtype, then to the cache dtype; an
+    // FP8 cache's reference keeps them unquantized (its error is what the tests bound).
+    auto kv_value = [&](int64_t i) {
+      const float x = RoundTo(io_dtype_, dist_(rng_) * kv_scale_ * ChannelGain(i % D));
+      return g_.kv_dtype == DType::kFloat8E4M3 ? x : RoundTo(g_.kv_dtype, x);
+    };
     for (const SpanCase& s : spans) {
       for (int64_t i = 0; i < int64_t{s.num_new} * Hkv * D; ++i) {
-        // K/V as the cache will hold them: rounded to the I/O dtype, then to the cache dtype.
-        k.push_back(RoundTo(g_.kv_dtype, next(io_dtype_)));
-        v.push_back(RoundTo(g_.kv_dtype, next(io_dtype_)));
+        k.push_back(kv_value(i));
+        v.push_back(kv_value(i));
       }
-      for (int64_t i = 0; i < int64_t{s.num_queries} * Hq * D; ++i) q.push_back(next(io_dtype_));
+      for (int64_t i = 0; i < int64_t{s.num_queries} * Hq * D; ++i) {
+        // q shrinks where K grows (SetKvShape), so that the scores keep their spread.
+        q.push_back(RoundTo(io_dtype_, dist_(rng_) / (kv_scale_ * ChannelGain(i % D))));
+      }
       total_q += s.num_queries;
       total_new += s.num_new;
     }
@@ -140,6 +147,17 @@ class ForwardModel {
     return o;
   }
 
+  // K and V drawn as N(0, scale^2), with channels d % outlier_every == 0 gain times larger (the
+  // few large-magnitude channels of real models' K and V); q's channels drawn as many times
+  // smaller, so that the scores (and the softmax's conditioning) stay as without them.
+  void SetKvShape(float scale, int outlier_every, float outlier_gain) {
+    kv_scale_ = scale;
+    outlier_every_ = outlier_every;
+    outlier_gain_ = outlier_gain;
+  }
+
+  float ChannelGain(int64_t d) const { return d % outlier_every_ == 0 ? outlier_gain_ : 1.f; }
+
   int64_t Length(int layer, uint64_t seq) const {
     auto it = kv_.find({layer, seq});
     return it == kv_.end()
@@ -152,6 +170,9 @@ class ForwardModel {
   DType io_dtype_;
   std::mt19937_64 rng_;
   std::normal_distribution<float> dist_{0.f, 1.f};
+  float kv_scale_ = 1.f;
+  int outlier_every_ = 1 << 30;
+  float outlier_gain_ = 1.f;
   std::map<std::pair<int, uint64_t>, std::pair<std::vector<float>, std::vector<float>>> kv_;
 };
 

@@ -39,6 +39,10 @@ struct CacheGeometry {
   int64_t num_pages = 0;
   // Each layer's variant: empty when every layer is plain, else num_layers entries.
   std::vector<LayerAttention> layers;
+  // An FP8 cache's scaling (kPerToken or kStatic; kUnspecified for 16/32-bit caches), and with
+  // kStatic each layer's K and V scales (layer l's at 2l, 2l + 1).
+  KvScaling kv_scaling = KvScaling::kUnspecified;
+  std::vector<float> kv_scales;
 
   // Layer l's variant; null when plain.
   const LayerAttention* attention(int32_t layer) const {
@@ -48,9 +52,16 @@ struct CacheGeometry {
 
   // Elements of one page of K (or V) in one layer: [num_kv_heads][page_size][head_dim].
   int64_t PageElems() const { return int64_t{num_kv_heads} * page_size * head_dim; }
-  // Bytes of K plus V for one page across all layers.
+  // Bytes of the per-row scales of one page, K and V, across all layers (kPerToken: a float
+  // per (position, kv head)).
+  int64_t ScaleBytesPerPage() const {
+    return kv_scaling == KvScaling::kPerToken
+               ? 2 * int64_t{num_layers} * num_kv_heads * page_size * int64_t{sizeof(float)}
+               : 0;
+  }
+  // Bytes of K plus V (and their scales) for one page across all layers.
   int64_t BytesPerPage() const {
-    return 2 * int64_t{num_layers} * PageElems() * DTypeSize(kv_dtype);
+    return 2 * int64_t{num_layers} * PageElems() * DTypeSize(kv_dtype) + ScaleBytesPerPage();
   }
   int64_t TotalBytes() const { return BytesPerPage() * num_pages; }
   int32_t GqaRatio() const { return num_q_heads / num_kv_heads; }

@@ -2,6 +2,7 @@
 // would be valid (the nearest valid value where there is one); all rules run every time.
 #include "server/core/cache_config.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -95,6 +96,46 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
         }
       }
     }
+  }
+}
+
+// An FP8 cache's scaling: kv_scaling only on FP8, STATIC with its scales (2 or 2 * num_layers,
+// positive and finite), scales only with STATIC. Never a silent scale of 1.
+template <typename Violate>
+void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
+  const bool fp8 = c.kv_dtype == DType::kFloat8E4M3;
+  const int scaling = static_cast<int>(c.kv_scaling);
+  if (scaling < 0 || scaling > 2) {
+    violate("kv_scaling", absl::StrCat("kv_scaling must be PER_TOKEN or STATIC, or unset (got ",
+                                       scaling, ")"));
+    return;
+  }
+  if (!fp8 && c.kv_scaling != KvScaling::kUnspecified) {
+    violate("kv_scaling",
+            absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (kv_dtype is ",
+                         DTypeName(c.kv_dtype), "); leave it unset"));
+  }
+  if (c.kv_scaling == KvScaling::kStatic) {
+    const size_t n = c.kv_scales.size();
+    if (n != 2 && n != 2 * static_cast<size_t>(std::max(c.num_layers, 0))) {
+      violate("kv_scales",
+              absl::StrCat("kv_scaling STATIC needs kv_scales: K's and V's scale for every layer "
+                           "(2 values) or per layer (2 x num_layers = ",
+                           2 * int64_t{c.num_layers}, ") (got ", n,
+                           "); PER_TOKEN needs none"));
+    } else {
+      for (size_t i = 0; i < n; ++i) {
+        if (!(std::isfinite(c.kv_scales[i]) && c.kv_scales[i] > 0.f)) {
+          violate("kv_scales", absl::StrCat("kv_scales must be positive and finite (kv_scales[",
+                                            i, "] is ", c.kv_scales[i], ")"));
+          break;
+        }
+      }
+    }
+  } else if (!c.kv_scales.empty()) {
+    violate("kv_scales",
+            absl::StrCat("kv_scales are for kv_scaling STATIC (got ", c.kv_scales.size(),
+                         " values with ", fp8 ? "PER_TOKEN" : "a 16/32-bit cache", ")"));
   }
 }
 
@@ -196,6 +237,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
     violate("max_bytes", absl::StrCat("max_bytes must be positive (got ", *c.max_bytes, ")"));
   }
   ValidateLayers(c, ctx.backend, violate);
+  ValidateScaling(c, violate);
   if (!r.violations.empty()) return r;
 
   CacheGeometry g;
@@ -207,6 +249,17 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   g.kv_dtype = c.kv_dtype;
   g.device = c.device;
   g.layers = ResolveLayers(c);
+  if (c.kv_dtype == DType::kFloat8E4M3) {
+    g.kv_scaling =
+        c.kv_scaling == KvScaling::kUnspecified ? KvScaling::kPerToken : c.kv_scaling;
+    if (g.kv_scaling == KvScaling::kStatic) {
+      for (int32_t l = 0; l < c.num_layers; ++l) {
+        const size_t at = c.kv_scales.size() == 2 ? 0 : 2 * static_cast<size_t>(l);
+        g.kv_scales.push_back(c.kv_scales[at]);
+        g.kv_scales.push_back(c.kv_scales[at + 1]);
+      }
+    }
+  }
   // Every factor is bounded above, so this product cannot overflow; the pool size can.
   const int64_t bytes_per_page = g.BytesPerPage();
   if (c.num_pages.has_value()) {
@@ -221,7 +274,9 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
               absl::StrCat(c.max_bytes.has_value() ? "max_bytes" : "free memory", " (", budget,
                            " bytes) is less than one page (", bytes_per_page,
                            " bytes: 2 x num_layers x num_kv_heads x page_size x head_dim x ",
-                           DTypeSize(g.kv_dtype), "); nearest valid max_bytes: ", bytes_per_page));
+                           DTypeSize(g.kv_dtype),
+                           g.ScaleBytesPerPage() > 0 ? ", and the FP8 rows' scales" : "",
+                           "); nearest valid max_bytes: ", bytes_per_page));
       return r;
     }
   }

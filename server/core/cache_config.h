@@ -31,6 +31,8 @@ struct CacheConfigRequest {
   std::optional<int64_t> max_bytes;
   int32_t device = 0;
   std::vector<LayerAttentionRequest> layers;  // Empty, one (every layer), or num_layers.
+  KvScaling kv_scaling = KvScaling::kUnspecified;  // FP8 caches only; unset: kPerToken.
+  std::vector<float> kv_scales;                     // kStatic: 2 or 2 * num_layers values.
 };
 
 struct FieldViolation {

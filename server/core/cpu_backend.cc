@@ -33,18 +33,68 @@ constexpr size_t kPopulateChunk = size_t{64} << 20;
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
 #endif
 
-// One anonymous private mapping (zero-filled by the kernel): K of every layer, then V.
+// One anonymous private mapping (zero-filled by the kernel): K of every layer, then V, then (an
+// FP8 cache with PER_TOKEN scaling) the rows' scales of K, then of V, [layer][page][kv head][row].
 class CpuPool final : public KvPool {
  public:
-  CpuPool(char* base, size_t bytes) : base_(base), bytes_(bytes) {}
+  CpuPool(char* base, size_t bytes, size_t elem_bytes)
+      : base_(base), bytes_(bytes), elem_bytes_(elem_bytes) {}
   ~CpuPool() override { munmap(base_, bytes_); }
   char* k() const { return base_; }
-  char* v() const { return base_ + bytes_ / 2; }
+  char* v() const { return base_ + elem_bytes_; }
+  float* k_scales() const { return reinterpret_cast<float*>(base_ + 2 * elem_bytes_); }
+  float* v_scales() const {
+    return k_scales() + (bytes_ - 2 * elem_bytes_) / 2 / sizeof(float);
+  }
 
  private:
   char* base_;
   size_t bytes_;
+  size_t elem_bytes_;  // of K (or V), every layer
 };
+
+// Where one layer's K and V lie in the pool, and how its stored values read back as floats:
+// FP8 values times their row's scale (PER_TOKEN) or the layer's (STATIC); others as they are.
+struct LayerStore {
+  char* k;
+  char* v;
+  float* k_scales = nullptr;  // PER_TOKEN: per row (element offset / head_dim)
+  float* v_scales = nullptr;
+  float k_static = 1.f;
+  float v_static = 1.f;
+
+  LayerStore(const CpuPool& pool, const CacheGeometry& g, int layer) {
+    const int64_t layer_elems = g.num_pages * g.PageElems();
+    k = pool.k() + layer * layer_elems * DTypeSize(g.kv_dtype);
+    v = pool.v() + layer * layer_elems * DTypeSize(g.kv_dtype);
+    if (g.kv_scaling == KvScaling::kPerToken) {
+      k_scales = pool.k_scales() + layer * (layer_elems / g.head_dim);
+      v_scales = pool.v_scales() + layer * (layer_elems / g.head_dim);
+    } else if (g.kv_scaling == KvScaling::kStatic) {
+      k_static = g.kv_scales[2 * static_cast<size_t>(layer)];
+      v_static = g.kv_scales[2 * static_cast<size_t>(layer) + 1];
+    }
+  }
+  float k_scale(int64_t row) const { return k_scales != nullptr ? k_scales[row] : k_static; }
+  float v_scale(int64_t row) const { return v_scales != nullptr ? v_scales[row] : v_static; }
+};
+
+// Stores one row of n values (src, in dtype `from`) as FP8 at dst: scaled by the row's own
+// scale (row_scale non-null: PER_TOKEN, written there) or by static_scale.
+void StoreFp8Row(DType from, const void* src, int n, float static_scale, float* row_scale,
+                 uint8_t* dst) {
+  static_assert(kSupportedHeadDims.back() <= 512, "a row fits the buffer below");
+  float x[512];
+  float max_abs = 0.f;
+  for (int i = 0; i < n; ++i) {
+    x[i] = LoadAsFloat(from, src, i);
+    if (std::isfinite(x[i])) max_abs = std::max(max_abs, std::fabs(x[i]));
+  }
+  const Fp8RowScale s =
+      row_scale != nullptr ? Fp8RowScale::OfMax(max_abs) : Fp8RowScale::Static(static_scale);
+  if (row_scale != nullptr) *row_scale = s.scale;
+  for (int i = 0; i < n; ++i) dst[i] = FloatToE4m3(x[i] * s.inverse);
+}
 
 struct WorkItem {
   int32_t span;
@@ -92,8 +142,8 @@ int64_t RowOffset(const CacheGeometry& g, const ForwardPlan& plan, const SpanPla
 // that is stopped can put them back.
 class OverwrittenRows {
  public:
-  OverwrittenRows(const CacheGeometry& g, const ForwardPlan& plan, char* k_layer, char* v_layer)
-      : g_(g), plan_(plan), k_layer_(k_layer), v_layer_(v_layer) {}
+  OverwrittenRows(const CacheGeometry& g, const ForwardPlan& plan, const LayerStore& store)
+      : g_(g), plan_(plan), store_(store) {}
 
   void Save() { Move(/*save=*/true); }
   void Restore() { Move(/*save=*/false); }
@@ -102,19 +152,23 @@ class OverwrittenRows {
   void Move(bool save) {
     const size_t row_bytes = static_cast<size_t>(g_.head_dim) * DTypeSize(g_.kv_dtype);
     size_t at = 0;
+    auto move = [&](void* place, size_t n) {
+      if (save) {
+        saved_.resize(at + n);
+        std::memcpy(saved_.data() + at, place, n);
+      } else {
+        std::memcpy(place, saved_.data() + at, n);
+      }
+      at += n;
+    };
     for (const SpanPlan& sp : plan_.spans) {
       for (int64_t pos = sp.start; pos < sp.overwrite_end(); ++pos) {
         for (int kvh = 0; kvh < g_.num_kv_heads; ++kvh) {
-          const size_t off =
-              static_cast<size_t>(RowOffset(g_, plan_, sp, pos, kvh)) * DTypeSize(g_.kv_dtype);
-          for (char* layer : {k_layer_, v_layer_}) {
-            if (save) {
-              saved_.resize(at + row_bytes);
-              std::memcpy(saved_.data() + at, layer + off, row_bytes);
-            } else {
-              std::memcpy(layer + off, saved_.data() + at, row_bytes);
-            }
-            at += row_bytes;
+          const int64_t elem = RowOffset(g_, plan_, sp, pos, kvh);
+          const size_t off = static_cast<size_t>(elem) * DTypeSize(g_.kv_dtype);
+          for (char* layer : {store_.k, store_.v}) move(layer + off, row_bytes);
+          for (float* scales : {store_.k_scales, store_.v_scales}) {
+            if (scales != nullptr) move(scales + elem / g_.head_dim, sizeof(float));
           }
         }
       }
@@ -123,8 +177,7 @@ class OverwrittenRows {
 
   const CacheGeometry& g_;
   const ForwardPlan& plan_;
-  char* k_layer_;
-  char* v_layer_;
+  const LayerStore& store_;
   std::vector<char> saved_;
 };
 
@@ -167,7 +220,9 @@ absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeom
     return absl::ResourceExhaustedError(
         absl::StrCat("could not map ", bytes, " bytes of host memory for the pool"));
   }
-  auto pool = std::make_unique<CpuPool>(static_cast<char*>(base), bytes);
+  const size_t elem_bytes =
+      static_cast<size_t>(g.num_layers * g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype));
+  auto pool = std::make_unique<CpuPool>(static_cast<char*>(base), bytes, elem_bytes);
   if (absl::Status s = Populate(pool->k(), bytes, stop); !s.ok()) return s;
   return pool;
 }
@@ -189,14 +244,15 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
   const int Hkv = g.num_kv_heads;
   const int group = Hq / Hkv;
   const int esize = DTypeSize(g.kv_dtype);
-  const int64_t layer_elems = g.num_pages * g.PageElems();
-  char* k_layer = pool.k() + plan.layer * layer_elems * esize;
-  char* v_layer = pool.v() + plan.layer * layer_elems * esize;
+  const LayerStore store(pool, g, plan.layer);
+  char* k_layer = store.k;
+  char* v_layer = store.v;
+  const bool fp8 = g.kv_dtype == DType::kFloat8E4M3;
   if (absl::Status s = plan.stop.Check(); !s.ok()) return s;
   const absl::Time start = absl::Now();
 
   // 0. A rewind overwrites committed rows: keep them until the Forward is sure to commit.
-  OverwrittenRows overwritten(g, plan, k_layer, v_layer);
+  OverwrittenRows overwritten(g, plan, store);
   overwritten.Save();
 
   // 1. Append: convert each new row to the cache dtype and store it in its page.
@@ -208,10 +264,20 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
         for (int kvh = 0; kvh < Hkv; ++kvh) {
           const int64_t src = ((sp.kv_offset + t) * Hkv + kvh) * D;
           const int64_t dst = RowOffset(g, plan, sp, sp.start + t, kvh);
-          ConvertElements(io.kv_dtype, static_cast<const char*>(io.k) + src * in_size, g.kv_dtype,
-                          k_layer + dst * esize, D);
-          ConvertElements(io.kv_dtype, static_cast<const char*>(io.v) + src * in_size, g.kv_dtype,
-                          v_layer + dst * esize, D);
+          const char* k_src = static_cast<const char*>(io.k) + src * in_size;
+          const char* v_src = static_cast<const char*>(io.v) + src * in_size;
+          if (fp8) {
+            const int64_t row = dst / D;
+            StoreFp8Row(io.kv_dtype, k_src, D, store.k_static,
+                        store.k_scales != nullptr ? store.k_scales + row : nullptr,
+                        reinterpret_cast<uint8_t*>(k_layer) + dst);
+            StoreFp8Row(io.kv_dtype, v_src, D, store.v_static,
+                        store.v_scales != nullptr ? store.v_scales + row : nullptr,
+                        reinterpret_cast<uint8_t*>(v_layer) + dst);
+            continue;
+          }
+          ConvertElements(io.kv_dtype, k_src, g.kv_dtype, k_layer + dst * esize, D);
+          ConvertElements(io.kv_dtype, v_src, g.kv_dtype, v_layer + dst * esize, D);
         }
       }
     });
@@ -252,9 +318,10 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     std::vector<float> v(static_cast<size_t>(visible_max - base) * D);
     for (int64_t j = base; j < visible_max; ++j) {
       const int64_t off = RowOffset(g, plan, sp, j, w.kv_head);
+      const float k_scale = store.k_scale(off / D), v_scale = store.v_scale(off / D);
       for (int d = 0; d < D; ++d) {
-        k[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, k_layer, off + d);
-        v[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, v_layer, off + d);
+        k[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, k_layer, off + d) * k_scale;
+        v[(j - base) * D + d] = LoadAsFloat(g.kv_dtype, v_layer, off + d) * v_scale;
       }
     }
     std::vector<float> q(D), scores(static_cast<size_t>(visible_max - base)), acc(D);

@@ -89,9 +89,9 @@ void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
   for (int d : kSupportedHeadDims) out->add_head_dims(d);
   out->set_min_page_size(kMinPageSize);
   out->set_max_page_size(kMaxPageSize);
-  for (DType t : kIoDTypes) {
+  for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {
     if (IsSupportedKvDType(backend, t)) out->add_kv_dtypes(static_cast<v1::DType>(t));
-    out->add_io_dtypes(static_cast<v1::DType>(t));
+    if (IsSupportedIoDType(t)) out->add_io_dtypes(static_cast<v1::DType>(t));
   }
   out->set_max_gqa_ratio(kMaxGqaRatio);
   out->set_max_num_layers(kMaxNumLayers);

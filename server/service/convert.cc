@@ -20,6 +20,8 @@ CacheConfigRequest FromProto(const v1::CacheConfig& c) {
     if (l.has_logit_softcap()) out.logit_softcap = l.logit_softcap();
     out.sinks.assign(l.sinks().begin(), l.sinks().end());
   }
+  r.kv_scaling = static_cast<KvScaling>(c.kv_scaling());
+  r.kv_scales.assign(c.kv_scales().begin(), c.kv_scales().end());
   return r;
 }
 
@@ -38,6 +40,8 @@ void ToProto(const CacheGeometry& g, v1::CacheConfig* out) {
     if (l.logit_softcap > 0) pl->set_logit_softcap(l.logit_softcap);
     for (float sink : l.sinks) pl->add_sinks(sink);
   }
+  out->set_kv_scaling(static_cast<v1::KvScaling>(g.kv_scaling));
+  for (float scale : g.kv_scales) out->add_kv_scales(scale);  // resolved: 2 per layer
 }
 
 void ToProto(const Cache& cache, v1::CacheInfo* out) {
@@ -48,6 +52,7 @@ void ToProto(const Cache& cache, v1::CacheInfo* out) {
   out->set_num_pages(g.num_pages);
   out->set_capacity_tokens(g.num_pages * g.page_size);
   out->set_bytes(g.TotalBytes());
+  out->set_bytes_per_token(g.BytesPerPage() / g.page_size);
   const CacheStats s = cache.Stats();
   out->mutable_stats()->set_free_pages(s.free_pages);
   out->mutable_stats()->set_used_pages(s.used_pages);

@@ -249,5 +249,62 @@ TEST(CacheConfigTest, LayerVariantsRunOnEveryBackend) {
   }
 }
 
+// FP8: PER_TOKEN by default, its rows' scales counted in the page's bytes; STATIC with its
+// scales (for every layer alike, or per layer); the CUDA backend has no FP8 kernels yet.
+TEST(CacheConfigTest, Fp8CachesScaleTheirValues) {
+  CacheConfigRequest c = Valid();
+  c.kv_dtype = DType::kFloat8E4M3;
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid()) << Fields(r).size();
+  EXPECT_EQ(r.geometry.kv_scaling, KvScaling::kPerToken);
+  // 2 x 4 layers x 8 heads x 16 tokens x (128 one-byte values + a 4-byte scale).
+  EXPECT_EQ(r.geometry.BytesPerPage(), 2 * 4 * 8 * 16 * (128 + 4));
+  EXPECT_EQ(r.bytes, 100 * r.geometry.BytesPerPage());
+
+  c.kv_scaling = KvScaling::kStatic;
+  c.kv_scales = {0.5f, 0.25f};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.BytesPerPage(), 2 * 4 * 8 * 16 * 128);
+  EXPECT_EQ(r.geometry.kv_scales,
+            (std::vector<float>{0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f, 0.5f, 0.25f}));
+  c.kv_scales = {1, 2, 3, 4, 5, 6, 7, 8};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.kv_scales[6], 7.f);
+
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx(BackendKind::kCuda))),
+            std::vector<std::string>{"kv_dtype"});
+}
+
+TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
+  CacheConfigRequest c = Valid();
+  c.kv_dtype = DType::kFloat8E4M3;
+  c.kv_scaling = KvScaling::kStatic;  // and no scales: never a silent 1.0
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scales"});
+  EXPECT_NE(r.violations[0].description.find("(got 0)"), std::string::npos)
+      << r.violations[0].description;
+  c.kv_scales = {1.f, 2.f, 3.f};  // neither 2 nor 2 x num_layers
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scales"});
+  for (float bad : {0.f, -1.f, std::numeric_limits<float>::infinity(),
+                    std::numeric_limits<float>::quiet_NaN()}) {
+    c.kv_scales = {1.f, bad};
+    r = ValidateCacheConfig(c, Ctx());
+    ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scales"}) << bad;
+    EXPECT_NE(r.violations[0].description.find("kv_scales[1]"), std::string::npos);
+  }
+  c.kv_scaling = KvScaling::kPerToken;  // scales without STATIC
+  c.kv_scales = {1.f, 1.f};
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scales"});
+  c.kv_scales.clear();
+  c.kv_dtype = DType::kBFloat16;  // scaling on a 16-bit cache
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scaling"});
+  EXPECT_NE(r.violations[0].description.find("BFLOAT16"), std::string::npos);
+  c.kv_scaling = static_cast<KvScaling>(7);
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scaling"});
+}
+
 }  // namespace
 }  // namespace pagedattn

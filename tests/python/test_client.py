@@ -467,3 +467,27 @@ def test_layer_attention_variants_round_trip(client):
     bad = dataclasses.replace(config, layers=(pagedattn.LayerAttention(sliding_window=0),) * 2)
     with pytest.raises(pagedattn.CacheConfigError, match=r"layers\[0\]\.sliding_window"):
         client.create_cache(bad)
+
+
+def test_fp8_cache_config(client, kv_dtypes):
+    """FLOAT8_E4M3 caches: PER_TOKEN scaling by default, echoed with the bytes a token takes;
+    STATIC needs its scales (never a silent 1.0); a backend without FP8 names kv_dtype; FP8 is
+    never a tensor's dtype."""
+    config = pagedattn.CacheConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64,
+                                   page_size=16, kv_dtype="float8_e4m3", num_pages=16)
+    if "float8_e4m3" not in kv_dtypes:
+        with pytest.raises(pagedattn.CacheConfigError, match="kv_dtype"):
+            client.create_cache(config)
+        return
+    with client.create_cache(config) as cache:
+        echoed = pagedattn.CacheConfig.from_proto(cache.config)
+        assert (echoed.kv_dtype, echoed.kv_scaling) == ("float8_e4m3", "per_token")
+        assert cache.info.bytes_per_token == 2 * 2 * 2 * (64 + 4)  # K, V x layers x heads
+    static = dataclasses.replace(config, kv_scaling="static")
+    with pytest.raises(pagedattn.CacheConfigError, match="kv_scales"):
+        client.create_cache(static)
+    with client.create_cache(dataclasses.replace(static, kv_scales=(0.02, 0.01))) as cache:
+        assert tuple(cache.config.kv_scales) == pytest.approx((0.02, 0.01) * 2)
+        assert cache.info.bytes_per_token == 2 * 2 * 2 * 64
+    with pytest.raises(TypeError, match="float8_e4m3 is a cache's kv_dtype"):
+        pagedattn.tensors.to_tensor(np.zeros((1, 4, 64), np.float32), "float8_e4m3")

@@ -29,7 +29,8 @@ from pagedattn import hf  # noqa: E402
 PROMPTS = [[5, 17, 42, 99, 3], list(range(10, 21)), [7, 7, 7] + list(range(100, 114))]  # 5, 11, 17
 NEW_TOKENS = 32
 # Relative error of the logits (||got - ref|| / ||ref|| per step) allowed per model dtype.
-LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2}
+# float8_e4m3: a float32 model on an FP8 cache (3 mantissa bits: 3.3% on the first step).
+LOGITS_TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2, "float16": 1e-2, "float8_e4m3": 8e-2}
 
 
 def _device() -> str:
@@ -163,3 +164,22 @@ def test_a_cache_without_the_models_options_is_refused(client, kv_dtypes):
         paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
         with pytest.raises(ValueError, match=r"layer 0: .*sliding_window=4, softcap=2.0"):
             hf.greedy_generate(model, PROMPTS, 2, cache=paged_cache)
+
+
+def test_fp8_cache_generation_tracks_transformers(client, kv_dtypes, backend):
+    """The float32 Llama on an FP8 cache (PER_TOKEN scales): half the bytes of a bfloat16 cache,
+    logits within LOGITS_TOLERANCE["float8_e4m3"] of eager attention at every step (fed the same
+    tokens), and the same greedy token except at ties within that noise."""
+    if "float8_e4m3" not in kv_dtypes:
+        pytest.skip(f"the {backend} backend has no float8_e4m3 cache")
+    device = _device()
+    model = hf.tiny_llama(dtype=torch.float32, device=device)
+    hf.register()
+    hf.set_attention(model, "pagedattn")
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype="float8_e4m3", num_pages=16)
+    with client.create_cache(config, "test_model_fp8") as cache:
+        # 2 (K, V) x 4 layers x 2 kv heads x (64 one-byte values + a 4-byte scale).
+        assert cache.info.bytes_per_token == 2 * 4 * 2 * (64 + 4)
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        got = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, cache=paged_cache)
+    _expect_same_generation(model, got, "float8_e4m3", f"fp8 cache on {backend}/{device}")

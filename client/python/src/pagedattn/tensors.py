@@ -20,6 +20,7 @@ except ImportError:  # pragma: no cover - exercised where ml_dtypes is absent
 FLOAT32 = pb.FLOAT32
 FLOAT16 = pb.FLOAT16
 BFLOAT16 = pb.BFLOAT16
+FLOAT8_E4M3 = pb.FLOAT8_E4M3  # a cache's kv_dtype only: tensors are float32/float16/bfloat16
 
 # Anything that names a dtype: a DType enum value, a name ("bf16", "FLOAT16"), a numpy or torch dtype.
 DTypeLike = Union[int, str, np.dtype, type, Any]
@@ -30,6 +31,8 @@ _NAMES = {
     "float32": FLOAT32, "f32": FLOAT32, "fp32": FLOAT32, "float": FLOAT32,
     "float16": FLOAT16, "f16": FLOAT16, "fp16": FLOAT16, "half": FLOAT16,
     "bfloat16": BFLOAT16, "bf16": BFLOAT16,
+    "float8_e4m3": FLOAT8_E4M3, "float8_e4m3fn": FLOAT8_E4M3, "fp8": FLOAT8_E4M3,
+    "e4m3": FLOAT8_E4M3,
     "dtype_unspecified": pb.DTYPE_UNSPECIFIED, "unspecified": pb.DTYPE_UNSPECIFIED,
 }
 _ITEMSIZE = {FLOAT32: 4, FLOAT16: 2, BFLOAT16: 2}
@@ -43,14 +46,15 @@ def dtype_enum(dtype: DTypeLike) -> int:
     if isinstance(dtype, bool):
         raise TypeError(f"not a dtype: {dtype!r}")
     if isinstance(dtype, int):
-        if dtype not in (pb.DTYPE_UNSPECIFIED, FLOAT32, FLOAT16, BFLOAT16):
+        if dtype not in (pb.DTYPE_UNSPECIFIED, FLOAT32, FLOAT16, BFLOAT16, FLOAT8_E4M3):
             raise ValueError(f"unknown pagedattn DType value {dtype}")
         return int(dtype)
     if isinstance(dtype, str):
         name = dtype.lower().removeprefix("torch.")
         if name in _NAMES:
             return _NAMES[name]
-        raise ValueError(f"unknown dtype name {dtype!r} (use float32, float16 or bfloat16)")
+        raise ValueError(f"unknown dtype name {dtype!r} (use float32, float16, bfloat16, or "
+                         "float8_e4m3 for a cache)")
     if type(dtype).__module__ == "torch":  # a torch.dtype, without importing torch
         return dtype_enum(str(dtype))
     try:
@@ -152,6 +156,9 @@ def to_tensor(x: ArrayLike, dtype: Optional[DTypeLike] = None) -> pb.Tensor:
 def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None) -> None:
     """Sets the Tensor message `t` (e.g. request.q) in place: no copy of a whole message."""
     want = None if dtype is None else dtype_enum(dtype)
+    if want == FLOAT8_E4M3:
+        raise TypeError("float8_e4m3 is a cache's kv_dtype; tensors travel as float32, float16 or "
+                        "bfloat16 (an FP8 cache converts them when it appends)")
     enum, raw = _torch_raw(x, want) if _is_torch(x) else _numpy_raw(x, want)
     t.dtype = enum
     t.shape[:] = raw.shape

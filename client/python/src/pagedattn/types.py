@@ -24,13 +24,19 @@ class CacheConfig:
     num_kv_heads: int
     head_dim: int
     page_size: int = 16
-    kv_dtype: DTypeLike = "bfloat16"  # float16/bfloat16 (float32 on the CPU backend)
+    # float16/bfloat16 (float32 and float8_e4m3 on the CPU backend)
+    kv_dtype: DTypeLike = "bfloat16"
     num_pages: Optional[int] = None
     max_bytes: Optional[int] = None
     device: int = 0  # CUDA device index; 0 on the CPU backend
     # Per-layer attention variants: () for none, one LayerAttention for every layer, or one per
     # layer (see LayerAttention and ServerInfo.capabilities.supports_*).
     layers: Sequence["LayerAttention"] = ()
+    # float8_e4m3 caches: "per_token" (default: each row its own scale, computed at append) or
+    # "static" with kv_scales (K's and V's scale, for every layer or per layer: 2 or
+    # 2 * num_layers values).
+    kv_scaling: Optional[str] = None
+    kv_scales: Sequence[float] = ()
 
     def to_proto(self) -> pb.CacheConfig:
         msg = pb.CacheConfig(
@@ -50,6 +56,13 @@ class CacheConfig:
             msg.max_bytes = self.max_bytes
         for layer in self.layers:
             msg.layers.append(layer.to_proto())
+        if self.kv_scaling is not None:
+            try:
+                msg.kv_scaling = pb.KvScaling.Value(self.kv_scaling.upper())
+            except ValueError:
+                raise ValueError(f"CacheConfig: kv_scaling must be 'per_token' or 'static' "
+                                 f"(got {self.kv_scaling!r})") from None
+        msg.kv_scales.extend(self.kv_scales)
         return msg
 
     @classmethod
@@ -66,6 +79,9 @@ class CacheConfig:
             max_bytes=msg.max_bytes if capacity == "max_bytes" else None,
             device=msg.device,
             layers=tuple(LayerAttention.from_proto(layer) for layer in msg.layers),
+            kv_scaling=(pb.KvScaling.Name(msg.kv_scaling).lower()
+                        if msg.kv_scaling != pb.KV_SCALING_UNSPECIFIED else None),
+            kv_scales=tuple(msg.kv_scales),
         )
 
 

@@ -111,7 +111,9 @@ TEST_F(E2ETest, ServerInfoHasCapabilityTable) {
             (std::vector<int>{64, 128, 256}));
   EXPECT_EQ(info->capabilities().min_page_size(), 1);
   EXPECT_EQ(info->capabilities().max_page_size(), 1024);
-  EXPECT_EQ(info->capabilities().kv_dtypes_size(), OnCpu() ? 3 : 2);  // f32 caches on CPU only
+  // f32 and FP8 caches on the CPU only; FP8 is never a tensor's dtype.
+  EXPECT_EQ(info->capabilities().kv_dtypes_size(), OnCpu() ? 4 : 2);
+  EXPECT_EQ(info->capabilities().io_dtypes_size(), 3);
 }
 
 TEST_F(E2ETest, HealthIsServing) {

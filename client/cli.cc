@@ -33,7 +33,8 @@ ABSL_FLAG(int32_t, num_kv_heads, 8, "cache config: KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "cache config: head dim");
 ABSL_FLAG(int32_t, page_size, 16, "cache config: tokens per page");
 ABSL_FLAG(std::string, kv_dtype, "BFLOAT16",
-          "cache config: FLOAT16, BFLOAT16 or FLOAT32 (any case; FLOAT32 on the CPU backend)");
+          "cache config: FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (any case; FLOAT32 and "
+          "FLOAT8_E4M3 on the CPU backend)");
 ABSL_FLAG(int64_t, num_pages, 0, "cache config: pages (0: use --max_bytes or the server default)");
 ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
 ABSL_FLAG(int32_t, device, 0, "cache config: device index");
@@ -88,7 +89,8 @@ absl::StatusOr<pagedattn::v1::DType> ParseDType(const std::string& s) {
   if (!pagedattn::v1::DType_Parse(absl::AsciiStrToUpper(s), &t) ||
       t == pagedattn::v1::DTYPE_UNSPECIFIED) {
     return absl::InvalidArgumentError(
-        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16 or FLOAT32 (got '", s, "')"));
+        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (got '", s,
+                     "')"));
   }
   return t;
 }

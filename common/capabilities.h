@@ -54,9 +54,12 @@ constexpr const char* DTypeName(DType t) {
 
 enum class BackendKind { kCpu, kCuda };
 
-// Head dims with compiled kernels. Adding one here means adding its instantiation in
-// kernels/dispatch.h (a static_assert there keeps the two in step).
-inline constexpr std::array<int, 3> kSupportedHeadDims = {64, 128, 256};
+// Head dims per backend, ascending. CUDA: those with compiled kernels (adding one means adding its
+// instantiation in kernels/dispatch.h; a static_assert there keeps the two in step). CPU: the
+// reference runs any, so it also takes the head dims of models the CUDA kernels do not serve yet
+// (80 and 96: Phi, GPT-NeoX; 192 and 512: wide-head models).
+inline constexpr std::array<int, 3> kCudaHeadDims = {64, 128, 256};
+inline constexpr std::array<int, 7> kCpuHeadDims = {64, 80, 96, 128, 192, 256, 512};
 
 // Every page size in [kMinPageSize, kMaxPageSize] runs the same kernels: they gather rows
 // through the page table with a multiply-shift division by the page size.
@@ -76,8 +79,14 @@ inline constexpr std::array<DType, 2> kCudaKvDTypes = {DType::kFloat16, DType::k
 inline constexpr std::array<DType, 3> kIoDTypes = {DType::kFloat32, DType::kFloat16,
                                                    DType::kBFloat16};
 
-constexpr bool IsSupportedHeadDim(int head_dim) {
-  for (int d : kSupportedHeadDims) {
+constexpr bool IsSupportedHeadDim(BackendKind backend, int head_dim) {
+  if (backend == BackendKind::kCuda) {
+    for (int d : kCudaHeadDims) {
+      if (d == head_dim) return true;
+    }
+    return false;
+  }
+  for (int d : kCpuHeadDims) {
     if (d == head_dim) return true;
   }
   return false;

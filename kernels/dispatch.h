@@ -26,14 +26,14 @@ struct TypeTag {
 // Head dims compiled below; must equal the capability table's.
 inline constexpr std::array<int, 3> kCompiledHeadDims = {64, 128, 256};
 constexpr bool SameHeadDims() {
-  if (kCompiledHeadDims.size() != kSupportedHeadDims.size()) return false;
+  if (kCompiledHeadDims.size() != kCudaHeadDims.size()) return false;
   for (size_t i = 0; i < kCompiledHeadDims.size(); ++i) {
-    if (kCompiledHeadDims[i] != kSupportedHeadDims[i]) return false;
+    if (kCompiledHeadDims[i] != kCudaHeadDims[i]) return false;
   }
   return true;
 }
 static_assert(SameHeadDims(),
-              "kSupportedHeadDims changed: add its instantiation in kernels/dispatch.h and a "
+              "kCudaHeadDims changed: add its instantiation in kernels/dispatch.h and a "
               "kernels/instantiate_hdim<N>_{f16,bf16}.cu files");
 static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
                   kCudaKvDTypes[1] == DType::kBFloat16,

@@ -16,11 +16,18 @@
 namespace pagedattn {
 namespace {
 
-std::string HeadDimList() { return absl::StrJoin(kSupportedHeadDims, ", "); }
+std::vector<int> HeadDims(BackendKind backend) {
+  return backend == BackendKind::kCuda
+             ? std::vector<int>(kCudaHeadDims.begin(), kCudaHeadDims.end())
+             : std::vector<int>(kCpuHeadDims.begin(), kCpuHeadDims.end());
+}
 
-int NearestHeadDim(int head_dim) {
-  int best = kSupportedHeadDims[0];
-  for (int d : kSupportedHeadDims) {
+std::string HeadDimList(BackendKind backend) { return absl::StrJoin(HeadDims(backend), ", "); }
+
+int NearestHeadDim(BackendKind backend, int head_dim) {
+  const std::vector<int> dims = HeadDims(backend);
+  int best = dims[0];
+  for (int d : dims) {
     if (std::abs(d - head_dim) < std::abs(best - head_dim)) best = d;
   }
   return best;
@@ -197,10 +204,12 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
                            " num_q_heads can be at most ", c.num_kv_heads * kMaxGqaRatio, ")"));
     }
   }
-  if (!IsSupportedHeadDim(c.head_dim)) {
+  if (!IsSupportedHeadDim(ctx.backend, c.head_dim)) {
     violate("head_dim",
-            absl::StrCat("head_dim must be one of ", HeadDimList(), " (got ", c.head_dim,
-                         "; nearest valid: ", NearestHeadDim(c.head_dim), ")"));
+            absl::StrCat("head_dim must be one of ", HeadDimList(ctx.backend), " on the ",
+                         ctx.backend == BackendKind::kCuda ? "cuda" : "cpu", " backend (got ",
+                         c.head_dim, "; nearest valid: ", NearestHeadDim(ctx.backend, c.head_dim),
+                         ")"));
   }
   if (!IsSupportedPageSize(c.page_size)) {
     const int nearest = c.page_size < kMinPageSize ? kMinPageSize : kMaxPageSize;

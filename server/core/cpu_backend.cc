@@ -83,7 +83,7 @@ struct LayerStore {
 // scale (row_scale non-null: PER_TOKEN, written there) or by static_scale.
 void StoreFp8Row(DType from, const void* src, int n, float static_scale, float* row_scale,
                  uint8_t* dst) {
-  static_assert(kSupportedHeadDims.back() <= 512, "a row fits the buffer below");
+  static_assert(kCpuHeadDims.back() <= 512, "a row fits the buffer below");
   float x[512];
   float max_abs = 0.f;
   for (int i = 0; i < n; ++i) {

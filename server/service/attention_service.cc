@@ -86,7 +86,12 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
 }
 
 void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
-  for (int d : kSupportedHeadDims) out->add_head_dims(d);
+  for (int d : backend == BackendKind::kCuda ? std::vector<int>(kCudaHeadDims.begin(),
+                                                                 kCudaHeadDims.end())
+                                              : std::vector<int>(kCpuHeadDims.begin(),
+                                                                 kCpuHeadDims.end())) {
+    out->add_head_dims(d);
+  }
   out->set_min_page_size(kMinPageSize);
   out->set_max_page_size(kMaxPageSize);
   for (DType t : {DType::kFloat32, DType::kFloat16, DType::kBFloat16, DType::kFloat8E4M3}) {

@@ -64,10 +64,19 @@ TEST(CacheConfigTest, HeadDimNamesNearestValid) {
   c.head_dim = 100;
   ValidationResult r = ValidateCacheConfig(c, Ctx());
   ASSERT_EQ(Fields(r), std::vector<std::string>{"head_dim"});
+  EXPECT_NE(r.violations[0].description.find("nearest valid: 96"), std::string::npos);
+  r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
   EXPECT_NE(r.violations[0].description.find("nearest valid: 128"), std::string::npos);
-  c.head_dim = 80;
-  r = ValidateCacheConfig(c, Ctx());
-  EXPECT_NE(r.violations[0].description.find("nearest valid: 64"), std::string::npos);
+  // The CPU backend, the reference, takes the head dims the CUDA kernels do not have yet.
+  for (int d : {80, 96, 192, 512}) {
+    c.head_dim = d;
+    EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid()) << d;
+    r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
+    ASSERT_EQ(Fields(r), std::vector<std::string>{"head_dim"}) << d;
+    EXPECT_NE(r.violations[0].description.find("64, 128, 256 on the cuda backend"),
+              std::string::npos)
+        << r.violations[0].description;
+  }
 }
 
 TEST(CacheConfigTest, GqaRules) {

@@ -62,7 +62,7 @@ TEST_P(CpuAttentionSweep, RaggedMixedBatchesMatchReference) {
 
 INSTANTIATE_TEST_SUITE_P(PageDimGqa, CpuAttentionSweep,
                          ::testing::Combine(::testing::Values(1, 3, 16, 32, 256),
-                                            ::testing::Values(64, 128, 256),
+                                            ::testing::Values(64, 80, 96, 128, 192, 256, 512),
                                             ::testing::Values(1, 4, 8)),
                          [](const auto& info) {
                            return absl::StrCat("page", std::get<0>(info.param), "_dim",
@@ -117,7 +117,9 @@ TEST_P(CpuVariantSweep, MatchesReference) {
   const auto [variant, page, gqa] = GetParam();
   const int hkv = gqa == 5 ? 1 : 2;
   for (DType dtype : {DType::kFloat32, DType::kBFloat16}) {
-    CacheGeometry g = MakeGeometry(2, hkv * gqa, hkv, 64, page, dtype, /*pages=*/900 / page + 60);
+    constexpr int kDims[] = {64, 80, 96, 192, 512};  // 128 and 256: the sweep above
+    const int dim = kDims[(page + gqa) % 5];
+    CacheGeometry g = MakeGeometry(2, hkv * gqa, hkv, dim, page, dtype, /*pages=*/900 / page + 60);
     LayerAttention a;
     a.sliding_window = variant.window;
     a.logit_softcap = variant.softcap;
@@ -214,11 +216,11 @@ TEST(Fp8Test, E4m3RoundsToNearestEvenAndSaturates) {
 // span of one or two positions passes on to its output whole; longer spans average it down.
 // Measured over the sweep below: worst 0.099 (mean of the worst per case 0.065) with PER_TOKEN
 // and STATIC scaling alike. K's rounding moves each score by about 3.6% (RMS) of the scores'
-// spread, and the LSE with it: worst 0.105 over the sweep's rows, whose scores have unit spread
+// spread, and the LSE with it: worst 0.16 over the sweep's rows, whose scores have unit spread
 // (the default sm_scale on unit q and K); 0.37 with a spread of about 5 (sm_scale 0.3 at
 // head_dim 256), so the bound is for unit spread.
 constexpr double kFp8OutTolerance = 0.12;
-constexpr double kFp8LseTolerance = 0.15;
+constexpr double kFp8LseTolerance = 0.2;
 
 void ExpectFp8Close(const ForwardModel::Outcome& o, const std::string& what, double* worst) {
   ASSERT_TRUE(o.status.ok()) << what << ": " << o.status;
@@ -237,12 +239,12 @@ class Fp8Sweep : public ::testing::TestWithParam<std::tuple<KvScaling, int, int>
 TEST_P(Fp8Sweep, MatchesReferenceOnUnquantizedKv) {
   const auto [scaling, page, gqa] = GetParam();
   const int hkv = gqa == 5 ? 1 : 2;
-  const int dims[] = {64, 128, 256};
+  const int dims[] = {64, 80, 96, 128, 192, 256, 512};
   double worst = 0;
   int index = 0;
   for (float data_scale : {1.f, 100.f}) {
     for (bool outliers : {false, true}) {
-      const int dim = dims[(page + gqa + index++) % 3];
+      const int dim = dims[(page + gqa + index++) % 7];
       CacheGeometry g =
           MakeGeometry(2, hkv * gqa, hkv, dim, page, DType::kFloat8E4M3, 900 / page + 60);
       g.kv_scaling = scaling;

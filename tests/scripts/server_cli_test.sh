@@ -66,7 +66,7 @@ grep -q '"field": "num_pages"' <<<"$out" && grep -q "bytes are free" <<<"$out" |
 # CLI config flags: case-insensitive dtypes, UNSPECIFIED not offered, conflicting capacity.
 "$cli" $t --num_layers=2 --num_pages=16 --kv_dtype=bfloat16 validate | grep -q '"valid": true' || fail "lower-case dtype"
 rc=0; out=$("$cli" $t --kv_dtype=int8 validate 2>&1) || rc=$?
-[ $rc -eq 2 ] && grep -q "FLOAT16, BFLOAT16 or FLOAT32" <<<"$out" && ! grep -q UNSPECIFIED <<<"$out" || fail "bad --kv_dtype: $out"
+[ $rc -eq 2 ] && grep -q "FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3" <<<"$out" && ! grep -q UNSPECIFIED <<<"$out" || fail "bad --kv_dtype: $out"
 rc=0; out=$("$cli" $t --num_pages=16 --max_bytes=100000 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "not both" <<<"$out" || fail "num_pages and max_bytes: $out"
 

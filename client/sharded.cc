@@ -92,7 +92,8 @@ absl::Status ShardedClient::Named(int shard, const absl::Status& status) const {
   return named;
 }
 
-absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig& config) const {
+absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig& config,
+                                                           int shard) const {
   const int n = num_shards();
   const int kv = config.num_kv_heads(), q = config.num_q_heads();
   if (kv <= 0 || kv % n != 0) {
@@ -112,6 +113,13 @@ absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig
   v1::CacheConfig part = config;
   part.set_num_kv_heads(kv / n);
   part.set_num_q_heads(q / n);
+  // Sinks are per q head: the shard's heads' (a wrong count is left for the servers to name).
+  for (v1::LayerAttention& layer : *part.mutable_layers()) {
+    if (layer.sinks_size() != q) continue;
+    const std::vector<float> all(layer.sinks().begin(), layer.sinks().end());
+    layer.clear_sinks();
+    for (int h = shard * (q / n); h < (shard + 1) * (q / n); ++h) layer.add_sinks(all[h]);
+  }
   return part;
 }
 
@@ -123,11 +131,14 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(const v1::CacheConfig& c
 absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
     const v1::CacheConfig& config, const std::string& name,
     const std::vector<int64_t>& num_pages_per_shard) {
-  absl::StatusOr<v1::CacheConfig> part = ShardConfig(config);
-  if (!part.ok()) return part.status();
-  std::vector<v1::CacheConfig> parts(static_cast<size_t>(num_shards()), *part);
-  for (size_t i = 0; i < parts.size() && i < num_pages_per_shard.size(); ++i) {
-    parts[i].set_num_pages(num_pages_per_shard[i]);
+  std::vector<v1::CacheConfig> parts;
+  for (int i = 0; i < num_shards(); ++i) {
+    absl::StatusOr<v1::CacheConfig> part = ShardConfig(config, i);
+    if (!part.ok()) return part.status();
+    parts.push_back(*std::move(part));
+    if (static_cast<size_t>(i) < num_pages_per_shard.size()) {
+      parts.back().set_num_pages(num_pages_per_shard[i]);
+    }
   }
   // Every shard's violations, before anything is allocated.
   std::vector<std::string> problems;
@@ -141,8 +152,8 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
   }
   if (!problems.empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
-        "invalid sharded cache config (", num_shards(), " shards of ", part->num_q_heads(), " q / ",
-        part->num_kv_heads(), " kv heads): ", absl::StrJoin(problems, "; ")));
+        "invalid sharded cache config (", num_shards(), " shards of ", parts[0].num_q_heads(),
+        " q / ", parts[0].num_kv_heads(), " kv heads): ", absl::StrJoin(problems, "; ")));
   }
   ShardedCache cache;
   cache.config = config;

@@ -31,9 +31,10 @@ class ShardedClient {
   const std::string& target(int shard) const { return targets_[shard]; }
   Client& shard(int i) { return *shards_[i]; }
 
-  // Shard i's part of `config`: num_kv_heads / N, num_q_heads / N. INVALID_ARGUMENT naming
-  // num_kv_heads (and the shard counts that would divide it) otherwise.
-  absl::StatusOr<v1::CacheConfig> ShardConfig(const v1::CacheConfig& config) const;
+  // Shard `shard`'s part of `config`: num_kv_heads / N, num_q_heads / N, and each layer's sinks
+  // of its q heads. INVALID_ARGUMENT naming num_kv_heads (and the shard counts that would divide
+  // it) otherwise.
+  absl::StatusOr<v1::CacheConfig> ShardConfig(const v1::CacheConfig& config, int shard) const;
   // Validates the whole config once, then each shard's part on its server (errors name the
   // shard and the field, every violation of every shard), then creates a cache on each. If a
   // shard fails, the caches already created are deleted and the status names the shard.

@@ -134,6 +134,29 @@ def test_bit_identical_to_one_server(client, shard_targets, kv_dtypes, n, heads,
                 c.get_cache(cache_id)
 
 
+def test_layer_variants_shard_with_their_heads(client, shard_targets):
+    """A layer's sinks are per q head: each shard gets its heads' (and the whole config shows
+    them all again); windows and caps go to every shard; answers bit for bit as one server's."""
+    hq, hkv, n = 8, 4, 2
+    rng = np.random.default_rng(7)
+    sinks = tuple(0.5 * h - 1.0 for h in range(hq))
+    layers = (pagedattn.LayerAttention(sliding_window=3, logit_softcap=5.0, sinks=sinks),
+              pagedattn.LayerAttention())
+    config = CacheConfig(num_layers=2, num_q_heads=hq, num_kv_heads=hkv, head_dim=64, page_size=4,
+                         kv_dtype="bfloat16", num_pages=64, layers=layers)
+    with pagedattn.ShardedClient(shard_targets[:n]) as sc:
+        with client.create_cache(config) as ref, sc.create_cache(config, name="variants") as sh:
+            for i, shard in enumerate(sh.shards):
+                assert tuple(shard.config.layers[0].sinks) == sinks[i * hq // n:(i + 1) * hq // n]
+                assert shard.config.layers[0].sliding_window == 3
+            assert pagedattn.CacheConfig.from_proto(sh.config).layers == layers
+            for layer in (0, 1):
+                both(ref, sh, layer, [Span.prefill(1, 7), Span.prefill(2, 5)],
+                     *qkv(rng, 12, 12, hq, hkv, NUMPY_DTYPE["bfloat16"]), return_lse=True)
+                both(ref, sh, layer, [Span.decode(1, 7), Span.decode(2, 5)],
+                     *qkv(rng, 2, 2, hq, hkv, NUMPY_DTYPE["bfloat16"]), return_lse=True)
+
+
 def test_torch_tensors_and_wire_dtype(client, shard_targets):
     torch = pytest.importorskip("torch")
     config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=4, head_dim=64, page_size=4,

@@ -176,15 +176,23 @@ TEST_F(ShardedTest, AnswersAreBitIdenticalToOneServer) {
     int shards;
     v1::DType dtype;
     int q_heads, kv_heads;
+    bool layer_options = false;  // every layer windowed, soft-capped, with per-q-head sinks
   };
   for (const Variant& v : {Variant{2, v1::BFLOAT16, 8, 4}, Variant{4, v1::BFLOAT16, 8, 4},
-                           Variant{2, v1::FLOAT32, 8, 4}, Variant{4, v1::BFLOAT16, 16, 4}}) {
+                           Variant{2, v1::FLOAT32, 8, 4}, Variant{4, v1::BFLOAT16, 16, 4},
+                           Variant{4, v1::BFLOAT16, 16, 4, true}}) {
     if (!OnCpu() && v.dtype == v1::FLOAT32) continue;  // the CUDA backend has no float32 cache
     SCOPED_TRACE(absl::StrCat(v.shards, " shards, dtype ", v.dtype, ", ", v.q_heads, "/",
                               v.kv_heads, " heads"));
     std::unique_ptr<ShardedClient> sharded = Sharded(v.shards);
     std::unique_ptr<Client> ref = Reference();
-    const v1::CacheConfig config = Config(v.dtype, v.q_heads, v.kv_heads);
+    v1::CacheConfig config = Config(v.dtype, v.q_heads, v.kv_heads);
+    if (v.layer_options) {  // each shard must get its own q heads' sinks
+      v1::LayerAttention* layer = config.add_layers();
+      layer->set_sliding_window(3);
+      layer->set_logit_softcap(5.f);
+      for (int h = 0; h < v.q_heads; ++h) layer->add_sinks(0.5f * h - 1.f);
+    }
     absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "sharded");
     ASSERT_TRUE(cache.ok()) << cache.status();
     const std::string ref_cache = ref->CreateCache(config)->cache_id();

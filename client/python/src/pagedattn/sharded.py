@@ -121,13 +121,19 @@ def shard_configs(config: ConfigLike, num_shards: int) -> list[pb.CacheConfig]:
             f"invalid cache config for {n} shards ({len(violations)} violation{plural}): {what}",
             grpc.StatusCode.INVALID_ARGUMENT, None, violations)
     out = []
-    for _ in range(n):
+    for i in range(n):
         c = pb.CacheConfig()
         c.CopyFrom(full)
         c.num_q_heads = q // n
         c.num_kv_heads = kv // n
         if full.WhichOneof("capacity") == "max_bytes":
             c.max_bytes = full.max_bytes // n
+        for layer in c.layers:  # sinks are per q head: the shard's heads' own
+            if len(layer.sinks) == q:
+                heads = head_range(q, n, i)
+                sinks = list(layer.sinks)[heads.start:heads.stop]
+                del layer.sinks[:]
+                layer.sinks.extend(sinks)
         out.append(c)
     return out
 
@@ -358,6 +364,11 @@ def full_config(shard_infos: Sequence[pb.CacheInfo]) -> pb.CacheConfig:
     c.num_q_heads *= n
     c.num_kv_heads *= n
     c.num_pages = min(info.num_pages for info in shard_infos)
+    for i, layer in enumerate(c.layers):  # every shard's sinks, in head order
+        if layer.sinks:
+            del layer.sinks[:]
+            for info in shard_infos:
+                layer.sinks.extend(info.config.layers[i].sinks)
     return c
 
 

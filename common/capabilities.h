@@ -4,6 +4,7 @@
 #pragma once
 
 #include <array>
+#include <cstddef>
 #include <cstdint>
 
 namespace pagedattn {
@@ -79,17 +80,17 @@ inline constexpr std::array<DType, 2> kCudaKvDTypes = {DType::kFloat16, DType::k
 inline constexpr std::array<DType, 3> kIoDTypes = {DType::kFloat32, DType::kFloat16,
                                                    DType::kBFloat16};
 
-constexpr bool IsSupportedHeadDim(BackendKind backend, int head_dim) {
-  if (backend == BackendKind::kCuda) {
-    for (int d : kCudaHeadDims) {
-      if (d == head_dim) return true;
-    }
-    return false;
-  }
-  for (int d : kCpuHeadDims) {
-    if (d == head_dim) return true;
+template <typename T, size_t N>
+constexpr bool Contains(const std::array<T, N>& table, T value) {
+  for (const T& x : table) {
+    if (x == value) return true;
   }
   return false;
+}
+
+constexpr bool IsSupportedHeadDim(BackendKind backend, int head_dim) {
+  return backend == BackendKind::kCuda ? Contains(kCudaHeadDims, head_dim)
+                                       : Contains(kCpuHeadDims, head_dim);
 }
 
 constexpr bool IsSupportedPageSize(int page_size) {
@@ -97,24 +98,10 @@ constexpr bool IsSupportedPageSize(int page_size) {
 }
 
 constexpr bool IsSupportedKvDType(BackendKind backend, DType t) {
-  if (backend == BackendKind::kCuda) {
-    for (DType d : kCudaKvDTypes) {
-      if (d == t) return true;
-    }
-    return false;
-  }
-  for (DType d : kCpuKvDTypes) {
-    if (d == t) return true;
-  }
-  return false;
+  return backend == BackendKind::kCuda ? Contains(kCudaKvDTypes, t) : Contains(kCpuKvDTypes, t);
 }
 
-constexpr bool IsSupportedIoDType(DType t) {
-  for (DType d : kIoDTypes) {
-    if (d == t) return true;
-  }
-  return false;
-}
+constexpr bool IsSupportedIoDType(DType t) { return Contains(kIoDTypes, t); }
 
 // Forward tensors in memory the caller registered (RegisterMemory, CUDA IPC): the kernels read
 // and write them in place, so only the CUDA backend has them. Their offsets are multiples of

@@ -292,6 +292,24 @@ kernels::AttentionWork PlannedWork(const std::vector<kernels::AttentionSpan>& sp
   return work;
 }
 
+// Two spans of decode rows that fill a wide decode tile (32 rows: 32 q heads with one query, 16
+// with two) on 1 kv head over a long history, the plan checked to reach the separate merge.
+CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
+  const int queries = kernels::kDecodeWideTileRows / gqa;
+  CaseSpec c;
+  c.head_dim = head_dim;
+  c.num_kv_heads = 1;
+  c.gqa = gqa;
+  c.page_size = 16;
+  c.steps = {{{30000, 0}, {6000, 0}}, {{queries, queries}, {queries, queries}}};
+  const kernels::AttentionWork work =
+      PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
+                  gqa, 1, c.cache_dtype, head_dim);
+  EXPECT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
+  EXPECT_TRUE(work.prefill_items.empty());
+  return c;
+}
+
 // A mixed batch: long decode, prefill, chunked prefill, short decode, append-only.
 std::vector<std::vector<SpanSpec>> MixedSteps(int long_len) {
   return {
@@ -386,16 +404,8 @@ TEST_F(CudaKernelTest, VariantsOnSplitAndMergePaths) {
     RunCase(*backend_, c);
   }
   for (int gqa : {32, 16}) {
-    const int queries = kernels::kDecodeWideTileRows / gqa;
-    CaseSpec c;
+    CaseSpec c = WideSeparateMergeCase(gqa, 128);
     c.sinks = true;
-    c.num_kv_heads = 1;
-    c.gqa = gqa;
-    c.steps = {{{30000, 0}, {6000, 0}}, {{queries, queries}, {queries, queries}}};
-    const kernels::AttentionWork work =
-        PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
-                    gqa, 1, c.cache_dtype, c.head_dim);
-    ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
     RunCase(*backend_, c);
   }
   {
@@ -553,20 +563,8 @@ TEST_F(CudaKernelTest, MqaAndWideHeadDim256) {
 TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
   for (int head_dim : {64, 128, 256}) {
     for (int gqa : {32, 16}) {
-      const int queries = kernels::kDecodeWideTileRows / gqa;
-      CaseSpec c;
-      c.head_dim = head_dim;
-      c.num_kv_heads = 1;
-      c.gqa = gqa;
-      c.page_size = 16;
-      c.steps = {{{30000, 0}, {6000, 0}},
-                 {{queries, queries}, {queries, queries}},
-                 {{queries, queries}, {queries, queries}}};
-      const kernels::AttentionWork work =
-          PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
-                      gqa, 1, c.cache_dtype, head_dim);
-      ASSERT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
-      ASSERT_TRUE(work.prefill_items.empty());
+      CaseSpec c = WideSeparateMergeCase(gqa, head_dim);
+      c.steps.push_back(c.steps.back());  // a second decode step
       RunCase(*backend_, c);
     }
   }

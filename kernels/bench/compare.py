@@ -45,7 +45,8 @@ def by_peer(peers, suite, metric, key):
 
 
 def decode_table(ours, peers, read):
-    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"])
+    key = lambda r: (r["batch"], r["ctx"], r["q_heads"], r["kv_heads"], r["head_dim"], r["dtype"],
+                     r.get("window", 0), r.get("softcap", 0))
     by_shape = by_peer(peers, "decode", "tbps", key)
     print("| variant | batch x ctx | q/kv heads | head_dim | page | dtype | q | pagedattn us "
           "| pagedattn TB/s | cudnn TB/s | flash TB/s | flashinfer TB/s | gather_flash TB/s "
@@ -68,7 +69,7 @@ def prefill_table(ours, peers):
     if not rows:
         return
     key = lambda r: (r["batch"], r["seqlen"], r["q_heads"], r["kv_heads"], r["head_dim"],
-                     r["dtype"], r.get("causal", True))
+                     r["dtype"], r.get("causal", True), r.get("window", 0), r.get("softcap", 0))
     by_shape = by_peer(peers, "prefill", "tflops", key)
     print()
     print("| variant | batch x seqlen | head_dim | page | dtype | causal | kernel | pagedattn TFLOP/s "

@@ -19,6 +19,12 @@ ratio from one run:
           flashinfer    : BatchPrefillWithPagedKVCacheWrapper on the paged cache,
                           "variant" fa2 or fa3 (the backend)
 
+A layer attention variant (--window W, --softcap C, as pagedattn-bench's) goes to every peer
+that has it: FlashInfer (window_left = W - 1, logits_soft_cap), flex_attention (a window mask,
+a tanh score_mod), SDPA decode with a window (the last W positions, what a torch user slices);
+SDPA has no soft-cap and its fused kernels no window mask in prefill, so those rows say so.
+Rows carry "window" / "softcap" then, which compare.py joins on.
+
 Shapes are "B,C" for decode (batch, context) and "B,L" for prefill (batch,
 sequence length); heads and head_dim are flags. --ragged "C1,C2,..." adds one
 decode batch of those contexts (flashinfer only: the SDPA peers need equal
@@ -46,6 +52,23 @@ ALL_PEERS = ("cudnn", "flash", "gather_flash", "flex", "flashinfer")
 PEERS = set(ALL_PEERS)  # --peers narrows it
 FI_DECODE_VARIANTS = ("fa2", "fa2_tc")
 FI_PREFILL_VARIANTS = ("fa2", "fa3")
+WINDOW = 0     # --window: a query at p sees p - WINDOW + 1 .. p (0: no window)
+SOFTCAP = 0.0  # --softcap: scores s become SOFTCAP * tanh(s / SOFTCAP) (0: none)
+
+
+def variant_keys():
+    """The row keys of the variant in force (none when plain)."""
+    return {"window": WINDOW, "softcap": SOFTCAP} if WINDOW or SOFTCAP else {}
+
+
+def fi_variant():
+    """FlashInfer plan() keywords for the variant in force."""
+    kw = {}
+    if WINDOW:
+        kw["window_left"] = WINDOW - 1
+    if SOFTCAP:
+        kw["logits_soft_cap"] = SOFTCAP
+    return kw
 
 
 def median_seconds(fn, warm=5, rep=25):
@@ -78,7 +101,8 @@ def limits(rows):
 def decode(rows, shapes, hq, hk, d, page, dtype):
     for b, c in shapes:
         base = {"suite": "decode", "batch": b, "ctx": c, "q_heads": hq, "kv_heads": hk,
-                "head_dim": d, "page_size": page, "dtype": str(dtype).split(".")[-1]}
+                "head_dim": d, "page_size": page, "dtype": str(dtype).split(".")[-1],
+                **variant_keys()}
         if PEERS & {"cudnn", "flash", "gather_flash"}:
             sdpa_decode(rows, base, b, c, hq, hk, d, page, dtype)
         if "flashinfer" in PEERS:
@@ -86,6 +110,12 @@ def decode(rows, shapes, hq, hk, d, page, dtype):
 
 
 def sdpa_decode(rows, base, b, c, hq, hk, d, page, dtype):
+    if SOFTCAP:
+        for peer in ("cudnn", "flash", "gather_flash"):
+            if peer in PEERS:
+                rows.append(dict(base, peer=peer, error="SDPA has no logit soft-cap"))
+        return
+    c = min(c, WINDOW) if WINDOW else c  # a window: the last WINDOW positions, sliced
     q = torch.randn(b, hq, 1, d, device="cuda", dtype=dtype)
     k = torch.randn(b, hk, c, d, device="cuda", dtype=dtype); v = torch.randn_like(k)
     kv_bytes = 2 * k.numel() * k.element_size()
@@ -157,11 +187,16 @@ def _seq_kv(kc, vc, indptr, indices, s, ctx):
 
 
 def _ref_attend(q, k, v):
-    """q [hq, d] attends k, v [n, hk, d] (GQA, groups of hq/hk consecutive heads): [hq, d]."""
+    """q [hq, d], the query at position n - 1, attends k, v [n, hk, d] (GQA, groups of hq/hk
+    consecutive heads) under the variant in force: [hq, d]."""
+    if WINDOW:
+        k, v = k[-WINDOW:], v[-WINDOW:]
     hq, d = q.shape
     hk = k.shape[1]
     qg = q.float().view(hk, hq // hk, d)
     s = torch.einsum("kgd,nkd->kgn", qg, k) / math.sqrt(d)
+    if SOFTCAP:
+        s = SOFTCAP * torch.tanh(s / SOFTCAP)
     p = torch.softmax(s, dim=-1)
     return torch.einsum("kgn,nkd->kgd", p, v).reshape(hq, d)
 
@@ -183,13 +218,15 @@ def flashinfer_decode(rows, base, ctxs, hq, hk, d, page, dtype):
     except Exception as ex:
         rows.append(dict(base, peer="flashinfer", error=f"{type(ex).__name__}: {ex}"[:300]))
         return
-    kv_bytes = 2 * sum(ctxs) * hk * d * kc.element_size()
+    read = [min(c, WINDOW) if WINDOW else c for c in ctxs]  # a window's positions only
+    kv_bytes = 2 * sum(read) * hk * d * kc.element_size()
     for variant in FI_DECODE_VARIANTS:
         row = dict(base, peer="flashinfer", variant=variant)
         try:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 _fi_workspace(), "NHD", use_tensor_cores=(variant == "fa2_tc"))
-            w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=dtype, kv_data_type=dtype)
+            w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=dtype, kv_data_type=dtype,
+                   **fi_variant())
             out = w.run(q, (kc, vc))
             torch.cuda.synchronize()
             err = 0.0
@@ -221,13 +258,13 @@ def flashinfer_prefill(rows, base, b, l, hq, hk, d, page, dtype, causal):
         try:
             w = flashinfer.BatchPrefillWithPagedKVCacheWrapper(_fi_workspace(), "NHD", backend=variant)
             w.plan(qo_indptr, kv_indptr, indices, last, hq, hk, d, page, causal=causal,
-                   q_data_type=dtype, kv_data_type=dtype)
+                   q_data_type=dtype, kv_data_type=dtype, **fi_variant())
             out = w.run(q, (kc, vc))
             torch.cuda.synchronize()
             k, v = _seq_kv(kc, vc, kv_indptr, indices, 0, l)
             err = 0.0
             for pos in (0, l // 2 + 17, l - 1):
-                n = pos + 1 if causal else l
+                n = pos + 1 if causal else l  # (a window under non-causal: not checked here)
                 err = max(err, _rel_err(out[pos], _ref_attend(q[pos], k[:n], v[:n])))
             t = median_seconds(lambda: w.run(q, (kc, vc)))
             row.update(time_us=t * 1e6, tflops=flops / t / 1e12, max_rel_err=err,
@@ -257,18 +294,31 @@ def prefill(rows, shapes, hq, hk, d, dtype, page=16, causal=True):
     flex, create_block_mask = _flex() if "flex" in PEERS else (None, None)
     for b, l in shapes:
         base = {"suite": "prefill", "batch": b, "seqlen": l, "q_heads": hq, "kv_heads": hk,
-                "head_dim": d, "causal": causal, "dtype": str(dtype).split(".")[-1]}
+                "head_dim": d, "causal": causal, "dtype": str(dtype).split(".")[-1],
+                **variant_keys()}
         flops = 4 * b * hq * l * l * d * (0.5 if causal else 1.0)
         if PEERS & {"cudnn", "flash", "flex"}:
             q = torch.randn(b, hq, l, d, device="cuda", dtype=dtype)
             k = torch.randn(b, hk, l, d, device="cuda", dtype=dtype); v = torch.randn_like(k)
-            cases = {
+            cases = {} if WINDOW or SOFTCAP else {
                 "cudnn": (SDPBackend.CUDNN_ATTENTION, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)),
                 "flash": (SDPBackend.FLASH_ATTENTION, lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)),
             }
+            for peer in ("cudnn", "flash"):
+                if (WINDOW or SOFTCAP) and peer in PEERS:
+                    rows.append(dict(base, peer=peer, error="SDPA's fused kernels have no window "
+                                     "mask or logit soft-cap"))
             if flex is not None:
-                mask = create_block_mask(lambda bb, h, qi, ki: qi >= ki, None, None, l, l) if causal else None
-                cases["flex"] = (None, lambda: flex(q, k, v, block_mask=mask, enable_gqa=True))
+                def visible(bb, h, qi, ki):
+                    seen = qi >= ki if causal else qi >= 0
+                    return (seen & (qi - ki < WINDOW)) if WINDOW else seen
+                mask = create_block_mask(visible, None, None, l, l) if causal or WINDOW else None
+                score_mod = None
+                if SOFTCAP:
+                    def score_mod(score, bb, h, qi, ki):
+                        return SOFTCAP * torch.tanh(score / SOFTCAP)
+                cases["flex"] = (None, lambda: flex(q, k, v, score_mod=score_mod, block_mask=mask,
+                                                    enable_gqa=True))
             for peer, (backend, fn) in cases.items():
                 if peer not in PEERS:
                     continue
@@ -296,7 +346,7 @@ def parse_shapes(text):
 
 
 def main():
-    global PEERS
+    global PEERS, WINDOW, SOFTCAP
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", default=DEFAULT_DECODE, help='"B,C B,C ..." or none')
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help='"B,L B,L ..." or none')
@@ -307,11 +357,14 @@ def main():
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--non-causal", action="store_true", help="prefill without the causal mask")
+    p.add_argument("--window", type=int, default=0, help="sliding window W (0: none)")
+    p.add_argument("--softcap", type=float, default=0.0, help="logit soft-cap C (0: none)")
     p.add_argument("--peers", default=",".join(ALL_PEERS), help="comma list of " + ",".join(ALL_PEERS))
     p.add_argument("--no-limits", action="store_true")
     p.add_argument("--out", help="write the rows here as a JSON list")
     a = p.parse_args()
     PEERS = set(x for x in a.peers.split(",") if x)
+    WINDOW, SOFTCAP = a.window, a.softcap
     dtype = getattr(torch, a.dtype)
     rows = []
     if not a.no_limits:
@@ -321,7 +374,7 @@ def main():
         ctxs = [int(x) for x in a.ragged.split(",") if x]
         base = {"suite": "decode", "batch": len(ctxs), "ctx": "ragged", "ctxs": ctxs,
                 "q_heads": a.q_heads, "kv_heads": a.kv_heads, "head_dim": a.head_dim,
-                "page_size": a.page_size, "dtype": a.dtype}
+                "page_size": a.page_size, "dtype": a.dtype, **variant_keys()}
         flashinfer_decode(rows, base, ctxs, a.q_heads, a.kv_heads, a.head_dim, a.page_size, dtype)
     prefill(rows, parse_shapes(a.prefill), a.q_heads, a.kv_heads, a.head_dim, dtype,
             page=a.page_size, causal=not a.non_causal)

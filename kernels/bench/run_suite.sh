@@ -164,6 +164,17 @@ else
   done
   bench prefill_f16 --suite prefill --dtype float16 --cases "2,8192" --reps 20
   peers prefill_f16 --no-limits --decode none --prefill "2,8192" --dtype float16
+  # Layer attention variants (docs/PERFORMANCE.md#attention-variants): a 4096 window over long
+  # contexts against plain 4096 decodes, the soft-cap and sinks on the default shapes.
+  both window "1,32768 16,32768 64,32768" --window 4096
+  bench decode_4096 --cases "1,4096 16,4096 64,4096" --reps 30
+  both softcap "$defaults" --softcap 30
+  bench sinks --cases "$defaults" --reps 30 --sinks
+  bench prefill_softcap --suite prefill --softcap 30 --reps 10
+  bench prefill_sinks --suite prefill --sinks --reps 10
+  peers prefill_softcap --no-limits --decode none --softcap 30
+  bench prefill_window --suite prefill --window 4096 --cases "1,16384" --reps 10
+  peers prefill_window --no-limits --decode none --prefill "1,16384" --window 4096
 fi
 
 python3 "$here/compare.py" "$out/ours" "$out/peers"

@@ -209,24 +209,28 @@ TEST_F(HardeningTest, TimedOutForwardCommitsNothing) {
   EXPECT_TRUE(client_->Forward(Request(cache_, 1, 0, 64, 64, 1)).ok());
 }
 
-// A rewinding Forward that is stopped puts back the committed rows it overwrote: attention over
-// the sequence afterwards is bit-identical to before it.
+// A rewinding Forward that is stopped puts back the committed rows it overwrote (and, in an FP8
+// cache, their scales): attention over the sequence afterwards is bit-identical to before it.
 TEST_F(HardeningTest, StoppedRewindRestoresTheRowsItOverwrote) {
-  ASSERT_TRUE(client_->Forward(Request(cache_, 1, 0, 64, 1, 1)).ok());
-  const v1::ForwardRequest look = Request(cache_, 1, 64, 0, 1, 7);  // attend only
-  absl::StatusOr<v1::ForwardResponse> before = client_->Forward(look);
-  ASSERT_TRUE(before.ok()) << before.status();
-  auto hurried = ConnectTo(*server_, absl::Milliseconds(300));
-  absl::StatusOr<v1::ForwardResponse> r =
-      hurried->Forward(Request(cache_, 1, 32, kLongTokens, kLongTokens, 2));
-  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
-  WaitIdle();
-  absl::StatusOr<v1::ForwardResponse> after = client_->Forward(look);
-  ASSERT_TRUE(after.ok()) << after.status();
-  EXPECT_EQ(after->out().data(), before->out().data());
-  // Still 64 tokens long: position 65 would leave a gap.
-  EXPECT_EQ(client_->Forward(Request(cache_, 1, 65, 1, 1, 3)).status().code(),
-            absl::StatusCode::kFailedPrecondition);
+  v1::CacheConfig fp8 = Config(512);
+  fp8.set_kv_dtype(v1::FLOAT8_E4M3);
+  for (const std::string& cache : {cache_, client_->CreateCache(fp8)->cache_id()}) {
+    ASSERT_TRUE(client_->Forward(Request(cache, 1, 0, 64, 1, 1)).ok());
+    const v1::ForwardRequest look = Request(cache, 1, 64, 0, 1, 7);  // attend only
+    absl::StatusOr<v1::ForwardResponse> before = client_->Forward(look);
+    ASSERT_TRUE(before.ok()) << before.status();
+    auto hurried = ConnectTo(*server_, absl::Milliseconds(300));
+    absl::StatusOr<v1::ForwardResponse> r =
+        hurried->Forward(Request(cache, 1, 32, kLongTokens, kLongTokens, 2));
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+    WaitIdle();
+    absl::StatusOr<v1::ForwardResponse> after = client_->Forward(look);
+    ASSERT_TRUE(after.ok()) << after.status();
+    EXPECT_EQ(after->out().data(), before->out().data());
+    // Still 64 tokens long: position 65 would leave a gap.
+    EXPECT_EQ(client_->Forward(Request(cache, 1, 65, 1, 1, 3)).status().code(),
+              absl::StatusCode::kFailedPrecondition);
+  }
 }
 
 // A Forward whose answer is over --max_message_mb is refused before anything is written

@@ -6,6 +6,8 @@
 
 #include <cstdio>
 #include <iostream>
+#include <string>
+#include <vector>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -35,6 +37,12 @@ ABSL_FLAG(int32_t, page_size, 16, "cache config: tokens per page");
 ABSL_FLAG(std::string, kv_dtype, "BFLOAT16",
           "cache config: FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (any case; FLOAT32 and "
           "FLOAT8_E4M3 on the CPU backend)");
+ABSL_FLAG(std::string, kv_scaling, "",
+          "cache config, FLOAT8_E4M3 only: PER_TOKEN (the default: a scale per row, computed at "
+          "append) or STATIC (with --kv_scales)");
+ABSL_FLAG(std::vector<std::string>, kv_scales, {},
+          "cache config, --kv_scaling=STATIC: K's and V's scale, comma-separated, for every layer "
+          "(2 values) or per layer (2 x num_layers)");
 ABSL_FLAG(int64_t, num_pages, 0, "cache config: pages (0: use --max_bytes or the server default)");
 ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
 ABSL_FLAG(int32_t, device, 0, "cache config: device index");
@@ -105,6 +113,25 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
   absl::StatusOr<pagedattn::v1::DType> t = ParseDType(absl::GetFlag(FLAGS_kv_dtype));
   if (!t.ok()) return t.status();
   c.set_kv_dtype(*t);
+  if (const std::string scaling = absl::AsciiStrToUpper(absl::GetFlag(FLAGS_kv_scaling));
+      !scaling.empty()) {
+    pagedattn::v1::KvScaling s;
+    if (!pagedattn::v1::KvScaling_Parse(scaling, &s) ||
+        s == pagedattn::v1::KV_SCALING_UNSPECIFIED) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv_scaling must be PER_TOKEN or STATIC (got '", absl::GetFlag(FLAGS_kv_scaling),
+          "')"));
+    }
+    c.set_kv_scaling(s);
+  }
+  for (const std::string& text : absl::GetFlag(FLAGS_kv_scales)) {
+    float scale = 0;
+    if (!absl::SimpleAtof(text, &scale)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_scales must be numbers, comma-separated (got '", text, "')"));
+    }
+    c.add_kv_scales(scale);
+  }
   if (absl::GetFlag(FLAGS_num_pages) > 0 && absl::GetFlag(FLAGS_max_bytes) > 0) {
     return absl::InvalidArgumentError("set --num_pages or --max_bytes, not both");
   }

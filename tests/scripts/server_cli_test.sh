@@ -69,6 +69,13 @@ rc=0; out=$("$cli" $t --kv_dtype=int8 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3" <<<"$out" && ! grep -q UNSPECIFIED <<<"$out" || fail "bad --kv_dtype: $out"
 rc=0; out=$("$cli" $t --num_pages=16 --max_bytes=100000 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "not both" <<<"$out" || fail "num_pages and max_bytes: $out"
+# An FP8 cache's scaling: STATIC with its scales (echoed per layer), bad values named.
+"$cli" $t --num_layers=2 --num_pages=16 --kv_dtype=float8_e4m3 --kv_scaling=static \
+  --kv_scales=0.02,0.01 validate | grep -q '"valid": true' || fail "FP8 STATIC with scales"
+rc=0; out=$("$cli" $t --kv_dtype=float8_e4m3 --kv_scaling=static --num_pages=16 validate 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q '"field": "kv_scales"' <<<"$out" || fail "FP8 STATIC without scales: exit $rc $out"
+rc=0; out=$("$cli" $t --kv_scaling=bogus validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "PER_TOKEN or STATIC" <<<"$out" || fail "bad --kv_scaling: exit $rc $out"
 
 id=$("$cli" $t --num_layers=2 --num_pages=16 --name=cli-test create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
 [ -n "$id" ] || fail "create-cache printed no cacheId"

@@ -107,7 +107,8 @@ def _expect_same_generation(model, got, dtype, where):
 def _tiny(kind, dtype, device):
     """Models with per-layer attention options, random weights from a fixed seed: Gemma 2
     (windowed and global layers alternating, every score soft-capped: a small cap and window so
-    that both change the answer) and gpt-oss (the same alternation, with sinks)."""
+    that both change the answer), gpt-oss (the same alternation, with sinks) and Mistral (every
+    layer windowed, no layer types)."""
     import transformers
 
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -117,6 +118,8 @@ def _tiny(kind, dtype, device):
     if kind == "gemma2":
         config = transformers.Gemma2Config(attn_logit_softcapping=2.0, **common)
         model = transformers.Gemma2ForCausalLM(config)
+    elif kind == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
     else:
         # Every expert on every token: top-k routing would turn the dtype's noise into a
         # different expert (a jump in the logits) wherever two experts' scores are close.
@@ -128,11 +131,11 @@ def _tiny(kind, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral"])
 def test_models_with_layer_options_match_transformers(client, kv_dtypes, backend, kind, dtype):
-    """Gemma 2 and gpt-oss through pagedattn: the cache made from the model (cache_config_for
-    with sinks_of) carries each layer's window, soft-cap and sinks; the generation matches
-    transformers' eager attention as above."""
+    """Gemma 2, gpt-oss and Mistral through pagedattn: the cache made from the model
+    (cache_config_for with sinks_of) carries each layer's window, soft-cap and sinks; the
+    generation matches transformers' eager attention as above."""
     if dtype not in kv_dtypes:
         pytest.skip(f"the {backend} backend has no {dtype} cache")
     device = _device()
@@ -142,7 +145,7 @@ def test_models_with_layer_options_match_transformers(client, kv_dtypes, backend
     config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16,
                                  sinks=hf.sinks_of(model))
     windows = [layer.sliding_window for layer in config.layers]
-    assert windows == [4, None, 4, None]
+    assert windows == ([4] * 4 if kind == "mistral" else [4, None, 4, None])
     assert all((layer.logit_softcap == 2.0) == (kind == "gemma2") for layer in config.layers)
     assert all(bool(layer.sinks) == (kind == "gpt_oss") for layer in config.layers)
     with client.create_cache(config, f"test_model_{kind}") as cache:

@@ -57,9 +57,9 @@ enum class BackendKind { kCpu, kCuda };
 
 // Head dims per backend, ascending. CUDA: those with compiled kernels (adding one means adding its
 // instantiation in kernels/dispatch.h; a static_assert there keeps the two in step). CPU: the
-// reference runs any, so it also takes the head dims of models the CUDA kernels do not serve yet
-// (80 and 96: Phi, GPT-NeoX; 192 and 512: wide-head models).
-inline constexpr std::array<int, 3> kCudaHeadDims = {64, 128, 256};
+// reference runs any, so it also takes 512 (wide-head models), which the CUDA tiles do not serve:
+// its O accumulators alone would be 256 registers a thread.
+inline constexpr std::array<int, 6> kCudaHeadDims = {64, 80, 96, 128, 192, 256};
 inline constexpr std::array<int, 7> kCpuHeadDims = {64, 80, 96, 128, 192, 256, 512};
 
 // Every page size in [kMinPageSize, kMaxPageSize] runs the same kernels: they gather rows

@@ -45,22 +45,24 @@ struct DecodeTileConfig {
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
   static constexpr int kRows = kRowWarps * 16;        // query rows per block
-  static constexpr int kChunks = D / 8;               // 16-byte chunks per K/V row
-  static constexpr int kRowsPerThread = kTileKv * kChunks / kThreads;  // rows each thread copies
-  static constexpr int kRowStep = kThreads / kChunks;
+  using Copy = KvCopyLayout<D, kThreads, kTileKv>;
+  static constexpr int kChunks = Copy::kChunks;  // 16-byte chunks per K/V row
+  static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
+  static constexpr int kRowStep = Copy::kRowStep;
   static constexpr int kStages = DecodeStages(D);
   static constexpr bool kQInRegisters = D <= 128;
-  static constexpr int kStageElems = 2 * kTileKv * D;  // K tile then V tile
+  static constexpr int kRowElems = kSmemRowElems<D>;          // a K, V or Q row in shared memory
+  static constexpr int kTileElems = kTileKv * kRowElems;
+  static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
   static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
   static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
   static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
   // The pipeline's stages, reused for the warps' combine once the last tile is read; then Q.
   static constexpr size_t kQOffset = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
-  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
   static constexpr size_t SmemBytes() { return kQOffset + kQBytes; }
   static_assert(kWarpKv % 16 == 0, "each warp takes whole 16-position steps");
-  static_assert(kTileKv * kChunks % kThreads == 0, "copy chunks divide among threads");
 };
 
 // ---- One warp's 16 rows: what they see and their softmax state ----------------------------
@@ -354,7 +356,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // has one decode tile): their lines leave L2 first, so the work items, page table and split
   // partials stay there (docs/PERFORMANCE.md#evict-first).
   const uint64_t read_once = EvictFirstPolicy();
-  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
+  const bool copies = copy_chunk < Cfg::kChunks;  // a column past the row (head_dim 80, 96, 192)
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
   // A chunk's byte offset in the pool is page id * page_bytes (one 32 x 32 -> 64-bit multiply)
@@ -407,7 +410,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   };
   auto issue_tile = [&](int tile, const TileRows& rows) {
     T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileKv * D;
+    T* sv = sk + Cfg::kTileElems;
+    if (!copies) return;
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
@@ -442,7 +446,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   auto k_tile = [&](int tile) -> const T* {
     return smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
   };
-  auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileKv * D; };
+  auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileElems; };
 
   // Prologue: the first kStages - 1 tiles' copies, then the next tile's page ids; Q is loaded
   // while those copies fly. When the item's first pages hold every page of the prologue's
@@ -489,7 +493,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
-  const T* warp_q = smem_q + row_warp * 16 * D;
+  const T* warp_q = smem_q + row_warp * 16 * Cfg::kRowElems;
   uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
   auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
     const int r = (lane & 7) + 8 * ((lane >> 3) & 1);

@@ -24,7 +24,7 @@ struct TypeTag {
 };
 
 // Head dims compiled below; must equal the capability table's.
-inline constexpr std::array<int, 3> kCompiledHeadDims = {64, 128, 256};
+inline constexpr std::array<int, 6> kCompiledHeadDims = {64, 80, 96, 128, 192, 256};
 constexpr bool SameHeadDims() {
   if (kCompiledHeadDims.size() != kCudaHeadDims.size()) return false;
   for (size_t i = 0; i < kCompiledHeadDims.size(); ++i) {
@@ -76,15 +76,25 @@ LaunchStatus DispatchHeadDim(int head_dim, F&& f) {
   switch (head_dim) {
     case 64:
       return f(std::integral_constant<int, 64>{});
+    case 80:
+      return f(std::integral_constant<int, 80>{});
+    case 96:
+      return f(std::integral_constant<int, 96>{});
     case 128:
       return f(std::integral_constant<int, 128>{});
+    case 192:
+      return f(std::integral_constant<int, 192>{});
     case 256:
       return f(std::integral_constant<int, 256>{});
     default:
-      return LaunchStatus::Unsupported("head_dim must be one of 64, 128, 256 (got " +
+      return LaunchStatus::Unsupported("head_dim must be one of 64, 80, 96, 128, 192, 256 (got " +
                                        std::to_string(head_dim) + ")");
   }
 }
+
+// The Hopper prefill kernel works in 64-column slices of the swizzle-128 layout: head dims that
+// are not whole slices (80, 96) take the portable prefill kernel on every GPU.
+constexpr bool HasWgmmaPrefill(int head_dim) { return head_dim % 64 == 0; }
 
 // Page sizes and GQA ratios are runtime values in the kernels (a FastDivmod and a row
 // mapping), so every value in the table runs; these checks only reject values outside it.
@@ -176,8 +186,10 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
           return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
               params, stream, then, launcher);
         }
-        if (UseHopperPrefill(params.prefill_path)) {
-          return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+        if constexpr (HasWgmmaPrefill(D)) {
+          if (UseHopperPrefill(params.prefill_path)) {
+            return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+          }
         }
         return LaunchPrefillTiles<T, TIO, D>(params, stream, launcher);
       });
@@ -201,7 +213,10 @@ inline LaunchStatus DispatchPrefillWgmmaOccupancy(DType kv_dtype, int head_dim,
   return DispatchKvDType(kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
-      return PrefillWgmmaOccupancy<T, decltype(d)::value>(blocks_per_sm);
+      constexpr int D = decltype(d)::value;
+      if constexpr (HasWgmmaPrefill(D)) return PrefillWgmmaOccupancy<T, D>(blocks_per_sm);
+      *blocks_per_sm = 0;  // the portable kernel: one block per item
+      return LaunchStatus::Ok();
     });
   });
 }

@@ -26,9 +26,9 @@ namespace pagedattn::kernels {
 template <typename T, int D>
 struct PrefillTileConfig {
   static constexpr int kRows = kPrefillTileRows;    // query rows per block
-  static constexpr int kMTiles = D == 256 ? 1 : 2;  // 16-row slices per warp
+  static constexpr int kMTiles = D > 128 ? 1 : 2;  // 16-row slices per warp
   static constexpr int kWarpRows = 16 * kMTiles;
-  static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64, d128) or 8 (d256)
+  static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64..d128) or 8 (d192, d256)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage
   // Positions per softmax step: d128/d256 hold 128 O accumulators per thread, so their S
@@ -36,17 +36,19 @@ struct PrefillTileConfig {
   static constexpr int kSubKv = D == 64 ? 64 : 32;
   static constexpr int kStages = D == 64 ? 3 : 2;
   static constexpr bool kQInRegisters = D == 64;             // else reloaded per tile (ldmatrix)
-  static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
-  static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
-  static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
-  static constexpr int kStageElems = 2 * kTileKv * D;        // K tile then V tile
+  using Copy = KvCopyLayout<D, kThreads, kTileKv>;
+  static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
+  static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
+  static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
+  static constexpr int kRowElems = kSmemRowElems<D>;           // a row in shared memory
+  static constexpr int kTileElems = kTileKv * kRowElems;
+  static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
-  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes; }
-  // d256 holds 128 accumulators per thread with 8 warps: one block per SM; d64/d128: two.
-  static constexpr int kMinBlocks = D == 256 ? 1 : 2;
+  // d192/d256 hold 96/128 accumulators per thread with 8 warps: one block per SM; the others two.
+  static constexpr int kMinBlocks = D > 128 ? 1 : 2;
   static_assert(kWarps * kWarpRows == kRows, "warps cover the tile's rows");
-  static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
 };
 
 template <typename T, typename TIO, int D>
@@ -75,7 +77,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   // ---- K/V pipeline: each thread copies one 16-byte chunk column of kRowsPerThread rows.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
+  const bool copies = copy_chunk < Cfg::kChunks;  // a column past the row (head_dim 80, 96, 192)
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
   // Page ids go through shared memory (one slot of kTileKv ids per stage), so a thread keeps one
@@ -91,7 +94,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   auto issue_tile = [&](int tile) {
     const int stage = tile % Cfg::kStages;
     T* sk = smem_kv + stage * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileKv * D;
+    T* sv = sk + Cfg::kTileElems;
+    if (!copies) return;
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
@@ -183,11 +187,13 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   // off[j % 4] + (j / 4) * 128 bytes: four per-lane offsets per operand layout, the rest are
   // immediates. A layout (Q, and V read transposed): rows lane%8 + 8*(lane/8%2), chunk +lane/16.
   // K layout: rows lane%8 + 8*(lane/16), chunk + lane/8%2.
-  constexpr int kRowBytes = D * static_cast<int>(sizeof(T));
+  // Unswizzled rows (head_dim 80, 96: padded instead) add the lane's chunk without the XOR.
+  constexpr int kRowBytes = Cfg::kRowElems * static_cast<int>(sizeof(T));
+  constexpr int kSwizzle = kSwizzledRows<D> ? 7 : 0;
   uint32_t off_a[4], off_k[4];
   {
-    const int row_a = (lane & 7) + 8 * ((lane >> 3) & 1), xor_a = (lane >> 4) ^ (lane & 7);
-    const int row_k = (lane & 7) + 8 * (lane >> 4), xor_k = ((lane >> 3) & 1) ^ (lane & 7);
+    const int row_a = (lane & 7) + 8 * ((lane >> 3) & 1), xor_a = (lane >> 4) ^ (lane & kSwizzle);
+    const int row_k = (lane & 7) + 8 * (lane >> 4), xor_k = ((lane >> 3) & 1) ^ (lane & kSwizzle);
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       off_a[j] = row_a * kRowBytes + (((2 * j) ^ xor_a) << 4);
@@ -215,7 +221,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       }
     }
     const T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
-    const T* sv = sk + Cfg::kTileKv * D;
+    const T* sv = sk + Cfg::kTileElems;
 #pragma unroll 1
     for (int sub = 0; sub < Cfg::kTileKv / Cfg::kSubKv; ++sub) {
       const int sub_row = sub * Cfg::kSubKv;  // first row of this step in the stage

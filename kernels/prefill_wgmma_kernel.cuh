@@ -52,9 +52,10 @@ struct WgmmaPrefillConfig {
   // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#prefill).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
-  static constexpr int kChunks = D / 8;                      // 16-byte chunks per row
-  static constexpr int kRowStep = kThreads / kChunks;        // rows one copy pass covers
-  static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
+  using Copy = KvCopyLayout<D, kThreads, kTileKv>;
+  static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
+  static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
+  static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
   static constexpr int kTileElems = kTileKv * D;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
@@ -63,7 +64,7 @@ struct WgmmaPrefillConfig {
   // dynamic shared memory base is aligned at run time, hence the slack.
   static constexpr size_t kAlign = 1024;
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes + kAlign; }
-  static_assert(kThreads % kChunks == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
+  static_assert(D % 64 == 0, "whole 64-column slices (other head dims: the portable kernel)");
   static_assert(kTileKv * 128 % kAlign == 0, "slices keep the 1024-byte alignment");
   // Dynamic plus static (row indices, flags: under 2 KiB) shared memory fit one SM's 227 KiB.
   static_assert(SmemBytes() + 2048 <= 227 * 1024, "fits one SM's shared memory");
@@ -166,6 +167,7 @@ struct WgmmaTileMath {
                                                      int copy_chunk, int copy_row0) {
     T* sk = smem_kv + stage * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileElems;
+    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 192)
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
@@ -360,7 +362,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // a copy then costs one shared load and two adds.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
   // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
@@ -517,7 +519,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // shared load and two adds, and never needs to know which job its tile belongs to.
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
-  const int copy_chunk = tid % Cfg::kChunks, copy_row0 = tid / Cfg::kChunks;
+  const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
   auto tiles_of = [](const AttentionWorkItem& item) {
     return (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   };

@@ -16,6 +16,15 @@
 
 namespace pagedattn::kernels {
 
+// A merge warp's lanes own kMergeDims<D> consecutive dims of a row each: D / 32 where D is whole
+// 64-element blocks; at 80 and 96 four, and the lanes past the row (12 of 32 at 80, 8 at 96) idle.
+template <int D>
+inline constexpr int kMergeDims = (D + 63) / 64 * 2;
+template <int D>
+__device__ __forceinline__ bool MergeLaneActive(int lane) {
+  return D % 64 == 0 || lane * kMergeDims<D> < D;
+}
+
 // acc += w * v for one lane's kDims floats of a partial O row.
 template <int kDims>
 struct SplitRowSlice {
@@ -63,29 +72,31 @@ struct SplitMergeState {
   }
 };
 
-// A merged row r of a task, out of one warp (lane: D/32 consecutive dims): acc / weight_sum to
-// out (in q's element type TIO), base + log(weight_sum) to lse, the row's sink (if any) joining
-// both. Shared by both in-kernel merges.
+// A merged row r of a task, out of one warp (lane: kMergeDims<D> consecutive dims): acc /
+// weight_sum to out (in q's element type TIO), base + log(weight_sum) to lse, the row's sink (if
+// any) joining both. Shared by both in-kernel merges.
 template <typename TIO, int D>
 __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
                                                const AttentionMergeTask& task,
                                                const AttentionSpan& span, int kv_head, int group,
-                                               int r, const float (&acc)[D / 32], float weight_sum,
-                                               float base) {
-  constexpr int kDims = D / 32;
+                                               int r, const float (&acc)[kMergeDims<D>],
+                                               float weight_sum, float base) {
+  constexpr int kDims = kMergeDims<D>;
   const int lane = threadIdx.x & 31;
   const int span_row = task.row_start + r;
   const RowNorm norm = NormalizeMergedRow(p, weight_sum, base, kv_head, group, span_row);
   const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
   TIO* dst = static_cast<TIO*>(p.out) + out_row * D + lane * kDims;
+  if (MergeLaneActive<D>(lane)) {
 #pragma unroll
-  for (int d = 0; d < kDims; d += 2) StorePair(dst + d, acc[d] * norm.inv, acc[d + 1] * norm.inv);
+    for (int d = 0; d < kDims; d += 2) StorePair(dst + d, acc[d] * norm.inv, acc[d + 1] * norm.inv);
+  }
   if (p.lse && lane == 0) p.lse[out_row] = norm.lse;
 }
 
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
-// per row; lanes own D/32 consecutive dims. Partials come from other blocks: read through L2.
-// The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
+// per row; lanes own kMergeDims<D> consecutive dims. Partials come from other blocks: read
+// through L2. The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
 // together, merged online (the running max rescales what came before), so each batch costs
 // one L2 round trip and none waits for a max over all splits first.
 // Splits per merge batch in the decode tiles: at head_dim 128, up to 33 splits (one wave of 264
@@ -96,7 +107,7 @@ template <typename TIO, int D, int kBatch>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
                                             const AttentionMergeTask& task,
                                             const AttentionSpan& span, int kv_head, int group) {
-  constexpr int kDims = D / 32;
+  constexpr int kDims = kMergeDims<D>;
   constexpr int kLseRegs = (kBatch + 31) / 32;  // lane j: LSEs of splits j, j + 32 of a batch
   static_assert(kBatch >= 1 && kBatch <= 64, "at most two LSEs per lane");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -118,9 +129,10 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       SplitRowSlice<kDims> x[kBatch];
       const float* src =
           part_out + (task.partial_row + int64_t{s0} * task.row_stride + r) * D + lane * kDims;
+      const bool active = MergeLaneActive<D>(lane);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (j < n) x[j].Load(src);
+        if (j < n && active) x[j].Load(src);
         src += out_step;
       }
       float batch_max = my_lse[0];
@@ -143,7 +155,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const float w = __shfl_sync(0xffffffffu, my_weight[j / 32], j % 32);
-        if (j < n) x[j].AddTo(m.acc, w);
+        if (j < n && active) x[j].AddTo(m.acc, w);
       }
     }
     WriteMergedRow<TIO, D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
@@ -159,7 +171,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
                                                    const AttentionMergeTask& task,
                                                    const AttentionSpan& span, int kv_head,
                                                    int group) {
-  constexpr int kDims = D / 32;
+  constexpr int kDims = kMergeDims<D>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
@@ -189,6 +201,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
         const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
         const float* src = part_out + row * D + lane * kDims;
+        if (!MergeLaneActive<D>(lane)) continue;
 #pragma unroll
         for (int d = 0; d < kDims; d += 2) {
           const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));
@@ -248,7 +261,7 @@ inline constexpr int kMergeThreads = 256;
 template <typename TIO, int D>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     MergeSplitsKernel(const __grid_constant__ PagedAttentionParams p) {
-  constexpr int kWarps = kMergeThreads / 32, kDims = D / 32;
+  constexpr int kWarps = kMergeThreads / 32, kDims = kMergeDims<D>;
   // Launched right after the tiles (Launcher::LaunchPair), it may start before they end:
   // its task (written before the launch, by the host) is read while they run, so that only the
   // partials' loads follow the wait for their grid's end.
@@ -264,18 +277,21 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   __shared__ float red_max[kWarps], red_sum[kWarps];
 
   SplitMergeState<kDims> m;
+  const bool active = MergeLaneActive<D>(lane);
 #pragma unroll 4
   for (int s = warp; s < task.num_splits; s += kWarps) {
     const int64_t row = int64_t{s} * task.row_stride;
     const float split_lse = __ldcg(lse + row);
     SplitRowSlice<kDims> x;
-    x.Load(part + row * D + lane * kDims);
+    if (active) x.Load(part + row * D + lane * kDims);
     const float w = __expf(split_lse - m.Rebase(split_lse));
     m.weight_sum += w;
-    x.AddTo(m.acc, w);
+    if (active) x.AddTo(m.acc, w);
   }
+  if (active) {
 #pragma unroll
-  for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = m.acc[j];
+    for (int j = 0; j < kDims; ++j) red[warp][lane * kDims + j] = m.acc[j];
+  }
   if (lane == 0) {
     red_max[warp] = m.run_max;
     red_sum[warp] = m.weight_sum;

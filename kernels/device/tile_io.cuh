@@ -22,12 +22,44 @@ __device__ __forceinline__ int64_t KvChunkOffset(const PagedAttentionParams& p, 
   return ((int64_t{page_id} * p.num_kv_heads + kv_head) * p.page_size + in_page) * D + chunk * 8;
 }
 
-// Element offset of (row, 16-byte chunk) in a swizzled [rows][D] tile: the chunk index is
-// XORed with row % 8 so that the eight rows an ldmatrix reads hit eight different bank groups.
+// Shared-memory layout of a [rows][D] K, V or Q tile. Head dims that are whole 64-element
+// blocks (64, 128, 192, 256) are swizzled: the chunk index is XORed with row % 8, so that the
+// eight rows an ldmatrix reads hit eight different bank groups. The others (80, 96) pad each
+// row by one chunk instead (176 or 208 bytes: eight consecutive rows again start in eight
+// different 16-byte bank groups).
+template <int D>
+inline constexpr bool kSwizzledRows = D % 64 == 0;
+template <int D>
+inline constexpr int kSmemRowElems = kSwizzledRows<D> ? D : D + 8;
+
+// Element offset of (row, 16-byte chunk) in such a tile.
 template <int D>
 __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
+  if constexpr (kSwizzledRows<D>) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+  } else {
+    return row * kSmemRowElems<D> + (chunk << 3);
+  }
 }
+
+// How a block's threads copy a K/V tile of kTileKv rows: in kSlots columns of 16-byte chunks,
+// each thread taking chunk tid % kSlots of rows tid / kSlots + i * kRowStep. kSlots is the row's
+// chunks rounded up to a power of two, so that it divides the block; a thread whose column is
+// past the row (head dims 80, 96, 192) copies nothing.
+constexpr int PowerOfTwoAtLeast(int n) {
+  int p = 1;
+  while (p < n) p *= 2;
+  return p;
+}
+template <int D, int kThreads, int kTileKv>
+struct KvCopyLayout {
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kSlots = PowerOfTwoAtLeast(kChunks);
+  static constexpr int kRowStep = kThreads / kSlots;         // rows one copy pass covers
+  static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies
+  static_assert(D % 16 == 0, "whole k16 steps");
+  static_assert(kThreads % kSlots == 0 && kTileKv % kRowStep == 0, "copies divide evenly");
+};
 
 // This block's work item and kv head in an item-major grid (TileGridBlocks: the kv heads of one
 // work item are neighbours in launch order), by a multiply-shift (kv_heads_div) rather than an
@@ -121,6 +153,12 @@ __device__ __forceinline__ const TIO* QChunk(const PagedAttentionParams& p,
          chunk * 8;
 }
 
+constexpr int LargestDivisorAtMost(int n, int most) {
+  int d = most < n ? most : n;
+  while (n % d != 0) --d;
+  return d;
+}
+
 // Q tile -> shared memory as T, from q in TIO (float, converted; or T itself, copied); rows past
 // the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
 // any, so the tile costs one global-memory latency rather than one per chunk. offset(row, chunk)
@@ -132,10 +170,9 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           Offset offset) {
   static_assert(std::is_same_v<TIO, float> || std::is_same_v<TIO, T>, "q in float or in T");
   constexpr int kChunks = D / 8;
-  static_assert(kRows * kChunks % kThreads == 0, "Q chunks divide among threads");
-  constexpr int kPerThread = kRows * kChunks / kThreads;
-  constexpr int kBatch = kPerThread < 8 ? kPerThread : 8;
-  static_assert(kPerThread % kBatch == 0, "whole batches");
+  constexpr int kTotal = kRows * kChunks;
+  constexpr int kPerThread = (kTotal + kThreads - 1) / kThreads;  // the last pass may be partial
+  constexpr int kBatch = LargestDivisorAtMost(kPerThread, 8);
 #pragma unroll 1
   for (int b0 = 0; b0 < kPerThread; b0 += kBatch) {
     if constexpr (std::is_same_v<TIO, float>) {
@@ -146,7 +183,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int r = c / kChunks, chunk = c % kChunks;
         const int span_row = item.row_start + r;
         lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
-        if (span_row < span_rows) {
+        if ((kTotal % kThreads == 0 || c < kTotal) && span_row < span_rows) {
           const float4* src = reinterpret_cast<const float4*>(
               QChunk<float, D>(p, span, kv_head, group, span_row, chunk));
           lo[i] = src[0];
@@ -157,6 +194,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       for (int i = 0; i < kBatch; ++i) {
         const int c = threadIdx.x + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
+        if (kTotal % kThreads != 0 && c >= kTotal) continue;
         *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
             make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
                        PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
@@ -169,7 +207,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int r = c / kChunks, chunk = c % kChunks;
         const int span_row = item.row_start + r;
         x[i] = make_uint4(0, 0, 0, 0);
-        if (span_row < span_rows) {
+        if ((kTotal % kThreads == 0 || c < kTotal) && span_row < span_rows) {
           x[i] = *reinterpret_cast<const uint4*>(
               QChunk<T, D>(p, span, kv_head, group, span_row, chunk));
         }
@@ -178,6 +216,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       for (int i = 0; i < kBatch; ++i) {
         const int c = threadIdx.x + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
+        if (kTotal % kThreads != 0 && c >= kTotal) continue;
         *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = x[i];
       }
     }

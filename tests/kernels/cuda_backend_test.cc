@@ -21,6 +21,7 @@
 #include <tuple>
 #include <vector>
 
+#include "common/capabilities.h"
 #include "common/dtype.h"
 #include "common/reference.h"
 #include "kernels/attention_plan.h"
@@ -320,12 +321,11 @@ std::vector<std::vector<SpanSpec>> MixedSteps(int long_len) {
 
 TEST_F(CudaKernelTest, SweepPageSizeHeadDimGqa) {
   const int page_sizes[] = {1, 3, 8, 16, 32, 128, 1024};
-  const int head_dims[] = {64, 128, 256};
   const int gqas[] = {1, 4, 8};
   const DType wire[] = {DType::kFloat32, DType::kBFloat16, DType::kFloat16};
   int index = 0;
   for (int ps : page_sizes) {
-    for (int d : head_dims) {
+    for (int d : kCudaHeadDims) {
       for (int gqa : gqas) {
         CaseSpec c;
         c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
@@ -363,7 +363,6 @@ constexpr VariantCase kVariants[] = {
     {"all", 20, 5.f, true},       {"all_wide", 1000, 50.f, true}};
 
 TEST_F(CudaKernelTest, VariantSweep) {
-  constexpr int kHeadDims[] = {64, 128, 256};
   int index = 0;
   for (const VariantCase& v : kVariants) {
     for (int ps : {1, 7, 16, 128}) {
@@ -372,7 +371,7 @@ TEST_F(CudaKernelTest, VariantSweep) {
         c.window = v.window;
         c.softcap = v.softcap;
         c.sinks = v.sinks;
-        c.head_dim = kHeadDims[index % 3];
+        c.head_dim = kCudaHeadDims[index / 2 % kCudaHeadDims.size()];
         c.cache_dtype = index % 2 ? DType::kFloat16 : DType::kBFloat16;
         c.q_dtype = index % 3 == 1 ? c.cache_dtype : DType::kFloat32;
         c.kv_wire_dtype = index % 4 == 3 ? DType::kBFloat16 : DType::kFloat32;
@@ -422,10 +421,10 @@ TEST_F(CudaKernelTest, VariantsOnSplitAndMergePaths) {
 // the decode tile raise its lazy softmax base again and again, by far more than its slack: a
 // base left where a split's first tile put it would overflow 2^(s - base) within that split
 // (a kernel that never raised it failed here; one with the slack alone passed before the ramp
-// was this steep). head_dim 64 rescales at every step. Split and unsplit decode, q exact in
+// was this steep). Head dims below 128 rescale at every step. Split and unsplit decode, q exact in
 // the cache dtype so that scores of thousands carry no rounding of q.
 TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
-  for (int d : {64, 128, 256}) {
+  for (int d : kCudaHeadDims) {
     CaseSpec c;
     c.head_dim = d;
     c.q_dtype = c.cache_dtype;
@@ -468,7 +467,7 @@ TEST_F(CudaKernelTest, RaggedLongDecodeSplit) {
 TEST_F(CudaKernelTest, QAndOutInTheirOwnDtypeMatchTheFloatPath) {
   for (DType cache : {DType::kBFloat16, DType::kFloat16}) {
     const DType other = cache == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
-    for (int head_dim : {64, 128, 256}) {
+    for (int head_dim : kCudaHeadDims) {
       CaseSpec mixed;
       mixed.steps = MixedSteps(2500);
       mixed.steps.push_back({{3, 3}, {2, 2}, {130, 130}, {1, 1}, {0, 2}});
@@ -561,7 +560,7 @@ TEST_F(CudaKernelTest, MqaAndWideHeadDim256) {
 // heads with one query per span, and 16 with two (32 rows again), each over two decode steps.
 // (A span of more rows is a prefill tile, and a split prefill tile keeps the in-kernel merge.)
 TEST_F(CudaKernelTest, ManySplitWideTilesSeparateMerge) {
-  for (int head_dim : {64, 128, 256}) {
+  for (int head_dim : kCudaHeadDims) {
     for (int gqa : {32, 16}) {
       CaseSpec c = WideSeparateMergeCase(gqa, head_dim);
       c.steps.push_back(c.steps.back());  // a second decode step
@@ -606,7 +605,7 @@ TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
 TEST_F(CudaKernelTest, PrefillTileEdges) {
   const int page_sizes[] = {1, 3, 16, 64, 256};
   int index = 0;
-  for (int d : {64, 128, 256}) {
+  for (int d : kCudaHeadDims) {
     for (int gqa : {1, 4, 8}) {
       CaseSpec c;
       c.head_dim = d;

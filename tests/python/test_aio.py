@@ -25,7 +25,8 @@ def test_every_method(target, kv_dtypes, backend):
             assert await client.health()
             info = await client.server_info()
             assert list(info.capabilities.head_dims) == (
-                [64, 128, 256] if backend == "cuda" else [64, 80, 96, 128, 192, 256, 512])
+                [64, 80, 96, 128, 192, 256] if backend == "cuda"
+                else [64, 80, 96, 128, 192, 256, 512])
             bad = CacheConfig(2, 32, 5, 100, page_size=0, kv_dtype="dtype_unspecified", num_pages=8)
             assert not (await client.validate(bad)).valid
             with pytest.raises(errors.CacheConfigError) as e:

@@ -109,7 +109,7 @@ TEST_F(E2ETest, ServerInfoHasCapabilityTable) {
   EXPECT_EQ(std::vector<int>(info->capabilities().head_dims().begin(),
                              info->capabilities().head_dims().end()),
             OnCpu() ? (std::vector<int>{64, 80, 96, 128, 192, 256, 512})
-                    : (std::vector<int>{64, 128, 256}));
+                    : (std::vector<int>{64, 80, 96, 128, 192, 256}));
   EXPECT_EQ(info->capabilities().min_page_size(), 1);
   EXPECT_EQ(info->capabilities().max_page_size(), 1024);
   // f32 and FP8 caches on the CPU only; FP8 is never a tensor's dtype.

@@ -32,9 +32,13 @@ namespace pagedattn::kernels {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM) and 128 (two), 2 at 256 (one);
-// a fourth stage at 64 costs a block an SM (docs/PERFORMANCE.md#occupancy).
-constexpr int DecodeStages(int head_dim) { return head_dim <= 128 ? 3 : 2; }
+// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM), 96 and 128 (two), 2 at 192 and
+// 256; a fourth stage at 64 costs a block an SM (docs/PERFORMANCE.md#occupancy). At 80 a fourth
+// stage turns three blocks an SM into two, and the batch of 64 x 8 kv heads from 1.3 waves into
+// 1.9: 0.68x -> 0.86x of head_dim 128's TB/s (docs/PERFORMANCE.md#head-dims).
+constexpr int DecodeStages(int head_dim) {
+  return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2;
+}
 
 template <typename T, int D, int kRowWarps, int kKvWarps>
 struct DecodeTileConfig {

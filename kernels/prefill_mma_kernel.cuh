@@ -31,10 +31,11 @@ struct PrefillTileConfig {
   static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64..d128) or 8 (d192, d256)
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage
-  // Positions per softmax step: d128/d256 hold 128 O accumulators per thread, so their S
-  // tile is 32 positions wide to fit in 255 registers (no spills in the loop).
-  static constexpr int kSubKv = D == 64 ? 64 : 32;
-  static constexpr int kStages = D == 64 ? 3 : 2;
+  // Positions per softmax step: d128 and up hold 96-128 O accumulators per thread, so their S
+  // tile is 32 positions wide to fit in 255 registers (no spills in the loop); up to d96 it is
+  // 64 wide, 10-11% faster at 80 and 96 (docs/PERFORMANCE.md#head-dims).
+  static constexpr int kSubKv = D <= 96 ? 64 : 32;
+  static constexpr int kStages = D <= 96 ? 3 : 2;
   static constexpr bool kQInRegisters = D == 64;             // else reloaded per tile (ldmatrix)
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row

@@ -244,6 +244,31 @@ struct WgmmaTileMath {
           }
         }
     }
+    // Block-uniform: the fixed base, no max and no rescale. bfloat16 P only: float16 P (a
+    // float16 cache) cannot hold the fixed base's weights up to 2^40.
+    if (std::is_same_v<T, __nv_bfloat16> && softcap.bounded) {
+      const float base = SoftmaxBase(softcap.fixed_max, scale_log2);
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float part[kNT];
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt) {
+          // The clamp maps a NaN score (from NaN inputs) to the largest weight, as below.
+          s[nt][2 * i] = FastExp2(fminf(fmaf(s[nt][2 * i], scale_log2, -base), softcap.top));
+          s[nt][2 * i + 1] =
+              FastExp2(fminf(fmaf(s[nt][2 * i + 1], scale_log2, -base), softcap.top));
+          part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
+        }
+#pragma unroll
+        for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+          for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
+        row_sum[i] += part[0];
+        row_max[i] = softcap.fixed_max;  // what WriteRows and the merges take the base from
+        alpha[i] = 1.f;
+      }
+      return;
+    }
     // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
     // dependent adds behind: two per scheduler).
 #pragma unroll

@@ -586,14 +586,23 @@ TEST_F(CudaKernelTest, SeparateMergeAfterPrefillTiles) {
   }
 }
 
-// Long chunked prefill against 10k of history, and a non-causal prefill.
+// Long chunked prefill against 10k of history: split prefill tiles and their two-pass merge, at
+// head dims 80 (merge lanes past the row idle), 128 and 192; and a non-causal prefill.
 TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   CaseSpec c;
   c.page_size = 32;
   c.num_kv_heads = 2;
   c.gqa = 4;
   c.steps = {{{10200, 0}}, {{300, 300}}};
-  RunCase(*backend_, c);
+  for (int d : {80, 128, 192}) {
+    c.head_dim = d;
+    const kernels::AttentionWork work = PlannedWork({{0, 0, 300, 10500}}, 8, 2, c.cache_dtype, d);
+    EXPECT_TRUE(std::any_of(work.prefill_items.begin(), work.prefill_items.end(),
+                            [](const kernels::AttentionWorkItem& w) { return w.partial_row >= 0; }))
+        << "head_dim " << d << ": the case no longer splits its prefill tiles";
+    RunCase(*backend_, c);
+  }
+  c.head_dim = 128;
   c.causal = false;
   c.page_size = 3;
   c.steps = {{{500, 500}, {7, 7}}};

@@ -142,11 +142,12 @@ else
   bench prefill_p1 --suite prefill --page-size 1 --cases "1,4096" --reps 10
   bench prefill_non_causal --suite prefill --non-causal --cases "4,4096" --reps 20
   peers default
-  # Beyond the defaults: head_dim 64 and 256, float16, GQA groups other than 4, few kv heads
+  # Beyond the defaults: the other head dims, float16, GQA groups other than 4, few kv heads
   # (wide tiles, many splits, the separate merge), short and long contexts.
   defaults="1,32768 16,4096 64,4096 256,2048 128,8192"
-  both d64 "$defaults" --head-dim 64
-  both d256 "$defaults" --head-dim 256
+  for d in 64 80 96 192 256; do
+    both "d$d" "$defaults" --head-dim $d
+  done
   both f16 "1,32768 256,2048" --dtype float16
   both gqa8 "1,32768 16,4096 64,4096" --q-heads 64 --kv-heads 8
   both mha "1,32768 16,4096 64,2048" --q-heads 32 --kv-heads 32
@@ -158,7 +159,7 @@ else
   both kv1_gqa8 "1,32768 16,4096 64,4096" --q-heads 8 --kv-heads 1
   both short "4,512 8,2048 32,1024 64,512 256,512"
   both long "1,131072 2,65536 4,32768 8,16384"
-  for d in 64 256; do
+  for d in 64 80 96 192 256; do
     bench "prefill_d$d" --suite prefill --head-dim $d --cases "4,4096 2,8192" --reps 20
     peers "prefill_d$d" --no-limits --decode none --prefill "4,4096 2,8192" --head-dim $d
   done

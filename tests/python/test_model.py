@@ -186,3 +186,50 @@ def test_fp8_cache_generation_tracks_transformers(client, kv_dtypes, backend):
         paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
         got = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, cache=paged_cache)
     _expect_same_generation(model, got, "float8_e4m3", f"fp8 cache on {backend}/{device}")
+
+
+def _tiny_head_dim(kind, dtype, device):
+    """Model families whose head dims are not 64 or 128, random weights from a fixed seed:
+    Phi-3 (96), GPT-NeoX / Pythia (80), and Llamas with wide heads (192, 512)."""
+    import transformers
+
+    small = dict(vocab_size=512, intermediate_size=512, num_hidden_layers=2,
+                 max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=1,
+                 eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    if kind == "phi3":
+        model = transformers.Phi3ForCausalLM(transformers.Phi3Config(
+            hidden_size=192, num_attention_heads=2, num_key_value_heads=1, **small))
+    elif kind == "gpt_neox":
+        model = transformers.GPTNeoXForCausalLM(transformers.GPTNeoXConfig(
+            hidden_size=160, num_attention_heads=2, **small))
+    else:
+        head_dim = int(kind.split("_")[1])
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+            **small))
+    return model.to(dtype=dtype, device=device).eval()
+
+
+@pytest.mark.parametrize("kind,head_dim", [("phi3", 96), ("gpt_neox", 80), ("llama_192", 192),
+                                           ("llama_512", 512)])
+def test_model_families_of_other_head_dims(client, server_info, kv_dtypes, backend, kind,
+                                           head_dim):
+    """Phi-3, GPT-NeoX and wide-head Llamas through pagedattn: the cache takes the model's
+    head_dim (where the backend serves it: GetServerInfo's table) and the generation matches
+    transformers' eager attention as above."""
+    if head_dim not in server_info.capabilities.head_dims:
+        pytest.skip(f"the {backend} backend has no head_dim {head_dim}")
+    dtype = "float32" if "float32" in kv_dtypes else "bfloat16"
+    device = _device()
+    model = _tiny_head_dim(kind, getattr(torch, dtype), device)
+    hf.register()
+    hf.set_attention(model, "pagedattn")
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
+    assert config.head_dim == head_dim
+    with client.create_cache(config, f"test_model_{kind}") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        got = hf.greedy_generate(model, PROMPTS, NEW_TOKENS, cache=paged_cache)
+        # Every layer's attention of every step went through the service.
+        assert paged_cache.forward_calls == NEW_TOKENS * model.config.num_hidden_layers
+    _expect_same_generation(model, got, dtype, f"{kind} on {backend}/{device}")

@@ -165,6 +165,11 @@ bool HopperPrefillAvailable();
 inline bool UseHopperPrefill(PrefillPath path) {
   return path == PrefillPath::kAuto && HopperPrefillAvailable();
 }
+// The prefill kernel a launch at head_dim runs: the Hopper one where the path and the device
+// allow it and the head_dim has one (HasWgmmaPrefill), the portable one otherwise.
+inline bool PrefillRunsOnWgmma(PrefillPath path, int head_dim) {
+  return HasWgmmaPrefill(head_dim) && UseHopperPrefill(path);
+}
 
 enum class TileShape { kDecode, kDecodeWide, kPrefill };
 
@@ -187,7 +192,7 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
               params, stream, then, launcher);
         }
         if constexpr (HasWgmmaPrefill(D)) {
-          if (UseHopperPrefill(params.prefill_path)) {
+          if (PrefillRunsOnWgmma(params.prefill_path, D)) {
             return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
           }
         }

@@ -26,7 +26,8 @@
 // Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM.
 // Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes,
 // timed the same way, the fastest this shape's bytes can be read in one launch. Prefill rows name
-// the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync").
+// the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU at head dims of whole 64-column
+// slices, "mma.sync").
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -635,7 +636,7 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
         "\"kernel\": \"%s\", \"launch\": \"%s\", \"l2_flushed\": true}",
         B, c.ctx[0], Hq, Hkv, D, causal, DTypeKey(cfg.dtype), DTypeKey(cfg.q_dtype), t.launch_us,
         flops / t.launch_us / 1e6, cfg.page_size, t.b2b_us, err, blocks,
-        UseHopperPrefill(cfg.prefill_path) ? "wgmma" : "mma.sync",
+        PrefillRunsOnWgmma(cfg.prefill_path, D) ? "wgmma" : "mma.sync",
         cfg.graph_launch ? "graph" : "plain");
     return with_variant(row);
   }

@@ -21,13 +21,16 @@ __device__ __forceinline__ int WindowFirst(const PagedAttentionParams& p, int po
 // units with one multiply (scale_log2, folded into an FMA). Capped, a score s becomes
 // tanh(s * sm_scale / cap) and its unit cap * log2(e): cap * tanh(s * sm_scale / cap) in log2
 // units, for a multiply and a tanh.approx more per score (a logit error of at most
-// |logit| * 5e-4, the size of P's rounding to 16 bits). The special-function unit also runs the
-// exponentials: in prefill that op is the cap's cost (docs/PERFORMANCE.md#variants).
+// |logit| * 5e-4, the size of P's rounding to 16 bits). In prefill those two instructions a
+// score, on the softmax's path between the matrix products, are the cap's cost
+// (docs/PERFORMANCE.md#known-gaps).
 //
 // Capped scores are bounded, which lets a tile skip the online softmax's running max: in log2
 // units they lie in [-c, c], c = cap * log2(e), so one fixed base b = max(c - 40, 0) keeps every
 // weight 2^(s - b) within [2^(-2c + 40), 2^40] when c <= 82 (cap <= 56.8, Gemma 2's 50 too): no
-// weight flushes to zero, no sum or O can overflow, and no row ever needs a rescale (`bounded`).
+// weight flushes to zero and no row ever needs a rescale (`bounded`). The price is headroom: a
+// row of 2^24 positions sums to at most 2^64, so O overflows only where |V| passes 2^64 (2^104
+// with weights of at most 1).
 // The Hopper prefill tile takes it where P is bfloat16 (f32's exponent range): 1.12-1.14x plain
 // prefill's time at cap 30 against 1.17-1.19x with the running max (docs/PERFORMANCE.md#variants).
 struct Softcap {

@@ -244,9 +244,7 @@ struct WgmmaTileMath {
           }
         }
     }
-    // Block-uniform: the fixed base, no max and no rescale. bfloat16 P only: float16 P (a
-    // float16 cache) cannot hold the fixed base's weights up to 2^40.
-    if (std::is_same_v<T, __nv_bfloat16> && softcap.bounded) {
+    if (softcap.FixedBase<T>()) {  // block-uniform: the fixed base, no max and no rescale
       const float base = SoftmaxBase(softcap.fixed_max, scale_log2);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {

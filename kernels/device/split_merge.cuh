@@ -96,9 +96,9 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 
 // out = sum_s exp(lse_s - max) * out_s / sum_s exp(lse_s - max) over one tile's splits, one warp
 // per row; lanes own kMergeDims<D> consecutive dims. Partials come from other blocks: read
-// through L2. The splits go in batches whose LSEs (lane j: split j of the batch) and O slices are loaded
-// together, merged online (the running max rescales what came before), so each batch costs
-// one L2 round trip and none waits for a max over all splits first.
+// through L2. The splits go in batches whose LSEs (lane j: split j of the batch) and O slices
+// are loaded together, merged online (the running max rescales what came before), so each
+// batch costs one L2 round trip and none waits for a max over all splits first.
 // Splits per merge batch in the decode tiles: at head_dim 128, up to 33 splits (one wave of 264
 // blocks on 8 kv heads) take one batch.
 constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }

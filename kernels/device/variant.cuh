@@ -2,9 +2,11 @@
 // first position a row sees, the soft-cap of the scores, and a sink folded into a finished row.
 #pragma once
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "kernels/device/ptx.cuh"
 #include "kernels/paged_attention.h"
@@ -37,7 +39,7 @@ struct Softcap {
   float scale_log2 = 0.f;  // what takes a score as the tiles hold it to log2 units
   float in = 0.f;          // sm_scale / cap
   bool on = false;
-  bool bounded = false;    // capped, and the fixed base below serves every row
+  bool bounded = false;    // capped, and the fixed base below serves every row (FixedBase)
   float fixed_max = 0.f;   // the score (as the tiles hold it) whose SoftmaxBase is the fixed base
   float top = 0.f;         // the largest exponent against the fixed base (the clamp)
 
@@ -51,6 +53,12 @@ struct Softcap {
     c.fixed_max = c.bounded ? base / c.scale_log2 : 0.f;
     c.top = c.scale_log2 - base;
     return c;
+  }
+  // Whether a tile whose P is of type TP takes the fixed base: bfloat16 P only (f32's exponent
+  // range); float16 P cannot hold weights up to 2^40.
+  template <typename TP>
+  __device__ __forceinline__ bool FixedBase() const {
+    return std::is_same_v<TP, __nv_bfloat16> && bounded;
   }
   // Every score of an accumulator fragment, when on (a block-uniform branch).
   template <int kN>

@@ -35,8 +35,8 @@ ABSL_FLAG(int32_t, num_kv_heads, 8, "cache config: KV heads");
 ABSL_FLAG(int32_t, head_dim, 128, "cache config: head dim");
 ABSL_FLAG(int32_t, page_size, 16, "cache config: tokens per page");
 ABSL_FLAG(std::string, kv_dtype, "BFLOAT16",
-          "cache config: FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (any case; FLOAT32 and "
-          "FLOAT8_E4M3 on the CPU backend)");
+          "cache config: FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (any case; FLOAT32 on the "
+          "CPU backend only)");
 ABSL_FLAG(std::string, kv_scaling, "",
           "cache config, FLOAT8_E4M3 only: PER_TOKEN (the default: a scale per row, computed at "
           "append) or STATIC (with --kv_scales)");

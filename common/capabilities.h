@@ -76,7 +76,8 @@ inline constexpr int kMaxNumHeads = 1024;
 // converted to the cache dtype.
 inline constexpr std::array<DType, 4> kCpuKvDTypes = {DType::kFloat32, DType::kFloat16,
                                                       DType::kBFloat16, DType::kFloat8E4M3};
-inline constexpr std::array<DType, 2> kCudaKvDTypes = {DType::kFloat16, DType::kBFloat16};
+inline constexpr std::array<DType, 3> kCudaKvDTypes = {DType::kFloat16, DType::kBFloat16,
+                                                       DType::kFloat8E4M3};
 inline constexpr std::array<DType, 3> kIoDTypes = {DType::kFloat32, DType::kFloat16,
                                                    DType::kBFloat16};
 

@@ -44,8 +44,8 @@ def main() -> int:
                    help="model and cache dtype: float32 (CPU backend), bfloat16, float16; "
                         "auto: float32 on a CPU server, bfloat16 on a CUDA one")
     p.add_argument("--kv-dtype", default=None,
-                   help="the cache's dtype when not the model's: e.g. float8_e4m3 (an FP8 cache, "
-                        "CPU backend) under a float32 or bfloat16 model")
+                   help="the cache's dtype when not the model's: e.g. float8_e4m3 (an FP8 cache) "
+                        "under a float32 or bfloat16 model")
     p.add_argument("--device", default="auto", help="torch device of the model (auto: cuda if available)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--unary", action="store_true",

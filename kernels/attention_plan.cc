@@ -2,6 +2,8 @@
 // its params bound to the staged image's device copy.
 #include "kernels/attention_plan.h"
 
+#include <algorithm>
+#include <climits>
 #include <cstring>
 
 namespace pagedattn::kernels {
@@ -28,10 +30,39 @@ size_t BytesOf(const std::vector<T>& v) {
   return v.size() * sizeof(T);
 }
 
-// The tiles read q and write out in float or in the cache's dtype; the other 16-bit type is
-// converted through float.
+// The tiles read q and write out in float or in their own dtype (the cache's; bfloat16 for an
+// FP8 cache); the other 16-bit type is converted through float.
 bool TilesRead(DType q_dtype, DType kv_dtype) {
-  return q_dtype == DType::kFloat32 || q_dtype == kv_dtype;
+  return q_dtype == DType::kFloat32 || q_dtype == TileKvDType(kv_dtype);
+}
+
+// An FP8 cache's prefill tiles read a bfloat16 copy of the pages they attend: for each span with
+// prefill items, the pages from its items' first position to their last, renumbered 0, 1, ... in
+// a copy of the page table (the decode tiles keep reading the pool). Dequantizing once per
+// Forward rather than in the tiles: each page is read by every query tile of its span, so the
+// copy costs a small part of the tiles' work (docs/PERFORMANCE.md#fp8).
+void PlanDequantizedPages(const ForwardBatch& batch, const AttentionWork& work,
+                          std::vector<int32_t>* pages, std::vector<int32_t>* table) {
+  if (batch.kv_dtype != DType::kFloat8E4M3 || work.prefill_items.empty()) return;
+  struct Range {
+    int64_t offset = -1;
+    int32_t first = INT32_MAX, end = 0;  // page indices within the span
+  };
+  std::vector<Range> ranges(batch.spans.size());
+  for (const AttentionWorkItem& item : work.prefill_items) {
+    Range& r = ranges[static_cast<size_t>(item.span)];
+    r.offset = item.span_info.page_table_offset;
+    r.first = std::min(r.first, item.kv_start / batch.page_size);
+    r.end = std::max(r.end, (item.kv_end + batch.page_size - 1) / batch.page_size);
+  }
+  table->assign(batch.page_table.begin(), batch.page_table.end());
+  for (const Range& r : ranges) {
+    for (int32_t i = r.first; r.offset >= 0 && i < r.end; ++i) {
+      const size_t entry = static_cast<size_t>(r.offset + i);
+      (*table)[entry] = static_cast<int32_t>(pages->size());
+      pages->push_back(batch.page_table[entry]);
+    }
+  }
 }
 
 }  // namespace
@@ -61,6 +92,7 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
     AttachFirstPages(batch.page_table.data(), batch.page_size, &plan.work_);
   }
   plan.converts_q_ = !TilesRead(batch.q_dtype, batch.kv_dtype);
+  PlanDequantizedPages(batch, plan.work_, &plan.dequant_pages_, &plan.prefill_page_table_);
 
   const AttentionWork& w = plan.work_;
   const size_t q_elems =
@@ -88,6 +120,8 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   st.prefill_jobs = s.Take(BytesOf(w.prefill_jobs));
   st.prefill_job_start = s.Take(BytesOf(w.prefill_job_start));
   st.merge_tasks = s.Take(BytesOf(w.merge_tasks));
+  st.prefill_page_table = s.Take(BytesOf(plan.prefill_page_table_));
+  st.dequant_pages = s.Take(BytesOf(plan.dequant_pages_));
   st.upload_bytes = s.end();
   st.out_bytes = q_bytes;
   st.lse_bytes = batch.return_lse ? staged * static_cast<size_t>(batch.total_queries) *
@@ -101,6 +135,10 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   st.partial_out = s.Take(static_cast<size_t>(w.partial_rows) * batch.num_kv_heads *
                           batch.head_dim * sizeof(float));
   st.partial_lse = s.Take(static_cast<size_t>(w.partial_rows) * batch.num_kv_heads * sizeof(float));
+  const size_t copy_bytes = plan.dequant_pages_.size() * static_cast<size_t>(batch.num_kv_heads) *
+                            batch.page_size * batch.head_dim * DTypeSize(DType::kBFloat16);
+  st.dequant_k = s.Take(copy_bytes);
+  st.dequant_v = s.Take(copy_bytes);
   st.device_bytes = s.end();
   st.merge_counters = w.merge_tasks.size() * static_cast<size_t>(batch.num_kv_heads);
   return plan;
@@ -125,6 +163,8 @@ void AttentionPlan::WriteStaging(void* image, const void* q, const void* k, cons
   put(st.prefill_jobs, w.prefill_jobs.data(), BytesOf(w.prefill_jobs));
   put(st.prefill_job_start, w.prefill_job_start.data(), BytesOf(w.prefill_job_start));
   put(st.merge_tasks, w.merge_tasks.data(), BytesOf(w.merge_tasks));
+  put(st.prefill_page_table, prefill_page_table_.data(), BytesOf(prefill_page_table_));
+  put(st.dequant_pages, dequant_pages_.data(), BytesOf(dequant_pages_));
   if (batch_.external_tensors) return;  // the kernels read them where the caller keeps them
   put(st.q, q, st.out_bytes);           // q has out's dtype and shape
   const size_t kv_bytes = static_cast<size_t>(batch_.total_new_tokens) * batch_.num_kv_heads *
@@ -156,6 +196,7 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   ap.num_kv_heads = batch_.num_kv_heads;
   ap.head_dim = batch_.head_dim;
   ap.page_size = batch_.page_size;
+  ap.scales = batch_.kv_scales;
 
   PagedAttentionParams& p = launch.attention;
   p.kv_dtype = batch_.kv_dtype;
@@ -200,6 +241,14 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.partial_lse = reinterpret_cast<float*>(d + st.partial_lse);
   p.partial_rows = w.partial_rows;
   p.merge_counters = merge_counters;
+  p.scales = batch_.kv_scales;
+  if (!dequant_pages_.empty()) {
+    p.dequant_pages = reinterpret_cast<const int32_t*>(d + st.dequant_pages);
+    p.num_dequant_pages = static_cast<int32_t>(dequant_pages_.size());
+    p.dequant_k = d + st.dequant_k;
+    p.dequant_v = d + st.dequant_v;
+    p.prefill_page_table = reinterpret_cast<const int32_t*>(d + st.prefill_page_table);
+  }
 
   if (converts_q_) {
     launch.wire_dtype = batch_.q_dtype;

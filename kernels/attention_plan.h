@@ -54,6 +54,8 @@ struct ForwardBatch {
   int32_t window = 0;
   float softcap = 0.f;
   const float* sinks = nullptr;
+  // An FP8 cache's scales for this layer (PER_TOKEN's row arrays in device memory, or STATIC's).
+  KvScales kv_scales = {};
 };
 
 // Device addresses of a Forward's tensors outside the image (ForwardBatch::external_tensors):
@@ -82,6 +84,8 @@ struct ForwardStaging {
   size_t prefill_jobs = 0;
   size_t prefill_job_start = 0;
   size_t merge_tasks = 0;
+  size_t prefill_page_table = 0;  // an FP8 cache's prefill: the page table for its pages' copy
+  size_t dequant_pages = 0;       // and the pool pages copied
   size_t q = 0;
   size_t k = 0;
   size_t v = 0;
@@ -93,6 +97,8 @@ struct ForwardStaging {
   size_t out_f32 = 0;
   size_t partial_out = 0;
   size_t partial_lse = 0;
+  size_t dequant_k = 0;  // an FP8 cache's prefill: its pages' bfloat16 copy
+  size_t dequant_v = 0;
   size_t device_bytes = 0;
   size_t out_bytes = 0;       // out's bytes at `out`
   size_t lse_bytes = 0;       // lse's bytes at `lse` (0 unless asked for)
@@ -121,6 +127,10 @@ class AttentionPlan {
   const std::vector<int64_t>& slots() const { return slots_; }
   // Whether q crosses the tiles as a float copy (q's wire dtype is not one they read).
   bool converts_q() const { return converts_q_; }
+  // An FP8 cache's prefill: the pool pages its tiles read, copied as bfloat16 (in this order),
+  // and the page table that points its spans' entries at the copies (others unchanged).
+  const std::vector<int32_t>& dequant_pages() const { return dequant_pages_; }
+  const std::vector<int32_t>& prefill_page_table() const { return prefill_page_table_; }
 
   // Writes the inputs into image[0, staging().upload_bytes): the metadata, then q, k and v from
   // the caller's host buffers (k and v may be null when nothing is appended).
@@ -137,6 +147,8 @@ class AttentionPlan {
   AttentionPlanLimits limits_;
   AttentionWork work_;
   std::vector<int64_t> slots_;
+  std::vector<int32_t> dequant_pages_;
+  std::vector<int32_t> prefill_page_table_;
   ForwardStaging staging_;
   bool converts_q_ = false;
 };

@@ -7,7 +7,8 @@
 // table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
 // online softmax between them. The kKvWarps warps that share a row slice split each KV tile and
 // combine their softmax states at the end, so each K/V byte is read once for every head of its
-// GQA group.
+// GQA group. An FP8 cache's tiles are copied as stored (half the bytes) into staging stages and
+// dequantized, each thread its own chunks, into one bfloat16 tile that the same math reads.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -39,26 +40,42 @@ namespace pagedattn::kernels {
 constexpr int DecodeStages(int head_dim) {
   return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2;
 }
+// An FP8 cache's staging stages hold half the bytes of a 16-bit tile, so more of them fit beside
+// the dequantized tile: 4 up to head_dim 128 (as many blocks an SM as the 16-bit tiles, three
+// instead of two at 80), 3 at 256 (one block either way), 2 at 192 (a third would leave one block
+// an SM instead of two).
+constexpr int Fp8DecodeStages(int head_dim) {
+  return head_dim <= 128 ? 4 : head_dim == 256 ? 3 : 2;
+}
 
-template <typename T, int D, int kRowWarps, int kKvWarps>
+// S: the cache's element type as stored (T, or Fp8); T: the tiles' (TileType<S>).
+template <typename S, int D, int kRowWarps, int kKvWarps>
 struct DecodeTileConfig {
   static_assert(kRowWarps * kKvWarps == 4, "four warps per block");
   static_assert(kKvWarps > 1, "the decode tiles split each KV tile among warps");
+  using T = TileType<S>;
+  static constexpr bool kFp8 = kIsFp8<S>;
   static constexpr int kThreads = 128;
   static constexpr int kTileKv = kKvTileRows;         // positions per pipeline stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
   static constexpr int kRows = kRowWarps * 16;        // query rows per block
-  using Copy = KvCopyLayout<D, kThreads, kTileKv>;
-  static constexpr int kChunks = Copy::kChunks;  // 16-byte chunks per K/V row
+  using Copy = KvCopyLayout<D, kThreads, kTileKv, 16 / sizeof(S)>;
+  static constexpr int kChunks = Copy::kChunks;  // 16-byte chunks per K/V row as stored
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
   static constexpr int kRowStep = Copy::kRowStep;
-  static constexpr int kStages = DecodeStages(D);
+  static constexpr int kStages = kFp8 ? Fp8DecodeStages(D) : DecodeStages(D);
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kRowElems = kSmemRowElems<D>;          // a K, V or Q row in shared memory
   static constexpr int kTileElems = kTileKv * kRowElems;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
-  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
+  // A stage: the K then V tile (16-bit caches); an FP8 cache's K then V rows as stored (16-byte
+  // chunk c of row r at r * kChunks + c), then K's and V's row scales (PER_TOKEN), then, after
+  // the last stage, the one dequantized tile.
+  static constexpr size_t kFp8StageBytes = 2 * size_t{kTileKv} * D + 2 * kTileKv * sizeof(float);
+  static constexpr size_t kStageBytes = kFp8 ? kFp8StageBytes : kStageElems * sizeof(T);
+  static constexpr size_t kPipelineBytes =
+      size_t{kStages} * kStageBytes + (kFp8 ? kStageElems * sizeof(T) : 0);
   static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
   static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
   static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
@@ -67,6 +84,7 @@ struct DecodeTileConfig {
   static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
   static constexpr size_t SmemBytes() { return kQOffset + kQBytes; }
   static_assert(kWarpKv % 16 == 0, "each warp takes whole 16-position steps");
+  static_assert(kFp8StageBytes % 16 == 0, "stages keep 16-byte alignment");
 };
 
 // ---- One warp's 16 rows: what they see and their softmax state ----------------------------
@@ -324,14 +342,14 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
 
 // ---- Device body --------------------------------------------------------------------------
 
-template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+template <typename S, typename TIO, int D, int kRowWarps, int kKvWarps>
 __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                                                const AttentionWorkItem* items,
                                                const ItemFirstPages* first_pages) {
-  using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
+  using Cfg = DecodeTileConfig<S, D, kRowWarps, kKvWarps>;
+  using T = typename Cfg::T;
   using Math = DecodeTileMath<T, D>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kQOffset);
 
   // A separate merge launched after these tiles (Launcher::LaunchPair) may be scheduled
@@ -368,7 +386,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // plus its offset within the page: the kv head's rows, the position's row, the chunk.
   const char* k_bytes = static_cast<const char*>(p.k_cache);
   const char* v_bytes = static_cast<const char*>(p.v_cache);
-  constexpr uint32_t kRowBytes = D * sizeof(T);
+  constexpr uint32_t kRowBytes = D * sizeof(S);
   static_assert(uint64_t{kMaxNumHeads} * kMaxPageSize * kRowBytes <= uint64_t{1} << 32,
                 "a page of every kv head is addressed in 32 bits");
   const uint32_t page_bytes = static_cast<uint32_t>(p.num_kv_heads * p.page_size) * kRowBytes;
@@ -412,9 +430,12 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       }
     }
   };
+  unsigned char* const stages = smem_raw;
+  // FP8: the one dequantized tile (K then V) after the stages, and whether rows carry scales.
+  T* const fp8_tile = reinterpret_cast<T*>(smem_raw + Cfg::kStages * Cfg::kStageBytes);
+  const bool row_scales = Cfg::kFp8 && p.scales.k_rows != nullptr;
   auto issue_tile = [&](int tile, const TileRows& rows) {
-    T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileElems;
+    unsigned char* stage = stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
     if (!copies) return;
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
@@ -429,9 +450,51 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       }
       const uint64_t offset =
           static_cast<uint64_t>(static_cast<uint32_t>(rows.id[i])) * page_bytes + in_page;
-      const int smem_off = SwizzledOffset<D>(row, copy_chunk);
-      CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
-      CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+      if constexpr (Cfg::kFp8) {
+        // Without the evict-first policy: ptxas (CUDA 13.0, sm_90a) addresses these copies
+        // [R+UR] and misallocates the policy's descriptor register (an illegal instruction at
+        // run time); the 16-bit tiles' copies keep it.
+        unsigned char* sk = stage + (row * Cfg::kChunks + copy_chunk) * 16;
+        CpAsync16(SmemAddr(sk), k_bytes + offset, valid);
+        CpAsync16(SmemAddr(sk + Cfg::kTileKv * D), v_bytes + offset, valid);
+        if (row_scales && copy_chunk == 0) {  // offset / kRowBytes: the row's index in the pool
+          float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
+          const uint64_t pool_row = offset / kRowBytes;
+          CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_row, valid);
+          CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_row, valid);
+        }
+      } else {
+        T* sk = reinterpret_cast<T*>(stage);
+        T* sv = sk + Cfg::kTileElems;
+        const int smem_off = SwizzledOffset<D>(row, copy_chunk);
+        CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
+        CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+      }
+    }
+  };
+  // FP8: this thread's chunks of the tile at `stage` (the ones it copied), times their rows'
+  // scales, into the dequantized tile as bfloat16 (16-byte chunk c becomes chunks 2c, 2c + 1).
+  auto dequantize_tile = [&](const unsigned char* stage) {
+    if (!copies) return;
+    const float* scales = reinterpret_cast<const float*>(stage + 2 * Cfg::kTileKv * D);
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+      const int row = copy_row0 + i * Cfg::kRowStep;
+      const unsigned char* sk = stage + (row * Cfg::kChunks + copy_chunk) * 16;
+      const uint4 k8 = *reinterpret_cast<const uint4*>(sk);
+      const uint4 v8 = *reinterpret_cast<const uint4*>(sk + Cfg::kTileKv * D);
+      const float k_scale = fminf(row_scales ? scales[row] : p.scales.k, kMaxTileScale);
+      const float v_scale = fminf(row_scales ? scales[Cfg::kTileKv + row] : p.scales.v,
+                                  kMaxTileScale);
+      uint4 lo, hi;
+      T* tk = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk);
+      T* tk1 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + 1);
+      DequantizeChunk(k8, k_scale, lo, hi);
+      *reinterpret_cast<uint4*>(tk) = lo;
+      *reinterpret_cast<uint4*>(tk1) = hi;
+      DequantizeChunk(v8, v_scale, lo, hi);
+      *reinterpret_cast<uint4*>(tk + Cfg::kTileElems) = lo;
+      *reinterpret_cast<uint4*>(tk1 + Cfg::kTileElems) = hi;
     }
   };
 
@@ -443,12 +506,19 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     CpAsyncCommit();
     fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
   };
-  auto wait_for = [&](int /*tile*/) {
+  // FP8: then the tile is dequantized (its scales were copied by other threads: a barrier
+  // first) and a barrier makes it every warp's; the stage is free once that one has passed.
+  auto wait_for = [&](int tile) {
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
+    if constexpr (Cfg::kFp8) {
+      dequantize_tile(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
+      __syncthreads();
+    }
   };
   auto k_tile = [&](int tile) -> const T* {
-    return smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
+    if constexpr (Cfg::kFp8) return fp8_tile;
+    return reinterpret_cast<const T*>(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
   };
   auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileElems; };
 
@@ -539,7 +609,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
       Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
     }
-    __syncthreads();  // the stage is overwritten by the next iteration's copies
+    // The stage is overwritten by the next iteration's copies (an FP8 stage is free already;
+    // its dequantized tile is rewritten only after the next wait's first barrier).
+    if constexpr (!Cfg::kFp8) __syncthreads();
   }
   CpAsyncWait<0>();
 
@@ -592,6 +664,7 @@ constexpr auto DecodeKernel() {
 
 // then: a kernel to launch right after the tiles, programmatically dependent on them (the
 // separate merge); null for none.
+// T: the cache's element type as stored (__half, __nv_bfloat16, Fp8); TIO: float or TileType<T>.
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                const KernelLaunch* then, Launcher& launcher) {
@@ -670,7 +743,8 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
       !st.ok()) {
     return st;
   }
-  if (LaunchStatus st = DecodeKernelOccupancy<T, T, D, kRowWarps, kKvWarps>(&resident_t, &beside_t);
+  if (LaunchStatus st = DecodeKernelOccupancy<T, TileType<T>, D, kRowWarps, kKvWarps>(&resident_t,
+                                                                                   &beside_t);
       !st.ok()) {
     return st;
   }
@@ -680,15 +754,15 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
 }
 
 // Explicit instantiation of both decode tile shapes for one (cache dtype, head_dim), with q in
-// float and in T.
+// float and in the tiles' type (T; bfloat16 for an FP8 cache).
 #define PAGEDATTN_INSTANTIATE_DECODE_Q(T, TIO, D)                                              \
   template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(         \
       const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);              \
   template LaunchStatus LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>( \
       const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);
-#define PAGEDATTN_INSTANTIATE_DECODE(T, D)    \
-  PAGEDATTN_INSTANTIATE_DECODE_Q(T, float, D) \
-  PAGEDATTN_INSTANTIATE_DECODE_Q(T, T, D)     \
+#define PAGEDATTN_INSTANTIATE_DECODE(T, D)          \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, float, D)       \
+  PAGEDATTN_INSTANTIATE_DECODE_Q(T, TileType<T>, D) \
   template LaunchStatus DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(int*, int*);
 
 }  // namespace pagedattn::kernels

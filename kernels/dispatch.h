@@ -12,6 +12,7 @@
 #include <type_traits>
 
 #include "common/capabilities.h"
+#include "kernels/device/fp8.h"
 #include "kernels/launch.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"
@@ -35,13 +36,13 @@ constexpr bool SameHeadDims() {
 static_assert(SameHeadDims(),
               "kCudaHeadDims changed: add its instantiation in kernels/dispatch.h and a "
               "kernels/instantiate_hdim<N>_{f16,bf16}.cu files");
-static_assert(kCudaKvDTypes.size() == 2 && kCudaKvDTypes[0] == DType::kFloat16 &&
-                  kCudaKvDTypes[1] == DType::kBFloat16,
+static_assert(kCudaKvDTypes.size() == 3 && kCudaKvDTypes[0] == DType::kFloat16 &&
+                  kCudaKvDTypes[1] == DType::kBFloat16 && kCudaKvDTypes[2] == DType::kFloat8E4M3,
               "kCudaKvDTypes changed: extend DispatchKvDType");
 
 inline std::string DTypeString(DType t) { return std::string(DTypeName(t)); }
 
-// Cache dtype -> element type (f16, bf16).
+// Cache dtype -> element type as stored (f16, bf16, Fp8).
 template <typename F>
 LaunchStatus DispatchKvDType(DType dtype, F&& f) {
   switch (dtype) {
@@ -49,9 +50,12 @@ LaunchStatus DispatchKvDType(DType dtype, F&& f) {
       return f(TypeTag<__half>{});
     case DType::kBFloat16:
       return f(TypeTag<__nv_bfloat16>{});
+    case DType::kFloat8E4M3:
+      return f(TypeTag<Fp8>{});
     default:
-      return LaunchStatus::Unsupported("kv_dtype " + DTypeString(dtype) +
-                                       " has no CUDA kernel (supported: FLOAT16, BFLOAT16)");
+      return LaunchStatus::Unsupported(
+          "kv_dtype " + DTypeString(dtype) +
+          " has no CUDA kernel (supported: FLOAT16, BFLOAT16, FLOAT8_E4M3)");
   }
 }
 
@@ -117,20 +121,21 @@ inline LaunchStatus CheckGqa(int num_q_heads, int num_kv_heads) {
 }
 
 // The dtype the tiles read q and write out in (PagedAttentionParams::q_dtype) -> element type:
-// float32, or the cache's own T. Any other (the other 16-bit type) crosses the tiles as a float
-// copy (AttentionPlan converts it), so it never reaches here from a plan.
+// float32, or the tiles' own T (the cache's; bfloat16 for an FP8 cache, TileKvDType). Any other
+// (the other 16-bit type) crosses the tiles as a float copy (AttentionPlan converts it), so it
+// never reaches here from a plan.
 template <typename T, typename F>
 LaunchStatus DispatchQDType(DType q_dtype, DType kv_dtype, F&& f) {
   if (q_dtype == DType::kFloat32) return f(TypeTag<float>{});
-  if (q_dtype == kv_dtype) return f(TypeTag<T>{});
+  if (q_dtype == TileKvDType(kv_dtype)) return f(TypeTag<T>{});
   return LaunchStatus::Unsupported("q dtype " + DTypeString(q_dtype) + " on a " +
                                    DTypeString(kv_dtype) +
                                    " cache: the tiles read FLOAT32 or the cache's dtype");
 }
 
 // The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
-// kernels/instantiate_hdim*_{f16,bf16}.cu for T in {__half, __nv_bfloat16}, q in TIO in
-// {float, T} and the two warp layouts of attention_work.h. then: a kernel launched right after
+// kernels/instantiate_hdim*_{f16,bf16,fp8}.cu for T (as stored) in {__half, __nv_bfloat16, Fp8},
+// q in TIO in {float, TileType<T>} and the two warp layouts of attention_work.h. then: a kernel launched right after
 // the tiles that may start before they end (the separate merge, Launcher::LaunchPair); null for
 // none.
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
@@ -179,9 +184,9 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
                                            const KernelLaunch* then = nullptr) {
   return DispatchKvDType(params.kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
-    return DispatchQDType<T>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
+    return DispatchQDType<TileType<T>>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
       using TIO = typename decltype(q_tag)::type;
-      return DispatchHeadDim(params.head_dim, [&](auto d) {
+      return DispatchHeadDim(params.head_dim, [&](auto d) -> LaunchStatus {
         constexpr int D = decltype(d)::value;
         if (shape == TileShape::kDecode) {
           return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
@@ -191,12 +196,17 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
           return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
               params, stream, then, launcher);
         }
-        if constexpr (HasWgmmaPrefill(D)) {
-          if (PrefillRunsOnWgmma(params.prefill_path, D)) {
-            return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+        if constexpr (kIsFp8<T>) {
+          return LaunchStatus::Unsupported(
+              "an FP8 cache's prefill tiles read its pages' bfloat16 copy (LaunchPagedAttention)");
+        } else {
+          if constexpr (HasWgmmaPrefill(D)) {
+            if (PrefillRunsOnWgmma(params.prefill_path, D)) {
+              return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
+            }
           }
+          return LaunchPrefillTiles<T, TIO, D>(params, stream, launcher);
         }
-        return LaunchPrefillTiles<T, TIO, D>(params, stream, launcher);
       });
     });
   });
@@ -213,13 +223,16 @@ inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int
   });
 }
 
+// An FP8 cache's prefill runs the bfloat16 tiles (on its pages' copy): their occupancy.
 inline LaunchStatus DispatchPrefillWgmmaOccupancy(DType kv_dtype, int head_dim,
                                                   int* blocks_per_sm) {
-  return DispatchKvDType(kv_dtype, [&](auto tag) {
+  return DispatchKvDType(TileKvDType(kv_dtype), [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      if constexpr (HasWgmmaPrefill(D)) return PrefillWgmmaOccupancy<T, D>(blocks_per_sm);
+      if constexpr (HasWgmmaPrefill(D) && !kIsFp8<T>) {  // (never FP8 here: TileKvDType)
+        return PrefillWgmmaOccupancy<T, D>(blocks_per_sm);
+      }
       *blocks_per_sm = 0;  // the portable kernel: one block per item
       return LaunchStatus::Ok();
     });

@@ -1,5 +1,6 @@
 // The element-wise kernels: K/V rows appended into their pages (converted from the wire dtype to
-// the cache's), and dtype conversion between float32, float16 and bfloat16.
+// the cache's, or quantized into an FP8 cache), an FP8 cache's pages dequantized for the prefill
+// tiles, and dtype conversion between float32, float16 and bfloat16.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -52,6 +53,90 @@ __global__ void __launch_bounds__(256) AppendKvKernel(const __grid_constant__ Ap
   AppendBody<Src, Dst>(params);
 }
 
+// Into an FP8 cache: one warp per (token, head) row, K rows then V rows (blockIdx.y). PER_TOKEN:
+// the row's scale is its largest finite magnitude / 448 (1 for a row of zeros), found across the
+// warp and written beside the row; STATIC: the layer's. Values are stored as E4M3(x * (1 /
+// scale)), the host's StoreFp8Row to the bit (common/dtype.h Fp8RowScale).
+template <typename Src>
+__global__ void __launch_bounds__(256)
+    AppendKvFp8Kernel(const __grid_constant__ AppendParams params) {
+  const AppendParams& p = params;
+  constexpr int kWarps = 256 / 32;
+  const int lane = threadIdx.x & 31;
+  const bool is_v = blockIdx.y == 1;
+  const Src* src = static_cast<const Src*>(is_v ? p.v : p.k);
+  uint8_t* dst = static_cast<uint8_t*>(is_v ? p.v_cache : p.k_cache);
+  float* row_scales = is_v ? p.scales.v_rows : p.scales.k_rows;
+  const float static_scale = is_v ? p.scales.v : p.scales.k;
+  const int64_t rows = p.num_tokens * p.num_kv_heads;
+  const int per_lane = (p.head_dim + 31) / 32;  // up to 8 (head_dim 256)
+  for (int64_t r = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); r < rows;
+       r += int64_t{gridDim.x} * kWarps) {
+    const int64_t token = r / p.num_kv_heads;
+    const int head = static_cast<int>(r - token * p.num_kv_heads);
+    const Src* s = src + r * p.head_dim;
+    float x[8];
+    float max_abs = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int e = lane + 32 * j;
+      x[j] = j < per_lane && e < p.head_dim ? ToFloat(s[e]) : 0.f;
+      if (isfinite(x[j])) max_abs = fmaxf(max_abs, fabsf(x[j]));
+    }
+    float scale = static_scale, inverse = 1.f / static_scale;
+    if (row_scales != nullptr) {
+#pragma unroll
+      for (int m = 16; m > 0; m >>= 1) {
+        max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, m));
+      }
+      const bool usable = max_abs > 0.f && isfinite(max_abs);
+      scale = usable ? max_abs / 448.f : 1.f;
+      inverse = usable ? 448.f / max_abs : 1.f;
+    }
+    const int64_t slot = p.slots[token];
+    const int64_t page = slot / p.page_size, in_page = slot % p.page_size;
+    const int64_t pool_row = (page * p.num_kv_heads + head) * p.page_size + in_page;
+    uint8_t* d = dst + pool_row * p.head_dim;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const int e = lane + 32 * j;
+      if (j < per_lane && e < p.head_dim) d[e] = QuantizeE4m3(x[j] * inverse);
+    }
+    if (row_scales != nullptr && lane == 0) row_scales[pool_row] = scale;
+  }
+}
+
+// ---- FP8 pages -> bfloat16 ------------------------------------------------------------------
+
+// One thread per 16-byte chunk of FP8 values (16 of them) of page dequant_pages[i], K then V
+// (blockIdx.y): two 16-byte chunks of bfloat16 at the same place in page i of the copy.
+__global__ void __launch_bounds__(256)
+    DequantizePagesKernel(const __grid_constant__ PagedAttentionParams params) {
+  const PagedAttentionParams& p = params;
+  const bool is_v = blockIdx.y == 1;
+  const uint8_t* src = static_cast<const uint8_t*>(is_v ? p.v_cache : p.k_cache);
+  __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(is_v ? p.dequant_v : p.dequant_k);
+  const float* row_scales = is_v ? p.scales.v_rows : p.scales.k_rows;
+  const float static_scale = is_v ? p.scales.v : p.scales.k;
+  const int row_chunks = p.head_dim / 16;
+  const int64_t page_rows = int64_t{p.num_kv_heads} * p.page_size;
+  const int64_t page_chunks = page_rows * row_chunks;
+  const int64_t total = p.num_dequant_pages * page_chunks;
+  for (int64_t e = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; e < total;
+       e += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t i = e / page_chunks, within = e - i * page_chunks;
+    const int64_t pool_row = p.dequant_pages[i] * page_rows + within / row_chunks;
+    const int64_t src_chunk = p.dequant_pages[i] * page_chunks + within;
+    const uint4 in = reinterpret_cast<const uint4*>(src)[src_chunk];
+    uint4 lo, hi;
+    const float scale = row_scales != nullptr ? row_scales[pool_row] : static_scale;
+    DequantizeChunk(in, fminf(scale, kMaxTileScale), lo, hi);
+    uint4* out = reinterpret_cast<uint4*>(dst) + 2 * e;
+    out[0] = lo;
+    out[1] = hi;
+  }
+}
+
 // ---- Conversion ---------------------------------------------------------------------------
 
 template <typename Src, typename Dst>
@@ -76,17 +161,41 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream, Lau
     return LaunchStatus::Unsupported("head_dim must be a positive multiple of 8 (got " +
                                      std::to_string(params.head_dim) + ")");
   }
+  if (params.head_dim > 256) {
+    return LaunchStatus::Unsupported("head_dim must be at most 256 (got " +
+                                     std::to_string(params.head_dim) + ")");
+  }
   return DispatchIoDType(params.src_dtype, [&](auto src_tag) {
     using Src = typename decltype(src_tag)::type;
     return DispatchKvDType(params.cache_dtype, [&](auto dst_tag) {
       using Dst = typename decltype(dst_tag)::type;
       constexpr int kThreads = 256;
-      const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
-      const dim3 grid(GridFor(work, kThreads), 2);
-      return launcher.Launch(AppendKvKernel<Src, Dst>, grid, dim3(kThreads), 0, stream, params,
-                             "append K/V");
+      if constexpr (kIsFp8<Dst>) {
+        const int64_t rows = params.num_tokens * params.num_kv_heads;
+        const dim3 grid(GridFor(rows * 32, kThreads), 2);
+        return launcher.Launch(AppendKvFp8Kernel<Src>, grid, dim3(kThreads), 0, stream, params,
+                               "append K/V (FP8)");
+      } else {
+        const int64_t work = params.num_tokens * params.num_kv_heads * (params.head_dim / 8);
+        const dim3 grid(GridFor(work, kThreads), 2);
+        return launcher.Launch(AppendKvKernel<Src, Dst>, grid, dim3(kThreads), 0, stream, params,
+                               "append K/V");
+      }
     });
   });
+}
+
+LaunchStatus LaunchDequantizePages(const PagedAttentionParams& params, cudaStream_t stream,
+                                   Launcher& launcher) {
+  if (params.num_dequant_pages == 0) return LaunchStatus::Ok();
+  if (params.kv_dtype != DType::kFloat8E4M3 || params.head_dim % 16 != 0) {
+    return LaunchStatus::Unsupported("dequantize pages: an FP8 cache of head_dim a multiple of 16");
+  }
+  constexpr int kThreads = 256;
+  const int64_t work = int64_t{params.num_dequant_pages} * params.num_kv_heads * params.page_size *
+                       (params.head_dim / 16);
+  return launcher.Launch(DequantizePagesKernel, dim3(GridFor(work, kThreads), 2), dim3(kThreads),
+                         0, stream, params, "dequantize FP8 pages");
 }
 
 LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,

@@ -139,9 +139,9 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
   const bool separate_merge = params.separate_merge && params.num_merge_tasks > 0;
   KernelLaunch merge;
   if (separate_merge) {
-    // out's element type: float, or the cache's (DispatchQDType's rule).
+    // out's element type: float, or the tiles' (DispatchQDType's rule).
     LaunchStatus st = DispatchKvDType(params.kv_dtype, [&](auto tag) {
-      using T = typename decltype(tag)::type;
+      using T = TileType<typename decltype(tag)::type>;
       return DispatchQDType<T>(params.q_dtype, params.kv_dtype, [&](auto q_tag) {
         using TIO = typename decltype(q_tag)::type;
         return DispatchHeadDim(params.head_dim, [&](auto d) {
@@ -171,7 +171,15 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& in, cudaStream_t s
     if (merge_after_decode) return LaunchStatus::Ok();
   }
   if (params.num_prefill_items > 0) {
-    if (LaunchStatus st = DispatchAttentionTiles(params, TileShape::kPrefill, stream, launcher);
+    PagedAttentionParams prefill = params;
+    if (params.kv_dtype == DType::kFloat8E4M3) {  // the bfloat16 tiles on the pages' copy
+      if (LaunchStatus st = LaunchDequantizePages(params, stream, launcher); !st.ok()) return st;
+      prefill.kv_dtype = DType::kBFloat16;
+      prefill.k_cache = params.dequant_k;
+      prefill.v_cache = params.dequant_v;
+      prefill.page_table = params.prefill_page_table;
+    }
+    if (LaunchStatus st = DispatchAttentionTiles(prefill, TileShape::kPrefill, stream, launcher);
         !st.ok()) {
       return st;
     }

@@ -33,11 +33,31 @@ struct FastDivmod {
 #endif
 };
 
+// ---- FP8 caches ---------------------------------------------------------------------------
+
+// How one layer of an FP8 (E4M3) cache scales K and V: a stored value reads back as
+// float(stored) * scale. PER_TOKEN: one scale per row ([num_pages][num_kv_heads][page_size]
+// floats each, written by the append); STATIC: the layer's two scales, k and v.
+struct KvScales {
+  float* k_rows = nullptr;  // null: STATIC (k, v below)
+  float* v_rows = nullptr;
+  float k = 1.f;
+  float v = 1.f;
+};
+
+// The element type an FP8 cache's tiles compute in (bfloat16, kernels/device/dtype.cuh
+// TileType); any other cache's own.
+constexpr DType TileKvDType(DType kv_dtype) {
+  return kv_dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : kv_dtype;
+}
+
 // ---- Append ---------------------------------------------------------------------------------
 
 // Writes num_tokens new K and V rows into the pool of one layer. Row i of k/v
 // ([num_tokens][num_kv_heads][head_dim] in src_dtype) goes to pool slot slots[i]
-// (= page * page_size + row in page), converted to cache_dtype.
+// (= page * page_size + row in page), converted to cache_dtype; into an FP8 cache quantized
+// (saturating) by the row's own scale (PER_TOKEN: its largest magnitude / 448, written to
+// scales' row arrays) or the layer's.
 struct AppendParams {
   const void* k = nullptr;
   const void* v = nullptr;
@@ -50,6 +70,7 @@ struct AppendParams {
   int32_t num_kv_heads = 0;
   int32_t head_dim = 0;
   int32_t page_size = 0;
+  KvScales scales = {};  // FP8 caches only
 };
 
 LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream, Launcher& launcher);
@@ -129,6 +150,18 @@ struct PagedAttentionParams {
   // [num_q_heads] logits (natural log, the units of the scaled scores) that join each row's
   // softmax denominator and carry no value.
   const float* sinks = nullptr;
+
+  // An FP8 cache (kv_dtype kFloat8E4M3): the layer's scales. The decode tiles dequantize K/V
+  // on their way into shared memory; the prefill tiles read a bfloat16 copy of the pages their
+  // spans attend (AttentionPlan: prefill's pages are few and each is read by many query tiles):
+  // page dequant_pages[i] of the pool goes to page i of dequant_k / dequant_v (num_dequant_pages
+  // of them), and prefill_page_table is page_table with those spans' entries renumbered so.
+  KvScales scales = {};
+  const int32_t* dequant_pages = nullptr;
+  int32_t num_dequant_pages = 0;
+  void* dequant_k = nullptr;
+  void* dequant_v = nullptr;
+  const int32_t* prefill_page_table = nullptr;
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as
@@ -148,6 +181,11 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& params, cudaStream
 // dst[i] = src[i] converted between any two of float32 / float16 / bfloat16.
 LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
                            cudaStream_t stream);
+
+// An FP8 cache's pages params.dequant_pages -> params.dequant_k / dequant_v as bfloat16, each
+// value times its scale (the prefill tiles' copy, PagedAttentionParams).
+LaunchStatus LaunchDequantizePages(const PagedAttentionParams& params, cudaStream_t stream,
+                                   Launcher& launcher);
 
 // ---- One Forward --------------------------------------------------------------------------
 

@@ -8,8 +8,10 @@
 //
 //   pagedattn-bench [--suite decode|prefill] [--cases "1,32768 16,4096"] [--ragged 4096,100,7000]
 //                   [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--page-size 16]
-//                   [--dtype bfloat16|float16]          the cache's
-//                   [--q-dtype float32|bfloat16|float16] q's and out's (default: the cache's)
+//                   [--dtype bfloat16|float16|float8_e4m3]  the cache's
+//                   [--kv-scaling per-token|static]     an FP8 cache's scales (default: per-token)
+//                   [--q-dtype float32|bfloat16|float16] q's and out's (default: the cache's;
+//                     bfloat16 for an FP8 cache, whose tiles compute in it)
 //                   [--causal | --non-causal]          (default: causal)
 //                   [--window W] [--softcap C] [--sinks]  a layer attention variant: a sliding
 //                     window (decode rows then count only the window's bytes), a logit soft-cap,
@@ -33,6 +35,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -49,6 +52,7 @@
 #include "common/dtype.h"
 #include "common/reference.h"
 #include "kernels/attention_plan.h"
+#include "kernels/device/dtype.cuh"
 #include "kernels/dispatch.h"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
@@ -79,7 +83,8 @@ struct Config {
   std::vector<std::vector<int>> cases;  // per case: context length of each sequence
   int q_heads = 32, kv_heads = 8, head_dim = 128, page_size = 16;
   DType dtype = DType::kBFloat16;
-  DType q_dtype = DType::kUnspecified;  // kUnspecified: the cache's
+  bool static_scales = false;           // an FP8 cache's: STATIC rather than PER_TOKEN
+  DType q_dtype = DType::kUnspecified;  // kUnspecified: the cache's (its tiles')
   bool causal = true;
   int32_t window = 0;  // the layer attention variant (PagedAttentionParams::window, softcap, sinks)
   float softcap = 0.f;
@@ -97,7 +102,16 @@ constexpr int kBackToBack = 20;  // launches of the back-to-back timing
 constexpr int kMaxPoolCopies = 8;
 
 const char* DTypeKey(DType t) {
-  return t == DType::kFloat32 ? "float32" : (t == DType::kFloat16 ? "float16" : "bfloat16");
+  switch (t) {
+    case DType::kFloat32:
+      return "float32";
+    case DType::kFloat16:
+      return "float16";
+    case DType::kFloat8E4M3:
+      return "float8_e4m3";
+    default:
+      return "bfloat16";
+  }
 }
 
 std::vector<int> ParseInts(const std::string& s, char sep) {
@@ -169,7 +183,10 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--page-size")
       c.page_size = std::atoi(next().c_str());
     else if (a == "--dtype")
-      c.dtype = kDTypes[one_of({"bfloat16", "float16"})];
+      c.dtype = std::array<DType, 3>{DType::kBFloat16, DType::kFloat16, DType::kFloat8E4M3}
+          [one_of({"bfloat16", "float16", "float8_e4m3"})];
+    else if (a == "--kv-scaling")
+      c.static_scales = one_of({"per-token", "static"}) == 1;
     else if (a == "--q-dtype")
       c.q_dtype = kDTypes[one_of({"bfloat16", "float16", "float32"})];
     else if (a == "--causal")
@@ -201,7 +218,7 @@ Config ParseFlags(int argc, char** argv) {
       std::exit(2);
     }
   }
-  if (c.q_dtype == DType::kUnspecified) c.q_dtype = c.dtype;
+  if (c.q_dtype == DType::kUnspecified) c.q_dtype = TileKvDType(c.dtype);
   // peers.py's default shapes for the suite.
   if (cases.empty()) {
     cases = c.prefill ? "4,4096 2,8192 1,16384" : "1,32768 16,4096 64,4096 256,2048 128,8192";
@@ -231,6 +248,21 @@ __global__ void FillRandom(T* data, int64_t n, uint64_t seed) {
     } else {
       data[i] = __float2half_rn(f);
     }
+  }
+}
+
+// An FP8 pool: E4M3 codes of values uniform in [-448, 448); PER_TOKEN row scales uniform in
+// [0.5, 1.5) / 448, so that K and V read back about as the 16-bit pools' values.
+__global__ void FillRandomFp8(uint8_t* data, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    data[i] = QuantizeE4m3(448.f * HashUniform(seed, i));
+  }
+}
+__global__ void FillRowScales(float* scales, int64_t n, uint64_t seed) {
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    scales[i] = (1.f + 0.5f * HashUniform(seed, i)) / 448.f;
   }
 }
 
@@ -298,6 +330,7 @@ struct BenchCase {
   int64_t pool_bytes = 0;
   int copies = 1;
   std::vector<void*> k_pools, v_pools;
+  std::vector<KvScales> scales;  // an FP8 cache's, per copy
   AttentionPlan plan;
   ForwardWorkspace ws;
   ForwardLaunch launch;
@@ -312,6 +345,10 @@ struct BenchCase {
   ~BenchCase() {
     for (void* p : k_pools) cudaFree(p);
     for (void* p : v_pools) cudaFree(p);
+    for (const KvScales& s : scales) {
+      cudaFree(s.k_rows);
+      cudaFree(s.v_rows);
+    }
     if (sinks_device) cudaFree(sinks_device);
     if (l2_scratch) cudaFree(l2_scratch);
     if (sink) cudaFree(sink);
@@ -322,6 +359,7 @@ struct BenchCase {
   void UseCopy(int copy) {
     launch.attention.k_cache = k_pools[copy % copies];
     launch.attention.v_cache = v_pools[copy % copies];
+    if (!scales.empty()) launch.attention.scales = scales[copy % copies];
   }
 };
 
@@ -366,7 +404,20 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
     BENCH_CHECK_CUDA(cudaMalloc(&v, c->pool_bytes));
     c->k_pools.push_back(k);
     c->v_pools.push_back(v);
-    if (cfg.dtype == DType::kBFloat16) {
+    if (cfg.dtype == DType::kFloat8E4M3) {
+      FillRandomFp8<<<4096, 256>>>(static_cast<uint8_t*>(k), pool_elems, 2 * r + 1);
+      FillRandomFp8<<<4096, 256>>>(static_cast<uint8_t*>(v), pool_elems, 2 * r + 2);
+      KvScales sc;
+      sc.k = sc.v = 1.f / 448.f;  // STATIC
+      if (!cfg.static_scales) {
+        const int64_t rows = pool_elems / D;
+        BENCH_CHECK_CUDA(cudaMalloc(&sc.k_rows, rows * sizeof(float)));
+        BENCH_CHECK_CUDA(cudaMalloc(&sc.v_rows, rows * sizeof(float)));
+        FillRowScales<<<1024, 256>>>(sc.k_rows, rows, 2 * r + 101);
+        FillRowScales<<<1024, 256>>>(sc.v_rows, rows, 2 * r + 102);
+      }
+      c->scales.push_back(sc);
+    } else if (cfg.dtype == DType::kBFloat16) {
       FillRandom<<<4096, 256>>>(static_cast<__nv_bfloat16*>(k), pool_elems, 2 * r + 1);
       FillRandom<<<4096, 256>>>(static_cast<__nv_bfloat16*>(v), pool_elems, 2 * r + 2);
     } else {
@@ -385,8 +436,8 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
   std::vector<char> q_wire(c->q.size() * DTypeSize(cfg.q_dtype));
   for (size_t i = 0; i < c->q.size(); ++i) {
     char buf[4];
-    StoreFromFloat(cfg.dtype, buf, 0, uni(rng));
-    c->q[i] = LoadAsFloat(cfg.dtype, buf, 0);
+    StoreFromFloat(TileKvDType(cfg.dtype), buf, 0, uni(rng));
+    c->q[i] = LoadAsFloat(TileKvDType(cfg.dtype), buf, 0);
     StoreFromFloat(cfg.q_dtype, q_wire.data(), static_cast<int64_t>(i), c->q[i]);
     c->q[i] = LoadAsFloat(cfg.q_dtype, q_wire.data(), static_cast<int64_t>(i));  // as staged
   }
@@ -422,7 +473,8 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
                               .return_lse = true,
                               .window = cfg.window,
                               .softcap = cfg.softcap,
-                              .sinks = c->sinks_device};
+                              .sinks = c->sinks_device,
+                              .kv_scales = c->scales.empty() ? KvScales{} : c->scales[0]};
   c->plan = AttentionPlan::Make(batch, limits);
   CheckLaunch(c->ws.Reserve(c->plan, c->stream), "workspace");
   c->ws.StageInputs(c->plan, q_wire.data(), nullptr, nullptr);
@@ -468,19 +520,35 @@ double CheckAgainstReference(const Config& cfg, BenchCase& c, Launcher& launcher
   for (int b : check) {
     // The sequence's K and V from pool copy 0, page by page.
     const int L = c.ctx[b];
+    // An FP8 pool's values read back as float(code) * their row's scale (or the static one).
     std::vector<float> k(int64_t{L} * Hkv * D), v(k.size());
     std::vector<uint16_t> page(int64_t{Hkv} * ps * D);
+    std::vector<float> row_scales(int64_t{Hkv} * ps, 1.f);
+    const size_t elem = DTypeSize(cfg.dtype);
     for (int64_t j = 0; j < c.page_offset[b + 1] - c.page_offset[b]; ++j) {
       const int64_t pg = c.table[c.page_offset[b] + j];
       for (int kv = 0; kv < 2; ++kv) {
         const char* src = static_cast<const char*>(kv == 0 ? c.k_pools[0] : c.v_pools[0]) +
-                          pg * Hkv * ps * D * DTypeSize(cfg.dtype);
-        BENCH_CHECK_CUDA(cudaMemcpy(page.data(), src, page.size() * 2, cudaMemcpyDeviceToHost));
+                          pg * Hkv * ps * D * elem;
+        BENCH_CHECK_CUDA(
+            cudaMemcpy(page.data(), src, page.size() * elem, cudaMemcpyDeviceToHost));
+        if (!c.scales.empty()) {
+          const KvScales& sc = c.scales[0];
+          const float* rows = kv == 0 ? sc.k_rows : sc.v_rows;
+          if (rows != nullptr) {
+            BENCH_CHECK_CUDA(cudaMemcpy(row_scales.data(), rows + pg * Hkv * ps,
+                                        row_scales.size() * sizeof(float),
+                                        cudaMemcpyDeviceToHost));
+          } else {
+            std::fill(row_scales.begin(), row_scales.end(), kv == 0 ? sc.k : sc.v);
+          }
+        }
         for (int h = 0; h < Hkv; ++h) {
           for (int r = 0; r < ps && j * ps + r < L; ++r) {
             for (int d = 0; d < D; ++d) {
               (kv == 0 ? k : v)[((j * ps + r) * Hkv + h) * D + d] =
-                  LoadAsFloat(cfg.dtype, page.data(), (int64_t{h} * ps + r) * D + d);
+                  LoadAsFloat(cfg.dtype, page.data(), (int64_t{h} * ps + r) * D + d) *
+                  row_scales[int64_t{h} * ps + r];
             }
           }
         }
@@ -642,7 +710,10 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
   }
   int64_t positions = 0;  // read: a window's positions only
   for (int len : c.ctx) positions += cfg.window > 0 ? std::min(len, cfg.window) : len;
-  const double kv_bytes = 2.0 * positions * Hkv * D * DTypeSize(cfg.dtype);
+  // An FP8 cache's PER_TOKEN rows carry a 4-byte scale each.
+  const double row_bytes = static_cast<double>(D) * DTypeSize(cfg.dtype) +
+                           (cfg.dtype == DType::kFloat8E4M3 && !cfg.static_scales ? 4 : 0);
+  const double kv_bytes = 2.0 * positions * Hkv * row_bytes;
   const bool uniform =
       std::all_of(c.ctx.begin(), c.ctx.end(), [&](int x) { return x == c.ctx[0]; });
   const std::string ctx = uniform ? std::to_string(c.ctx[0]) : "\"ragged\"";

@@ -25,6 +25,11 @@ a tanh score_mod), SDPA decode with a window (the last W positions, what a torch
 SDPA has no soft-cap and its fused kernels no window mask in prefill, so those rows say so.
 Rows carry "window" / "softcap" then, which compare.py joins on.
 
+--kv-dtype float8_e4m3: FlashInfer's decode on an FP8 (E4M3) paged cache, K and V each
+quantized with one scale (amax / 448, what FlashInfer takes: k_scale, v_scale); q and out stay
+--dtype. Its rows carry "kv_dtype": "float8_e4m3" and count K/V bytes at one byte each; the
+SDPA peers read no FP8 cache, so they are not run.
+
 Shapes are "B,C" for decode (batch, context) and "B,L" for prefill (batch,
 sequence length); heads and head_dim are flags. --ragged "C1,C2,..." adds one
 decode batch of those contexts (flashinfer only: the SDPA peers need equal
@@ -53,6 +58,7 @@ PEERS = set(ALL_PEERS)  # --peers narrows it
 FI_DECODE_VARIANTS = ("fa2", "fa2_tc")
 FI_PREFILL_VARIANTS = ("fa2", "fa3")
 WINDOW = 0     # --window: a query at p sees p - WINDOW + 1 .. p (0: no window)
+KV_FP8 = False  # --kv-dtype float8_e4m3: FlashInfer decode on an FP8 cache
 SOFTCAP = 0.0  # --softcap: scores s become SOFTCAP * tanh(s / SOFTCAP) (0: none)
 
 
@@ -103,7 +109,7 @@ def decode(rows, shapes, hq, hk, d, page, dtype):
         base = {"suite": "decode", "batch": b, "ctx": c, "q_heads": hq, "kv_heads": hk,
                 "head_dim": d, "page_size": page, "dtype": str(dtype).split(".")[-1],
                 **variant_keys()}
-        if PEERS & {"cudnn", "flash", "gather_flash"}:
+        if PEERS & {"cudnn", "flash", "gather_flash"} and not KV_FP8:
             sdpa_decode(rows, base, b, c, hq, hk, d, page, dtype)
         if "flashinfer" in PEERS:
             flashinfer_decode(rows, base, [c] * b, hq, hk, d, page, dtype)
@@ -218,6 +224,14 @@ def flashinfer_decode(rows, base, ctxs, hq, hk, d, page, dtype):
     except Exception as ex:
         rows.append(dict(base, peer="flashinfer", error=f"{type(ex).__name__}: {ex}"[:300]))
         return
+    scales = {}
+    kv_dtype = dtype
+    if KV_FP8:  # one scale for K and one for V: the values' amax / 448
+        kv_dtype = torch.float8_e4m3fn
+        ks, vs = (kc.abs().max() / 448).item(), (vc.abs().max() / 448).item()
+        kc, vc = (kc / ks).to(kv_dtype), (vc / vs).to(kv_dtype)
+        scales = dict(k_scale=ks, v_scale=vs)
+        base = dict(base, kv_dtype="float8_e4m3")
     read = [min(c, WINDOW) if WINDOW else c for c in ctxs]  # a window's positions only
     kv_bytes = 2 * sum(read) * hk * d * kc.element_size()
     for variant in FI_DECODE_VARIANTS:
@@ -225,15 +239,17 @@ def flashinfer_decode(rows, base, ctxs, hq, hk, d, page, dtype):
         try:
             w = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 _fi_workspace(), "NHD", use_tensor_cores=(variant == "fa2_tc"))
-            w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=dtype, kv_data_type=dtype,
-                   **fi_variant())
-            out = w.run(q, (kc, vc))
+            w.plan(indptr, indices, last, hq, hk, d, page, q_data_type=dtype,
+                   kv_data_type=kv_dtype, **fi_variant())
+            out = w.run(q, (kc, vc), **scales)
             torch.cuda.synchronize()
             err = 0.0
             for s in sorted({0, b - 1}):
                 k, v = _seq_kv(kc, vc, indptr, indices, s, ctxs[s])
+                if KV_FP8:
+                    k, v = k * scales["k_scale"], v * scales["v_scale"]
                 err = max(err, _rel_err(out[s], _ref_attend(q[s], k, v)))
-            t = median_seconds(lambda: w.run(q, (kc, vc)))
+            t = median_seconds(lambda: w.run(q, (kc, vc), **scales))
             row.update(time_us=t * 1e6, tbps=kv_bytes / t / 1e12, max_rel_err=err,
                        resolved_backend=str(getattr(w, "resolved_backend", "")))
         except Exception as ex:
@@ -346,7 +362,7 @@ def parse_shapes(text):
 
 
 def main():
-    global PEERS, WINDOW, SOFTCAP
+    global PEERS, WINDOW, SOFTCAP, KV_FP8
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decode", default=DEFAULT_DECODE, help='"B,C B,C ..." or none')
     p.add_argument("--prefill", default=DEFAULT_PREFILL, help='"B,L B,L ..." or none')
@@ -356,6 +372,8 @@ def main():
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
+    p.add_argument("--kv-dtype", choices=["same", "float8_e4m3"], default="same",
+                   help="the paged cache's dtype for FlashInfer decode (same: --dtype)")
     p.add_argument("--non-causal", action="store_true", help="prefill without the causal mask")
     p.add_argument("--window", type=int, default=0, help="sliding window W (0: none)")
     p.add_argument("--softcap", type=float, default=0.0, help="logit soft-cap C (0: none)")
@@ -365,6 +383,7 @@ def main():
     a = p.parse_args()
     PEERS = set(x for x in a.peers.split(",") if x)
     WINDOW, SOFTCAP = a.window, a.softcap
+    KV_FP8 = a.kv_dtype == "float8_e4m3"
     dtype = getattr(torch, a.dtype)
     rows = []
     if not a.no_limits:

@@ -1,11 +1,15 @@
 // Device conversions between float and the 16-bit element types (f16, bf16): single values,
-// and a pair packed into the 32-bit register an mma operand or a 4-byte store takes.
+// and a pair packed into the 32-bit register an mma operand or a 4-byte store takes; and the
+// FP8 (E4M3) cache's quantization and its dequantization into bfloat16 tiles.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 #include <cstdint>
+
+#include "kernels/device/fp8.h"
 
 namespace pagedattn::kernels {
 
@@ -69,6 +73,38 @@ __device__ __forceinline__ float SoftmaxBase(float mx, float scale_log2) {
 }
 __device__ __forceinline__ float SoftmaxExponent(float s, float scale_log2, float base) {
   return fminf(fmaf(s, scale_log2, -base), 0.f);  // also maps an inf or NaN score to the max
+}
+
+// ---- FP8 (E4M3) caches ----------------------------------------------------------------------
+
+// float -> E4M3: round to nearest even; past 448 (infinities too) saturates; NaN stays NaN. The
+// host's FloatToE4m3 (common/dtype.h) rounds the same.
+__device__ __forceinline__ uint8_t QuantizeE4m3(float x) {
+  return static_cast<uint8_t>(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// The largest scale a tile applies: 448 times it is bfloat16's largest value, so that every
+// dequantized value stays finite (a row scaled past it reads back saturated, as a bfloat16
+// cache's values past bfloat16's range are stored).
+inline constexpr float kMaxTileScale = 3.38953138925153547590e38f / 448.f;
+
+// A 16-byte chunk of E4M3 values times scale (at most kMaxTileScale), as the two 16-byte chunks
+// of bfloat16 they become. No per-value saturation: |stored| <= 448 bounds the products (the
+// per-value clamps cost a third of an FP8 decode tile's time, docs/PERFORMANCE.md#fp8).
+__device__ __forceinline__ void DequantizeChunk(const uint4& in, float scale, uint4& lo,
+                                                uint4& hi) {
+  const uint32_t w[4] = {in.x, in.y, in.z, in.w};
+  uint32_t out[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint16_t pair = static_cast<uint16_t>(i % 2 ? w[i / 2] >> 16 : w[i / 2] & 0xffffu);
+    const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(pair, __NV_E4M3);
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+    __nv_bfloat162 b = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    out[i] = *reinterpret_cast<const uint32_t*>(&b);
+  }
+  lo = make_uint4(out[0], out[1], out[2], out[3]);
+  hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
 }  // namespace pagedattn::kernels

@@ -60,6 +60,13 @@ __device__ __forceinline__ void CpAsync16Policy(uint32_t smem_addr, const void* 
       "l"(src), "r"(src_size), "l"(policy)
       : "memory");
 }
+// 4 bytes (an FP8 row's scale), zero-filled when !valid.
+__device__ __forceinline__ void CpAsync4(uint32_t smem_addr, const void* src, bool valid) {
+  const int src_size = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(src),
+               "r"(src_size)
+               : "memory");
+}
 // The L2 policy of data read once: its lines are the first evicted.
 __device__ __forceinline__ uint64_t EvictFirstPolicy() {
   uint64_t policy;

@@ -42,18 +42,19 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   }
 }
 
-// How a block's threads copy a K/V tile of kTileKv rows: in kSlots columns of 16-byte chunks,
-// each thread taking chunk tid % kSlots of rows tid / kSlots + i * kRowStep. kSlots is the row's
-// chunks rounded up to a power of two, so that it divides the block; a thread whose column is
-// past the row (head dims 80, 96, 192) copies nothing.
+// How a block's threads copy a K/V tile of kTileKv rows: in kSlots columns of 16-byte chunks
+// (kElemsPerChunk elements: 8 of a 16-bit cache, 16 of an FP8 one), each thread taking chunk
+// tid % kSlots of rows tid / kSlots + i * kRowStep. kSlots is the row's chunks rounded up to a
+// power of two, so that it divides the block; a thread whose column is past the row (head dims
+// 80, 96, 192) copies nothing.
 constexpr int PowerOfTwoAtLeast(int n) {
   int p = 1;
   while (p < n) p *= 2;
   return p;
 }
-template <int D, int kThreads, int kTileKv>
+template <int D, int kThreads, int kTileKv, int kElemsPerChunk = 8>
 struct KvCopyLayout {
-  static constexpr int kChunks = D / 8;  // 16-byte chunks per row
+  static constexpr int kChunks = D / kElemsPerChunk;  // 16-byte chunks per row
   static constexpr int kSlots = PowerOfTwoAtLeast(kChunks);
   static constexpr int kRowStep = kThreads / kSlots;         // rows one copy pass covers
   static constexpr int kRowsPerThread = kTileKv / kRowStep;  // rows each thread copies

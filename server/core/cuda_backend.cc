@@ -60,11 +60,17 @@ class CudaKvPool final : public KvPool {
  public:
   // sinks: num_layers x num_q_heads floats on the device (layers without sinks unused), or null
   // when no layer has sinks.
+  // layer_bytes: one layer's K (or V). An FP8 cache's scales: static_scales (STATIC: K's and V's
+  // per layer) or, PER_TOKEN, row_scales floats per layer for K then as many for V, after every
+  // layer's K and V.
   CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits,
-             std::vector<cudaEvent_t> layer_done, float* sinks, int32_t num_q_heads)
+             std::vector<cudaEvent_t> layer_done, float* sinks, int32_t num_q_heads,
+             std::vector<float> static_scales, int64_t row_scales)
       : device_(device),
         base_(base),
         layer_bytes_(layer_bytes),
+        static_scales_(std::move(static_scales)),
+        row_scales_(row_scales),
         limits_(limits),
         layer_done_(std::move(layer_done)),
         sinks_(sinks),
@@ -90,13 +96,30 @@ class CudaKvPool final : public KvPool {
   // Layer l's K pool then its V pool, each [num_pages][num_kv_heads][page_size][head_dim].
   void* k(int layer) const { return base_ + 2 * layer * layer_bytes_; }
   void* v(int layer) const { return base_ + (2 * layer + 1) * layer_bytes_; }
+  // Layer l's FP8 scales (KvScales); unit static scales for a 16-bit cache (never read).
+  k::KvScales scales(int layer) const {
+    k::KvScales s;
+    if (row_scales_ > 0) {
+      float* first = reinterpret_cast<float*>(base_ + 2 * int64_t{num_layers()} * layer_bytes_);
+      s.k_rows = first + 2 * layer * row_scales_;
+      s.v_rows = s.k_rows + row_scales_;
+    } else if (!static_scales_.empty()) {
+      s.k = static_scales_[2 * static_cast<size_t>(layer)];
+      s.v = static_scales_[2 * static_cast<size_t>(layer) + 1];
+    }
+    return s;
+  }
   // How a Forward's plan may spread its work over this pool's device (QueryPlanLimits).
   const k::AttentionPlanLimits& limits() const { return limits_; }
 
  private:
   int device_;
   char* base_;
+  int num_layers() const { return static_cast<int>(layer_done_.size()); }
+
   int64_t layer_bytes_;
+  std::vector<float> static_scales_;
+  int64_t row_scales_;
   k::AttentionPlanLimits limits_;
   std::vector<cudaEvent_t> layer_done_;
   float* sinks_;
@@ -227,7 +250,8 @@ class CudaForwardBuffers final : public ForwardBuffers {
 
 // The kernel library's view of a Forward: its spans, page table, shapes and dtypes.
 k::ForwardBatch BatchOf(const CacheGeometry& g, const ForwardPlan& plan, const ForwardIO& io,
-                        const float* sinks, std::vector<k::ForwardSpan>& spans) {
+                        const float* sinks, const k::KvScales& scales,
+                        std::vector<k::ForwardSpan>& spans) {
   spans.resize(plan.spans.size());
   for (size_t i = 0; i < plan.spans.size(); ++i) {
     const SpanPlan& sp = plan.spans[i];
@@ -256,7 +280,8 @@ k::ForwardBatch BatchOf(const CacheGeometry& g, const ForwardPlan& plan, const F
           .external_tensors = io.device_tensors,
           .window = plan.attention != nullptr ? plan.attention->sliding_window : 0,
           .softcap = plan.attention != nullptr ? plan.attention->logit_softcap : 0.f,
-          .sinks = sinks};
+          .sinks = sinks,
+          .kv_scales = scales};
 }
 
 // Every layer's sinks in one device array (num_layers x num_q_heads floats, a layer without sinks
@@ -318,7 +343,7 @@ class CudaBackend final : public Backend {
                                                        const StopToken& /*stop*/) override {
     if (!IsSupportedKvDType(BackendKind::kCuda, g.kv_dtype)) {
       return absl::InvalidArgumentError(
-          absl::StrCat("kv_dtype must be FLOAT16 or BFLOAT16 on the CUDA backend (got ",
+          absl::StrCat("kv_dtype must be FLOAT16, BFLOAT16 or FLOAT8_E4M3 on the CUDA backend (got ",
                        DTypeName(g.kv_dtype), ")"));
     }
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
@@ -359,8 +384,13 @@ class CudaBackend final : public Backend {
         return CudaStatus(err, "cudaEventCreate(layer order)");
       }
     }
+    const int64_t row_scales =
+        g.kv_scaling == KvScaling::kPerToken ? g.num_pages * g.num_kv_heads * g.page_size : 0;
+    std::vector<float> static_scales =
+        g.kv_scaling == KvScaling::kStatic ? g.kv_scales : std::vector<float>{};
     return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits,
-                                                  std::move(layer_done), *sinks, g.num_q_heads));
+                                                  std::move(layer_done), *sinks, g.num_q_heads,
+                                                  std::move(static_scales), row_scales));
   }
 
   absl::StatusOr<std::unique_ptr<ImportedMemory>> ImportMemory(int device,
@@ -495,7 +525,8 @@ class CudaBackend final : public Backend {
     const absl::Time start = absl::Now();
     std::vector<k::ForwardSpan> spans;
     const k::AttentionPlan attention =
-        k::AttentionPlan::Make(BatchOf(g, plan, io, pool.sinks(plan.attention, plan.layer), spans),
+        k::AttentionPlan::Make(BatchOf(g, plan, io, pool.sinks(plan.attention, plan.layer),
+                                       pool.scales(plan.layer), spans),
                                pool.limits());
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Reserve(attention, ws.stream));
     if (io.device_tensors) {

@@ -529,6 +529,61 @@ TEST(AttentionPlan, BindPointsIntoTheDeviceImage) {
   EXPECT_EQ(plain.Bind(d, counters, k_pool, v_pool).attention.lse, nullptr);
 }
 
+// An FP8 cache: the decode tiles read the pool; the prefill tiles a bfloat16 copy of the pages
+// their spans attend, renumbered in a page table of their own (the other spans' entries as they
+// are); q in bfloat16 (the tiles' type) is read in place; the layer's scales reach both kernels.
+TEST(AttentionPlan, Fp8PrefillReadsItsPagesCopy) {
+  const SmallForward f;
+  kernels::ForwardBatch batch = f.Batch(DType::kBFloat16);
+  batch.kv_dtype = DType::kFloat8E4M3;
+  float k_rows[1], v_rows[1];
+  batch.kv_scales = {.k_rows = k_rows, .v_rows = v_rows};
+  const kernels::AttentionPlan plan = kernels::AttentionPlan::Make(batch, {.target_blocks = 132});
+  ASSERT_FALSE(plan.work().prefill_items.empty());
+  ASSERT_FALSE(plan.work().decode_items.empty());
+  EXPECT_FALSE(plan.converts_q());
+  // The prefill span (span 1) holds entries 3 and 4 of the page table: pool pages 4 and 11.
+  EXPECT_EQ(plan.dequant_pages(), (std::vector<int32_t>{4, 11}));
+  EXPECT_EQ(plan.prefill_page_table(), (std::vector<int32_t>{7, 2, 9, 0, 1, 0, 3, 5}));
+  const kernels::ForwardStaging& st = plan.staging();
+  EXPECT_EQ(st.dequant_v - st.dequant_k, 2u * 2 * 16 * 64 * 2);  // 2 pages of bfloat16
+  std::vector<char> device(st.device_bytes);
+  std::vector<char> image(st.upload_bytes);
+  std::vector<uint16_t> q(21 * 8 * 64);
+  std::vector<float> kv(26 * 2 * 64);
+  plan.WriteStaging(image.data(), q.data(), kv.data(), kv.data());
+  EXPECT_EQ(std::memcmp(image.data() + st.prefill_page_table, plan.prefill_page_table().data(),
+                        8 * sizeof(int32_t)),
+            0);
+  EXPECT_EQ(std::memcmp(image.data() + st.dequant_pages, plan.dequant_pages().data(),
+                        2 * sizeof(int32_t)),
+            0);
+  char* d = device.data();
+  char k_pool[16], v_pool[16];
+  const kernels::ForwardLaunch launch = plan.Bind(d, nullptr, k_pool, v_pool);
+  const kernels::PagedAttentionParams& p = launch.attention;
+  EXPECT_EQ(p.kv_dtype, DType::kFloat8E4M3);
+  EXPECT_EQ(p.q_dtype, DType::kBFloat16);
+  EXPECT_EQ(p.k_cache, k_pool);
+  EXPECT_EQ(static_cast<const void*>(p.page_table), d + st.page_table);
+  EXPECT_EQ(static_cast<const void*>(p.prefill_page_table), d + st.prefill_page_table);
+  EXPECT_EQ(static_cast<const void*>(p.dequant_pages), d + st.dequant_pages);
+  EXPECT_EQ(p.num_dequant_pages, 2);
+  EXPECT_EQ(p.dequant_k, d + st.dequant_k);
+  EXPECT_EQ(p.dequant_v, d + st.dequant_v);
+  EXPECT_EQ(p.scales.k_rows, k_rows);
+  EXPECT_EQ(launch.append.scales.v_rows, v_rows);
+  // q in float16 crosses an FP8 cache's (bfloat16) tiles as a float copy.
+  kernels::ForwardBatch half_q = batch;
+  half_q.q_dtype = DType::kFloat16;
+  EXPECT_TRUE(kernels::AttentionPlan::Make(half_q, {.target_blocks = 132}).converts_q());
+  // A 16-bit cache's prefill reads the pool: no copies.
+  const kernels::AttentionPlan bf16 =
+      kernels::AttentionPlan::Make(f.Batch(DType::kBFloat16), {.target_blocks = 132});
+  EXPECT_TRUE(bf16.dequant_pages().empty());
+  EXPECT_EQ(bf16.Bind(d, nullptr, k_pool, v_pool).attention.num_dequant_pages, 0);
+}
+
 // The tiles read q (and write out) in float and in the cache's dtype as they are, in place in
 // the image; q in the other 16-bit type crosses them as a float copy: converted into q_f32 before
 // them, their out_f32 converted back into out after them.

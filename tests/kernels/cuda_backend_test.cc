@@ -29,6 +29,9 @@
 #include "kernels/paged_attention.h"
 #include "kernels/workspace.h"
 #include "server/core/backend.h"
+#include "server/core/cache.h"
+#include "server/core/cpu_backend.h"
+#include "tests/fp8_sweep.h"
 
 namespace pagedattn {
 namespace {
@@ -1055,6 +1058,83 @@ TEST_F(CudaKernelTest, PoolLargerThanTheGpuIsResourceExhausted) {
   g.num_pages = 1 << 16;  // 2^16 * 2 * 64 * 64*1024*256*2 bytes: far beyond any GPU
   absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(g, StopToken());
   EXPECT_EQ(pool.status().code(), absl::StatusCode::kResourceExhausted) << pool.status();
+}
+
+// ---- FP8 caches ------------------------------------------------------------------------------
+
+// A cache on backend (the device 0 for CUDA) with its own pool.
+std::unique_ptr<Cache> MakeCacheOn(Backend& backend, CacheGeometry g) {
+  g.device = 0;
+  absl::StatusOr<std::unique_ptr<KvPool>> pool = backend.AllocatePool(g, StopToken());
+  EXPECT_TRUE(pool.ok()) << pool.status();
+  if (!pool.ok()) return nullptr;
+  return std::make_unique<Cache>("test", "", "", g, *std::move(pool), &backend, 0);
+}
+
+// The FP8 sweep (tests/fp8_sweep.h) on the CUDA tiles: both scalings, pages {1, 7, 16, 128}, GQA
+// {1, 4, 5, 8}, every CUDA head_dim in turn; its prefill and chunked spans run the prefill tiles
+// on the pages' bfloat16 copy, its decode spans the FP8 decode tiles.
+TEST_F(CudaKernelTest, Fp8SweepMatchesReferenceOnUnquantizedKv) {
+  const testing::CacheMaker make = [&](const CacheGeometry& g) {
+    return MakeCacheOn(*backend_, g);
+  };
+  for (KvScaling scaling : {KvScaling::kPerToken, KvScaling::kStatic}) {
+    for (int page : {1, 7, 16, 128}) {
+      for (int gqa : {1, 4, 5, 8}) testing::RunFp8Sweep(make, scaling, page, gqa, kCudaHeadDims);
+    }
+  }
+}
+
+// The same Forwards on an FP8 cache of each backend: the append stores the same codes and scales
+// (the GPU's rounding is the host's to the bit), and the tiles read them as bfloat16, so the two
+// answers agree within bfloat16's error, far closer than either is to the unquantized reference.
+// Long decode (split, merged), prefill, chunked prefill, every head_dim, both scalings.
+TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
+  CpuBackend cpu;
+  int index = 0;
+  for (KvScaling scaling : {KvScaling::kPerToken, KvScaling::kStatic}) {
+    for (int dim : kCudaHeadDims) {
+      const int page = index % 2 ? 16 : 7, gqa = index % 3 == 0 ? 8 : 4;
+      CacheGeometry g = testing::MakeGeometry(1, 2 * gqa, 2, dim, page, DType::kFloat8E4M3,
+                                              3000 / page + 50);
+      g.kv_scaling = scaling;
+      // STATIC: calibrated to the data below (x100, outlier channels x30): 4 sigma of the largest.
+      if (scaling == KvScaling::kStatic) g.kv_scales = {12000.f / 448.f, 15000.f / 448.f};
+      std::unique_ptr<Cache> caches[2] = {MakeCacheOn(cpu, g), MakeCacheOn(*backend_, g)};
+      ASSERT_TRUE(caches[0] && caches[1]);
+      testing::ForwardModel models[2] = {{g, DType::kBFloat16, 77u + index},
+                                         {g, DType::kBFloat16, 77u + index}};
+      const std::vector<std::vector<testing::SpanCase>> steps = {
+          {{1, 0, 2000, 1}, {2, 0, 300, 300}, {3, 0, 1, 1}},
+          {{1, 2000, 1, 1}, {2, 300, 64, 64}, {3, 1, 1, 1}},
+          {{1, 2001, 3, 3}, {2, 364, 1, 1}, {4, 0, 130, 130}},
+      };
+      for (size_t si = 0; si < steps.size(); ++si) {
+        testing::ForwardModel::Outcome o[2];
+        for (int b = 0; b < 2; ++b) {
+          models[b].SetKvShape(100.f, 16, 30.f);  // large values, outlier channels
+          o[b] = models[b].Run(*caches[b], 0, steps[si]);
+          ASSERT_TRUE(o[b].status.ok()) << o[b].status;
+        }
+        const std::string what = absl::StrCat(scaling == KvScaling::kStatic ? "static" : "per-token",
+                                              " d ", dim, " page ", page, " step ", si);
+        const int64_t n = static_cast<int64_t>(o[0].result.out.size() / 2);
+        std::vector<float> a = testing::Decode(DType::kBFloat16, o[0].result.out.data(), n);
+        std::vector<float> b = testing::Decode(DType::kBFloat16, o[1].result.out.data(), n);
+        std::vector<double> ad(a.begin(), a.end()), bd(b.begin(), b.end());
+        EXPECT_LE(testing::RelativeError(bd.data(), ad.data(), n), 1e-2) << what;
+        const float* la = reinterpret_cast<const float*>(o[0].result.lse.data());
+        const float* lb = reinterpret_cast<const float*>(o[1].result.lse.data());
+        double lse_diff = 0;
+        for (size_t i = 0; i < o[0].result.lse.size() / 4; ++i) {
+          lse_diff = std::max(lse_diff, double{std::abs(la[i] - lb[i])});
+        }
+        EXPECT_LE(lse_diff, 1e-2) << what;
+        EXPECT_LE(o[1].max_rel_error, testing::kFp8OutTolerance) << what;
+      }
+      ++index;
+    }
+  }
 }
 
 TEST_F(CudaKernelTest, ReportsDevice) {

@@ -24,7 +24,7 @@ class CacheConfig:
     num_kv_heads: int
     head_dim: int
     page_size: int = 16
-    # float16/bfloat16 (float32 and float8_e4m3 on the CPU backend)
+    # float16/bfloat16/float8_e4m3 (float32 on the CPU backend only)
     kv_dtype: DTypeLike = "bfloat16"
     num_pages: Optional[int] = None
     max_bytes: Optional[int] = None

@@ -1,0 +1,26 @@
+// An FP8 (E4M3) cache's element type as stored, and the type its tiles compute in. Plain C++
+// (no device code), so that kernels/dispatch.h can name them in host-only sources too.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+#include <type_traits>
+
+namespace pagedattn::kernels {
+
+// One E4M3 value as stored (its bits; kernels/device/dtype.cuh converts).
+struct Fp8 {
+  uint8_t bits;
+};
+template <typename S>
+inline constexpr bool kIsFp8 = std::is_same_v<S, Fp8>;
+
+// The element type S's tiles compute in: S's own, bfloat16 for an FP8 cache. An FP8 cache's
+// values are dequantized once, on their way into shared memory: x = float(stored) * scale,
+// rounded to bfloat16 (exact for the stored value, 2^-9 relative for the product), so the tile
+// math is the bfloat16 cache's. bfloat16 rather than float16: a scaled value keeps float's range.
+template <typename S>
+using TileType = std::conditional_t<kIsFp8<S>, __nv_bfloat16, S>;
+
+}  // namespace pagedattn::kernels

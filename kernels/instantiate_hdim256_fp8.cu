@@ -1,0 +1,10 @@
+// The decode tiles for head_dim 256 on an FP8 (E4M3) cache, q and out in float or bfloat16 (the
+// tiles' type). Its prefill tiles are the bfloat16 cache's, on a dequantized copy of the pages
+// (LaunchPagedAttention); its merge is the bfloat16 cache's.
+#include "kernels/decode_kernel.cuh"
+
+namespace pagedattn::kernels {
+
+PAGEDATTN_INSTANTIATE_DECODE(Fp8, 256)
+
+}  // namespace pagedattn::kernels

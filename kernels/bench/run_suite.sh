@@ -176,6 +176,12 @@ else
   peers prefill_softcap --no-limits --decode none --softcap 30
   bench prefill_window --suite prefill --window 4096 --cases "1,16384" --reps 10
   peers prefill_window --no-limits --decode none --prefill "1,16384" --window 4096
+  # FP8 caches (docs/PERFORMANCE.md#fp8-caches): both scalings, FP8 prefill, FlashInfer's FP8
+  # decode (its SDPA peers read no FP8 cache).
+  bench decode_fp8 --dtype float8_e4m3 --reps 30
+  bench decode_fp8_static --dtype float8_e4m3 --kv-scaling static --reps 30
+  bench prefill_fp8 --suite prefill --dtype float8_e4m3 --reps 10
+  peers decode_fp8 --no-limits --prefill none --kv-dtype float8_e4m3
 fi
 
 python3 "$here/compare.py" "$out/ours" "$out/peers"

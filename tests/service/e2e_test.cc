@@ -112,8 +112,8 @@ TEST_F(E2ETest, ServerInfoHasCapabilityTable) {
                     : (std::vector<int>{64, 80, 96, 128, 192, 256}));
   EXPECT_EQ(info->capabilities().min_page_size(), 1);
   EXPECT_EQ(info->capabilities().max_page_size(), 1024);
-  // f32 and FP8 caches on the CPU only; FP8 is never a tensor's dtype.
-  EXPECT_EQ(info->capabilities().kv_dtypes_size(), OnCpu() ? 4 : 2);
+  // f32 caches on the CPU only, FP8 on both; FP8 is never a tensor's dtype.
+  EXPECT_EQ(info->capabilities().kv_dtypes_size(), OnCpu() ? 4 : 3);
   EXPECT_EQ(info->capabilities().io_dtypes_size(), 3);
 }
 
@@ -210,31 +210,40 @@ TEST_F(E2ETest, SmokeMixedBatchMatchesReference) {
   r = RunSmoke(*client_, o);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->passed) << r->summary;
+  o.kv_dtype = v1::FLOAT8_E4M3;  // against the unquantized K/V, within FP8's bound
+  r = RunSmoke(*client_, o);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE(r->passed) << r->summary;
 }
 
 // No valid request returns NaN: with the largest finite sm_scale every score overflows, and
 // with inputs near the dtype's largest value the dot products do too; the softmax saturates
-// (the largest score wins) instead of computing inf - inf. Prefill and decode tiles both.
+// (the largest score wins) instead of computing inf - inf. Prefill and decode tiles both, on a
+// 16/32-bit cache and on an FP8 one (whose rows' scales then near float's largest too).
 TEST_F(E2ETest, ExtremeScalesAndValuesGiveFiniteOutputs) {
-  const std::string id = client_->CreateCache(SmallConfig())->cache_id();
-  for (float scale : {3.4e38f, 1e30f, 1.0f}) {
-    for (float magnitude : {1.0f, 3e38f}) {
-      for (int n : {1, 7}) {  // a decode-shaped and a prefill-shaped span
-        v1::ForwardRequest r = Request(id, 1, 0, n, static_cast<uint64_t>(n));
-        r.mutable_options()->set_sm_scale(scale);
-        r.mutable_options()->set_return_lse(true);
-        std::vector<float> big(static_cast<size_t>(n) * 2 * 64);
-        for (size_t i = 0; i < big.size(); ++i) big[i] = (i % 3 == 0 ? -magnitude : magnitude);
-        if (magnitude > 1) *r.mutable_k() = MakeTensor(v1::FLOAT32, {n, 2, 64}, big);
-        absl::StatusOr<v1::ForwardResponse> out = client_->Forward(r);
-        ASSERT_TRUE(out.ok()) << out.status();
-        absl::StatusOr<std::vector<float>> values = TensorToFloats(out->out());
-        ASSERT_TRUE(values.ok());
-        for (float x : *values) {
-          ASSERT_TRUE(std::isfinite(x)) << "scale " << scale << " magnitude " << magnitude;
+  v1::CacheConfig fp8 = SmallConfig();
+  fp8.set_kv_dtype(v1::FLOAT8_E4M3);
+  for (const v1::CacheConfig& config : {SmallConfig(), fp8}) {
+    const std::string id = client_->CreateCache(config)->cache_id();
+    for (float scale : {3.4e38f, 1e30f, 1.0f}) {
+      for (float magnitude : {1.0f, 3e38f}) {
+        for (int n : {1, 7}) {  // a decode-shaped and a prefill-shaped span
+          v1::ForwardRequest r = Request(id, 1, 0, n, static_cast<uint64_t>(n));
+          r.mutable_options()->set_sm_scale(scale);
+          r.mutable_options()->set_return_lse(true);
+          std::vector<float> big(static_cast<size_t>(n) * 2 * 64);
+          for (size_t i = 0; i < big.size(); ++i) big[i] = (i % 3 == 0 ? -magnitude : magnitude);
+          if (magnitude > 1) *r.mutable_k() = MakeTensor(v1::FLOAT32, {n, 2, 64}, big);
+          absl::StatusOr<v1::ForwardResponse> out = client_->Forward(r);
+          ASSERT_TRUE(out.ok()) << out.status();
+          absl::StatusOr<std::vector<float>> values = TensorToFloats(out->out());
+          ASSERT_TRUE(values.ok());
+          for (float x : *values) {
+            ASSERT_TRUE(std::isfinite(x)) << "scale " << scale << " magnitude " << magnitude;
+          }
+          absl::StatusOr<std::vector<float>> lse = TensorToFloats(out->lse());
+          for (float x : *lse) ASSERT_FALSE(std::isnan(x)) << "scale " << scale;
         }
-        absl::StatusOr<std::vector<float>> lse = TensorToFloats(out->lse());
-        for (float x : *lse) ASSERT_FALSE(std::isnan(x)) << "scale " << scale;
       }
     }
   }

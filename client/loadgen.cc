@@ -16,6 +16,7 @@
 #include <cstdio>
 #include <fstream>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <random>
 #include <thread>
@@ -30,6 +31,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
 #include "client/client.h"
 #include "client/sharded.h"
 #if PAGEDATTN_WITH_CUDA
@@ -406,14 +408,30 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
       absl::StatusOr<std::unique_ptr<StepStream>> steps = client.OpenStep();
       if (!steps.ok()) return steps.status();
       const int n = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
+      // One receiver for the whole run (as a caller would keep one), counting answers; a step
+      // ends once its layers are answered and its last output event has completed.
+      absl::Mutex mu;
+      int64_t answered = 0;
+      absl::Status received;
+      std::vector<double> server_us;
+      std::thread receiver([&] {
+        for (int64_t i = 0; i < int64_t{n + warmup} * w.layers; ++i) {
+          absl::StatusOr<ForwardReply> r = (*steps)->Receive({});
+          absl::MutexLock lock(&mu);
+          if (!r.ok()) {
+            received = r.status();
+            answered = std::numeric_limits<int64_t>::max();
+            return;
+          }
+          if (i >= int64_t{warmup} * w.layers) server_us.push_back(r->server_micros);
+          ++answered;
+        }
+      });
       Clock::time_point measured_start;
-      for (int step = -warmup; step < n; ++step) {
+      absl::Status sent;
+      for (int step = -warmup; step < n && sent.ok(); ++step) {
         if (step == 0) measured_start = Clock::now();
         const Clock::time_point t = Clock::now();
-        std::thread receiver([&] {
-          for (int layer = 0; layer < w.layers; ++layer) (void)(*steps)->Receive({});
-        });
-        absl::Status sent;
         for (int layer = 0; layer < w.layers && sent.ok(); ++layer) {
           if (layer > 0) {  // the "dense layer" waits for the previous attention's output
             sent = ev[w.layers + layer - 1]->StreamWait();
@@ -427,16 +445,30 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
           }
           if (sent.ok()) sent = (*steps)->Send(call);
         }
-        receiver.join();
-        if (!sent.ok()) return sent;
-        if (absl::Status s = ev[2 * w.layers - 1]->Synchronize(); !s.ok()) return s;
+        if (!sent.ok()) break;
+        {
+          const int64_t want = int64_t{step + warmup + 1} * w.layers;
+          absl::MutexLock lock(&mu);
+          const auto all_answered = [&] { return answered >= want; };
+          mu.Await(absl::Condition(&all_answered));
+          if (!received.ok()) break;
+        }
+        if (absl::Status s = ev[2 * w.layers - 1]->Synchronize(); !s.ok()) {
+          sent = s;
+          break;
+        }
         if (step >= 0) {
           const double per_layer = Since(t) / w.layers;
           for (int layer = 0; layer < w.layers; ++layer) out.latency_us.push_back(per_layer);
         }
       }
+      if (!sent.ok()) (*steps)->Cancel();
+      receiver.join();
+      if (!sent.ok()) return sent;
+      if (!received.ok()) return received;
       out.wall_us = Since(measured_start);
       out.layers_done = n * w.layers;
+      out.server_us = std::move(server_us);
       if (absl::Status s = (*steps)->Close(); !s.ok()) return s;
       return out;
     }();

@@ -47,25 +47,27 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   int64_t total_q = 0;
   int64_t total_new = 0;
   absl::flat_hash_set<uint64_t> seen;
+  seen.reserve(a.spans.size());
   for (size_t i = 0; i < a.spans.size(); ++i) {
     const SpanRequest& s = a.spans[i];
-    const std::string where = absl::StrCat("spans[", i, "] (seq_id ", s.seq_id, ")");
+    // Built on the error paths only: a 64-sequence batch would pay 64 allocations otherwise.
+    auto where = [&] { return absl::StrCat("spans[", i, "] (seq_id ", s.seq_id, ")"); };
     if (!seen.insert(s.seq_id).second) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": seq_id appears more than once in this Forward"));
+          absl::StrCat(where(), ": seq_id appears more than once in this Forward"));
     }
     if (s.start < 0 || s.start > kMaxPosition) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": start must be in 0..", kMaxPosition, " (got ", s.start, ")"));
+          absl::StrCat(where(), ": start must be in 0..", kMaxPosition, " (got ", s.start, ")"));
     }
     if (s.num_new_tokens < 0) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": num_new_tokens must be >= 0 (got ", s.num_new_tokens, ")"));
+          absl::StrCat(where(), ": num_new_tokens must be >= 0 (got ", s.num_new_tokens, ")"));
     }
     const int64_t kv_len = s.start + s.num_new_tokens;
     if (s.num_queries < 0 || s.num_queries > kv_len) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where, ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
+          absl::StrCat(where(), ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
                        s.num_queries, ")"));
     }
     total_q += s.num_queries;

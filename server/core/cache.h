@@ -60,6 +60,7 @@ struct ForwardResult {
 struct ForwardTimings {
   double validate_us = 0;  // Request checks, the wait for the layer, reserving pages, the plan.
   double stage_us = 0;     // Host-side preparation in the backend (work plan, staging copies).
+  double submit_us = 0;    // CUDA: host time queuing the copies, event waits and kernels.
   double h2d_us = 0;       // CUDA: the copy to the device.
   double kernel_us = 0;    // CUDA: the kernels' GPU time; CPU: the append and attention.
   double d2h_us = 0;       // CUDA: the copy back.

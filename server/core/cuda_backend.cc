@@ -540,8 +540,12 @@ class CudaBackend final : public Backend {
     const bool detached = io.done_event != nullptr;
     const bool timed = io.timings != nullptr && !detached;
     if (io.timings != nullptr) io.timings->queued = detached;
-    if (io.timings != nullptr)
-      io.timings->stage_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+    const absl::Time submit_start = absl::Now();
+    if (io.timings != nullptr) io.timings->stage_us = absl::ToDoubleMicroseconds(submit_start - start);
+    auto submitted = [&] {
+      if (io.timings != nullptr)
+        io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);
+    };
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
@@ -569,6 +573,7 @@ class CudaBackend final : public Backend {
     if (detached) {
       PAGEDATTN_CUDA_RETURN(cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
                             "cudaEventRecord(the caller's done event)");
+      submitted();
       return absl::OkStatus();
     }
     if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));
@@ -576,6 +581,7 @@ class CudaBackend final : public Backend {
     if (timed) {
       PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterDownload, ws.stream));
     }
+    submitted();
     PAGEDATTN_CUDA_RETURN(cudaStreamSynchronize(ws.stream), "Forward on the GPU");
     if (timed) {
       io.timings->h2d_us =

@@ -429,6 +429,7 @@ class AttentionServiceImpl::StepReactor final
     int32_t layer = 0;
     ReceivedForward received;
     double parse_us = 0;
+    absl::Time accepted;  // parsed: from here it waits for its turn (the queue phase)
     std::string cache_id;
     bool running = false;
     bool done = false;
@@ -440,7 +441,8 @@ class AttentionServiceImpl::StepReactor final
   void Accept(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time parse_start = absl::Now();
     absl::Status s = ParseForward(incoming_, &job.received);
-    job.parse_us = absl::ToDoubleMicroseconds(absl::Now() - parse_start);
+    job.accepted = absl::Now();
+    job.parse_us = absl::ToDoubleMicroseconds(job.accepted - parse_start);
     incoming_.Clear();
     wire::ForwardRequestRef& r = job.received.request;
     job.layer = r.layer;
@@ -494,6 +496,7 @@ class AttentionServiceImpl::StepReactor final
   }
 
   void Run(const std::shared_ptr<Job>& job) {
+    const double queue_us = absl::ToDoubleMicroseconds(absl::Now() - job->accepted);
     Rpc rpc("Step", ctx_, service_->gate_);
     rpc.set_tenant(tenant_);
     grpc::ByteBuffer answer;
@@ -511,7 +514,7 @@ class AttentionServiceImpl::StepReactor final
                                     Micros(before_encode_us), Micros(result->timings.kernel_us));
       if (service_->metrics_ != nullptr) {
         service_->metrics_->RecordForwardPhases(job->parse_us, result->stage_in_us, result->timings,
-                                                rpc.seconds() * 1e6 - before_encode_us);
+                                                rpc.seconds() * 1e6 - before_encode_us, queue_us);
       }
     } else {
       answer = EncodeStepError(job->layer, status);

@@ -32,9 +32,9 @@ class Metrics {
   void RecordForward(double seconds, int64_t tokens_appended, int64_t queries);
 
   // Where a successful Forward's time went (microseconds): receiving and parsing, the core's
-  // phases, building the answer.
+  // phases, building the answer; queue_us, a Step layer's wait to run (negative: none, unary).
   void RecordForwardPhases(double parse_us, double stage_in_us, const ForwardTimings& core,
-                           double serialize_us);
+                           double serialize_us, double queue_us = -1);
 
   // The whole exposition: service counters plus cache and device gauges read now.
   std::string Render(const CacheManager& manager) const;
@@ -49,8 +49,9 @@ class Metrics {
   // Phase histograms, bucket counts non-cumulative: [phase][bucket], then +Inf.
   static constexpr std::array<double, 12> kPhaseBuckets = {1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5,
                                                            1e-4, 2.5e-4, 5e-4, 1e-3, 5e-3,   5e-2};
-  static constexpr std::array<const char*, 9> kPhases = {
-      "parse", "stage_in", "validate", "stage", "h2d", "kernel", "d2h", "commit", "serialize"};
+  static constexpr std::array<const char*, 11> kPhases = {
+      "parse", "queue",  "stage_in", "validate", "stage",    "submit",
+      "h2d",   "kernel", "d2h",      "commit",   "serialize"};
   std::array<std::array<std::atomic<int64_t>, kPhaseBuckets.size() + 1>, kPhases.size()>
       phase_buckets_{};
   std::array<std::atomic<int64_t>, kPhases.size()> phase_sum_ns_{};

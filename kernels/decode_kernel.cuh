@@ -486,15 +486,19 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       const float k_scale = fminf(row_scales ? scales[row] : p.scales.k, kMaxTileScale);
       const float v_scale = fminf(row_scales ? scales[Cfg::kTileKv + row] : p.scales.v,
                                   kMaxTileScale);
+      // Chunk c becomes chunks 2c (lo) and 2c + 1 (hi); columns 4-7 of each group of eight
+      // store hi first, so that the eight threads of a store hit eight bank groups (2c and 2c + 1
+      // alike would pair them up: 2c ^ r takes four values mod 8).
+      const bool hi_first = (copy_chunk >> 2) & 1;
       uint4 lo, hi;
-      T* tk = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk);
-      T* tk1 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + 1);
+      T* t0 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + hi_first);
+      T* t1 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + !hi_first);
       DequantizeChunk(k8, k_scale, lo, hi);
-      *reinterpret_cast<uint4*>(tk) = lo;
-      *reinterpret_cast<uint4*>(tk1) = hi;
+      *reinterpret_cast<uint4*>(t0) = hi_first ? hi : lo;
+      *reinterpret_cast<uint4*>(t1) = hi_first ? lo : hi;
       DequantizeChunk(v8, v_scale, lo, hi);
-      *reinterpret_cast<uint4*>(tk + Cfg::kTileElems) = lo;
-      *reinterpret_cast<uint4*>(tk1 + Cfg::kTileElems) = hi;
+      *reinterpret_cast<uint4*>(t0 + Cfg::kTileElems) = hi_first ? hi : lo;
+      *reinterpret_cast<uint4*>(t1 + Cfg::kTileElems) = hi_first ? lo : hi;
     }
   };
 

@@ -41,16 +41,11 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
                              {"capacity_tokens", capacity_tokens}}});
     }
     if (s.num_new_tokens > 0) {
+      // A sequence's pages cover its longest layer (Shrink keeps them so), so only this
+      // layer's new length can need more: no pass over the other layers' lengths.
       auto it = seqs_.find(s.seq_id);
-      int64_t longest = s.start + s.num_new_tokens;
-      int64_t have = 0;
-      if (it != seqs_.end()) {
-        have = static_cast<int64_t>(it->second.pages.size());
-        for (int32_t l = 0; l < num_layers_; ++l) {
-          if (l != layer) longest = std::max(longest, it->second.layer_len[l]);
-        }
-      }
-      pages_needed += std::max<int64_t>(0, PagesFor(longest) - have);
+      const int64_t have = it == seqs_.end() ? 0 : static_cast<int64_t>(it->second.pages.size());
+      pages_needed += std::max<int64_t>(0, PagesFor(s.start + s.num_new_tokens) - have);
     }
   }
   if (pages_needed > pool_.num_free()) {
@@ -92,7 +87,11 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
 }
 
 void SequenceTable::Commit(const Reservation& r) {
-  for (const Reservation::Entry& e : r.entries) Shrink(e.seq_id);
+  // Growing a layer leaves the pages covering exactly the longest layer; only a rewind (a layer
+  // now shorter than before) can leave pages no layer needs.
+  for (const Reservation::Entry& e : r.entries) {
+    if (e.kv_len < e.old_len) Shrink(e.seq_id);
+  }
 }
 
 void SequenceTable::Rollback(const Reservation& r) {

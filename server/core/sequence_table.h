@@ -14,7 +14,9 @@
 namespace pagedattn {
 
 struct Sequence {
-  std::vector<int32_t> pages;      // Page i holds positions [i*page_size, (i+1)*page_size).
+  // Page i holds positions [i*page_size, (i+1)*page_size); outside a reservation, exactly the
+  // pages of the longest layer (never fewer: Reserve relies on it).
+  std::vector<int32_t> pages;
   std::vector<int64_t> layer_len;  // Tokens written per layer.
 };
 

@@ -4,6 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <map>
+#include <random>
+#include <vector>
+
 namespace pagedattn {
 namespace {
 
@@ -98,6 +103,84 @@ TEST(SequenceTableTest, AttendOnlySpanKeepsLength) {
   EXPECT_EQ(r->entries[0].kv_len, 5);
   t.Commit(*r);
   EXPECT_EQ(t.Find(1)->layer_len[0], 9);  // attending a prefix rewinds nothing
+}
+
+// Random writes, rewinds, attend-only spans, rollbacks, truncations and releases on several
+// layers against a model of the lengths: after each, every sequence holds exactly the pages of
+// its longest layer, the pool's count agrees, and a reservation fails for want of pages exactly
+// when the model says it needs more than are free.
+TEST(SequenceTableTest, PagesAlwaysCoverTheLongestLayerExactly) {
+  constexpr int kLayers = 3, kPageSize = 4, kPages = 40;
+  SequenceTable t(kLayers, kPageSize, kPages);
+  std::map<uint64_t, std::vector<int64_t>> model;  // seq -> length per layer
+  std::mt19937 rng(7);
+  auto pages_for = [](int64_t n) { return (n + kPageSize - 1) / kPageSize; };
+  auto longest = [](const std::vector<int64_t>& l) { return *std::max_element(l.begin(), l.end()); };
+  for (int op = 0; op < 3000; ++op) {
+    const int32_t layer = static_cast<int32_t>(rng() % kLayers);
+    const int kind = static_cast<int>(rng() % 10);
+    if (kind == 0) {  // release
+      const uint64_t id = 1 + rng() % 4;
+      EXPECT_EQ(t.Release(id) >= 0, model.erase(id) == 1);
+    } else if (kind == 1) {  // truncate
+      const uint64_t id = 1 + rng() % 4;
+      const int64_t to = static_cast<int64_t>(rng() % 30);
+      t.Truncate(layer, id, to);
+      if (auto it = model.find(id); it != model.end()) {
+        it->second[layer] = std::min(it->second[layer], to);
+        if (longest(it->second) == 0) model.erase(it);
+      }
+    } else {  // a Forward of one or two sequences: reserve, then commit or roll back
+      std::vector<SpanWrite> spans;
+      const uint64_t first = 1 + rng() % 4;
+      for (uint64_t id : {first, first % 4 + 1}) {
+        if (!spans.empty() && rng() % 2) break;
+        auto it = model.find(id);
+        const int64_t len = it == model.end() ? 0 : it->second[layer];
+        const int64_t start = len == 0 ? 0 : static_cast<int64_t>(rng() % (len + 1));
+        const int32_t n = static_cast<int32_t>(rng() % 3 == 0 ? 0 : 1 + rng() % 23);
+        if (it == model.end() && n == 0) continue;  // would be NOT_FOUND: covered elsewhere
+        spans.push_back({id, start, n});
+      }
+      if (spans.empty()) continue;
+      int64_t needed = 0;
+      for (const SpanWrite& s : spans) {
+        if (s.num_new_tokens == 0) continue;
+        auto it = model.find(s.seq_id);
+        const int64_t have = it == model.end() ? 0 : pages_for(longest(it->second));
+        needed += std::max<int64_t>(0, pages_for(s.start + s.num_new_tokens) - have);
+      }
+      const int64_t free_before = t.pool().num_free();
+      absl::StatusOr<Reservation> r = t.Reserve(layer, spans);
+      ASSERT_EQ(r.ok(), needed <= free_before) << "op " << op << ": " << r.status();
+      if (!r.ok()) {
+        EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+        continue;
+      }
+      if (rng() % 4 == 0) {
+        t.Rollback(*r);
+        continue;
+      }
+      t.Commit(*r);
+      for (const SpanWrite& s : spans) {
+        if (s.num_new_tokens == 0) continue;  // attend-only: the length stays
+        auto [it, created] = model.try_emplace(s.seq_id, std::vector<int64_t>(kLayers, 0));
+        it->second[layer] = s.start + s.num_new_tokens;
+        if (longest(it->second) == 0) model.erase(it);
+      }
+    }
+    int64_t used = 0;
+    for (const auto& [id, lens] : model) {
+      const Sequence* seq = t.Find(id);
+      ASSERT_NE(seq, nullptr) << "op " << op << ": sequence " << id;
+      EXPECT_EQ(seq->layer_len, lens) << "op " << op;
+      EXPECT_EQ(static_cast<int64_t>(seq->pages.size()), pages_for(longest(lens)))
+          << "op " << op << ": sequence " << id;
+      used += static_cast<int64_t>(seq->pages.size());
+    }
+    ASSERT_EQ(t.num_sequences(), static_cast<int64_t>(model.size())) << "op " << op;
+    ASSERT_EQ(t.pool().num_free(), kPages - used) << "op " << op;
+  }
 }
 
 }  // namespace

@@ -65,6 +65,10 @@ struct Answer {
   std::string out, lse;
 };
 
+size_t OutBytes(const Tensors& t) {
+  return static_cast<size_t>(t.q_shape[0] * kHeads * kHeadDim * 2);
+}
+
 class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a Unix socket
  protected:
   void SetUp() override {
@@ -91,10 +95,6 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
     c.set_kv_dtype(v1::BFLOAT16);
     c.set_num_pages(64);
     return client_->CreateCache(c)->cache_id();
-  }
-
-  static size_t OutBytes(const Tensors& t) {
-    return static_cast<size_t>(t.q_shape[0] * kHeads * kHeadDim * 2);
   }
 
   std::string socket_;
@@ -228,6 +228,58 @@ TEST_P(DataPlaneTest, CancelledStreamCommitsCompletedLayersOnly) {
   std::string g(OutBytes(tg), '\0');
   EXPECT_EQ(client_->ForwardTensors(CallOf(cache, gap, tg), {g.data(), g.size()}).status().code(),
             absl::StatusCode::kFailedPrecondition);
+}
+
+// The phase histograms count every successful Forward of either path; `queue` (a Step layer's
+// wait for its turn) only the Step's.
+TEST(PhaseMetricsTest, UnaryAndStepForwardsAreCountedByPhase) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "127.0.0.1:0";
+  o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 2};
+  std::unique_ptr<PagedAttnServer> server = *PagedAttnServer::Start(o);
+  ClientOptions c;
+  c.target = absl::StrCat("127.0.0.1:", server->port());
+  c.timeout = absl::Seconds(60);
+  std::unique_ptr<Client> client = *Client::Connect(c);
+  auto count = [&](const std::string& phase) {
+    absl::StatusOr<std::string> text =
+        FetchMetrics(absl::StrCat("127.0.0.1:", server->metrics_port()));
+    EXPECT_TRUE(text.ok()) << text.status();
+    const std::string series =
+        absl::StrCat("pagedattn_forward_phase_seconds_count{phase=\"", phase, "\"} ");
+    const size_t at = text.value_or("").find(series);
+    return at == std::string::npos ? -1 : std::stoll(text->substr(at + series.size()));
+  };
+  v1::CacheConfig config;
+  config.set_num_layers(kLayers);
+  config.set_num_q_heads(kHeads);
+  config.set_num_kv_heads(kKvHeads);
+  config.set_head_dim(kHeadDim);
+  config.set_page_size(16);
+  config.set_kv_dtype(v1::BFLOAT16);
+  config.set_num_pages(8);
+  const std::string cache = client->CreateCache(config)->cache_id();
+  EXPECT_EQ(count("parse"), 0);
+  EXPECT_EQ(count("queue"), 0);
+
+  const Case prefill{0, {{1, 0, 5, 5}}};
+  const Tensors t0 = MakeTensors(prefill, 0);
+  std::string out(OutBytes(t0), '\0');
+  ASSERT_TRUE(client->ForwardTensors(CallOf(cache, prefill, t0), {out.data(), out.size()}).ok());
+  EXPECT_EQ(count("parse"), 1);
+  EXPECT_EQ(count("validate"), 1);
+  EXPECT_EQ(count("serialize"), 1);
+  EXPECT_EQ(count("queue"), 0) << "a unary Forward has no queue";
+
+  const Case layer1{1, {{1, 0, 5, 5}}};
+  const Tensors t1 = MakeTensors(layer1, 1);
+  std::unique_ptr<StepStream> step = *client->OpenStep();
+  ASSERT_TRUE(step->Send(CallOf(cache, layer1, t1)).ok());
+  ASSERT_TRUE(step->Receive({out.data(), out.size()}).ok());
+  ASSERT_TRUE(step->Close().ok());
+  EXPECT_EQ(count("parse"), 2);
+  EXPECT_EQ(count("queue"), 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transports, DataPlaneTest, ::testing::Values(false, true),

@@ -67,8 +67,8 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     const int64_t kv_len = s.start + s.num_new_tokens;
     if (s.num_queries < 0 || s.num_queries > kv_len) {
       return absl::InvalidArgumentError(
-          absl::StrCat(where(), ": num_queries must be in 0..start+num_new_tokens=", kv_len, " (got ",
-                       s.num_queries, ")"));
+          absl::StrCat(where(), ": num_queries must be in 0..start+num_new_tokens=", kv_len,
+                       " (got ", s.num_queries, ")"));
     }
     total_q += s.num_queries;
     total_new += s.num_new_tokens;

@@ -342,9 +342,9 @@ class CudaBackend final : public Backend {
   absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& g,
                                                        const StopToken& /*stop*/) override {
     if (!IsSupportedKvDType(BackendKind::kCuda, g.kv_dtype)) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("kv_dtype must be FLOAT16, BFLOAT16 or FLOAT8_E4M3 on the CUDA backend (got ",
-                       DTypeName(g.kv_dtype), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "kv_dtype must be FLOAT16, BFLOAT16 or FLOAT8_E4M3 on the CUDA backend (got ",
+          DTypeName(g.kv_dtype), ")"));
     }
     if (absl::Status st = SetDevice(g.device); !st.ok()) return st;
     k::AttentionPlanLimits limits;
@@ -541,7 +541,8 @@ class CudaBackend final : public Backend {
     const bool timed = io.timings != nullptr && !detached;
     if (io.timings != nullptr) io.timings->queued = detached;
     const absl::Time submit_start = absl::Now();
-    if (io.timings != nullptr) io.timings->stage_us = absl::ToDoubleMicroseconds(submit_start - start);
+    if (io.timings != nullptr)
+      io.timings->stage_us = absl::ToDoubleMicroseconds(submit_start - start);
     auto submitted = [&] {
       if (io.timings != nullptr)
         io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);

@@ -86,10 +86,9 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
 }
 
 void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
-  for (int d : backend == BackendKind::kCuda ? std::vector<int>(kCudaHeadDims.begin(),
-                                                                 kCudaHeadDims.end())
-                                              : std::vector<int>(kCpuHeadDims.begin(),
-                                                                 kCpuHeadDims.end())) {
+  for (int d : backend == BackendKind::kCuda
+                   ? std::vector<int>(kCudaHeadDims.begin(), kCudaHeadDims.end())
+                   : std::vector<int>(kCpuHeadDims.begin(), kCpuHeadDims.end())) {
     out->add_head_dims(d);
   }
   out->set_min_page_size(kMinPageSize);

@@ -41,8 +41,8 @@ void Metrics::RecordForward(double seconds, int64_t tokens_appended, int64_t que
 void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const ForwardTimings& core,
                                   double serialize_us, double queue_us) {
   const std::array<double, kPhases.size()> us = {
-      parse_us,       queue_us,       stage_in_us, core.validate_us, core.stage_us, core.submit_us,
-      core.h2d_us,    core.kernel_us, core.d2h_us, core.commit_us,   serialize_us};
+      parse_us,    queue_us,       stage_in_us, core.validate_us, core.stage_us, core.submit_us,
+      core.h2d_us, core.kernel_us, core.d2h_us, core.commit_us,   serialize_us};
   for (size_t p = 0; p < kPhases.size(); ++p) {
     // A Forward answered once queued has no GPU phases to count.
     const std::string_view phase = kPhases[p];
@@ -81,11 +81,11 @@ std::string Metrics::Render(const CacheManager& manager) const {
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
   Header(&out, "pagedattn_forward_phase_seconds", "histogram",
          "Where successful Forwards' time went in the server, by phase: parse (the request's "
-         "bytes), queue (Step: a layer's wait for its turn to run), stage_in (its tensors into the backend's buffers), validate (checks, the layer's "
-         "lock, pages, plan), stage (host-side "
-         "preparation in the backend), submit (CUDA: host time queuing copies, event waits and "
-         "kernels), h2d, kernel (GPU time; CPU: the compute), d2h, commit, "
-         "serialize (the answer's bytes).");
+         "bytes), queue (Step: a layer's wait for its turn to run), stage_in (its tensors into "
+         "the backend's buffers), validate (checks, the layer's lock, pages, plan), stage "
+         "(host-side preparation in the backend), submit (CUDA: host time queuing copies, event "
+         "waits and kernels), h2d, kernel (GPU time; CPU: the compute), d2h, commit, serialize "
+         "(the answer's bytes).");
   for (size_t p = 0; p < kPhases.size(); ++p) {
     int64_t n = 0;
     for (size_t b = 0; b <= kPhaseBuckets.size(); ++b) {

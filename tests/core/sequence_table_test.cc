@@ -115,7 +115,9 @@ TEST(SequenceTableTest, PagesAlwaysCoverTheLongestLayerExactly) {
   std::map<uint64_t, std::vector<int64_t>> model;  // seq -> length per layer
   std::mt19937 rng(7);
   auto pages_for = [](int64_t n) { return (n + kPageSize - 1) / kPageSize; };
-  auto longest = [](const std::vector<int64_t>& l) { return *std::max_element(l.begin(), l.end()); };
+  auto longest = [](const std::vector<int64_t>& l) {
+    return *std::max_element(l.begin(), l.end());
+  };
   for (int op = 0; op < 3000; ++op) {
     const int32_t layer = static_cast<int32_t>(rng() % kLayers);
     const int kind = static_cast<int>(rng() % 10);

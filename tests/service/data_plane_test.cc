@@ -13,8 +13,8 @@
 
 #include "absl/time/clock.h"
 #include "client/client.h"
-#include "tests/service/forward_script.h"
 #include "server/service/server.h"
+#include "tests/service/forward_script.h"
 
 namespace pagedattn {
 namespace {

@@ -55,6 +55,11 @@ struct DecodeTileConfig {
   static_assert(kKvWarps > 1, "the decode tiles split each KV tile among warps");
   using T = TileType<S>;
   static constexpr bool kFp8 = kIsFp8<S>;
+  // FP8 at head dims 64, 128, 256: K and V go from the stages straight into the mma fragments
+  // (DecodeFp8Math). At 80, 96, 192 (rows that are not whole swizzle blocks) they are staged:
+  // dequantized into one bfloat16 tile that DecodeTileMath reads.
+  static constexpr bool kFp8Direct = kFp8 && kFp8Fragments<D>;
+  static constexpr bool kFp8Staged = kFp8 && !kFp8Direct;
   static constexpr int kThreads = 128;
   static constexpr int kTileKv = kKvTileRows;         // positions per pipeline stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
@@ -70,12 +75,12 @@ struct DecodeTileConfig {
   static constexpr int kTileElems = kTileKv * kRowElems;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   // A stage: the K then V tile (16-bit caches); an FP8 cache's K then V rows as stored (16-byte
-  // chunk c of row r at r * kChunks + c), then K's and V's row scales (PER_TOKEN), then, after
-  // the last stage, the one dequantized tile.
+  // chunk c of row r at Fp8TileOffset, or r * kChunks + c when staged), then K's and V's row
+  // scales (PER_TOKEN); when staged, after the last stage, the one dequantized tile.
   static constexpr size_t kFp8StageBytes = 2 * size_t{kTileKv} * D + 2 * kTileKv * sizeof(float);
   static constexpr size_t kStageBytes = kFp8 ? kFp8StageBytes : kStageElems * sizeof(T);
   static constexpr size_t kPipelineBytes =
-      size_t{kStages} * kStageBytes + (kFp8 ? kStageElems * sizeof(T) : 0);
+      size_t{kStages} * kStageBytes + (kFp8Staged ? kStageElems * sizeof(T) : 0);
   static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
   static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
   static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
@@ -253,6 +258,118 @@ struct DecodeTileMath {
   }
 };
 
+// The FP8 tiles' arithmetic with K and V read straight from the stages into the mma fragments
+// (DecodeTileConfig::kFp8Direct), in bfloat16 like a bfloat16 cache's tiles; scores and weights
+// as DecodeTileMath's. An ldmatrix of FP8 rows hands each thread four bytes where a bfloat16
+// fragment takes two values; E4m3x4ToBf16 splits them into an even and an odd pair, and the
+// sums are arranged around that order rather than the bytes around the sums':
+// - S = Q.K^T sums over head_dim in any order: the even pair (dims 4t, 4t + 2 of a 16-dim step)
+//   fills the fragment's first k slots, the odd pair (4t + 1, 4t + 3) the second, and Q's
+//   fragment is loaded in the same order (LoadQFragment).
+// - O += P.V: an ldmatrix.trans of FP8 rows gives a thread two positions of two neighbouring
+//   dims; the even dims make one n8 tile of O, the odd dims another, so a thread's O holds
+//   dims 16c + 4t .. 16c + 4t + 3 as (o[2c][0], o[2c + 1][0], o[2c][1], o[2c + 1][1]) (rows
+//   quad_row; [2], [3] for quad_row + 8): CombineKvWarpsAndWrite reads it that way.
+// The scales apply once, in float: K's to the scores, V's to the weights P before P is packed.
+// No pass over shared memory and no barrier between the copies and the math: the staging pass
+// this replaces cost what FP8's halved bytes save (docs/PERFORMANCE.md#fp8).
+template <int D>
+struct DecodeFp8Math {
+  using T = __nv_bfloat16;
+
+  // Q's A fragment of k step kc (dims 16kc..16kc + 15) in the K fragments' order: slots 2t, 2t + 1
+  // hold dims 16kc + 4t, + 2; slots 2t + 8, + 9 dims 16kc + 4t + 1, + 3.
+  __device__ __forceinline__ static void LoadQFragment(const T* warp_q, int kc, int lane,
+                                                       uint32_t (&a)[4]) {
+    const int quad_row = lane >> 2, quad_col = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint2 q = *reinterpret_cast<const uint2*>(
+          warp_q + SwizzledOffset<D>(quad_row + 8 * i, 2 * kc + (quad_col >> 1)) +
+          4 * (quad_col & 1));
+      a[i] = __byte_perm(q.x, q.y, 0x5410);      // dims 4t, 4t + 2
+      a[2 + i] = __byte_perm(q.x, q.y, 0x7632);  // dims 4t + 1, 4t + 3
+    }
+  }
+
+  // S = Q K^T over the 16 positions at row0 of the FP8 K tile sk (unscaled): one ldmatrix per
+  // 32 dims, two accumulators up to head_dim 128 as DecodeTileMath::ScoreQK.
+  template <typename QFragment>
+  __device__ __forceinline__ static void ScoreQK(const QFragment& q_fragment,
+                                                 const unsigned char* sk, int row0, int lane,
+                                                 float (&s)[2][4]) {
+    float s_odd[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kc2 = 0; kc2 < D / 32; ++kc2) {
+      // m[0], m[1]: positions 0-7, 8-15 of dims 32kc2..+15; m[2], m[3]: of the next 16 dims.
+      uint32_t m[4];
+      const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX4(m, SmemAddr(sk + Fp8TileOffset<D>(r, 2 * kc2 + (lane >> 4))));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t a[4];
+        q_fragment(2 * kc2 + j, a);
+        uint32_t b[2][2];
+        E4m3x4ToBf16(m[2 * j], b[0][0], b[0][1]);
+        E4m3x4ToBf16(m[2 * j + 1], b[1][0], b[1][1]);
+        float(&acc)[2][4] = (D <= 128 && j) ? s_odd : s;
+        Mma16816<T>(acc[0], a, b[0][0], b[0][1]);
+        Mma16816<T>(acc[1], a, b[1][0], b[1][1]);
+      }
+    }
+    if constexpr (D <= 128) {
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] += s_odd[nt][e];
+      }
+    }
+  }
+
+  // A thread's scores or weights (columns 2 quad_col, + 1 of each n8 tile) times their
+  // positions' scales: row_scales[row0 + 8nt + 2quad_col + e % 2] (shared memory), or `one`.
+  __device__ __forceinline__ static void Scale(float (&s)[2][4], const float* row_scales,
+                                               float one, int row0, int quad_col) {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt) {
+      float2 f = make_float2(one, one);
+      if (row_scales != nullptr) {
+        f = *reinterpret_cast<const float2*>(row_scales + row0 + nt * 8 + 2 * quad_col);
+        f.x = fminf(f.x, kMaxTileScale);
+        f.y = fminf(f.y, kMaxTileScale);
+      }
+      s[nt][0] *= f.x;
+      s[nt][1] *= f.y;
+      s[nt][2] *= f.x;
+      s[nt][3] *= f.y;
+    }
+  }
+
+  // O += P V over the 16 positions at row0 of the FP8 V tile sv; p: the weights times V's
+  // scales. O's layout as the struct's comment says.
+  __device__ __forceinline__ static void AccumulatePV(const float (&p)[2][4],
+                                                      const unsigned char* sv, int row0, int lane,
+                                                      DecodeState<D>& st) {
+    const uint32_t pa[4] = {PackPair<T>(p[0][0], p[0][1]), PackPair<T>(p[0][2], p[0][3]),
+                            PackPair<T>(p[1][0], p[1][1]), PackPair<T>(p[1][2], p[1][3])};
+#pragma unroll
+    for (int c = 0; c < D / 16; c += 2) {
+      // m[0], m[1]: positions 0-7, 8-15 of dims 16c..+15; m[2], m[3]: of the next 16 dims.
+      uint32_t m[4];
+      const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX4Trans(m, SmemAddr(sv + Fp8TileOffset<D>(r, c + (lane >> 4))));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t lo[2], hi[2];  // [0]: dim 2 quad_row of the 16 (even), [1]: + 1 (odd)
+        E4m3x4ToBf16(m[2 * j], lo[0], lo[1]);
+        E4m3x4ToBf16(m[2 * j + 1], hi[0], hi[1]);
+        Mma16816<T>(st.o[2 * (c + j)], pa, lo[0], hi[0]);
+        Mma16816<T>(st.o[2 * (c + j) + 1], pa, lo[1], hi[1]);
+      }
+    }
+  }
+};
+
 // ---- Combine and write ----------------------------------------------------------------------
 
 // The kKvWarps warps that split each KV tile combine their (max, sum, O) through shared memory
@@ -286,10 +403,20 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       red_max[kv_warp * Cfg::kRows + r] = st.row_max[i];
       red_sum[kv_warp * Cfg::kRows + r] = st.row_sum[i];
     }
+    float* red_row = red_o + (kv_warp * Cfg::kRows + r) * Cfg::kRedStride;
+    if constexpr (Cfg::kFp8Direct) {  // DecodeFp8Math's layout: dims 16c + 4 quad_col .. + 3
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      *reinterpret_cast<float2*>(red_o + (kv_warp * Cfg::kRows + r) * Cfg::kRedStride + dt * 8 +
-                                 2 * quad_col) = make_float2(st.o[dt][2 * i], st.o[dt][2 * i + 1]);
+      for (int c = 0; c < D / 16; ++c) {
+        *reinterpret_cast<float4*>(red_row + 16 * c + 4 * quad_col) =
+            make_float4(st.o[2 * c][2 * i], st.o[2 * c + 1][2 * i], st.o[2 * c][2 * i + 1],
+                        st.o[2 * c + 1][2 * i + 1]);
+      }
+    } else {
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+        *reinterpret_cast<float2*>(red_row + dt * 8 + 2 * quad_col) =
+            make_float2(st.o[dt][2 * i], st.o[dt][2 * i + 1]);
+      }
     }
   }
   __syncthreads();
@@ -455,6 +582,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         // [R+UR] and misallocates the policy's descriptor register (an illegal instruction at
         // run time); the 16-bit tiles' copies keep it.
         unsigned char* sk = stage + (row * Cfg::kChunks + copy_chunk) * 16;
+        if constexpr (Cfg::kFp8Direct) sk = stage + Fp8TileOffset<D>(row, copy_chunk);
         CpAsync16(SmemAddr(sk), k_bytes + offset, valid);
         CpAsync16(SmemAddr(sk + Cfg::kTileKv * D), v_bytes + offset, valid);
         if (row_scales && copy_chunk == 0) {  // offset / kRowBytes: the row's index in the pool
@@ -510,18 +638,21 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     CpAsyncCommit();
     fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
   };
-  // FP8: then the tile is dequantized (its scales were copied by other threads: a barrier
+  // FP8 staged: then the tile is dequantized (its scales were copied by other threads: a barrier
   // first) and a barrier makes it every warp's; the stage is free once that one has passed.
   auto wait_for = [&](int tile) {
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
-    if constexpr (Cfg::kFp8) {
+    if constexpr (Cfg::kFp8Staged) {
       dequantize_tile(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
       __syncthreads();
     }
   };
+  auto stage_of = [&](int tile) -> const unsigned char* {
+    return stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
+  };
   auto k_tile = [&](int tile) -> const T* {
-    if constexpr (Cfg::kFp8) return fp8_tile;
+    if constexpr (Cfg::kFp8Staged) return fp8_tile;
     return reinterpret_cast<const T*>(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
   };
   auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileElems; };
@@ -568,6 +699,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
   const Softcap softcap = Softcap::Of(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
+  // FP8 read straight into fragments: the STATIC scales (PER_TOKEN: rows' own, in the stage).
+  const float k_scale = fminf(p.scales.k, kMaxTileScale);
+  const float v_scale = fminf(p.scales.v, kMaxTileScale);
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
@@ -577,10 +711,17 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
     LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
   };
+  auto load_any_q_frag = [&](int kc, uint32_t(&a)[4]) {
+    if constexpr (Cfg::kFp8Direct) {
+      DecodeFp8Math<D>::LoadQFragment(warp_q, kc, lane, a);
+    } else {
+      load_q_frag(kc, a);
+    }
+  };
   auto load_q_fragments = [&] {
     if constexpr (Cfg::kQInRegisters) {
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) load_q_frag(kc, q_frag[kc]);
+      for (int kc = 0; kc < D / 16; ++kc) load_any_q_frag(kc, q_frag[kc]);
     }
   };
   auto q_fragment = [&](int kc, uint32_t(&a)[4]) {
@@ -588,7 +729,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
 #pragma unroll
       for (int j = 0; j < 4; ++j) a[j] = q_frag[kc][j];
     } else {
-      load_q_frag(kc, a);
+      load_any_q_frag(kc, a);
     }
   };
 
@@ -608,14 +749,34 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       }
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
-      Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
-      Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
-      Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
+      if constexpr (Cfg::kFp8Direct) {
+        using Fp8Math = DecodeFp8Math<D>;
+        const unsigned char* stage = stage_of(tile);
+        const float* scales = row_scales
+                                  ? reinterpret_cast<const float*>(stage + 2 * Cfg::kTileKv * D)
+                                  : nullptr;
+        Fp8Math::ScoreQK(q_fragment, stage, row0, lane, s);  // S = Q.K^T, K as stored
+        Fp8Math::Scale(s, scales, k_scale, row0, quad_col);  // times K's scales
+        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
+        Math::OnlineSoftmax(s, state);
+        float pv[2][4];  // P times V's scales
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pv[nt][e] = s[nt][e];
+        }
+        Fp8Math::Scale(pv, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col);
+        Fp8Math::AccumulatePV(pv, stage + Cfg::kTileKv * D, row0, lane, state);
+      } else {
+        Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
+        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
+        Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
+        Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
+      }
     }
-    // The stage is overwritten by the next iteration's copies (an FP8 stage is free already;
-    // its dequantized tile is rewritten only after the next wait's first barrier).
-    if constexpr (!Cfg::kFp8) __syncthreads();
+    // The stage is overwritten by the next iteration's copies (a staged FP8 stage is free
+    // already; its dequantized tile is rewritten only after the next wait's first barrier).
+    if constexpr (!Cfg::kFp8Staged) __syncthreads();
   }
   CpAsyncWait<0>();
 

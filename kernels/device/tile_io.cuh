@@ -42,6 +42,19 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   }
 }
 
+// FP8 tiles read straight into mma fragments (kFp8Fragments: head dims 64, 128, 256): rows of D
+// bytes, the byte offset of (row, 16-byte chunk). The chunk index is XORed so that the eight
+// rows an ldmatrix reads hit eight bank groups: with row % 8 for rows of 128 bytes or more, with
+// (row / 2) % 4 for 64-byte rows (two to a 128-byte line; the row's parity picks the line's half).
+template <int D>
+inline constexpr bool kFp8Fragments = D == 64 || D == 128 || D == 256;
+template <int D>
+__device__ __forceinline__ int Fp8TileOffset(int row, int chunk) {
+  static_assert(kFp8Fragments<D>, "64-, 128- or 256-byte rows");
+  const int swizzle = D == 64 ? (row >> 1) & 3 : row & 7;
+  return row * D + ((chunk ^ swizzle) << 4);
+}
+
 // How a block's threads copy a K/V tile of kTileKv rows: in kSlots columns of 16-byte chunks
 // (kElemsPerChunk elements: 8 of a 16-bit cache, 16 of an FP8 one), each thread taking chunk
 // tid % kSlots of rows tid / kSlots + i * kRowStep. kSlots is the row's chunks rounded up to a

@@ -118,7 +118,9 @@ __device__ __forceinline__ void E4m3x4ToBf16(uint32_t x, uint32_t& even, uint32_
   const uint32_t xs = x << 8;
   const uint32_t scaled_odd = (x & kSigns) | ((x & kRest) >> 4);
   const uint32_t scaled_even = (xs & kSigns) | ((xs & kRest) >> 4);
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(even) : "r"(scaled_even), "r"(kTwoTo120), "r"(kSigns));
+  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
+      : "=r"(even)
+      : "r"(scaled_even), "r"(kTwoTo120), "r"(kSigns));
   asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(odd) : "r"(scaled_odd), "r"(kTwoTo120), "r"(kSigns));
 }
 

@@ -282,26 +282,30 @@ struct DecodeTileMath {
 //   the sum over head_dim takes dims 4t, 4t + 1 in the first k slots and 4t + 2, 4t + 3 in the
 //   second, and Q's fragment is loaded in the same order (LoadQFragment). Q is float16 too,
 //   each row scaled by a power of two into float16's range (QToHalf); the scores get it back.
-// - O += P.V in bfloat16 (P times V's per-position scales needs float's exponent range):
-//   E4m3x4ToBf16 splits four bytes into an even and an odd pair, exactly, seven instructions
-//   and two multiplies for four values. An ldmatrix.trans of FP8 rows gives a thread two
-//   positions of two neighbouring
-//   dims; the even dims make one n8 tile of O, the odd dims another, so a thread's O holds
-//   dims 16c + 4t .. 16c + 4t + 3 as (o[2c][0], o[2c + 1][0], o[2c][1], o[2c + 1][1]) (rows
-//   quad_row; [2], [3] for quad_row + 8): CombineKvWarpsAndWrite reads it that way.
-// The scales apply once, in float: K's to the scores, V's to the weights P before P is packed.
+// - O += P.V in float16 too. An ldmatrix.trans of FP8 rows gives a thread two positions of two
+//   neighbouring dims; one byte permute and two conversions make them an even and an odd pair
+//   (E4m3x4ToHalfPairs). The even dims make one n8 tile of O, the odd dims another, so a
+//   thread's O holds dims 16c + 4t .. 16c + 4t + 3 as (o[2c][0], o[2c + 1][0], o[2c][1],
+//   o[2c + 1][1]) (rows quad_row; [2], [3] for quad_row + 8): CombineKvWarpsAndWrite reads it
+//   that way. V's per-position scales go into P, relative to a reference scale the warp raises
+//   lazily (VScales), so that P stays within float16: P <= 2^8 (the lazy softmax base) times a
+//   scale at most 2^7 times the reference.
+// The scales apply once, in float: K's (and Q's row scales) to the scores, V's to P before P is
+// packed, the reference to O at the end. In bfloat16 instead, the conversions took 4.5
+// instructions a pair of V and 3.5 of K, the most of a step's: 1.32-1.50x bf16's rate on the
+// default shapes against 1.07-1.51x.
 // No pass over shared memory and no barrier between the copies and the math: the staging pass
 // this replaces cost what FP8's halved bytes save (docs/PERFORMANCE.md#fp8).
 template <int D>
 struct DecodeFp8Math {
-  using T = __nv_bfloat16;
+  using T = __half;
 
   // Rewrites the block's Q tile (kRows rows, bfloat16) in float16, row r times 2^-e_r, and
   // stores 2^e_r at q_scales[r]. e_r puts the row's largest |q| in [2^14, 2^15): float16 holds
   // every value of the row to 2^-24 of it (below, as good as nothing next to the largest, they
   // flush), with 3 more bits than bfloat16 had. Once per item, by every thread; a barrier after.
   template <int kRows, int kThreads>
-  __device__ __forceinline__ static void QToHalf(T* q, float* q_scales, int tid) {
+  __device__ __forceinline__ static void QToHalf(__nv_bfloat16* q, float* q_scales, int tid) {
     constexpr int kRowThreads = kThreads / kRows;  // neighbouring lanes of one warp
     constexpr int kChunks = D / 8;                 // 16-byte chunks a row
     static_assert(kChunks % kRowThreads == 0, "a row's chunks divide among its threads");
@@ -341,8 +345,8 @@ struct DecodeFp8Math {
 
   // Q's A fragment (float16, from QToHalf) of k step kc: slots 2t, 2t + 1 hold dims
   // 16kc + 4t, + 1; slots 2t + 8, + 9 dims 16kc + 4t + 2, + 3 (the K fragments' order).
-  __device__ __forceinline__ static void LoadQFragment(const T* warp_q, int kc, int lane,
-                                                       uint32_t (&a)[4]) {
+  __device__ __forceinline__ static void LoadQFragment(const __nv_bfloat16* warp_q, int kc,
+                                                       int lane, uint32_t (&a)[4]) {
     const int quad_row = lane >> 2, quad_col = lane & 3;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
@@ -356,6 +360,7 @@ struct DecodeFp8Math {
 
   // Four E4M3 values (bytes of x) as two pairs of float16, exactly: (b0, b1), (b2, b3).
   __device__ __forceinline__ static void E4m3x4ToHalf(uint32_t x, uint32_t& lo, uint32_t& hi) {
+    static_assert(sizeof(__nv_fp8x2_storage_t) == 2, "two E4M3 values");
     const __half2_raw l =
         __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
     const __half2_raw h =
@@ -428,8 +433,70 @@ struct DecodeFp8Math {
     }
   }
 
+  // V's scale reference of a warp: the weights P (<= 2^8) are multiplied by their positions'
+  // V scales over `ref` before they are packed in float16, and O, summed in units of ref, is
+  // multiplied by ref at the end. ref starts at float's smallest normal and is raised to a
+  // step's largest scale when that is more than 2^7 times ref (O rescaled then), so that the
+  // packed weights stay below 2^15. A step's scales are the same for every row: the raise is
+  // warp-uniform. Positions whose scales are 2^-24 of ref or less (V values that small beside
+  // the step's largest) flush in float16.
+  struct VScales {
+    float ref = 0x1p-126f;
+    float inv = 0x1p126f;
+
+    // p times the V scales of the step at row0 (row_scales[row0 + ...], or `one`) over ref.
+    __device__ __forceinline__ void Apply(float (&p)[2][4], const float* row_scales, float one,
+                                          int row0, int quad_col, DecodeState<D>& st) {
+      float2 f[2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        f[nt] = make_float2(one, one);
+        if (row_scales != nullptr) {
+          f[nt] = *reinterpret_cast<const float2*>(row_scales + row0 + nt * 8 + 2 * quad_col);
+          f[nt].x = fminf(f[nt].x, kMaxTileScale);
+          f[nt].y = fminf(f[nt].y, kMaxTileScale);
+        }
+      }
+      float mx = fmaxf(fmaxf(f[0].x, f[0].y), fmaxf(f[1].x, f[1].y));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      if (mx > ref * 0x1p7f) {  // warp-uniform
+        const float down = ref / mx;
+#pragma unroll
+        for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st.o[dt][e] *= down;
+        }
+        ref = mx;
+        inv = 1.f / mx;
+      }
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float x = f[nt].x * inv, y = f[nt].y * inv;
+        p[nt][0] *= x;
+        p[nt][1] *= y;
+        p[nt][2] *= x;
+        p[nt][3] *= y;
+      }
+    }
+    // O back in its own units, once the last step is summed.
+    __device__ __forceinline__ void Finish(DecodeState<D>& st) const {
+#pragma unroll
+      for (int dt = 0; dt < D / 8; ++dt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.o[dt][e] *= ref;
+      }
+    }
+  };
+
+  // Four E4M3 values (bytes of x) as two pairs of float16, exactly: (b0, b2), (b1, b3).
+  __device__ __forceinline__ static void E4m3x4ToHalfPairs(uint32_t x, uint32_t& even,
+                                                           uint32_t& odd) {
+    E4m3x4ToHalf(__byte_perm(x, 0, 0x3120), even, odd);
+  }
+
   // O += P V over the 16 positions at row0 of the FP8 V tile sv; p: the weights times V's
-  // scales. O's layout as the struct's comment says.
+  // scales over the reference (VScales). O's layout as the struct's comment says.
   __device__ __forceinline__ static void AccumulatePV(const float (&p)[2][4],
                                                       const unsigned char* sv, int row0, int lane,
                                                       DecodeState<D>& st) {
@@ -444,8 +511,8 @@ struct DecodeFp8Math {
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         uint32_t lo[2], hi[2];  // [0]: dim 2 quad_row of the 16 (even), [1]: + 1 (odd)
-        E4m3x4ToBf16(m[2 * j], lo[0], lo[1]);
-        E4m3x4ToBf16(m[2 * j + 1], hi[0], hi[1]);
+        E4m3x4ToHalfPairs(m[2 * j], lo[0], lo[1]);
+        E4m3x4ToHalfPairs(m[2 * j + 1], hi[0], hi[1]);
         Mma16816<T>(st.o[2 * (c + j)], pa, lo[0], hi[0]);
         Mma16816<T>(st.o[2 * (c + j) + 1], pa, lo[1], hi[1]);
       }
@@ -787,6 +854,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const float v_scale = fminf(p.scales.v, kMaxTileScale);
   float* const q_scales = reinterpret_cast<float*>(smem_raw + Cfg::kQScaleOffset);
   float q_row_scale[2] = {1.f, 1.f};  // 2^e of the thread's Q rows in float16 (QToHalf)
+  typename DecodeFp8Math<Cfg::kFp8Direct ? D : 128>::VScales v_scales;  // P's V scales
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
@@ -851,14 +919,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         Fp8Math::Scale(s, scales, k_scale, row0, quad_col, q_row_scale);  // K's and Q's scales
         Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
         Math::OnlineSoftmax(s, state);
-        float pv[2][4];  // P times V's scales
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) pv[nt][e] = s[nt][e];
-        }
-        Fp8Math::Scale(pv, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col);
-        Fp8Math::AccumulatePV(pv, stage + Cfg::kTileKv * D, row0, lane, state);
+        v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col,
+                       state);  // P times V's scales over the reference
+        Fp8Math::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);
       } else {
         Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
         Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
@@ -871,6 +934,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     if constexpr (!Cfg::kFp8Staged) __syncthreads();
   }
   CpAsyncWait<0>();
+  if constexpr (Cfg::kFp8Direct) v_scales.Finish(state);
 
   CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
                                                 kv_warp, tid, lane);

@@ -107,21 +107,4 @@ __device__ __forceinline__ void DequantizeChunk(const uint4& in, float scale, ui
   hi = make_uint4(out[4], out[5], out[6], out[7]);
 }
 
-// Four E4M3 values (bytes b0..b3 of x) as two pairs of bfloat16, exactly: even = (b0, b2),
-// odd = (b1, b3). Each byte's sign and its other seven bits move to bfloat16's places, which
-// makes a bfloat16 2^-120 times the stored value (E4M3's subnormals become bfloat16's), and one
-// multiply by 2^120 restores it. No special case for E4M3's NaN code (0x7f / 0xff, never stored:
-// appends saturate, NaN inputs aside), which reads back as 480. The FP8 decode tiles read K and
-// V with this straight from shared memory into their mma fragments.
-__device__ __forceinline__ void E4m3x4ToBf16(uint32_t x, uint32_t& even, uint32_t& odd) {
-  constexpr uint32_t kSigns = 0x80008000u, kRest = 0x7f007f00u, kTwoTo120 = 0x7b807b80u;
-  const uint32_t xs = x << 8;
-  const uint32_t scaled_odd = (x & kSigns) | ((x & kRest) >> 4);
-  const uint32_t scaled_even = (xs & kSigns) | ((xs & kRest) >> 4);
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n"
-      : "=r"(even)
-      : "r"(scaled_even), "r"(kTwoTo120), "r"(kSigns));
-  asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(odd) : "r"(scaled_odd), "r"(kTwoTo120), "r"(kSigns));
-}
-
 }  // namespace pagedattn::kernels

@@ -7,8 +7,9 @@
 // table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
 // online softmax between them. The kKvWarps warps that share a row slice split each KV tile and
 // combine their softmax states at the end, so each K/V byte is read once for every head of its
-// GQA group. An FP8 cache's tiles are copied as stored (half the bytes) into staging stages and
-// dequantized, each thread its own chunks, into one bfloat16 tile that the same math reads.
+// GQA group. An FP8 cache's tiles are copied as stored (half the bytes); at head dims 64, 128
+// and 256 DecodeFp8Math reads them straight into float16 fragments, at 80, 96 and 192 each
+// thread dequantizes its own chunks into one bfloat16 tile that the 16-bit math reads.
 #pragma once
 
 #include <cuda_bf16.h>

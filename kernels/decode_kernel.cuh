@@ -855,7 +855,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const float v_scale = fminf(p.scales.v, kMaxTileScale);
   float* const q_scales = reinterpret_cast<float*>(smem_raw + Cfg::kQScaleOffset);
   float q_row_scale[2] = {1.f, 1.f};  // 2^e of the thread's Q rows in float16 (QToHalf)
-  typename DecodeFp8Math<Cfg::kFp8Direct ? D : 128>::VScales v_scales;  // P's V scales
+  typename DecodeFp8Math<D>::VScales v_scales;  // P's V scales
 
   // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
   // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.

@@ -19,8 +19,8 @@
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/service/server.h"
-#include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/service/log_capture.h"
 
 namespace pagedattn {
 namespace {
@@ -290,21 +290,16 @@ TEST_F(HardeningTest, LongValuesInErrorsDoNotBreakTheConnection) {
 // A name with a newline could forge a log line: names are printable ASCII, and request text
 // that reaches a log (a cache id) is escaped.
 TEST_F(HardeningTest, LogLinesCannotBeForged) {
-  std::ostringstream captured;
-  auto previous = spdlog::default_logger();
-  auto logger = std::make_shared<spdlog::logger>(
-      "capture", std::make_shared<spdlog::sinks::ostream_sink_mt>(captured));
-  logger->set_level(spdlog::level::debug);
-  spdlog::set_default_logger(logger);
+  testing::LogCapture captured(spdlog::level::debug);
   absl::StatusOr<v1::CacheInfo> named = client_->CreateCache(Config(4), "ok\nFORGED info line");
   (void)client_->GetCache("x\nFORGED2 info line");
-  spdlog::set_default_logger(previous);
   EXPECT_EQ(named.status().code(), absl::StatusCode::kInvalidArgument) << named.status();
   EXPECT_NE(named.status().message().find("printable"), std::string::npos);
-  std::istringstream lines(captured.str());
+  const std::string log = captured.str();
+  std::istringstream lines(log);
   std::string line;
   while (std::getline(lines, line)) EXPECT_NE(line.rfind("FORGED", 0), 0u) << line;
-  EXPECT_NE(captured.str().find("x\\nFORGED2"), std::string::npos) << captured.str();
+  EXPECT_NE(log.find("x\\nFORGED2"), std::string::npos) << log;
 }
 
 // A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.

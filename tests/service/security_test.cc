@@ -10,8 +10,8 @@
 
 #include "client/client.h"
 #include "server/service/server.h"
-#include "spdlog/sinks/ostream_sink.h"
 #include "spdlog/spdlog.h"
+#include "tests/service/log_capture.h"
 
 namespace pagedattn {
 namespace {
@@ -195,18 +195,12 @@ TEST_F(SecurityTest, TenantsCannotSeeEachOthersCaches) {
 }
 
 TEST_F(SecurityTest, TokensNeverAppearInLogs) {
-  std::ostringstream captured;
-  auto sink = std::make_shared<spdlog::sinks::ostream_sink_mt>(captured);
-  auto previous = spdlog::default_logger();
-  auto logger = std::make_shared<spdlog::logger>("capture", sink);
-  logger->set_level(spdlog::level::trace);
-  spdlog::set_default_logger(logger);
+  testing::LogCapture captured(spdlog::level::trace);
   (void)Connect("tok-secret-wrong")->ListCaches();
   auto alpha = Connect(kAlpha);
   auto c = alpha->CreateCache(SmallConfig());
   ASSERT_TRUE(c.ok());
   (void)alpha->DeleteCache(c->cache_id());
-  spdlog::set_default_logger(previous);
   const std::string log = captured.str();
   EXPECT_NE(log.find("UNAUTHENTICATED"), std::string::npos) << log;
   EXPECT_EQ(log.find("tok-secret-wrong"), std::string::npos);

@@ -139,9 +139,17 @@ __global__ void __launch_bounds__(256)
 
 // ---- Conversion ---------------------------------------------------------------------------
 
+struct ConvertParams {
+  const void* src;
+  void* dst;
+  int64_t n;
+};
+
 template <typename Src, typename Dst>
-__global__ void __launch_bounds__(256) ConvertKernel(const Src* src, Dst* dst, int64_t n) {
-  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < n;
+__global__ void __launch_bounds__(256) ConvertKernel(const ConvertParams p) {
+  const Src* src = static_cast<const Src*>(p.src);
+  Dst* dst = static_cast<Dst*>(p.dst);
+  for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < p.n;
        i += int64_t{gridDim.x} * blockDim.x) {
     dst[i] = FromFloat<Dst>(ToFloat(src[i]));
   }
@@ -199,16 +207,15 @@ LaunchStatus LaunchDequantizePages(const PagedAttentionParams& params, cudaStrea
 }
 
 LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
-                           cudaStream_t stream) {
+                           cudaStream_t stream, Launcher& launcher) {
   if (n == 0) return LaunchStatus::Ok();
   return DispatchIoDType(src_dtype, [&](auto src_tag) {
     using Src = typename decltype(src_tag)::type;
     return DispatchIoDType(dst_dtype, [&](auto dst_tag) {
       using Dst = typename decltype(dst_tag)::type;
       constexpr int kThreads = 256;
-      ConvertKernel<Src, Dst><<<GridFor(n, kThreads), kThreads, 0, stream>>>(
-          static_cast<const Src*>(src), static_cast<Dst*>(dst), n);
-      return LastLaunchStatus("convert");
+      return launcher.Launch(ConvertKernel<Src, Dst>, dim3(GridFor(n, kThreads)), dim3(kThreads),
+                             0, stream, ConvertParams{src, dst, n}, "convert");
     });
   });
 }

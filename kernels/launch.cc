@@ -2,6 +2,8 @@
 // plain launches where graphs are off or the stream is being captured.
 #include "kernels/launch.h"
 
+#include "kernels/submission.h"
+
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -239,6 +241,8 @@ LaunchStatus Launcher::GraphCache::Launch(const KernelLaunch* k, int num_nodes, 
 Launcher::Launcher(bool graph_launch)
     : graph_launch_(graph_launch), cache_(std::make_unique<GraphCache>()) {}
 
+Launcher::Launcher(Submission* record_into) : graph_launch_(false), record_into_(record_into) {}
+
 Launcher::~Launcher() = default;
 
 // num_nodes kernels (1 or 2) as one launch, each after the one before it (programmatically for
@@ -247,6 +251,10 @@ Launcher::~Launcher() = default;
 // order, the second's wait then a no-op).
 LaunchStatus Launcher::LaunchKernels(const KernelLaunch* k, int num_nodes, cudaStream_t stream,
                                      const void* params, size_t params_bytes, const char* what) {
+  if (record_into_ != nullptr) {
+    for (int i = 0; i < num_nodes; ++i) record_into_->Kernel(k[i], params, params_bytes, i > 0);
+    return LaunchStatus::Ok();
+  }
   bool capturing = false;
   if (graph_launch_) {
     if (LaunchStatus st = Capturing(stream, &capturing, what); !st.ok()) return st;

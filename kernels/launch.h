@@ -23,6 +23,8 @@
 
 namespace pagedattn::kernels {
 
+class Submission;
+
 // Devices a per-device cache keeps an entry for; a device past these is asked every time.
 inline constexpr int kMaxDevices = 64;
 
@@ -48,9 +50,12 @@ struct KernelLaunch {
 // names the kernel in errors. With graph launches on (the default; the server's
 // --graph_launch), through this launcher's cached graphs; otherwise, and on a stream being
 // captured, by plain launches. Thread-safe: concurrent Forwards on different streams share one.
+// A launcher made over a Submission submits nothing: it records each launch there (the stream
+// argument unused), for the caller to submit with the rest of its work (kernels/submission.h).
 class Launcher {
  public:
   explicit Launcher(bool graph_launch = true);
+  explicit Launcher(Submission* record_into);
   ~Launcher();  // destroys the cached graphs
   Launcher(const Launcher&) = delete;
   Launcher& operator=(const Launcher&) = delete;
@@ -88,6 +93,7 @@ class Launcher {
                              const void* params, size_t params_bytes, const char* what);
 
   const bool graph_launch_;
+  Submission* const record_into_ = nullptr;
   std::unique_ptr<GraphCache> cache_;
   std::atomic<int64_t> graph_launches_{0};
   std::atomic<int64_t> plain_launches_{0};

@@ -32,13 +32,4 @@ class LaunchStatus {
   std::string message_;
 };
 
-// The status of the launch just made (cudaGetLastError), naming the kernel.
-inline LaunchStatus LastLaunchStatus(const char* what) {
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string(what) + " launch: " + cudaGetErrorString(err));
-  }
-  return LaunchStatus::Ok();
-}
-
 }  // namespace pagedattn::kernels

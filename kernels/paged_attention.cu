@@ -199,7 +199,7 @@ LaunchStatus LaunchForwardAttention(const ForwardLaunch& launch, cudaStream_t st
   const bool convert = launch.wire_dtype != DType::kUnspecified;
   if (convert) {
     if (LaunchStatus st = LaunchConvert(launch.wire_q, launch.wire_dtype, const_cast<void*>(p.q),
-                                        DType::kFloat32, launch.wire_elems, stream);
+                                        DType::kFloat32, launch.wire_elems, stream, launcher);
         !st.ok()) {
       return st;
     }
@@ -207,7 +207,7 @@ LaunchStatus LaunchForwardAttention(const ForwardLaunch& launch, cudaStream_t st
   if (LaunchStatus st = LaunchPagedAttention(p, stream, launcher); !st.ok()) return st;
   if (convert) {
     return LaunchConvert(p.out, DType::kFloat32, launch.wire_out, launch.wire_dtype,
-                         launch.wire_elems, stream);
+                         launch.wire_elems, stream, launcher);
   }
   return LaunchStatus::Ok();
 }

@@ -180,7 +180,7 @@ LaunchStatus LaunchPagedAttention(const PagedAttentionParams& params, cudaStream
 
 // dst[i] = src[i] converted between any two of float32 / float16 / bfloat16.
 LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
-                           cudaStream_t stream);
+                           cudaStream_t stream, Launcher& launcher);
 
 // An FP8 cache's pages params.dequant_pages -> params.dequant_k / dequant_v as bfloat16, each
 // value times its scale (the prefill tiles' copy, PagedAttentionParams).

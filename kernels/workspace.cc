@@ -95,32 +95,20 @@ LaunchStatus ForwardWorkspace::Reserve(const AttentionPlan& plan, cudaStream_t s
   return LaunchStatus::Ok();
 }
 
-LaunchStatus ForwardWorkspace::Upload(const AttentionPlan& plan, cudaStream_t stream) {
-  if (cudaError_t err = cudaMemcpyAsync(device_, host_, plan.staging().upload_bytes,
-                                        cudaMemcpyHostToDevice, stream);
-      err != cudaSuccess) {
-    return CudaError("cudaMemcpyAsync(Forward inputs)", err);
-  }
-  return LaunchStatus::Ok();
-}
-
-LaunchStatus ForwardWorkspace::Download(const AttentionPlan& plan, cudaStream_t stream) {
+void ForwardWorkspace::Download(const AttentionPlan& plan, Submission& s) const {
   const ForwardStaging& st = plan.staging();
-  if (st.out_bytes == 0) return LaunchStatus::Ok();
+  if (st.out_bytes == 0) return;
   const size_t bytes = (st.lse_bytes > 0 ? st.lse + st.lse_bytes : st.out + st.out_bytes) - st.out;
-  if (cudaError_t err =
-          cudaMemcpyAsync(host_ + st.out, device_ + st.out, bytes, cudaMemcpyDeviceToHost, stream);
-      err != cudaSuccess) {
-    return CudaError("cudaMemcpyAsync(Forward results)", err);
-  }
-  return LaunchStatus::Ok();
+  s.Copy(host_ + st.out, device_ + st.out, bytes, cudaMemcpyDeviceToHost);
 }
 
-LaunchStatus ForwardWorkspace::Mark(MarkPoint point, cudaStream_t stream) {
-  cudaError_t err = cudaSuccess;
-  if (marks_[point] == nullptr) err = cudaEventCreate(&marks_[point]);
-  if (err == cudaSuccess) err = cudaEventRecord(marks_[point], stream);
-  if (err != cudaSuccess) return CudaError("cudaEventRecord", err);
+LaunchStatus ForwardWorkspace::Mark(MarkPoint point, Submission& s) {
+  if (marks_[point] == nullptr) {
+    if (cudaError_t err = cudaEventCreate(&marks_[point]); err != cudaSuccess) {
+      return CudaError("cudaEventCreate(mark)", err);
+    }
+  }
+  s.Record(marks_[point]);
   return LaunchStatus::Ok();
 }
 

@@ -10,12 +10,14 @@
 #include "kernels/attention_plan.h"
 #include "kernels/launch_status.h"
 #include "kernels/paged_attention.h"
+#include "kernels/submission.h"
 
 namespace pagedattn::kernels {
 
 // One Forward at a time: Reserve, StageInputs, Upload (one host-to-device copy), the kernels
-// (Bind), Download (one device-to-host copy), the stream's synchronization, ReadResults. Frees
-// its buffers on the current device when destroyed.
+// (Bind), Download (one device-to-host copy), the stream's synchronization, ReadResults. The
+// copies and marks are recorded into a Submission (the server submits a Forward's as one graph),
+// or issued on a stream. Frees its buffers on the current device when destroyed.
 class ForwardWorkspace {
  public:
   ForwardWorkspace() = default;
@@ -35,23 +37,35 @@ class ForwardWorkspace {
   void StageInputs(const AttentionPlan& plan, const void* q, const void* k, const void* v) {
     plan.WriteStaging(host_, q, k, v);
   }
-  // The pinned image's inputs to the device: one cudaMemcpyAsync.
-  LaunchStatus Upload(const AttentionPlan& plan, cudaStream_t stream);
+  // The pinned image's inputs to the device: one copy.
+  void Upload(const AttentionPlan& plan, Submission& s) const {
+    s.Copy(device_, host_, plan.staging().upload_bytes, cudaMemcpyHostToDevice);
+  }
+  LaunchStatus Upload(const AttentionPlan& plan, cudaStream_t stream) const {
+    Submission s;
+    Upload(plan, s);
+    return SubmitOps(s, stream, nullptr);
+  }
   // The kernels' params bound to this workspace's device image and the layer's K/V pools.
   ForwardLaunch Bind(const AttentionPlan& plan, void* k_cache, void* v_cache,
                      const ExternalTensors& external = {}) const {
     return plan.Bind(device_, counters_, k_cache, v_cache, external);
   }
-  // The results (out, then lse) into the pinned image: one cudaMemcpyAsync.
-  LaunchStatus Download(const AttentionPlan& plan, cudaStream_t stream);
+  // The results (out, then lse) into the pinned image: one copy.
+  void Download(const AttentionPlan& plan, Submission& s) const;
+  LaunchStatus Download(const AttentionPlan& plan, cudaStream_t stream) const {
+    Submission s;
+    Download(plan, s);
+    return SubmitOps(s, stream, nullptr);
+  }
   // After the stream has synchronized: out (in q's dtype) and, when asked for, lse to the caller.
   void ReadResults(const AttentionPlan& plan, void* out, float* lse) const;
 
   // Where a Forward's phases went on the stream: around the upload, the kernels and the
-  // download (Mark), read after the stream's synchronization (Elapsed: milliseconds, 0 when the
-  // marks are not there).
+  // download (Mark: an event recorded), read after the stream's synchronization (Elapsed:
+  // milliseconds, 0 when the marks are not there).
   enum MarkPoint { kBeforeUpload, kAfterUpload, kAfterKernels, kAfterDownload, kNumMarks };
-  LaunchStatus Mark(MarkPoint point, cudaStream_t stream);
+  LaunchStatus Mark(MarkPoint point, Submission& s);
   float Elapsed(MarkPoint from, MarkPoint to) const;
 
   char* host() const { return host_; }

@@ -101,7 +101,11 @@ ABSL_FLAG(PrefillKernel, prefill_kernel, PrefillKernel::kAuto,
 ABSL_FLAG(bool, graph_launch, true,
           "CUDA backend: launch kernels through cached CUDA graphs (about 2 us of host time per "
           "launch instead of 4-5, which an idle GPU waits for). false launches them plainly (an "
-          "escape hatch)");
+          "escape hatch; it also turns --forward_graph off)");
+ABSL_FLAG(bool, forward_graph, true,
+          "CUDA backend: submit each Forward's upload, kernels, download and event records as "
+          "one cached CUDA graph (one runtime call instead of about a dozen). false submits them "
+          "one by one, the kernels through --graph_launch's per-kernel graphs");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, calls in flight "
           "get this many seconds (0..3600) and are then stopped; the process exits within it");
@@ -360,7 +364,8 @@ int main(int argc, char** argv) {
   options.backend = {.backend = absl::GetFlag(FLAGS_backend),
                      .cpu_threads = absl::GetFlag(FLAGS_cpu_threads),
                      .prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel),
-                     .graph_launch = absl::GetFlag(FLAGS_graph_launch)};
+                     .graph_launch = absl::GetFlag(FLAGS_graph_launch),
+                     .forward_graph = absl::GetFlag(FLAGS_forward_graph)};
   options.max_message_bytes = absl::GetFlag(FLAGS_max_message_mb) << 20;
   options.request_memory_bytes = absl::GetFlag(FLAGS_request_memory_mb) << 20;
   options.limits.max_caches_per_tenant = absl::GetFlag(FLAGS_max_caches_per_tenant);
@@ -403,10 +408,13 @@ int main(int argc, char** argv) {
   if (backend.kind() == pagedattn::BackendKind::kCuda) {
     std::vector<std::string> ccs;
     for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
+    const char* launches = !options.backend.graph_launch ? "plain"
+                           : options.backend.forward_graph
+                               ? "a Forward as one cached graph"
+                               : "each kernel through a cached graph";
     spdlog::info("CUDA: compute capability {}; kernels built as {}; prefill {}, launches {}",
                  absl::StrJoin(ccs, ", "), absl::StrJoin(pagedattn::BuiltCudaArchitectures(), " "),
-                 AbslUnparseFlag(options.backend.prefill_kernel),
-                 options.backend.graph_launch ? "through cached graphs" : "plain");
+                 AbslUnparseFlag(options.backend.prefill_kernel), launches);
   }
   spdlog::info("limits: messages up to {} MiB; {} MiB for requests in flight",
                options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20);

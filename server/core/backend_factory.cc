@@ -37,7 +37,8 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   }
   absl::StatusOr<std::unique_ptr<Backend>> cuda =
       CreateCudaBackend({.portable_prefill = options.prefill_kernel == PrefillKernel::kPortable,
-                         .graph_launch = options.graph_launch});
+                         .graph_launch = options.graph_launch,
+                         .forward_graph = options.forward_graph});
   if (cuda.ok()) {
     created.backend = *std::move(cuda);
     return created;

@@ -31,6 +31,7 @@ struct BackendOptions {
   int64_t cpu_reserved_bytes = 0;  // CPU backend: host memory kept out of pools.
   PrefillKernel prefill_kernel = PrefillKernel::kAuto;  // CUDA only.
   bool graph_launch = true;                             // CUDA only: CudaBackendOptions.
+  bool forward_graph = true;                            // CUDA only: CudaBackendOptions.
 };
 
 struct CreatedBackend {

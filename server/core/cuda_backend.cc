@@ -6,6 +6,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -21,6 +22,7 @@
 #include "kernels/attention_plan.h"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
+#include "kernels/submission.h"
 #include "kernels/workspace.h"
 #include "server/core/cache.h"
 
@@ -63,10 +65,12 @@ class CudaKvPool final : public KvPool {
   // layer_bytes: one layer's K (or V). An FP8 cache's scales: static_scales (STATIC: K's and V's
   // per layer) or, PER_TOKEN, row_scales floats per layer for K then as many for V, after every
   // layer's K and V.
-  CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits,
-             std::vector<cudaEvent_t> layer_done, float* sinks, int32_t num_q_heads,
-             std::vector<float> static_scales, int64_t row_scales)
-      : device_(device),
+  CudaKvPool(uint64_t id, int device, char* base, int64_t layer_bytes,
+             const k::AttentionPlanLimits& limits, std::vector<cudaEvent_t> layer_done,
+             float* sinks, int32_t num_q_heads, std::vector<float> static_scales,
+             int64_t row_scales)
+      : id_(id),
+        device_(device),
         base_(base),
         layer_bytes_(layer_bytes),
         static_scales_(std::move(static_scales)),
@@ -111,8 +115,12 @@ class CudaKvPool final : public KvPool {
   }
   // How a Forward's plan may spread its work over this pool's device (QueryPlanLimits).
   const k::AttentionPlanLimits& limits() const { return limits_; }
+  // Never the same for two pools of a backend: with the layer, which cached graph a Forward
+  // takes (Submission::set_tag).
+  uint64_t id() const { return id_; }
 
  private:
+  uint64_t id_;
   int device_;
   char* base_;
   int num_layers() const { return static_cast<int>(layer_done_.size()); }
@@ -193,6 +201,8 @@ struct Workspace {
   int device = 0;
   cudaStream_t stream = nullptr;
   k::ForwardWorkspace buffers;  // freed after the destructor's body: on `device`
+  k::Submission work;           // a Forward's operations, recorded before they are submitted
+  k::SubmissionGraphs graphs;   // ... as one graph (--forward_graph)
   // Recorded after the upload of a Forward answered before its work was done: until it has
   // passed, the pinned image is still to be read and the workspace is not handed out.
   cudaEvent_t uploaded = nullptr;
@@ -315,9 +325,11 @@ class CudaBackend final : public Backend {
   CudaBackend(int device_count, const CudaBackendOptions& options)
       : device_count_(device_count),
         portable_prefill_(options.portable_prefill),
+        forward_graph_(options.graph_launch && options.forward_graph),
         launcher_(options.graph_launch) {}
 
   const k::Launcher& launcher() const { return launcher_; }
+  int64_t forward_graphs() const { return forward_graphs_.load(); }
 
   BackendKind kind() const override { return BackendKind::kCuda; }
   std::string name() const override { return "cuda"; }
@@ -388,7 +400,8 @@ class CudaBackend final : public Backend {
         g.kv_scaling == KvScaling::kPerToken ? g.num_pages * g.num_kv_heads * g.page_size : 0;
     std::vector<float> static_scales =
         g.kv_scaling == KvScaling::kStatic ? g.kv_scales : std::vector<float>{};
-    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits,
+    return std::unique_ptr<KvPool>(new CudaKvPool(next_pool_id_.fetch_add(1), g.device, base,
+                                                  layer_bytes, limits,
                                                   std::move(layer_done), *sinks, g.num_q_heads,
                                                   std::move(static_scales), row_scales));
   }
@@ -518,7 +531,8 @@ class CudaBackend final : public Backend {
   }
 
   // Plan, stage, one H2D copy, append, attention, one D2H copy, one synchronization. With
-  // buffers, q, k and v are already in the workspace's image and the answer stays there.
+  // buffers, q, k and v are already in the workspace's image and the answer stays there. The
+  // GPU's part is recorded first and submitted as one graph (or op by op: Submit).
   absl::Status Run(CudaKvPool& pool, const CacheGeometry& g, const ForwardPlan& plan,
                    const ForwardIO& io, Workspace& ws, CudaForwardBuffers* buffers) {
     using k::ForwardWorkspace;
@@ -540,23 +554,34 @@ class CudaBackend final : public Backend {
     const bool detached = io.done_event != nullptr;
     const bool timed = io.timings != nullptr && !detached;
     if (io.timings != nullptr) io.timings->queued = detached;
+    if (detached && ws.uploaded == nullptr) {  // the image is read later: Acquire waits for it
+      PAGEDATTN_CUDA_RETURN(cudaEventCreateWithFlags(&ws.uploaded, cudaEventDisableTiming),
+                            "cudaEventCreate(upload)");
+    }
+    // The workspace's copies, marks and kernels as one submission (a graph, Submit); the
+    // events of the pool and the caller around it, as graphs must not hold events that may die
+    // before them.
+    k::Submission& work = ws.work;
+    work.Clear();
+    work.set_tag(pool.id() << 24 | static_cast<uint64_t>(plan.layer));
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, work));
+    ws.buffers.Upload(attention, work);
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, work));
+    if (detached) work.Record(ws.uploaded);
+    const k::ForwardLaunch launch =
+        ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer),
+                        {.q = io.q, .k = io.k, .v = io.v, .out = io.out, .lse = io.lse});
+    k::Launcher record(&work);
+    PAGEDATTN_LAUNCH_RETURN(k::LaunchAppendKv(launch.append, ws.stream, record));
+    PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, record));
+    if (!detached) {
+      if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, work));
+      ws.buffers.Download(attention, work);
+      if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterDownload, work));
+    }
     const absl::Time submit_start = absl::Now();
     if (io.timings != nullptr)
       io.timings->stage_us = absl::ToDoubleMicroseconds(submit_start - start);
-    auto submitted = [&] {
-      if (io.timings != nullptr)
-        io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);
-    };
-    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, ws.stream));
-    PAGEDATTN_LAUNCH_RETURN(ws.buffers.Upload(attention, ws.stream));
-    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, ws.stream));
-    if (detached) {  // the image is read later: the workspace waits for that (Acquire)
-      if (ws.uploaded == nullptr) {
-        PAGEDATTN_CUDA_RETURN(cudaEventCreateWithFlags(&ws.uploaded, cudaEventDisableTiming),
-                              "cudaEventCreate(upload)");
-      }
-      PAGEDATTN_CUDA_RETURN(cudaEventRecord(ws.uploaded, ws.stream), "cudaEventRecord(upload)");
-    }
     if (io.wait_event != nullptr) {  // the caller's q/k/v writes
       PAGEDATTN_CUDA_RETURN(
           cudaStreamWaitEvent(ws.stream, static_cast<cudaEvent_t>(io.wait_event), 0),
@@ -565,24 +590,15 @@ class CudaBackend final : public Backend {
     const cudaEvent_t layer_done = pool.layer_done(plan.layer);
     PAGEDATTN_CUDA_RETURN(cudaStreamWaitEvent(ws.stream, layer_done, 0),
                           "cudaStreamWaitEvent(layer order)");
-    const k::ForwardLaunch launch =
-        ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer),
-                        {.q = io.q, .k = io.k, .v = io.v, .out = io.out, .lse = io.lse});
-    PAGEDATTN_LAUNCH_RETURN(k::LaunchAppendKv(launch.append, ws.stream, launcher_));
-    PAGEDATTN_LAUNCH_RETURN(k::LaunchForwardAttention(launch, ws.stream, launcher_));
+    if (absl::Status st = Submit(ws); !st.ok()) return st;
     PAGEDATTN_CUDA_RETURN(cudaEventRecord(layer_done, ws.stream), "cudaEventRecord(layer order)");
     if (detached) {
       PAGEDATTN_CUDA_RETURN(cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
                             "cudaEventRecord(the caller's done event)");
-      submitted();
-      return absl::OkStatus();
     }
-    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterKernels, ws.stream));
-    PAGEDATTN_LAUNCH_RETURN(ws.buffers.Download(attention, ws.stream));
-    if (timed) {
-      PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterDownload, ws.stream));
-    }
-    submitted();
+    if (io.timings != nullptr)
+      io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);
+    if (detached) return absl::OkStatus();
     PAGEDATTN_CUDA_RETURN(cudaStreamSynchronize(ws.stream), "Forward on the GPU");
     if (timed) {
       io.timings->h2d_us =
@@ -603,13 +619,25 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
+  // A Forward's recorded work to its stream: one cached graph (one runtime call), or each
+  // operation by itself, kernels through the launcher (--forward_graph=false).
+  absl::Status Submit(Workspace& ws) {
+    if (!forward_graph_) return FromLaunch(k::SubmitOps(ws.work, ws.stream, &launcher_));
+    PAGEDATTN_LAUNCH_RETURN(ws.graphs.Launch(ws.work, ws.stream));
+    forward_graphs_.fetch_add(1, std::memory_order_relaxed);
+    return absl::OkStatus();
+  }
+
   const int device_count_;
   k::PrefillPath prefill_path() const {
     return portable_prefill_ ? k::PrefillPath::kPortable : k::PrefillPath::kAuto;
   }
 
   const bool portable_prefill_;  // --prefill_kernel=portable
+  const bool forward_graph_;     // --forward_graph: a Forward's work as one cached graph
   k::Launcher launcher_;         // --graph_launch: the kernels through cached graphs
+  std::atomic<int64_t> forward_graphs_{0};
+  std::atomic<uint64_t> next_pool_id_{1};
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Workspace>> free_;
 };
@@ -665,6 +693,11 @@ std::vector<std::string> CudaBuildArchitectures() {
 const kernels::Launcher* CudaLauncherOf(const Backend& backend) {
   const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
   return cuda != nullptr ? &cuda->launcher() : nullptr;
+}
+
+int64_t CudaForwardGraphsOf(const Backend& backend) {
+  const auto* cuda = dynamic_cast<const CudaBackend*>(&backend);
+  return cuda != nullptr ? cuda->forward_graphs() : -1;
 }
 
 }  // namespace pagedattn

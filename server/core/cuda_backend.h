@@ -2,6 +2,7 @@
 // kernels in kernels/ (append, paged attention), staged through pinned buffers on a stream.
 #pragma once
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
@@ -21,8 +22,12 @@ struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.
   bool portable_prefill = false;
   // false: every kernel by a plain launch instead of through a cached CUDA graph
-  // (kernels/launch.h). Each backend has its own kernels::Launcher with this setting.
+  // (kernels/launch.h), and no Forward as one graph. Each backend has its own kernels::Launcher
+  // with this setting.
   bool graph_launch = true;
+  // A Forward's upload, kernels, download and event records as one cached CUDA graph
+  // (kernels/submission.h), not a runtime call each. Needs graph_launch.
+  bool forward_graph = true;
 };
 
 // "major.minor" of a device ("9.0"); empty when it cannot be read.
@@ -37,5 +42,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(const CudaBackendOpti
 // The kernel launcher of a backend CreateCudaBackend made (its graph setting and launch counts,
 // for tests); null for any other backend.
 const kernels::Launcher* CudaLauncherOf(const Backend& backend);
+// Forwards a backend CreateCudaBackend made submitted as one graph (for tests); -1 for any other.
+int64_t CudaForwardGraphsOf(const Backend& backend);
 
 }  // namespace pagedattn

@@ -27,6 +27,7 @@
 #include "kernels/attention_plan.h"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
+#include "kernels/submission.h"
 #include "kernels/workspace.h"
 #include "server/core/backend.h"
 #include "server/core/cache.h"
@@ -682,16 +683,20 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   for (double e : errs) EXPECT_LE(e, 1e-2);
 }
 
-// Kernels go through cached graphs (kernels/launch.h): Forward after Forward,
+// A Forward goes to the GPU as one cached graph (kernels/submission.h), or op by op with its
+// kernels through cached one- or two-node graphs (kernels/launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
-// prefill, then a decode-only step), they must give exactly what plain launches give (a backend
+// prefill, then a decode-only step), both must give exactly what plain launches give (a backend
 // made with graph_launch = false). The second case is split decode merged by the separate merge
-// kernel, which goes with the tiles as one launch (a two-node graph with a programmatic edge, or
-// two plain launches, the merge's with programmatic stream serialization).
+// kernel, which goes with the tiles as one launch (a programmatic edge in either graph, or two
+// plain launches, the merge's with programmatic stream serialization).
 TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   absl::StatusOr<std::unique_ptr<Backend>> plain_backend =
       CreateCudaBackend({.graph_launch = false});
   ASSERT_TRUE(plain_backend.ok()) << plain_backend.status();
+  absl::StatusOr<std::unique_ptr<Backend>> kernel_graphs =
+      CreateCudaBackend({.forward_graph = false});
+  ASSERT_TRUE(kernel_graphs.ok()) << kernel_graphs.status();
   CaseSpec mixed;
   mixed.seed = 91;
   mixed.steps = MixedSteps(3000);
@@ -703,11 +708,13 @@ TEST_F(CudaKernelTest, GraphAndPlainLaunchesAgree) {
   separate_merge.gqa = 32;
   separate_merge.steps = {{{30000, 0}, {5000, 0}}, {{1, 1}, {1, 1}}, {{1, 1}, {1, 1}}};
   for (const CaseSpec& c : {mixed, separate_merge}) {
-    std::vector<double> plain, graph;
+    std::vector<double> plain, per_kernel, forward;
     RunCase(**plain_backend, c, &plain);
-    EXPECT_LE(RunCase(*backend_, c, &graph), 1e-2);
+    EXPECT_LE(RunCase(**kernel_graphs, c, &per_kernel), 1e-2);
+    EXPECT_LE(RunCase(*backend_, c, &forward), 1e-2);
     ASSERT_FALSE(plain.empty());
-    EXPECT_TRUE(plain == graph) << "graph launches changed the outputs, seed " << c.seed;
+    EXPECT_TRUE(plain == per_kernel) << "kernel graphs changed the outputs, seed " << c.seed;
+    EXPECT_TRUE(plain == forward) << "Forward graphs changed the outputs, seed " << c.seed;
   }
   const kernels::AttentionWork work =
       PlannedWork({{0, 0, 1, 30001}, {1, 1876, 1, 5001}}, 32, 1, separate_merge.cache_dtype, 128);
@@ -795,26 +802,80 @@ class AppendCase {
   bool ok_ = false;
 };
 
-// --graph_launch reaches the kernels: a backend made without graph launches submits every
-// kernel plainly, one made with them through cached graphs; each has its own launcher.
+// --graph_launch and --forward_graph reach the backend: one made without graph launches submits
+// every kernel plainly, one without Forward graphs each kernel through a cached graph, and one
+// with both (the default) each Forward as one graph; each has its own launcher.
 TEST_F(CudaKernelTest, BackendsLaunchAsTheirOptionsSay) {
   absl::StatusOr<std::unique_ptr<Backend>> plain = CreateCudaBackend({.graph_launch = false});
   ASSERT_TRUE(plain.ok()) << plain.status();
+  absl::StatusOr<std::unique_ptr<Backend>> per_kernel = CreateCudaBackend({.forward_graph = false});
+  ASSERT_TRUE(per_kernel.ok()) << per_kernel.status();
   const kernels::Launcher* plain_launcher = CudaLauncherOf(**plain);
-  const kernels::Launcher* graph_launcher = CudaLauncherOf(*backend_);
+  const kernels::Launcher* kernel_launcher = CudaLauncherOf(**per_kernel);
+  const kernels::Launcher* default_launcher = CudaLauncherOf(*backend_);
   ASSERT_NE(plain_launcher, nullptr);
-  ASSERT_NE(graph_launcher, nullptr);
+  ASSERT_NE(kernel_launcher, nullptr);
+  ASSERT_NE(default_launcher, nullptr);
   EXPECT_FALSE(plain_launcher->graph_launch());
-  EXPECT_TRUE(graph_launcher->graph_launch());
+  EXPECT_TRUE(kernel_launcher->graph_launch());
   CaseSpec c;
   c.steps = MixedSteps(500);
-  const int64_t graph_before = graph_launcher->graph_launches();
+  const int64_t kernel_graphs_before = default_launcher->graph_launches();
+  const int64_t forward_graphs_before = CudaForwardGraphsOf(*backend_);
   RunCase(**plain, c);
   EXPECT_GT(plain_launcher->plain_launches(), 0);
   EXPECT_EQ(plain_launcher->graph_launches(), 0);
-  EXPECT_EQ(graph_launcher->graph_launches(), graph_before) << "the other backend's launcher";
+  EXPECT_EQ(CudaForwardGraphsOf(**plain), 0);
+  RunCase(**per_kernel, c);
+  EXPECT_GT(kernel_launcher->graph_launches(), 0);
+  EXPECT_EQ(kernel_launcher->plain_launches(), 0);
+  EXPECT_EQ(CudaForwardGraphsOf(**per_kernel), 0);
+  EXPECT_EQ(CudaForwardGraphsOf(*backend_), forward_graphs_before) << "another backend's count";
   RunCase(*backend_, c);
-  EXPECT_GT(graph_launcher->graph_launches(), graph_before);
+  EXPECT_GE(CudaForwardGraphsOf(*backend_),
+            forward_graphs_before + static_cast<int64_t>(c.steps.size()));
+  EXPECT_EQ(default_launcher->graph_launches(), kernel_graphs_before)
+      << "a Forward graph's kernels are nodes of it, not launches of their own";
+}
+
+// A Submission recorded through a launcher over it runs as one graph (SubmissionGraphs): a
+// second submission of the same shape and tag (other buffers, other parameters) updates the
+// graph's nodes instead of building another, and each does its own work; another tag builds.
+TEST_F(CudaKernelTest, SubmissionGraphsUpdateTheirNodes) {
+  AppendCase first(7), second(8);
+  ASSERT_TRUE(first.ok() && second.ok());
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  cudaEvent_t done = nullptr;
+  ASSERT_EQ(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), cudaSuccess);
+  {
+    kernels::SubmissionGraphs graphs;  // destroyed before the event its graph records
+    for (const AppendCase* c : {&first, &second}) {
+      kernels::Submission work;
+      work.set_tag(42);
+      kernels::Launcher record(&work);
+      ASSERT_TRUE(kernels::LaunchAppendKv(c->params(), stream, record).ok());
+      work.Record(done);
+      ASSERT_EQ(work.ops().size(), 2u);
+      EXPECT_FALSE(c->FirstRowWritten()) << "recording must not launch";
+      const kernels::LaunchStatus st = graphs.Launch(work, stream);
+      ASSERT_TRUE(st.ok()) << st.message();
+      ASSERT_EQ(cudaEventSynchronize(done), cudaSuccess);
+      c->Check();
+    }
+    EXPECT_EQ(graphs.launches(), 2);
+    EXPECT_EQ(graphs.builds(), 1) << "the second submission has the first's shape and tag";
+    kernels::Submission other;  // the same shape, another tag (another pool or layer)
+    other.set_tag(43);
+    kernels::Launcher record(&other);
+    ASSERT_TRUE(kernels::LaunchAppendKv(first.params(), stream, record).ok());
+    other.Record(done);
+    ASSERT_TRUE(graphs.Launch(other, stream).ok());
+    ASSERT_EQ(cudaEventSynchronize(done), cudaSuccess);
+    EXPECT_EQ(graphs.builds(), 2) << "a tag takes its own graph";
+  }
+  cudaEventDestroy(done);
+  cudaStreamDestroy(stream);
 }
 
 // A launch into a stream that the caller is capturing is recorded by that capture as a kernel

@@ -1,0 +1,113 @@
+// A Forward's work on its stream as a list of operations (copies, event records and waits,
+// kernels), submitted either as one cached CUDA graph or operation by operation.
+//
+// Every CUDA runtime call costs host time, 0.2-4 us with the host's caches warm but 3-26 us when
+// they are cold, as they are when a request has just been received and copied
+// (docs/PERFORMANCE.md#forward-graph); a Forward makes about a dozen: its upload, timing marks,
+// event waits and records, the append and attention kernels, its download. Recorded into a
+// Submission first (kernels through a Launcher made over it), they reach the GPU as one
+// cudaGraphLaunch of a graph that SubmissionGraphs keeps per stream, shape and layer.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "kernels/launch.h"
+#include "kernels/launch_status.h"
+
+namespace pagedattn::kernels {
+
+// The operations of one submission to a stream, in stream order (each after the one before it).
+class Submission {
+ public:
+  enum class OpKind : uint8_t { kKernel, kCopy, kRecord, kWait };
+  struct Op {
+    OpKind kind = OpKind::kKernel;
+    // kKernel: the kernel and its launch, its parameter's bytes (params_bytes at params_at in
+    // the submission), and whether it may start while the kernel before it runs (a programmatic
+    // dependency, Launcher::LaunchPair).
+    KernelLaunch kernel;
+    size_t params_at = 0, params_bytes = 0;
+    bool programmatic = false;
+    // kCopy: a cudaMemcpyAsync's arguments.
+    void* dst = nullptr;
+    const void* src = nullptr;
+    size_t bytes = 0;
+    cudaMemcpyKind copy_kind = cudaMemcpyDefault;
+    // kRecord, kWait: the event recorded, or waited for.
+    cudaEvent_t event = nullptr;
+  };
+
+  void Clear() {
+    ops_.clear();
+    params_.clear();
+    tag_ = 0;
+  }
+  // Which of a stream's graphs of this shape it takes (SubmissionGraphs): a Forward's is its
+  // pool and layer, whose kernels' parameters the graph then already holds.
+  void set_tag(uint64_t tag) { tag_ = tag; }
+  uint64_t tag() const { return tag_; }
+  void Kernel(const KernelLaunch& kernel, const void* params, size_t params_bytes,
+              bool programmatic);
+  // A copy of no bytes adds nothing.
+  void Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind);
+  void Record(cudaEvent_t event) { AddEvent(OpKind::kRecord, event); }
+  void Wait(cudaEvent_t event) { AddEvent(OpKind::kWait, event); }
+
+  const std::vector<Op>& ops() const { return ops_; }
+  const unsigned char* params(const Op& op) const { return params_.data() + op.params_at; }
+
+ private:
+  void AddEvent(OpKind kind, cudaEvent_t event) {
+    Op op;
+    op.kind = kind;
+    op.event = event;
+    ops_.push_back(op);
+  }
+
+  std::vector<Op> ops_;
+  std::vector<unsigned char> params_;
+  uint64_t tag_ = 0;
+};
+
+// Each operation as its own runtime call on stream; kernels through launcher (a kernel and the
+// programmatic one after it as one LaunchPair). launcher may be null when there are no kernels.
+LaunchStatus SubmitOps(const Submission& submission, cudaStream_t stream, Launcher* launcher);
+
+// One stream's graphs of submissions. A submission shaped like one launched before (the same
+// operations, kernels, dependencies and events) with the same tag launches that graph, its nodes
+// first given whatever differs (kernel parameters and grids, copy addresses and sizes); another
+// builds and instantiates a new graph. Tagged by pool and layer, a decode step's Forward on a
+// layer finds its graph as the previous step left it and updates nothing: with the host's caches
+// cold, as they are when a request arrives, each update and each call costs several
+// microseconds. A graph holds the events of its record and wait nodes: they must outlive it (a
+// Forward's are its workspace's own). Up to kMaxGraphs are kept, the least recently used
+// dropped. Not thread-safe: one per stream, one Forward at a time.
+class SubmissionGraphs {
+ public:
+  static constexpr size_t kMaxGraphs = 64;
+
+  SubmissionGraphs();
+  ~SubmissionGraphs();  // destroys the graphs (work in flight finishes)
+  SubmissionGraphs(const SubmissionGraphs&) = delete;
+  SubmissionGraphs& operator=(const SubmissionGraphs&) = delete;
+
+  LaunchStatus Launch(const Submission& submission, cudaStream_t stream);
+
+  // Graph launches so far, and how many of them needed a new graph.
+  int64_t launches() const { return launches_; }
+  int64_t builds() const { return builds_; }
+
+ private:
+  struct Graph;
+  std::vector<std::unique_ptr<Graph>> graphs_;
+  uint64_t clock_ = 0;
+  int64_t launches_ = 0;
+  int64_t builds_ = 0;
+};
+
+}  // namespace pagedattn::kernels

@@ -36,13 +36,12 @@ bool SameShape(const Op& a, const Op& b) {
   return false;
 }
 
-// A hash of the tag and of what SameShape compares, over a submission's operations.
+// A hash of what SameShape compares, over a submission's operations.
 uint64_t ShapeKey(const Submission& s) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a
   auto mix = [&h](uint64_t v) {
     for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xff)) * 1099511628211ull;
   };
-  mix(s.tag());
   for (const Op& op : s.ops()) {
     mix(static_cast<uint64_t>(op.kind));
     switch (op.kind) {
@@ -154,7 +153,7 @@ struct SubmissionGraphs::Graph {
   bool Fits(const Submission& s) const {
     const std::vector<Op>& a = held.ops();
     const std::vector<Op>& b = s.ops();
-    if (held.tag() != s.tag() || a.size() != b.size()) return false;
+    if (a.size() != b.size()) return false;
     for (size_t i = 0; i < a.size(); ++i) {
       if (!SameShape(a[i], b[i])) return false;
     }

@@ -3,10 +3,10 @@
 //
 // Every CUDA runtime call costs host time, 0.2-4 us with the host's caches warm but 3-26 us when
 // they are cold, as they are when a request has just been received and copied
-// (docs/PERFORMANCE.md#forward-graph); a Forward makes about a dozen: its upload, timing marks,
+// (docs/PERFORMANCE.md#design-decisions); a Forward makes about a dozen: its upload, timing marks,
 // event waits and records, the append and attention kernels, its download. Recorded into a
-// Submission first (kernels through a Launcher made over it), they reach the GPU as one
-// cudaGraphLaunch of a graph that SubmissionGraphs keeps per stream, shape and layer.
+// Submission first (kernels through a Launcher made over it), they reach the GPU as a
+// cudaGraphLaunch of a graph that SubmissionGraphs keeps per stream and shape.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -45,12 +45,7 @@ class Submission {
   void Clear() {
     ops_.clear();
     params_.clear();
-    tag_ = 0;
   }
-  // Which of a stream's graphs of this shape it takes (SubmissionGraphs): a Forward's is its
-  // pool and layer, whose kernels' parameters the graph then already holds.
-  void set_tag(uint64_t tag) { tag_ = tag; }
-  uint64_t tag() const { return tag_; }
   void Kernel(const KernelLaunch& kernel, const void* params, size_t params_bytes,
               bool programmatic);
   // A copy of no bytes adds nothing.
@@ -71,7 +66,6 @@ class Submission {
 
   std::vector<Op> ops_;
   std::vector<unsigned char> params_;
-  uint64_t tag_ = 0;
 };
 
 // Each operation as its own runtime call on stream; kernels through launcher (a kernel and the
@@ -79,17 +73,16 @@ class Submission {
 LaunchStatus SubmitOps(const Submission& submission, cudaStream_t stream, Launcher* launcher);
 
 // One stream's graphs of submissions. A submission shaped like one launched before (the same
-// operations, kernels, dependencies and events) with the same tag launches that graph, its nodes
-// first given whatever differs (kernel parameters and grids, copy addresses and sizes); another
-// builds and instantiates a new graph. Tagged by pool and layer, a decode step's Forward on a
-// layer finds its graph as the previous step left it and updates nothing: with the host's caches
-// cold, as they are when a request arrives, each update and each call costs several
-// microseconds. A graph holds the events of its record and wait nodes: they must outlive it (a
-// Forward's are its workspace's own). Up to kMaxGraphs are kept, the least recently used
-// dropped. Not thread-safe: one per stream, one Forward at a time.
+// operations, kernels, dependencies and events) launches that graph, its nodes first given
+// whatever differs (kernel parameters and grids, copy addresses and sizes); another shape builds
+// and instantiates a new graph. One graph updated for every layer beat a graph per layer that
+// needs no update: reused, its driver state stays in the host's caches
+// (docs/PERFORMANCE.md#design-decisions). A graph holds the events of its record and wait
+// nodes: they must outlive it (a Forward's are its workspace's own). Up to kMaxGraphs are kept,
+// the least recently used dropped. Not thread-safe: one per stream, one Forward at a time.
 class SubmissionGraphs {
  public:
-  static constexpr size_t kMaxGraphs = 64;
+  static constexpr size_t kMaxGraphs = 8;
 
   SubmissionGraphs();
   ~SubmissionGraphs();  // destroys the graphs (work in flight finishes)

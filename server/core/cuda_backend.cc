@@ -65,12 +65,10 @@ class CudaKvPool final : public KvPool {
   // layer_bytes: one layer's K (or V). An FP8 cache's scales: static_scales (STATIC: K's and V's
   // per layer) or, PER_TOKEN, row_scales floats per layer for K then as many for V, after every
   // layer's K and V.
-  CudaKvPool(uint64_t id, int device, char* base, int64_t layer_bytes,
-             const k::AttentionPlanLimits& limits, std::vector<cudaEvent_t> layer_done,
-             float* sinks, int32_t num_q_heads, std::vector<float> static_scales,
-             int64_t row_scales)
-      : id_(id),
-        device_(device),
+  CudaKvPool(int device, char* base, int64_t layer_bytes, const k::AttentionPlanLimits& limits,
+             std::vector<cudaEvent_t> layer_done, float* sinks, int32_t num_q_heads,
+             std::vector<float> static_scales, int64_t row_scales)
+      : device_(device),
         base_(base),
         layer_bytes_(layer_bytes),
         static_scales_(std::move(static_scales)),
@@ -115,12 +113,8 @@ class CudaKvPool final : public KvPool {
   }
   // How a Forward's plan may spread its work over this pool's device (QueryPlanLimits).
   const k::AttentionPlanLimits& limits() const { return limits_; }
-  // Never the same for two pools of a backend: with the layer, which cached graph a Forward
-  // takes (Submission::set_tag).
-  uint64_t id() const { return id_; }
 
  private:
-  uint64_t id_;
   int device_;
   char* base_;
   int num_layers() const { return static_cast<int>(layer_done_.size()); }
@@ -201,8 +195,10 @@ struct Workspace {
   int device = 0;
   cudaStream_t stream = nullptr;
   k::ForwardWorkspace buffers;  // freed after the destructor's body: on `device`
-  k::Submission work;           // a Forward's operations, recorded before they are submitted
-  k::SubmissionGraphs graphs;   // ... as one graph (--forward_graph)
+  // A Forward's operations, recorded before they are submitted (--forward_graph: each as a
+  // graph): the upload, then the kernels and the download.
+  k::Submission upload, work;
+  k::SubmissionGraphs upload_graphs, work_graphs;
   // Recorded after the upload of a Forward answered before its work was done: until it has
   // passed, the pinned image is still to be read and the workspace is not handed out.
   cudaEvent_t uploaded = nullptr;
@@ -400,8 +396,7 @@ class CudaBackend final : public Backend {
         g.kv_scaling == KvScaling::kPerToken ? g.num_pages * g.num_kv_heads * g.page_size : 0;
     std::vector<float> static_scales =
         g.kv_scaling == KvScaling::kStatic ? g.kv_scales : std::vector<float>{};
-    return std::unique_ptr<KvPool>(new CudaKvPool(next_pool_id_.fetch_add(1), g.device, base,
-                                                  layer_bytes, limits,
+    return std::unique_ptr<KvPool>(new CudaKvPool(g.device, base, layer_bytes, limits,
                                                   std::move(layer_done), *sinks, g.num_q_heads,
                                                   std::move(static_scales), row_scales));
   }
@@ -558,16 +553,18 @@ class CudaBackend final : public Backend {
       PAGEDATTN_CUDA_RETURN(cudaEventCreateWithFlags(&ws.uploaded, cudaEventDisableTiming),
                             "cudaEventCreate(upload)");
     }
-    // The workspace's copies, marks and kernels as one submission (a graph, Submit); the
-    // events of the pool and the caller around it, as graphs must not hold events that may die
-    // before them.
+    // The workspace's copies, marks and kernels as two submissions (graphs, Submit): the upload,
+    // so that it starts while the rest is submitted, then the kernels and the download. The
+    // events of the pool and the caller go between them, as graphs must not hold events that
+    // may die before them.
+    k::Submission& upload = ws.upload;
+    upload.Clear();
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, upload));
+    ws.buffers.Upload(attention, upload);
+    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, upload));
+    if (detached) upload.Record(ws.uploaded);
     k::Submission& work = ws.work;
     work.Clear();
-    work.set_tag(pool.id() << 24 | static_cast<uint64_t>(plan.layer));
-    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kBeforeUpload, work));
-    ws.buffers.Upload(attention, work);
-    if (timed) PAGEDATTN_LAUNCH_RETURN(ws.buffers.Mark(ForwardWorkspace::kAfterUpload, work));
-    if (detached) work.Record(ws.uploaded);
     const k::ForwardLaunch launch =
         ws.buffers.Bind(attention, pool.k(plan.layer), pool.v(plan.layer),
                         {.q = io.q, .k = io.k, .v = io.v, .out = io.out, .lse = io.lse});
@@ -582,6 +579,7 @@ class CudaBackend final : public Backend {
     const absl::Time submit_start = absl::Now();
     if (io.timings != nullptr)
       io.timings->stage_us = absl::ToDoubleMicroseconds(submit_start - start);
+    if (absl::Status st = Submit(ws.upload_graphs, upload, ws.stream); !st.ok()) return st;
     if (io.wait_event != nullptr) {  // the caller's q/k/v writes
       PAGEDATTN_CUDA_RETURN(
           cudaStreamWaitEvent(ws.stream, static_cast<cudaEvent_t>(io.wait_event), 0),
@@ -590,12 +588,13 @@ class CudaBackend final : public Backend {
     const cudaEvent_t layer_done = pool.layer_done(plan.layer);
     PAGEDATTN_CUDA_RETURN(cudaStreamWaitEvent(ws.stream, layer_done, 0),
                           "cudaStreamWaitEvent(layer order)");
-    if (absl::Status st = Submit(ws); !st.ok()) return st;
+    if (absl::Status st = Submit(ws.work_graphs, work, ws.stream); !st.ok()) return st;
     PAGEDATTN_CUDA_RETURN(cudaEventRecord(layer_done, ws.stream), "cudaEventRecord(layer order)");
     if (detached) {
       PAGEDATTN_CUDA_RETURN(cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
                             "cudaEventRecord(the caller's done event)");
     }
+    forward_graphs_.fetch_add(forward_graph_ ? 1 : 0, std::memory_order_relaxed);
     if (io.timings != nullptr)
       io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);
     if (detached) return absl::OkStatus();
@@ -619,13 +618,12 @@ class CudaBackend final : public Backend {
     return absl::OkStatus();
   }
 
-  // A Forward's recorded work to its stream: one cached graph (one runtime call), or each
-  // operation by itself, kernels through the launcher (--forward_graph=false).
-  absl::Status Submit(Workspace& ws) {
-    if (!forward_graph_) return FromLaunch(k::SubmitOps(ws.work, ws.stream, &launcher_));
-    PAGEDATTN_LAUNCH_RETURN(ws.graphs.Launch(ws.work, ws.stream));
-    forward_graphs_.fetch_add(1, std::memory_order_relaxed);
-    return absl::OkStatus();
+  // Recorded work to a stream: as a cached graph (one runtime call), or each operation by
+  // itself, kernels through the launcher (--forward_graph=false).
+  absl::Status Submit(k::SubmissionGraphs& graphs, const k::Submission& work,
+                      cudaStream_t stream) {
+    return FromLaunch(forward_graph_ ? graphs.Launch(work, stream)
+                                     : k::SubmitOps(work, stream, &launcher_));
   }
 
   const int device_count_;
@@ -637,7 +635,6 @@ class CudaBackend final : public Backend {
   const bool forward_graph_;     // --forward_graph: a Forward's work as one cached graph
   k::Launcher launcher_;         // --graph_launch: the kernels through cached graphs
   std::atomic<int64_t> forward_graphs_{0};
-  std::atomic<uint64_t> next_pool_id_{1};
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Workspace>> free_;
 };

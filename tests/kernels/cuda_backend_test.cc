@@ -839,8 +839,8 @@ TEST_F(CudaKernelTest, BackendsLaunchAsTheirOptionsSay) {
 }
 
 // A Submission recorded through a launcher over it runs as one graph (SubmissionGraphs): a
-// second submission of the same shape and tag (other buffers, other parameters) updates the
-// graph's nodes instead of building another, and each does its own work; another tag builds.
+// second submission of the same shape (other buffers, other parameters) updates the graph's
+// nodes instead of building another, and each does its own work.
 TEST_F(CudaKernelTest, SubmissionGraphsUpdateTheirNodes) {
   AppendCase first(7), second(8);
   ASSERT_TRUE(first.ok() && second.ok());
@@ -852,7 +852,6 @@ TEST_F(CudaKernelTest, SubmissionGraphsUpdateTheirNodes) {
     kernels::SubmissionGraphs graphs;  // destroyed before the event its graph records
     for (const AppendCase* c : {&first, &second}) {
       kernels::Submission work;
-      work.set_tag(42);
       kernels::Launcher record(&work);
       ASSERT_TRUE(kernels::LaunchAppendKv(c->params(), stream, record).ok());
       work.Record(done);
@@ -864,15 +863,7 @@ TEST_F(CudaKernelTest, SubmissionGraphsUpdateTheirNodes) {
       c->Check();
     }
     EXPECT_EQ(graphs.launches(), 2);
-    EXPECT_EQ(graphs.builds(), 1) << "the second submission has the first's shape and tag";
-    kernels::Submission other;  // the same shape, another tag (another pool or layer)
-    other.set_tag(43);
-    kernels::Launcher record(&other);
-    ASSERT_TRUE(kernels::LaunchAppendKv(first.params(), stream, record).ok());
-    other.Record(done);
-    ASSERT_TRUE(graphs.Launch(other, stream).ok());
-    ASSERT_EQ(cudaEventSynchronize(done), cudaSuccess);
-    EXPECT_EQ(graphs.builds(), 2) << "a tag takes its own graph";
+    EXPECT_EQ(graphs.builds(), 1) << "the second submission has the first's shape";
   }
   cudaEventDestroy(done);
   cudaStreamDestroy(stream);

@@ -1,6 +1,6 @@
 // Transport settings for MB-sized messages, shared by the server's ports and the clients'
 // channels: large HTTP/2 windows and frames, and large socket reads, so that a message is
-// moved in few big pieces (docs/PERFORMANCE.md#transport has the numbers behind them).
+// moved in few big pieces (docs/PERFORMANCE.md#design-decisions has the numbers behind them).
 #pragma once
 
 #include <array>

@@ -40,7 +40,7 @@ bool TilesRead(DType q_dtype, DType kv_dtype) {
 // prefill items, the pages from its items' first position to their last, renumbered 0, 1, ... in
 // a copy of the page table (the decode tiles keep reading the pool). Dequantizing once per
 // Forward rather than in the tiles: each page is read by every query tile of its span, so the
-// copy costs a small part of the tiles' work (docs/PERFORMANCE.md#fp8).
+// copy costs a small part of the tiles' work (docs/PERFORMANCE.md#design-decisions).
 void PlanDequantizedPages(const ForwardBatch& batch, const AttentionWork& work,
                           std::vector<int32_t>* pages, std::vector<int32_t>* table) {
   if (batch.kv_dtype != DType::kFloat8E4M3 || work.prefill_items.empty()) return;

@@ -26,7 +26,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Costs in KV positions for the chunk estimate: a block's start-up (page ids, first copies,
 // Q) and a split's share of the merge, each about this many positions of streaming
-// (docs/PERFORMANCE.md#split-kv).
+// (docs/PERFORMANCE.md#design-decisions).
 constexpr int64_t kBlockStartCost = 128;
 constexpr int64_t kMergeCost = 32;
 // The split that finishes last merges its tile alone, reading num_splits * rows partial rows
@@ -34,7 +34,8 @@ constexpr int64_t kMergeCost = 32;
 constexpr int64_t kMergeCostPerSplitRow = 1;
 // The separate merge kernel (AttentionWork::separate_merge), launched with the tiles as one
 // programmatically dependent pair, each block reading its row of every split with 8 warps.
-// 96: the separate merge wins above ~28 splits of 4 rows (13 of 8) (docs/PERFORMANCE.md#merge).
+// 96: the separate merge wins above ~28 splits of 4 rows (13 of 8)
+// (docs/PERFORMANCE.md#design-decisions).
 constexpr int64_t kSeparateMergeCost = 96;
 constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 // A persistent prefill block's cost per job beyond its K/V range, in positions: the job's first
@@ -128,7 +129,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   // The estimate of a chunk, and where its splits are merged: in the tile kernels (a tail of the
   // largest task's splits * rows) or in a kernel of its own (a fixed cost plus the most splits
   // any row has), whichever is cheaper. A plan that splits a prefill tile keeps the in-kernel
-  // merge: the separate one is tuned for decode tiles (docs/PERFORMANCE.md#merge).
+  // merge: the separate one is tuned for decode tiles (docs/PERFORMANCE.md#design-decisions).
   struct Estimate {
     double cost;
     bool separate_merge;

@@ -296,7 +296,7 @@ struct DecodeTileMath {
 // instructions a pair of V and 3.5 of K, the most of a step's: 1.32-1.50x bf16's rate on the
 // default shapes against 1.07-1.51x.
 // No pass over shared memory and no barrier between the copies and the math: the staging pass
-// this replaces cost what FP8's halved bytes save (docs/PERFORMANCE.md#fp8).
+// this replaces cost what FP8's halved bytes save (docs/PERFORMANCE.md#design-decisions).
 template <int D>
 struct DecodeFp8Math {
   using T = __half;
@@ -636,7 +636,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages
-  // (docs/PERFORMANCE.md#item-major).
+  // (docs/PERFORMANCE.md#design-decisions).
   const ItemMajorBlock block = ItemMajor(p);
   const uint32_t item_index = block.item;
   const AttentionWorkItem item = items[item_index];
@@ -654,7 +654,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // tiles ahead of the arithmetic; each thread copies the same 16-byte chunk column of
   // kRowsPerThread rows of every tile. K and V are read once per launch (each (span, kv head)
   // has one decode tile): their lines leave L2 first, so the work items, page table and split
-  // partials stay there (docs/PERFORMANCE.md#evict-first).
+  // partials stay there (docs/PERFORMANCE.md#design-decisions).
   const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
   const bool copies = copy_chunk < Cfg::kChunks;  // a column past the row (head_dim 80, 96, 192)
@@ -684,7 +684,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     return head_chunk_bytes + (pos - page * p.page_size) * kRowBytes;
   };
   // The item's first pages (AttachFirstPages), lane j holding page j: loaded beside the item, so
-  // the first tiles' copies wait for no page-table load (docs/PERFORMANCE.md#first-pages).
+  // the first tiles' copies wait for no page-table load (docs/PERFORMANCE.md#design-decisions).
   const bool pages_attached = first_pages != nullptr;
   const int lane_first_page =
       pages_attached && lane < kItemPages ? first_pages[item_index].ids[lane] : 0;
@@ -976,7 +976,8 @@ __global__ void __maxnreg__(192)
                                                  DecodeFirstPages<kRowWarps>(params));
 }
 // An FP8 cache's (K and V straight into fragments, stages of half the bytes) at 168: three
-// blocks an SM instead of two, 7% faster on the largest default shapes (docs/PERFORMANCE.md#fp8).
+// blocks an SM instead of two, 7% faster on the largest default shapes
+// (docs/PERFORMANCE.md#design-decisions).
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __global__ void __maxnreg__(168)
     DecodeTileKernel168(const __grid_constant__ PagedAttentionParams params) {

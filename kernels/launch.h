@@ -2,7 +2,8 @@
 // pair), and with their dynamic shared-memory limit raised once per device.
 //
 // A plain launch costs about 4 us of host time before the kernel reaches the GPU, a cached graph
-// about 1.9 us; when the GPU is idle that time is the GPU's too (docs/PERFORMANCE.md#graph-launch).
+// about 1.9 us; when the GPU is idle that time is the GPU's too
+// (docs/PERFORMANCE.md#design-decisions).
 // So a Launcher keeps, per (device, stream, kernels), a one-node graph of its last launch (per
 // kernel pair, a two-node one: LaunchPair): the same grids, shared memory and parameter bytes
 // launch the graph as it is; anything else updates the nodes first

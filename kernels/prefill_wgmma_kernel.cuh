@@ -42,14 +42,14 @@ struct WgmmaPrefillConfig {
   static constexpr int kThreads = kGroups * 128;
   // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
   // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
-  // Q tile leaves room for (docs/PERFORMANCE.md#prefill).
+  // Q tile leaves room for (docs/PERFORMANCE.md#design-decisions).
   static constexpr int kTileKv = D == 128 ? 128 : 64;
   static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
   static constexpr bool kPipelined = D == 128;
   // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody), jobs back to back so
   // the next job's first K/V tiles load during the last one's end; the others one block per item
-  // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#prefill).
+  // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#design-decisions).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
@@ -210,7 +210,7 @@ struct WgmmaTileMath {
     for (int kp = 0; kp < kKP; ++kp) {
       if constexpr (D == 128) {
         // One m64n128 wgmma over both slices: 2% faster than two n64's
-        // (docs/PERFORMANCE.md#prefill).
+        // (docs/PERFORMANCE.md#design-decisions).
         WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
       } else {
 #pragma unroll

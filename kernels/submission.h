@@ -1,12 +1,12 @@
 // A Forward's work on its stream as a list of operations (copies, event records and waits,
 // kernels), submitted either as one cached CUDA graph or operation by operation.
 //
-// Every CUDA runtime call costs host time, 0.2-4 us with the host's caches warm but 3-26 us when
-// they are cold, as they are when a request has just been received and copied
-// (docs/PERFORMANCE.md#design-decisions); a Forward makes about a dozen: its upload, timing marks,
-// event waits and records, the append and attention kernels, its download. Recorded into a
-// Submission first (kernels through a Launcher made over it), they reach the GPU as a
-// cudaGraphLaunch of a graph that SubmissionGraphs keeps per stream and shape.
+// Every CUDA runtime call costs host time, several microseconds when the host's caches are cold,
+// as they are when a request has just been received and copied; a Forward makes about a dozen:
+// its upload, timing marks, event waits and records, the append and attention kernels, its
+// download. Recorded into a Submission first (kernels through a Launcher made over it), they
+// reach the GPU as a cudaGraphLaunch of a graph that SubmissionGraphs keeps per stream and shape
+// (docs/PERFORMANCE.md#design-decisions).
 #pragma once
 
 #include <cuda_runtime_api.h>

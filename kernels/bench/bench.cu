@@ -24,7 +24,8 @@
 //
 // Timing is the median of per-launch CUDA events after warm-up (and, as b2b_time_us, back-to-back
 // launches), each case's pools first evicted from L2 by reading a buffer of 4x the L2 (the kernels
-// read K and V evict-first, so lines the setup left would hit: docs/PERFORMANCE.md#evict-first).
+// read K and V evict-first, so lines the setup left would hit:
+// docs/PERFORMANCE.md#design-decisions).
 // Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM.
 // Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes,
 // timed the same way, the fastest this shape's bytes can be read in one launch. Prefill rows name

@@ -90,7 +90,8 @@ inline constexpr float kMaxTileScale = 3.38953138925153547590e38f / 448.f;
 
 // A 16-byte chunk of E4M3 values times scale (at most kMaxTileScale), as the two 16-byte chunks
 // of bfloat16 they become. No per-value saturation: |stored| <= 448 bounds the products (the
-// per-value clamps cost a third of an FP8 decode tile's time, docs/PERFORMANCE.md#fp8).
+// per-value clamps cost a third of an FP8 decode tile's time,
+// docs/PERFORMANCE.md#design-decisions).
 __device__ __forceinline__ void DequantizeChunk(const uint4& in, float scale, uint4& lo,
                                                 uint4& hi) {
   const uint32_t w[4] = {in.x, in.y, in.z, in.w};

@@ -34,7 +34,8 @@ __device__ __forceinline__ int WindowFirst(const PagedAttentionParams& p, int po
 // row of 2^24 positions sums to at most 2^64, so O overflows only where |V| passes 2^64 (2^104
 // with weights of at most 1).
 // The Hopper prefill tile takes it where P is bfloat16 (f32's exponent range): 1.12-1.14x plain
-// prefill's time at cap 30 against 1.17-1.19x with the running max (docs/PERFORMANCE.md#variants).
+// prefill's time at cap 30 against 1.17-1.19x with the running max
+// (docs/PERFORMANCE.md#design-decisions).
 struct Softcap {
   float scale_log2 = 0.f;  // what takes a score as the tiles hold it to log2 units
   float in = 0.f;          // sm_scale / cap

@@ -527,7 +527,7 @@ class CudaBackend final : public Backend {
 
   // Plan, stage, one H2D copy, append, attention, one D2H copy, one synchronization. With
   // buffers, q, k and v are already in the workspace's image and the answer stays there. The
-  // GPU's part is recorded first and submitted as one graph (or op by op: Submit).
+  // GPU's part is recorded first and submitted as two cached graphs (or op by op: Submit).
   absl::Status Run(CudaKvPool& pool, const CacheGeometry& g, const ForwardPlan& plan,
                    const ForwardIO& io, Workspace& ws, CudaForwardBuffers* buffers) {
     using k::ForwardWorkspace;
@@ -594,7 +594,7 @@ class CudaBackend final : public Backend {
       PAGEDATTN_CUDA_RETURN(cudaEventRecord(static_cast<cudaEvent_t>(io.done_event), ws.stream),
                             "cudaEventRecord(the caller's done event)");
     }
-    forward_graphs_.fetch_add(forward_graph_ ? 1 : 0, std::memory_order_relaxed);
+    if (forward_graph_) forward_graphs_.fetch_add(1, std::memory_order_relaxed);
     if (io.timings != nullptr)
       io.timings->submit_us = absl::ToDoubleMicroseconds(absl::Now() - submit_start);
     if (detached) return absl::OkStatus();

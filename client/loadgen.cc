@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
@@ -74,7 +75,8 @@ ABSL_FLAG(std::string, shard_targets, "",
           "head, one shard each; its prefill and decode steps go through ShardedClient");
 ABSL_FLAG(std::string, metrics_target, "",
           "the server's metrics endpoint, host:port (--metrics_listen): each server mode's row "
-          "then has phases_us, the server's mean time per Forward in each phase over that mode");
+          "then has phases_us, the server's mean time per Forward in each phase over that mode's "
+          "measured steps (read after the warm-up)");
 
 namespace pagedattn {
 namespace {
@@ -212,6 +214,9 @@ struct Workload {
   // One decode step's tensors (the same random bytes every step; their values do not matter).
   std::string q, k, v;
   int64_t out_bytes = 0;
+  // Called once the warm-up steps are sent, before the first measured one (the server's phase
+  // metrics are read then, so that their means leave the warm-up out).
+  std::function<void()> measuring = [] {};
 };
 
 Workload MakeWorkload(Shape shape) {
@@ -299,7 +304,10 @@ absl::StatusOr<Samples> RunUnary(const ForwardFn& forward, const Workload& w,
   const int steps = absl::GetFlag(FLAGS_steps), warmup = absl::GetFlag(FLAGS_warmup);
   Clock::time_point measured_start;
   for (int step = -warmup; step < steps; ++step) {
-    if (step == 0) measured_start = Clock::now();
+    if (step == 0) {
+      w.measuring();
+      measured_start = Clock::now();
+    }
     for (int layer = 0; layer < w.layers; ++layer) {
       const ForwardCall call = DecodeCall(w, cache, layer, w.shape.context + std::max(step, 0));
       const Clock::time_point t = Clock::now();
@@ -430,7 +438,10 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
       Clock::time_point measured_start;
       absl::Status sent;
       for (int step = -warmup; step < n && sent.ok(); ++step) {
-        if (step == 0) measured_start = Clock::now();
+        if (step == 0) {
+          w.measuring();
+          measured_start = Clock::now();
+        }
         const Clock::time_point t = Clock::now();
         for (int layer = 0; layer < w.layers && sent.ok(); ++layer) {
           if (layer > 0) {  // the "dense layer" waits for the previous attention's output
@@ -489,7 +500,10 @@ absl::StatusOr<Samples> RunStream(Client& client, const Workload& w, const std::
   if (!stream.ok()) return stream.status();
   Clock::time_point measured_start;
   for (int step = -warmup; step < steps; ++step) {
-    if (step == 0) measured_start = Clock::now();
+    if (step == 0) {
+      w.measuring();
+      measured_start = Clock::now();
+    }
     std::vector<Clock::time_point> sent(w.layers);
     int next = 0;
     auto send = [&]() -> absl::Status {
@@ -769,7 +783,7 @@ int Main() {
 
   std::vector<std::string> rows;
   for (const Shape& shape : shapes) {
-    const Workload w = MakeWorkload(shape);
+    Workload w = MakeWorkload(shape);
     v1::CacheConfig config;
     config.set_num_layers(w.layers);
     config.set_num_q_heads(w.q_heads);
@@ -823,12 +837,10 @@ int Main() {
       }
       std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
       const std::string metrics = absl::GetFlag(FLAGS_metrics_target);
-      absl::StatusOr<Phases> phases_before =
-          metrics.empty() ? absl::NotFoundError("") : ScrapePhases(metrics);
-      if (!metrics.empty() && !phases_before.ok()) {
-        std::cerr << "pagedattn-loadgen: --metrics_target: " << phases_before.status() << "\n";
-        return 1;
-      }
+      absl::StatusOr<Phases> phases_before = absl::NotFoundError("not read");
+      w.measuring = [&] {  // the server's phase metrics, read once the warm-up is sent
+        if (!metrics.empty()) phases_before = ScrapePhases(metrics);
+      };
       absl::StatusOr<Samples> s;
       if (mode.rfind("stream", 0) == 0) {
         s = RunStream(*client, w, cache->cache_id());
@@ -852,6 +864,11 @@ int Main() {
       }
       if (!s.ok()) {
         std::cerr << "pagedattn-loadgen: " << mode << ": " << s.status() << "\n";
+        return 1;
+      }
+      w.measuring = [] {};
+      if (!metrics.empty() && !phases_before.ok()) {
+        std::cerr << "pagedattn-loadgen: --metrics_target: " << phases_before.status() << "\n";
         return 1;
       }
       const double floor = echo_p50[over_uds ? "echo_uds" : "echo_tcp"];

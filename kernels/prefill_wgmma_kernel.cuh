@@ -119,6 +119,8 @@ struct WgmmaTileMath {
     int warp_max_first;  // first visible position of the warp's last row: a tile starting at or
                          // after it needs no window mask
   };
+  // kWindowed: the layer may have a sliding window (else every row sees from position 0).
+  template <bool kWindowed>
   __device__ __forceinline__ static Rows RowsOf(const PagedAttentionParams& p,
                                                 const AttentionWorkItem& item, int group,
                                                 int num_tiles, int wg, int wg_warp, int quad_row) {
@@ -142,11 +144,12 @@ struct WgmmaTileMath {
                      ? 0
                      : min(num_tiles, (wg_max_pos - item.kv_start) / Cfg::kTileKv + 1);
     r.warp_min_pos = last_visible(warp_first_row);
+    auto first_visible = [&](int span_row) {
+      return kWindowed ? WindowFirst(p, first_q_pos + span_row / group) : INT32_MIN;
+    };
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      r.first_pos[i] = WindowFirst(p, first_q_pos + (warp_first_row + quad_row + 8 * i) / group);
-    }
-    r.warp_max_first = WindowFirst(p, first_q_pos + min(warp_first_row + 15, span_rows - 1) / group);
+    for (int i = 0; i < 2; ++i) r.first_pos[i] = first_visible(warp_first_row + quad_row + 8 * i);
+    r.warp_max_first = first_visible(min(warp_first_row + 15, span_rows - 1));
     return r;
   }
 
@@ -355,7 +358,7 @@ struct WgmmaTileMath {
   }
 };
 
-template <typename T, typename TIO, int D>
+template <typename T, typename TIO, int D, bool kVariant>
 __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -432,9 +435,9 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
   float o[D / 8][4], row_max[2], row_sum[2];
   M::StartRows(o, row_max, row_sum);
-  const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
+  const typename M::Rows rows = M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = rows.wg_tiles;
-  const Softcap softcap = Softcap::Of(p);
+  const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint32_t q_wg_base = smem.q_rows(wg);
   auto issue_s = [&](float(&s)[kNT][4], int tile) {
@@ -492,7 +495,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
-template <typename T, typename TIO, int D>
+template <typename T, typename TIO, int D, bool kVariant>
 __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -634,7 +637,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
   load_q(ring[0]);
 
-  const Softcap softcap = Softcap::Of(p);
+  const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint32_t q_wg_base = smem.q_rows(wg);
   // S = Q K^T of stream tile g; issued, not waited for.
@@ -658,7 +661,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     // layout).
     float o[D / 8][4], row_max[2], row_sum[2];
     M::StartRows(o, row_max, row_sum);
-    const typename M::Rows rows = M::RowsOf(p, item, group, num_tiles, wg, wg_warp, quad_row);
+    const typename M::Rows rows = M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
     const int wg_tiles = rows.wg_tiles;
 
     // O += P V of job tile `tile` (stream g0 + tile).
@@ -777,15 +780,17 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 
 #endif  // PAGEDATTN_WGMMA_DEVICE
 
-// TIO: q's and out's element type (float, or the cache's T).
-template <typename T, typename TIO, int D>
+// TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
+// sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes
+// it 1.5-2.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
+template <typename T, typename TIO, int D, bool kVariant>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
   if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
-    WgmmaPrefillPersistentBody<T, TIO, D>(params);
+    WgmmaPrefillPersistentBody<T, TIO, D, kVariant>(params);
   } else {
-    WgmmaPrefillItemBody<T, TIO, D>(params);
+    WgmmaPrefillItemBody<T, TIO, D, kVariant>(params);
   }
 #else
   __trap();  // never launched: the host picks this kernel only for sm_90a builds on sm_90
@@ -794,10 +799,10 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
 
 // The Hopper prefill kernel's shared-memory limit, raised once per device for the launcher and
 // the occupancy query alike.
-template <typename T, typename TIO, int D>
+template <typename T, typename TIO, int D, bool kVariant>
 LaunchStatus RaiseWgmmaPrefillSmemLimit() {
   static SmemLimitFlags smem_raised;
-  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D>,
+  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
                             WgmmaPrefillConfig<T, D>::SmemBytes(), smem_raised,
                             "prefill attention (wgmma)");
 }
@@ -805,16 +810,15 @@ LaunchStatus RaiseWgmmaPrefillSmemLimit() {
 // Persistent configurations: one block per schedule entry (num_prefill_blocks, from
 // SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
 // kv head.
-template <typename T, typename TIO, int D>
-LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
-                                     Launcher& launcher) {
+template <typename T, typename TIO, int D, bool kVariant>
+LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaStream_t stream,
+                                       Launcher& launcher) {
   using Cfg = WgmmaPrefillConfig<T, D>;
-  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
   if constexpr (!Cfg::kPersistent) {
     static SmemLimitFlags smem_raised;
-    return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                               smem_raised, "prefill attention (wgmma)", params.num_prefill_items,
-                               params, stream, launcher);
+    return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kThreads,
+                               Cfg::SmemBytes(), smem_raised, "prefill attention (wgmma)",
+                               params.num_prefill_items, params, stream, launcher);
   }
   if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
       params.num_prefill_blocks <= 0) {
@@ -822,34 +826,55 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
         "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
         "QueryPlanLimits gives)");
   }
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D>(); !st.ok()) return st;
-  return launcher.Launch(
-      PagedPrefillWgmmaKernel<T, TIO, D>, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
-      dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params, "prefill attention (wgmma)");
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
+  return launcher.Launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
+                         dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+                         dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params,
+                         "prefill attention (wgmma)");
+}
+
+// Persistent configurations: one block per schedule entry (num_prefill_blocks, from
+// SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
+// kv head. A layer with a window or a soft-cap takes the variant kernel.
+template <typename T, typename TIO, int D>
+LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
+                                     Launcher& launcher) {
+  if (params.num_prefill_items == 0) return LaunchStatus::Ok();
+  return params.window > 0 || params.softcap > 0.f
+             ? LaunchPrefillTilesWgmmaOf<T, TIO, D, true>(params, stream, launcher)
+             : LaunchPrefillTilesWgmmaOf<T, TIO, D, false>(params, stream, launcher);
 }
 
 // Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
-// the fewer of its kernels for q in float and in T (one schedule serves either); 0 for a
-// configuration that runs one block per item (no schedule).
+// the fewest of its kernels (q in float or in T, plain or variant layer: one schedule serves
+// each); 0 for a configuration that runs one block per item (no schedule).
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
   if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, float, D>(); !st.ok()) return st;
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, T, D>(); !st.ok()) return st;
-  int blocks[2] = {0, 0};
-  cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks[0], PagedPrefillWgmmaKernel<T, float, D>, Cfg::kThreads, Cfg::SmemBytes());
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks[1], PagedPrefillWgmmaKernel<T, T, D>, Cfg::kThreads, Cfg::SmemBytes());
+  int blocks[4] = {0, 0, 0, 0};
+  auto query = [&](auto kernel, auto raise, int* out) {
+    if (LaunchStatus st = raise(); !st.ok()) return st;
+    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        out, kernel, Cfg::kThreads, Cfg::SmemBytes());
+    return err == cudaSuccess
+               ? LaunchStatus::Ok()
+               : LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
+                                         cudaGetErrorString(err));
+  };
+  for (LaunchStatus st :
+       {query(PagedPrefillWgmmaKernel<T, float, D, false>,
+              RaiseWgmmaPrefillSmemLimit<T, float, D, false>, &blocks[0]),
+        query(PagedPrefillWgmmaKernel<T, T, D, false>, RaiseWgmmaPrefillSmemLimit<T, T, D, false>,
+              &blocks[1]),
+        query(PagedPrefillWgmmaKernel<T, float, D, true>,
+              RaiseWgmmaPrefillSmemLimit<T, float, D, true>, &blocks[2]),
+        query(PagedPrefillWgmmaKernel<T, T, D, true>, RaiseWgmmaPrefillSmemLimit<T, T, D, true>,
+              &blocks[3])}) {
+    if (!st.ok()) return st;
   }
-  if (err != cudaSuccess) {
-    return LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
-                                   cudaGetErrorString(err));
-  }
-  *blocks_per_sm = std::min(blocks[0], blocks[1]);
+  *blocks_per_sm = std::min({blocks[0], blocks[1], blocks[2], blocks[3]});
   return LaunchStatus::Ok();
 }
 

@@ -55,6 +55,12 @@ struct Softcap {
     c.top = c.scale_log2 - base;
     return c;
   }
+  // No soft-cap, known at compile time where the caller's kernel is the plain layer's.
+  __device__ __forceinline__ static Softcap None(const PagedAttentionParams& p) {
+    Softcap c;
+    c.scale_log2 = p.sm_scale * 1.4426950408889634f;
+    return c;
+  }
   // Whether a tile whose P is of type TP takes the fixed base: bfloat16 P only (f32's exponent
   // range); float16 P cannot hold weights up to 2^40.
   template <typename TP>

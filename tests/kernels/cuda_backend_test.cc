@@ -71,6 +71,10 @@ struct CaseSpec {
   int32_t window = 0;
   float softcap = 0.f;
   bool sinks = false;
+  // K at this position of sequence 0 is NaN, so that the scores against it are NaN. The tiles
+  // give such a score the largest weight; the reference has none to compare, so sequence 0's
+  // rows are checked to be finite and within the range of V's values, the others as usual.
+  int64_t nan_k_at = -1;
 };
 
 std::string Describe(const CaseSpec& c) {
@@ -173,8 +177,10 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
       // New K/V rows: random in the wire dtype; the cache holds them rounded to its dtype.
       for (int64_t e = 0; e < int64_t{sp.num_new_tokens} * Hkv * D; ++e) {
         const float k_scale = 1.f + c.k_ramp * static_cast<float>(s.len + e / (Hkv * D)) / 1024.f;
+        const bool nan_row = i == 0 && s.len + e / (Hkv * D) == c.nan_k_at;
         for (int kv = 0; kv < 2; ++kv) {
-          const float wire = RoundTo(c.kv_wire_dtype, uni(rng) * (kv == 0 ? k_scale : 1.f));
+          float wire = RoundTo(c.kv_wire_dtype, uni(rng) * (kv == 0 ? k_scale : 1.f));
+          if (kv == 0 && nan_row) wire = std::numeric_limits<float>::quiet_NaN();
           auto& bytes = kv == 0 ? k_bytes : v_bytes;
           const size_t at = bytes.size();
           bytes.resize(at + kv_size);
@@ -248,6 +254,15 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
       const SpanPlan& sp = plan.spans[i];
       if (sp.num_queries == 0) continue;
       const int64_t off = sp.q_offset * Hq * D, n = int64_t{sp.num_queries} * Hq * D;
+      if (i == 0 && c.nan_k_at >= 0) {  // |V| < 1: a finite weighted mean of V stays within 1
+        int64_t outside = 0;
+        for (int64_t e = off; e < off + n; ++e) {
+          outside += std::isfinite(got[e]) && std::abs(got[e]) <= 1.0 + 1e-2 ? 0 : 1;
+        }
+        EXPECT_EQ(outside, 0) << "outputs not finite or past V's range, step " << step_index
+                              << " [" << Describe(c) << "]";
+        continue;
+      }
       const double err = testing::RelativeError(got.data() + off, ref.data() + off, n);
       worst = std::max(worst, std::isnan(err) ? 1.0 : err);
       // bf16's 8 bits (in the cache, or in q and out) bound the accuracy; f16's 11 otherwise.
@@ -260,6 +275,7 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
     if (c.return_lse) {
       double max_lse_err = 0;
       for (size_t e = 0; e < ref_lse.size(); ++e) {
+        if (c.nan_k_at >= 0 && static_cast<int64_t>(e) < plan.spans[0].num_queries * Hq) continue;
         const double d = std::isnan(lse[e]) ? 1e9 : std::abs(lse[e] - ref_lse[e]);
         max_lse_err = std::max(max_lse_err, d / std::max(1.0, std::abs(ref_lse[e])));
       }
@@ -438,6 +454,23 @@ TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
     c.steps = {{{6000, 1}, {700, 1}}, {{1, 1}, {1, 1}}};
     c.seed = 77 + d;
     RunCase(*backend_, c);
+  }
+}
+
+// A NaN score (NaN in K here; inf - inf inside q.k does the same) weighs as its row's largest
+// instead of turning the row's sum, and every output of the row, into NaN: the clamped
+// exponents of the prefill tiles (with a running max, and the soft-cap's fixed base) and of the
+// decode tiles. The other sequence of each Forward stays exact.
+TEST_F(CudaKernelTest, NanScoresLeaveOutputsFinite) {
+  for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
+    for (float cap : {0.f, 30.f}) {
+      CaseSpec c;
+      c.cache_dtype = dt;
+      c.softcap = cap;
+      c.nan_k_at = 150;
+      c.steps = {{{300, 300}, {200, 200}}, {{1, 1}, {1, 1}}, {{40, 40}, {0, 0}}};
+      RunCase(*backend_, c);
+    }
   }
 }
 

@@ -35,7 +35,7 @@ namespace pagedattn::kernels {
 // ---- Tile configuration -------------------------------------------------------------------
 
 // Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM), 96 and 128 (two), 2 at 192 and
-// 256; a fourth stage at 64 costs a block an SM (docs/PERFORMANCE.md#occupancy). At 80 a fourth
+// 256; a fourth stage at 64 costs a block an SM (kernels/README.md#occupancy). At 80 a fourth
 // stage turns three blocks an SM into two, and the batch of 64 x 8 kv heads from 1.3 waves into
 // 1.9: 0.68x -> 0.86x of head_dim 128's TB/s (docs/PERFORMANCE.md#head-dims).
 constexpr int DecodeStages(int head_dim) { return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2; }
@@ -968,7 +968,7 @@ __global__ void __launch_bounds__(128)
 }
 // The same kernel held to at most 192 registers a thread, for the 16-row decode tile at head_dim
 // 128 (two blocks an SM), so that a separate merge block (64 x 256) is resident beside two tile
-// blocks and waits there (docs/PERFORMANCE.md#occupancy). DecodeKernel picks the one a shape uses.
+// blocks and waits there (kernels/README.md#occupancy). DecodeKernel picks the one a shape uses.
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __global__ void __maxnreg__(192)
     DecodeTileKernel192(const __grid_constant__ PagedAttentionParams params) {
@@ -1066,7 +1066,7 @@ LaunchStatus DecodeKernelOccupancy(int* resident, int* beside_merge) {
 // tiles end (Launcher::LaunchPair): the planner counts the waves of a split plan in the second,
 // of a plan without splits (no merge) in the first. Head_dim 128 holds two beside a merge block
 // (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
-// (docs/PERFORMANCE.md#occupancy). The fewer of the kernels for q in float and in T: one plan
+// (kernels/README.md#occupancy). The fewer of the kernels for q in float and in T: one plan
 // serves either.
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {

@@ -435,7 +435,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
   float o[D / 8][4], row_max[2], row_sum[2];
   M::StartRows(o, row_max, row_sum);
-  const typename M::Rows rows = M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
+  const typename M::Rows rows =
+      M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = rows.wg_tiles;
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
@@ -661,7 +662,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     // layout).
     float o[D / 8][4], row_max[2], row_sum[2];
     M::StartRows(o, row_max, row_sum);
-    const typename M::Rows rows = M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
+    const typename M::Rows rows =
+        M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
     const int wg_tiles = rows.wg_tiles;
 
     // O += P V of job tile `tile` (stream g0 + tile).
@@ -782,7 +784,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 
 // TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
 // sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes
-// it 1.5-2.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
+// it up to 2% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
 template <typename T, typename TIO, int D, bool kVariant>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
@@ -807,9 +809,9 @@ LaunchStatus RaiseWgmmaPrefillSmemLimit() {
                             "prefill attention (wgmma)");
 }
 
-// Persistent configurations: one block per schedule entry (num_prefill_blocks, from
-// SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
-// kv head.
+// One of the kernels. Persistent configurations: one block per schedule entry
+// (num_prefill_blocks, from SchedulePrefillJobs), each running its jobs back to back. The others:
+// one block per item and kv head.
 template <typename T, typename TIO, int D, bool kVariant>
 LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaStream_t stream,
                                        Launcher& launcher) {
@@ -833,9 +835,7 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
                          "prefill attention (wgmma)");
 }
 
-// Persistent configurations: one block per schedule entry (num_prefill_blocks, from
-// SchedulePrefillJobs), each running its jobs back to back. The others: one block per item and
-// kv head. A layer with a window or a soft-cap takes the variant kernel.
+// A layer with a window or a soft-cap takes the variant kernel, any other the plain one.
 template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
                                      Launcher& launcher) {
@@ -843,6 +843,19 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
   return params.window > 0 || params.softcap > 0.f
              ? LaunchPrefillTilesWgmmaOf<T, TIO, D, true>(params, stream, launcher)
              : LaunchPrefillTilesWgmmaOf<T, TIO, D, false>(params, stream, launcher);
+}
+
+// Blocks of one of the kernels an SM holds (shared memory and registers).
+template <typename T, typename TIO, int D, bool kVariant>
+LaunchStatus WgmmaPrefillBlocksPerSm(int* blocks) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
+  const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      blocks, PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kThreads, Cfg::SmemBytes());
+  return err == cudaSuccess
+             ? LaunchStatus::Ok()
+             : LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
+                                       cudaGetErrorString(err));
 }
 
 // Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
@@ -854,26 +867,11 @@ LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   *blocks_per_sm = 0;
   if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
   int blocks[4] = {0, 0, 0, 0};
-  auto query = [&](auto kernel, auto raise, int* out) {
-    if (LaunchStatus st = raise(); !st.ok()) return st;
-    const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        out, kernel, Cfg::kThreads, Cfg::SmemBytes());
-    return err == cudaSuccess
-               ? LaunchStatus::Ok()
-               : LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +
-                                         cudaGetErrorString(err));
-  };
-  for (LaunchStatus st :
-       {query(PagedPrefillWgmmaKernel<T, float, D, false>,
-              RaiseWgmmaPrefillSmemLimit<T, float, D, false>, &blocks[0]),
-        query(PagedPrefillWgmmaKernel<T, T, D, false>, RaiseWgmmaPrefillSmemLimit<T, T, D, false>,
-              &blocks[1]),
-        query(PagedPrefillWgmmaKernel<T, float, D, true>,
-              RaiseWgmmaPrefillSmemLimit<T, float, D, true>, &blocks[2]),
-        query(PagedPrefillWgmmaKernel<T, T, D, true>, RaiseWgmmaPrefillSmemLimit<T, T, D, true>,
-              &blocks[3])}) {
-    if (!st.ok()) return st;
-  }
+  LaunchStatus st = WgmmaPrefillBlocksPerSm<T, float, D, false>(&blocks[0]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false>(&blocks[1]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true>(&blocks[2]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true>(&blocks[3]);
+  if (!st.ok()) return st;
   *blocks_per_sm = std::min({blocks[0], blocks[1], blocks[2], blocks[3]});
   return LaunchStatus::Ok();
 }

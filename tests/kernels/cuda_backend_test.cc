@@ -259,8 +259,8 @@ double RunCase(Backend& backend, const CaseSpec& c, std::vector<double>* outputs
         for (int64_t e = off; e < off + n; ++e) {
           outside += std::isfinite(got[e]) && std::abs(got[e]) <= 1.0 + 1e-2 ? 0 : 1;
         }
-        EXPECT_EQ(outside, 0) << "outputs not finite or past V's range, step " << step_index
-                              << " [" << Describe(c) << "]";
+        EXPECT_EQ(outside, 0) << "outputs not finite or past V's range, step " << step_index << " ["
+                              << Describe(c) << "]";
         continue;
       }
       const double err = testing::RelativeError(got.data() + off, ref.data() + off, n);

@@ -784,7 +784,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 
 // TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
 // sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes
-// it up to 2% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
+// it 0.5-1.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
 template <typename T, typename TIO, int D, bool kVariant>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {

@@ -474,6 +474,22 @@ TEST_F(CudaKernelTest, NanScoresLeaveOutputsFinite) {
   }
 }
 
+// The same in a batch of more jobs than the Hopper prefill's persistent blocks (16 kv heads: 350
+// jobs for 132 blocks), so that blocks run jobs with NaN scores between exact ones; then a
+// chunked prefill over that history, whose long span splits and merges. The persistent kernel
+// (head_dim 128) and the one-job-a-block kernel (64, 256).
+TEST_F(CudaKernelTest, NanScoresAmongManyPrefillJobs) {
+  for (int d : {64, 128, 256}) {
+    CaseSpec c;
+    c.head_dim = d;
+    c.num_kv_heads = 16;
+    c.nan_k_at = 150;
+    c.steps = {{{300, 300}, {400, 400}}, {{200, 200}, {3000, 100}}};
+    c.seed = 500 + d;
+    RunCase(*backend_, c);
+  }
+}
+
 // Long ragged decode batch (1 .. 10k+ positions): split-KV for the long spans.
 TEST_F(CudaKernelTest, RaggedLongDecodeSplit) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {

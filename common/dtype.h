@@ -159,6 +159,17 @@ inline void StoreFromFloat(DType t, void* data, int64_t i, float f) {
   }
 }
 
+// The values attention takes from K, V and q: NaN counts as 0 and a magnitude past 2^48
+// saturates. Both backends store K and V so and read q so (kernels/device/dtype.cuh has the
+// GPU's twin). Bounded so, every score q.k of a head dim up to 512 lies within 2^105: finite
+// whatever the inputs, which lets the Hopper prefill tile leave its exponents unclamped
+// (kernels/README.md#finite-scores). Real activations are many orders of magnitude smaller.
+inline constexpr float kMaxAttentionValue = 281474976710656.f;  // 2^48
+inline float AttentionValue(float x) {
+  if (std::isnan(x)) return 0.f;
+  return std::fmin(std::fmax(x, -kMaxAttentionValue), kMaxAttentionValue);
+}
+
 // Converts n elements between dtypes (same dtype: a plain copy).
 inline void ConvertElements(DType from, const void* src, DType to, void* dst, int64_t n) {
   if (from == to) {

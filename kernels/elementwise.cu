@@ -7,7 +7,6 @@
 
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "kernels/device/dtype.cuh"
 #include "kernels/dispatch.h"
@@ -19,7 +18,8 @@ namespace {
 
 // ---- Append ---------------------------------------------------------------------------------
 
-// One thread moves 8 consecutive elements of one (token, head) row: a 16-byte store.
+// One thread moves 8 consecutive elements of one (token, head) row: a 16-byte store, each value
+// as AttentionValue gives it (NaN as 0, past 2^48 saturated).
 template <typename Src, typename Dst>
 __device__ __forceinline__ void AppendBody(const AppendParams& p) {
   const int chunks = p.head_dim / 8;
@@ -37,14 +37,10 @@ __device__ __forceinline__ void AppendBody(const AppendParams& p) {
     const int64_t page = slot / p.page_size, row = slot % p.page_size;
     const Src* s = src + (token * p.num_kv_heads + head) * p.head_dim + chunk * 8;
     Dst* d = dst + ((page * p.num_kv_heads + head) * p.page_size + row) * p.head_dim + chunk * 8;
-    if constexpr (std::is_same_v<Src, Dst>) {
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(s);
-    } else {
-      Dst vals[8];
+    Dst vals[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) vals[i] = FromFloat<Dst>(ToFloat(s[i]));
-      *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(vals);
-    }
+    for (int i = 0; i < 8; ++i) vals[i] = FromFloat<Dst>(AttentionValue(ToFloat(s[i])));
+    *reinterpret_cast<uint4*>(d) = *reinterpret_cast<const uint4*>(vals);
   }
 }
 
@@ -54,7 +50,7 @@ __global__ void __launch_bounds__(256) AppendKvKernel(const __grid_constant__ Ap
 }
 
 // Into an FP8 cache: one warp per (token, head) row, K rows then V rows (blockIdx.y). PER_TOKEN:
-// the row's scale is its largest finite magnitude / 448 (1 for a row of zeros), found across the
+// the row's scale is its largest magnitude / 448 (1 for a row of zeros), found across the
 // warp and written beside the row; STATIC: the layer's. Values are stored as E4M3(x * (1 /
 // scale)), the host's StoreFp8Row to the bit (common/dtype.h Fp8RowScale).
 template <typename Src>
@@ -80,8 +76,8 @@ __global__ void __launch_bounds__(256)
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
       const int e = lane + 32 * j;
-      x[j] = j < per_lane && e < p.head_dim ? ToFloat(s[e]) : 0.f;
-      if (isfinite(x[j])) max_abs = fmaxf(max_abs, fabsf(x[j]));
+      x[j] = j < per_lane && e < p.head_dim ? AttentionValue(ToFloat(s[e])) : 0.f;
+      max_abs = fmaxf(max_abs, fabsf(x[j]));
     }
     float scale = static_scale, inverse = 1.f / static_scale;
     if (row_scales != nullptr) {
@@ -89,7 +85,7 @@ __global__ void __launch_bounds__(256)
       for (int m = 16; m > 0; m >>= 1) {
         max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, m));
       }
-      const bool usable = max_abs > 0.f && isfinite(max_abs);
+      const bool usable = max_abs > 0.f;
       scale = usable ? max_abs / 448.f : 1.f;
       inverse = usable ? 448.f / max_abs : 1.f;
     }

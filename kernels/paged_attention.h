@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "common/capabilities.h"
+#include "common/dtype.h"
 #include "kernels/attention_work.h"
 #include "kernels/launch.h"
 #include "kernels/launch_status.h"
@@ -169,6 +170,19 @@ struct PagedAttentionParams {
 inline void SetDivisors(PagedAttentionParams* p) {
   p->page_div = FastDivmod(static_cast<uint32_t>(p->page_size));
   p->kv_heads_div = FastDivmod(static_cast<uint32_t>(p->num_kv_heads));
+}
+
+// Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at
+// most 2^48 (AttentionValue, common/dtype.h), so a score lies within 2^105 (head dims up to
+// 512), and times the scale in log2 units within 2^126 when that scale is at most 2^21
+// (sm_scale up to 1.45e6). An FP8 cache's K is its stored values (at most 448) times their
+// scales: a PER_TOKEN scale keeps each row within its own largest value, a STATIC one must be at
+// most 2^48 / 448. The Hopper prefill's plain kernel counts on it (kernels/README.md#finite-scores).
+inline bool ExponentsStayFinite(const PagedAttentionParams& p) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const bool scale_ok = p.sm_scale * kLog2e <= 2097152.f;  // 2^21
+  const bool k_ok = p.scales.k_rows != nullptr || p.scales.k * 448.f <= kMaxAttentionValue;
+  return scale_ok && k_ok;
 }
 
 // Runs the decode-shape tiles, then the prefill-shape tiles; split tiles merge themselves, or

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/dtype.h"
 #include "kernels/device/fp8.h"
 
 namespace pagedattn::kernels {
@@ -34,6 +35,19 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
   constexpr float kMax = 3.38953138925153547590e38f;  // the largest bfloat16
   return __float2bfloat16_rn(isfinite(x) ? fminf(fmaxf(x, -kMax), kMax) : x);
+}
+
+// common/dtype.h's AttentionValue: NaN as 0, magnitudes past 2^48 saturated.
+__device__ __forceinline__ float AttentionValue(float x) {
+  return isnan(x) ? 0.f : fminf(fmaxf(x, -kMaxAttentionValue), kMaxAttentionValue);
+}
+// The same for a 16-byte chunk of eight T.
+template <typename T>
+__device__ __forceinline__ uint4 AttentionChunk(uint4 chunk) {
+  T* v = reinterpret_cast<T*>(&chunk);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = FromFloat<T>(AttentionValue(ToFloat(v[i])));
+  return chunk;
 }
 
 // Two values into a 16-bit pair, rounded (mma operands: P, whose values lie in [0, 1]).

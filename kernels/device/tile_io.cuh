@@ -173,8 +173,8 @@ constexpr int LargestDivisorAtMost(int n, int most) {
   return d;
 }
 
-// Q tile -> shared memory as T, from q in TIO (float, converted; or T itself, copied); rows past
-// the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
+// Q tile -> shared memory as T, from q in TIO (float, converted; or T itself), each value as
+// AttentionValue gives it (NaN as 0, past 2^48 saturated); rows past the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
 // any, so the tile costs one global-memory latency rather than one per chunk. offset(row, chunk)
 // is the element offset of a 16-byte chunk in the kernel's shared-memory layout.
 template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
@@ -209,9 +209,11 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int c = threadIdx.x + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
-        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) =
-            make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
-                       PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w));
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = make_uint4(
+            PackPair<T>(AttentionValue(lo[i].x), AttentionValue(lo[i].y)),
+            PackPair<T>(AttentionValue(lo[i].z), AttentionValue(lo[i].w)),
+            PackPair<T>(AttentionValue(hi[i].x), AttentionValue(hi[i].y)),
+            PackPair<T>(AttentionValue(hi[i].z), AttentionValue(hi[i].w)));
       }
     } else {
       uint4 x[kBatch];
@@ -231,7 +233,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int c = threadIdx.x + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
-        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = x[i];
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(x[i]);
       }
     }
   }

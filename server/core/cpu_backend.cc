@@ -79,16 +79,17 @@ struct LayerStore {
   float v_scale(int64_t row) const { return v_scales != nullptr ? v_scales[row] : v_static; }
 };
 
-// Stores one row of n values (src, in dtype `from`) as FP8 at dst: scaled by the row's own
-// scale (row_scale non-null: PER_TOKEN, written there) or by static_scale.
+// Stores one row of n values (src, in dtype `from`, as AttentionValue gives them) as FP8 at dst:
+// scaled by the row's own scale (row_scale non-null: PER_TOKEN, written there) or by
+// static_scale.
 void StoreFp8Row(DType from, const void* src, int n, float static_scale, float* row_scale,
                  uint8_t* dst) {
   static_assert(kCpuHeadDims.back() <= 512, "a row fits the buffer below");
   float x[512];
   float max_abs = 0.f;
   for (int i = 0; i < n; ++i) {
-    x[i] = LoadAsFloat(from, src, i);
-    if (std::isfinite(x[i])) max_abs = std::max(max_abs, std::fabs(x[i]));
+    x[i] = AttentionValue(LoadAsFloat(from, src, i));
+    max_abs = std::max(max_abs, std::fabs(x[i]));
   }
   const Fp8RowScale s =
       row_scale != nullptr ? Fp8RowScale::OfMax(max_abs) : Fp8RowScale::Static(static_scale);
@@ -255,7 +256,8 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
   OverwrittenRows overwritten(g, plan, store);
   overwritten.Save();
 
-  // 1. Append: convert each new row to the cache dtype and store it in its page.
+  // 1. Append: convert each new row to the cache dtype (its values as AttentionValue gives them:
+  // NaN as 0, past 2^48 saturated, as the GPU stores them) and store it in its page.
   if (plan.total_new_tokens > 0) {
     threads_->ParallelFor(static_cast<int64_t>(plan.spans.size()), [&](int64_t si) {
       const SpanPlan& sp = plan.spans[si];
@@ -276,8 +278,12 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
                         reinterpret_cast<uint8_t*>(v_layer) + dst);
             continue;
           }
-          ConvertElements(io.kv_dtype, k_src, g.kv_dtype, k_layer + dst * esize, D);
-          ConvertElements(io.kv_dtype, v_src, g.kv_dtype, v_layer + dst * esize, D);
+          for (int d = 0; d < D; ++d) {
+            StoreFromFloat(g.kv_dtype, k_layer + dst * esize, d,
+                           AttentionValue(LoadAsFloat(io.kv_dtype, k_src, d)));
+            StoreFromFloat(g.kv_dtype, v_layer + dst * esize, d,
+                           AttentionValue(LoadAsFloat(io.kv_dtype, v_src, d)));
+          }
         }
       }
     });
@@ -332,7 +338,9 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
       for (int hg = 0; hg < group; ++hg) {
         const int h = w.kv_head * group + hg;
         const int64_t qrow = (sp.q_offset + qi) * Hq + h;
-        for (int d = 0; d < D; ++d) q[d] = LoadAsFloat(io.q_dtype, io.q, qrow * D + d);
+        for (int d = 0; d < D; ++d) {
+          q[d] = AttentionValue(LoadAsFloat(io.q_dtype, io.q, qrow * D + d));
+        }
         float m = sink ? variant->sinks[h] : -std::numeric_limits<float>::infinity();
         for (int64_t j = first; j < visible; ++j) {
           const float* kj = &k[j * D];

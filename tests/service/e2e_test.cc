@@ -4,10 +4,12 @@
 #include <grpcpp/create_channel.h>
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <map>
 
 #include "client/client.h"
 #include "client/smoke.h"
+#include "common/dtype.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "server/service/server.h"
@@ -245,6 +247,48 @@ TEST_F(E2ETest, ExtremeScalesAndValuesGiveFiniteOutputs) {
           for (float x : *lse) ASSERT_FALSE(std::isnan(x)) << "scale " << scale;
         }
       }
+    }
+  }
+}
+
+// NaN in q, K or V counts as 0 and a magnitude past 2^48 as 2^48 (AttentionValue): a Forward
+// that sends them answers, to the bit and finite, as one that sends those values does; a prefill,
+// then a decode step over the rows stored so.
+TEST_F(E2ETest, NanAndHugeInputsCountAsTheirAttentionValues) {
+  const float specials[] = {std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::infinity(), -3e30f, 1e20f};
+  const std::string raw = client_->CreateCache(SmallConfig())->cache_id();
+  const std::string clean = client_->CreateCache(SmallConfig())->cache_id();
+  for (int step = 0; step < 2; ++step) {
+    const int start = step == 0 ? 0 : 7, n = step == 0 ? 7 : 1;
+    v1::ForwardRequest r = Request(raw, 1, start, n, 40 + static_cast<uint64_t>(step));
+    v1::ForwardRequest c = r;
+    c.set_cache_id(clean);
+    for (auto field : {&v1::ForwardRequest::mutable_q, &v1::ForwardRequest::mutable_k,
+                       &v1::ForwardRequest::mutable_v}) {
+      v1::Tensor* t = (r.*field)();
+      absl::StatusOr<std::vector<float>> values = TensorToFloats(*t);
+      ASSERT_TRUE(values.ok());
+      std::vector<float> sent = *values, stored = *values;
+      for (size_t i = 0; i < sent.size(); i += 5) {
+        sent[i] = specials[i / 5 % 4];
+        stored[i] = AttentionValue(sent[i]);
+      }
+      const std::vector<int64_t> shape(t->shape().begin(), t->shape().end());
+      *t = MakeTensor(v1::FLOAT32, shape, sent);
+      *(c.*field)() = MakeTensor(v1::FLOAT32, shape, stored);
+    }
+    absl::StatusOr<v1::ForwardResponse> got = client_->Forward(r);
+    absl::StatusOr<v1::ForwardResponse> want = client_->Forward(c);
+    ASSERT_TRUE(got.ok()) << got.status();
+    ASSERT_TRUE(want.ok()) << want.status();
+    absl::StatusOr<std::vector<float>> a = TensorToFloats(got->out());
+    absl::StatusOr<std::vector<float>> b = TensorToFloats(want->out());
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(a->size(), b->size());
+    for (size_t i = 0; i < a->size(); ++i) {
+      ASSERT_TRUE(std::isfinite((*a)[i])) << "step " << step << " element " << i;
+      ASSERT_EQ((*a)[i], (*b)[i]) << "step " << step << " element " << i;
     }
   }
 }

@@ -8,6 +8,7 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/dtype.h"
 #include "kernels/device/fp8.h"
@@ -41,12 +42,19 @@ __device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
 __device__ __forceinline__ float AttentionValue(float x) {
   return isnan(x) ? 0.f : fminf(fmaxf(x, -kMaxAttentionValue), kMaxAttentionValue);
 }
-// The same for a 16-byte chunk of eight T.
+// The same for a 16-byte chunk of eight T, as FromFloat<T>(AttentionValue(x)) gives them, on
+// pairs: min and max with the bounds (a NaN gives way to the other operand), times x == x (0 for
+// NaN). Four instructions a pair where the scalar route takes about ten a value; q's tile takes
+// it once per item.
 template <typename T>
 __device__ __forceinline__ uint4 AttentionChunk(uint4 chunk) {
-  T* v = reinterpret_cast<T*>(&chunk);
+  using T2 = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+  constexpr float kBound = std::is_same_v<T, __half> ? 65504.f : kMaxAttentionValue;
+  const T2 hi = {FromFloat<T>(kBound), FromFloat<T>(kBound)};
+  const T2 lo = {FromFloat<T>(-kBound), FromFloat<T>(-kBound)};
+  T2* v = reinterpret_cast<T2*>(&chunk);
 #pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = FromFloat<T>(AttentionValue(ToFloat(v[i])));
+  for (int i = 0; i < 4; ++i) v[i] = __hmul2(__hmax2(__hmin2(v[i], hi), lo), __heq2(v[i], v[i]));
   return chunk;
 }
 

@@ -209,11 +209,9 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int c = threadIdx.x + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
-        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = make_uint4(
-            PackPair<T>(AttentionValue(lo[i].x), AttentionValue(lo[i].y)),
-            PackPair<T>(AttentionValue(lo[i].z), AttentionValue(lo[i].w)),
-            PackPair<T>(AttentionValue(hi[i].x), AttentionValue(hi[i].y)),
-            PackPair<T>(AttentionValue(hi[i].z), AttentionValue(hi[i].w)));
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(
+            make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
+                       PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w)));
       }
     } else {
       uint4 x[kBatch];

@@ -230,7 +230,7 @@ struct WgmmaTileMath {
   // operand of a P.V in flight, can be written after it is waited for while the exponentials
   // run beside it. kClamp: each score's exponent clamped (SoftmaxExponent), so that an inf or
   // NaN score weighs as its row's largest; without, the launch vouches that every score is
-  // finite (ExponentsStayFinite), a clamp less a score (1.5-2.5% of prefill).
+  // finite (ExponentsStayFinite), a clamp less a score (2% of prefill).
   template <bool kClamp>
   __device__ __forceinline__ static void SoftmaxExp(float (&s)[kNT][4], int pos0, int kv_end,
                                                     const Rows& rows, int quad_col,
@@ -792,7 +792,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 
 // TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
 // sliding window or a soft-cap, or a score past float's range; a plain layer's kernel compiles
-// their checks and the clamp of each exponent out, which makes it 2-4% faster
+// their checks and the clamp of each exponent out, which makes it 2.5-4% faster
 // (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
 template <typename T, typename TIO, int D, bool kVariant>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)

@@ -125,8 +125,8 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     }
   }
 
-  // ---- Q tile -> shared memory as T (once per block), from q in TIO. Rows past the span are
-  // zero. (Not LoadQTile: its batched loads cost this kernel, at the register limit, a spill;
+  // ---- Q tile -> shared memory as T (once per block), from q in TIO, as AttentionValue gives it
+  // (LoadQTile's rule). Rows past the span are zero. (Not LoadQTile: its batched loads cost this kernel, at the register limit, a spill;
   // its two blocks per SM hide one block's start behind the other's work.)
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
@@ -144,7 +144,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
             QChunk<TIO, D>(p, span, kv_head, group, span_row, chunk));
       }
     }
-    *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = packed;
+    *reinterpret_cast<uint4*>(smem_q + SwizzledOffset<D>(r, chunk)) = AttentionChunk<T>(packed);
   }
 
   // ---- Per-thread state: slice mt, rows quad_row and quad_row + 8; columns 2*quad_col..+1.

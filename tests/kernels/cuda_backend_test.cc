@@ -1225,6 +1225,28 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   }
 }
 
+// Which launches the unclamped plain prefill kernel may take (host-side: no GPU needed): the
+// scale in log2 units up to 2^21, an FP8 STATIC K scale up to 2^48 / 448; PER_TOKEN always.
+TEST(ExponentsStayFiniteTest, BoundsTheScaleAndAStaticKScale) {
+  kernels::PagedAttentionParams p;
+  p.sm_scale = 0.0884f;  // 1 / sqrt(128)
+  EXPECT_TRUE(kernels::ExponentsStayFinite(p));
+  p.sm_scale = 1.45e6f;
+  EXPECT_TRUE(kernels::ExponentsStayFinite(p));
+  p.sm_scale = 1.46e6f;
+  EXPECT_FALSE(kernels::ExponentsStayFinite(p));
+  p.sm_scale = 3.4e38f;
+  EXPECT_FALSE(kernels::ExponentsStayFinite(p));
+  p.sm_scale = 1.f;
+  p.scales.k = kMaxAttentionValue / 448.f;
+  EXPECT_TRUE(kernels::ExponentsStayFinite(p));
+  p.scales.k = 2.f * kMaxAttentionValue / 448.f;
+  EXPECT_FALSE(kernels::ExponentsStayFinite(p));
+  float row_scales = 1.f;
+  p.scales.k_rows = &row_scales;  // PER_TOKEN: each row within its own largest value
+  EXPECT_TRUE(kernels::ExponentsStayFinite(p));
+}
+
 TEST_F(CudaKernelTest, ReportsDevice) {
   EXPECT_GT(backend_->device_count(), 0);
   EXPECT_FALSE(backend_->device_name().empty());

@@ -126,8 +126,9 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   }
 
   // ---- Q tile -> shared memory as T (once per block), from q in TIO, as AttentionValue gives it
-  // (LoadQTile's rule). Rows past the span are zero. (Not LoadQTile: its batched loads cost this kernel, at the register limit, a spill;
-  // its two blocks per SM hide one block's start behind the other's work.)
+  // (LoadQTile's rule). Rows past the span are zero. (Not LoadQTile: its batched loads cost
+  // this kernel, at the register limit, a spill; its two blocks per SM hide one block's start
+  // behind the other's work.)
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
     const int span_row = item.row_start + r;

@@ -174,9 +174,10 @@ constexpr int LargestDivisorAtMost(int n, int most) {
 }
 
 // Q tile -> shared memory as T, from q in TIO (float, converted; or T itself), each value as
-// AttentionValue gives it (NaN as 0, past 2^48 saturated); rows past the span are zero. A thread issues all its loads (up to 8 chunks at a time) before it stores
-// any, so the tile costs one global-memory latency rather than one per chunk. offset(row, chunk)
-// is the element offset of a 16-byte chunk in the kernel's shared-memory layout.
+// AttentionValue gives it (NaN as 0, past 2^48 saturated); rows past the span are zero. A
+// thread issues all its loads (up to 8 chunks at a time) before it stores any, so the tile costs
+// one global-memory latency rather than one per chunk. offset(row, chunk) is the element offset
+// of a 16-byte chunk in the kernel's shared-memory layout.
 template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
 __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           const AttentionWorkItem& item, const AttentionSpan& span,

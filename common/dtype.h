@@ -170,6 +170,14 @@ inline float AttentionValue(float x) {
   return std::fmin(std::fmax(x, -kMaxAttentionValue), kMaxAttentionValue);
 }
 
+// Stores n elements of src (dtype from) into dst (dtype to), each as AttentionValue gives it:
+// how a cache's K and V rows are written.
+inline void StoreAttentionValues(DType from, const void* src, DType to, void* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    StoreFromFloat(to, dst, i, AttentionValue(LoadAsFloat(from, src, i)));
+  }
+}
+
 // Converts n elements between dtypes (same dtype: a plain copy).
 inline void ConvertElements(DType from, const void* src, DType to, void* dst, int64_t n) {
   if (from == to) {

@@ -278,12 +278,8 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
                         reinterpret_cast<uint8_t*>(v_layer) + dst);
             continue;
           }
-          for (int d = 0; d < D; ++d) {
-            StoreFromFloat(g.kv_dtype, k_layer + dst * esize, d,
-                           AttentionValue(LoadAsFloat(io.kv_dtype, k_src, d)));
-            StoreFromFloat(g.kv_dtype, v_layer + dst * esize, d,
-                           AttentionValue(LoadAsFloat(io.kv_dtype, v_src, d)));
-          }
+          StoreAttentionValues(io.kv_dtype, k_src, g.kv_dtype, k_layer + dst * esize, D);
+          StoreAttentionValues(io.kv_dtype, v_src, g.kv_dtype, v_layer + dst * esize, D);
         }
       }
     });

@@ -447,8 +447,8 @@ TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
 }
 
 // A NaN in K is stored as 0 (AttentionValue), so its scores are finite and every row matches the
-// reference, where the prefill tiles run without a clamp of their exponents: with a running
-// max, with the soft-cap's fixed base, in decode tiles and in a chunked prefill.
+// reference: the plain prefill kernel (no clamp of its exponents), the soft-capped one with its
+// fixed base, decode tiles and a chunked prefill.
 TEST_F(CudaKernelTest, NanKeysAreStoredAsZero) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (float cap : {0.f, 30.f}) {

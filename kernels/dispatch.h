@@ -201,7 +201,8 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
               "an FP8 cache's prefill tiles read its pages' bfloat16 copy (LaunchPagedAttention)");
         } else {
           if constexpr (HasWgmmaPrefill(D)) {
-            if (PrefillRunsOnWgmma(params.prefill_path, D)) {
+            // Past ExponentsStayFinite the portable kernel, whose exponents are clamped.
+            if (PrefillRunsOnWgmma(params.prefill_path, D) && ExponentsStayFinite(params)) {
               return LaunchPrefillTilesWgmma<T, TIO, D>(params, stream, launcher);
             }
           }

@@ -228,10 +228,8 @@ struct WgmmaTileMath {
   // row's q_pos, before its window), new row max, s <- 2^(s*scale - max) in place, running sum;
   // alpha is the factor O must be rescaled by. Apart from PackP so that P's registers, the
   // operand of a P.V in flight, can be written after it is waited for while the exponentials
-  // run beside it. kClamp: each score's exponent clamped (SoftmaxExponent), so that an inf or
-  // NaN score weighs as its row's largest; without, the launch vouches that every score is
-  // finite (ExponentsStayFinite), a clamp less a score (2% of prefill).
-  template <bool kClamp>
+  // run beside it. Exponents unclamped: only launches whose scores stay finite come here
+  // (ExponentsStayFinite), a clamp less a score (2% of prefill).
   __device__ __forceinline__ static void SoftmaxExp(float (&s)[kNT][4], int pos0, int kv_end,
                                                     const Rows& rows, int quad_col,
                                                     const Softcap& softcap, float scale_log2,
@@ -257,10 +255,8 @@ struct WgmmaTileMath {
         float part[kNT];
 #pragma unroll
         for (int nt = 0; nt < kNT; ++nt) {
-          // The clamp maps a NaN score (from NaN inputs) to the largest weight, as below.
-          s[nt][2 * i] = FastExp2(fminf(fmaf(s[nt][2 * i], scale_log2, -base), softcap.top));
-          s[nt][2 * i + 1] =
-              FastExp2(fminf(fmaf(s[nt][2 * i + 1], scale_log2, -base), softcap.top));
+          s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+          s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
           part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
         }
 #pragma unroll
@@ -292,13 +288,8 @@ struct WgmmaTileMath {
       row_max[i] = mx;
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
-        if constexpr (kClamp) {
-          s[nt][2 * i] = FastExp2(SoftmaxExponent(s[nt][2 * i], scale_log2, base));
-          s[nt][2 * i + 1] = FastExp2(SoftmaxExponent(s[nt][2 * i + 1], scale_log2, base));
-        } else {
-          s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-          s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-        }
+        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
         part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
       }
 #pragma unroll
@@ -456,8 +447,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
     M::IssuePV(o, pa, smem.v_addr(tile % kS));
   };
   auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-    M::template SoftmaxExp<kVariant>(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows,
-                                     quad_col, softcap, scale_log2, row_max, row_sum, alpha);
+    M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows, quad_col, softcap,
+                  scale_log2, row_max, row_sum, alpha);
   };
   auto fence_o = [&]() { FenceRegs(o); };
 
@@ -679,8 +670,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
       M::IssuePV(o, pa, smem.v_addr((g0 + tile) % kS));
     };
     auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-      M::template SoftmaxExp<kVariant>(s, kv_start + tile * Cfg::kTileKv, kv_end, rows,
-                                       quad_col, softcap, scale_log2, row_max, row_sum, alpha);
+      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, rows, quad_col, softcap,
+                    scale_log2, row_max, row_sum, alpha);
     };
     auto fence_o = [&]() { FenceRegs(o); };
     // The stream tile kS - 1 ahead of g (whichever job it belongs to), as one commit group.
@@ -791,9 +782,8 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 #endif  // PAGEDATTN_WGMMA_DEVICE
 
 // TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
-// sliding window or a soft-cap, or a score past float's range; a plain layer's kernel compiles
-// their checks and the clamp of each exponent out, which makes it 2.5-4% faster
-// (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
+// sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes it
+// 0.5-1.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
 template <typename T, typename TIO, int D, bool kVariant>
 __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
@@ -844,13 +834,12 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
                          "prefill attention (wgmma)");
 }
 
-// A layer with a window or a soft-cap, or a scale that can take a score past float's range,
-// takes the variant kernel, any other the plain one.
+// A layer with a window or a soft-cap takes the variant kernel, any other the plain one.
 template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
                                      Launcher& launcher) {
   if (params.num_prefill_items == 0) return LaunchStatus::Ok();
-  return params.window > 0 || params.softcap > 0.f || !ExponentsStayFinite(params)
+  return params.window > 0 || params.softcap > 0.f
              ? LaunchPrefillTilesWgmmaOf<T, TIO, D, true>(params, stream, launcher)
              : LaunchPrefillTilesWgmmaOf<T, TIO, D, false>(params, stream, launcher);
 }

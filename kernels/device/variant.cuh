@@ -42,7 +42,6 @@ struct Softcap {
   bool on = false;
   bool bounded = false;    // capped, and the fixed base below serves every row (FixedBase)
   float fixed_max = 0.f;   // the score (as the tiles hold it) whose SoftmaxBase is the fixed base
-  float top = 0.f;         // the largest exponent against the fixed base (the clamp)
 
   __device__ __forceinline__ static Softcap Of(const PagedAttentionParams& p) {
     Softcap c;
@@ -52,7 +51,6 @@ struct Softcap {
     c.bounded = c.on && c.scale_log2 <= 82.f;
     const float base = fmaxf(c.scale_log2 - 40.f, 0.f);
     c.fixed_max = c.bounded ? base / c.scale_log2 : 0.f;
-    c.top = c.scale_log2 - base;
     return c;
   }
   // No soft-cap, known at compile time where the caller's kernel is the plain layer's.

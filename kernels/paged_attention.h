@@ -177,8 +177,7 @@ inline void SetDivisors(PagedAttentionParams* p) {
 // 512), and times the scale in log2 units within 2^126 when that scale is at most 2^21
 // (sm_scale up to 1.45e6). An FP8 cache's K is its stored values (at most 448) times their
 // scales: a PER_TOKEN scale keeps each row within its own largest value, a STATIC one must be at
-// most 2^48 / 448. The Hopper prefill's plain kernel counts on it
-// (kernels/README.md#finite-scores).
+// most 2^48 / 448. The Hopper prefill kernels count on it (kernels/README.md#finite-scores).
 inline bool ExponentsStayFinite(const PagedAttentionParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const bool scale_ok = p.sm_scale * kLog2e <= 2097152.f;  // 2^21

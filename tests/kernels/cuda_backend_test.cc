@@ -447,8 +447,8 @@ TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
 }
 
 // A NaN in K is stored as 0 (AttentionValue), so its scores are finite and every row matches the
-// reference: the plain prefill kernel (no clamp of its exponents), the soft-capped one with its
-// fixed base, decode tiles and a chunked prefill.
+// reference: the Hopper prefill kernels (no clamp of their exponents), the plain one and the
+// soft-capped one with its fixed base, decode tiles and a chunked prefill.
 TEST_F(CudaKernelTest, NanKeysAreStoredAsZero) {
   for (DType dt : {DType::kBFloat16, DType::kFloat16}) {
     for (float cap : {0.f, 30.f}) {
@@ -1225,7 +1225,7 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   }
 }
 
-// Which launches the unclamped plain prefill kernel may take (host-side: no GPU needed): the
+// Which launches the unclamped Hopper prefill kernels may take (host-side: no GPU needed): the
 // scale in log2 units up to 2^21, an FP8 STATIC K scale up to 2^48 / 448; PER_TOKEN always.
 TEST(ExponentsStayFiniteTest, BoundsTheScaleAndAStaticKScale) {
   kernels::PagedAttentionParams p;

@@ -6,21 +6,7 @@
 //   --suite prefill: every position a query; "B,L" = B sequences of L tokens (default:
 //     peers.py's prefill shapes); tflops counts 4*B*Hq*L*L*D (halved when causal) as peers.py.
 //
-//   pagedattn-bench [--suite decode|prefill] [--cases "1,32768 16,4096"] [--ragged 4096,100,7000]
-//                   [--q-heads 32] [--kv-heads 8] [--head-dim 128] [--page-size 16]
-//                   [--dtype bfloat16|float16|float8_e4m3]  the cache's
-//                   [--kv-scaling per-token|static]     an FP8 cache's scales (default: per-token)
-//                   [--q-dtype float32|bfloat16|float16] q's and out's (default: the cache's;
-//                     bfloat16 for an FP8 cache, whose tiles compute in it)
-//                   [--causal | --non-causal]          (default: causal)
-//                   [--window W] [--softcap C] [--sinks]  a layer attention variant: a sliding
-//                     window (decode rows then count only the window's bytes), a logit soft-cap,
-//                     sinks (1 + h/4 for q head h)
-//                   [--warmup 10] [--reps 50] [--json FILE]
-//                   [--prefill-path auto|portable]     the Hopper (wgmma) or the mma.sync kernel
-//                   [--launch graph|plain]              how kernels are submitted (launch.h)
-//                   [--merge planned|separate|in-kernel]  where split-KV tiles are merged: the
-//                     plan's choice, the separate merge kernel, or the tile kernel's last split
+// Flags: `pagedattn-bench --help` (kUsage below).
 //
 // Timing is the median of per-launch CUDA events after warm-up (and, as b2b_time_us, back-to-back
 // launches), each case's pools first evicted from L2 by reading a buffer of 4x the L2 (the kernels
@@ -141,6 +127,32 @@ std::vector<std::vector<int>> ParseCases(const std::string& s) {
   return out;
 }
 
+// --help's text, and what an unknown flag prints after its error.
+constexpr const char* kUsage =
+    "pagedattn-bench: times the paged attention kernels alone on random data, each output checked\n"
+    "against the float64 reference; one JSON row per case (kernels/bench/peers.py's keys).\n"
+    "\n"
+    "  --suite decode|prefill   decode (default): one query per sequence; prefill: every\n"
+    "                           position a query\n"
+    "  --cases \"B,N ...\"        B sequences of N positions (decode) or tokens (prefill);\n"
+    "                           default \"1,32768 16,4096 64,4096 256,2048 128,8192\" (decode),\n"
+    "                           \"4,4096 2,8192 1,16384\" (prefill); \"none\" for none\n"
+    "  --ragged N,N,...         one more case: a batch of sequences of these lengths\n"
+    "  --q-heads 32 --kv-heads 8 --head-dim 128 --page-size 16\n"
+    "  --dtype bfloat16|float16|float8_e4m3   the cache's (default bfloat16)\n"
+    "  --kv-scaling per-token|static          an FP8 cache's scales (default per-token)\n"
+    "  --q-dtype float32|bfloat16|float16     q's and out's (default the cache's; bfloat16 for\n"
+    "                                         an FP8 cache, whose tiles compute in it)\n"
+    "  --causal | --non-causal                (default causal)\n"
+    "  --window W  --softcap C  --sinks       a layer variant: a sliding window (decode rows then\n"
+    "                                         count only the window's bytes), a logit soft-cap,\n"
+    "                                         sinks (1 + h/4 for q head h)\n"
+    "  --warmup 10 --reps 50 --json FILE      timing; the rows also written to FILE\n"
+    "  --prefill-path auto|portable           the Hopper (wgmma) or the mma.sync prefill kernel\n"
+    "  --launch graph|plain                   how kernels are submitted (kernels/launch.h)\n"
+    "  --merge planned|separate|in-kernel     where split-KV tiles are merged: the plan's choice,\n"
+    "                                         the merge kernel, or the tile kernel's last split\n";
+
 Config ParseFlags(int argc, char** argv) {
   Config c;
   std::string cases;
@@ -169,7 +181,10 @@ Config ParseFlags(int argc, char** argv) {
     };
     constexpr DType kDTypes[] = {DType::kBFloat16, DType::kFloat16, DType::kFloat32};
     constexpr const char* kMerges[] = {"planned", "separate", "in-kernel"};
-    if (a == "--cases")
+    if (a == "--help" || a == "-h") {
+      std::fputs(kUsage, stdout);
+      std::exit(0);
+    } else if (a == "--cases")
       cases = next();
     else if (a == "--suite")
       c.prefill = one_of({"decode", "prefill"}) == 1;
@@ -214,8 +229,7 @@ Config ParseFlags(int argc, char** argv) {
     else if (a == "--launch")
       c.graph_launch = one_of({"graph", "plain"}) == 0;
     else {
-      std::fprintf(stderr, "unknown flag %s (see the header of kernels/bench/bench.cu)\n",
-                   a.c_str());
+      std::fprintf(stderr, "unknown flag %s\n\n%s", a.c_str(), kUsage);
       std::exit(2);
     }
   }

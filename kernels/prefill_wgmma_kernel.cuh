@@ -224,6 +224,25 @@ struct WgmmaTileMath {
     }
   }
 
+  // s <- 2^(s*scale - base) on row i (0, 1) of the thread's pairs, unclamped; their sum as a tree
+  // over the n tiles (a warp has few neighbours to hide a chain of dependent adds behind: two
+  // per scheduler).
+  __device__ __forceinline__ static float ExpRowSum(float (&s)[kNT][4], int i, float scale_log2,
+                                                    float base) {
+    float part[kNT];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
+      s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
+      part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
+    }
+#pragma unroll
+    for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
+#pragma unroll
+      for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
+    return part[0];
+  }
+
   // Soft-cap (when the layer has one), mask (positions pos0.. of the tile: past kv_end, past a
   // row's q_pos, before its window), new row max, s <- 2^(s*scale - max) in place, running sum;
   // alpha is the factor O must be rescaled by. Apart from PackP so that P's registers, the
@@ -252,25 +271,13 @@ struct WgmmaTileMath {
       const float base = SoftmaxBase(softcap.fixed_max, scale_log2);
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        float part[kNT];
-#pragma unroll
-        for (int nt = 0; nt < kNT; ++nt) {
-          s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-          s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-          part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
-        }
-#pragma unroll
-        for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
-#pragma unroll
-          for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
-        row_sum[i] += part[0];
+        row_sum[i] += ExpRowSum(s, i, scale_log2, base);
         row_max[i] = softcap.fixed_max;  // what WriteRows and the merges take the base from
         alpha[i] = 1.f;
       }
       return;
     }
-    // Max and sum as trees over the n tiles (a warp has few neighbours to hide a chain of
-    // dependent adds behind: two per scheduler).
+    // The max as a tree too.
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float part[kNT];
@@ -286,17 +293,7 @@ struct WgmmaTileMath {
       const float base = SoftmaxBase(mx, scale_log2);
       alpha[i] = FastExp2(SoftmaxExponent(row_max[i], scale_log2, base));
       row_max[i] = mx;
-#pragma unroll
-      for (int nt = 0; nt < kNT; ++nt) {
-        s[nt][2 * i] = FastExp2(fmaf(s[nt][2 * i], scale_log2, -base));
-        s[nt][2 * i + 1] = FastExp2(fmaf(s[nt][2 * i + 1], scale_log2, -base));
-        part[nt] = s[nt][2 * i] + s[nt][2 * i + 1];
-      }
-#pragma unroll
-      for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
-#pragma unroll
-        for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] += part[nt + level];
-      row_sum[i] = row_sum[i] * alpha[i] + part[0];
+      row_sum[i] = row_sum[i] * alpha[i] + ExpRowSum(s, i, scale_log2, base);
     }
   }
 

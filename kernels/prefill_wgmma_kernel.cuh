@@ -391,8 +391,6 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
   // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
-  __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
-  const uint32_t sink = SmemAddr(&pin_slot);
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
     return (tid < Cfg::kTileKv && tile < num_tiles && pos < item.kv_end)
@@ -550,7 +548,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
   // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
-  __shared__ float2 pin_slot;                     // PinBeforeWait's scratch (one for all)
+  __shared__ float2 pin_slot;                     // PinBeforeWait's (never written)
   const uint32_t sink = SmemAddr(&pin_slot);
   // The pipeline's cursor over the block's jobs, one K/V tile at a time.
   struct JobCursor {

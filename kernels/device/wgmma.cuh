@@ -59,11 +59,18 @@ __device__ __forceinline__ void FenceRegs(uint32_t (&a)[4]) {
   for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(a[e])::"memory");
 }
 
-// Stores two values to shared memory (a per-thread scratch slot), so that the instructions
-// producing them are scheduled before whatever follows (ptxas does not move wgmma waits above
-// shared-memory stores).
+// Schedules the instructions producing v (two sums of exponentials, never negative) before
+// whatever follows: ptxas does not move a wgmma wait above a shared-memory store, and this is
+// one, predicated on v[0] < 0, so it never writes (racecheck sees no access to the slot).
 __device__ __forceinline__ void PinBeforeWait(uint32_t slot, const float (&v)[2]) {
-  asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(slot), "f"(v[0]), "f"(v[1]) : "memory");
+  asm volatile(
+      "{\n"
+      ".reg .pred neg;\n"
+      "setp.lt.f32 neg, %1, 0f00000000;\n"
+      "@neg st.shared.v2.f32 [%0], {%1, %2};\n"
+      "}\n" ::"r"(slot),
+      "f"(v[0]), "f"(v[1])
+      : "memory");
 }
 
 __device__ __forceinline__ void ProxyFenceShared() {

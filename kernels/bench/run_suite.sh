@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The GPU host's run of the kernel library: the GPU tests, compute-sanitizer's memcheck, the
-# bench over the default and beyond-the-default shapes, the peers on the same shapes, and the
-# ratio table, every JSON row and log written into OUT_DIR.
+# The GPU host's run of the kernel library: the GPU tests, compute-sanitizer's memcheck and
+# racecheck, the bench over the default and beyond-the-default shapes, the peers on the same
+# shapes, and the ratio table, every JSON row and log written into OUT_DIR.
 #
 #   kernels/bench/run_suite.sh BUILD_DIR OUT_DIR
 #
@@ -10,8 +10,9 @@
 # is reported and left out. Set LD_LIBRARY_PATH beforehand if the binaries need libraries the
 # host does not have. Environment knobs:
 #   SKIP_TESTS=1     no tests and no compute-sanitizer
-#   SANITIZER=0      no compute-sanitizer (it runs when compute-sanitizer is on PATH);
-#                    SANITIZER_FILTER narrows its gtest filter (default: every test)
+#   SANITIZER=0      no compute-sanitizer (memcheck and racecheck over cuda_backend_test run
+#                    when compute-sanitizer is on PATH); SANITIZER_FILTER narrows their gtest
+#                    filter (default: every test), SANITIZER_SHARDS their processes (default 5)
 #   PEERS=0          no peers.py (FlashInfer rows only when `import flashinfer` works)
 #   QUICK=1          the default decode and prefill shapes only, with fewer repetitions
 #   BENCH_TIMEOUT=N  seconds per bench or peers run (default 300)
@@ -73,6 +74,27 @@ server_smoke() {
   echo "server exit rc=$?"
 }
 
+# sanitize TOOL [FLAGS...]: cuda_backend_test under compute-sanitizer's TOOL, as
+# SANITIZER_SHARDS gtest shards side by side (each a process of its own on the GPU: about 6
+# minutes for the 29 tests in 5 shards on an H200), logs/TOOL_I.log, one line of result a shard.
+sanitize() {
+  local tool=$1 shards=${SANITIZER_SHARDS:-5} i
+  shift
+  for ((i = 0; i < shards; ++i)); do
+    GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 3600 compute-sanitizer \
+      --tool "$tool" "$@" --error-exitcode 1 "$build/tests/cuda_backend_test" \
+      --gtest_filter="${SANITIZER_FILTER:-*}" > "$out/logs/${tool}_$i.log" 2>&1 &
+  done
+  for ((i = 0; i < shards; ++i)); do
+    wait -n
+  done
+  for ((i = 0; i < shards; ++i)); do
+    echo "$tool(cuda_backend_test shard $i) $(grep -E '^\[  (PASSED|FAILED)  \]' \
+      "$out/logs/${tool}_$i.log" | tr '\n' ' ')$(grep -E '(ERROR|RACECHECK) SUMMARY' \
+      "$out/logs/${tool}_$i.log" | tail -1)"
+  done
+}
+
 if [ "${SKIP_TESTS:-0}" != 1 ]; then
   t=$build/tests
   test_run attention_plan_test 120 "$t/attention_plan_test"
@@ -84,10 +106,8 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   test_run backend_parity_test 600 "$t/backend_parity_test"
   server_smoke
   if [ "${SANITIZER:-1}" != 0 ] && command -v compute-sanitizer > /dev/null; then
-    timeout 3600 compute-sanitizer --tool memcheck --error-exitcode 1 \
-      "$t/cuda_backend_test" --gtest_filter="${SANITIZER_FILTER:-*}" \
-      > "$out/logs/memcheck.log" 2>&1
-    echo "memcheck(cuda_backend_test) rc=$? $(grep -E 'ERROR SUMMARY' "$out/logs/memcheck.log" | tail -1)"
+    sanitize memcheck
+    sanitize racecheck --racecheck-report hazard
   fi
 fi
 

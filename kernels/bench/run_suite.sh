@@ -79,17 +79,17 @@ server_smoke() {
 # minutes for the 29 tests in 5 shards on an H200), logs/TOOL_I.log, one line of result a shard.
 sanitize() {
   local tool=$1 shards=${SANITIZER_SHARDS:-5} i
+  local -a pids=()
   shift
   for ((i = 0; i < shards; ++i)); do
     GTEST_TOTAL_SHARDS=$shards GTEST_SHARD_INDEX=$i timeout 3600 compute-sanitizer \
       --tool "$tool" "$@" --error-exitcode 1 "$build/tests/cuda_backend_test" \
       --gtest_filter="${SANITIZER_FILTER:-*}" > "$out/logs/${tool}_$i.log" 2>&1 &
+    pids+=($!)
   done
   for ((i = 0; i < shards; ++i)); do
-    wait -n
-  done
-  for ((i = 0; i < shards; ++i)); do
-    echo "$tool(cuda_backend_test shard $i) $(grep -E '^\[  (PASSED|FAILED)  \]' \
+    wait "${pids[i]}"
+    echo "$tool(cuda_backend_test shard $i) rc=$? $(grep -E '^\[  (PASSED|FAILED)  \]' \
       "$out/logs/${tool}_$i.log" | tr '\n' ' ')$(grep -E '(ERROR|RACECHECK) SUMMARY' \
       "$out/logs/${tool}_$i.log" | tail -1)"
   done

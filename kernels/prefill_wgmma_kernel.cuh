@@ -40,31 +40,36 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
+  // The tile's width in shared memory and in O: head dims 80 and 96 take head_dim 128's layout
+  // and schedule, their S on D / 16 of its k steps, their P.V over all 128 columns (the columns
+  // past D are zero in V and dropped from O). At 96 1.05-1.06x the portable kernel's rate, at 80
+  // the same (docs/PERFORMANCE.md#head-dims).
+  static constexpr int kWidth = D == 80 || D == 96 ? 128 : D;
   // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
   // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
   // Q tile leaves room for (docs/PERFORMANCE.md#design-decisions).
-  static constexpr int kTileKv = D == 128 ? 128 : 64;
-  static constexpr int kStages = D == 128 ? 3 : (D == 64 ? 4 : 2);
+  static constexpr int kTileKv = kWidth == 128 ? 128 : 64;
+  static constexpr int kStages = kWidth == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
-  static constexpr bool kPipelined = D == 128;
+  static constexpr bool kPipelined = kWidth == 128;
   // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody), jobs back to back so
   // the next job's first K/V tiles load during the last one's end; the others one block per item
   // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#design-decisions).
   static constexpr bool kPersistent = kPipelined;
-  static constexpr int kSlices = D / 64;                     // 64-column slices (swizzle blocks)
+  static constexpr int kSlices = kWidth / 64;                // 64-column slices (swizzle blocks)
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
   static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
-  static constexpr int kTileElems = kTileKv * D;
+  static constexpr int kTileElems = kTileKv * kWidth;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
-  static constexpr size_t kQBytes = size_t{kRows} * D * sizeof(T);
+  static constexpr size_t kQBytes = size_t{kRows} * kWidth * sizeof(T);
   // The swizzle pattern repeats every 1024 bytes and wgmma assumes blocks aligned to it; the
   // dynamic shared memory base is aligned at run time, hence the slack.
   static constexpr size_t kAlign = 1024;
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes + kAlign; }
-  static_assert(D % 64 == 0, "whole 64-column slices (other head dims: the portable kernel)");
+  static_assert(kWidth % 64 == 0 && D % 16 == 0 && D <= kWidth, "whole 64-column slices");
   static_assert(kTileKv * 128 % kAlign == 0, "slices keep the 1024-byte alignment");
   // Dynamic plus static (row indices, flags: under 2 KiB) shared memory fit one SM's 227 KiB.
   static_assert(SmemBytes() + 2048 <= 227 * 1024, "fits one SM's shared memory");
@@ -79,6 +84,7 @@ struct WgmmaTileMath {
   static constexpr int kNT = Cfg::kTileKv / 8;   // n8 tiles of S
   static constexpr int kKP = Cfg::kTileKv / 16;  // k16 steps of P.V
   static constexpr uint32_t kRowBytes = 128;     // one row of a 64-column slice
+  static constexpr int kOT = Cfg::kWidth / 8;    // n8 tiles of O (those past D / 8 dropped)
 
   // The dynamic shared memory: kStages K/V stages, then the Q tile, from a base aligned to the
   // swizzle pattern's 1024 bytes.
@@ -154,10 +160,10 @@ struct WgmmaTileMath {
   }
 
   // A thread's rows before their first tile: O zero, no max, no sum.
-  __device__ __forceinline__ static void StartRows(float (&o)[D / 8][4], float (&row_max)[2],
+  __device__ __forceinline__ static void StartRows(float (&o)[kOT][4], float (&row_max)[2],
                                                    float (&row_sum)[2]) {
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
+    for (int dt = 0; dt < kOT; ++dt) o[dt][0] = o[dt][1] = o[dt][2] = o[dt][3] = 0.f;
     row_max[0] = row_max[1] = -INFINITY;
     row_sum[0] = row_sum[1] = 0.f;
   }
@@ -170,7 +176,7 @@ struct WgmmaTileMath {
                                                      int copy_chunk, int copy_row0) {
     T* sk = smem_kv + stage * Cfg::kStageElems;
     T* sv = sk + Cfg::kTileElems;
-    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 192)
+    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 80, 96, 192)
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
@@ -180,6 +186,19 @@ struct WgmmaTileMath {
       const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
       CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
       CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
+    }
+  }
+
+  // Zeroes V's columns past D in every stage (head dims 80, 96: kWidth), which no copy writes,
+  // so that P.V over all kWidth columns adds nothing but zeros to the dropped part of O. Made
+  // visible to wgmma by the fence and barrier before the first tile.
+  __device__ __forceinline__ static void ZeroVPad(T* smem_kv, int tid) {
+    constexpr int kPad = (Cfg::kWidth - D) / 8;  // 16-byte chunks a row
+    for (int i = tid; i < Cfg::kStages * Cfg::kTileKv * kPad; i += Cfg::kThreads) {
+      const int stage = i / (Cfg::kTileKv * kPad), rest = i % (Cfg::kTileKv * kPad);
+      T* sv = smem_kv + stage * Cfg::kStageElems + Cfg::kTileElems;
+      *reinterpret_cast<uint4*>(sv + Sw128Offset<Cfg::kTileKv>(rest / kPad, D / 8 + rest % kPad)) =
+          make_uint4(0, 0, 0, 0);
     }
   }
 
@@ -207,11 +226,11 @@ struct WgmmaTileMath {
 
   // O += P V of one tile (the V tile at vb): per 16-position k step, one wgmma per 64-column
   // slice of V.
-  __device__ __forceinline__ static void IssuePV(float (&o)[D / 8][4], const uint32_t (&pa)[kKP][4],
+  __device__ __forceinline__ static void IssuePV(float (&o)[kOT][4], const uint32_t (&pa)[kKP][4],
                                                  uint32_t vb) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
-      if constexpr (D == 128) {
+      if constexpr (Cfg::kWidth == 128) {
         // One m64n128 wgmma over both slices: 2% faster than two n64's
         // (docs/PERFORMANCE.md#design-decisions).
         WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
@@ -308,7 +327,7 @@ struct WgmmaTileMath {
     }
   }
 
-  __device__ __forceinline__ static void RescaleO(float (&o)[D / 8][4], const float (&alpha)[2]) {
+  __device__ __forceinline__ static void RescaleO(float (&o)[kOT][4], const float (&alpha)[2]) {
     // Only when some row's max moved: after the first tiles of a long range it rarely does.
     if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
 #pragma unroll
@@ -333,7 +352,7 @@ struct WgmmaTileMath {
                                                    const AttentionWorkItem& item,
                                                    const AttentionSpan& span, int kv_head,
                                                    int group, int span_rows, int first_tile_row,
-                                                   int quad_col, const float (&o)[D / 8][4],
+                                                   int quad_col, const float (&o)[kOT][4],
                                                    const float (&row_max)[2],
                                                    const float (&row_sum)[2], float scale_log2) {
 #pragma unroll
@@ -348,8 +367,9 @@ struct WgmmaTileMath {
       const float sink =
           item.partial_row < 0 ? SinkLog2(p, kv_head, group, span_row) : -INFINITY;
       const RowNorm norm = NormalizeRow(sum, SoftmaxBase(row_max[i], scale_log2), sink);
-      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, i,
-                           norm.inv, norm.lse);
+      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col,
+                           *reinterpret_cast<const float(*)[D / 8][4]>(&o[0]), i, norm.inv,
+                           norm.lse);
     }
   }
 };
@@ -427,7 +447,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
-  float o[D / 8][4], row_max[2], row_sum[2];
+  float o[M::kOT][4], row_max[2], row_sum[2];
   M::StartRows(o, row_max, row_sum);
   const typename M::Rows rows =
       M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
@@ -499,6 +519,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const typename M::Smem smem = M::SmemOf(smem_raw);
   T* smem_kv = smem.kv;
+  if constexpr (Cfg::kWidth > D) M::ZeroVPad(smem_kv, threadIdx.x);
 
   // This block's jobs (item, kv head), in the host's order (SchedulePrefillJobs).
   const int job_begin = p.prefill_job_start[blockIdx.x];
@@ -654,7 +675,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
     // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its
     // warpgroup's 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator
     // layout).
-    float o[D / 8][4], row_max[2], row_sum[2];
+    float o[M::kOT][4], row_max[2], row_sum[2];
     M::StartRows(o, row_max, row_sum);
     const typename M::Rows rows =
         M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);

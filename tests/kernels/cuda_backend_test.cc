@@ -464,9 +464,10 @@ TEST_F(CudaKernelTest, NanKeysAreStoredAsZero) {
 
 // The same in a batch of more jobs than the Hopper prefill's persistent blocks (16 kv heads: 350
 // jobs for 132 blocks); then a chunked prefill over that history, whose long span splits and
-// merges. The persistent kernel (head_dim 128) and the one-job-a-block kernel (64, 256).
+// merges. The persistent kernel (head_dim 128, and 96 in 128's layout) and the one-job-a-block
+// kernel (64, 256).
 TEST_F(CudaKernelTest, NanKeysAmongManyPrefillJobs) {
-  for (int d : {64, 128, 256}) {
+  for (int d : {64, 96, 128, 256}) {
     CaseSpec c;
     c.head_dim = d;
     c.num_kv_heads = 16;

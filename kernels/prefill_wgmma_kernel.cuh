@@ -1,14 +1,15 @@
 // The Hopper prefill tile kernel: the prefill tile of kernels/prefill_mma_kernel.cuh with its
 // two matrix products on warpgroup MMA (wgmma, sm_90a). Included only by instantiate_hdim*.cu.
 //
-// A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, run by
-// two warpgroups of 64 rows each. At head_dim 128 a block is persistent: it runs the jobs the
-// host dealt it (SchedulePrefillJobs) back to back, its K/V pipeline running on across jobs so
-// that the next job's first tiles and its Q load while the last one ends; at 64 and 256 a block
-// runs one job. K/V tiles (64 or 128 positions) are gathered through the page table with
-// 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in the
-// 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a [rows][D] tile is
-// its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8).
+// A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, run by two
+// warpgroups of 64 rows each. At head_dim 128 (and 80, 96, which run in its layout:
+// WgmmaPrefillConfig::kWidth) a block is persistent: it runs the jobs the host dealt it
+// (SchedulePrefillJobs) back to back, its K/V pipeline running on across jobs so that the next
+// job's first tiles and its Q load while the last one ends; at 64, 192 and 256 a block runs one
+// job. K/V tiles (64 or 128 positions) are gathered through the page table with 16-byte cp.async
+// (row-wise, so any page size works) into shared memory laid out in the 128-byte-swizzle format
+// that wgmma reads directly: each 64-column slice of a [rows][D] tile is its own [rows][64] block
+// of 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8).
 // Per tile and warpgroup:
 //   S = Q.K^T:  wgmma m64n64k16, A = Q and B = K from shared memory (both K-major), D/16 steps;
 //   online softmax in registers (exp2, scale folded into an FMA), masks only where needed;

@@ -15,8 +15,8 @@
 // Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM.
 // Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes,
 // timed the same way, the fastest this shape's bytes can be read in one launch. Prefill rows name
-// the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU at head dims of whole 64-column
-// slices, "mma.sync").
+// the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync" elsewhere or with
+// --prefill-path portable).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>

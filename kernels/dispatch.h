@@ -96,11 +96,8 @@ LaunchStatus DispatchHeadDim(int head_dim, F&& f) {
   }
 }
 
-// The Hopper prefill kernel works in 64-column slices of the swizzle-128 layout; head dims 80 and
-// 96 run in head_dim 128's (WgmmaPrefillConfig::kWidth).
-constexpr bool HasWgmmaPrefill(int head_dim) {
-  return head_dim % 64 == 0 || head_dim == 80 || head_dim == 96;
-}
+// Whether the Hopper prefill kernel has an instantiation at head_dim (WgmmaPrefillWidth).
+constexpr bool HasWgmmaPrefill(int head_dim) { return WgmmaPrefillWidth(head_dim) > 0; }
 
 // Page sizes and GQA ratios are runtime values in the kernels (a FastDivmod and a row
 // mapping), so every value in the table runs; these checks only reject values outside it.

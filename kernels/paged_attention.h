@@ -178,6 +178,14 @@ inline void SetDivisors(PagedAttentionParams* p) {
 // (sm_scale up to 1.45e6). An FP8 cache's K is its stored values (at most 448) times their
 // scales: a PER_TOKEN scale keeps each row within its own largest value, a STATIC one must be at
 // most 2^48 / 448. The Hopper prefill kernels count on it (kernels/README.md#finite-scores).
+// The width (columns in shared memory and in O) the Hopper prefill kernel runs a head_dim in:
+// whole 64-column slices as they are, 80 and 96 in head_dim 128's layout and schedule (S on
+// D / 16 of its k steps, P.V over all 128 columns); 0 where it has none.
+constexpr int WgmmaPrefillWidth(int head_dim) {
+  if (head_dim == 80 || head_dim == 96) return 128;
+  return head_dim % 64 == 0 && head_dim <= 256 ? head_dim : 0;
+}
+
 inline bool ExponentsStayFinite(const PagedAttentionParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const bool scale_ok = p.sm_scale * kLog2e <= 2097152.f;  // 2^21

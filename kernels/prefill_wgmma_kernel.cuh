@@ -41,11 +41,10 @@ struct WgmmaPrefillConfig {
   static constexpr int kGroupRows = 64;           // rows per warpgroup (the wgmma M)
   static constexpr int kGroups = kRows / kGroupRows;
   static constexpr int kThreads = kGroups * 128;
-  // The tile's width in shared memory and in O: head dims 80 and 96 take head_dim 128's layout
-  // and schedule, their S on D / 16 of its k steps, their P.V over all 128 columns (the columns
-  // past D are zero in V and dropped from O). At 96 1.05-1.06x the portable kernel's rate, at 80
-  // the same (docs/PERFORMANCE.md#head-dims).
-  static constexpr int kWidth = D == 80 || D == 96 ? 128 : D;
+  // The tile's width in shared memory and in O (WgmmaPrefillWidth): at 80 and 96 128, V's
+  // columns past D zero and O's dropped; 1.05x the portable kernel's rate at 96, the same at 80
+  // (docs/PERFORMANCE.md#head-dims).
+  static constexpr int kWidth = WgmmaPrefillWidth(D);
   // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
   // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
   // Q tile leaves room for (docs/PERFORMANCE.md#design-decisions).

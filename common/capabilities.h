@@ -56,10 +56,10 @@ constexpr const char* DTypeName(DType t) {
 enum class BackendKind { kCpu, kCuda };
 
 // Head dims per backend, ascending. CUDA: those with compiled kernels (adding one means adding its
-// instantiation in kernels/dispatch.h; a static_assert there keeps the two in step). CPU: the
-// reference runs any, so it also takes 512 (wide-head models), which the CUDA tiles do not serve:
-// its O accumulators alone would be 256 registers a thread.
-inline constexpr std::array<int, 6> kCudaHeadDims = {64, 80, 96, 128, 192, 256};
+// instantiation in kernels/dispatch.h; a static_assert there keeps the two in step); 512 runs
+// every span on prefill tiles split over four blocks (kernels/paged_attention.h
+// SplitsPrefillTile). CPU: the reference runs any.
+inline constexpr std::array<int, 7> kCudaHeadDims = {64, 80, 96, 128, 192, 256, 512};
 inline constexpr std::array<int, 7> kCpuHeadDims = {64, 80, 96, 128, 192, 256, 512};
 
 // Every page size in [kMinPageSize, kMaxPageSize] runs the same kernels: they gather rows

@@ -35,7 +35,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--q-heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64, choices=[64, 80, 96, 128, 192, 256])
+    p.add_argument("--head-dim", type=int, default=64, choices=[64, 80, 96, 128, 192, 256, 512])
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--prompt-lengths", default="5,11,17", help="one prompt per length (ragged batch)")
     p.add_argument("--new-tokens", type=int, default=32)

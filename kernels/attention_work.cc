@@ -42,6 +42,12 @@ constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 // S and softmax (not overlapped), its output and the Q load of the next.
 constexpr int64_t kPrefillJobCost = 128;
 
+// Rows between a split tile's splits in the partial buffers: the tile's rows, or (wide_head,
+// whose prefill tiles also take decode spans) the rows it has.
+int PartialRowStride(const Tile& tile, const AttentionPlanLimits& limits) {
+  return limits.wide_head ? tile.num_rows : tile.tile_rows;
+}
+
 }  // namespace
 
 void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work) {
@@ -93,7 +99,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     const AttentionSpan& span = spans[i];
     if (span.num_queries <= 0) continue;
     const int rows = span.num_queries * group;
-    const int tile_rows = rows <= kDecodeTileRows       ? kDecodeTileRows
+    const int tile_rows = limits.wide_head              ? kPrefillTileRows
+                          : rows <= kDecodeTileRows       ? kDecodeTileRows
                           : rows <= kDecodeWideTileRows ? kDecodeWideTileRows
                                                         : kPrefillTileRows;
     for (int row_start = 0; row_start < rows; row_start += tile_rows) {
@@ -157,7 +164,9 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     const double waves = static_cast<double>(CeilDiv(units, wave_blocks));
     const int64_t separate_merge =
         kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
-    const bool separate = most_splits > 0 && !prefill_split && separate_merge < in_kernel_merge;
+    const bool separate =
+        most_splits > 0 &&
+        (limits.wide_head || (!prefill_split && separate_merge < in_kernel_merge));
     return Estimate{
         std::max(static_cast<double>(max_cost), waves * total_cost / std::max<int64_t>(units, 1)) +
             static_cast<double>(separate ? separate_merge : in_kernel_merge),
@@ -208,14 +217,14 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
       const int64_t splits = CeilDiv(tile.length(), chunk);
       max_splits = std::max(max_splits, splits);
       if (splits > 1) {
-        const int tile_rows = tile.tile_rows;
+        const int stride = PartialRowStride(tile, limits);
         partial_base[t - first] = static_cast<int32_t>(work->partial_rows);
         task_index[t - first] = static_cast<int32_t>(work->merge_tasks.size());
         work->merge_tasks.push_back({spans[tile.span].q_offset, tile.span, tile.row_start,
                                      tile.num_rows, static_cast<int32_t>(splits),
-                                     static_cast<int32_t>(work->partial_rows), tile_rows});
+                                     static_cast<int32_t>(work->partial_rows), stride});
         work->merge_rows = std::max(work->merge_rows, tile.num_rows);
-        work->partial_rows += splits * tile_rows;
+        work->partial_rows += splits * stride;
       }
     }
     for (int64_t s = 0; s < max_splits; ++s) {
@@ -230,9 +239,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
         item.kv_start = static_cast<int32_t>(kv_start);
         item.kv_end = static_cast<int32_t>(std::min<int64_t>(kv_start + chunk, tile.kv_end));
         const int tile_rows = tile.tile_rows;
+        const int64_t stride = PartialRowStride(tile, limits);
         item.partial_row = partial_base[t - first] < 0
                                ? -1
-                               : static_cast<int32_t>(partial_base[t - first] + s * tile_rows);
+                               : static_cast<int32_t>(partial_base[t - first] + s * stride);
         item.merge_task = task_index[t - first];
         (tile_rows == kDecodeTileRows       ? work->decode_items
          : tile_rows == kDecodeWideTileRows ? work->decode_wide_items

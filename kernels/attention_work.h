@@ -130,6 +130,10 @@ struct AttentionPlanLimits {
   int prefill_blocks = 0;
   // The prefill kernel these limits were asked for.
   PrefillPath prefill_path = PrefillPath::kAuto;
+  // A head_dim without decode tiles (512, HasDecodeTiles in paged_attention.h): every span runs
+  // on prefill tiles, each of several blocks, so that a split tile merges in the separate merge
+  // kernel, and its partial rows are its span's rows only (not a whole tile's).
+  bool wide_head = false;
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV

@@ -25,7 +25,7 @@ struct TypeTag {
 };
 
 // Head dims compiled below; must equal the capability table's.
-inline constexpr std::array<int, 6> kCompiledHeadDims = {64, 80, 96, 128, 192, 256};
+inline constexpr std::array<int, 7> kCompiledHeadDims = {64, 80, 96, 128, 192, 256, 512};
 constexpr bool SameHeadDims() {
   if (kCompiledHeadDims.size() != kCudaHeadDims.size()) return false;
   for (size_t i = 0; i < kCompiledHeadDims.size(); ++i) {
@@ -90,9 +90,12 @@ LaunchStatus DispatchHeadDim(int head_dim, F&& f) {
       return f(std::integral_constant<int, 192>{});
     case 256:
       return f(std::integral_constant<int, 256>{});
+    case 512:
+      return f(std::integral_constant<int, 512>{});
     default:
-      return LaunchStatus::Unsupported("head_dim must be one of 64, 80, 96, 128, 192, 256 (got " +
-                                       std::to_string(head_dim) + ")");
+      return LaunchStatus::Unsupported(
+          "head_dim must be one of 64, 80, 96, 128, 192, 256, 512 (got " +
+          std::to_string(head_dim) + ")");
   }
 }
 
@@ -161,6 +164,8 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
                                      Launcher& launcher);
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm);
+template <typename T, int D>
+LaunchStatus PrefillTileOccupancy(int* blocks_per_sm);
 
 // Whether this build carries sm_90a code and the current device is compute capability 9.0
 // (kernels/paged_attention.cu; answered once per device). Callers choose against it through
@@ -187,13 +192,20 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       using TIO = typename decltype(q_tag)::type;
       return DispatchHeadDim(params.head_dim, [&](auto d) -> LaunchStatus {
         constexpr int D = decltype(d)::value;
-        if (shape == TileShape::kDecode) {
-          return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream, then,
-                                                                               launcher);
-        }
-        if (shape == TileShape::kDecodeWide) {
-          return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
-              params, stream, then, launcher);
+        if constexpr (!HasDecodeTiles(D)) {
+          if (shape != TileShape::kPrefill) {
+            return LaunchStatus::Unsupported("head_dim " + std::to_string(D) +
+                                             " has no decode tiles (its plans take none)");
+          }
+        } else {
+          if (shape == TileShape::kDecode) {
+            return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream,
+                                                                                 then, launcher);
+          }
+          if (shape == TileShape::kDecodeWide) {
+            return LaunchDecodeTiles<T, TIO, D, kDecodeWideRowWarps, kDecodeWideKvWarps>(
+                params, stream, then, launcher);
+          }
         }
         if constexpr (kIsFp8<T>) {
           return LaunchStatus::Unsupported(
@@ -212,13 +224,21 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
   });
 }
 
+// The decode tile's occupancy (DecodeTileOccupancy); at a head_dim without decode tiles the
+// portable prefill tile's (an FP8 cache's: the bfloat16 tile's), in both.
 inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int* resident,
                                                int* beside_merge) {
   return DispatchKvDType(kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      return DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(resident, beside_merge);
+      if constexpr (HasDecodeTiles(D)) {
+        return DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(resident, beside_merge);
+      } else {
+        LaunchStatus st = PrefillTileOccupancy<TileType<T>, D>(resident);
+        *beside_merge = *resident;
+        return st;
+      }
     });
   });
 }

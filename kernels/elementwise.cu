@@ -18,6 +18,9 @@ namespace {
 
 // ---- Append ---------------------------------------------------------------------------------
 
+// The widest row the append kernels take: the capability table's widest head_dim.
+inline constexpr int kMaxAppendHeadDim = kCudaHeadDims.back();
+
 // One thread moves 8 consecutive elements of one (token, head) row: a 16-byte store, each value
 // as AttentionValue gives it (NaN as 0, past 2^48 saturated).
 template <typename Src, typename Dst>
@@ -65,16 +68,17 @@ __global__ void __launch_bounds__(256)
   float* row_scales = is_v ? p.scales.v_rows : p.scales.k_rows;
   const float static_scale = is_v ? p.scales.v : p.scales.k;
   const int64_t rows = p.num_tokens * p.num_kv_heads;
-  const int per_lane = (p.head_dim + 31) / 32;  // up to 8 (head_dim 256)
+  constexpr int kPerLane = kMaxAppendHeadDim / 32;
+  const int per_lane = (p.head_dim + 31) / 32;  // up to kPerLane
   for (int64_t r = int64_t{blockIdx.x} * kWarps + (threadIdx.x >> 5); r < rows;
        r += int64_t{gridDim.x} * kWarps) {
     const int64_t token = r / p.num_kv_heads;
     const int head = static_cast<int>(r - token * p.num_kv_heads);
     const Src* s = src + r * p.head_dim;
-    float x[8];
+    float x[kPerLane];
     float max_abs = 0.f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kPerLane; ++j) {
       const int e = lane + 32 * j;
       x[j] = j < per_lane && e < p.head_dim ? AttentionValue(ToFloat(s[e])) : 0.f;
       max_abs = fmaxf(max_abs, fabsf(x[j]));
@@ -94,7 +98,7 @@ __global__ void __launch_bounds__(256)
     const int64_t pool_row = (page * p.num_kv_heads + head) * p.page_size + in_page;
     uint8_t* d = dst + pool_row * p.head_dim;
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < kPerLane; ++j) {
       const int e = lane + 32 * j;
       if (j < per_lane && e < p.head_dim) d[e] = QuantizeE4m3(x[j] * inverse);
     }
@@ -165,8 +169,9 @@ LaunchStatus LaunchAppendKv(const AppendParams& params, cudaStream_t stream, Lau
     return LaunchStatus::Unsupported("head_dim must be a positive multiple of 8 (got " +
                                      std::to_string(params.head_dim) + ")");
   }
-  if (params.head_dim > 256) {
-    return LaunchStatus::Unsupported("head_dim must be at most 256 (got " +
+  if (params.head_dim > kMaxAppendHeadDim) {
+    return LaunchStatus::Unsupported("head_dim must be at most " +
+                                     std::to_string(kMaxAppendHeadDim) + " (got " +
                                      std::to_string(params.head_dim) + ")");
   }
   return DispatchIoDType(params.src_dtype, [&](auto src_tag) {

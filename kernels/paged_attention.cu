@@ -32,7 +32,8 @@ LaunchStatus MultiprocessorCount(int* sms) {
 
 // Tile blocks that run at once on the current device with room left on each SM for one
 // separate-merge block (the target_blocks a split plan's waves count), and all that run at once
-// (unsplit_blocks).
+// (unsplit_blocks). A head_dim without decode tiles counts its prefill tiles in units of two
+// blocks: the blocks with rows of a tile of up to 64 rows, a decode span's (PrefillTileBlocks).
 LaunchStatus DecodeTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
                                 int* unsplit_blocks) {
   int resident = 0, beside_merge = 0, sms = 0;
@@ -41,8 +42,9 @@ LaunchStatus DecodeTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks
     return st;
   }
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
-  *target_blocks = sms * std::max(beside_merge, 1);
-  *unsplit_blocks = sms * std::max(resident, 1);
+  const int unit = HasDecodeTiles(head_dim) ? 1 : 2;
+  *target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
+  *unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
   return LaunchStatus::Ok();
 }
 
@@ -92,6 +94,7 @@ LaunchStatus QueryPlanLimits(DType kv_dtype, int head_dim, PrefillPath path,
         !st.ok()) {
       return st;
     }
+    found.wide_head = !HasDecodeTiles(head_dim);
     if (UseHopperPrefill(PrefillPath::kAuto)) {
       if (LaunchStatus st = HopperPrefillBlocks(kv_dtype, head_dim, &found.prefill_blocks);
           !st.ok()) {

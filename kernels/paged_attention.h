@@ -172,12 +172,6 @@ inline void SetDivisors(PagedAttentionParams* p) {
   p->kv_heads_div = FastDivmod(static_cast<uint32_t>(p->num_kv_heads));
 }
 
-// Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at
-// most 2^48 (AttentionValue, common/dtype.h), so a score lies within 2^105 (head dims up to
-// 512), and times the scale in log2 units within 2^126 when that scale is at most 2^21
-// (sm_scale up to 1.45e6). An FP8 cache's K is its stored values (at most 448) times their
-// scales: a PER_TOKEN scale keeps each row within its own largest value, a STATIC one must be at
-// most 2^48 / 448. The Hopper prefill kernels count on it (kernels/README.md#finite-scores).
 // The width (columns in shared memory and in O) the Hopper prefill kernel runs a head_dim in:
 // whole 64-column slices as they are, 80 and 96 in head_dim 128's layout and schedule (S on
 // D / 16 of its k steps, P.V over all 128 columns); 0 where it has none.
@@ -186,6 +180,21 @@ constexpr int WgmmaPrefillWidth(int head_dim) {
   return head_dim % 64 == 0 && head_dim <= 256 ? head_dim : 0;
 }
 
+// Head dims whose tiles would hold more of O than a thread's registers (512: 256 accumulators a
+// thread in a 16-row warp slice): they have no decode tiles, and their prefill tile runs as
+// PrefillTileBlocks blocks, two halves of its rows by two halves of O's (and V's) columns, each
+// block computing the scores over the whole head_dim (kernels/prefill_mma_kernel.cuh). Every
+// span of such a cache runs on prefill tiles (AttentionPlanLimits::wide_head).
+constexpr bool SplitsPrefillTile(int head_dim) { return head_dim > 256; }
+constexpr int PrefillTileBlocks(int head_dim) { return SplitsPrefillTile(head_dim) ? 4 : 1; }
+constexpr bool HasDecodeTiles(int head_dim) { return !SplitsPrefillTile(head_dim); }
+
+// Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at
+// most 2^48 (AttentionValue, common/dtype.h), so a score lies within 2^105 (head dims up to
+// 512), and times the scale in log2 units within 2^126 when that scale is at most 2^21
+// (sm_scale up to 1.45e6). An FP8 cache's K is its stored values (at most 448) times their
+// scales: a PER_TOKEN scale keeps each row within its own largest value, a STATIC one must be at
+// most 2^48 / 448. The Hopper prefill kernels count on it (kernels/README.md#finite-scores).
 inline bool ExponentsStayFinite(const PagedAttentionParams& p) {
   constexpr float kLog2e = 1.4426950408889634f;
   const bool scale_ok = p.sm_scale * kLog2e <= 2097152.f;  // 2^21

@@ -12,6 +12,8 @@
 // start, the end of the range); tiles a warp cannot see are skipped.
 #pragma once
 
+#include <algorithm>
+#include <string>
 #include <type_traits>
 
 #include "kernels/device/ptx.cuh"
@@ -25,31 +27,44 @@ namespace pagedattn::kernels {
 
 template <typename T, int D>
 struct PrefillTileConfig {
-  static constexpr int kRows = kPrefillTileRows;    // query rows per block
-  static constexpr int kMTiles = D > 128 ? 1 : 2;  // 16-row slices per warp
+  // head_dim 512 (SplitsPrefillTile): the planner's tile of kPrefillTileRows rows runs as four
+  // neighbouring blocks, kRowSplit halves of its rows by kColSplit halves of O's and V's columns
+  // (kDv each), each block computing the scores over all of D; at 128 rows by 512 columns O alone
+  // would be 256 accumulators a thread. Its K/V tile is 32 positions, so that two stages fit
+  // beside Q: 64 KB of Q + 2 x (32 KB of K + 16 KB of V) = 160 KB, within an A100's 163 KB.
+  static constexpr int kRowSplit = SplitsPrefillTile(D) ? 2 : 1;
+  static constexpr int kColSplit = SplitsPrefillTile(D) ? 2 : 1;
+  static constexpr int kBlocksPerTile = kRowSplit * kColSplit;
+  static_assert(kBlocksPerTile == PrefillTileBlocks(D), "the planner counts these blocks");
+  static constexpr int kDv = D / kColSplit;                  // O's and V's columns per block
+  static constexpr int kRows = kPrefillTileRows / kRowSplit;  // query rows per block
+  static constexpr int kMTiles = D > 128 ? 1 : 2;             // 16-row slices per warp
   static constexpr int kWarpRows = 16 * kMTiles;
-  static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64..d128) or 8 (d192, d256)
+  static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64..d128, d512) or 8 (d192, d256)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileKv = kKvTileRows;  // positions per pipeline stage
+  static constexpr int kTileKv = SplitsPrefillTile(D) ? 32 : kKvTileRows;  // per stage
   // Positions per softmax step: d128 and up hold 96-128 O accumulators per thread, so their S
   // tile is 32 positions wide to fit in 255 registers (no spills in the loop); up to d96 it is
   // 64 wide, 10-11% faster at 80 and 96 (docs/PERFORMANCE.md#head-dims).
   static constexpr int kSubKv = D <= 96 ? 64 : 32;
   static constexpr int kStages = D <= 96 ? 3 : 2;
   static constexpr bool kQInRegisters = D == 64;             // else reloaded per tile (ldmatrix)
-  using Copy = KvCopyLayout<D, kThreads, kTileKv>;
+  using Copy = KvCopyLayout<D, kThreads, kTileKv>;           // K's (and V's where kDv == D)
+  using VCopy = KvCopyLayout<kDv, kThreads, kTileKv>;        // V's
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
   static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
-  static constexpr int kRowElems = kSmemRowElems<D>;           // a row in shared memory
-  static constexpr int kTileElems = kTileKv * kRowElems;
-  static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
+  static constexpr int kRowElems = kSmemRowElems<D>;           // a Q or K row in shared memory
+  static constexpr int kVRowElems = kSmemRowElems<kDv>;        // a V row
+  static constexpr int kKTileElems = kTileKv * kRowElems;
+  static constexpr int kStageElems = kKTileElems + kTileKv * kVRowElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
   static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes; }
   // d192/d256 hold 96/128 accumulators per thread with 8 warps: one block per SM; the others two.
   static constexpr int kMinBlocks = D > 128 ? 1 : 2;
   static_assert(kWarps * kWarpRows == kRows, "warps cover the tile's rows");
+  static_assert(kTileKv % kSubKv == 0, "whole softmax steps per stage");
 };
 
 template <typename T, typename TIO, int D>
@@ -63,8 +78,11 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kPipelineBytes);
 
   // Items run in the planner's order (by span, longest first); the kv heads of one item run
-  // side by side.
-  const ItemMajorBlock block = ItemMajor(p);
+  // side by side, and so do the blocks of one tile (kBlocksPerTile: row half, column half).
+  const uint32_t sub = blockIdx.x % Cfg::kBlocksPerTile;
+  const ItemMajorBlock block = ItemMajorAt(p, blockIdx.x / Cfg::kBlocksPerTile);
+  const int row0 = static_cast<int>(sub / Cfg::kColSplit) * Cfg::kRows;  // in the planner's tile
+  const int col0 = static_cast<int>(sub % Cfg::kColSplit) * Cfg::kDv;    // of O and V
   const int kv_head = block.kv_head;
   const AttentionWorkItem item = p.prefill_items[block.item];
   const AttentionSpan span = item.span_info;
@@ -72,6 +90,9 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   const int span_rows = span.num_queries * group;
   const int first_q_pos = span.kv_len - span.num_queries;
   const int tid = threadIdx.x;
+  // A row half past the span (a tile of 64 rows or fewer) has nothing to do; its splits merge in
+  // the separate merge kernel, which reads only the tile's rows.
+  if (Cfg::kRowSplit > 1 && item.row_start + row0 >= span_rows) return;
   const int warp = tid >> 5, lane = tid & 31;
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
@@ -92,10 +113,27 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
                ? pages[p.page_div.Div(pos)]
                : 0;
   };
+  // The kDv columns of V from col0 (all of them but at head_dim 512), in their own layout.
+  auto issue_v_half = [&](int tile, int stage, T* sv) {
+    using VCopy = typename Cfg::VCopy;
+    const int chunk = tid % VCopy::kSlots, row0 = tid / VCopy::kSlots;
+    if (chunk >= VCopy::kChunks) return;
+#pragma unroll
+    for (int i = 0; i < VCopy::kRowsPerThread; ++i) {
+      const int row = row0 + i * VCopy::kRowStep;
+      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
+      const bool valid = pos < item.kv_end;
+      const int64_t offset =
+          KvChunkOffset<D>(p, page_ids[stage][row], pos, kv_head, col0 / 8 + chunk);
+      CpAsync16(SmemAddr(sv + SwizzledOffset<Cfg::kDv>(row, chunk)),
+                valid ? v_cache + offset : v_cache, valid);
+    }
+  };
   auto issue_tile = [&](int tile) {
     const int stage = tile % Cfg::kStages;
     T* sk = smem_kv + stage * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileElems;
+    T* sv = sk + Cfg::kKTileElems;
+    if constexpr (Cfg::kDv != D) issue_v_half(tile, stage, sv);
     if (!copies) return;
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
@@ -105,7 +143,9 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       const int64_t offset = KvChunkOffset<D>(p, page_ids[stage][row], pos, kv_head, copy_chunk);
       const int smem_off = SwizzledOffset<D>(row, copy_chunk);
       CpAsync16(SmemAddr(sk + smem_off), valid ? k_cache + offset : k_cache, valid);
-      CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+      if constexpr (Cfg::kDv == D) {
+        CpAsync16(SmemAddr(sv + smem_off), valid ? v_cache + offset : v_cache, valid);
+      }
     }
   };
   // Prologue: the ids of the first kStages tiles, then the copies of the first kStages - 1.
@@ -131,7 +171,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   // behind the other's work.)
   for (int c = tid; c < Cfg::kRows * Cfg::kChunks; c += Cfg::kThreads) {
     const int r = c / Cfg::kChunks, chunk = c % Cfg::kChunks;
-    const int span_row = item.row_start + r;
+    const int span_row = item.row_start + row0 + r;
     uint4 packed = make_uint4(0, 0, 0, 0);
     if (span_row < span_rows) {
       if constexpr (std::is_same_v<TIO, float>) {
@@ -149,11 +189,12 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   }
 
   // ---- Per-thread state: slice mt, rows quad_row and quad_row + 8; columns 2*quad_col..+1.
-  float o[MT][D / 8][4];
+  constexpr int DV = Cfg::kDv;  // O's columns in this block
+  float o[MT][DV / 8][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt)
+    for (int dt = 0; dt < DV / 8; ++dt)
       o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
   float row_max[MT][2], row_sum[MT][2];  // max in raw score units
   int q_pos[MT][2];                      // last visible position of each row
@@ -163,14 +204,15 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     for (int i = 0; i < 2; ++i) {
       row_max[mt][i] = -INFINITY;
       row_sum[mt][i] = 0.f;
-      const int span_row = item.row_start + warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
+      const int span_row =
+          item.row_start + row0 + warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
       q_pos[mt][i] =
           span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX - 1);
     }
   }
   // The warp's visible range: steps past warp_max_pos are skipped, steps ending at or before
   // warp_min_pos (and inside the item) need no mask.
-  const int warp_first_row = item.row_start + warp * Cfg::kWarpRows;
+  const int warp_first_row = item.row_start + row0 + warp * Cfg::kWarpRows;
   const int warp_last_row = min(warp_first_row + Cfg::kWarpRows - 1, span_rows - 1);
   const bool warp_has_rows = warp_first_row < span_rows;
   const int warp_max_pos =
@@ -190,9 +232,12 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   // immediates. A layout (Q, and V read transposed): rows lane%8 + 8*(lane/8%2), chunk +lane/16.
   // K layout: rows lane%8 + 8*(lane/16), chunk + lane/8%2.
   // Unswizzled rows (head_dim 80, 96: padded instead) add the lane's chunk without the XOR.
+  // V's rows are as wide as Q's but at head_dim 512 (kDv), whose off_v are their own.
   constexpr int kRowBytes = Cfg::kRowElems * static_cast<int>(sizeof(T));
+  constexpr int kVRowBytes = Cfg::kVRowElems * static_cast<int>(sizeof(T));
   constexpr int kSwizzle = kSwizzledRows<D> ? 7 : 0;
-  uint32_t off_a[4], off_k[4];
+  constexpr bool kOwnVOffsets = DV != D;
+  uint32_t off_a[4], off_k[4], off_v_own[kOwnVOffsets ? 4 : 1];
   {
     const int row_a = (lane & 7) + 8 * ((lane >> 3) & 1), xor_a = (lane >> 4) ^ (lane & kSwizzle);
     const int row_k = (lane & 7) + 8 * (lane >> 4), xor_k = ((lane >> 3) & 1) ^ (lane & kSwizzle);
@@ -200,8 +245,19 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
     for (int j = 0; j < 4; ++j) {
       off_a[j] = row_a * kRowBytes + (((2 * j) ^ xor_a) << 4);
       off_k[j] = row_k * kRowBytes + (((2 * j) ^ xor_k) << 4);
+      if constexpr (kOwnVOffsets) {
+        static_assert(kSwizzledRows<DV>, "a split V tile is whole 64-column blocks");
+        off_v_own[j] = row_a * kVRowBytes + (((2 * j) ^ xor_a) << 4);
+      }
     }
   }
+  auto off_v = [&](int j) {
+    if constexpr (kOwnVOffsets) {
+      return off_v_own[j];
+    } else {
+      return off_a[j];
+    }
+  };
   const uint32_t warp_q_addr = SmemAddr(smem_q) + warp * Cfg::kWarpRows * kRowBytes;
   auto load_q_frag = [&](int mt, int kc, uint32_t(&a)[4]) {
     LdMatrixX4(a, warp_q_addr + off_a[kc & 3] + mt * 16 * kRowBytes + (kc >> 2) * 128);
@@ -223,13 +279,13 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       }
     }
     const T* sk = smem_kv + (tile % Cfg::kStages) * Cfg::kStageElems;
-    const T* sv = sk + Cfg::kTileElems;
+    const T* sv = sk + Cfg::kKTileElems;
 #pragma unroll 1
     for (int sub = 0; sub < Cfg::kTileKv / Cfg::kSubKv; ++sub) {
       const int sub_row = sub * Cfg::kSubKv;  // first row of this step in the stage
       const int pos0 = item.kv_start + tile * Cfg::kTileKv + sub_row;
       const uint32_t k_addr = SmemAddr(sk) + sub_row * kRowBytes;
-      const uint32_t v_addr = SmemAddr(sv) + sub_row * kRowBytes;
+      const uint32_t v_addr = SmemAddr(sv) + sub_row * kVRowBytes;
 
       // Warp-uniform: skip positions no row of the warp sees.
       if (pos0 <= warp_max_pos && pos0 < item.kv_end &&
@@ -342,7 +398,7 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
 #pragma unroll
           for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-            for (int dt = 0; dt < D / 8; ++dt) {
+            for (int dt = 0; dt < DV / 8; ++dt) {
               o[mt][dt][0] *= alpha[mt][0];
               o[mt][dt][1] *= alpha[mt][0];
               o[mt][dt][2] *= alpha[mt][1];
@@ -354,10 +410,10 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
 #pragma unroll
         for (int kp = 0; kp < NT / 2; ++kp) {
 #pragma unroll
-          for (int dt = 0; dt < D / 8; dt += 2) {
+          for (int dt = 0; dt < DV / 8; dt += 2) {
             uint32_t b[4];
             LdMatrixX4Trans(b,
-                            v_addr + off_a[(dt >> 1) & 3] + kp * 16 * kRowBytes + (dt >> 3) * 128);
+                            v_addr + off_v((dt >> 1) & 3) + kp * 16 * kVRowBytes + (dt >> 3) * 128);
 #pragma unroll
             for (int mt = 0; mt < MT; ++mt) {
               Mma16816<T>(o[mt][dt], pa[mt][kp], b[0], b[1]);
@@ -381,18 +437,21 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
       float sum = row_sum[mt][i];
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const int tile_row = warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
+      const int tile_row = row0 + warp * Cfg::kWarpRows + mt * 16 + quad_row + 8 * i;
       const int span_row = item.row_start + tile_row;
       if (span_row >= span_rows) continue;
       // A sink joins an unsplit tile's rows here, a split one's in the merge.
       const float sink = item.partial_row < 0 ? SinkLog2(p, kv_head, group, span_row) : -INFINITY;
       const RowNorm norm = NormalizeRow(sum, SoftmaxBase(row_max[mt][i], scale_log2), sink);
-      WriteTileRow<TIO, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o[mt], i,
-                           norm.inv, norm.lse);
+      WriteTileRow<TIO, D, DV>(p, item, span, kv_head, group, tile_row, span_row, quad_col,
+                               o[mt], i, norm.inv, norm.lse, col0);
     }
   }
 
-  MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
+  // A tile of several blocks merges in the separate merge kernel (AttentionPlanLimits::wide_head).
+  if constexpr (Cfg::kBlocksPerTile == 1) {
+    MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
+  }
 }
 
 // TIO: q's and out's element type (float, or the cache's T).
@@ -407,16 +466,46 @@ template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                 Launcher& launcher) {
   using Cfg = PrefillTileConfig<T, D>;
+  if (Cfg::kBlocksPerTile > 1 && params.num_merge_tasks > 0 && !params.separate_merge) {
+    return LaunchStatus::Unsupported("head_dim " + std::to_string(D) +
+                                     ": split prefill tiles merge in the separate merge kernel");
+  }
   static SmemLimitFlags smem_raised;
   return LaunchItemMajorGrid(PagedPrefillTileKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
-                             smem_raised, "prefill attention", params.num_prefill_items, params,
-                             stream, launcher);
+                             smem_raised, "prefill attention",
+                             int64_t{params.num_prefill_items} * Cfg::kBlocksPerTile, params, stream,
+                             launcher);
+}
+
+// Blocks of the portable prefill kernel an SM holds at once (the fewer of q in float and in T).
+template <typename T, int D>
+LaunchStatus PrefillTileOccupancy(int* blocks_per_sm) {
+  using Cfg = PrefillTileConfig<T, D>;
+  int blocks[2] = {0, 0};
+  auto query = [&](auto kernel, int* n) {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(Cfg::SmemBytes()));
+    if (err == cudaSuccess) {
+      err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(n, kernel, Cfg::kThreads,
+                                                          Cfg::SmemBytes());
+    }
+    return err;
+  };
+  cudaError_t err = query(PagedPrefillTileKernel<T, float, D>, &blocks[0]);
+  if (err == cudaSuccess) err = query(PagedPrefillTileKernel<T, T, D>, &blocks[1]);
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("occupancy(prefill attention): ") +
+                                   cudaGetErrorString(err));
+  }
+  *blocks_per_sm = std::min(blocks[0], blocks[1]);
+  return LaunchStatus::Ok();
 }
 
 #define PAGEDATTN_INSTANTIATE_PREFILL(T, D)                                                        \
   template LaunchStatus LaunchPrefillTiles<T, float, D>(const PagedAttentionParams&, cudaStream_t, \
                                                         Launcher&);                                \
   template LaunchStatus LaunchPrefillTiles<T, T, D>(const PagedAttentionParams&, cudaStream_t,     \
-                                                    Launcher&);
+                                                    Launcher&);                                    \
+  template LaunchStatus PrefillTileOccupancy<T, D>(int*);
 
 }  // namespace pagedattn::kernels

@@ -82,9 +82,15 @@ struct ItemMajorBlock {
   uint32_t item;
   int kv_head;
 };
+// unit: the block's (item, kv head) in that order (blockIdx.x, or its quotient where a tile
+// takes several neighbouring blocks).
+__device__ __forceinline__ ItemMajorBlock ItemMajorAt(const PagedAttentionParams& p,
+                                                     uint32_t unit) {
+  const uint32_t item = p.kv_heads_div.Div(unit);
+  return {item, static_cast<int>(unit - item * p.num_kv_heads)};
+}
 __device__ __forceinline__ ItemMajorBlock ItemMajor(const PagedAttentionParams& p) {
-  const uint32_t item = p.kv_heads_div.Div(blockIdx.x);
-  return {item, static_cast<int>(blockIdx.x - item * p.num_kv_heads)};
+  return ItemMajorAt(p, blockIdx.x);
 }
 
 // Row of out / lse for row span_row (= query * group + head in group) of the span whose first
@@ -125,35 +131,39 @@ __device__ __forceinline__ void StorePair(TIO* dst, float lo, float hi) {
 
 // Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
 // 8-wide n tile, o_half selecting the row's pair): to out (in TIO) / lse for an unsplit tile, to
-// the partial buffers (float) of its split otherwise. Shared by the prefill tile kernels.
-template <typename TIO, int D>
+// the partial buffers (float) of its split otherwise. Shared by the prefill tile kernels. A block
+// that holds kCols of the row's D columns (SplitsPrefillTile) writes them from col0 on, and
+// the row's LSE only from the block at column 0.
+template <typename TIO, int D, int kCols = D>
 __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
                                              const AttentionWorkItem& item,
                                              const AttentionSpan& span, int kv_head, int group,
                                              int tile_row, int span_row, int quad_col,
-                                             const float (&o)[D / 8][4], int o_half, float inv,
-                                             float lse) {
+                                             const float (&o)[kCols / 8][4], int o_half, float inv,
+                                             float lse, int col0 = 0) {
+  const bool writes_lse = quad_col == 0 && col0 == 0;
   if constexpr (std::is_same_v<TIO, float>) {  // out and the partials alike: one store loop
     float* dst;
     float* lse_dst;
     TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
+    dst += col0;
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
+    for (int dt = 0; dt < kCols / 8; ++dt) {
       *reinterpret_cast<float2*>(dst + dt * 8 + 2 * quad_col) =
           make_float2(o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
     }
-    if (lse_dst && quad_col == 0) *lse_dst = lse;
+    if (lse_dst && writes_lse) *lse_dst = lse;
   } else if (item.partial_row < 0) {
     const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
-    TIO* dst = static_cast<TIO*>(p.out) + out_row * D;
+    TIO* dst = static_cast<TIO*>(p.out) + out_row * D + col0;
 #pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
+    for (int dt = 0; dt < kCols / 8; ++dt) {
       StorePair(dst + dt * 8 + 2 * quad_col, o[dt][2 * o_half] * inv, o[dt][2 * o_half + 1] * inv);
     }
-    if (p.lse && quad_col == 0) p.lse[out_row] = lse;
+    if (p.lse && writes_lse) p.lse[out_row] = lse;
   } else {
-    WriteTileRow<float, D>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o, o_half,
-                           inv, lse);
+    WriteTileRow<float, D, kCols>(p, item, span, kv_head, group, tile_row, span_row, quad_col, o,
+                                  o_half, inv, lse, col0);
   }
 }
 

@@ -638,5 +638,37 @@ TEST(AttentionDispatch, QDtypeIsFloatOrTheCaches) {
             "q dtype FLOAT16 on a BFLOAT16 cache: the tiles read FLOAT32 or the cache's dtype");
 }
 
+
+// A wide head (head_dim 512, no decode tiles): decode and prefill spans alike run on prefill
+// tiles; a split tile merges in the separate merge kernel even where the in-kernel merge would
+// be cheaper, and its partial rows are its span's rows (8 for a decode span), not a whole tile's.
+TEST(AttentionPlan, WideHeadRunsEverySpanOnPrefillTiles) {
+  std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}, {1, 2048, 100, 1000}};
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), 2, 16, 2, /*causal=*/true, /*window=*/0,
+                             {.target_blocks = 66, .wide_head = true}, &work);
+  EXPECT_TRUE(work.decode_items.empty());
+  EXPECT_TRUE(work.decode_wide_items.empty());
+  ASSERT_FALSE(work.merge_tasks.empty()) << "the long decode no longer splits";
+  EXPECT_TRUE(work.separate_merge);
+  const kernels::AttentionMergeTask& task = work.merge_tasks[0];
+  EXPECT_EQ(task.span, 0);
+  EXPECT_EQ(task.num_rows, 8);
+  EXPECT_EQ(task.row_stride, 8);
+  int64_t decode_rows = 0;
+  for (const auto& it : work.prefill_items) {
+    if (it.span == 0) {
+      ASSERT_GE(it.partial_row, 0);
+      EXPECT_EQ((it.partial_row - task.partial_row) % 8, 0);
+      decode_rows += 8;
+    }
+  }
+  EXPECT_EQ(decode_rows, int64_t{task.num_splits} * 8);
+  // The same spans with decode tiles: the long decode is a decode tile's.
+  kernels::PlanAttentionWork(spans.data(), 2, 16, 2, /*causal=*/true, /*window=*/0,
+                             {.target_blocks = 66}, &work);
+  EXPECT_FALSE(work.decode_items.empty());
+}
+
 }  // namespace
 }  // namespace pagedattn

@@ -303,7 +303,8 @@ kernels::AttentionWork PlannedWork(const std::vector<kernels::AttentionSpan>& sp
 }
 
 // Two spans of decode rows that fill a wide decode tile (32 rows: 32 q heads with one query, 16
-// with two) on 1 kv head over a long history, the plan checked to reach the separate merge.
+// with two) on 1 kv head over a long history, the plan checked to reach the separate merge (at
+// head_dim 512 on prefill tiles, which take every span there).
 CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
   const int queries = kernels::kDecodeWideTileRows / gqa;
   CaseSpec c;
@@ -316,7 +317,7 @@ CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
       PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
                   gqa, 1, c.cache_dtype, head_dim);
   EXPECT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
-  EXPECT_TRUE(work.prefill_items.empty());
+  EXPECT_EQ(work.prefill_items.empty(), kernels::HasDecodeTiles(head_dim));
   return c;
 }
 
@@ -396,6 +397,33 @@ TEST_F(CudaKernelTest, VariantSweep) {
         ++index;
       }
     }
+  }
+}
+
+// Head_dim 512 runs every span on prefill tiles of four blocks (two row halves by two halves of
+// O's columns): decode spans (a row half with no rows), prefills of 129 and 64 queries x 8 (both
+// row halves, a second tile), a long decode split over the separate merge, plain and with every
+// variant, float16 q and out too.
+TEST_F(CudaKernelTest, HeadDim512SplitTiles) {
+  const kernels::AttentionWork work = PlannedWork({{0, 0, 1, 6001}}, 16, 2, DType::kBFloat16, 512);
+  EXPECT_TRUE(work.decode_items.empty() && work.decode_wide_items.empty());
+  EXPECT_TRUE(work.separate_merge) << "the case no longer splits its long decode";
+  int index = 0;
+  for (const VariantCase& v : {VariantCase{"plain", 0, 0.f, false}, kVariants[6], kVariants[7]}) {
+    CaseSpec c;
+    c.head_dim = 512;
+    c.gqa = 8;
+    c.window = v.window;
+    c.softcap = v.softcap;
+    c.sinks = v.sinks;
+    c.cache_dtype = index == 1 ? DType::kFloat16 : DType::kBFloat16;
+    c.q_dtype = index == 1 ? DType::kFloat16 : DType::kFloat32;
+    c.steps = {{{6000, 0}, {129, 129}, {40, 0}},
+               {{1, 1}, {64, 64}, {1, 1}},
+               {{1, 1}, {1, 1}, {8, 8}}};
+    c.seed = 5120 + index++;
+    SCOPED_TRACE(v.name);
+    RunCase(*backend_, c);
   }
 }
 
@@ -628,14 +656,15 @@ TEST_F(CudaKernelTest, SeparateMergeAfterPrefillTiles) {
 }
 
 // Long chunked prefill against 10k of history: split prefill tiles and their two-pass merge, at
-// head dims 80 (merge lanes past the row idle), 128 and 192; and a non-causal prefill.
+// head dims 80 (merge lanes past the row idle), 128 and 192, and the separate merge at 512; and
+// a non-causal prefill.
 TEST_F(CudaKernelTest, ChunkedPrefillLongHistory) {
   CaseSpec c;
   c.page_size = 32;
   c.num_kv_heads = 2;
   c.gqa = 4;
   c.steps = {{{10200, 0}}, {{300, 300}}};
-  for (int d : {80, 128, 192}) {
+  for (int d : {80, 128, 192, 512}) {
     c.head_dim = d;
     const kernels::AttentionWork work = PlannedWork({{0, 0, 300, 10500}}, 8, 2, c.cache_dtype, d);
     EXPECT_TRUE(std::any_of(work.prefill_items.begin(), work.prefill_items.end(),

@@ -19,14 +19,12 @@ from pagedattn.tensors import dtype_enum
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
 
 
-def test_every_method(target, kv_dtypes, backend):
+def test_every_method(target, kv_dtypes):
     async def main() -> None:
         async with pagedattn.aio.Client(target) as client:
             assert await client.health()
             info = await client.server_info()
-            assert list(info.capabilities.head_dims) == (
-                [64, 80, 96, 128, 192, 256] if backend == "cuda"
-                else [64, 80, 96, 128, 192, 256, 512])
+            assert list(info.capabilities.head_dims) == [64, 80, 96, 128, 192, 256, 512]
             bad = CacheConfig(2, 32, 5, 100, page_size=0, kv_dtype="dtype_unspecified", num_pages=8)
             assert not (await client.validate(bad)).valid
             with pytest.raises(errors.CacheConfigError) as e:

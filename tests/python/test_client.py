@@ -46,8 +46,7 @@ def randn(rng: np.random.Generator, *shape: int) -> np.ndarray:
 def test_server_info_has_capability_table(server_info, backend):
     assert server_info.version
     assert backend in ("cpu", "cuda")
-    assert list(server_info.capabilities.head_dims) == (
-        [64, 80, 96, 128, 192, 256] if backend == "cuda" else [64, 80, 96, 128, 192, 256, 512])
+    assert list(server_info.capabilities.head_dims) == [64, 80, 96, 128, 192, 256, 512]
     assert server_info.capabilities.min_page_size == 1
     assert server_info.capabilities.max_page_size == 1024
     assert (pb.FLOAT32 in server_info.capabilities.kv_dtypes) == (backend == "cpu")

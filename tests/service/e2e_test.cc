@@ -110,8 +110,7 @@ TEST_F(E2ETest, ServerInfoHasCapabilityTable) {
   EXPECT_GT(info->device_memory_bytes(), 0);
   EXPECT_EQ(std::vector<int>(info->capabilities().head_dims().begin(),
                              info->capabilities().head_dims().end()),
-            OnCpu() ? (std::vector<int>{64, 80, 96, 128, 192, 256, 512})
-                    : (std::vector<int>{64, 80, 96, 128, 192, 256}));
+            (std::vector<int>{64, 80, 96, 128, 192, 256, 512}));
   EXPECT_EQ(info->capabilities().min_page_size(), 1);
   EXPECT_EQ(info->capabilities().max_page_size(), 1024);
   // f32 caches on the CPU only, FP8 on both; FP8 is never a tensor's dtype.

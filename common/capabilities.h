@@ -58,7 +58,7 @@ enum class BackendKind { kCpu, kCuda };
 // Head dims per backend, ascending. CUDA: those with compiled kernels (adding one means adding its
 // instantiation in kernels/dispatch.h; a static_assert there keeps the two in step); 512 runs
 // every span on prefill tiles split over four blocks (kernels/paged_attention.h
-// SplitsPrefillTile). CPU: the reference runs any.
+// SplitsColumns). CPU: the reference runs any.
 inline constexpr std::array<int, 7> kCudaHeadDims = {64, 80, 96, 128, 192, 256, 512};
 inline constexpr std::array<int, 7> kCpuHeadDims = {64, 80, 96, 128, 192, 256, 512};
 

@@ -43,7 +43,7 @@ constexpr int64_t kSeparateMergeSplitsPerPosition = 2;
 constexpr int64_t kPrefillJobCost = 128;
 
 // Rows between a split tile's splits in the partial buffers: the tile's rows, or (wide_head,
-// whose prefill tiles also take decode spans) the rows it has.
+// whose prefill tiles may also take decode spans) the rows it has.
 int PartialRowStride(const Tile& tile, const AttentionPlanLimits& limits) {
   return limits.wide_head ? tile.num_rows : tile.tile_rows;
 }
@@ -99,7 +99,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     const AttentionSpan& span = spans[i];
     if (span.num_queries <= 0) continue;
     const int rows = span.num_queries * group;
-    const int tile_rows = limits.wide_head              ? kPrefillTileRows
+    const int tile_rows = !limits.decode_tiles          ? kPrefillTileRows
                           : rows <= kDecodeTileRows       ? kDecodeTileRows
                           : rows <= kDecodeWideTileRows ? kDecodeWideTileRows
                                                         : kPrefillTileRows;

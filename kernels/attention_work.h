@@ -130,10 +130,13 @@ struct AttentionPlanLimits {
   int prefill_blocks = 0;
   // The prefill kernel these limits were asked for.
   PrefillPath prefill_path = PrefillPath::kAuto;
-  // A head_dim without decode tiles (512, HasDecodeTiles in paged_attention.h): every span runs
-  // on prefill tiles, each of several blocks, so that a split tile merges in the separate merge
-  // kernel, and its partial rows are its span's rows only (not a whole tile's).
+  // Tiles of several blocks (head_dim 512, SplitsColumns in paged_attention.h): a split tile
+  // merges in the separate merge kernel, and its partial rows are its rows only (not a whole
+  // tile's).
   bool wide_head = false;
+  // false: every span runs on prefill tiles (no decode tiles for this cache dtype and head_dim
+  // on this device: HasDecodeTiles, or a 512 decode tile over the device's shared memory).
+  bool decode_tiles = true;
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV

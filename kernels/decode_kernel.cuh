@@ -59,6 +59,13 @@ struct DecodeTileConfig {
   // dequantized into one bfloat16 tile that DecodeTileMath reads.
   static constexpr bool kFp8Direct = kFp8 && kFp8Fragments<D>;
   static constexpr bool kFp8Staged = kFp8 && !kFp8Direct;
+  // head_dim 512 (SplitsColumns): a tile runs as two neighbouring blocks, each with all of K
+  // (the scores) and kDv of V's and O's columns; the two read each K page side by side, the
+  // second from L2. Its stages (64 KB of K, 32 of V) fit H100/H200's 227 KB but not an A100's
+  // 163 KB, where such spans run on prefill tiles (QueryPlanLimits).
+  static constexpr int kColSplit = DecodeTileBlocks(D);
+  static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
+  static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");
   static constexpr int kThreads = 128;
   static constexpr int kTileKv = kKvTileRows;         // positions per pipeline stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
@@ -70,9 +77,10 @@ struct DecodeTileConfig {
   static constexpr int kRowStep = Copy::kRowStep;
   static constexpr int kStages = kFp8 ? Fp8DecodeStages(D) : DecodeStages(D);
   static constexpr bool kQInRegisters = D <= 128;
-  static constexpr int kRowElems = kSmemRowElems<D>;  // a K, V or Q row in shared memory
-  static constexpr int kTileElems = kTileKv * kRowElems;
-  static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
+  static constexpr int kRowElems = kSmemRowElems<D>;  // a K or Q row in shared memory
+  static constexpr int kVRowElems = kSmemRowElems<kDv>;  // a V row (of kDv columns)
+  static constexpr int kTileElems = kTileKv * kRowElems;  // the K tile; the V tile after it
+  static constexpr int kStageElems = kTileElems + kTileKv * kVRowElems;
   // A stage: the K then V tile (16-bit caches); an FP8 cache's K then V rows as stored (16-byte
   // chunk c of row r at Fp8TileOffset, or r * kChunks + c when staged), then K's and V's row
   // scales (PER_TOKEN); when staged, after the last stage, the one dequantized tile.
@@ -80,7 +88,7 @@ struct DecodeTileConfig {
   static constexpr size_t kStageBytes = kFp8 ? kFp8StageBytes : kStageElems * sizeof(T);
   static constexpr size_t kPipelineBytes =
       size_t{kStages} * kStageBytes + (kFp8Staged ? kStageElems * sizeof(T) : 0);
-  static constexpr int kRedStride = D + 8;  // padded O rows: a warp's 8 rows hit distinct banks
+  static constexpr int kRedStride = kDv + 8;  // padded O rows: a warp's 8 rows hit distinct banks
   static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
   static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
   // The pipeline's stages, reused for the warps' combine once the last tile is read; then Q.
@@ -157,7 +165,8 @@ struct DecodeState {
 
 // The arithmetic of one 16-position step of one warp: S = Q.K^T, mask and scale, the online
 // softmax update, O += P.V. s holds the step's scores, then its weights P.
-template <typename T, int D>
+// DV: the columns of V and O a block holds (DecodeTileConfig::kDv).
+template <typename T, int D, int DV = D>
 struct DecodeTileMath {
   // S = Q K^T over the 16 positions at row0 of the K tile sk: two n8 tiles, each summed over
   // head_dim in two accumulators (even and odd k chunks) up to head_dim 128, so that the
@@ -222,7 +231,7 @@ struct DecodeTileMath {
   // first tiles) skips the rescale of O. Without it, every step raises the base and rescales.
   // Each thread tests its own scores (some score of a row is over the bar exactly when the row's
   // max is), so the row's max across its quad is found only when the base is raised.
-  __device__ __forceinline__ static void OnlineSoftmax(float (&s)[2][4], DecodeState<D>& st) {
+  __device__ __forceinline__ static void OnlineSoftmax(float (&s)[2][4], DecodeState<DV>& st) {
     float mx[2];
     bool raise = false;
 #pragma unroll
@@ -240,7 +249,7 @@ struct DecodeTileMath {
         st.row_max[i] = new_max;
         st.row_sum[i] *= alpha;
 #pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
+        for (int dt = 0; dt < DV / 8; ++dt) {
           st.o[dt][2 * i] *= alpha;
           st.o[dt][2 * i + 1] *= alpha;
         }
@@ -261,14 +270,14 @@ struct DecodeTileMath {
   // O += P V over the 16 positions at row0 of the V tile sv: P's accumulator layout is the A
   // operand layout of the next mma.
   __device__ __forceinline__ static void AccumulatePV(const float (&s)[2][4], const T* sv, int row0,
-                                                      int lane, DecodeState<D>& st) {
+                                                      int lane, DecodeState<DV>& st) {
     const uint32_t pa[4] = {PackPair<T>(s[0][0], s[0][1]), PackPair<T>(s[0][2], s[0][3]),
                             PackPair<T>(s[1][0], s[1][1]), PackPair<T>(s[1][2], s[1][3])};
 #pragma unroll
-    for (int dt = 0; dt < D / 8; dt += 2) {
+    for (int dt = 0; dt < DV / 8; dt += 2) {
       uint32_t b[4];
       const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
-      LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<D>(r, dt + (lane >> 4))));
+      LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<DV>(r, dt + (lane >> 4))));
       Mma16816<T>(st.o[dt], pa, b[0], b[1]);
       Mma16816<T>(st.o[dt + 1], pa, b[2], b[3]);
     }
@@ -528,12 +537,15 @@ struct DecodeFp8Math {
 // rows (rows past the span are skipped), then all threads combine 4-dim slices of those rows and
 // write them, normalized: to out (4 TIO in one store) / lse for an unsplit tile, to the partial
 // buffers (a float4) of its split otherwise.
+// A block of a split head_dim (Cfg::kColSplit) writes its kDv columns from col0 on, and the
+// rows' LSE only from the block at column 0.
 template <typename TIO, typename Cfg, int D, int kKvWarps>
 __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
                                                        const AttentionWorkItem& item, int kv_head,
-                                                       int group, DecodeState<D>& st,
+                                                       int group, DecodeState<Cfg::kDv>& st,
                                                        unsigned char* smem_raw, int row_warp,
-                                                       int kv_warp, int tid, int lane) {
+                                                       int kv_warp, int tid, int lane, int col0) {
+  constexpr int DV = Cfg::kDv;
   const int quad_row = lane >> 2, quad_col = lane & 3;
   const int span_rows = item.span_info.num_queries * group;
 #pragma unroll
@@ -564,14 +576,14 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       }
     } else {
 #pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
+      for (int dt = 0; dt < DV / 8; ++dt) {
         *reinterpret_cast<float2*>(red_row + dt * 8 + 2 * quad_col) =
             make_float2(st.o[dt][2 * i], st.o[dt][2 * i + 1]);
       }
     }
   }
   __syncthreads();
-  constexpr int kQuads = D / 4;
+  constexpr int kQuads = DV / 4;
   for (int e = tid; e < live_rows * kQuads; e += Cfg::kThreads) {
     const int r = e / kQuads, c = (e % kQuads) * 4;
     float m = -INFINITY;
@@ -597,14 +609,15 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
         item.partial_row < 0 ? SinkLog2(p, kv_head, group, item.row_start + r) : -INFINITY;
     const RowNorm norm = NormalizeRow(sum, base, sink);
     const float inv = norm.inv, lse = norm.lse;
+    const bool writes_lse = c == 0 && col0 == 0;
     if constexpr (!std::is_same_v<TIO, float>) {  // out in the cache's type: 4 values, 8 bytes
       if (item.partial_row < 0) {
         const int64_t out_row =
             OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
-        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + c) =
+        *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + col0 + c) =
             make_uint2(PackOutputPair<TIO>(acc.x * inv, acc.y * inv),
                        PackOutputPair<TIO>(acc.z * inv, acc.w * inv));
-        if (p.lse && c == 0) p.lse[out_row] = lse;
+        if (p.lse && writes_lse) p.lse[out_row] = lse;
         continue;
       }
     }
@@ -612,9 +625,9 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
     float* lse_dst;
     TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
                           lse_dst);
-    *reinterpret_cast<float4*>(dst + c) =
+    *reinterpret_cast<float4*>(dst + col0 + c) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
-    if (lse_dst && c == 0) *lse_dst = lse;
+    if (lse_dst && writes_lse) *lse_dst = lse;
   }
 }
 
@@ -626,7 +639,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                                                const ItemFirstPages* first_pages) {
   using Cfg = DecodeTileConfig<S, D, kRowWarps, kKvWarps>;
   using T = typename Cfg::T;
-  using Math = DecodeTileMath<T, D>;
+  using Math = DecodeTileMath<T, D, Cfg::kDv>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kQOffset);
 
@@ -636,8 +649,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // Blocks go item-major (TileGridBlocks): the kv heads of one work item are neighbours in
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages
-  // (docs/PERFORMANCE.md#design-decisions).
-  const ItemMajorBlock block = ItemMajor(p);
+  // (docs/PERFORMANCE.md#design-decisions). The blocks of one tile (kColSplit) are neighbours too.
+  const ItemMajorBlock block = ItemMajorAt(p, blockIdx.x / Cfg::kColSplit);
+  const int col0 = static_cast<int>(blockIdx.x % Cfg::kColSplit) * Cfg::kDv;  // of V and O
   const uint32_t item_index = block.item;
   const AttentionWorkItem item = items[item_index];
   const int kv_head = block.kv_head;
@@ -658,6 +672,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
   const bool copies = copy_chunk < Cfg::kChunks;  // a column past the row (head_dim 80, 96, 192)
+  // A split head_dim's V: the chunk of this block's columns a thread's K chunk lies over (V rows
+  // are addressed as K's), out of range for the threads of the other half's columns.
+  const int v_chunk = copy_chunk - col0 / 8;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
   // A chunk's byte offset in the pool is page id * page_bytes (one 32 x 32 -> 64-bit multiply)
@@ -747,7 +764,12 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         T* sv = sk + Cfg::kTileElems;
         const int smem_off = SwizzledOffset<D>(row, copy_chunk);
         CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
-        CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+        if constexpr (Cfg::kColSplit == 1) {
+          CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+        } else if (v_chunk >= 0 && v_chunk < Cfg::kDv / 8) {  // the threads of V's columns
+          CpAsync16Policy(SmemAddr(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk)), v_bytes + offset,
+                          valid, read_once);
+        }
       }
     }
   };
@@ -845,7 +867,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16.
-  DecodeState<D> state;
+  DecodeState<Cfg::kDv> state;
   state.Start();
   const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
   const Softcap softcap = Softcap::Of(p);
@@ -938,8 +960,11 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   if constexpr (Cfg::kFp8Direct) v_scales.Finish(state);
 
   CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
-                                                kv_warp, tid, lane);
-  MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
+                                                kv_warp, tid, lane, col0);
+  // A tile of several blocks merges in the separate merge kernel (AttentionPlanLimits::wide_head).
+  if constexpr (Cfg::kColSplit == 1) {
+    MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
+  }
 }
 
 // ---- Kernels and launcher -----------------------------------------------------------------
@@ -1004,6 +1029,10 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
   using Cfg = DecodeTileConfig<T, D, kRowWarps, kKvWarps>;
   const int num_items = NumDecodeItems<kRowWarps>(params);
   if (num_items == 0) return LaunchStatus::Ok();
+  if (Cfg::kColSplit > 1 && params.num_merge_tasks > 0 && !params.separate_merge) {
+    return LaunchStatus::Unsupported("head_dim " + std::to_string(D) +
+                                     ": split decode tiles merge in the separate merge kernel");
+  }
   auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
   constexpr size_t smem = Cfg::SmemBytes();
   static SmemLimitFlags smem_raised;
@@ -1012,7 +1041,9 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
     return st;
   }
   unsigned blocks = 0;
-  if (LaunchStatus st = TileGridBlocks(num_items, params.num_kv_heads, &blocks); !st.ok()) {
+  if (LaunchStatus st = TileGridBlocks(int64_t{num_items} * Cfg::kColSplit, params.num_kv_heads,
+                                       &blocks);
+      !st.ok()) {
     return st;
   }
   const dim3 grid(blocks);
@@ -1068,8 +1099,26 @@ LaunchStatus DecodeKernelOccupancy(int* resident, int* beside_merge) {
 // (<= 192 registers); head_dim 64's four fill the register file, so split plans count three
 // (kernels/README.md#occupancy). The fewer of the kernels for q in float and in T: one plan
 // serves either.
+// Both 0 where the device's shared memory cannot hold either decode tile shape (a 512 tile on
+// an A100): the planner then runs every span on prefill tiles.
 template <typename T, int D, int kRowWarps, int kKvWarps>
 LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
+  int device = 0, optin = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("shared memory per block: ") +
+                                   cudaGetErrorString(err));
+  }
+  const size_t most = std::max(
+      DecodeTileConfig<T, D, kDecodeRowWarps, kDecodeKvWarps>::SmemBytes(),
+      DecodeTileConfig<T, D, kDecodeWideRowWarps, kDecodeWideKvWarps>::SmemBytes());
+  if (most > static_cast<size_t>(optin)) {
+    *resident = *beside_merge = 0;
+    return LaunchStatus::Ok();
+  }
   int resident_t = 0, beside_t = 0;
   if (LaunchStatus st =
           DecodeKernelOccupancy<T, float, D, kRowWarps, kKvWarps>(resident, beside_merge);

@@ -192,10 +192,11 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
       using TIO = typename decltype(q_tag)::type;
       return DispatchHeadDim(params.head_dim, [&](auto d) -> LaunchStatus {
         constexpr int D = decltype(d)::value;
-        if constexpr (!HasDecodeTiles(D)) {
+        if constexpr (!HasDecodeTiles(kIsFp8<T>, D)) {
           if (shape != TileShape::kPrefill) {
-            return LaunchStatus::Unsupported("head_dim " + std::to_string(D) +
-                                             " has no decode tiles (its plans take none)");
+            return LaunchStatus::Unsupported("head_dim " + std::to_string(D) + " on a " +
+                                             DTypeString(params.kv_dtype) +
+                                             " cache has no decode tiles (its plans take none)");
           }
         } else {
           if (shape == TileShape::kDecode) {
@@ -224,20 +225,33 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
   });
 }
 
-// The decode tile's occupancy (DecodeTileOccupancy); at a head_dim without decode tiles the
-// portable prefill tile's (an FP8 cache's: the bfloat16 tile's), in both.
+// The decode tile's occupancy (DecodeTileOccupancy): 0 resident where this cache dtype and
+// head_dim have none (HasDecodeTiles) or the device's shared memory cannot hold them.
 inline LaunchStatus DispatchAttentionOccupancy(DType kv_dtype, int head_dim, int* resident,
                                                int* beside_merge) {
   return DispatchKvDType(kv_dtype, [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
-      if constexpr (HasDecodeTiles(D)) {
+      if constexpr (HasDecodeTiles(kIsFp8<T>, D)) {
         return DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(resident, beside_merge);
       } else {
-        LaunchStatus st = PrefillTileOccupancy<TileType<T>, D>(resident);
-        *beside_merge = *resident;
-        return st;
+        *resident = *beside_merge = 0;
+        return LaunchStatus::Ok();
+      }
+    });
+  });
+}
+
+// The portable prefill tile's blocks an SM holds (an FP8 cache's: the bfloat16 tile's).
+inline LaunchStatus DispatchPrefillTileOccupancy(DType kv_dtype, int head_dim, int* blocks_per_sm) {
+  return DispatchKvDType(TileKvDType(kv_dtype), [&](auto tag) {
+    using T = typename decltype(tag)::type;
+    return DispatchHeadDim(head_dim, [&](auto d) {
+      if constexpr (kIsFp8<T>) {  // (never: TileKvDType)
+        return LaunchStatus::Unsupported("an FP8 cache's prefill tiles are bfloat16");
+      } else {
+        return PrefillTileOccupancy<T, decltype(d)::value>(blocks_per_sm);
       }
     });
   });

@@ -32,19 +32,29 @@ LaunchStatus MultiprocessorCount(int* sms) {
 
 // Tile blocks that run at once on the current device with room left on each SM for one
 // separate-merge block (the target_blocks a split plan's waves count), and all that run at once
-// (unsplit_blocks). A head_dim without decode tiles counts its prefill tiles in units of two
-// blocks: the blocks with rows of a tile of up to 64 rows, a decode span's (PrefillTileBlocks).
-LaunchStatus DecodeTargetBlocks(DType kv_dtype, int head_dim, int* target_blocks,
-                                int* unsplit_blocks) {
+// (unsplit_blocks), counted in tiles (a split head_dim's tile takes DecodeTileBlocks); whether
+// the plan has decode tiles, and whether its tiles take several blocks (wide_head). Without
+// decode tiles every span runs on prefill tiles, counted in units of two blocks: those with rows
+// of a tile of up to 64 rows, a decode span's (PrefillTileBlocks).
+LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* limits) {
   int resident = 0, beside_merge = 0, sms = 0;
   if (LaunchStatus st = DispatchAttentionOccupancy(kv_dtype, head_dim, &resident, &beside_merge);
       !st.ok()) {
     return st;
   }
+  limits->wide_head = SplitsColumns(head_dim);
+  limits->decode_tiles = resident > 0;
+  int unit = DecodeTileBlocks(head_dim);
+  if (!limits->decode_tiles) {
+    if (LaunchStatus st = DispatchPrefillTileOccupancy(kv_dtype, head_dim, &resident); !st.ok()) {
+      return st;
+    }
+    beside_merge = resident;
+    unit = 2;
+  }
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
-  const int unit = HasDecodeTiles(head_dim) ? 1 : 2;
-  *target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
-  *unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
+  limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
+  limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
   return LaunchStatus::Ok();
 }
 
@@ -89,12 +99,7 @@ LaunchStatus QueryPlanLimits(DType kv_dtype, int head_dim, PrefillPath path,
     }
   }
   if (!hit) {
-    if (LaunchStatus st =
-            DecodeTargetBlocks(kv_dtype, head_dim, &found.target_blocks, &found.unsplit_blocks);
-        !st.ok()) {
-      return st;
-    }
-    found.wide_head = !HasDecodeTiles(head_dim);
+    if (LaunchStatus st = TileBlockLimits(kv_dtype, head_dim, &found); !st.ok()) return st;
     if (UseHopperPrefill(PrefillPath::kAuto)) {
       if (LaunchStatus st = HopperPrefillBlocks(kv_dtype, head_dim, &found.prefill_blocks);
           !st.ok()) {

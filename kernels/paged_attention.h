@@ -181,13 +181,17 @@ constexpr int WgmmaPrefillWidth(int head_dim) {
 }
 
 // Head dims whose tiles would hold more of O than a thread's registers (512: 256 accumulators a
-// thread in a 16-row warp slice): they have no decode tiles, and their prefill tile runs as
-// PrefillTileBlocks blocks, two halves of its rows by two halves of O's (and V's) columns, each
-// block computing the scores over the whole head_dim (kernels/prefill_mma_kernel.cuh). Every
-// span of such a cache runs on prefill tiles (AttentionPlanLimits::wide_head).
-constexpr bool SplitsPrefillTile(int head_dim) { return head_dim > 256; }
-constexpr int PrefillTileBlocks(int head_dim) { return SplitsPrefillTile(head_dim) ? 4 : 1; }
-constexpr bool HasDecodeTiles(int head_dim) { return !SplitsPrefillTile(head_dim); }
+// thread in a 16-row warp slice): their tiles split O's (and V's) columns in halves over two
+// neighbouring blocks, each computing the scores over the whole head_dim. A decode tile runs as
+// DecodeTileBlocks blocks, a prefill tile as PrefillTileBlocks (its rows in halves too); their
+// splits merge in the separate merge kernel (AttentionPlanLimits::wide_head).
+constexpr bool SplitsColumns(int head_dim) { return head_dim > 256; }
+constexpr int DecodeTileBlocks(int head_dim) { return SplitsColumns(head_dim) ? 2 : 1; }
+constexpr int PrefillTileBlocks(int head_dim) { return SplitsColumns(head_dim) ? 4 : 1; }
+// Whether decode tiles are compiled for a cache dtype (fp8: FP8's) and head_dim: all but FP8 at
+// 512, whose spans run on prefill tiles (on the pages' bfloat16 copy) like every span of a device
+// whose shared memory cannot hold a 512 decode tile (AttentionPlanLimits::decode_tiles).
+constexpr bool HasDecodeTiles(bool fp8, int head_dim) { return !(fp8 && SplitsColumns(head_dim)); }
 
 // Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at
 // most 2^48 (AttentionValue, common/dtype.h), so a score lies within 2^105 (head dims up to

@@ -27,13 +27,13 @@ namespace pagedattn::kernels {
 
 template <typename T, int D>
 struct PrefillTileConfig {
-  // head_dim 512 (SplitsPrefillTile): the planner's tile of kPrefillTileRows rows runs as four
+  // head_dim 512 (SplitsColumns): the planner's tile of kPrefillTileRows rows runs as four
   // neighbouring blocks, kRowSplit halves of its rows by kColSplit halves of O's and V's columns
   // (kDv each), each block computing the scores over all of D; at 128 rows by 512 columns O alone
   // would be 256 accumulators a thread. Its K/V tile is 32 positions, so that two stages fit
   // beside Q: 64 KB of Q + 2 x (32 KB of K + 16 KB of V) = 160 KB, within an A100's 163 KB.
-  static constexpr int kRowSplit = SplitsPrefillTile(D) ? 2 : 1;
-  static constexpr int kColSplit = SplitsPrefillTile(D) ? 2 : 1;
+  static constexpr int kRowSplit = SplitsColumns(D) ? 2 : 1;
+  static constexpr int kColSplit = SplitsColumns(D) ? 2 : 1;
   static constexpr int kBlocksPerTile = kRowSplit * kColSplit;
   static_assert(kBlocksPerTile == PrefillTileBlocks(D), "the planner counts these blocks");
   static constexpr int kDv = D / kColSplit;                  // O's and V's columns per block
@@ -42,7 +42,7 @@ struct PrefillTileConfig {
   static constexpr int kWarpRows = 16 * kMTiles;
   static constexpr int kWarps = kRows / kWarpRows;  // 4 (d64..d128, d512) or 8 (d192, d256)
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kTileKv = SplitsPrefillTile(D) ? 32 : kKvTileRows;  // per stage
+  static constexpr int kTileKv = SplitsColumns(D) ? 32 : kKvTileRows;  // per stage
   // Positions per softmax step: d128 and up hold 96-128 O accumulators per thread, so their S
   // tile is 32 positions wide to fit in 255 registers (no spills in the loop); up to d96 it is
   // 64 wide, 10-11% faster at 80 and 96 (docs/PERFORMANCE.md#head-dims).
@@ -473,8 +473,8 @@ LaunchStatus LaunchPrefillTiles(const PagedAttentionParams& params, cudaStream_t
   static SmemLimitFlags smem_raised;
   return LaunchItemMajorGrid(PagedPrefillTileKernel<T, TIO, D>, Cfg::kThreads, Cfg::SmemBytes(),
                              smem_raised, "prefill attention",
-                             int64_t{params.num_prefill_items} * Cfg::kBlocksPerTile, params, stream,
-                             launcher);
+                             int64_t{params.num_prefill_items} * Cfg::kBlocksPerTile, params,
+                             stream, launcher);
 }
 
 // Blocks of the portable prefill kernel an SM holds at once (the fewer of q in float and in T).

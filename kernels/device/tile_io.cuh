@@ -132,7 +132,7 @@ __device__ __forceinline__ void StorePair(TIO* dst, float lo, float hi) {
 // Writes one normalized row of a tile's output (o * inv, this thread's two columns of every
 // 8-wide n tile, o_half selecting the row's pair): to out (in TIO) / lse for an unsplit tile, to
 // the partial buffers (float) of its split otherwise. Shared by the prefill tile kernels. A block
-// that holds kCols of the row's D columns (SplitsPrefillTile) writes them from col0 on, and
+// that holds kCols of the row's D columns (SplitsColumns) writes them from col0 on, and
 // the row's LSE only from the block at column 0.
 template <typename TIO, int D, int kCols = D>
 __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,

@@ -639,14 +639,16 @@ TEST(AttentionDispatch, QDtypeIsFloatOrTheCaches) {
 }
 
 
-// A wide head (head_dim 512, no decode tiles): decode and prefill spans alike run on prefill
-// tiles; a split tile merges in the separate merge kernel even where the in-kernel merge would
-// be cheaper, and its partial rows are its span's rows (8 for a decode span), not a whole tile's.
-TEST(AttentionPlan, WideHeadRunsEverySpanOnPrefillTiles) {
+// A wide head (head_dim 512) without decode tiles (an FP8 cache): decode and prefill spans alike
+// run on prefill tiles; a split tile merges in the separate merge kernel even where the
+// in-kernel merge would be cheaper, and its partial rows are its span's rows (8 for a decode
+// span), not a whole tile's.
+TEST(AttentionPlan, WideHeadWithoutDecodeTilesRunsEverySpanOnPrefillTiles) {
   std::vector<kernels::AttentionSpan> spans = {{0, 0, 1, 32768}, {1, 2048, 100, 1000}};
   kernels::AttentionWork work;
   kernels::PlanAttentionWork(spans.data(), 2, 16, 2, /*causal=*/true, /*window=*/0,
-                             {.target_blocks = 66, .wide_head = true}, &work);
+                             {.target_blocks = 66, .wide_head = true, .decode_tiles = false},
+                             &work);
   EXPECT_TRUE(work.decode_items.empty());
   EXPECT_TRUE(work.decode_wide_items.empty());
   ASSERT_FALSE(work.merge_tasks.empty()) << "the long decode no longer splits";
@@ -664,10 +666,11 @@ TEST(AttentionPlan, WideHeadRunsEverySpanOnPrefillTiles) {
     }
   }
   EXPECT_EQ(decode_rows, int64_t{task.num_splits} * 8);
-  // The same spans with decode tiles: the long decode is a decode tile's.
+  // With decode tiles (a 16-bit cache): the long decode is a decode tile's, still merged apart.
   kernels::PlanAttentionWork(spans.data(), 2, 16, 2, /*causal=*/true, /*window=*/0,
-                             {.target_blocks = 66}, &work);
+                             {.target_blocks = 66, .wide_head = true}, &work);
   EXPECT_FALSE(work.decode_items.empty());
+  EXPECT_TRUE(work.separate_merge);
 }
 
 }  // namespace

@@ -303,8 +303,8 @@ kernels::AttentionWork PlannedWork(const std::vector<kernels::AttentionSpan>& sp
 }
 
 // Two spans of decode rows that fill a wide decode tile (32 rows: 32 q heads with one query, 16
-// with two) on 1 kv head over a long history, the plan checked to reach the separate merge (at
-// head_dim 512 on prefill tiles, which take every span there).
+// with two) on 1 kv head over a long history, the plan checked to reach the separate merge (on
+// prefill tiles where the device has no decode tiles for the head_dim: 512 on an A100).
 CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
   const int queries = kernels::kDecodeWideTileRows / gqa;
   CaseSpec c;
@@ -317,7 +317,10 @@ CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
       PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
                   gqa, 1, c.cache_dtype, head_dim);
   EXPECT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
-  EXPECT_EQ(work.prefill_items.empty(), kernels::HasDecodeTiles(head_dim));
+  kernels::AttentionPlanLimits limits;
+  EXPECT_TRUE(
+      kernels::QueryPlanLimits(c.cache_dtype, head_dim, kernels::PrefillPath::kAuto, &limits).ok());
+  EXPECT_EQ(work.prefill_items.empty(), limits.decode_tiles);
   return c;
 }
 
@@ -400,14 +403,17 @@ TEST_F(CudaKernelTest, VariantSweep) {
   }
 }
 
-// Head_dim 512 runs every span on prefill tiles of four blocks (two row halves by two halves of
-// O's columns): decode spans (a row half with no rows), prefills of 129 and 64 queries x 8 (both
-// row halves, a second tile), a long decode split over the separate merge, plain and with every
-// variant, float16 q and out too.
+// Head_dim 512 splits O's columns over two blocks: decode tiles of two blocks, prefill tiles of
+// four (two row halves too): decode spans, prefills of 129 and 64 queries x 8 (both row halves,
+// a second tile; one row half), a long decode split over the separate merge, plain and with
+// every variant, float16 q and out too. (An FP8 cache at 512 runs every span on prefill tiles:
+// the FP8 sweep below.)
 TEST_F(CudaKernelTest, HeadDim512SplitTiles) {
   const kernels::AttentionWork work = PlannedWork({{0, 0, 1, 6001}}, 16, 2, DType::kBFloat16, 512);
-  EXPECT_TRUE(work.decode_items.empty() && work.decode_wide_items.empty());
   EXPECT_TRUE(work.separate_merge) << "the case no longer splits its long decode";
+  const kernels::AttentionWork fp8 = PlannedWork({{0, 0, 1, 6001}}, 16, 2, DType::kFloat8E4M3, 512);
+  EXPECT_TRUE(fp8.decode_items.empty() && fp8.decode_wide_items.empty());
+  EXPECT_TRUE(fp8.separate_merge);
   int index = 0;
   for (const VariantCase& v : {VariantCase{"plain", 0, 0.f, false}, kVariants[6], kVariants[7]}) {
     CaseSpec c;

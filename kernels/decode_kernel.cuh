@@ -169,9 +169,10 @@ struct DecodeState {
 template <typename T, int D, int DV = D>
 struct DecodeTileMath {
   // S = Q K^T over the 16 positions at row0 of the K tile sk: two n8 tiles, each summed over
-  // head_dim in two accumulators (even and odd k chunks) up to head_dim 128, so that the
-  // dependent mma chain before the softmax is D/32 deep rather than D/16 (at 256 the registers
-  // are spent).
+  // head_dim in two accumulators (even and odd k chunks) up to head_dim 128 and at 512, so that
+  // the dependent mma chain before the softmax is D/32 deep rather than D/16 (at 192 and 256 the
+  // registers are spent).
+  static constexpr bool kTwoChains = D <= 128 || DV < D;
   template <typename QFragment>
   __device__ __forceinline__ static void ScoreQK(const QFragment& q_fragment, const T* sk, int row0,
                                                  int lane, float (&s)[2][4]) {
@@ -183,11 +184,11 @@ struct DecodeTileMath {
       uint32_t b[4];
       const int r = row0 + (lane & 7) + 8 * (lane >> 4);
       LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
-      float(&acc)[2][4] = (D <= 128 && (kc & 1)) ? s_odd : s;
+      float(&acc)[2][4] = (kTwoChains && (kc & 1)) ? s_odd : s;
       Mma16816<T>(acc[0], a, b[0], b[1]);
       Mma16816<T>(acc[1], a, b[2], b[3]);
     }
-    if constexpr (D <= 128) {
+    if constexpr (kTwoChains) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll

@@ -865,7 +865,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // Q tile -> shared memory while those copies fly.
   LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
       p, item, span, kv_head, group, span_rows, smem_q,
-      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); });
+      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); }, threadIdx.x);
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16.
   DecodeState<Cfg::kDv> state;

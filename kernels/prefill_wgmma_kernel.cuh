@@ -1,15 +1,21 @@
 // The Hopper prefill tile kernel: the prefill tile of kernels/prefill_mma_kernel.cuh with its
 // two matrix products on warpgroup MMA (wgmma, sm_90a). Included only by instantiate_hdim*.cu.
 //
-// A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, run by two
-// warpgroups of 64 rows each. At head_dim 128 (and 80, 96, which run in its layout:
-// WgmmaPrefillConfig::kWidth) a block is persistent: it runs the jobs the host dealt it
-// (SchedulePrefillJobs) back to back, its K/V pipeline running on across jobs so that the next
-// job's first tiles and its Q load while the last one ends; at 64, 192 and 256 a block runs one
-// job. K/V tiles (64 or 128 positions) are gathered through the page table with 16-byte cp.async
-// (row-wise, so any page size works) into shared memory laid out in the 128-byte-swizzle format
-// that wgmma reads directly: each 64-column slice of a [rows][D] tile is its own [rows][64] block
-// of 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r % 8).
+// A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, computed by
+// two warpgroups of 64 rows each. K/V tiles (64 or 128 positions) are gathered through the page
+// table with 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in
+// the 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a [rows][D] tile
+// is its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk
+// c ^ (r % 8).
+//
+// At head_dim 128 (and 80, 96, which run in its layout: WgmmaPrefillConfig::kWidth) a block is
+// persistent and warp-specialized (FlashAttention-3's recipe, on paged K/V): it runs the jobs
+// the host dealt it (SchedulePrefillJobs) back to back; a third, producer warpgroup streams
+// their K/V tiles through the stages (mbarriers: a stage's K, its V, its release), so the next
+// job's first tiles load while the last one ends; the two consumer warpgroups only compute, with
+// the registers the producer gave up (setmaxnreg), and take turns on the tensor cores (named
+// barriers): one's softmax runs while the other's matrix products do. At 64, 192 and 256 a block
+// runs one job, every thread copying and computing, a block barrier a tile.
 // Per tile and warpgroup:
 //   S = Q.K^T:  wgmma m64n64k16, A = Q and B = K from shared memory (both K-major), D/16 steps;
 //   online softmax in registers (exp2, scale folded into an FMA), masks only where needed;
@@ -25,6 +31,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "kernels/device/mbarrier.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
@@ -52,12 +59,20 @@ struct WgmmaPrefillConfig {
   static constexpr int kStages = kWidth == 128 ? 3 : (D == 64 ? 4 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
   static constexpr bool kPipelined = kWidth == 128;
-  // Pipelined tiles run in persistent blocks (WgmmaPrefillPersistentBody), jobs back to back so
+  // Pipelined tiles run in persistent blocks (WgmmaPrefillWsBody), jobs back to back so
   // the next job's first K/V tiles load during the last one's end; the others one block per item
   // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#design-decisions).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = kWidth / 64;                // 64-column slices (swizzle blocks)
+  // Persistent blocks are warp-specialized: the kThreads consumer threads above, then a producer
+  // warpgroup, whose registers (setmaxnreg) go to the consumers.
+  static constexpr int kProducerThreads = 128;
+  static constexpr int kLaunchThreads = kPersistent ? kThreads + kProducerThreads : kThreads;
+  static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
+  static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kThreads <= 65536,
+                "one SM's register file");
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
+  using ProducerCopy = KvCopyLayout<D, kProducerThreads, kTileKv>;
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
   static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
@@ -168,25 +183,44 @@ struct WgmmaTileMath {
     row_sum[0] = row_sum[1] = 0.f;
   }
 
-  // Copies one K/V tile into stage `stage` (16-byte cp.async, swizzle-128 layout): this thread's
-  // chunk copy_chunk of rows copy_row0 + i * kRowStep, from pool rows `rows` (-1: zero-filled).
+  // The copies of one K or V tile into tile memory dst (16-byte cp.async, swizzle-128 layout):
+  // this thread's chunk copy_chunk of rows copy_row0 + i * kRowStep (Copy's layout), from the
+  // pool rows `bases` (LoadRowBases; -1: zero-filled). The rows' swizzle (row % 8) is the same
+  // for all of them, so each copy costs an address and the copy: no shared-memory load, no
+  // swizzle arithmetic.
+  template <typename Copy>
+  __device__ __forceinline__ static void LoadRowBases(int32_t (&bases)[Copy::kRowsPerThread],
+                                                      const int32_t (&rows)[Cfg::kTileKv],
+                                                      int copy_row0) {
+#pragma unroll
+    for (int i = 0; i < Copy::kRowsPerThread; ++i) bases[i] = rows[copy_row0 + i * Copy::kRowStep];
+  }
+  template <typename Copy>
+  __device__ __forceinline__ static void IssueTileRows(
+      T* dst, const int32_t (&bases)[Copy::kRowsPerThread], const T* cache, int copy_chunk,
+      int copy_row0) {
+    static_assert(Copy::kRowStep % 8 == 0, "every row of a thread's in the same swizzle phase");
+    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 80, 96, 192)
+    const uint32_t dst0 = SmemAddr(dst + Sw128Offset<Cfg::kTileKv>(copy_row0, copy_chunk));
+    const char* src0 = reinterpret_cast<const char*>(cache + copy_chunk * 8);
+#pragma unroll
+    for (int i = 0; i < Copy::kRowsPerThread; ++i) {
+      CpAsync16Or0(dst0 + i * Copy::kRowStep * kRowBytes,
+                   src0 + int64_t{max(bases[i], 0)} * (D * sizeof(T)), bases[i] >= 0);
+    }
+  }
+
+  // Copies one K/V tile into stage `stage`, with the block's threads (Cfg::Copy).
   __device__ __forceinline__ static void IssueKvTile(T* smem_kv,
                                                      const int32_t (&rows)[Cfg::kTileKv], int stage,
                                                      const T* k_cache, const T* v_cache,
                                                      int copy_chunk, int copy_row0) {
+    using Copy = typename Cfg::Copy;
     T* sk = smem_kv + stage * Cfg::kStageElems;
-    T* sv = sk + Cfg::kTileElems;
-    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 80, 96, 192)
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const int32_t base = rows[row];
-      const bool valid = base >= 0;
-      const int64_t offset = int64_t{valid ? base : 0} * D + copy_chunk * 8;
-      const int smem_off = Sw128Offset<Cfg::kTileKv>(row, copy_chunk);
-      CpAsync16(SmemAddr(sk + smem_off), k_cache + offset, valid);
-      CpAsync16(SmemAddr(sv + smem_off), v_cache + offset, valid);
-    }
+    int32_t bases[Copy::kRowsPerThread];
+    LoadRowBases<Copy>(bases, rows, copy_row0);
+    IssueTileRows<Copy>(sk, bases, k_cache, copy_chunk, copy_row0);
+    IssueTileRows<Copy>(sk + Cfg::kTileElems, bases, v_cache, copy_chunk, copy_row0);
   }
 
   // Zeroes V's columns past D in every stage (head dims 80, 96: kWidth), which no copy writes,
@@ -202,14 +236,26 @@ struct WgmmaTileMath {
     }
   }
 
-  // The Q tile of an item and kv head -> shared memory as T, from q in TIO.
+  // The Q tile of an item and kv head -> shared memory as T, from q in TIO, by the block.
   template <typename TIO>
   __device__ __forceinline__ static void LoadQ(const PagedAttentionParams& p,
                                                const AttentionWorkItem& item, int kv_head,
                                                int group, T* smem_q) {
     LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
         p, item, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
-        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); });
+        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); }, threadIdx.x);
+  }
+  // Warpgroup wg's 64 rows of it, by that warpgroup's threads (wg_tid: 0..127).
+  template <typename TIO>
+  __device__ __forceinline__ static void LoadGroupQ(const PagedAttentionParams& p,
+                                                    const AttentionWorkItem& item, int kv_head,
+                                                    int group, T* smem_q, int wg, int wg_tid) {
+    AttentionWorkItem rows = item;
+    rows.row_start += wg * Cfg::kGroupRows;
+    LoadQTile<T, TIO, D, Cfg::kGroupRows, 128>(
+        p, rows, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
+        [wg](int r, int chunk) { return Sw128Offset<Cfg::kRows>(wg * Cfg::kGroupRows + r, chunk); },
+        wg_tid);
   }
 
   // S = Q K^T of one tile (this warpgroup's Q rows at q_wg_base, the K tile at kb): D/16 k
@@ -510,221 +556,218 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
 }
 
+// Named barriers of the warp-specialized body (0 is __syncthreads', kMergeBarrier the merge's).
+inline constexpr int kProducerBarrier = 1;  // the producer warpgroup, a tile's row indices
+inline constexpr int kTurnBarrier = 2;      // + wg: consumer warpgroup wg's turn to issue
+inline constexpr int kQBarrier = 4;         // + wg: consumer warpgroup wg's Q rows stored
+
+// The persistent, warp-specialized body (head_dim 128's layout). Threads 0..kThreads-1: two
+// consumer warpgroups; the last warpgroup: the producer. Both sides walk the block's jobs and
+// their tiles in the same order, stream tile g in stage g % kS; per stage four mbarriers:
+// full_k and full_v (the producer's 128 threads' copies of K, of V, have landed), empty_k and
+// empty_v (the consumers' 8 warps have waited for every wgmma reading K, V): K is released as
+// soon as its S is done, so the next K copy starts a P.V earlier.
 template <typename T, typename TIO, int D, bool kVariant>
-__device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionParams& p) {
+__device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
   static_assert(Cfg::kPipelined, "the one-tile-at-a-time loop runs in the per-item body");
   constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
+  constexpr int kConsumers = Cfg::kThreads, kConsumerWarps = kConsumers / 32;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const typename M::Smem smem = M::SmemOf(smem_raw);
-  T* smem_kv = smem.kv;
-  if constexpr (Cfg::kWidth > D) M::ZeroVPad(smem_kv, threadIdx.x);
+  __shared__ uint64_t full_k[kS], full_v[kS], empty_k[kS], empty_v[kS];
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < kS; ++s) {
+      MbarInit(&full_k[s], Cfg::kProducerThreads);
+      MbarInit(&full_v[s], Cfg::kProducerThreads);
+      MbarInit(&empty_k[s], kConsumerWarps);
+      MbarInit(&empty_v[s], kConsumerWarps);
+    }
+  }
+  if constexpr (Cfg::kWidth > D) {
+    if (tid < kConsumers) M::ZeroVPad(smem.kv, tid);
+    ProxyFenceShared();  // the zeros, visible to wgmma
+  }
+  __syncthreads();
 
   // This block's jobs (item, kv head), in the host's order (SchedulePrefillJobs).
   const int job_begin = p.prefill_job_start[blockIdx.x];
   const int job_end = p.prefill_job_start[blockIdx.x + 1];
   if (job_begin >= job_end) return;
   const int group = p.num_q_heads / p.num_kv_heads;
-  const int tid = threadIdx.x;
-  const int warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2, wg_warp = warp & 3;
-  const int quad_row = lane >> 2, quad_col = lane & 3;
-
-  // ---- Jobs in shared memory: a ring of kRing records, job j in slot (j - job_begin) % kRing.
-  // The K/V pipeline runs ahead of the arithmetic, across job boundaries (below), by at most kS
-  // tiles, so the jobs in use at once are the arithmetic's, the pipeline's and the next one:
-  // each job is copied in when the pipeline enters the one before it, from a register loaded
-  // one job earlier still (threads tid < kJobWords, one word each), so the copy never waits.
-  constexpr int kRing = kS + 3;
-  constexpr int kJobWords = sizeof(AttentionPrefillJob) / 4;
-  static_assert(kRing >= kS + 3, "the ring holds every job in use");
-  static_assert(kJobWords <= Cfg::kThreads, "one word per thread");
-  __shared__ AttentionPrefillJob ring[kRing];
-  auto job_word = [&](int j) { return reinterpret_cast<const int32_t*>(p.prefill_jobs + j)[tid]; };
-  auto set_ring_word = [&](int slot, int32_t w) {
-    reinterpret_cast<int32_t*>(&ring[slot])[tid] = w;
-  };
-  int32_t ahead_word = 0;  // word tid of job (the pipeline's job + 2)
-  if (tid < kJobWords) {
-    set_ring_word(0, job_word(job_begin));
-    if (job_begin + 1 < job_end) set_ring_word(1, job_word(job_begin + 1));
-    if (job_begin + 2 < job_end) ahead_word = job_word(job_begin + 2);
-  }
-  __syncthreads();
-
-  // ---- K/V pipeline: one stream of tiles over all the block's jobs, stream tile g in stage
-  // g % kS, issued kS - 1 tiles ahead by all threads, each copying 16-byte chunk copy_chunk of
-  // kRowsPerThread rows (swizzle-128 layout). The pool row of each position goes through
-  // shared memory (row_base, one slot per stage), computed kS tiles ahead by the thread of that
-  // position from the cursor (below), which walks the jobs tile by tile. A copy then costs one
-  // shared load and two adds, and never needs to know which job its tile belongs to.
-  const T* k_cache = static_cast<const T*>(p.k_cache);
-  const T* v_cache = static_cast<const T*>(p.v_cache);
-  const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
   auto tiles_of = [](const AttentionWorkItem& item) {
     return (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   };
-  // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
-  // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
-  // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
-  __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
-  __shared__ float2 pin_slot;                     // PinBeforeWait's (never written)
-  const uint32_t sink = SmemAddr(&pin_slot);
-  // The pipeline's cursor over the block's jobs, one K/V tile at a time.
-  struct JobCursor {
-    int job;         // the job whose tiles the pipeline issues
-    int slot;        // its ring slot
-    int pos;         // this thread's position in the cursor's tile (tid's row)
-    int end;         // the job's kv_end; INT32_MIN past the last job (no more pages)
-    int tiles_left;  // the job's tiles from the cursor's on
-  };
-  JobCursor cur = {job_begin, 0, ring[0].item.kv_start + tid, ring[0].item.kv_end,
-                   tiles_of(ring[0].item)};
-  auto load_page_id = [&]() -> int32_t {
-    if (tid >= Cfg::kTileKv || cur.pos >= cur.end) return -1;
-    return p.page_table[ring[cur.slot].item.span_info.page_table_offset + p.page_div.Div(cur.pos)];
-  };
-  auto store_row_base = [&](int stage, int32_t page_id) {
-    if (tid >= Cfg::kTileKv) return;
-    int32_t row = -1;
-    if (page_id >= 0) {
-      const int32_t in_page = cur.pos - static_cast<int32_t>(p.page_div.Div(cur.pos)) * p.page_size;
-      row = (page_id * p.num_kv_heads + ring[cur.slot].kv_head) * p.page_size + in_page;
-    }
-    row_base[stage][tid] = row;
-  };
-  // The cursor's next tile; entering a job copies the one after it into the ring (visible
-  // after the next barrier, a step before the cursor can reach it).
-  auto advance = [&]() {
-    cur.pos += Cfg::kTileKv;
-    if (--cur.tiles_left > 0) return;
-    if (++cur.job >= job_end) {
-      cur.end = INT32_MIN;
-      cur.tiles_left = INT32_MAX;
-      return;
-    }
-    cur.slot = cur.slot == kRing - 1 ? 0 : cur.slot + 1;
-    cur.pos = ring[cur.slot].item.kv_start + tid;
-    cur.end = ring[cur.slot].item.kv_end;
-    cur.tiles_left = tiles_of(ring[cur.slot].item);
-    if (tid < kJobWords && cur.job + 1 < job_end) {
-      set_ring_word(cur.slot == kRing - 1 ? 0 : cur.slot + 1, ahead_word);
-      if (cur.job + 2 < job_end) ahead_word = job_word(cur.job + 2);
-    }
-  };
-  auto issue_tile = [&](int g) {
-    M::IssueKvTile(smem_kv, row_base[g % kS], g % kS, k_cache, v_cache, copy_chunk, copy_row0);
-  };
-  // The first kS tiles' rows and the first kS - 1 tiles' copies. Page ids load side by side
-  // when the first job has kS tiles or more; otherwise the cursor crosses jobs, with a barrier
-  // after each step of it (the next job's record).
-  if (cur.tiles_left >= kS) {
-    int32_t ids[kS];
-#pragma unroll
-    for (int s = 0; s < kS; ++s) {
-      ids[s] = load_page_id();
-      cur.pos += Cfg::kTileKv;
-    }
-    cur.pos -= kS * Cfg::kTileKv;
-#pragma unroll
-    for (int s = 0; s < kS; ++s) {
-      store_row_base(s, ids[s]);
-      advance();
-    }
-    __syncthreads();
-  } else {
-#pragma unroll 1
-    for (int s = 0; s < kS; ++s) {
-      store_row_base(s, load_page_id());
-      advance();
-      __syncthreads();
-    }
-  }
-#pragma unroll
-  for (int s = 0; s < kS - 1; ++s) {
-    issue_tile(s);
-    CpAsyncCommit();
-  }
-  auto load_q = [&](const AttentionPrefillJob& job) {
-    M::template LoadQ<TIO>(p, job.item, job.kv_head, group, smem.q);
-  };
-  // ---- Q tile of the first job -> shared memory as T, while the first copies fly. The next
-  // job's Q is loaded during the last tile of each job, once no S reads the tile any more.
-  load_q(ring[0]);
 
+  if (tid >= kConsumers) {
+    // ---- Producer: for each stream tile, its 128 positions' pool rows (thread ptid computes
+    // position ptid's: page-table load, page division, one tile ahead of its copies) go through
+    // shared memory, then each thread copies its chunk of kRowsPerThread rows of K, then of V,
+    // each followed by an arrival that lands with its copies. Row indices (row = (page *
+    // kv_heads + kv_head) * page_size + in_page) fit in 31 bits: 2^31 rows of at least 128
+    // bytes exceed any GPU's memory.
+    LowerRegisters<Cfg::kProducerRegs>();
+    const int ptid = tid - kConsumers;
+    using Copy = typename Cfg::ProducerCopy;
+    const int copy_chunk = ptid % Copy::kSlots, copy_row0 = ptid / Copy::kSlots;
+    const T* k_cache = static_cast<const T*>(p.k_cache);
+    const T* v_cache = static_cast<const T*>(p.v_cache);
+    __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
+    // The tile whose rows load next: thread ptid's position in it, its job's range and pages.
+    struct Cursor {
+      int job, pos, end, tiles_left, kv_head;
+      const int32_t* pages;
+    };
+    auto enter = [&](Cursor& c, int j) {
+      c.job = j;
+      c.pos = 0;
+      c.end = INT32_MIN;  // past the last job: no rows
+      if (j >= job_end) return;
+      const AttentionWorkItem& item = p.prefill_jobs[j].item;
+      c.pos = item.kv_start + ptid;
+      c.end = item.kv_end;
+      c.tiles_left = tiles_of(item);
+      c.kv_head = p.prefill_jobs[j].kv_head;
+      c.pages = p.page_table + item.span_info.page_table_offset;
+    };
+    auto load_row = [&](Cursor& c) {
+      int32_t row = -1;
+      if (c.pos < c.end) {
+        const uint32_t page = p.page_div.Div(c.pos);
+        row = (c.pages[page] * p.num_kv_heads + c.kv_head) * p.page_size +
+              (c.pos - static_cast<int32_t>(page) * p.page_size);
+      }
+      c.pos += Cfg::kTileKv;
+      if (c.end != INT32_MIN && --c.tiles_left == 0) enter(c, c.job + 1);
+      return row;
+    };
+    Cursor ahead;
+    enter(ahead, job_begin);
+    int32_t row = load_row(ahead);
+    int g = 0;
+#pragma unroll 1
+    for (int j = job_begin; j < job_end; ++j) {
+      const int num_tiles = tiles_of(p.prefill_jobs[j].item);
+#pragma unroll 1
+      for (int t = 0; t < num_tiles; ++t, ++g) {
+        const int stage = g % kS;
+        const uint32_t free_parity = ((g / kS) & 1) ^ 1;
+        const int32_t next_row = load_row(ahead);
+        row_base[stage][ptid] = row;
+        NamedBarrierSync(kProducerBarrier, Cfg::kProducerThreads);
+        int32_t bases[Copy::kRowsPerThread];
+        M::template LoadRowBases<Copy>(bases, row_base[stage], copy_row0);
+        T* sk = smem.kv + stage * Cfg::kStageElems;
+        MbarWait(&empty_k[stage], free_parity);
+        M::template IssueTileRows<Copy>(sk, bases, k_cache, copy_chunk, copy_row0);
+        CpAsyncMbarArrive(&full_k[stage]);
+        // V's addresses computed again rather than kept (in registers the producer gave up).
+#pragma unroll
+        for (int i = 0; i < Copy::kRowsPerThread; ++i) asm volatile("" : "+r"(bases[i]));
+        MbarWait(&empty_v[stage], free_parity);
+        M::template IssueTileRows<Copy>(sk + Cfg::kTileElems, bases, v_cache, copy_chunk,
+                                        copy_row0);
+        CpAsyncMbarArrive(&full_v[stage]);
+        row = next_row;
+      }
+    }
+    CpAsyncWait<0>();
+    return;
+  }
+
+  // ---- Consumers: warpgroup wg computes rows wg * 64.. of each job; the two take turns to
+  // issue their wgmma's (warpgroup 0 first), so that one's softmax runs beside the other's
+  // matrix products. Each turn is a barrier the warpgroup syncs at and the other arrives at
+  // when its own issue is done; both take the same turns (one a job plus one a tile), whatever
+  // their rows see.
+  RaiseRegisters<Cfg::kConsumerRegs>();
+  const int warp = tid >> 5, lane = tid & 31;
+  const int wg = warp >> 2, wg_warp = warp & 3, wg_tid = tid & 127;
+  const int quad_row = lane >> 2, quad_col = lane & 3;
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint32_t q_wg_base = smem.q_rows(wg);
-  // S = Q K^T of stream tile g; issued, not waited for.
-  auto issue_s = [&](float(&s)[kNT][4], int g) { M::IssueS(s, q_wg_base, smem.k_addr(g % kS)); };
+  __shared__ float2 pin_slot;  // PinBeforeWait's (never written)
+  const uint32_t sink = SmemAddr(&pin_slot);
+  auto take_turn = [&] { NamedBarrierSync(kTurnBarrier + wg, 2 * 128); };
+  auto end_turn = [&] { NamedBarrierArrive(kTurnBarrier + (wg ^ 1), 2 * 128); };
+  auto wait_k = [&](int g) { MbarWait(&full_k[g % kS], (g / kS) & 1); };
+  auto wait_v = [&](int g) { MbarWait(&full_v[g % kS], (g / kS) & 1); };
+  auto release_k = [&](int g) {
+    if (lane == 0) MbarArrive(&empty_k[g % kS]);
+  };
+  auto release_v = [&](int g) {
+    if (lane == 0) MbarArrive(&empty_v[g % kS]);
+  };
+  if (wg == 1) end_turn();
 
-  int g0 = 0;     // stream index of the current job's first tile
-  int cslot = 0;  // the current job's ring slot
+  int g0 = 0;  // stream index of the current job's first tile
 #pragma unroll 1
-  for (int ck = job_begin; ck < job_end; ++ck, cslot = cslot == kRing - 1 ? 0 : cslot + 1) {
-    const AttentionPrefillJob& job = ring[cslot];
-    const AttentionWorkItem& item = job.item;
+  for (int j = job_begin; j < job_end; ++j) {
+    const AttentionWorkItem item = p.prefill_jobs[j].item;
+    const int kv_head = p.prefill_jobs[j].kv_head;
     const AttentionSpan& span = item.span_info;
-    const int kv_head = job.kv_head;
     const int span_rows = span.num_queries * group;
     const int num_tiles = tiles_of(item);
-    const int kv_start = item.kv_start, kv_end = item.kv_end;
-    const bool has_next = ck + 1 < job_end;
 
-    // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its
-    // warpgroup's 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator
-    // layout).
+    // ---- This warpgroup's Q rows -> shared memory (its S of the last job has completed).
+    M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid);
+    ProxyFenceShared();
+    NamedBarrierSync(kQBarrier + wg, 128);
+
     float o[M::kOT][4], row_max[2], row_sum[2];
     M::StartRows(o, row_max, row_sum);
     const typename M::Rows rows =
         M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
     const int wg_tiles = rows.wg_tiles;
-
-    // O += P V of job tile `tile` (stream g0 + tile).
-    auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
-      M::IssuePV(o, pa, smem.v_addr((g0 + tile) % kS));
+    auto issue_s = [&](float(&s)[kNT][4], int g) {
+      M::IssueS(s, q_wg_base, smem.k_addr(g % kS));
+    };
+    auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int g) {
+      M::IssuePV(o, pa, smem.v_addr(g % kS));
     };
     auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
-      M::SoftmaxExp(s, kv_start + tile * Cfg::kTileKv, kv_end, rows, quad_col, softcap,
+      M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows, quad_col, softcap,
                     scale_log2, row_max, row_sum, alpha);
     };
     auto fence_o = [&]() { FenceRegs(o); };
-    // The stream tile kS - 1 ahead of g (whichever job it belongs to), as one commit group.
-    auto issue_ahead = [&](int g) {
-      issue_tile(g + kS - 1);
-      CpAsyncCommit();
-    };
-    // Stage g % kS held stream tile g's rows, read when it was issued; it now takes the
-    // cursor's tile (g + kS), whose page id was loaded at the start of the step. Done while
-    // the step's wgmma's run, off the path between them.
-    auto produce = [&](int g, int32_t page_id) {
-      store_row_base(g % kS, page_id);
-      advance();
-    };
-    // In the job's last step, after its barrier: no S reads Q any more, so the next job's Q
-    // tile is loaded (beside the last P.V when there is one).
-    auto next_q = [&](int tile) {
-      if (tile == num_tiles - 1 && has_next) load_q(ring[cslot == kRing - 1 ? 0 : cslot + 1]);
-    };
 
-    // ---- Main loop, software-pipelined within the warpgroup: while O += P_j V_j runs on the
-    // tensor cores, the softmax of tile j + 1 (whose S was issued just before) runs beside it.
-    // Iteration j needs V of tile j and K of tile j + 1 resident; stream tile g + kS - 1 is
-    // issued after the barrier, into the stage of tile j - 1, whose P.V every warpgroup has
-    // waited for.
-    // One iteration: P of `tile` is in pa. S of tile + 1 and P.V of tile are issued
-    // together; the exponentials of tile + 1 run while P.V is in flight; then O is rescaled
-    // and P packed.
+    // ---- S of the first tile.
     uint32_t pa[kKP][4];
-    auto step = [&](int tile) {
+    wait_k(g0);
+    ProxyFenceShared();  // the producer's copies, seen through the async proxy
+    take_turn();
+    if (wg_tiles > 0) {
+      float s[kNT][4];
+      WgmmaFence();
+      issue_s(s, g0);
+      WgmmaCommit();
+      end_turn();
+      WgmmaWait<0>();
+      release_k(g0);
+      FenceRegs(s);
+      float alpha[2];
+      softmax_exp(s, 0, alpha);  // O is still zero: no rescale
+      M::PackP(s, pa);
+    } else {
+      end_turn();
+      release_k(g0);
+    }
+
+    // ---- Main loop, software-pipelined within the warpgroup as well: S of tile + 1 and P.V of
+    // tile are issued together, and the exponentials of tile + 1 run while P.V is in flight.
+    // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
+    // serializes wgmma's whose groups stay open across a branch).
+#pragma unroll 1
+    for (int tile = 0; tile < num_tiles; ++tile) {
       const int g = g0 + tile;
-      const int32_t next_id = load_page_id();
-      CpAsyncWait<kS - 3>();  // stream tile g + 1
+      if (tile + 1 < num_tiles) wait_k(g + 1);
+      wait_v(g);
       ProxyFenceShared();
-      __syncthreads();
-      // Warpgroup-uniform branches, each one issuing and waiting for its own wgmma's (ptxas
-      // serializes wgmma's whose groups stay open across a branch).
+      take_turn();
       if (tile + 1 < wg_tiles) {
         float s[kNT][4];
         fence_o();
@@ -732,11 +775,11 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
         WgmmaFence();
         issue_s(s, g + 1);
         WgmmaCommit();
-        issue_pv(pa, tile);
+        issue_pv(pa, g);
         WgmmaCommit();
-        issue_ahead(g);
-        produce(g, next_id);
+        end_turn();
         WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
+        release_k(g + 1);
         FenceRegs(s);
         float alpha[2];
         softmax_exp(s, tile + 1, alpha);
@@ -745,6 +788,7 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
         // of the running sums (which depend on every exponential) pins them above it.
         PinBeforeWait(sink, row_sum);
         WgmmaWait<0>();
+        release_v(g);
         fence_o();
         M::FenceP(pa);
         M::RescaleO(o, alpha);
@@ -753,36 +797,20 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
         fence_o();
         M::FenceP(pa);
         WgmmaFence();
-        issue_pv(pa, tile);
+        issue_pv(pa, g);
         WgmmaCommit();
-        issue_ahead(g);
-        produce(g, next_id);
-        next_q(tile);
+        end_turn();
         WgmmaWait<0>();
+        release_v(g);
+        if (tile + 1 < num_tiles) release_k(g + 1);
         fence_o();
         M::FenceP(pa);
       } else {
-        issue_ahead(g);
-        produce(g, next_id);
-        next_q(tile);
+        end_turn();
+        release_v(g);
+        if (tile + 1 < num_tiles) release_k(g + 1);
       }
-    };
-    CpAsyncWait<kS - 2>();  // stream tile g0
-    ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma
-    __syncthreads();
-    if (wg_tiles > 0) {
-      float s[kNT][4];
-      WgmmaFence();
-      issue_s(s, g0);
-      WgmmaCommit();
-      WgmmaWait<0>();
-      FenceRegs(s);
-      float alpha[2];
-      softmax_exp(s, 0, alpha);  // O is still zero: no rescale
-      M::PackP(s, pa);
     }
-#pragma unroll 1
-    for (int tile = 0; tile < num_tiles; ++tile) step(tile);
     g0 += num_tiles;
 
     // ---- Normalize and write.
@@ -790,9 +818,10 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
                                wg * Cfg::kGroupRows + wg_warp * 16 + quad_row, quad_col, o, row_max,
                                row_sum, scale_log2);
 
-    MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
+    MergeIfLastSplit<TIO, D, kTwoPassMerge, kConsumers>(p, item, span, kv_head, group);
   }
-  CpAsyncWait<0>();  // the zero-filled copies past the last job
+  // Balances warpgroup 1's first arrival: every arrival at a turn barrier is matched.
+  if (wg == 0) take_turn();
 }
 
 #endif  // PAGEDATTN_WGMMA_DEVICE
@@ -801,11 +830,11 @@ __device__ __forceinline__ void WgmmaPrefillPersistentBody(const PagedAttentionP
 // sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes it
 // 0.5-1.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
 template <typename T, typename TIO, int D, bool kVariant>
-__global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kThreads, 1)
+__global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kLaunchThreads, 1)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
   if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
-    WgmmaPrefillPersistentBody<T, TIO, D, kVariant>(params);
+    WgmmaPrefillWsBody<T, TIO, D, kVariant>(params);
   } else {
     WgmmaPrefillItemBody<T, TIO, D, kVariant>(params);
   }
@@ -846,7 +875,7 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
   return launcher.Launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
                          dim3(static_cast<unsigned>(params.num_prefill_blocks)),
-                         dim3(Cfg::kThreads), Cfg::SmemBytes(), stream, params,
+                         dim3(Cfg::kLaunchThreads), Cfg::SmemBytes(), stream, params,
                          "prefill attention (wgmma)");
 }
 
@@ -866,7 +895,8 @@ LaunchStatus WgmmaPrefillBlocksPerSm(int* blocks) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks, PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kThreads, Cfg::SmemBytes());
+      blocks, PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kLaunchThreads,
+      Cfg::SmemBytes());
   return err == cudaSuccess
              ? LaunchStatus::Ok()
              : LaunchStatus::CudaError(std::string("occupancy of the Hopper prefill kernel: ") +

@@ -51,6 +51,15 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, b
                "r"(src_size)
                : "memory");
 }
+// CpAsync16 by predicate: the destination zero-filled and src unread when !valid, for one
+// instruction less than the source size's selection.
+__device__ __forceinline__ void CpAsync16Or0(uint32_t smem_addr, const void* src, bool valid) {
+  asm volatile(
+      "{\n.reg .pred z;\nsetp.eq.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(
+          smem_addr),
+      "l"(src), "r"(static_cast<int>(valid))
+      : "memory");
+}
 // CpAsync16 with an L2 cache policy (a createpolicy value).
 __device__ __forceinline__ void CpAsync16Policy(uint32_t smem_addr, const void* src, bool valid,
                                                 uint64_t policy) {

@@ -166,16 +166,17 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 // head_dim 128: 255 registers and a 184-byte stack in the Hopper prefill kernel): the LSE max
 // first, then the O rows eight splits at a time in float2 loads. Split prefill tiles are rare
 // (chunked prefill over a long history); their merge is not on the decode path.
+// Run by the block's first num_warps warps.
 template <typename TIO, int D>
 __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p,
                                                    const AttentionMergeTask& task,
                                                    const AttentionSpan& span, int kv_head,
-                                                   int group) {
+                                                   int group, int num_warps) {
   constexpr int kDims = kMergeDims<D>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* part_lse = p.partial_lse + int64_t{kv_head} * p.partial_rows;
   const float* part_out = p.partial_out + int64_t{kv_head} * p.partial_rows * D;
-  for (int r = warp; r < task.num_rows; r += blockDim.x / 32) {
+  for (int r = warp; r < task.num_rows; r += num_warps) {
     float max_lse = -INFINITY;
     for (int s = lane; s < task.num_splits; s += 32) {
       max_lse = fmaxf(max_lse, __ldcg(part_lse + task.partial_row + s * task.row_stride + r));
@@ -217,30 +218,41 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
 }
 
 // Split-KV: the last split of a tile to finish merges all of them (no second launch). Called
-// by every thread of the block after its partials are written. kBatch: the batched merge's
-// splits per batch (decode tiles), or kTwoPassMerge (prefill tiles: MergeSplitsTwoPass).
+// by every thread of the block after its partials are written, or with kThreads > 0 by the
+// block's first kThreads threads only (a warp-specialized block's consumers), which then meet at
+// named barrier kMergeBarrier. kBatch: the batched merge's splits per batch (decode tiles), or
+// kTwoPassMerge (prefill tiles: MergeSplitsTwoPass).
 inline constexpr int kTwoPassMerge = 0;
-template <typename TIO, int D, int kBatch>
+inline constexpr int kMergeBarrier = 15;
+template <typename TIO, int D, int kBatch, int kThreads = 0>
 __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
                                                  const AttentionWorkItem& item,
                                                  const AttentionSpan& span, int kv_head,
                                                  int group) {
   if (item.partial_row < 0 || p.separate_merge) return;
+  auto sync = [] {
+    if constexpr (kThreads == 0) {
+      __syncthreads();
+    } else {
+      asm volatile("bar.sync %0, %1;\n" ::"n"(kMergeBarrier), "n"(kThreads) : "memory");
+    }
+  };
   __shared__ int is_last_split;
   const AttentionMergeTask task = p.merge_tasks[item.merge_task];
   int* counter = p.merge_counters + int64_t{item.merge_task} * p.num_kv_heads + kv_head;
   __threadfence();  // this split's partials are visible before it is counted
-  __syncthreads();
+  sync();
   if (threadIdx.x == 0) {
     is_last_split = atomicAdd(counter, 1) == task.num_splits - 1;
     // The last split reads the others' partials after the barrier below: the counting
     // thread's fence orders those reads after the count (each writer fenced before counting).
     if (is_last_split) __threadfence();
   }
-  __syncthreads();
+  sync();
   if (is_last_split) {
     if constexpr (kBatch == kTwoPassMerge) {
-      MergeSplitsTwoPass<TIO, D>(p, task, span, kv_head, group);
+      MergeSplitsTwoPass<TIO, D>(p, task, span, kv_head, group,
+                                 kThreads == 0 ? blockDim.x / 32 : kThreads / 32);
     } else {
       MergeSplits<TIO, D, kBatch>(p, task, span, kv_head, group);
     }

@@ -187,12 +187,13 @@ constexpr int LargestDivisorAtMost(int n, int most) {
 // AttentionValue gives it (NaN as 0, past 2^48 saturated); rows past the span are zero. A
 // thread issues all its loads (up to 8 chunks at a time) before it stores any, so the tile costs
 // one global-memory latency rather than one per chunk. offset(row, chunk) is the element offset
-// of a 16-byte chunk in the kernel's shared-memory layout.
+// of a 16-byte chunk in the kernel's shared-memory layout; tid the thread's index among the
+// kThreads that load it.
 template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
 __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           const AttentionWorkItem& item, const AttentionSpan& span,
                                           int kv_head, int group, int span_rows, T* smem_q,
-                                          Offset offset) {
+                                          Offset offset, int tid) {
   static_assert(std::is_same_v<TIO, float> || std::is_same_v<TIO, T>, "q in float or in T");
   constexpr int kChunks = D / 8;
   constexpr int kTotal = kRows * kChunks;
@@ -204,7 +205,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       float4 lo[kBatch], hi[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         const int span_row = item.row_start + r;
         lo[i] = hi[i] = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -217,7 +218,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
         *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(
@@ -228,7 +229,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       uint4 x[kBatch];
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         const int span_row = item.row_start + r;
         x[i] = make_uint4(0, 0, 0, 0);
@@ -239,7 +240,7 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
       }
 #pragma unroll
       for (int i = 0; i < kBatch; ++i) {
-        const int c = threadIdx.x + (b0 + i) * kThreads;
+        const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
         *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(x[i]);

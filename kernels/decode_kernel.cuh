@@ -105,10 +105,9 @@ struct DecodeTileConfig {
 
 // ---- One warp's 16 rows: what they see and their softmax state ----------------------------
 
-// The decode tile's lazy softmax base may trail the row's max by up to this much (log2 units):
-// P <= 2^8 before normalization. Lazy at head_dim >= 128, where the skipped rescale of O is D/2
-// multiplies a step; at 64 the vote costs more than it saves (docs/PERFORMANCE.md#tried).
-inline constexpr float kRescaleSlack = 8.f;
+// The decode tile's softmax base is lazy (kRescaleSlack) at head_dim >= 128, where the skipped
+// rescale of O is D/2 multiplies a step; at 64 the vote costs more than it saves
+// (docs/PERFORMANCE.md#tried).
 constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
 
 // The positions a thread's two rows (quad_row and quad_row + 8 of its warp's 16) may see.

@@ -258,33 +258,42 @@ struct WgmmaTileMath {
         wg_tid);
   }
 
-  // S = Q K^T of one tile (this warpgroup's Q rows at q_wg_base, the K tile at kb): D/16 k
+  // Descriptors (Sw128Desc) of the Q rows, and of stage 0's K and V tiles; a stage's and a k
+  // step's are these plus a constant (Sw128DescPlus). V's leading field: the bytes between its
+  // 64-column slices where one wgmma spans both (kWidth 128).
+  static constexpr uint32_t kStageBytes = Cfg::kStageElems * sizeof(T);
+  static constexpr uint32_t kVLeading = Cfg::kWidth == 128 ? Cfg::kTileKv * kRowBytes : 1024;
+  __device__ __forceinline__ static uint64_t StageDesc(uint64_t k_desc0, int stage) {
+    return Sw128DescPlus(k_desc0, stage * kStageBytes);
+  }
+
+  // S = Q K^T of one tile (this warpgroup's Q rows at q_desc, the K tile at k_desc): D/16 k
   // steps; issued, not waited for.
-  __device__ __forceinline__ static void IssueS(float (&s)[kNT][4], uint32_t q_wg_base,
-                                                uint32_t kb) {
+  __device__ __forceinline__ static void IssueS(float (&s)[kNT][4], uint64_t q_desc,
+                                                uint64_t k_desc) {
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
       const uint32_t slice = kk >> 2, k_in = (kk & 3) * 32;
-      WgmmaSS<T>(s, Sw128Desc(q_wg_base + slice * Cfg::kRows * kRowBytes + k_in),
-                 Sw128Desc(kb + slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
+      WgmmaSS<T>(s, Sw128DescPlus(q_desc, slice * Cfg::kRows * kRowBytes + k_in),
+                 Sw128DescPlus(k_desc, slice * Cfg::kTileKv * kRowBytes + k_in), kk > 0);
     }
   }
 
-  // O += P V of one tile (the V tile at vb): per 16-position k step, one wgmma per 64-column
-  // slice of V.
+  // O += P V of one tile (the V tile at v_desc, leading field kVLeading): per 16-position k
+  // step, one wgmma per 64-column slice of V.
   __device__ __forceinline__ static void IssuePV(float (&o)[kOT][4], const uint32_t (&pa)[kKP][4],
-                                                 uint32_t vb) {
+                                                 uint64_t v_desc) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
       if constexpr (Cfg::kWidth == 128) {
         // One m64n128 wgmma over both slices: 2% faster than two n64's
         // (docs/PERFORMANCE.md#design-decisions).
-        WgmmaRS<T>(o, pa[kp], Sw128Desc(vb + kp * 16 * kRowBytes, Cfg::kTileKv * kRowBytes));
+        WgmmaRS<T>(o, pa[kp], Sw128DescPlus(v_desc, kp * 16 * kRowBytes));
       } else {
 #pragma unroll
         for (int sl = 0; sl < Cfg::kSlices; ++sl)
           WgmmaRS<T>(*reinterpret_cast<float(*)[8][4]>(&o[sl * 8]), pa[kp],
-                     Sw128Desc(vb + sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
+                     Sw128DescPlus(v_desc, sl * Cfg::kTileKv * kRowBytes + kp * 16 * kRowBytes));
       }
     }
   }
@@ -342,7 +351,11 @@ struct WgmmaTileMath {
       }
       return;
     }
-    // The max as a tree too.
+    // The thread's max of each row, as a tree too. The base is lazy (kRescaleSlack): raised,
+    // to the row's max across its quad, only when some row of the warp has a score that far
+    // above it, so most tiles skip the shuffles and O's rescale.
+    float mx[2];
+    bool raise = false;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       float part[kNT];
@@ -352,14 +365,25 @@ struct WgmmaTileMath {
       for (int level = 1; level < kNT; level *= 2)  // kNT is a power of two
 #pragma unroll
         for (int nt = 0; nt < kNT; nt += 2 * level) part[nt] = fmaxf(part[nt], part[nt + level]);
-      float mx = fmaxf(row_max[i], part[0]);
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float base = SoftmaxBase(mx, scale_log2);
-      alpha[i] = FastExp2(SoftmaxExponent(row_max[i], scale_log2, base));
-      row_max[i] = mx;
-      row_sum[i] = row_sum[i] * alpha[i] + ExpRowSum(s, i, scale_log2, base);
+      mx[i] = part[0];
+      const float base = row_max[i] == -INFINITY ? -INFINITY : SoftmaxBase(row_max[i], scale_log2);
+      raise = raise || mx[i] * scale_log2 > base + kRescaleSlack;
     }
+    alpha[0] = alpha[1] = 1.f;
+    if (__any_sync(0xffffffffu, raise)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        float m = fmaxf(row_max[i], mx[i]);
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 1));
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, 2));
+        alpha[i] = FastExp2(SoftmaxExponent(row_max[i], scale_log2, SoftmaxBase(m, scale_log2)));
+        row_max[i] = m;
+        row_sum[i] *= alpha[i];
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      row_sum[i] += ExpRowSum(s, i, scale_log2, SoftmaxBase(row_max[i], scale_log2));
   }
 
   // P as the A operand of P.V (k step kp covers positions 16kp..16kp+15).
@@ -500,12 +524,14 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const int wg_tiles = rows.wg_tiles;
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
-  const uint32_t q_wg_base = smem.q_rows(wg);
+  const uint64_t q_desc = Sw128Desc(smem.q_rows(wg));
+  const uint64_t k_desc0 = Sw128Desc(smem.k_addr(0));
+  const uint64_t v_desc0 = Sw128Desc(smem.v_addr(0), M::kVLeading);
   auto issue_s = [&](float(&s)[kNT][4], int tile) {
-    M::IssueS(s, q_wg_base, smem.k_addr(tile % kS));
+    M::IssueS(s, q_desc, M::StageDesc(k_desc0, tile % kS));
   };
   auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int tile) {
-    M::IssuePV(o, pa, smem.v_addr(tile % kS));
+    M::IssuePV(o, pa, M::StageDesc(v_desc0, tile % kS));
   };
   auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
     M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows, quad_col, softcap,
@@ -689,7 +715,9 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   const int quad_row = lane >> 2, quad_col = lane & 3;
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
-  const uint32_t q_wg_base = smem.q_rows(wg);
+  const uint64_t q_desc = Sw128Desc(smem.q_rows(wg));
+  const uint64_t k_desc0 = Sw128Desc(smem.k_addr(0));
+  const uint64_t v_desc0 = Sw128Desc(smem.v_addr(0), M::kVLeading);
   __shared__ float2 pin_slot;  // PinBeforeWait's (never written)
   const uint32_t sink = SmemAddr(&pin_slot);
   auto take_turn = [&] { NamedBarrierSync(kTurnBarrier + wg, 2 * 128); };
@@ -724,10 +752,10 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
         M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
     const int wg_tiles = rows.wg_tiles;
     auto issue_s = [&](float(&s)[kNT][4], int g) {
-      M::IssueS(s, q_wg_base, smem.k_addr(g % kS));
+      M::IssueS(s, q_desc, M::StageDesc(k_desc0, g % kS));
     };
     auto issue_pv = [&](const uint32_t(&pa)[kKP][4], int g) {
-      M::IssuePV(o, pa, smem.v_addr(g % kS));
+      M::IssuePV(o, pa, M::StageDesc(v_desc0, g % kS));
     };
     auto softmax_exp = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
       M::SoftmaxExp(s, item.kv_start + tile * Cfg::kTileKv, item.kv_end, rows, quad_col, softcap,

@@ -93,6 +93,10 @@ __device__ __forceinline__ float SaturatedScore(float s) {
 __device__ __forceinline__ float SoftmaxBase(float mx, float scale_log2) {
   return mx == -INFINITY ? 0.f : SaturatedScore(mx * scale_log2);
 }
+// A lazy softmax base (the decode and Hopper prefill tiles) trails the row's max by up to this
+// much (log2 units), raised only past it: P <= 2^8 before normalization, and most tiles skip
+// the rescale of O.
+inline constexpr float kRescaleSlack = 8.f;
 __device__ __forceinline__ float SoftmaxExponent(float s, float scale_log2, float base) {
   return fminf(fmaf(s, scale_log2, -base), 0.f);  // also maps an inf or NaN score to the max
 }

@@ -55,8 +55,11 @@ __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, b
 // instruction less than the source size's selection.
 __device__ __forceinline__ void CpAsync16Or0(uint32_t smem_addr, const void* src, bool valid) {
   asm volatile(
-      "{\n.reg .pred z;\nsetp.eq.b32 z, %2, 0;\ncp.async.cg.shared.global [%0], [%1], 16, z;\n}\n" ::"r"(
-          smem_addr),
+      "{\n"
+      ".reg .pred z;\n"
+      "setp.eq.b32 z, %2, 0;\n"
+      "cp.async.cg.shared.global [%0], [%1], 16, z;\n"
+      "}\n" ::"r"(smem_addr),
       "l"(src), "r"(static_cast<int>(valid))
       : "memory");
 }

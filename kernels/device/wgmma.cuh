@@ -35,6 +35,14 @@ __device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leadi
          (uint64_t{1024 >> 4} << 32) | (uint64_t{1} << 62);
 }
 
+// The descriptor of an address `bytes` (a multiple of 16) past desc's: the start address field
+// (bits 0-13, in 16-byte units) of a shared-memory address under 256 KiB takes the add without a
+// carry out of it, so one 32-bit add on the low word.
+__device__ __forceinline__ uint64_t Sw128DescPlus(uint64_t desc, uint32_t bytes) {
+  const uint32_t lo = static_cast<uint32_t>(desc) + (bytes >> 4);
+  return (desc & 0xFFFFFFFF00000000ull) | lo;
+}
+
 __device__ __forceinline__ void WgmmaFence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 }

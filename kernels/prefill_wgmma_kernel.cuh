@@ -448,7 +448,7 @@ template <typename T, typename TIO, int D, bool kVariant>
 __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
-  static_assert(!Cfg::kPipelined, "the pipelined tile runs in the persistent body");
+  static_assert(!Cfg::kPipelined, "the pipelined tile runs in the warp-specialized body");
   constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const typename M::Smem smem = M::SmemOf(smem_raw);
@@ -700,6 +700,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
         row = next_row;
       }
     }
+    CpAsyncCommit();  // the copies above are in no group until now: wait for all of them
     CpAsyncWait<0>();
     return;
   }

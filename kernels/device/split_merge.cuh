@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "kernels/device/dtype.cuh"
+#include "kernels/device/mbarrier.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/tile_io.cuh"
 #include "kernels/device/variant.cuh"
@@ -234,7 +235,7 @@ __device__ __forceinline__ void MergeIfLastSplit(const PagedAttentionParams& p,
     if constexpr (kThreads == 0) {
       __syncthreads();
     } else {
-      asm volatile("bar.sync %0, %1;\n" ::"n"(kMergeBarrier), "n"(kThreads) : "memory");
+      NamedBarrierSync(kMergeBarrier, kThreads);
     }
   };
   __shared__ int is_last_split;

@@ -74,8 +74,6 @@ struct WgmmaPrefillConfig {
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
   using ProducerCopy = KvCopyLayout<D, kProducerThreads, kTileKv>;
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
-  static constexpr int kRowStep = Copy::kRowStep;              // rows one copy pass covers
-  static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
   static constexpr int kTileElems = kTileKv * kWidth;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);

@@ -677,28 +677,36 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const int v_chunk = copy_chunk - col0 / 8;
   const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
   const int32_t* pages = p.page_table + span.page_table_offset;
-  // A chunk's byte offset in the pool is page id * page_bytes (one 32 x 32 -> 64-bit multiply)
-  // plus its offset within the page: the kv head's rows, the position's row, the chunk.
-  const char* k_bytes = static_cast<const char*>(p.k_cache);
-  const char* v_bytes = static_cast<const char*>(p.v_cache);
+  // A tile's rows are found once each, not once per thread that copies a chunk of them: lane j
+  // of a warp finds the pool row (row = (page * kv_heads + kv_head) * page_size + in_page) of
+  // the warp's j-th row, and each thread takes its rows' from their lanes by a shuffle, which
+  // leaves it one multiply-add per copy's address. A lane loads its page id one tile ahead of
+  // the copies, so that the load's latency stays hidden. Rows past the range: row 0, so that
+  // every address stays in the pool. Pool rows fit in 32 bits: 2^32 rows of at least 64 bytes
+  // (FP8 at head_dim 64) exceed any GPU's memory.
+  using Copy = typename Cfg::Copy;
+  constexpr int kRowsAtOnce = Copy::kSlots >= 32 ? 1 : 32 / Copy::kSlots;  // a warp's, per pass
+  constexpr int kWarpRows = Cfg::kRowsPerThread * kRowsAtOnce;
+  static_assert(kWarpRows <= 32, "a lane finds each of its warp's rows");
+  const int warp_row0 = warp * 32 / Copy::kSlots;  // lane 0's copy_row0
+  const int lane_slot = lane % kWarpRows;           // the warp's row this lane finds
+  const int lane_row =
+      warp_row0 + lane_slot % kRowsAtOnce + lane_slot / kRowsAtOnce * Cfg::kRowStep;
+  const int my_first_slot = copy_row0 - warp_row0;  // slot of this thread's first row
+  // The thread's chunk of row 0 of each pool, in registers (opaque to the compiler, which
+  // would otherwise add the pool's base to each address again): an address is then one
+  // multiply-add.
+  const char* k_bytes = static_cast<const char*>(p.k_cache) + copy_chunk * 16;
+  const char* v_bytes = static_cast<const char*>(p.v_cache) + copy_chunk * 16;
+  asm("" : "+l"(k_bytes), "+l"(v_bytes));
   constexpr uint32_t kRowBytes = D * sizeof(S);
-  static_assert(uint64_t{kMaxNumHeads} * kMaxPageSize * kRowBytes <= uint64_t{1} << 32,
-                "a page of every kv head is addressed in 32 bits");
-  const uint32_t page_bytes = static_cast<uint32_t>(p.num_kv_heads * p.page_size) * kRowBytes;
-  const uint32_t head_chunk_bytes =
-      static_cast<uint32_t>(kv_head * p.page_size) * kRowBytes + copy_chunk * 16;
-  // The rows a thread copies of one tile: their page ids, loaded one tile ahead of the copies so
-  // that their latency stays hidden, and (up to 8 rows a thread, head_dim <= 128, where the
-  // registers allow) their byte offsets within the page, found with the ids; with more rows the
-  // offsets are found again when the copies are issued. Rows past the range: page id 0 and
-  // offset 0, so that every address stays in the pool.
-  constexpr bool kKeepOffsets = Cfg::kRowsPerThread <= 8;
-  struct TileRows {
-    int id[Cfg::kRowsPerThread];
-    uint32_t offset[kKeepOffsets ? Cfg::kRowsPerThread : 1];
-  };
-  auto in_page_offset = [&](int pos, uint32_t page) {  // page: pos / page_size
-    return head_chunk_bytes + (pos - page * p.page_size) * kRowBytes;
+  const uint32_t head_rows = static_cast<uint32_t>(kv_head * p.page_size);
+  const uint32_t page_rows = static_cast<uint32_t>(p.num_kv_heads * p.page_size);
+  // The lane's row of a tile: its page id (0 past the range) and its row within the page's
+  // rows (the kv head's, then the position's).
+  struct LaneRow {
+    int id;
+    uint32_t in_page;
   };
   // The item's first pages (AttachFirstPages), lane j holding page j: loaded beside the item, so
   // the first tiles' copies wait for no page-table load (docs/PERFORMANCE.md#design-decisions).
@@ -706,45 +714,38 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const int lane_first_page =
       pages_attached && lane < kItemPages ? first_pages[item_index].ids[lane] : 0;
   const uint32_t first_page = p.page_div.Div(item.kv_start);
-  // from_item: the page ids from the item's first pages (the prologue, when they hold its tiles'
+  // from_item: the page id from the item's first pages (the prologue, when they hold its tiles'
   // pages: carry_first below), otherwise from the page table.
-  auto fetch_pages = [&](int tile, TileRows& rows, auto from_item) {
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int pos = item.kv_start + tile * Cfg::kTileKv + copy_row0 + i * Cfg::kRowStep;
-      const bool valid = tile < num_tiles && pos < item.kv_end;
-      const uint32_t page = p.page_div.Div(pos);
-      if constexpr (decltype(from_item)::value) {
-        const int carried = __shfl_sync(0xffffffffu, lane_first_page, (page - first_page) & 31);
-        rows.id[i] = valid ? carried : 0;
-      } else {
-        rows.id[i] = valid ? pages[page] : 0;
-      }
-      if constexpr (kKeepOffsets) {
-        rows.offset[i] = valid ? in_page_offset(pos, page) : 0;
-      }
+  auto fetch_pages = [&](int tile, LaneRow& rows, auto from_item) {
+    const int pos = item.kv_start + tile * Cfg::kTileKv + lane_row;
+    const bool valid = tile < num_tiles && pos < item.kv_end;
+    const uint32_t page = p.page_div.Div(pos);
+    if constexpr (decltype(from_item)::value) {
+      const int carried = __shfl_sync(0xffffffffu, lane_first_page, (page - first_page) & 31);
+      rows.id = valid ? carried : 0;
+    } else {
+      rows.id = valid ? pages[page] : 0;
     }
+    rows.in_page = valid ? head_rows + (pos - page * p.page_size) : 0;
   };
   unsigned char* const stages = smem_raw;
   // FP8: the one dequantized tile (K then V) after the stages, and whether rows carry scales.
   T* const fp8_tile = reinterpret_cast<T*>(smem_raw + Cfg::kStages * Cfg::kStageBytes);
   const bool row_scales = Cfg::kFp8 && p.scales.k_rows != nullptr;
-  auto issue_tile = [&](int tile, const TileRows& rows) {
+  auto issue_tile = [&](int tile, const LaneRow& rows) {
     unsigned char* stage = stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
+    const uint32_t found = static_cast<uint32_t>(rows.id) * page_rows + rows.in_page;
+    uint32_t pool_rows[Cfg::kRowsPerThread];
+#pragma unroll
+    for (int i = 0; i < Cfg::kRowsPerThread; ++i)
+      pool_rows[i] = __shfl_sync(0xffffffffu, found, i * kRowsAtOnce + my_first_slot);
     if (!copies) return;
+    const int rows_left = item.kv_end - (item.kv_start + tile * Cfg::kTileKv);
 #pragma unroll
     for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
       const int row = copy_row0 + i * Cfg::kRowStep;
-      const int pos = item.kv_start + tile * Cfg::kTileKv + row;
-      const bool valid = pos < item.kv_end;
-      uint32_t in_page;
-      if constexpr (kKeepOffsets) {
-        in_page = rows.offset[i];
-      } else {
-        in_page = valid ? in_page_offset(pos, p.page_div.Div(pos)) : 0;
-      }
-      const uint64_t offset =
-          static_cast<uint64_t>(static_cast<uint32_t>(rows.id[i])) * page_bytes + in_page;
+      const bool valid = row < rows_left;
+      const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes;
       if constexpr (Cfg::kFp8) {
         // Without the evict-first policy: ptxas (CUDA 13.0, sm_90a) addresses these copies
         // [R+UR] and misallocates the policy's descriptor register (an illegal instruction at
@@ -753,11 +754,10 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         if constexpr (Cfg::kFp8Direct) sk = stage + Fp8TileOffset<D>(row, copy_chunk);
         CpAsync16(SmemAddr(sk), k_bytes + offset, valid);
         CpAsync16(SmemAddr(sk + Cfg::kTileKv * D), v_bytes + offset, valid);
-        if (row_scales && copy_chunk == 0) {  // offset / kRowBytes: the row's index in the pool
+        if (row_scales && copy_chunk == 0) {
           float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
-          const uint64_t pool_row = offset / kRowBytes;
-          CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_row, valid);
-          CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_row, valid);
+          CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_rows[i], valid);
+          CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
         }
       } else {
         T* sk = reinterpret_cast<T*>(stage);
@@ -803,7 +803,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     }
   };
 
-  TileRows next_rows;  // the ids of the next tile to issue
+  LaneRow next_rows;  // the lane's row of the next tile to issue
   // The copies of tile + kStages - 1 (one commit group, empty past the range), then the page ids
   // of the tile after it; and the wait until tile `tile` is in shared memory for every thread.
   auto issue_ahead = [&](int tile) {
@@ -843,14 +843,14 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   if (carry_first) {
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) {
-      TileRows rows;
+      LaneRow rows;
       fetch_pages(s, rows, std::true_type{});
       if (s < num_tiles) issue_tile(s, rows);
       CpAsyncCommit();
     }
     fetch_pages(Cfg::kStages - 1, next_rows, std::true_type{});
   } else {
-    TileRows first_rows[Cfg::kStages - 1];
+    LaneRow first_rows[Cfg::kStages - 1];
 #pragma unroll
     for (int s = 0; s < Cfg::kStages - 1; ++s) fetch_pages(s, first_rows[s], std::false_type{});
 #pragma unroll

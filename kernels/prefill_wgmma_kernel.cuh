@@ -462,7 +462,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const int span_rows = span.num_queries * group;
   const int tid = threadIdx.x;
   const int warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2, wg_warp = warp & 3;
+  const int wg = WarpUniform(warp >> 2), wg_warp = warp & 3;
   const int quad_row = lane >> 2, quad_col = lane & 3;
 
   // ---- K/V pipeline: tile t is issued kS - 1 tiles ahead, into stage t % kS, by all threads,
@@ -473,7 +473,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const T* k_cache = static_cast<const T*>(p.k_cache);
   const T* v_cache = static_cast<const T*>(p.v_cache);
   const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
-  const int num_tiles = (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  const int num_tiles =
+      WarpUniform((item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv);
   const int32_t* pages = p.page_table + span.page_table_offset;
   // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
   // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
@@ -519,7 +520,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   M::StartRows(o, row_max, row_sum);
   const typename M::Rows rows =
       M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
-  const int wg_tiles = rows.wg_tiles;
+  const int wg_tiles = WarpUniform(rows.wg_tiles);
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint64_t q_desc = Sw128Desc(smem.q_rows(wg));
@@ -710,7 +711,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   // their rows see.
   RaiseRegisters<Cfg::kConsumerRegs>();
   const int warp = tid >> 5, lane = tid & 31;
-  const int wg = warp >> 2, wg_warp = warp & 3, wg_tid = tid & 127;
+  const int wg = WarpUniform(warp >> 2), wg_warp = warp & 3, wg_tid = tid & 127;
   const int quad_row = lane >> 2, quad_col = lane & 3;
   const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
@@ -738,7 +739,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     const int kv_head = p.prefill_jobs[j].kv_head;
     const AttentionSpan& span = item.span_info;
     const int span_rows = span.num_queries * group;
-    const int num_tiles = tiles_of(item);
+    const int num_tiles = WarpUniform(tiles_of(item));
 
     // ---- This warpgroup's Q rows -> shared memory (its S of the last job has completed).
     M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid);
@@ -749,7 +750,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     M::StartRows(o, row_max, row_sum);
     const typename M::Rows rows =
         M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
-    const int wg_tiles = rows.wg_tiles;
+    const int wg_tiles = WarpUniform(rows.wg_tiles);
     auto issue_s = [&](float(&s)[kNT][4], int g) {
       M::IssueS(s, q_desc, M::StageDesc(k_desc0, g % kS));
     };

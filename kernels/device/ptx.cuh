@@ -10,6 +10,10 @@
 
 namespace pagedattn::kernels {
 
+// x, which every lane of the warp holds alike, as ptxas can see it is: lane 0's value broadcast,
+// so that what is computed from it may live in uniform registers (a wgmma's descriptors must).
+__device__ __forceinline__ int WarpUniform(int x) { return __shfl_sync(0xffffffffu, x, 0); }
+
 // c += a * b for one m16n8k16 tile (a row-major 16x16, b col-major 16x8, c f32 16x8).
 template <typename T>
 __device__ __forceinline__ void Mma16816(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,

@@ -760,15 +760,19 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
           CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
         }
       } else {
-        T* sk = reinterpret_cast<T*>(stage);
-        T* sv = sk + Cfg::kTileElems;
-        const int smem_off = SwizzledOffset<D>(row, copy_chunk);
-        CpAsync16Policy(SmemAddr(sk + smem_off), k_bytes + offset, valid, read_once);
+        // The stage's address in a register of the thread's own, not a uniform one: ptxas
+        // (CUDA 13.0, sm_90a) addresses copies with a policy [R+UR] with a misallocated
+        // descriptor register (an illegal instruction at run time) where it may.
+        uint32_t sk = SmemAddr(stage);
+        asm("" : "+r"(sk));
+        const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);
+        const uint32_t smem_off = SwizzledOffset<D>(row, copy_chunk) * sizeof(T);
+        CpAsync16Policy(sk + smem_off, k_bytes + offset, valid, read_once);
         if constexpr (Cfg::kColSplit == 1) {
-          CpAsync16Policy(SmemAddr(sv + smem_off), v_bytes + offset, valid, read_once);
+          CpAsync16Policy(sv + smem_off, v_bytes + offset, valid, read_once);
         } else if (v_chunk >= 0 && v_chunk < Cfg::kDv / 8) {  // the threads of V's columns
-          CpAsync16Policy(SmemAddr(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk)), v_bytes + offset,
-                          valid, read_once);
+          CpAsync16Policy(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk) * sizeof(T),
+                          v_bytes + offset, valid, read_once);
         }
       }
     }

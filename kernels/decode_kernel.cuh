@@ -682,8 +682,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // the warp's j-th row, and each thread takes its rows' from their lanes by a shuffle, which
   // leaves it one multiply-add per copy's address. A lane loads its page id one tile ahead of
   // the copies, so that the load's latency stays hidden. Rows past the range: row 0, so that
-  // every address stays in the pool. Pool rows fit in 32 bits: 2^32 rows of at least 64 bytes
-  // (FP8 at head_dim 64) exceed any GPU's memory.
+  // every address stays in the pool. Pool rows fit in 32 bits: K's and V's pools of 2^32 rows
+  // of at least 64 bytes (FP8 at head_dim 64) would take 512 GiB.
   using Copy = typename Cfg::Copy;
   constexpr int kRowsAtOnce = Copy::kSlots >= 32 ? 1 : 32 / Copy::kSlots;  // a warp's, per pass
   constexpr int kWarpRows = Cfg::kRowsPerThread * kRowsAtOnce;

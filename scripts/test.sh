@@ -32,6 +32,11 @@ if [ -x "$venv/bin/python3" ]; then
       echo "test.sh: WARNING: could not install torch + transformers: test_model.py will skip"
   fi
   "$venv/bin/pip" install -q --disable-pip-version-check --force-reinstall --no-deps ./client/python
+  # cuobjdump and nvdisasm for sass_descriptor_test (the Debian toolkit here has neither).
+  if [ -z "$(find "$venv" -path '*nvidia/cu*/bin/nvdisasm' 2>/dev/null)" ]; then
+    "$venv/bin/pip" install -q --disable-pip-version-check nvidia-cuda-cuobjdump \
+        nvidia-cuda-nvdisasm || echo "test.sh: WARNING: no cuobjdump: sass_descriptor_test will skip"
+  fi
 fi
 
 py=""

@@ -3,8 +3,8 @@
 //
 // Included only by the per-head-dim instantiation files. A block takes one work item: up to
 // kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a
-// KV range, streamed through a cp.async pipeline of 64-position tiles gathered through the page
-// table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
+// KV range, streamed through a cp.async pipeline of 64-position tiles (128 for an FP8 cache at
+// head dims 64 and 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
 // online softmax between them. The kKvWarps warps that share a row slice split each KV tile and
 // combine their softmax states at the end, so each K/V byte is read once for every head of its
 // GQA group. An FP8 cache's tiles are copied as stored (half the bytes); at head dims 64, 128
@@ -39,12 +39,19 @@ namespace pagedattn::kernels {
 // stage turns three blocks an SM into two, and the batch of 64 x 8 kv heads from 1.3 waves into
 // 1.9: 0.68x -> 0.86x of head_dim 128's TB/s (docs/PERFORMANCE.md#head-dims).
 constexpr int DecodeStages(int head_dim) { return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2; }
-// An FP8 cache's staging stages hold half the bytes of a 16-bit tile, so more of them fit beside
-// the dequantized tile: 4 up to head_dim 128 (as many blocks an SM as the 16-bit tiles, three
-// instead of two at 80), 3 at 256 (one block either way), 2 at 192 (a third would leave one block
-// an SM instead of two).
+// An FP8 cache's stages hold half the bytes of a 16-bit tile's. At head dims 64 and 128 a tile
+// then takes 128 positions (DecodeTileRows), as many bytes as a 16-bit tile of 64: a tile's
+// fixed costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
+// Stages: 4 at 64 (three blocks an SM), 2 at 128 (three blocks an SM; a third stage would leave
+// two), 3 at 256 (one block either way); at 80 and 96, 4 beside the dequantized tile (three blocks
+// an SM at 80, instead of two), at 192 2 (a third would leave one block an SM instead of two).
 constexpr int Fp8DecodeStages(int head_dim) {
-  return head_dim <= 128 ? 4 : head_dim == 256 ? 3 : 2;
+  return head_dim == 128 ? 2 : head_dim <= 128 ? 4 : head_dim == 256 ? 3 : 2;
+}
+// Positions a decode tile's stage holds: 128 for an FP8 cache read straight into fragments at
+// head dims 64 and 128 (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
+constexpr int DecodeTileRows(bool fp8_direct, int head_dim) {
+  return fp8_direct && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
 }
 
 // S: the cache's element type as stored (T, or Fp8); T: the tiles' (TileType<S>).
@@ -67,7 +74,7 @@ struct DecodeTileConfig {
   static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
   static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");
   static constexpr int kThreads = 128;
-  static constexpr int kTileKv = kKvTileRows;         // positions per pipeline stage
+  static constexpr int kTileKv = DecodeTileRows(kFp8Direct, D);  // positions per stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
   static constexpr int kRows = kRowWarps * 16;        // query rows per block
@@ -105,10 +112,10 @@ struct DecodeTileConfig {
 
 // ---- One warp's 16 rows: what they see and their softmax state ----------------------------
 
-// The decode tile's softmax base is lazy (kRescaleSlack) at head_dim >= 128, where the skipped
+// The decode tile's softmax base is lazy (kRescaleSlack) from head_dim 80 on, where the skipped
 // rescale of O is D/2 multiplies a step; at 64 the vote costs more than it saves
 // (docs/PERFORMANCE.md#tried).
-constexpr bool LazyRescale(int head_dim) { return head_dim >= 128; }
+constexpr bool LazyRescale(int head_dim) { return head_dim >= 80; }
 
 // The positions a thread's two rows (quad_row and quad_row + 8 of its warp's 16) may see.
 struct DecodeRows {
@@ -732,6 +739,13 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // FP8: the one dequantized tile (K then V) after the stages, and whether rows carry scales.
   T* const fp8_tile = reinterpret_cast<T*>(smem_raw + Cfg::kStages * Cfg::kStageBytes);
   const bool row_scales = Cfg::kFp8 && p.scales.k_rows != nullptr;
+  // Where ptxas (CUDA 13.0, sm_90a) may address an evict-first copy [R+UR], with the shared
+  // address's uniform part in UR, it misallocates the policy's descriptor register: an illegal
+  // instruction at run time (tests/scripts/sass_descriptor_test.sh looks for it in every kernel).
+  // The stage's address is kept out of uniform registers: a shuffle's result for the FP8 copies,
+  // through an empty asm for the 16-bit ones: in each path the form that ptxas compiles right.
+  const uint32_t fp8_stages_addr =
+      Cfg::kFp8 ? __shfl_sync(0xffffffffu, SmemAddr(stages), lane) : 0;
   auto issue_tile = [&](int tile, const LaneRow& rows) {
     unsigned char* stage = stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
     const uint32_t found = static_cast<uint32_t>(rows.id) * page_rows + rows.in_page;
@@ -747,22 +761,20 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       const bool valid = row < rows_left;
       const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes;
       if constexpr (Cfg::kFp8) {
-        // Without the evict-first policy: ptxas (CUDA 13.0, sm_90a) addresses these copies
-        // [R+UR] and misallocates the policy's descriptor register (an illegal instruction at
-        // run time); the 16-bit tiles' copies keep it.
-        unsigned char* sk = stage + (row * Cfg::kChunks + copy_chunk) * 16;
-        if constexpr (Cfg::kFp8Direct) sk = stage + Fp8TileOffset<D>(row, copy_chunk);
-        CpAsync16(SmemAddr(sk), k_bytes + offset, valid);
-        CpAsync16(SmemAddr(sk + Cfg::kTileKv * D), v_bytes + offset, valid);
+        uint32_t sk = fp8_stages_addr + (tile % Cfg::kStages) * Cfg::kStageBytes;
+        if constexpr (Cfg::kFp8Direct) {
+          sk += Fp8TileOffset<D>(row, copy_chunk);
+        } else {
+          sk += (row * Cfg::kChunks + copy_chunk) * 16;
+        }
+        CpAsync16Policy(sk, k_bytes + offset, valid, read_once);
+        CpAsync16Policy(sk + Cfg::kTileKv * D, v_bytes + offset, valid, read_once);
         if (row_scales && copy_chunk == 0) {
           float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
           CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_rows[i], valid);
           CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
         }
       } else {
-        // The stage's address in a register of the thread's own, not a uniform one: ptxas
-        // (CUDA 13.0, sm_90a) addresses copies with a policy [R+UR] with a misallocated
-        // descriptor register (an illegal instruction at run time) where it may.
         uint32_t sk = SmemAddr(stage);
         asm("" : "+r"(sk));
         const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);

@@ -2,14 +2,15 @@
 // one warp's rows, the device body, the thin __global__ wrappers and the host launcher.
 //
 // Included only by the per-head-dim instantiation files. A block takes one work item: up to
-// kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a
-// KV range, streamed through a cp.async pipeline of 64-position tiles (128 for an FP8 cache at
-// head dims 64 and 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores (mma.m16n8k16, f32 accumulators) with an
-// online softmax between them. The kKvWarps warps that share a row slice split each KV tile and
-// combine their softmax states at the end, so each K/V byte is read once for every head of its
-// GQA group. An FP8 cache's tiles are copied as stored (half the bytes); at head dims 64, 128
-// and 256 DecodeFp8Math reads them straight into float16 fragments, at 80, 96 and 192 each
-// thread dequantizes its own chunks into one bfloat16 tile that the 16-bit math reads.
+// kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a KV
+// range, streamed through a cp.async pipeline of 64-position tiles (128 for an FP8 cache at head
+// dims 64 and 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores
+// (mma.m16n8k16, f32 accumulators) with an online softmax between them. The kKvWarps warps that
+// share a row slice split each KV tile and combine their softmax states at the end, so each K/V
+// byte is read once for every head of its GQA group. An FP8 cache's tiles are copied as stored
+// (half the bytes); at head dims 64, 128 and 256 DecodeFp8Math reads them straight into float16
+// fragments, at 80, 96 and 192 each thread dequantizes its own chunks into one bfloat16 tile that
+// the 16-bit math reads.
 #pragma once
 
 #include <cuda_bf16.h>

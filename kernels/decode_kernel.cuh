@@ -41,7 +41,7 @@ namespace pagedattn::kernels {
 // 1.9: 0.68x -> 0.86x of head_dim 128's TB/s (docs/PERFORMANCE.md#head-dims).
 constexpr int DecodeStages(int head_dim) { return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2; }
 // An FP8 cache's stages hold half the bytes of a 16-bit tile's. At head dims 64 and 128 a tile
-// then takes 128 positions (DecodeTileRows), as many bytes as a 16-bit tile of 64: a tile's
+// then takes 128 positions (DecodeTilePositions), as many bytes as a 16-bit tile of 64: a tile's
 // fixed costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
 // Stages: 4 at 64 (three blocks an SM), 2 at 128 (three blocks an SM; a third stage would leave
 // two), 3 at 256 (one block either way); at 80 and 96, 4 beside the dequantized tile (three blocks
@@ -51,7 +51,7 @@ constexpr int Fp8DecodeStages(int head_dim) {
 }
 // Positions a decode tile's stage holds: 128 for an FP8 cache read straight into fragments at
 // head dims 64 and 128 (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
-constexpr int DecodeTileRows(bool fp8_direct, int head_dim) {
+constexpr int DecodeTilePositions(bool fp8_direct, int head_dim) {
   return fp8_direct && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
 }
 
@@ -75,7 +75,7 @@ struct DecodeTileConfig {
   static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
   static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");
   static constexpr int kThreads = 128;
-  static constexpr int kTileKv = DecodeTileRows(kFp8Direct, D);  // positions per stage
+  static constexpr int kTileKv = DecodeTilePositions(kFp8Direct, D);  // positions per stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
   static constexpr int kRows = kRowWarps * 16;        // query rows per block

@@ -326,6 +326,14 @@ struct WgmmaTileMath {
                                                     const Softcap& softcap, float scale_log2,
                                                     float (&row_max)[2], float (&row_sum)[2],
                                                     float (&alpha)[2]) {
+    MaskScores(s, pos0, kv_end, rows, quad_col, softcap);
+    ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
+  }
+
+  // The soft-cap and the masks of SoftmaxExp.
+  __device__ __forceinline__ static void MaskScores(float (&s)[kNT][4], int pos0, int kv_end,
+                                                    const Rows& rows, int quad_col,
+                                                    const Softcap& softcap) {
     softcap.Apply(s);
     if (pos0 + Cfg::kTileKv > kv_end || pos0 + Cfg::kTileKv - 1 > rows.warp_min_pos ||
         pos0 < rows.warp_max_first) {
@@ -339,6 +347,12 @@ struct WgmmaTileMath {
           }
         }
     }
+  }
+
+  // The rest of SoftmaxExp, on masked scores.
+  __device__ __forceinline__ static void ExpOfMasked(float (&s)[kNT][4], const Softcap& softcap,
+                                                     float scale_log2, float (&row_max)[2],
+                                                     float (&row_sum)[2], float (&alpha)[2]) {
     if (softcap.FixedBase<T>()) {  // block-uniform: the fixed base, no max and no rescale
       const float base = SoftmaxBase(softcap.fixed_max, scale_log2);
 #pragma unroll
@@ -382,6 +396,58 @@ struct WgmmaTileMath {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
       row_sum[i] += ExpRowSum(s, i, scale_log2, SoftmaxBase(row_max[i], scale_log2));
+  }
+
+  // The softmax of a tile after a row's first, on masked scores, without their maxima (70 of a
+  // warp's 489 instructions a tile): each weight taken against its row's base as it stands, and
+  // their sums tested instead. Under kBaseSumLimit every weight of the thread's is too (within the
+  // P operand's range, float16's included): the tile is done and O not rescaled. Over it (a row
+  // whose scores rose far past its base, rare after a row's first tiles) the scores are gone:
+  // returns false, and the caller recomputes them (RecomputeS) for ExpOfMasked. A warp with a
+  // row that has no base yet goes to ExpOfMasked at once (docs/PERFORMANCE.md#design-decisions).
+  static constexpr float kBaseSumLimit = 32768.f;  // 2^15
+  __device__ __forceinline__ static bool ExpOnBase(float (&s)[kNT][4], const Softcap& softcap,
+                                                   float scale_log2, float (&row_max)[2],
+                                                   float (&row_sum)[2], float (&alpha)[2]) {
+    if (!__all_sync(0xffffffffu, row_max[0] != -INFINITY && row_max[1] != -INFINITY)) {
+      ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
+      return true;
+    }
+    float sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      sum[i] = ExpRowSum(s, i, scale_log2, SoftmaxBase(row_max[i], scale_log2));
+    }
+    // A weight past float's range makes its sum inf, which fails the test too.
+    if (!__all_sync(0xffffffffu, sum[0] <= kBaseSumLimit && sum[1] <= kBaseSumLimit)) return false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      row_sum[i] += sum[i];
+      alpha[i] = 1.f;
+    }
+    return true;
+  }
+
+  // S of one tile for this warp's 16 rows alone (mma.sync, ldmatrix from the swizzled tiles):
+  // the rare way back for ExpOnBase. q_row0: the warp's first row in the Q tile q; k: the K tile.
+  __device__ __forceinline__ static void RecomputeS(float (&s)[kNT][4], const T* q, int q_row0,
+                                                    const T* k, int lane) {
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.f;
+#pragma unroll 1
+    for (int kk = 0; kk < D / 16; ++kk) {
+      uint32_t a[4];
+      LdMatrixX4(a, SmemAddr(q + Sw128Offset<Cfg::kRows>(q_row0 + (lane & 15),
+                                                         2 * kk + (lane >> 4))));
+#pragma unroll
+      for (int np = 0; np < kNT / 2; ++np) {
+        uint32_t b[4];
+        const int r = 16 * np + (lane & 7) + 8 * (lane >> 4);
+        LdMatrixX4(b, SmemAddr(k + Sw128Offset<Cfg::kTileKv>(r, 2 * kk + ((lane >> 3) & 1))));
+        Mma16816<T>(s[2 * np], a, b[0], b[1]);
+        Mma16816<T>(s[2 * np + 1], a, b[2], b[3]);
+      }
+    }
   }
 
   // P as the A operand of P.V (k step kp covers positions 16kp..16kp+15).
@@ -807,10 +873,25 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
         WgmmaCommit();
         end_turn();
         WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
-        release_k(g + 1);
-        FenceRegs(s);
         float alpha[2];
-        softmax_exp(s, tile + 1, alpha);
+        if constexpr (kVariant) {
+          // A layer with a window or a soft-cap: every tile finds its rows' maxima (ExpOnBase
+          // holds K and ran this kernel's soft-capped tile 1.03x slower).
+          release_k(g + 1);
+          FenceRegs(s);
+          softmax_exp(s, tile + 1, alpha);
+        } else {
+          FenceRegs(s);
+          const int pos0 = item.kv_start + (tile + 1) * Cfg::kTileKv;
+          M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+          if (!M::ExpOnBase(s, softcap, scale_log2, row_max, row_sum, alpha)) {
+            M::RecomputeS(s, smem.q, wg * Cfg::kGroupRows + wg_warp * 16,
+                          smem.kv + ((g + 1) % kS) * Cfg::kStageElems, lane);
+            M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+            M::ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
+          }
+          release_k(g + 1);  // after the scores' last read
+        }
         // ptxas schedules the wait below as early as it can, which would put it above the
         // exponentials and end their overlap with the P.V in flight; a shared-memory store
         // of the running sums (which depend on every exponential) pins them above it.

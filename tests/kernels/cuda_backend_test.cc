@@ -480,6 +480,22 @@ TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
   }
 }
 
+// The same ramp over prefill spans: the Hopper prefill tile weighs a tile against its rows' base
+// as it stands and tests the weights' sums (ExpOnBase); scores this steep pass the limit, some
+// past float's range, and the warp recomputes its scores (RecomputeS) to raise the base.
+TEST_F(CudaKernelTest, GrowingScoresRecomputePrefillScores) {
+  for (int d : kCudaHeadDims) {
+    CaseSpec c;
+    c.head_dim = d;
+    c.q_dtype = c.cache_dtype;
+    c.kv_wire_dtype = DType::kBFloat16;
+    c.k_ramp = 64.f;
+    c.steps = {{{1500, 1500}, {700, 700}}, {{300, 300}, {1, 1}}};
+    c.seed = 91 + d;
+    RunCase(*backend_, c);
+  }
+}
+
 // A NaN in K is stored as 0 (AttentionValue), so its scores are finite and every row matches the
 // reference: the Hopper prefill kernels (no clamp of their exponents), the plain one and the
 // soft-capped one with its fixed base, decode tiles and a chunked prefill.

@@ -466,33 +466,23 @@ TEST_F(CudaKernelTest, VariantsOnSplitAndMergePaths) {
 // base left where a split's first tile put it would overflow 2^(s - base) within that split
 // (a kernel that never raised it failed here; one with the slack alone passed before the ramp
 // was this steep). Head dims below 128 rescale at every step. Split and unsplit decode, q exact in
-// the cache dtype so that scores of thousands carry no rounding of q.
+// the cache dtype so that scores of thousands carry no rounding of q. Then prefill spans (1 + p /
+// 16): the Hopper prefill tile weighs a tile against its rows' base as it stands and tests the
+// weights' sums (ExpOnBase); these pass the limit, some past float's range, and the warp
+// recomputes the tile's scores (RecomputeS) to raise the base.
 TEST_F(CudaKernelTest, GrowingScoresRaiseTheSoftmaxBase) {
   for (int d : kCudaHeadDims) {
-    CaseSpec c;
-    c.head_dim = d;
-    c.q_dtype = c.cache_dtype;
-    c.kv_wire_dtype = DType::kBFloat16;
-    c.k_ramp = 256.f;
-    c.steps = {{{6000, 1}, {700, 1}}, {{1, 1}, {1, 1}}};
-    c.seed = 77 + d;
-    RunCase(*backend_, c);
-  }
-}
-
-// The same ramp over prefill spans: the Hopper prefill tile weighs a tile against its rows' base
-// as it stands and tests the weights' sums (ExpOnBase); scores this steep pass the limit, some
-// past float's range, and the warp recomputes its scores (RecomputeS) to raise the base.
-TEST_F(CudaKernelTest, GrowingScoresRecomputePrefillScores) {
-  for (int d : kCudaHeadDims) {
-    CaseSpec c;
-    c.head_dim = d;
-    c.q_dtype = c.cache_dtype;
-    c.kv_wire_dtype = DType::kBFloat16;
-    c.k_ramp = 64.f;
-    c.steps = {{{1500, 1500}, {700, 700}}, {{300, 300}, {1, 1}}};
-    c.seed = 91 + d;
-    RunCase(*backend_, c);
+    for (bool prefill : {false, true}) {
+      CaseSpec c;
+      c.head_dim = d;
+      c.q_dtype = c.cache_dtype;
+      c.kv_wire_dtype = DType::kBFloat16;
+      c.k_ramp = prefill ? 64.f : 256.f;
+      c.steps = prefill ? decltype(c.steps){{{1500, 1500}, {700, 700}}, {{300, 300}, {1, 1}}}
+                        : decltype(c.steps){{{6000, 1}, {700, 1}}, {{1, 1}, {1, 1}}};
+      c.seed = (prefill ? 91 : 77) + d;
+      RunCase(*backend_, c);
+    }
   }
 }
 

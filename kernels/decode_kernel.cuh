@@ -55,6 +55,31 @@ constexpr int DecodeTilePositions(bool fp8_direct, int head_dim) {
   return fp8_direct && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
 }
 
+// How a 16-bit tile whose rows are not a power of two of 16-byte chunks (head dims 80 and 96: 10
+// and 12) is copied: its kTileKv x kChunks chunks dealt to the threads in order, copy i of thread
+// t taking chunk e = t + i * kThreads (row e / kChunks, chunk e % kChunks). Every lane of every
+// copy moves a chunk: 5 and 6 copies a thread a tile, where KvCopyLayout's power-of-two columns
+// take 8 and leave 6 and 4 of each 16 threads idle (docs/PERFORMANCE.md#design-decisions). The 32
+// chunks of a warp's copy i lie in at most kPassRows rows from PassRow0: lane i * kPassRows + k
+// finds the pool row of the k-th.
+template <int D, int kThreads, int kTileKv>
+struct PackedKvCopy {
+  static constexpr int kChunks = D / 8;
+  static constexpr int kPerThread = kTileKv * kChunks / kThreads;
+  // Rows 32 consecutive chunks touch at most: ceil((kChunks - 1 + 32) / kChunks).
+  static constexpr int kPassRows = (2 * kChunks + 30) / kChunks;
+  static_assert(kTileKv * kChunks % kThreads == 0 && kThreads % 32 == 0, "whole copies");
+  static_assert(kPerThread * kPassRows <= 32, "a lane finds each row of its warp's copies");
+  __device__ __forceinline__ static int PassRow0(int warp, int i) {
+    return (32 * warp + i * kThreads) / kChunks;
+  }
+  // The tile row lane `lane` of warp `warp` finds (lanes past the last copy's: a row of it).
+  __device__ __forceinline__ static int LaneRow(int warp, int lane) {
+    const int i = min(lane / kPassRows, kPerThread - 1);
+    return min(PassRow0(warp, i) + lane % kPassRows, kTileKv - 1);
+  }
+};
+
 // S: the cache's element type as stored (T, or Fp8); T: the tiles' (TileType<S>).
 template <typename S, int D, int kRowWarps, int kKvWarps>
 struct DecodeTileConfig {
@@ -84,6 +109,10 @@ struct DecodeTileConfig {
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
   static constexpr int kRowStep = Copy::kRowStep;
   static constexpr int kStages = kFp8 ? Fp8DecodeStages(D) : DecodeStages(D);
+  // 16-bit rows of 10 or 12 chunks (head dims 80, 96): copied by PackedKvCopy.
+  static constexpr bool kPackedCopy = !kFp8 && !kSwizzledRows<D> && kColSplit == 1;
+  using Packed = PackedKvCopy<D, kThreads, kTileKv>;  // instantiated where kPackedCopy only
+  static constexpr int kPackedCopies = kPackedCopy ? kTileKv * (D / 8) / kThreads : 1;
   static constexpr bool kQInRegisters = D <= 128;
   static constexpr int kRowElems = kSmemRowElems<D>;  // a K or Q row in shared memory
   static constexpr int kVRowElems = kSmemRowElems<kDv>;  // a V row (of kDv columns)
@@ -674,12 +703,14 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
 
   // ---- The K/V pipeline: tile t of the item's KV range goes to stage t % kStages, kStages - 1
   // tiles ahead of the arithmetic; each thread copies the same 16-byte chunk column of
-  // kRowsPerThread rows of every tile. K and V are read once per launch (each (span, kv head)
-  // has one decode tile): their lines leave L2 first, so the work items, page table and split
-  // partials stay there (docs/PERFORMANCE.md#design-decisions).
+  // kRowsPerThread rows of every tile (at head dims 80 and 96 PackedKvCopy's chunks). K and V are
+  // read once per launch (each (span, kv head) has one decode tile): their lines leave L2 first,
+  // so the work items, page table and split partials stay there
+  // (docs/PERFORMANCE.md#design-decisions).
   const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
-  const bool copies = copy_chunk < Cfg::kChunks;  // a column past the row (head_dim 80, 96, 192)
+  // A column past the row (head_dim 192; 80 and 96 copy as PackedKvCopy, every thread).
+  const bool copies = Cfg::kPackedCopy || copy_chunk < Cfg::kChunks;
   // A split head_dim's V: the chunk of this block's columns a thread's K chunk lies over (V rows
   // are addressed as K's), out of range for the threads of the other half's columns.
   const int v_chunk = copy_chunk - col0 / 8;
@@ -698,14 +729,32 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   static_assert(kWarpRows <= 32, "a lane finds each of its warp's rows");
   const int warp_row0 = warp * 32 / Copy::kSlots;  // lane 0's copy_row0
   const int lane_slot = lane % kWarpRows;           // the warp's row this lane finds
-  const int lane_row =
-      warp_row0 + lane_slot % kRowsAtOnce + lane_slot / kRowsAtOnce * Cfg::kRowStep;
+  int lane_row = warp_row0 + lane_slot % kRowsAtOnce + lane_slot / kRowsAtOnce * Cfg::kRowStep;
   const int my_first_slot = copy_row0 - warp_row0;  // slot of this thread's first row
+  // PackedKvCopy: each copy's tile row, its byte offsets (the K tile's in shared memory, the
+  // chunk's in a pool row) and the lane that finds its row; the same every tile.
+  int packed_row[Cfg::kPackedCopies];
+  uint32_t packed_smem[Cfg::kPackedCopies], packed_chunk_bytes[Cfg::kPackedCopies];
+  int packed_src[Cfg::kPackedCopies];
+  if constexpr (Cfg::kPackedCopy) {
+    using Packed = typename Cfg::Packed;
+    lane_row = Packed::LaneRow(warp, lane);
+#pragma unroll
+    for (int i = 0; i < Cfg::kPackedCopies; ++i) {
+      const int e = tid + i * Cfg::kThreads;
+      const int row = e / Packed::kChunks, chunk = e % Packed::kChunks;
+      packed_row[i] = row;
+      packed_smem[i] = SwizzledOffset<D>(row, chunk) * sizeof(T);
+      packed_chunk_bytes[i] = chunk * 16;
+      packed_src[i] = i * Packed::kPassRows + row - Packed::PassRow0(warp, i);
+    }
+  }
   // The thread's chunk of row 0 of each pool, in registers (opaque to the compiler, which
   // would otherwise add the pool's base to each address again): an address is then one
   // multiply-add.
-  const char* k_bytes = static_cast<const char*>(p.k_cache) + copy_chunk * 16;
-  const char* v_bytes = static_cast<const char*>(p.v_cache) + copy_chunk * 16;
+  const int chunk_bytes = Cfg::kPackedCopy ? 0 : copy_chunk * 16;  // packed: per copy
+  const char* k_bytes = static_cast<const char*>(p.k_cache) + chunk_bytes;
+  const char* v_bytes = static_cast<const char*>(p.v_cache) + chunk_bytes;
   asm("" : "+l"(k_bytes), "+l"(v_bytes));
   constexpr uint32_t kRowBytes = D * sizeof(S);
   const uint32_t head_rows = static_cast<uint32_t>(kv_head * p.page_size);
@@ -750,42 +799,60 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   auto issue_tile = [&](int tile, const LaneRow& rows) {
     unsigned char* stage = stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
     const uint32_t found = static_cast<uint32_t>(rows.id) * page_rows + rows.in_page;
-    uint32_t pool_rows[Cfg::kRowsPerThread];
+    if constexpr (Cfg::kPackedCopy) {
+      uint32_t pool_rows[Cfg::kPackedCopies];
 #pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i)
-      pool_rows[i] = __shfl_sync(0xffffffffu, found, i * kRowsAtOnce + my_first_slot);
-    if (!copies) return;
-    const int rows_left = item.kv_end - (item.kv_start + tile * Cfg::kTileKv);
+      for (int i = 0; i < Cfg::kPackedCopies; ++i)
+        pool_rows[i] = __shfl_sync(0xffffffffu, found, packed_src[i]);
+      const int rows_left = item.kv_end - (item.kv_start + tile * Cfg::kTileKv);
+      uint32_t sk = SmemAddr(stage);
+      asm("" : "+r"(sk));
+      const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);
 #pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const bool valid = row < rows_left;
-      const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes;
-      if constexpr (Cfg::kFp8) {
-        uint32_t sk = fp8_stages_addr + (tile % Cfg::kStages) * Cfg::kStageBytes;
-        if constexpr (Cfg::kFp8Direct) {
-          sk += Fp8TileOffset<D>(row, copy_chunk);
+      for (int i = 0; i < Cfg::kPackedCopies; ++i) {
+        const bool valid = packed_row[i] < rows_left;
+        const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes + packed_chunk_bytes[i];
+        CpAsync16Policy(sk + packed_smem[i], k_bytes + offset, valid, read_once);
+        CpAsync16Policy(sv + packed_smem[i], v_bytes + offset, valid, read_once);
+      }
+    } else {
+      uint32_t pool_rows[Cfg::kRowsPerThread];
+#pragma unroll
+      for (int i = 0; i < Cfg::kRowsPerThread; ++i)
+        pool_rows[i] = __shfl_sync(0xffffffffu, found, i * kRowsAtOnce + my_first_slot);
+      if (!copies) return;
+      const int rows_left = item.kv_end - (item.kv_start + tile * Cfg::kTileKv);
+#pragma unroll
+      for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
+        const int row = copy_row0 + i * Cfg::kRowStep;
+        const bool valid = row < rows_left;
+        const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes;
+        if constexpr (Cfg::kFp8) {
+          uint32_t sk = fp8_stages_addr + (tile % Cfg::kStages) * Cfg::kStageBytes;
+          if constexpr (Cfg::kFp8Direct) {
+            sk += Fp8TileOffset<D>(row, copy_chunk);
+          } else {
+            sk += (row * Cfg::kChunks + copy_chunk) * 16;
+          }
+          CpAsync16Policy(sk, k_bytes + offset, valid, read_once);
+          CpAsync16Policy(sk + Cfg::kTileKv * D, v_bytes + offset, valid, read_once);
+          if (row_scales && copy_chunk == 0) {
+            float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
+            CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_rows[i], valid);
+            CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
+          }
         } else {
-          sk += (row * Cfg::kChunks + copy_chunk) * 16;
-        }
-        CpAsync16Policy(sk, k_bytes + offset, valid, read_once);
-        CpAsync16Policy(sk + Cfg::kTileKv * D, v_bytes + offset, valid, read_once);
-        if (row_scales && copy_chunk == 0) {
-          float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
-          CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_rows[i], valid);
-          CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
-        }
-      } else {
-        uint32_t sk = SmemAddr(stage);
-        asm("" : "+r"(sk));
-        const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);
-        const uint32_t smem_off = SwizzledOffset<D>(row, copy_chunk) * sizeof(T);
-        CpAsync16Policy(sk + smem_off, k_bytes + offset, valid, read_once);
-        if constexpr (Cfg::kColSplit == 1) {
-          CpAsync16Policy(sv + smem_off, v_bytes + offset, valid, read_once);
-        } else if (v_chunk >= 0 && v_chunk < Cfg::kDv / 8) {  // the threads of V's columns
-          CpAsync16Policy(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk) * sizeof(T),
-                          v_bytes + offset, valid, read_once);
+          uint32_t sk = SmemAddr(stage);
+          asm("" : "+r"(sk));
+          const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);
+          const uint32_t smem_off = SwizzledOffset<D>(row, copy_chunk) * sizeof(T);
+          CpAsync16Policy(sk + smem_off, k_bytes + offset, valid, read_once);
+          if constexpr (Cfg::kColSplit == 1) {
+            CpAsync16Policy(sv + smem_off, v_bytes + offset, valid, read_once);
+          } else if (v_chunk >= 0 && v_chunk < Cfg::kDv / 8) {  // the threads of V's columns
+            CpAsync16Policy(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk) * sizeof(T),
+                            v_bytes + offset, valid, read_once);
+          }
         }
       }
     }

@@ -35,11 +35,15 @@ namespace pagedattn::kernels {
 
 // ---- Tile configuration -------------------------------------------------------------------
 
-// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM), 96 and 128 (two), 2 at 192 and
-// 256; a fourth stage at 64 costs a block an SM (kernels/README.md#occupancy). At 80 a fourth
-// stage turns three blocks an SM into two, and the batch of 64 x 8 kv heads from 1.3 waves into
-// 1.9: 0.68x -> 0.86x of head_dim 128's TB/s (docs/PERFORMANCE.md#head-dims).
-constexpr int DecodeStages(int head_dim) { return head_dim == 80 ? 4 : head_dim <= 128 ? 3 : 2; }
+// Pipeline depth by head_dim: 3 stages at 64 (four blocks an SM) and 128 (two), 5 at 80 and 4 at
+// 96 (two blocks an SM: their rows unpadded, DecodeOffset, so that two blocks have as many bytes
+// in flight as at 64 and 128), 2 at 192 and 256; a fourth stage at 64 costs a block an SM
+// (kernels/README.md#occupancy). At 80 a fourth stage (padded rows) turned three blocks an SM into
+// two, and the batch of 64 x 8 kv heads from 1.3 waves into 1.9: 0.68x -> 0.86x of head_dim 128's
+// TB/s (docs/PERFORMANCE.md#head-dims).
+constexpr int DecodeStages(int head_dim) {
+  return head_dim == 80 ? 5 : head_dim == 96 ? 4 : head_dim <= 128 ? 3 : 2;
+}
 // An FP8 cache's stages hold half the bytes of a 16-bit tile's. At head dims 64 and 128 a tile
 // then takes 128 positions (DecodeTilePositions), as many bytes as a 16-bit tile of 64: a tile's
 // fixed costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
@@ -53,6 +57,22 @@ constexpr int Fp8DecodeStages(int head_dim) {
 // head dims 64 and 128 (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
 constexpr int DecodeTilePositions(bool fp8_direct, int head_dim) {
   return fp8_direct && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
+}
+
+// The decode tile's shared-memory rows: SwizzledOffset's where rows are whole 64-element blocks; at
+// head dims 80 and 96 unpadded (160 and 192 bytes, not kSmemRowElems' 176 and 208: a stage more
+// fits two blocks an SM), the chunk index XORed so that the eight rows an ldmatrix reads (aligned
+// to 8) hit eight bank groups: rows of 10 chunks start two groups apart, those of 12 four apart.
+template <int D>
+__device__ __forceinline__ int DecodeOffset(int row, int chunk) {
+  if constexpr (kSwizzledRows<D>) {
+    return SwizzledOffset<D>(row, chunk);
+  } else {
+    constexpr int kChunks = D / 8;
+    static_assert(kChunks % 8 == 2 || kChunks % 8 == 4, "rows two or four bank groups apart");
+    const int x = kChunks % 8 == 2 ? (row >> 2) & 1 : (row >> 1) & 3;
+    return row * D + ((chunk ^ x) << 3);
+  }
 }
 
 // How a 16-bit tile whose rows are not a power of two of 16-byte chunks (head dims 80 and 96: 10
@@ -114,8 +134,8 @@ struct DecodeTileConfig {
   using Packed = PackedKvCopy<D, kThreads, kTileKv>;  // instantiated where kPackedCopy only
   static constexpr int kPackedCopies = kPackedCopy ? kTileKv * (D / 8) / kThreads : 1;
   static constexpr bool kQInRegisters = D <= 128;
-  static constexpr int kRowElems = kSmemRowElems<D>;  // a K or Q row in shared memory
-  static constexpr int kVRowElems = kSmemRowElems<kDv>;  // a V row (of kDv columns)
+  static constexpr int kRowElems = D;      // a K or Q row in shared memory (DecodeOffset)
+  static constexpr int kVRowElems = kDv;   // a V row (of kDv columns)
   static constexpr int kTileElems = kTileKv * kRowElems;  // the K tile; the V tile after it
   static constexpr int kStageElems = kTileElems + kTileKv * kVRowElems;
   // A stage: the K then V tile (16-bit caches); an FP8 cache's K then V rows as stored (16-byte
@@ -219,7 +239,7 @@ struct DecodeTileMath {
       q_fragment(kc, a);
       uint32_t b[4];
       const int r = row0 + (lane & 7) + 8 * (lane >> 4);
-      LdMatrixX4(b, SmemAddr(sk + SwizzledOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
+      LdMatrixX4(b, SmemAddr(sk + DecodeOffset<D>(r, 2 * kc + ((lane >> 3) & 1))));
       float(&acc)[2][4] = (kTwoChains && (kc & 1)) ? s_odd : s;
       Mma16816<T>(acc[0], a, b[0], b[1]);
       Mma16816<T>(acc[1], a, b[2], b[3]);
@@ -314,7 +334,7 @@ struct DecodeTileMath {
     for (int dt = 0; dt < DV / 8; dt += 2) {
       uint32_t b[4];
       const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
-      LdMatrixX4Trans(b, SmemAddr(sv + SwizzledOffset<DV>(r, dt + (lane >> 4))));
+      LdMatrixX4Trans(b, SmemAddr(sv + DecodeOffset<DV>(r, dt + (lane >> 4))));
       Mma16816<T>(st.o[dt], pa, b[0], b[1]);
       Mma16816<T>(st.o[dt + 1], pa, b[2], b[3]);
     }
@@ -360,7 +380,7 @@ struct DecodeFp8Math {
     float m = 0.f;
 #pragma unroll
     for (int c = first; c < kChunks; c += kRowThreads) {
-      const uint4 v = *reinterpret_cast<const uint4*>(q + SwizzledOffset<D>(r, c));
+      const uint4 v = *reinterpret_cast<const uint4*>(q + DecodeOffset<D>(r, c));
       const uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -376,7 +396,7 @@ struct DecodeFp8Math {
     const float down = ldexpf(1.f, -e);
 #pragma unroll
     for (int c = first; c < kChunks; c += kRowThreads) {
-      uint4* chunk = reinterpret_cast<uint4*>(q + SwizzledOffset<D>(r, c));
+      uint4* chunk = reinterpret_cast<uint4*>(q + DecodeOffset<D>(r, c));
       const uint4 v = *chunk;
       uint32_t w[4] = {v.x, v.y, v.z, v.w};
 #pragma unroll
@@ -398,7 +418,7 @@ struct DecodeFp8Math {
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const uint2 q = *reinterpret_cast<const uint2*>(
-          warp_q + SwizzledOffset<D>(quad_row + 8 * i, 2 * kc + (quad_col >> 1)) +
+          warp_q + DecodeOffset<D>(quad_row + 8 * i, 2 * kc + (quad_col >> 1)) +
           4 * (quad_col & 1));
       a[i] = q.x;      // dims 4t, 4t + 1
       a[2 + i] = q.y;  // dims 4t + 2, 4t + 3
@@ -744,7 +764,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       const int e = tid + i * Cfg::kThreads;
       const int row = e / Packed::kChunks, chunk = e % Packed::kChunks;
       packed_row[i] = row;
-      packed_smem[i] = SwizzledOffset<D>(row, chunk) * sizeof(T);
+      packed_smem[i] = DecodeOffset<D>(row, chunk) * sizeof(T);
       packed_chunk_bytes[i] = chunk * 16;
       packed_src[i] = i * Packed::kPassRows + row - Packed::PassRow0(warp, i);
     }
@@ -845,12 +865,12 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
           uint32_t sk = SmemAddr(stage);
           asm("" : "+r"(sk));
           const uint32_t sv = sk + Cfg::kTileElems * sizeof(T);
-          const uint32_t smem_off = SwizzledOffset<D>(row, copy_chunk) * sizeof(T);
+          const uint32_t smem_off = DecodeOffset<D>(row, copy_chunk) * sizeof(T);
           CpAsync16Policy(sk + smem_off, k_bytes + offset, valid, read_once);
           if constexpr (Cfg::kColSplit == 1) {
             CpAsync16Policy(sv + smem_off, v_bytes + offset, valid, read_once);
           } else if (v_chunk >= 0 && v_chunk < Cfg::kDv / 8) {  // the threads of V's columns
-            CpAsync16Policy(sv + SwizzledOffset<Cfg::kDv>(row, v_chunk) * sizeof(T),
+            CpAsync16Policy(sv + DecodeOffset<Cfg::kDv>(row, v_chunk) * sizeof(T),
                             v_bytes + offset, valid, read_once);
           }
         }
@@ -876,8 +896,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       // alike would pair them up: 2c ^ r takes four values mod 8).
       const bool hi_first = (copy_chunk >> 2) & 1;
       uint4 lo, hi;
-      T* t0 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + hi_first);
-      T* t1 = fp8_tile + SwizzledOffset<D>(row, 2 * copy_chunk + !hi_first);
+      T* t0 = fp8_tile + DecodeOffset<D>(row, 2 * copy_chunk + hi_first);
+      T* t1 = fp8_tile + DecodeOffset<D>(row, 2 * copy_chunk + !hi_first);
       DequantizeChunk(k8, k_scale, lo, hi);
       *reinterpret_cast<uint4*>(t0) = hi_first ? hi : lo;
       *reinterpret_cast<uint4*>(t1) = hi_first ? lo : hi;
@@ -948,7 +968,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // Q tile -> shared memory while those copies fly.
   LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
       p, item, span, kv_head, group, span_rows, smem_q,
-      [](int r, int chunk) { return SwizzledOffset<D>(r, chunk); }, threadIdx.x);
+      [](int r, int chunk) { return DecodeOffset<D>(r, chunk); }, threadIdx.x);
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16.
   DecodeState<Cfg::kDv> state;
@@ -969,7 +989,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
   auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
     const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
-    LdMatrixX4(a, SmemAddr(warp_q + SwizzledOffset<D>(r, 2 * kc + (lane >> 4))));
+    LdMatrixX4(a, SmemAddr(warp_q + DecodeOffset<D>(r, 2 * kc + (lane >> 4))));
   };
   auto load_any_q_frag = [&](int kc, uint32_t(&a)[4]) {
     if constexpr (Cfg::kFp8Direct) {

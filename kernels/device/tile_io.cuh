@@ -26,7 +26,7 @@ __device__ __forceinline__ int64_t KvChunkOffset(const PagedAttentionParams& p, 
 // blocks (64, 128, 192, 256) are swizzled: the chunk index is XORed with row % 8, so that the
 // eight rows an ldmatrix reads hit eight different bank groups. The others (80, 96) pad each
 // row by one chunk instead (176 or 208 bytes: eight consecutive rows again start in eight
-// different 16-byte bank groups).
+// different 16-byte bank groups). The decode tile lays out its own rows (DecodeOffset).
 template <int D>
 inline constexpr bool kSwizzledRows = D % 64 == 0;
 template <int D>

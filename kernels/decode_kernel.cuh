@@ -4,13 +4,11 @@
 // Included only by the per-head-dim instantiation files. A block takes one work item: up to
 // kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a KV
 // range, streamed through a cp.async pipeline of 64-position tiles (128 for an FP8 cache at head
-// dims 64 and 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores
+// dims up to 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores
 // (mma.m16n8k16, f32 accumulators) with an online softmax between them. The kKvWarps warps that
 // share a row slice split each KV tile and combine their softmax states at the end, so each K/V
 // byte is read once for every head of its GQA group. An FP8 cache's tiles are copied as stored
-// (half the bytes); at head dims 64, 128 and 256 DecodeFp8Math reads them straight into float16
-// fragments, at 80, 96 and 192 each thread dequantizes its own chunks into one bfloat16 tile that
-// the 16-bit math reads.
+// (half the bytes) and DecodeFp8Math reads them straight into float16 fragments.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,19 +42,18 @@ namespace pagedattn::kernels {
 constexpr int DecodeStages(int head_dim) {
   return head_dim == 80 ? 5 : head_dim == 96 ? 4 : head_dim <= 128 ? 3 : 2;
 }
-// An FP8 cache's stages hold half the bytes of a 16-bit tile's. At head dims 64 and 128 a tile
-// then takes 128 positions (DecodeTilePositions), as many bytes as a 16-bit tile of 64: a tile's
-// fixed costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
-// Stages: 4 at 64 (three blocks an SM), 2 at 128 (three blocks an SM; a third stage would leave
-// two), 3 at 256 (one block either way); at 80 and 96, 4 beside the dequantized tile (three blocks
-// an SM at 80, instead of two), at 192 2 (a third would leave one block an SM instead of two).
+// An FP8 cache's stages hold half the bytes of a 16-bit tile's. Up to head_dim 128 a tile then
+// takes 128 positions (DecodeTilePositions), as many bytes as a 16-bit tile of 64: a tile's fixed
+// costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
+// Stages: 4 at 64, 3 at 80, 2 at 96 and 128 (three blocks an SM each; a third stage at 96 or 128
+// would leave two), 3 at 192 (two blocks) and 256 (one).
 constexpr int Fp8DecodeStages(int head_dim) {
-  return head_dim == 128 ? 2 : head_dim <= 128 ? 4 : head_dim == 256 ? 3 : 2;
+  return head_dim == 64 ? 4 : head_dim == 80 || head_dim >= 192 ? 3 : 2;
 }
-// Positions a decode tile's stage holds: 128 for an FP8 cache read straight into fragments at
-// head dims 64 and 128 (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
-constexpr int DecodeTilePositions(bool fp8_direct, int head_dim) {
-  return fp8_direct && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
+// Positions a decode tile's stage holds: 128 for an FP8 cache up to head_dim 128
+// (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
+constexpr int DecodeTilePositions(bool fp8, int head_dim) {
+  return fp8 && head_dim <= 128 ? 2 * kKvTileRows : kKvTileRows;
 }
 
 // The decode tile's shared-memory rows: SwizzledOffset's where rows are whole 64-element blocks; at
@@ -107,11 +104,8 @@ struct DecodeTileConfig {
   static_assert(kKvWarps > 1, "the decode tiles split each KV tile among warps");
   using T = TileType<S>;
   static constexpr bool kFp8 = kIsFp8<S>;
-  // FP8 at head dims 64, 128, 256: K and V go from the stages straight into the mma fragments
-  // (DecodeFp8Math). At 80, 96, 192 (rows that are not whole swizzle blocks) they are staged:
-  // dequantized into one bfloat16 tile that DecodeTileMath reads.
-  static constexpr bool kFp8Direct = kFp8 && kFp8Fragments<D>;
-  static constexpr bool kFp8Staged = kFp8 && !kFp8Direct;
+  // FP8: K and V go from the stages straight into the mma fragments (DecodeFp8Math).
+  static_assert(!kFp8 || kFp8Fragments<D>, "an FP8 decode tile's head dim");
   // head_dim 512 (SplitsColumns): a tile runs as two neighbouring blocks, each with all of K
   // (the scores) and kDv of V's and O's columns; the two read each K page side by side, the
   // second from L2. Its stages (64 KB of K, 32 of V) fit H100/H200's 227 KB but not an A100's
@@ -120,7 +114,7 @@ struct DecodeTileConfig {
   static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
   static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");
   static constexpr int kThreads = 128;
-  static constexpr int kTileKv = DecodeTilePositions(kFp8Direct, D);  // positions per stage
+  static constexpr int kTileKv = DecodeTilePositions(kFp8, D);  // positions per stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
   static constexpr int kRows = kRowWarps * 16;        // query rows per block
@@ -139,22 +133,20 @@ struct DecodeTileConfig {
   static constexpr int kTileElems = kTileKv * kRowElems;  // the K tile; the V tile after it
   static constexpr int kStageElems = kTileElems + kTileKv * kVRowElems;
   // A stage: the K then V tile (16-bit caches); an FP8 cache's K then V rows as stored (16-byte
-  // chunk c of row r at Fp8TileOffset, or r * kChunks + c when staged), then K's and V's row
-  // scales (PER_TOKEN); when staged, after the last stage, the one dequantized tile.
+  // chunk c of row r at Fp8TileOffset), then K's and V's row scales (PER_TOKEN).
   static constexpr size_t kFp8StageBytes = 2 * size_t{kTileKv} * D + 2 * kTileKv * sizeof(float);
   static constexpr size_t kStageBytes = kFp8 ? kFp8StageBytes : kStageElems * sizeof(T);
-  static constexpr size_t kPipelineBytes =
-      size_t{kStages} * kStageBytes + (kFp8Staged ? kStageElems * sizeof(T) : 0);
+  static constexpr size_t kPipelineBytes = size_t{kStages} * kStageBytes;
   static constexpr int kRedStride = kDv + 8;  // padded O rows: a warp's 8 rows hit distinct banks
   static constexpr size_t kReduceFloats = size_t{kKvWarps} * kRows * (kRedStride + 2);
   static constexpr size_t kReduceBytes = kReduceFloats * sizeof(float);  // O, max, sum
   // The pipeline's stages, reused for the warps' combine once the last tile is read; then Q.
   static constexpr size_t kQOffset = kPipelineBytes > kReduceBytes ? kPipelineBytes : kReduceBytes;
   static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
-  // FP8 direct: each Q row's power-of-two scale (DecodeFp8Math::QToHalf), after Q.
+  // FP8: each Q row's power-of-two scale (DecodeFp8Math::QToHalf), after Q.
   static constexpr size_t kQScaleOffset = kQOffset + kQBytes;
   static constexpr size_t SmemBytes() {
-    return kQScaleOffset + (kFp8Direct ? kRows * sizeof(float) : 0);
+    return kQScaleOffset + (kFp8 ? kRows * sizeof(float) : 0);
   }
   static_assert(kWarpKv % 16 == 0, "each warp takes whole 16-position steps");
   static_assert(kFp8StageBytes % 16 == 0, "stages keep 16-byte alignment");
@@ -342,7 +334,7 @@ struct DecodeTileMath {
 };
 
 // The FP8 tiles' arithmetic with K and V read straight from the stages into the mma fragments
-// (DecodeTileConfig::kFp8Direct); scores and weights as DecodeTileMath's. An ldmatrix of FP8
+// (an FP8 cache's decode tiles); scores and weights as DecodeTileMath's. An ldmatrix of FP8
 // rows hands each thread four bytes where a 16-bit fragment takes two values:
 // - S = Q.K^T in float16: cvt.rn.f16x2.e4m3x2 turns a thread's four bytes of K (dims 4t..4t + 3
 //   of a 16-dim step) into the two pairs its B fragment takes, exactly, one instruction a pair;
@@ -374,8 +366,7 @@ struct DecodeFp8Math {
   template <int kRows, int kThreads>
   __device__ __forceinline__ static void QToHalf(__nv_bfloat16* q, float* q_scales, int tid) {
     constexpr int kRowThreads = kThreads / kRows;  // neighbouring lanes of one warp
-    constexpr int kChunks = D / 8;                 // 16-byte chunks a row
-    static_assert(kChunks % kRowThreads == 0, "a row's chunks divide among its threads");
+    constexpr int kChunks = D / 8;                 // 16-byte chunks a row (some threads one less)
     const int r = tid / kRowThreads, first = tid % kRowThreads;
     float m = 0.f;
 #pragma unroll
@@ -461,6 +452,18 @@ struct DecodeFp8Math {
         Mma16816<__half>(acc[0], a, b[0][0], b[0][1]);
         Mma16816<__half>(acc[1], a, b[1][0], b[1][1]);
       }
+    }
+    if constexpr (D % 32 != 0) {  // head_dim 80: its last 16 dims from two matrices
+      uint32_t m[2];
+      const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX2(m, SmemAddr(sk + Fp8TileOffset<D>(r, D / 16 - 1)));
+      uint32_t a[4];
+      q_fragment(D / 16 - 1, a);
+      uint32_t b[2][2];
+      E4m3x4ToHalf(m[0], b[0][0], b[0][1]);
+      E4m3x4ToHalf(m[1], b[1][0], b[1][1]);
+      Mma16816<__half>(s[0], a, b[0][0], b[0][1]);
+      Mma16816<__half>(s[1], a, b[1][0], b[1][1]);
     }
     if constexpr (D <= 128) {
 #pragma unroll
@@ -570,7 +573,7 @@ struct DecodeFp8Math {
     const uint32_t pa[4] = {PackPair<T>(p[0][0], p[0][1]), PackPair<T>(p[0][2], p[0][3]),
                             PackPair<T>(p[1][0], p[1][1]), PackPair<T>(p[1][2], p[1][3])};
 #pragma unroll
-    for (int c = 0; c < D / 16; c += 2) {
+    for (int c = 0; c + 1 < D / 16; c += 2) {
       // m[0], m[1]: positions 0-7, 8-15 of dims 16c..+15; m[2], m[3]: of the next 16 dims.
       uint32_t m[4];
       const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
@@ -583,6 +586,17 @@ struct DecodeFp8Math {
         Mma16816<T>(st.o[2 * (c + j)], pa, lo[0], hi[0]);
         Mma16816<T>(st.o[2 * (c + j) + 1], pa, lo[1], hi[1]);
       }
+    }
+    if constexpr (D % 32 != 0) {  // head_dim 80: its last 16 dims from two matrices
+      constexpr int c = D / 16 - 1;
+      uint32_t m[2];
+      const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX2Trans(m, SmemAddr(sv + Fp8TileOffset<D>(r, c)));
+      uint32_t lo[2], hi[2];
+      E4m3x4ToHalfPairs(m[0], lo[0], lo[1]);
+      E4m3x4ToHalfPairs(m[1], hi[0], hi[1]);
+      Mma16816<T>(st.o[2 * c], pa, lo[0], hi[0]);
+      Mma16816<T>(st.o[2 * c + 1], pa, lo[1], hi[1]);
     }
   }
 };
@@ -624,7 +638,7 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       red_sum[kv_warp * Cfg::kRows + r] = st.row_sum[i];
     }
     float* red_row = red_o + (kv_warp * Cfg::kRows + r) * Cfg::kRedStride;
-    if constexpr (Cfg::kFp8Direct) {  // DecodeFp8Math's layout: dims 16c + 4 quad_col .. + 3
+    if constexpr (Cfg::kFp8) {  // DecodeFp8Math's layout: dims 16c + 4 quad_col .. + 3
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
         *reinterpret_cast<float4*>(red_row + 16 * c + 4 * quad_col) =
@@ -806,8 +820,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     rows.in_page = valid ? head_rows + (pos - page * p.page_size) : 0;
   };
   unsigned char* const stages = smem_raw;
-  // FP8: the one dequantized tile (K then V) after the stages, and whether rows carry scales.
-  T* const fp8_tile = reinterpret_cast<T*>(smem_raw + Cfg::kStages * Cfg::kStageBytes);
+  // FP8: whether rows carry scales (PER_TOKEN).
   const bool row_scales = Cfg::kFp8 && p.scales.k_rows != nullptr;
   // Where ptxas (CUDA 13.0, sm_90a) may address an evict-first copy [R+UR], with the shared
   // address's uniform part in UR, it misallocates the policy's descriptor register: an illegal
@@ -848,12 +861,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         const bool valid = row < rows_left;
         const uint64_t offset = uint64_t{pool_rows[i]} * kRowBytes;
         if constexpr (Cfg::kFp8) {
-          uint32_t sk = fp8_stages_addr + (tile % Cfg::kStages) * Cfg::kStageBytes;
-          if constexpr (Cfg::kFp8Direct) {
-            sk += Fp8TileOffset<D>(row, copy_chunk);
-          } else {
-            sk += (row * Cfg::kChunks + copy_chunk) * 16;
-          }
+          const uint32_t sk = fp8_stages_addr + (tile % Cfg::kStages) * Cfg::kStageBytes +
+                              Fp8TileOffset<D>(row, copy_chunk);
           CpAsync16Policy(sk, k_bytes + offset, valid, read_once);
           CpAsync16Policy(sk + Cfg::kTileKv * D, v_bytes + offset, valid, read_once);
           if (row_scales && copy_chunk == 0) {
@@ -877,59 +886,22 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       }
     }
   };
-  // FP8: this thread's chunks of the tile at `stage` (the ones it copied), times their rows'
-  // scales, into the dequantized tile as bfloat16 (16-byte chunk c becomes chunks 2c, 2c + 1).
-  auto dequantize_tile = [&](const unsigned char* stage) {
-    if (!copies) return;
-    const float* scales = reinterpret_cast<const float*>(stage + 2 * Cfg::kTileKv * D);
-#pragma unroll
-    for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
-      const int row = copy_row0 + i * Cfg::kRowStep;
-      const unsigned char* sk = stage + (row * Cfg::kChunks + copy_chunk) * 16;
-      const uint4 k8 = *reinterpret_cast<const uint4*>(sk);
-      const uint4 v8 = *reinterpret_cast<const uint4*>(sk + Cfg::kTileKv * D);
-      const float k_scale = fminf(row_scales ? scales[row] : p.scales.k, kMaxTileScale);
-      const float v_scale =
-          fminf(row_scales ? scales[Cfg::kTileKv + row] : p.scales.v, kMaxTileScale);
-      // Chunk c becomes chunks 2c (lo) and 2c + 1 (hi); columns 4-7 of each group of eight
-      // store hi first, so that the eight threads of a store hit eight bank groups (2c and 2c + 1
-      // alike would pair them up: 2c ^ r takes four values mod 8).
-      const bool hi_first = (copy_chunk >> 2) & 1;
-      uint4 lo, hi;
-      T* t0 = fp8_tile + DecodeOffset<D>(row, 2 * copy_chunk + hi_first);
-      T* t1 = fp8_tile + DecodeOffset<D>(row, 2 * copy_chunk + !hi_first);
-      DequantizeChunk(k8, k_scale, lo, hi);
-      *reinterpret_cast<uint4*>(t0) = hi_first ? hi : lo;
-      *reinterpret_cast<uint4*>(t1) = hi_first ? lo : hi;
-      DequantizeChunk(v8, v_scale, lo, hi);
-      *reinterpret_cast<uint4*>(t0 + Cfg::kTileElems) = hi_first ? hi : lo;
-      *reinterpret_cast<uint4*>(t1 + Cfg::kTileElems) = hi_first ? lo : hi;
-    }
-  };
-
   LaneRow next_rows;  // the lane's row of the next tile to issue
   // The copies of tile + kStages - 1 (one commit group, empty past the range), then the page ids
-  // of the tile after it; and the wait until tile `tile` is in shared memory for every thread.
+  // of the tile after it; and the wait until the next tile is in shared memory for every thread.
   auto issue_ahead = [&](int tile) {
     if (tile + Cfg::kStages - 1 < num_tiles) issue_tile(tile + Cfg::kStages - 1, next_rows);
     CpAsyncCommit();
     fetch_pages(tile + Cfg::kStages, next_rows, std::false_type{});
   };
-  // FP8 staged: then the tile is dequantized (its scales were copied by other threads: a barrier
-  // first) and a barrier makes it every warp's; the stage is free once that one has passed.
-  auto wait_for = [&](int tile) {
+  auto wait_for = [&] {
     CpAsyncWait<Cfg::kStages - 1>();
     __syncthreads();
-    if constexpr (Cfg::kFp8Staged) {
-      dequantize_tile(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
-      __syncthreads();
-    }
   };
   auto stage_of = [&](int tile) -> const unsigned char* {
     return stages + (tile % Cfg::kStages) * Cfg::kStageBytes;
   };
   auto k_tile = [&](int tile) -> const T* {
-    if constexpr (Cfg::kFp8Staged) return fp8_tile;
     return reinterpret_cast<const T*>(stages + (tile % Cfg::kStages) * Cfg::kStageBytes);
   };
   auto v_tile = [&](int tile) -> const T* { return k_tile(tile) + Cfg::kTileElems; };
@@ -992,7 +964,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     LdMatrixX4(a, SmemAddr(warp_q + DecodeOffset<D>(r, 2 * kc + (lane >> 4))));
   };
   auto load_any_q_frag = [&](int kc, uint32_t(&a)[4]) {
-    if constexpr (Cfg::kFp8Direct) {
+    if constexpr (Cfg::kFp8) {
       DecodeFp8Math<D>::LoadQFragment(warp_q, kc, lane, a);
     } else {
       load_q_frag(kc, a);
@@ -1015,9 +987,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
 
   for (int tile = 0; tile < num_tiles; ++tile) {
     issue_ahead(tile);  // cp.async, kStages - 1 tiles ahead
-    wait_for(tile);
+    wait_for();
     if (tile == 0) {
-      if constexpr (Cfg::kFp8Direct) {  // Q in float16 for S (DecodeFp8Math)
+      if constexpr (Cfg::kFp8) {  // Q in float16 for S (DecodeFp8Math)
         DecodeFp8Math<D>::template QToHalf<Cfg::kRows, Cfg::kThreads>(smem_q, q_scales, tid);
         __syncthreads();
 #pragma unroll
@@ -1037,7 +1009,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       }
 
       float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      if constexpr (Cfg::kFp8Direct) {
+      if constexpr (Cfg::kFp8) {
         using Fp8Math = DecodeFp8Math<D>;
         const unsigned char* stage = stage_of(tile);
         const float* scales =
@@ -1056,12 +1028,10 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
       }
     }
-    // The stage is overwritten by the next iteration's copies (a staged FP8 stage is free
-    // already; its dequantized tile is rewritten only after the next wait's first barrier).
-    if constexpr (!Cfg::kFp8Staged) __syncthreads();
+    __syncthreads();  // the stage is overwritten by the next iteration's copies
   }
   CpAsyncWait<0>();
-  if constexpr (Cfg::kFp8Direct) v_scales.Finish(state);
+  if constexpr (Cfg::kFp8) v_scales.Finish(state);
 
   CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
                                                 kv_warp, tid, lane, col0);

@@ -47,6 +47,17 @@ __device__ __forceinline__ void LdMatrixX4Trans(uint32_t (&r)[4], uint32_t smem_
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(smem_addr));
 }
+// Two matrices: lanes 0-15 give the row addresses (r[0] rows of lanes 0-7, r[1] of 8-15).
+__device__ __forceinline__ void LdMatrixX2(uint32_t (&r)[2], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr));
+}
+__device__ __forceinline__ void LdMatrixX2Trans(uint32_t (&r)[2], uint32_t smem_addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(smem_addr));
+}
 
 // 16-byte global -> shared copy; when !valid the destination is zero-filled and src unread.
 __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, bool valid) {

@@ -42,16 +42,24 @@ __device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
   }
 }
 
-// FP8 tiles read straight into mma fragments (kFp8Fragments: head dims 64, 128, 256): rows of D
-// bytes, the byte offset of (row, 16-byte chunk). The chunk index is XORed so that the eight
-// rows an ldmatrix reads hit eight bank groups: with row % 8 for rows of 128 bytes or more, with
-// (row / 2) % 4 for 64-byte rows (two to a 128-byte line; the row's parity picks the line's half).
+// FP8 tiles read straight into mma fragments (kFp8Fragments: every head dim of the decode
+// tiles), rows of D bytes: the byte offset of (row, 16-byte chunk). The chunk index is XORed so
+// that the eight rows an ldmatrix reads (aligned to 8) hit eight bank groups: rows of 8 chunks
+// or more by row % 8; 64-byte rows (two to a 128-byte line) by (row / 2) % 4; rows of 6 chunks
+// (96 bytes: row 4 starts in row 0's group) by (row / 4) % 2, rows of 12 (192 bytes: row 2 starts
+// in row 0's) by (row / 2) % 4. Rows of 5 chunks (80 bytes) start in eight groups as they are.
 template <int D>
-inline constexpr bool kFp8Fragments = D == 64 || D == 128 || D == 256;
+inline constexpr bool kFp8Fragments =
+    D == 64 || D == 80 || D == 96 || D == 128 || D == 192 || D == 256;
 template <int D>
 __device__ __forceinline__ int Fp8TileOffset(int row, int chunk) {
-  static_assert(kFp8Fragments<D>, "64-, 128- or 256-byte rows");
-  const int swizzle = D == 64 ? (row >> 1) & 3 : row & 7;
+  static_assert(kFp8Fragments<D>, "a decode tile's head dim");
+  constexpr int kChunks = D / 16;
+  const int swizzle = kChunks == 5    ? 0
+                      : kChunks == 6  ? (row >> 2) & 1
+                      : kChunks == 4  ? (row >> 1) & 3
+                      : kChunks == 12 ? (row >> 1) & 3
+                                      : row & 7;
   return row * D + ((chunk ^ swizzle) << 4);
 }
 

@@ -1216,8 +1216,9 @@ TEST_F(CudaKernelTest, Fp8SweepMatchesReferenceOnUnquantizedKv) {
 }
 
 // The same Forwards on an FP8 cache of each backend: the append stores the same codes and scales
-// (the GPU's rounding is the host's to the bit), and the tiles read them as bfloat16, so the two
-// answers agree within bfloat16's error, far closer than either is to the unquantized reference.
+// (the GPU's rounding is the host's to the bit), and the tiles read them in 16 bits (decode as
+// float16 fragments, prefill from a bfloat16 copy of the pages), so the two answers agree within
+// bfloat16's error, far closer than either is to the unquantized reference.
 // Long decode (split, merged), prefill, chunked prefill, every head_dim, both scalings.
 TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   CpuBackend cpu;

@@ -238,22 +238,24 @@ struct WgmmaTileMath {
   template <typename TIO>
   __device__ __forceinline__ static void LoadQ(const PagedAttentionParams& p,
                                                const AttentionWorkItem& item, int kv_head,
-                                               int group, T* smem_q) {
+                                               int group, T* smem_q, float q_scale) {
     LoadQTile<T, TIO, D, Cfg::kRows, Cfg::kThreads>(
         p, item, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
-        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); }, threadIdx.x);
+        [](int r, int chunk) { return Sw128Offset<Cfg::kRows>(r, chunk); }, threadIdx.x,
+        q_scale);
   }
   // Warpgroup wg's 64 rows of it, by that warpgroup's threads (wg_tid: 0..127).
   template <typename TIO>
   __device__ __forceinline__ static void LoadGroupQ(const PagedAttentionParams& p,
                                                     const AttentionWorkItem& item, int kv_head,
-                                                    int group, T* smem_q, int wg, int wg_tid) {
+                                                    int group, T* smem_q, int wg, int wg_tid,
+                                                    float q_scale) {
     AttentionWorkItem rows = item;
     rows.row_start += wg * Cfg::kGroupRows;
     LoadQTile<T, TIO, D, Cfg::kGroupRows, 128>(
         p, rows, item.span_info, kv_head, group, item.span_info.num_queries * group, smem_q,
         [wg](int r, int chunk) { return Sw128Offset<Cfg::kRows>(wg * Cfg::kGroupRows + r, chunk); },
-        wg_tid);
+        wg_tid, q_scale);
   }
 
   // Descriptors (Sw128Desc) of the Q rows, and of stage 0's K and V tiles; a stage's and a k
@@ -577,8 +579,10 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
     }
   }
 
-  // ---- Q tile -> shared memory as T (once per block), while the first copies fly.
-  M::template LoadQ<TIO>(p, item, kv_head, group, smem.q);
+  // ---- Q tile -> shared memory as T (once per block), while the first copies fly; a soft-cap's
+  // sm_scale / cap in it where the fixed base serves (Softcap::ScaleQ).
+  Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
+  M::template LoadQ<TIO>(p, item, kv_head, group, smem.q, softcap.template ScaleQ<T>());
 
   // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16 in its warpgroup's
   // 64; columns 2*quad_col..+1 of every 8-wide n tile (the mma.sync accumulator layout).
@@ -587,7 +591,6 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   const typename M::Rows rows =
       M::template RowsOf<kVariant>(p, item, group, num_tiles, wg, wg_warp, quad_row);
   const int wg_tiles = WarpUniform(rows.wg_tiles);
-  const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint64_t q_desc = Sw128Desc(smem.q_rows(wg));
   const uint64_t k_desc0 = Sw128Desc(smem.k_addr(0));
@@ -779,7 +782,8 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = WarpUniform(warp >> 2), wg_warp = warp & 3, wg_tid = tid & 127;
   const int quad_row = lane >> 2, quad_col = lane & 3;
-  const Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
+  Softcap softcap = kVariant ? Softcap::Of(p) : Softcap::None(p);
+  const float q_scale = softcap.template ScaleQ<T>();  // Q carries sm_scale / cap, or 1
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   const uint64_t q_desc = Sw128Desc(smem.q_rows(wg));
   const uint64_t k_desc0 = Sw128Desc(smem.k_addr(0));
@@ -808,7 +812,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     const int num_tiles = WarpUniform(tiles_of(item));
 
     // ---- This warpgroup's Q rows -> shared memory (its S of the last job has completed).
-    M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid);
+    M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid, q_scale);
     ProxyFenceShared();
     NamedBarrierSync(kQBarrier + wg, 128);
 

@@ -196,12 +196,13 @@ constexpr int LargestDivisorAtMost(int n, int most) {
 // thread issues all its loads (up to 8 chunks at a time) before it stores any, so the tile costs
 // one global-memory latency rather than one per chunk. offset(row, chunk) is the element offset
 // of a 16-byte chunk in the kernel's shared-memory layout; tid the thread's index among the
-// kThreads that load it.
+// kThreads that load it. scale: a factor every value takes before it is rounded to T (q in T:
+// after one more rounding), the Hopper prefill's soft-cap (Softcap::q_scaled).
 template <typename T, typename TIO, int D, int kRows, int kThreads, typename Offset>
 __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
                                           const AttentionWorkItem& item, const AttentionSpan& span,
                                           int kv_head, int group, int span_rows, T* smem_q,
-                                          Offset offset, int tid) {
+                                          Offset offset, int tid, float scale = 1.f) {
   static_assert(std::is_same_v<TIO, float> || std::is_same_v<TIO, T>, "q in float or in T");
   constexpr int kChunks = D / 8;
   constexpr int kTotal = kRows * kChunks;
@@ -229,9 +230,13 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
+        const float4 a = make_float4(lo[i].x * scale, lo[i].y * scale, lo[i].z * scale,
+                                     lo[i].w * scale);
+        const float4 b = make_float4(hi[i].x * scale, hi[i].y * scale, hi[i].z * scale,
+                                     hi[i].w * scale);
         *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(
-            make_uint4(PackPair<T>(lo[i].x, lo[i].y), PackPair<T>(lo[i].z, lo[i].w),
-                       PackPair<T>(hi[i].x, hi[i].y), PackPair<T>(hi[i].z, hi[i].w)));
+            make_uint4(PackPair<T>(a.x, a.y), PackPair<T>(a.z, a.w), PackPair<T>(b.x, b.y),
+                       PackPair<T>(b.z, b.w)));
       }
     } else {
       uint4 x[kBatch];
@@ -251,7 +256,16 @@ __device__ __forceinline__ void LoadQTile(const PagedAttentionParams& p,
         const int c = tid + (b0 + i) * kThreads;
         const int r = c / kChunks, chunk = c % kChunks;
         if (kTotal % kThreads != 0 && c >= kTotal) continue;
-        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = AttentionChunk<T>(x[i]);
+        uint4 v = AttentionChunk<T>(x[i]);
+        if (scale != 1.f) {
+          uint32_t* w = reinterpret_cast<uint32_t*>(&v);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const T* pair = reinterpret_cast<const T*>(&w[j]);
+            w[j] = PackPair<T>(ToFloat(pair[0]) * scale, ToFloat(pair[1]) * scale);
+          }
+        }
+        *reinterpret_cast<uint4*>(smem_q + offset(r, chunk)) = v;
       }
     }
   }

@@ -42,6 +42,10 @@ struct Softcap {
   bool on = false;
   bool bounded = false;    // capped, and the fixed base below serves every row (FixedBase)
   float fixed_max = 0.f;   // the score (as the tiles hold it) whose SoftmaxBase is the fixed base
+  // Q's tile carries `in` (LoadQTile's scale), so a score as the tiles hold it is already
+  // s * sm_scale / cap and takes the tanh alone: the Hopper prefill tile's, where the fixed base
+  // serves (ScaleQ).
+  bool q_scaled = false;
 
   __device__ __forceinline__ static Softcap Of(const PagedAttentionParams& p) {
     Softcap c;
@@ -65,10 +69,24 @@ struct Softcap {
   __device__ __forceinline__ bool FixedBase() const {
     return std::is_same_v<TP, __nv_bfloat16> && bounded;
   }
-  // Every score of an accumulator fragment, when on (a block-uniform branch).
+  // Q's scale for a tile whose P is of type TP: `in` where the fixed base serves (its scores
+  // then need no multiply before the tanh: q_scaled), 1 otherwise. Sets q_scaled.
+  template <typename TP>
+  __device__ __forceinline__ float ScaleQ() {
+    q_scaled = FixedBase<TP>();
+    return q_scaled ? in : 1.f;
+  }
+  // Every score of an accumulator fragment, when on (block-uniform branches).
   template <int kN>
   __device__ __forceinline__ void Apply(float (&s)[kN][4]) const {
     if (!on) return;
+    if (q_scaled) {
+#pragma unroll
+      for (int n = 0; n < kN; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[n][e] = FastTanh(s[n][e]);
+      return;
+    }
 #pragma unroll
     for (int n = 0; n < kN; ++n)
 #pragma unroll

@@ -359,24 +359,52 @@ template <int D>
 struct DecodeFp8Math {
   using T = __half;
 
+  // Whether QToHalf leaves Q in fragment order (FragmentWord): each 16-row warp's A fragments
+  // one after another, a lane's four registers of a k step in one 16-byte word, so that
+  // LoadQFragment is one load into four registers the mma takes as they are. Loaded from pairs of
+  // rows, the fragments came in pairs of registers that ptxas moved into place for every mma, a
+  // step: 232 of the tile loop's 1818 instructions at head_dim 128. Fragment order: 0.87-0.92x
+  // the time at 192, 0.92-0.98x at 64, 0.95-0.97x at 256, 0.96-0.98x at 96, 0.96-1.00x at 80;
+  // at 128 PER_TOKEN 0.99x but STATIC 1.02-1.04x, so 128 keeps the rows
+  // (docs/PERFORMANCE.md#design-decisions).
+  static constexpr bool kFragmentOrderQ = D != 128;
+
   // Rewrites the block's Q tile (kRows rows, bfloat16) in float16, row r times 2^-e_r, and
   // stores 2^e_r at q_scales[r]. e_r puts the row's largest |q| in [2^14, 2^15): float16 holds
   // every value of the row to 2^-24 of it (below, as good as nothing next to the largest, they
-  // flush), with 3 more bits than bfloat16 had. Once per item, by every thread; a barrier after.
+  // flush), with 3 more bits than bfloat16 had. In fragment order (kFragmentOrderQ) or in place.
+  // Once per item, by every thread; a barrier after.
   template <int kRows, int kThreads>
   __device__ __forceinline__ static void QToHalf(__nv_bfloat16* q, float* q_scales, int tid) {
     constexpr int kRowThreads = kThreads / kRows;  // neighbouring lanes of one warp
     constexpr int kChunks = D / 8;                 // 16-byte chunks a row (some threads one less)
+    constexpr int kMine = (kChunks + kRowThreads - 1) / kRowThreads;
     const int r = tid / kRowThreads, first = tid % kRowThreads;
+    uint4 v[kMine];  // fragment order: the thread's chunks, kept until every chunk is read
     float m = 0.f;
+    if constexpr (kFragmentOrderQ) {
 #pragma unroll
-    for (int c = first; c < kChunks; c += kRowThreads) {
-      const uint4 v = *reinterpret_cast<const uint4*>(q + DecodeOffset<D>(r, c));
-      const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      for (int k = 0; k < kMine; ++k) {
+        const int c = first + k * kRowThreads;
+        v[k] = c < kChunks ? *reinterpret_cast<const uint4*>(q + DecodeOffset<D>(r, c))
+                           : make_uint4(0, 0, 0, 0);
+        const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
-        m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+          m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
+      }
+    } else {
+#pragma unroll
+      for (int c = first; c < kChunks; c += kRowThreads) {
+        const uint4 x = *reinterpret_cast<const uint4*>(q + DecodeOffset<D>(r, c));
+        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+          m = fmaxf(m, fmaxf(fabsf(f.x), fabsf(f.y)));
+        }
       }
     }
 #pragma unroll
@@ -385,34 +413,68 @@ struct DecodeFp8Math {
     frexpf(m, &ex);                    // m < 2^ex (0 for 0: the row stays as it is)
     const int e = max(ex - 15, -100);  // 2^-e stays a float for rows of tiny values
     const float down = ldexpf(1.f, -e);
+    if constexpr (kFragmentOrderQ) {
+      __syncthreads();  // every chunk read before any is moved
+      uint32_t* words = reinterpret_cast<uint32_t*>(q);
 #pragma unroll
-    for (int c = first; c < kChunks; c += kRowThreads) {
-      uint4* chunk = reinterpret_cast<uint4*>(q + DecodeOffset<D>(r, c));
-      const uint4 v = *chunk;
-      uint32_t w[4] = {v.x, v.y, v.z, v.w};
+      for (int k = 0; k < kMine; ++k) {
+        const int c = first + k * kRowThreads;
+        if (c >= kChunks) continue;
+        const uint32_t w[4] = {v[k].x, v[k].y, v[k].z, v[k].w};
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
-        const __half2 h = __floats2half2_rn(f.x * down, f.y * down);
-        w[j] = *reinterpret_cast<const uint32_t*>(&h);
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+          const __half2 h = __floats2half2_rn(f.x * down, f.y * down);
+          words[FragmentWord(r, 8 * c + 2 * j)] = *reinterpret_cast<const uint32_t*>(&h);
+        }
       }
-      *chunk = make_uint4(w[0], w[1], w[2], w[3]);
+    } else {  // in place
+#pragma unroll
+      for (int c = first; c < kChunks; c += kRowThreads) {
+        uint4* chunk = reinterpret_cast<uint4*>(q + DecodeOffset<D>(r, c));
+        const uint4 x = *chunk;
+        uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&w[j]));
+          const __half2 h = __floats2half2_rn(f.x * down, f.y * down);
+          w[j] = *reinterpret_cast<const uint32_t*>(&h);
+        }
+        *chunk = make_uint4(w[0], w[1], w[2], w[3]);
+      }
     }
     if (first == 0) q_scales[r] = ldexpf(1.f, e);
   }
 
+  // Where fragment order puts dims d, d + 1 (d even) of row r, in 4-byte words: warp r / 16's k
+  // step kc = d / 16, lane (r % 8) * 4 + t (t = d % 16 / 4), register (d % 4 / 2) * 2 + r % 16 / 8.
+  __device__ __forceinline__ static int FragmentWord(int r, int d) {
+    const int kc = d / 16, t = d % 16 / 4, h = d % 4 / 2;
+    const int rr = r % 16;
+    return (((r / 16) * (D / 16) + kc) * 32 + (rr % 8) * 4 + t) * 4 + 2 * h + rr / 8;
+  }
+
   // Q's A fragment (float16, from QToHalf) of k step kc: slots 2t, 2t + 1 hold dims
-  // 16kc + 4t, + 1; slots 2t + 8, + 9 dims 16kc + 4t + 2, + 3 (the K fragments' order).
+  // 16kc + 4t, + 1; slots 2t + 8, + 9 dims 16kc + 4t + 2, + 3 (the K fragments' order). warp_q:
+  // the warp's part of the tile (16 rows' worth).
   __device__ __forceinline__ static void LoadQFragment(const __nv_bfloat16* warp_q, int kc,
                                                        int lane, uint32_t (&a)[4]) {
-    const int quad_row = lane >> 2, quad_col = lane & 3;
+    if constexpr (kFragmentOrderQ) {
+      const uint4 q = reinterpret_cast<const uint4*>(warp_q)[kc * 32 + lane];
+      a[0] = q.x;  // row quad_row, dims 4t, 4t + 1
+      a[1] = q.y;  // row quad_row + 8
+      a[2] = q.z;  // row quad_row, dims 4t + 2, 4t + 3
+      a[3] = q.w;  // row quad_row + 8
+    } else {
+      const int quad_row = lane >> 2, quad_col = lane & 3;
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const uint2 q = *reinterpret_cast<const uint2*>(
-          warp_q + DecodeOffset<D>(quad_row + 8 * i, 2 * kc + (quad_col >> 1)) +
-          4 * (quad_col & 1));
-      a[i] = q.x;      // dims 4t, 4t + 1
-      a[2 + i] = q.y;  // dims 4t + 2, 4t + 3
+      for (int i = 0; i < 2; ++i) {
+        const uint2 q = *reinterpret_cast<const uint2*>(
+            warp_q + DecodeOffset<D>(quad_row + 8 * i, 2 * kc + (quad_col >> 1)) +
+            4 * (quad_col & 1));
+        a[i] = q.x;      // dims 4t, 4t + 1
+        a[2 + i] = q.y;  // dims 4t + 2, 4t + 3
+      }
     }
   }
 

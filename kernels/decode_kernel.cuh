@@ -363,9 +363,9 @@ struct DecodeFp8Math {
   // one after another, a lane's four registers of a k step in one 16-byte word, so that
   // LoadQFragment is one load into four registers the mma takes as they are. Loaded from pairs of
   // rows, the fragments came in pairs of registers that ptxas moved into place for every mma, a
-  // step: 232 of the tile loop's 1818 instructions at head_dim 128. Fragment order: 0.87-0.92x
-  // the time at 192, 0.92-0.98x at 64, 0.95-0.97x at 256, 0.96-0.98x at 96, 0.96-1.00x at 80;
-  // at 128 PER_TOKEN 0.99x but STATIC 1.02-1.04x, so 128 keeps the rows
+  // step: 232 of the tile loop's 1818 instructions at head_dim 128. Fragment order: 0.90-0.95x
+  // the time at 192, 0.93-0.97x at 256 and 96, 0.96-0.98x at 64 and 80 (b2b); at 128 PER_TOKEN
+  // 0.99x, but STATIC 1.02-1.05x on the three longest shapes, so 128 keeps the rows
   // (docs/PERFORMANCE.md#design-decisions).
   static constexpr bool kFragmentOrderQ = D != 128;
 
@@ -1146,7 +1146,7 @@ __global__ void __maxnreg__(168)
                                                  DecodeFirstPages<kRowWarps>(params));
 }
 // A tile of two blocks (head_dim 512, SplitsColumns) as a cluster of two, so that both blocks
-// always run at once and read each K row side by side: 0.92-0.95x the time of two blocks
+// always run at once and read each K row side by side: 0.92-0.97x the time of two blocks
 // scheduled apart at 16 x 4096 and the three longest default shapes, the same DRAM bytes (4.30
 // GB at 64 x 4096), DRAM 88% busy against 83% (docs/PERFORMANCE.md#design-decisions).
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>

@@ -108,8 +108,8 @@ struct DecodeTileConfig {
   static_assert(!kFp8 || kFp8Fragments<D>, "an FP8 decode tile's head dim");
   // head_dim 512 (SplitsColumns): a tile runs as two neighbouring blocks, each with all of K
   // (the scores) and kDv of V's and O's columns; the two run as a cluster and read each K page
-  // side by side (DecodeTileKernelPair). Its stages (64 KB of K, 32 of V) fit H100/H200's 227 KB but not an A100's
-  // 163 KB, where such spans run on prefill tiles (QueryPlanLimits).
+  // side by side (DecodeTileKernelPair). Its stages (64 KB of K, 32 of V) fit H100/H200's 227 KB
+  // but not an A100's 163 KB, where such spans run on prefill tiles (QueryPlanLimits).
   static constexpr int kColSplit = DecodeTileBlocks(D);
   static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
   static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");

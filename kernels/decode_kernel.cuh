@@ -448,7 +448,7 @@ struct DecodeFp8Math {
 
   // Where fragment order puts dims d, d + 1 (d even) of row r, in 4-byte words: warp r / 16's k
   // step kc = d / 16, lane (r % 8) * 4 + t (t = d % 16 / 4), register (d % 4 / 2) * 2 + r % 16 / 8.
-  __device__ __forceinline__ static int FragmentWord(int r, int d) {
+  __host__ __device__ static constexpr int FragmentWord(int r, int d) {
     const int kc = d / 16, t = d % 16 / 4, h = d % 4 / 2;
     const int rr = r % 16;
     return (((r / 16) * (D / 16) + kc) * 32 + (rr % 8) * 4 + t) * 4 + 2 * h + rr / 8;

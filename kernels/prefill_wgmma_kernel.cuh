@@ -8,19 +8,20 @@
 // is its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk
 // c ^ (r % 8).
 //
-// At head_dim 128 (and 80, 96, which run in its layout: WgmmaPrefillConfig::kWidth) a block is
+// At every head_dim but 64 (80 and 96 in 128's layout: WgmmaPrefillConfig::kWidth) a block is
 // persistent and warp-specialized (FlashAttention-3's recipe, on paged K/V): it runs the jobs
 // the host dealt it (SchedulePrefillJobs) back to back; a third, producer warpgroup streams
 // their K/V tiles through the stages (mbarriers: a stage's K, its V, its release), so the next
 // job's first tiles load while the last one ends; the two consumer warpgroups only compute, with
 // the registers the producer gave up (setmaxnreg), and take turns on the tensor cores (named
-// barriers): one's softmax runs while the other's matrix products do. At 64, 192 and 256 a block
-// runs one job, every thread copying and computing, a block barrier a tile.
+// barriers): one's softmax runs while the other's matrix products do. At 64 a block runs one
+// job, every thread copying and computing, a block barrier a tile.
 // Per tile and warpgroup:
 //   S = Q.K^T:  wgmma m64n64k16, A = Q and B = K from shared memory (both K-major), D/16 steps;
 //   online softmax in registers (exp2, scale folded into an FMA), masks only where needed;
-//   O += P.V:   wgmma m64n64k16, A = P from registers (the S accumulator layout re-packed),
-//               B = V from shared memory (MN-major: the transpose bit), D/64 column slices.
+//   O += P.V:   wgmma m64nWk16, A = P from registers (the S accumulator layout re-packed),
+//               B = V from shared memory (MN-major: the transpose bit), one wgmma over all of
+//               its 64-column slices (W = kWidth; at 64 one n64).
 // Accumulators stay in the mma.sync fragment layout, so the output and split-KV code is shared
 // with the portable kernels (WriteTileRow, MergeIfLastSplit).
 //
@@ -42,6 +43,26 @@
 
 namespace pagedattn::kernels {
 
+// KvCopyLayout's fields for copies that take a [rows][D] tile one 64-column slice at a time: a
+// thread copies chunk tid % 8 of rows tid / 8 + i * kRowStep in each of the kSlices slices.
+template <int D, int kThreads, int kTileKv>
+struct SliceCopyLayout {
+  static constexpr int kChunks = 8, kSlots = 8;
+  static constexpr int kSlices = D / 64;
+  static constexpr int kRowStep = kThreads / kSlots;
+  static constexpr int kRowsPerThread = kTileKv / kRowStep;
+  static_assert(D % 64 == 0 && kTileKv % kRowStep == 0, "whole slices, copies divide evenly");
+};
+// The slices a copy layout takes one at a time (KvCopyLayout: one, the whole row).
+template <typename Copy>
+constexpr int CopySlices() {
+  if constexpr (requires { Copy::kSlices; }) {
+    return Copy::kSlices;
+  } else {
+    return 1;
+  }
+}
+
 template <typename T, int D>
 struct WgmmaPrefillConfig {
   static constexpr int kRows = kPrefillTileRows;  // query rows per block
@@ -52,16 +73,17 @@ struct WgmmaPrefillConfig {
   // columns past D zero and O's dropped; 1.05x the portable kernel's rate at 96, the same at 80
   // (docs/PERFORMANCE.md#head-dims).
   static constexpr int kWidth = WgmmaPrefillWidth(D);
-  // Tile shape per head_dim: d128 128 positions x 3 stages, pipelined; d64 64 x 4, one tile at
-  // a time (its products are too small to hide the softmax behind); d256 64 x 2, all its 64 KiB
-  // Q tile leaves room for (docs/PERFORMANCE.md#design-decisions).
+  // Tile shape per width: 128 128 positions x 3 stages; 64 64 x 4, one tile at a time (its
+  // products are too small to hide the softmax behind: persistent and warp-specialized, 1.0-1.14x
+  // the time); 192 64 x 3 and 256 64 x 2, what their 48 and 64 KiB Q tiles leave room for
+  // (docs/PERFORMANCE.md#design-decisions).
   static constexpr int kTileKv = kWidth == 128 ? 128 : 64;
-  static constexpr int kStages = kWidth == 128 ? 3 : (D == 64 ? 4 : 2);
-  // Pipelined: S of tile j + 1 overlaps P.V of tile j (needs three stages or more).
-  static constexpr bool kPipelined = kWidth == 128;
+  static constexpr int kStages = kWidth == 128 || kWidth == 192 ? 3 : (kWidth == 64 ? 4 : 2);
+  // Pipelined: S of tile j + 1 overlaps P.V of tile j.
+  static constexpr bool kPipelined = kWidth != 64;
   // Pipelined tiles run in persistent blocks (WgmmaPrefillWsBody), jobs back to back so
-  // the next job's first K/V tiles load during the last one's end; the others one block per item
-  // and kv head, 2-8% faster than persistent for them (docs/PERFORMANCE.md#design-decisions).
+  // the next job's first K/V tiles load during the last one's end; head_dim 64's one block per
+  // item and kv head (WgmmaPrefillItemBody).
   static constexpr bool kPersistent = kPipelined;
   static constexpr int kSlices = kWidth / 64;                // 64-column slices (swizzle blocks)
   // Persistent blocks are warp-specialized: the kThreads consumer threads above, then a producer
@@ -72,7 +94,12 @@ struct WgmmaPrefillConfig {
   static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kThreads <= 65536,
                 "one SM's register file");
   using Copy = KvCopyLayout<D, kThreads, kTileKv>;
-  using ProducerCopy = KvCopyLayout<D, kProducerThreads, kTileKv>;
+  // The producer's: a row's chunks over its threads where that keeps each thread's rows in one
+  // swizzle phase (row steps of 8), else (192, 256) one 64-column slice's 8 chunks at a time.
+  using ProducerCopy =
+      std::conditional_t<KvCopyLayout<D, kProducerThreads, kTileKv>::kRowStep % 8 == 0,
+                         KvCopyLayout<D, kProducerThreads, kTileKv>,
+                         SliceCopyLayout<D, kProducerThreads, kTileKv>>;
   static constexpr int kChunks = Copy::kChunks;                // 16-byte chunks per row
   static constexpr int kTileElems = kTileKv * kWidth;
   static constexpr int kStageElems = 2 * kTileElems;  // K tile then V tile
@@ -198,14 +225,18 @@ struct WgmmaTileMath {
       T* dst, const int32_t (&bases)[Copy::kRowsPerThread], const T* cache, int copy_chunk,
       int copy_row0) {
     static_assert(Copy::kRowStep % 8 == 0, "every row of a thread's in the same swizzle phase");
-    if (copy_chunk >= Cfg::kChunks) return;  // a column past the row (head_dim 80, 96, 192)
+    constexpr int kSlices = CopySlices<Copy>();
+    if (kSlices == 1 && copy_chunk >= Cfg::kChunks) return;  // past the row (80, 96)
     const uint32_t dst0 = SmemAddr(dst + Sw128Offset<Cfg::kTileKv>(copy_row0, copy_chunk));
     const char* src0 = reinterpret_cast<const char*>(cache + copy_chunk * 8);
 #pragma unroll
-    for (int i = 0; i < Copy::kRowsPerThread; ++i) {
-      CpAsync16Or0(dst0 + i * Copy::kRowStep * kRowBytes,
-                   src0 + int64_t{max(bases[i], 0)} * (D * sizeof(T)), bases[i] >= 0);
-    }
+    for (int sl = 0; sl < kSlices; ++sl)
+#pragma unroll
+      for (int i = 0; i < Copy::kRowsPerThread; ++i) {
+        CpAsync16Or0(dst0 + (sl * Cfg::kTileKv + i * Copy::kRowStep) * kRowBytes,
+                     src0 + (sl * 64 + int64_t{max(bases[i], 0)} * D) * sizeof(T),
+                     bases[i] >= 0);
+      }
   }
 
   // Copies one K/V tile into stage `stage`, with the block's threads (Cfg::Copy).
@@ -260,9 +291,9 @@ struct WgmmaTileMath {
 
   // Descriptors (Sw128Desc) of the Q rows, and of stage 0's K and V tiles; a stage's and a k
   // step's are these plus a constant (Sw128DescPlus). V's leading field: the bytes between its
-  // 64-column slices where one wgmma spans both (kWidth 128).
+  // 64-column slices, which one wgmma spans.
   static constexpr uint32_t kStageBytes = Cfg::kStageElems * sizeof(T);
-  static constexpr uint32_t kVLeading = Cfg::kWidth == 128 ? Cfg::kTileKv * kRowBytes : 1024;
+  static constexpr uint32_t kVLeading = Cfg::kWidth > 64 ? Cfg::kTileKv * kRowBytes : 1024;
   __device__ __forceinline__ static uint64_t StageDesc(uint64_t k_desc0, int stage) {
     return Sw128DescPlus(k_desc0, stage * kStageBytes);
   }
@@ -285,9 +316,9 @@ struct WgmmaTileMath {
                                                  uint64_t v_desc) {
 #pragma unroll
     for (int kp = 0; kp < kKP; ++kp) {
-      if constexpr (Cfg::kWidth == 128) {
-        // One m64n128 wgmma over both slices: 2% faster than two n64's
-        // (docs/PERFORMANCE.md#design-decisions).
+      if constexpr (Cfg::kWidth > 64) {
+        // One wgmma over every slice (m64n128 at head_dim 128: 2% faster than two n64's,
+        // docs/PERFORMANCE.md#design-decisions).
         WgmmaRS<T>(o, pa[kp], Sw128DescPlus(v_desc, kp * 16 * kRowBytes));
       } else {
 #pragma unroll
@@ -697,12 +728,12 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   };
 
   if (tid >= kConsumers) {
-    // ---- Producer: for each stream tile, its 128 positions' pool rows (thread ptid computes
-    // position ptid's: page-table load, page division, one tile ahead of its copies) go through
-    // shared memory, then each thread copies its chunk of kRowsPerThread rows of K, then of V,
-    // each followed by an arrival that lands with its copies. Row indices (row = (page *
-    // kv_heads + kv_head) * page_size + in_page) fit in 31 bits: 2^31 rows of at least 128
-    // bytes exceed any GPU's memory.
+    // ---- Producer: for each stream tile, its kTileKv positions' pool rows (thread ptid <
+    // kTileKv computes position ptid's: page-table load, page division, one tile ahead of its
+    // copies) go through shared memory, then each thread copies its chunk of kRowsPerThread rows
+    // of K, then of V, each followed by an arrival that lands with its copies. Row indices
+    // (row = (page * kv_heads + kv_head) * page_size + in_page) fit in 31 bits: 2^31 rows of at
+    // least 128 bytes exceed any GPU's memory.
     LowerRegisters<Cfg::kProducerRegs>();
     const int ptid = tid - kConsumers;
     using Copy = typename Cfg::ProducerCopy;
@@ -729,7 +760,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     };
     auto load_row = [&](Cursor& c) {
       int32_t row = -1;
-      if (c.pos < c.end) {
+      if (ptid < Cfg::kTileKv && c.pos < c.end) {
         const uint32_t page = p.page_div.Div(c.pos);
         row = (c.pages[page] * p.num_kv_heads + c.kv_head) * p.page_size +
               (c.pos - static_cast<int32_t>(page) * p.page_size);
@@ -750,7 +781,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
         const int stage = g % kS;
         const uint32_t free_parity = ((g / kS) & 1) ^ 1;
         const int32_t next_row = load_row(ahead);
-        row_base[stage][ptid] = row;
+        if (ptid < Cfg::kTileKv) row_base[stage][ptid] = row;
         NamedBarrierSync(kProducerBarrier, Cfg::kProducerThreads);
         int32_t bases[Copy::kRowsPerThread];
         M::template LoadRowBases<Copy>(bases, row_base[stage], copy_row0);

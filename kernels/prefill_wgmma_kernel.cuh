@@ -55,12 +55,23 @@ struct SliceCopyLayout {
 };
 // The slices a copy layout takes one at a time (KvCopyLayout: one, the whole row).
 template <typename Copy>
-constexpr int CopySlices() {
+__host__ __device__ constexpr int CopySlices() {
   if constexpr (requires { Copy::kSlices; }) {
     return Copy::kSlices;
   } else {
     return 1;
   }
+}
+// Copy i of slice sl of a thread of layout Copy into a [kTileKv][D] tile in Sw128Offset's
+// layout: its element offset from the thread's first copy (the thread's rows share a swizzle
+// phase, so each address is the first plus a constant), and the column of the pool row it
+// reads, for the thread's 16-byte chunk copy_chunk (tid % kSlots; its first row tid / kSlots).
+template <int kTileKv, typename Copy>
+__host__ __device__ constexpr int TileCopyStep(int sl, int i) {
+  return (sl * kTileKv + i * Copy::kRowStep) * 64;
+}
+__host__ __device__ constexpr int TileCopyColumn(int copy_chunk, int sl) {
+  return sl * 64 + copy_chunk * 8;
 }
 
 template <typename T, int D>
@@ -228,13 +239,13 @@ struct WgmmaTileMath {
     constexpr int kSlices = CopySlices<Copy>();
     if (kSlices == 1 && copy_chunk >= Cfg::kChunks) return;  // past the row (80, 96)
     const uint32_t dst0 = SmemAddr(dst + Sw128Offset<Cfg::kTileKv>(copy_row0, copy_chunk));
-    const char* src0 = reinterpret_cast<const char*>(cache + copy_chunk * 8);
+    const char* src0 = reinterpret_cast<const char*>(cache + TileCopyColumn(copy_chunk, 0));
 #pragma unroll
     for (int sl = 0; sl < kSlices; ++sl)
 #pragma unroll
       for (int i = 0; i < Copy::kRowsPerThread; ++i) {
-        CpAsync16Or0(dst0 + (sl * Cfg::kTileKv + i * Copy::kRowStep) * kRowBytes,
-                     src0 + (sl * 64 + int64_t{max(bases[i], 0)} * D) * sizeof(T),
+        CpAsync16Or0(dst0 + TileCopyStep<Cfg::kTileKv, Copy>(sl, i) * sizeof(T),
+                     src0 + (TileCopyColumn(0, sl) + int64_t{max(bases[i], 0)} * D) * sizeof(T),
                      bases[i] >= 0);
       }
   }

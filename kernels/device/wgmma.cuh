@@ -20,7 +20,7 @@ namespace pagedattn::kernels {
 
 // Element offset of (row, 16-byte chunk) in a [R][D] tile in the 128-byte-swizzle layout.
 template <int R>
-__device__ __forceinline__ int Sw128Offset(int row, int chunk) {
+__host__ __device__ __forceinline__ constexpr int Sw128Offset(int row, int chunk) {
   return (chunk >> 3) * (R * 64) + row * 64 + (((chunk & 7) ^ (row & 7)) << 3);
 }
 

@@ -47,7 +47,7 @@ namespace pagedattn::kernels {
 // thread copies chunk tid % 8 of rows tid / 8 + i * kRowStep in each of the kSlices slices.
 template <int D, int kThreads, int kTileKv>
 struct SliceCopyLayout {
-  static constexpr int kChunks = 8, kSlots = 8;
+  static constexpr int kSlots = 8;  // a slice's 16-byte chunks
   static constexpr int kSlices = D / 64;
   static constexpr int kRowStep = kThreads / kSlots;
   static constexpr int kRowsPerThread = kTileKv / kRowStep;

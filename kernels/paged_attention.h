@@ -34,6 +34,12 @@ struct FastDivmod {
 #endif
 };
 
+// Two CUtensorMap's (cuda.h's 128-byte, 64-byte aligned TMA descriptors), opaque here.
+struct alignas(64) KvTensorMaps {
+  unsigned char k[128];
+  unsigned char v[128];
+};
+
 // ---- FP8 caches ---------------------------------------------------------------------------
 
 // How one layer of an FP8 (E4M3) cache scales K and V: a stored value reads back as
@@ -103,8 +109,10 @@ struct PagedAttentionParams {
   float sm_scale = 0.f;
   PrefillPath prefill_path = PrefillPath::kAuto;
 
-  const void* k_cache =
-      nullptr;  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]
+  // This layer's K pool: [num_pages][num_kv_heads][page_size][head_dim]. Every row of a page the
+  // table names must be finite: the Hopper prefill reads a range's last page whole (TMA boxes),
+  // the rows past the range's end weighing zero.
+  const void* k_cache = nullptr;
   const void* v_cache = nullptr;
   const int32_t* page_table = nullptr;
 
@@ -163,6 +171,12 @@ struct PagedAttentionParams {
   void* dequant_k = nullptr;
   void* dequant_v = nullptr;
   const int32_t* prefill_page_table = nullptr;
+
+  // The Hopper prefill kernel's K and V pools (k_cache, v_cache) as TMA tensor maps of boxes
+  // of kv_box_rows rows, which its launcher makes where the pages allow (0: none;
+  // kernels/tensor_map.h).
+  int32_t kv_box_rows = 0;
+  KvTensorMaps kv_maps = {};
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as

@@ -40,6 +40,7 @@
 #include "kernels/device/wgmma.cuh"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
+#include "kernels/tensor_map.h"
 
 namespace pagedattn::kernels {
 
@@ -697,6 +698,101 @@ inline constexpr int kProducerBarrier = 1;  // the producer warpgroup, a tile's 
 inline constexpr int kTurnBarrier = 2;      // + wg: consumer warpgroup wg's turn to issue
 inline constexpr int kQBarrier = 4;         // + wg: consumer warpgroup wg's Q rows stored
 
+// The producer warps that move one operand's (K's, V's) boxes: warp `part` of them box i
+// where i % kTmaWarpsPerOperand == part. One warp an operand took 1.01-1.10x the time of two
+// at the default shapes, 1.12x at head_dim 256 (docs/PERFORMANCE.md#design-decisions).
+inline constexpr int kTmaWarpsPerOperand = 2;
+
+// The producer of WgmmaPrefillWsBody where the launcher made the pools' tensor maps
+// (p.kv_box_rows > 0): warps 0 and 1 move each stream tile's K, warps 2 and 3 its V, as TMA
+// boxes of kv_box_rows rows (the page size's largest power-of-two factor, at most a tile) x 64
+// columns, each box issued by its warp's lane 0 (a TMA's operands are warp-uniform: boxes of
+// each lane's own would be issued one lane at a time). A box wholly past the job's range is one
+// before row 0, which TMA fills with zeros; a box that the range's end cuts is read whole from
+// its page, its rows past the end finite (the pool's rows always are: zeroed at allocation,
+// written as AttentionValue) and masked; a box that a page boundary cuts (a range that starts
+// inside one) is gathered by cp.async, row by row. A stage's full barrier completes on the
+// first warp's expected bytes and the two warps' 64 cp.async arrivals.
+template <typename T, int D>
+__device__ __forceinline__ void ProduceKvTma(const PagedAttentionParams& p, T* smem_kv,
+                                             uint64_t* full, uint64_t* empty, int job_begin,
+                                             int job_end, int kv, int part, int lane) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  constexpr int kS = Cfg::kStages, kTileKv = Cfg::kTileKv;
+  constexpr int kRowChunks = Cfg::kSlices * 8;  // 16-byte chunks of a tile row
+  const int box_rows = p.kv_box_rows, groups = kTileKv / box_rows;
+  const uint32_t box_bytes = box_rows * 64 * sizeof(T);
+  const T* cache = static_cast<const T*>(kv == 0 ? p.k_cache : p.v_cache);
+  const void* map = kv == 0 ? p.kv_maps.k : p.kv_maps.v;
+  int g = 0;
+#pragma unroll 1
+  for (int j = job_begin; j < job_end; ++j) {
+    const AttentionWorkItem& item = p.prefill_jobs[j].item;
+    const int kv_head = p.prefill_jobs[j].kv_head, kv_end = item.kv_end;
+    const int32_t* pages = p.page_table + item.span_info.page_table_offset;
+    auto pool_row = [&](int pos) {
+      const uint32_t page = p.page_div.Div(pos);
+      return (pages[page] * p.num_kv_heads + kv_head) * p.page_size +
+             (pos - static_cast<int32_t>(page) * p.page_size);
+    };
+    const int num_tiles = (kv_end - item.kv_start + kTileKv - 1) / kTileKv;
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t, ++g) {
+      const int stage = g % kS;
+      const int pos0 = item.kv_start + t * kTileKv;
+      // Lane i < groups: box i's first pool row (-box_rows past the range), or gathered.
+      int32_t row = -box_rows;
+      bool gather = false;
+      if (lane < groups) {
+        const int pos = pos0 + lane * box_rows;
+        if (pos < kv_end) {
+          const int in_page = pos - static_cast<int32_t>(p.page_div.Div(pos)) * p.page_size;
+          gather = in_page + box_rows > p.page_size;
+          if (!gather) row = pool_row(pos);
+        }
+      }
+      const uint32_t gathered = __ballot_sync(~0u, gather);
+      const uint32_t tile_addr =
+          SmemAddr(smem_kv + stage * Cfg::kStageElems + kv * Cfg::kTileElems);
+      MbarWait(&empty[stage], ((g / kS) & 1) ^ 1);
+      if (part == 0 && lane == 0) {
+        MbarArriveExpectTx(&full[stage],
+                           (groups - __popc(gathered)) * Cfg::kSlices * box_bytes);
+      }
+#pragma unroll 1
+      for (int i = part; i < groups; i += kTmaWarpsPerOperand) {
+        const int32_t box_row = __shfl_sync(~0u, row, i);
+        if (lane == 0 && !((gathered >> i) & 1)) {
+#pragma unroll
+          for (int slice = 0; slice < Cfg::kSlices; ++slice) {
+            TmaLoad2d(tile_addr + (slice * kTileKv + i * box_rows) * 64 * sizeof(T), map,
+                      slice * 64, box_row, &full[stage]);
+          }
+        }
+      }
+      static_assert(kTmaWarpsPerOperand == 2, "the mask below: every other box");
+#pragma unroll 1
+      for (uint32_t left = gathered & (part == 0 ? 0x55555555u : 0xAAAAAAAAu); left != 0;
+           left &= left - 1) {
+        const int r0 = (__ffs(left) - 1) * box_rows;
+#pragma unroll 1
+        for (int c = lane; c < box_rows * kRowChunks; c += 32) {
+          const int r = r0 + c / kRowChunks, chunk = c % kRowChunks;
+          if (chunk >= Cfg::kChunks) continue;  // past D (80, 96): zeros since the start
+          const int pos = pos0 + r;
+          const bool valid = pos < kv_end;
+          const int64_t src_row = valid ? pool_row(pos) : 0;
+          CpAsync16Or0(tile_addr + Sw128Offset<kTileKv>(r, chunk) * sizeof(T),
+                       cache + src_row * D + chunk * 8, valid);
+        }
+      }
+      CpAsyncMbarArrive(&full[stage]);
+    }
+  }
+  CpAsyncCommit();  // the gathers above are in no group until now: wait for all of them
+  CpAsyncWait<0>();
+}
+
 // The persistent, warp-specialized body (head_dim 128's layout). Threads 0..kThreads-1: two
 // consumer warpgroups; the last warpgroup: the producer. Both sides walk the block's jobs and
 // their tiles in the same order, stream tile g in stage g % kS; per stage four mbarriers:
@@ -715,10 +811,14 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   __shared__ uint64_t full_k[kS], full_v[kS], empty_k[kS], empty_v[kS];
   const int tid = threadIdx.x;
   if (tid == 0) {
+    // Arrivals that complete a full barrier: the TMA producer's two warps (lanes) and its
+    // expected bytes, or the cp.async producer's threads.
+    const uint32_t producers =
+        p.kv_box_rows > 0 ? kTmaWarpsPerOperand * 32 + 1 : Cfg::kProducerThreads;
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
-      MbarInit(&full_k[s], Cfg::kProducerThreads);
-      MbarInit(&full_v[s], Cfg::kProducerThreads);
+      MbarInit(&full_k[s], producers);
+      MbarInit(&full_v[s], producers);
       MbarInit(&empty_k[s], kConsumerWarps);
       MbarInit(&empty_v[s], kConsumerWarps);
     }
@@ -747,6 +847,13 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     // least 128 bytes exceed any GPU's memory.
     LowerRegisters<Cfg::kProducerRegs>();
     const int ptid = tid - kConsumers;
+    if (p.kv_box_rows > 0) {
+      static_assert(2 * kTmaWarpsPerOperand * 32 == Cfg::kProducerThreads, "K's warps, V's");
+      const int kv = ptid / (32 * kTmaWarpsPerOperand);
+      ProduceKvTma<T, D>(p, smem.kv, kv == 0 ? full_k : full_v, kv == 0 ? empty_k : empty_v,
+                         job_begin, job_end, kv, ptid / 32 % kTmaWarpsPerOperand, ptid % 32);
+      return;
+    }
     using Copy = typename Cfg::ProducerCopy;
     const int copy_chunk = ptid % Copy::kSlots, copy_row0 = ptid / Copy::kSlots;
     const T* k_cache = static_cast<const T*>(p.k_cache);
@@ -1028,9 +1135,21 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
         "QueryPlanLimits gives)");
   }
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
+  // K/V through TMA in boxes of the page size's largest power-of-two factor, at most a tile and
+  // at least 8 rows (a swizzle atom): page sizes that are multiples of 8, and layers without a
+  // window (a window's ranges start anywhere: their boxes would straddle pages, gathered row by
+  // row); 0.83-0.96x the time of the producer's cp.async at the default shapes.
+  PagedAttentionParams tma = params;
+  tma.kv_box_rows = 0;
+  const int box_rows = std::min(params.page_size & -params.page_size, Cfg::kTileKv);
+  if (box_rows >= kTmaMinBoxRows && params.window == 0 &&
+      EncodePoolTensorMap(params.k_cache, D, box_rows, tma.kv_maps.k) &&
+      EncodePoolTensorMap(params.v_cache, D, box_rows, tma.kv_maps.v)) {
+    tma.kv_box_rows = box_rows;
+  }
   return launcher.Launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
                          dim3(static_cast<unsigned>(params.num_prefill_blocks)),
-                         dim3(Cfg::kLaunchThreads), Cfg::SmemBytes(), stream, params,
+                         dim3(Cfg::kLaunchThreads), Cfg::SmemBytes(), stream, tma,
                          "prefill attention (wgmma)");
 }
 

@@ -1,7 +1,8 @@
 // Synchronization of a warp-specialized block: shared-memory mbarriers (a producer's copies
-// landing, consumers releasing a stage), named barriers (a subset of the block's warps) and
-// setmaxnreg (registers moved between warpgroups). The Hopper prefill kernel's; mbarriers and
-// named barriers exist from sm_80, setmaxnreg on sm_90a only (PAGEDATTN_WGMMA_DEVICE).
+// landing, consumers releasing a stage), named barriers (a subset of the block's warps),
+// setmaxnreg (registers moved between warpgroups) and TMA copies that land on an mbarrier. The
+// Hopper prefill kernel's; mbarriers and named barriers exist from sm_80, the rest on sm_90a
+// only (PAGEDATTN_WGMMA_DEVICE).
 #pragma once
 
 #include <cstdint>
@@ -65,6 +66,26 @@ __device__ __forceinline__ void RaiseRegisters() {
 template <int N>
 __device__ __forceinline__ void LowerRegisters() {
   asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(N));
+}
+
+// One arrival that also makes the phase wait for `bytes` more bytes of bulk (TMA) copies.
+__device__ __forceinline__ void MbarArriveExpectTx(uint64_t* bar, uint32_t bytes) {
+  asm volatile(
+      "{\n.reg .b64 state;\nmbarrier.arrive.expect_tx.shared::cta.b64 state, [%0], %1;\n}\n" ::"r"(
+          SmemAddr(bar)),
+      "r"(bytes)
+      : "memory");
+}
+
+// A TMA copy of the box at (column, row) of the 2-D tensor map `map` (a __grid_constant__
+// param's address) to shared memory at smem_dst; its bytes count down `bar`'s expected ones.
+__device__ __forceinline__ void TmaLoad2d(uint32_t smem_dst, const void* map, int column, int row,
+                                          uint64_t* bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, "
+      "{%2, %3}], [%4];\n" ::"r"(smem_dst),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(SmemAddr(bar))
+      : "memory");
 }
 #endif  // PAGEDATTN_WGMMA_DEVICE
 

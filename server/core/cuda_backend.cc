@@ -374,6 +374,13 @@ class CudaBackend final : public Backend {
       }
       return CudaStatus(err, "cudaMalloc(K/V pool)");
     }
+    // Every row of the pool finite from the start (writes are AttentionValue's): the prefill
+    // kernel reads a range's last page whole, rows past the range's end weighing zero, and a
+    // NaN there would not (0 * NaN). Once per cache, at the memory's speed.
+    if (cudaError_t err = cudaMemset(base, 0, want); err != cudaSuccess) {
+      cudaFree(base);
+      return CudaStatus(err, "cudaMemset(K/V pool)");
+    }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
     absl::StatusOr<float*> sinks = UploadSinks(g);
     if (!sinks.ok()) {

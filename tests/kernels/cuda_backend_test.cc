@@ -28,6 +28,7 @@
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
 #include "kernels/submission.h"
+#include "kernels/tensor_map.h"
 #include "kernels/workspace.h"
 #include "server/core/backend.h"
 #include "server/core/cache.h"
@@ -1288,6 +1289,23 @@ TEST(ExponentsStayFiniteTest, BoundsTheScaleAndAStaticKScale) {
   float row_scales = 1.f;
   p.scales.k_rows = &row_scales;  // PER_TOKEN: each row within its own largest value
   EXPECT_TRUE(kernels::ExponentsStayFinite(p));
+}
+
+// The Hopper prefill's K/V tensor maps: made for every head dim and box the launcher asks for
+// (else its producer falls back to copying rows, silently slower); refused for a pool that is not
+// 16-byte aligned or a box that is no power of two from 8 to 256 rows.
+TEST_F(CudaKernelTest, PoolTensorMapsEncode) {
+  void* pool = nullptr;
+  ASSERT_EQ(cudaMalloc(&pool, 1 << 20), cudaSuccess);
+  alignas(64) unsigned char map[128];
+  for (int d : kCudaHeadDims) {
+    for (int rows : {8, 16, 32, 64, 128, 256}) {
+      EXPECT_TRUE(kernels::EncodePoolTensorMap(pool, d, rows, map)) << d << " " << rows;
+    }
+  }
+  EXPECT_FALSE(kernels::EncodePoolTensorMap(static_cast<char*>(pool) + 8, 128, 16, map));
+  for (int rows : {0, 4, 12, 512}) EXPECT_FALSE(kernels::EncodePoolTensorMap(pool, 128, rows, map));
+  cudaFree(pool);
 }
 
 TEST_F(CudaKernelTest, ReportsDevice) {

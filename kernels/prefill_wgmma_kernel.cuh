@@ -74,6 +74,14 @@ __host__ __device__ constexpr int TileCopyStep(int sl, int i) {
 __host__ __device__ constexpr int TileCopyColumn(int copy_chunk, int sl) {
   return sl * 64 + copy_chunk * 8;
 }
+// Where the TMA box of rows box * box_rows.. and columns slice * 64.. of a [kTileKv][D] tile
+// lands (element offset): TMA's 128-byte swizzle, which XORs an address's 16-byte chunk bits with
+// its 128-byte row bits, puts each of its rows and chunks where Sw128Offset does, the box starting
+// on a 1024-byte swizzle atom.
+template <int kTileKv>
+__host__ __device__ constexpr int TmaBoxOffset(int slice, int box, int box_rows) {
+  return (slice * kTileKv + box * box_rows) * 64;
+}
 
 template <typename T, int D>
 struct WgmmaPrefillConfig {
@@ -126,6 +134,17 @@ struct WgmmaPrefillConfig {
   // Dynamic plus static (row indices, flags: under 2 KiB) shared memory fit one SM's 227 KiB.
   static_assert(SmemBytes() + 2048 <= 227 * 1024, "fits one SM's shared memory");
 };
+
+// The rows of the TMA boxes the warp-specialized producer moves K/V in, or 0 for its cp.async
+// copies: the page size's largest power-of-two factor, at most a tile and at least 8 rows (a
+// swizzle atom), so page sizes that are multiples of 8, in layers without a window (a window's
+// ranges start anywhere: their boxes would straddle pages, gathered row by row). TMA took
+// 0.83-0.96x the time of the producer's cp.async at the default shapes
+// (docs/PERFORMANCE.md#design-decisions).
+constexpr int PrefillTmaBoxRows(int page_size, int window, int tile_kv) {
+  const int rows = std::min(page_size & -page_size, tile_kv);
+  return page_size > 0 && window == 0 && rows >= kTmaMinBoxRows ? rows : 0;
+}
 
 #if PAGEDATTN_WGMMA_DEVICE
 
@@ -765,7 +784,7 @@ __device__ __forceinline__ void ProduceKvTma(const PagedAttentionParams& p, T* s
         if (lane == 0 && !((gathered >> i) & 1)) {
 #pragma unroll
           for (int slice = 0; slice < Cfg::kSlices; ++slice) {
-            TmaLoad2d(tile_addr + (slice * kTileKv + i * box_rows) * 64 * sizeof(T), map,
+            TmaLoad2d(tile_addr + TmaBoxOffset<kTileKv>(slice, i, box_rows) * sizeof(T), map,
                       slice * 64, box_row, &full[stage]);
           }
         }
@@ -1135,15 +1154,10 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
         "QueryPlanLimits gives)");
   }
   if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
-  // K/V through TMA in boxes of the page size's largest power-of-two factor, at most a tile and
-  // at least 8 rows (a swizzle atom): page sizes that are multiples of 8, and layers without a
-  // window (a window's ranges start anywhere: their boxes would straddle pages, gathered row by
-  // row); 0.83-0.96x the time of the producer's cp.async at the default shapes.
   PagedAttentionParams tma = params;
   tma.kv_box_rows = 0;
-  const int box_rows = std::min(params.page_size & -params.page_size, Cfg::kTileKv);
-  if (box_rows >= kTmaMinBoxRows && params.window == 0 &&
-      EncodePoolTensorMap(params.k_cache, D, box_rows, tma.kv_maps.k) &&
+  const int box_rows = PrefillTmaBoxRows(params.page_size, params.window, Cfg::kTileKv);
+  if (box_rows > 0 && EncodePoolTensorMap(params.k_cache, D, box_rows, tma.kv_maps.k) &&
       EncodePoolTensorMap(params.v_cache, D, box_rows, tma.kv_maps.v)) {
     tma.kv_box_rows = box_rows;
   }

@@ -30,6 +30,7 @@
 #pragma once
 
 #include <algorithm>
+#include <iterator>
 #include <type_traits>
 
 #include "kernels/device/mbarrier.cuh"
@@ -93,12 +94,13 @@ struct WgmmaPrefillConfig {
   // columns past D zero and O's dropped; 1.05x the portable kernel's rate at 96, the same at 80
   // (docs/PERFORMANCE.md#head-dims).
   static constexpr int kWidth = WgmmaPrefillWidth(D);
-  // Tile shape per width: 128 128 positions x 3 stages; 64 64 x 4, one tile at a time (its
+  // Tile shape per width: 128 128 positions x 3 stages; 64 64 x 5, one tile at a time (its
   // products are too small to hide the softmax behind: persistent and warp-specialized, 1.0-1.14x
-  // the time); 192 64 x 3 and 256 64 x 2, what their 48 and 64 KiB Q tiles leave room for
+  // the time; five stages and one barrier a tile, 0.87-0.90x four stages and two); 192 64 x 3 and
+  // 256 64 x 2, what their 48 and 64 KiB Q tiles leave room for
   // (docs/PERFORMANCE.md#design-decisions).
   static constexpr int kTileKv = kWidth == 128 ? 128 : 64;
-  static constexpr int kStages = kWidth == 128 || kWidth == 192 ? 3 : (kWidth == 64 ? 4 : 2);
+  static constexpr int kStages = kWidth == 128 || kWidth == 192 ? 3 : (kWidth == 64 ? 5 : 2);
   // Pipelined: S of tile j + 1 overlaps P.V of tile j.
   static constexpr bool kPipelined = kWidth != 64;
   // Pipelined tiles run in persistent blocks (WgmmaPrefillWsBody), jobs back to back so
@@ -110,6 +112,9 @@ struct WgmmaPrefillConfig {
   // warpgroup, whose registers (setmaxnreg) go to the consumers.
   static constexpr int kProducerThreads = 128;
   static constexpr int kLaunchThreads = kPersistent ? kThreads + kProducerThreads : kThreads;
+  // Blocks an SM must hold: one persistent block; two of head_dim 64's (registers <= 128), whose
+  // tiles overlap only across blocks.
+  static constexpr int kMinBlocks = kPersistent ? 1 : 2;
   static constexpr int kProducerRegs = 56, kConsumerRegs = 224;
   static_assert(kProducerRegs * kProducerThreads + kConsumerRegs * kThreads <= 65536,
                 "one SM's register file");
@@ -669,15 +674,17 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   };
   auto fence_o = [&]() { FenceRegs(o); };
 
-  // ---- Main loop: one tile at a time, issue tile + kS - 1 into the stage the last iteration
-  // read, then S, softmax and P.V of this tile.
+  // ---- Main loop: one tile at a time, one barrier a tile. Past it, issue tile + kS - 1 into
+  // the stage the last iteration read, then S, softmax and P.V of this tile.
   for (int tile = 0; tile < num_tiles; ++tile) {
+    const int32_t next_id = load_page_id(tile + kS);
+    CpAsyncWait<kS - 2>();  // this tile's copies (issued up to tile + kS - 2)
+    ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma
+    // Every thread's copies of this tile have landed and every warp is done with the last tile,
+    // whose stage the copies below overwrite.
+    __syncthreads();
     if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
     CpAsyncCommit();
-    const int32_t next_id = load_page_id(tile + kS);
-    CpAsyncWait<kS - 1>();
-    ProxyFenceShared();  // this thread's cp.async and Q stores, visible to wgmma
-    __syncthreads();
     if (tile < wg_tiles) {
       float s[kNT][4];
       WgmmaFence();
@@ -687,7 +694,20 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
       FenceRegs(s);
       uint32_t pa[kKP][4];
       float alpha[2];
-      softmax_exp(s, tile, alpha);
+      if constexpr (kVariant) {
+        softmax_exp(s, tile, alpha);
+      } else {
+        // A plain layer's tile takes its weights on the rows' bases as they stand (ExpOnBase;
+        // its stage stays until the next tile's barrier, for RecomputeS).
+        const int pos0 = item.kv_start + tile * Cfg::kTileKv;
+        M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+        if (!M::ExpOnBase(s, softcap, scale_log2, row_max, row_sum, alpha)) {
+          M::RecomputeS(s, smem.q, wg * Cfg::kGroupRows + wg_warp * 16,
+                        smem_kv + (tile % kS) * Cfg::kStageElems, lane);
+          M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+          M::ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
+        }
+      }
       M::PackP(s, pa);
       M::RescaleO(o, alpha);
       fence_o();
@@ -699,8 +719,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
       fence_o();
       M::FenceP(pa);
     }
-    store_row_base(tile + kS, next_id);
-    __syncthreads();  // the stage is overwritten by the next iteration's copies
+    store_row_base(tile + kS, next_id);  // read after the next iteration's barrier
   }
   CpAsyncWait<0>();
 
@@ -812,13 +831,100 @@ __device__ __forceinline__ void ProduceKvTma(const PagedAttentionParams& p, T* s
   CpAsyncWait<0>();
 }
 
+// The producer of WgmmaPrefillWsBody where K/V go by cp.async (page sizes that are not multiples
+// of 8, windowed layers): for each stream tile, its kTileKv positions' pool rows (thread ptid <
+// kTileKv computes position ptid's: page-table load, page division, one tile ahead of its copies)
+// go through shared memory, then each thread copies its chunk of kRowsPerThread rows of K, then
+// of V, each followed by an arrival that lands with its copies. Row indices
+// (row = (page * kv_heads + kv_head) * page_size + in_page) fit in 31 bits: 2^31 rows of at
+// least 128 bytes exceed any GPU's memory.
+template <typename T, int D>
+__device__ __forceinline__ void ProduceKvCpAsync(const PagedAttentionParams& p, T* smem_kv,
+                                                 uint64_t* full_k, uint64_t* full_v,
+                                                 uint64_t* empty_k, uint64_t* empty_v,
+                                                 int job_begin, int job_end, int ptid) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  using M = WgmmaTileMath<T, D>;
+  constexpr int kS = Cfg::kStages;
+  auto tiles_of = [](const AttentionWorkItem& item) {
+    return (item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv;
+  };
+  using Copy = typename Cfg::ProducerCopy;
+  const int copy_chunk = ptid % Copy::kSlots, copy_row0 = ptid / Copy::kSlots;
+  const T* k_cache = static_cast<const T*>(p.k_cache);
+  const T* v_cache = static_cast<const T*>(p.v_cache);
+  __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
+  // The tile whose rows load next: thread ptid's position in it, its job's range and pages.
+  struct Cursor {
+    int job, pos, end, tiles_left, kv_head;
+    const int32_t* pages;
+  };
+  auto enter = [&](Cursor& c, int j) {
+    c.job = j;
+    c.pos = 0;
+    c.end = INT32_MIN;  // past the last job: no rows
+    if (j >= job_end) return;
+    const AttentionWorkItem& item = p.prefill_jobs[j].item;
+    c.pos = item.kv_start + ptid;
+    c.end = item.kv_end;
+    c.tiles_left = tiles_of(item);
+    c.kv_head = p.prefill_jobs[j].kv_head;
+    c.pages = p.page_table + item.span_info.page_table_offset;
+  };
+  auto load_row = [&](Cursor& c) {
+    int32_t row = -1;
+    if (ptid < Cfg::kTileKv && c.pos < c.end) {
+      const uint32_t page = p.page_div.Div(c.pos);
+      row = (c.pages[page] * p.num_kv_heads + c.kv_head) * p.page_size +
+            (c.pos - static_cast<int32_t>(page) * p.page_size);
+    }
+    c.pos += Cfg::kTileKv;
+    if (c.end != INT32_MIN && --c.tiles_left == 0) enter(c, c.job + 1);
+    return row;
+  };
+  Cursor ahead;
+  enter(ahead, job_begin);
+  int32_t row = load_row(ahead);
+  int g = 0;
+#pragma unroll 1
+  for (int j = job_begin; j < job_end; ++j) {
+    const int num_tiles = tiles_of(p.prefill_jobs[j].item);
+#pragma unroll 1
+    for (int t = 0; t < num_tiles; ++t, ++g) {
+      const int stage = g % kS;
+      const uint32_t free_parity = ((g / kS) & 1) ^ 1;
+      const int32_t next_row = load_row(ahead);
+      if (ptid < Cfg::kTileKv) row_base[stage][ptid] = row;
+      NamedBarrierSync(kProducerBarrier, Cfg::kProducerThreads);
+      int32_t bases[Copy::kRowsPerThread];
+      M::template LoadRowBases<Copy>(bases, row_base[stage], copy_row0);
+      T* sk = smem_kv + stage * Cfg::kStageElems;
+      MbarWait(&empty_k[stage], free_parity);
+      M::template IssueTileRows<Copy>(sk, bases, k_cache, copy_chunk, copy_row0);
+      CpAsyncMbarArrive(&full_k[stage]);
+      // V's addresses computed again rather than kept (in registers the producer gave up).
+#pragma unroll
+      for (int i = 0; i < Copy::kRowsPerThread; ++i) asm volatile("" : "+r"(bases[i]));
+      MbarWait(&empty_v[stage], free_parity);
+      M::template IssueTileRows<Copy>(sk + Cfg::kTileElems, bases, v_cache, copy_chunk,
+                                      copy_row0);
+      CpAsyncMbarArrive(&full_v[stage]);
+      row = next_row;
+    }
+  }
+  CpAsyncCommit();  // the copies above are in no group until now: wait for all of them
+  CpAsyncWait<0>();
+}
+
 // The persistent, warp-specialized body (head_dim 128's layout). Threads 0..kThreads-1: two
 // consumer warpgroups; the last warpgroup: the producer. Both sides walk the block's jobs and
 // their tiles in the same order, stream tile g in stage g % kS; per stage four mbarriers:
 // full_k and full_v (the producer's 128 threads' copies of K, of V, have landed), empty_k and
 // empty_v (the consumers' 8 warps have waited for every wgmma reading K, V): K is released as
-// soon as its S is done, so the next K copy starts a P.V earlier.
-template <typename T, typename TIO, int D, bool kVariant>
+// soon as its S is done, so the next K copy starts a P.V earlier. kTmaKv: the producer moves K/V
+// as TMA boxes (ProduceKvTma, p.kv_box_rows > 0), else with cp.async. Separate kernels: beside
+// the TMA branch, the cp.async producer's 56 registers spilled 148 bytes (20 alone).
+template <typename T, typename TIO, int D, bool kVariant, bool kTmaKv>
 __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
@@ -832,8 +938,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   if (tid == 0) {
     // Arrivals that complete a full barrier: the TMA producer's two warps (lanes) and its
     // expected bytes, or the cp.async producer's threads.
-    const uint32_t producers =
-        p.kv_box_rows > 0 ? kTmaWarpsPerOperand * 32 + 1 : Cfg::kProducerThreads;
+    const uint32_t producers = kTmaKv ? kTmaWarpsPerOperand * 32 + 1 : Cfg::kProducerThreads;
 #pragma unroll
     for (int s = 0; s < kS; ++s) {
       MbarInit(&full_k[s], producers);
@@ -858,86 +963,18 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   };
 
   if (tid >= kConsumers) {
-    // ---- Producer: for each stream tile, its kTileKv positions' pool rows (thread ptid <
-    // kTileKv computes position ptid's: page-table load, page division, one tile ahead of its
-    // copies) go through shared memory, then each thread copies its chunk of kRowsPerThread rows
-    // of K, then of V, each followed by an arrival that lands with its copies. Row indices
-    // (row = (page * kv_heads + kv_head) * page_size + in_page) fit in 31 bits: 2^31 rows of at
-    // least 128 bytes exceed any GPU's memory.
+    // ---- Producer: K/V into the stages, TMA boxes or cp.async.
     LowerRegisters<Cfg::kProducerRegs>();
     const int ptid = tid - kConsumers;
-    if (p.kv_box_rows > 0) {
+    if constexpr (kTmaKv) {
       static_assert(2 * kTmaWarpsPerOperand * 32 == Cfg::kProducerThreads, "K's warps, V's");
       const int kv = ptid / (32 * kTmaWarpsPerOperand);
       ProduceKvTma<T, D>(p, smem.kv, kv == 0 ? full_k : full_v, kv == 0 ? empty_k : empty_v,
                          job_begin, job_end, kv, ptid / 32 % kTmaWarpsPerOperand, ptid % 32);
-      return;
+    } else {
+      ProduceKvCpAsync<T, D>(p, smem.kv, full_k, full_v, empty_k, empty_v, job_begin, job_end,
+                             ptid);
     }
-    using Copy = typename Cfg::ProducerCopy;
-    const int copy_chunk = ptid % Copy::kSlots, copy_row0 = ptid / Copy::kSlots;
-    const T* k_cache = static_cast<const T*>(p.k_cache);
-    const T* v_cache = static_cast<const T*>(p.v_cache);
-    __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the job's range
-    // The tile whose rows load next: thread ptid's position in it, its job's range and pages.
-    struct Cursor {
-      int job, pos, end, tiles_left, kv_head;
-      const int32_t* pages;
-    };
-    auto enter = [&](Cursor& c, int j) {
-      c.job = j;
-      c.pos = 0;
-      c.end = INT32_MIN;  // past the last job: no rows
-      if (j >= job_end) return;
-      const AttentionWorkItem& item = p.prefill_jobs[j].item;
-      c.pos = item.kv_start + ptid;
-      c.end = item.kv_end;
-      c.tiles_left = tiles_of(item);
-      c.kv_head = p.prefill_jobs[j].kv_head;
-      c.pages = p.page_table + item.span_info.page_table_offset;
-    };
-    auto load_row = [&](Cursor& c) {
-      int32_t row = -1;
-      if (ptid < Cfg::kTileKv && c.pos < c.end) {
-        const uint32_t page = p.page_div.Div(c.pos);
-        row = (c.pages[page] * p.num_kv_heads + c.kv_head) * p.page_size +
-              (c.pos - static_cast<int32_t>(page) * p.page_size);
-      }
-      c.pos += Cfg::kTileKv;
-      if (c.end != INT32_MIN && --c.tiles_left == 0) enter(c, c.job + 1);
-      return row;
-    };
-    Cursor ahead;
-    enter(ahead, job_begin);
-    int32_t row = load_row(ahead);
-    int g = 0;
-#pragma unroll 1
-    for (int j = job_begin; j < job_end; ++j) {
-      const int num_tiles = tiles_of(p.prefill_jobs[j].item);
-#pragma unroll 1
-      for (int t = 0; t < num_tiles; ++t, ++g) {
-        const int stage = g % kS;
-        const uint32_t free_parity = ((g / kS) & 1) ^ 1;
-        const int32_t next_row = load_row(ahead);
-        if (ptid < Cfg::kTileKv) row_base[stage][ptid] = row;
-        NamedBarrierSync(kProducerBarrier, Cfg::kProducerThreads);
-        int32_t bases[Copy::kRowsPerThread];
-        M::template LoadRowBases<Copy>(bases, row_base[stage], copy_row0);
-        T* sk = smem.kv + stage * Cfg::kStageElems;
-        MbarWait(&empty_k[stage], free_parity);
-        M::template IssueTileRows<Copy>(sk, bases, k_cache, copy_chunk, copy_row0);
-        CpAsyncMbarArrive(&full_k[stage]);
-        // V's addresses computed again rather than kept (in registers the producer gave up).
-#pragma unroll
-        for (int i = 0; i < Copy::kRowsPerThread; ++i) asm volatile("" : "+r"(bases[i]));
-        MbarWait(&empty_v[stage], free_parity);
-        M::template IssueTileRows<Copy>(sk + Cfg::kTileElems, bases, v_cache, copy_chunk,
-                                        copy_row0);
-        CpAsyncMbarArrive(&full_v[stage]);
-        row = next_row;
-      }
-    }
-    CpAsyncCommit();  // the copies above are in no group until now: wait for all of them
-    CpAsyncWait<0>();
     return;
   }
 
@@ -1110,12 +1147,14 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
 // TIO: q's and out's element type (float, or the cache's T). kVariant: the layer may have a
 // sliding window or a soft-cap; a plain layer's kernel compiles their checks out, which makes it
 // 0.5-1.5% faster (docs/PERFORMANCE.md#design-decisions). Sinks join rows at the end in both.
-template <typename T, typename TIO, int D, bool kVariant>
-__global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kLaunchThreads, 1)
+// kTmaKv: K/V through TMA boxes (persistent configurations only).
+template <typename T, typename TIO, int D, bool kVariant, bool kTmaKv = false>
+__global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kLaunchThreads,
+                                  WgmmaPrefillConfig<T, D>::kMinBlocks)
     PagedPrefillWgmmaKernel(const __grid_constant__ PagedAttentionParams params) {
 #if PAGEDATTN_WGMMA_DEVICE
   if constexpr (WgmmaPrefillConfig<T, D>::kPersistent) {
-    WgmmaPrefillWsBody<T, TIO, D, kVariant>(params);
+    WgmmaPrefillWsBody<T, TIO, D, kVariant, kTmaKv>(params);
   } else {
     WgmmaPrefillItemBody<T, TIO, D, kVariant>(params);
   }
@@ -1126,12 +1165,44 @@ __global__ void __launch_bounds__(WgmmaPrefillConfig<T, D>::kLaunchThreads, 1)
 
 // The Hopper prefill kernel's shared-memory limit, raised once per device for the launcher and
 // the occupancy query alike.
-template <typename T, typename TIO, int D, bool kVariant>
+template <typename T, typename TIO, int D, bool kVariant, bool kTmaKv>
 LaunchStatus RaiseWgmmaPrefillSmemLimit() {
   static SmemLimitFlags smem_raised;
-  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
+  return RaiseSmemLimitOnce(PagedPrefillWgmmaKernel<T, TIO, D, kVariant, kTmaKv>,
                             WgmmaPrefillConfig<T, D>::SmemBytes(), smem_raised,
                             "prefill attention (wgmma)");
+}
+
+// The persistent kernels' launch: K/V through TMA where the pages allow and the pools' tensor
+// maps could be made, else by cp.async.
+template <typename T, typename TIO, int D, bool kVariant>
+LaunchStatus LaunchPersistentPrefillWgmma(const PagedAttentionParams& params,
+                                          cudaStream_t stream, Launcher& launcher) {
+  using Cfg = WgmmaPrefillConfig<T, D>;
+  if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
+      params.num_prefill_blocks <= 0) {
+    return LaunchStatus::Unsupported(
+        "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
+        "QueryPlanLimits gives)");
+  }
+  PagedAttentionParams tma = params;
+  tma.kv_box_rows = 0;
+  const int box_rows = PrefillTmaBoxRows(params.page_size, params.window, Cfg::kTileKv);
+  if (box_rows > 0 && EncodePoolTensorMap(params.k_cache, D, box_rows, tma.kv_maps.k) &&
+      EncodePoolTensorMap(params.v_cache, D, box_rows, tma.kv_maps.v)) {
+    tma.kv_box_rows = box_rows;
+  }
+  auto launch = [&](auto kernel, LaunchStatus raised) {
+    if (!raised.ok()) return raised;
+    return launcher.Launch(kernel, dim3(static_cast<unsigned>(params.num_prefill_blocks)),
+                           dim3(Cfg::kLaunchThreads), Cfg::SmemBytes(), stream, tma,
+                           "prefill attention (wgmma)");
+  };
+  return tma.kv_box_rows > 0
+             ? launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant, true>,
+                      RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant, true>())
+             : launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant, false>,
+                      RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant, false>());
 }
 
 // One of the kernels. Persistent configurations: one block per schedule entry
@@ -1146,25 +1217,9 @@ LaunchStatus LaunchPrefillTilesWgmmaOf(const PagedAttentionParams& params, cudaS
     return LaunchItemMajorGrid(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kThreads,
                                Cfg::SmemBytes(), smem_raised, "prefill attention (wgmma)",
                                params.num_prefill_items, params, stream, launcher);
+  } else {
+    return LaunchPersistentPrefillWgmma<T, TIO, D, kVariant>(params, stream, launcher);
   }
-  if (params.prefill_jobs == nullptr || params.prefill_job_start == nullptr ||
-      params.num_prefill_blocks <= 0) {
-    return LaunchStatus::Unsupported(
-        "the Hopper prefill kernel needs a job schedule (SchedulePrefillJobs with the blocks "
-        "QueryPlanLimits gives)");
-  }
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
-  PagedAttentionParams tma = params;
-  tma.kv_box_rows = 0;
-  const int box_rows = PrefillTmaBoxRows(params.page_size, params.window, Cfg::kTileKv);
-  if (box_rows > 0 && EncodePoolTensorMap(params.k_cache, D, box_rows, tma.kv_maps.k) &&
-      EncodePoolTensorMap(params.v_cache, D, box_rows, tma.kv_maps.v)) {
-    tma.kv_box_rows = box_rows;
-  }
-  return launcher.Launch(PagedPrefillWgmmaKernel<T, TIO, D, kVariant>,
-                         dim3(static_cast<unsigned>(params.num_prefill_blocks)),
-                         dim3(Cfg::kLaunchThreads), Cfg::SmemBytes(), stream, tma,
-                         "prefill attention (wgmma)");
 }
 
 // A layer with a window or a soft-cap takes the variant kernel, any other the plain one.
@@ -1178,12 +1233,14 @@ LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStr
 }
 
 // Blocks of one of the kernels an SM holds (shared memory and registers).
-template <typename T, typename TIO, int D, bool kVariant>
+template <typename T, typename TIO, int D, bool kVariant, bool kTmaKv>
 LaunchStatus WgmmaPrefillBlocksPerSm(int* blocks) {
   using Cfg = WgmmaPrefillConfig<T, D>;
-  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant>(); !st.ok()) return st;
+  if (LaunchStatus st = RaiseWgmmaPrefillSmemLimit<T, TIO, D, kVariant, kTmaKv>(); !st.ok()) {
+    return st;
+  }
   const cudaError_t err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      blocks, PagedPrefillWgmmaKernel<T, TIO, D, kVariant>, Cfg::kLaunchThreads,
+      blocks, PagedPrefillWgmmaKernel<T, TIO, D, kVariant, kTmaKv>, Cfg::kLaunchThreads,
       Cfg::SmemBytes());
   return err == cudaSuccess
              ? LaunchStatus::Ok()
@@ -1192,20 +1249,25 @@ LaunchStatus WgmmaPrefillBlocksPerSm(int* blocks) {
 }
 
 // Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
-// the fewest of its kernels (q in float or in T, plain or variant layer: one schedule serves
-// each); 0 for a configuration that runs one block per item (no schedule).
+// the fewest of its kernels (q in float or in T, plain or variant layer, K/V by TMA or cp.async:
+// one schedule serves each); 0 for a configuration that runs one block per item (no schedule).
 template <typename T, int D>
 LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
-  if constexpr (!Cfg::kPersistent) return LaunchStatus::Ok();
-  int blocks[4] = {0, 0, 0, 0};
-  LaunchStatus st = WgmmaPrefillBlocksPerSm<T, float, D, false>(&blocks[0]);
-  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false>(&blocks[1]);
-  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true>(&blocks[2]);
-  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true>(&blocks[3]);
-  if (!st.ok()) return st;
-  *blocks_per_sm = std::min({blocks[0], blocks[1], blocks[2], blocks[3]});
+  if constexpr (Cfg::kPersistent) {
+    int blocks[8] = {};
+    LaunchStatus st = WgmmaPrefillBlocksPerSm<T, float, D, false, false>(&blocks[0]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false, false>(&blocks[1]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true, false>(&blocks[2]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true, false>(&blocks[3]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, false, true>(&blocks[4]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false, true>(&blocks[5]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true, true>(&blocks[6]);
+    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true, true>(&blocks[7]);
+    if (!st.ok()) return st;
+    *blocks_per_sm = *std::min_element(std::begin(blocks), std::end(blocks));
+  }
   return LaunchStatus::Ok();
 }
 

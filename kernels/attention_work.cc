@@ -124,6 +124,10 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   // min_chunk so the merge stays small); the cheapest estimate wins, ties to fewer splits.
   const bool decode_only = std::all_of(
       tiles.begin(), tiles.end(), [](const Tile& t) { return t.tile_rows <= kDecodeWideTileRows; });
+  const bool prefill_only =
+      limits.prefill_tile_blocks > 0 && std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
+        return t.tile_rows == kPrefillTileRows;
+      });
   const int64_t blocks = std::max(1, limits.target_blocks);
   const int64_t whole_blocks =
       limits.unsplit_blocks > 0 && decode_only ? limits.unsplit_blocks : blocks;
@@ -161,7 +165,11 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
     units *= num_kv_heads;
     total_cost *= num_kv_heads;
     const int64_t wave_blocks = most_splits > 0 ? blocks : whole_blocks;
-    const double waves = static_cast<double>(CeilDiv(units, wave_blocks));
+    // Prefill tiles alone: as many waves as their work fills, not a whole one more. Whole waves
+    // of the decode tiles' blocks split 1 x 16384 at head_dim 64 and 1 x 32768 at 128 in two for
+    // a 1.5% better estimate, in 1.11x and 1.12x the time (docs/PERFORMANCE.md#design-decisions).
+    const double waves = prefill_only ? static_cast<double>(units) / limits.prefill_tile_blocks
+                                      : static_cast<double>(CeilDiv(units, wave_blocks));
     const int64_t separate_merge =
         kSeparateMergeCost + most_splits / kSeparateMergeSplitsPerPosition;
     const bool separate =

@@ -128,6 +128,11 @@ struct AttentionPlanLimits {
   // Blocks of the persistent Hopper prefill kernel (SchedulePrefillJobs); 0 where the prefill
   // tiles run one block per item (the portable kernel, or a head_dim that is not persistent).
   int prefill_blocks = 0;
+  // Prefill tiles that run at once on the kernel that runs them (its blocks an SM x SMs: one
+  // tile a block, or a persistent block's current job); 0: unknown, counted as target_blocks. A
+  // plan of prefill tiles alone is estimated against these with no wave boundary: its blocks
+  // start as others end, longest first.
+  int prefill_tile_blocks = 0;
   // The prefill kernel these limits were asked for.
   PrefillPath prefill_path = PrefillPath::kAuto;
   // Tiles of several blocks (head_dim 512, SplitsColumns in paged_attention.h): a split tile

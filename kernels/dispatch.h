@@ -163,7 +163,7 @@ template <typename T, typename TIO, int D>
 LaunchStatus LaunchPrefillTilesWgmma(const PagedAttentionParams& params, cudaStream_t stream,
                                      Launcher& launcher);
 template <typename T, int D>
-LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm);
+LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm, bool* persistent);
 template <typename T, int D>
 LaunchStatus PrefillTileOccupancy(int* blocks_per_sm);
 
@@ -257,17 +257,19 @@ inline LaunchStatus DispatchPrefillTileOccupancy(DType kv_dtype, int head_dim, i
   });
 }
 
-// An FP8 cache's prefill runs the bfloat16 tiles (on its pages' copy): their occupancy.
-inline LaunchStatus DispatchPrefillWgmmaOccupancy(DType kv_dtype, int head_dim,
-                                                  int* blocks_per_sm) {
+// An FP8 cache's prefill runs the bfloat16 tiles (on its pages' copy): their occupancy, and
+// whether the kernel runs persistent at this head_dim.
+inline LaunchStatus DispatchPrefillWgmmaOccupancy(DType kv_dtype, int head_dim, int* blocks_per_sm,
+                                                  bool* persistent) {
   return DispatchKvDType(TileKvDType(kv_dtype), [&](auto tag) {
     using T = typename decltype(tag)::type;
     return DispatchHeadDim(head_dim, [&](auto d) {
       constexpr int D = decltype(d)::value;
       if constexpr (HasWgmmaPrefill(D) && !kIsFp8<T>) {  // (never FP8 here: TileKvDType)
-        return PrefillWgmmaOccupancy<T, D>(blocks_per_sm);
+        return PrefillWgmmaOccupancy<T, D>(blocks_per_sm, persistent);
       }
-      *blocks_per_sm = 0;  // the portable kernel: one block per item
+      *blocks_per_sm = 0;  // the portable kernel
+      *persistent = false;
       return LaunchStatus::Ok();
     });
   });

@@ -55,28 +55,44 @@ LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* 
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
   limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
   limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
+  int prefill_per_sm = 0;  // the portable prefill tile's (QueryPlanLimits: the Hopper kernel's)
+  if (LaunchStatus st = DispatchPrefillTileOccupancy(kv_dtype, head_dim, &prefill_per_sm);
+      !st.ok()) {
+    return st;
+  }
+  limits->prefill_tile_blocks = sms * prefill_per_sm;
   return LaunchStatus::Ok();
 }
 
-// Blocks the persistent Hopper prefill kernel keeps resident on the current device (SMs * blocks
-// per SM) where it runs persistent at this head_dim (128), 0 otherwise (one block per item).
-LaunchStatus HopperPrefillBlocks(DType kv_dtype, int head_dim, int* blocks) {
-  *blocks = 0;
+// The Hopper prefill kernel's blocks resident on the current device (SMs * blocks per SM):
+// tile_blocks where it runs at this head_dim, persistent_blocks where it runs persistent (every
+// head_dim but 64), 0 otherwise (one block per item, or the portable kernel).
+LaunchStatus HopperPrefillBlocks(DType kv_dtype, int head_dim, int* persistent_blocks,
+                                 int* tile_blocks) {
+  *persistent_blocks = *tile_blocks = 0;
   int blocks_per_sm = 0, sms = 0;
-  if (LaunchStatus st = DispatchPrefillWgmmaOccupancy(kv_dtype, head_dim, &blocks_per_sm);
+  bool persistent = false;
+  if (LaunchStatus st =
+          DispatchPrefillWgmmaOccupancy(kv_dtype, head_dim, &blocks_per_sm, &persistent);
       !st.ok()) {
     return st;
   }
   if (blocks_per_sm == 0) return LaunchStatus::Ok();
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
-  *blocks = sms * blocks_per_sm;
+  *tile_blocks = sms * blocks_per_sm;
+  *persistent_blocks = persistent ? *tile_blocks : 0;
   return LaunchStatus::Ok();
 }
 
-// QueryPlanLimits' answers, per (device, cache dtype, head_dim), for the kAuto prefill path.
+// QueryPlanLimits' answers, per (device, cache dtype, head_dim), for the kAuto prefill path, and
+// the portable prefill kernel's prefill_tile_blocks.
+struct DeviceLimits {
+  AttentionPlanLimits limits;
+  int portable_tile_blocks = 0;
+};
 struct CachedLimits {
   std::mutex mu;
-  std::map<std::tuple<int, DType, int>, AttentionPlanLimits> limits;
+  std::map<std::tuple<int, DType, int>, DeviceLimits> limits;
 };
 
 }  // namespace
@@ -89,7 +105,7 @@ LaunchStatus QueryPlanLimits(DType kv_dtype, int head_dim, PrefillPath path,
     return LaunchStatus::CudaError(std::string("cudaGetDevice: ") + cudaGetErrorString(err));
   }
   const auto key = std::make_tuple(device, kv_dtype, head_dim);
-  AttentionPlanLimits found;
+  DeviceLimits found;
   bool hit = false;
   {
     std::lock_guard<std::mutex> lock(cache->mu);
@@ -99,19 +115,26 @@ LaunchStatus QueryPlanLimits(DType kv_dtype, int head_dim, PrefillPath path,
     }
   }
   if (!hit) {
-    if (LaunchStatus st = TileBlockLimits(kv_dtype, head_dim, &found); !st.ok()) return st;
+    if (LaunchStatus st = TileBlockLimits(kv_dtype, head_dim, &found.limits); !st.ok()) return st;
+    found.portable_tile_blocks = found.limits.prefill_tile_blocks;
     if (UseHopperPrefill(PrefillPath::kAuto)) {
-      if (LaunchStatus st = HopperPrefillBlocks(kv_dtype, head_dim, &found.prefill_blocks);
+      int hopper_tile_blocks = 0;
+      if (LaunchStatus st = HopperPrefillBlocks(kv_dtype, head_dim, &found.limits.prefill_blocks,
+                                                &hopper_tile_blocks);
           !st.ok()) {
         return st;
       }
+      if (hopper_tile_blocks > 0) found.limits.prefill_tile_blocks = hopper_tile_blocks;
     }
     std::lock_guard<std::mutex> lock(cache->mu);
     cache->limits[key] = found;
   }
-  *limits = found;
+  *limits = found.limits;
   limits->prefill_path = path;
-  if (!UseHopperPrefill(path)) limits->prefill_blocks = 0;  // the portable kernel: no schedule
+  if (!UseHopperPrefill(path)) {  // the portable kernel: no schedule, its own blocks
+    limits->prefill_blocks = 0;
+    limits->prefill_tile_blocks = found.portable_tile_blocks;
+  }
   return LaunchStatus::Ok();
 }
 

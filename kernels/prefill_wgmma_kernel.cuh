@@ -30,7 +30,6 @@
 #pragma once
 
 #include <algorithm>
-#include <iterator>
 #include <type_traits>
 
 #include "kernels/device/mbarrier.cuh"
@@ -1248,26 +1247,30 @@ LaunchStatus WgmmaPrefillBlocksPerSm(int* blocks) {
                                        cudaGetErrorString(err));
 }
 
-// Blocks of the persistent Hopper prefill kernel one SM holds (shared memory and registers),
-// the fewest of its kernels (q in float or in T, plain or variant layer, K/V by TMA or cp.async:
-// one schedule serves each); 0 for a configuration that runs one block per item (no schedule).
+// Blocks of the Hopper prefill kernel one SM holds (shared memory and registers), the fewest of
+// its kernels (q in float or in T, plain or variant layer, and where it is persistent K/V by TMA
+// or cp.async: one schedule serves each), and whether it runs persistent (a job schedule) or one
+// block per item.
 template <typename T, int D>
-LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
+LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm, bool* persistent) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   *blocks_per_sm = 0;
+  *persistent = Cfg::kPersistent;
+  int blocks[8] = {};
+  LaunchStatus st = WgmmaPrefillBlocksPerSm<T, float, D, false, false>(&blocks[0]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false, false>(&blocks[1]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true, false>(&blocks[2]);
+  if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true, false>(&blocks[3]);
+  int kernels = 4;
   if constexpr (Cfg::kPersistent) {
-    int blocks[8] = {};
-    LaunchStatus st = WgmmaPrefillBlocksPerSm<T, float, D, false, false>(&blocks[0]);
-    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false, false>(&blocks[1]);
-    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true, false>(&blocks[2]);
-    if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true, false>(&blocks[3]);
     if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, false, true>(&blocks[4]);
     if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, false, true>(&blocks[5]);
     if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, float, D, true, true>(&blocks[6]);
     if (st.ok()) st = WgmmaPrefillBlocksPerSm<T, T, D, true, true>(&blocks[7]);
-    if (!st.ok()) return st;
-    *blocks_per_sm = *std::min_element(std::begin(blocks), std::end(blocks));
+    kernels = 8;
   }
+  if (!st.ok()) return st;
+  *blocks_per_sm = *std::min_element(blocks, blocks + kernels);
   return LaunchStatus::Ok();
 }
 
@@ -1276,6 +1279,6 @@ LaunchStatus PrefillWgmmaOccupancy(int* blocks_per_sm) {
                                                              cudaStream_t, Launcher&);    \
   template LaunchStatus LaunchPrefillTilesWgmma<T, T, D>(const PagedAttentionParams&,     \
                                                          cudaStream_t, Launcher&);        \
-  template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*);
+  template LaunchStatus PrefillWgmmaOccupancy<T, D>(int*, bool*);
 
 }  // namespace pagedattn::kernels

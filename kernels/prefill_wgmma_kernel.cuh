@@ -323,6 +323,36 @@ struct WgmmaTileMath {
         [wg](int r, int chunk) { return Sw128Offset<Cfg::kRows>(wg * Cfg::kGroupRows + r, chunk); },
         wg_tid, q_scale);
   }
+  // LoadGroupQ as copies in flight (cp.async; rows past the span zero-filled), for q in T with
+  // no scale: issued as the warpgroup's last P.V of the job before starts, so that they land
+  // while it runs. FinishGroupQ waits for them and bounds the rows in place (AttentionChunk: the
+  // finite scores the tile relies on).
+  static constexpr int kGroupQChunks = Cfg::kGroupRows * (D / 8) / 128;  // a thread's
+  __device__ __forceinline__ static void IssueGroupQ(const PagedAttentionParams& p,
+                                                     const AttentionWorkItem& item, int kv_head,
+                                                     int group, T* smem_q, int wg, int wg_tid) {
+    const int span_rows = item.span_info.num_queries * group;
+#pragma unroll
+    for (int i = 0; i < kGroupQChunks; ++i) {
+      const int c = wg_tid + i * 128, r = c / (D / 8), chunk = c % (D / 8);
+      const int span_row = item.row_start + wg * Cfg::kGroupRows + r;
+      const bool valid = span_row < span_rows;
+      CpAsync16Or0(SmemAddr(smem_q + Sw128Offset<Cfg::kRows>(wg * Cfg::kGroupRows + r, chunk)),
+                   QChunk<T, D>(p, item.span_info, kv_head, group, valid ? span_row : 0, chunk),
+                   valid);
+    }
+    CpAsyncCommit();
+  }
+  __device__ __forceinline__ static void FinishGroupQ(T* smem_q, int wg, int wg_tid) {
+    CpAsyncWait<0>();
+#pragma unroll
+    for (int i = 0; i < kGroupQChunks; ++i) {
+      const int c = wg_tid + i * 128;
+      uint4* q = reinterpret_cast<uint4*>(
+          smem_q + Sw128Offset<Cfg::kRows>(wg * Cfg::kGroupRows + c / (D / 8), c % (D / 8)));
+      *q = AttentionChunk<T>(*q);
+    }
+  }
 
   // Descriptors (Sw128Desc) of the Q rows, and of stage 0's K and V tiles; a stage's and a k
   // step's are these plus a constant (Sw128DescPlus). V's leading field: the bytes between its
@@ -1006,6 +1036,10 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   };
   if (wg == 1) end_turn();
 
+  // q in T and unscaled: a job's Q rows are copied in flight during the last P.V of the job
+  // before (IssueGroupQ); q_issued says they were (warpgroup-uniform).
+  constexpr bool kQInFlight = std::is_same_v<TIO, T> && !kVariant;
+  bool q_issued = false;
   int g0 = 0;  // stream index of the current job's first tile
 #pragma unroll 1
   for (int j = job_begin; j < job_end; ++j) {
@@ -1016,7 +1050,12 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     const int num_tiles = WarpUniform(tiles_of(item));
 
     // ---- This warpgroup's Q rows -> shared memory (its S of the last job has completed).
-    M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid, q_scale);
+    if (kQInFlight && q_issued) {
+      M::FinishGroupQ(smem.q, wg, wg_tid);
+    } else {
+      M::template LoadGroupQ<TIO>(p, item, kv_head, group, smem.q, wg, wg_tid, q_scale);
+    }
+    q_issued = false;
     ProxyFenceShared();
     NamedBarrierSync(kQBarrier + wg, 128);
 
@@ -1117,6 +1156,13 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
         issue_pv(pa, g);
         WgmmaCommit();
         end_turn();
+        if constexpr (kQInFlight) {  // every S of this job (and RecomputeS) has read its Q rows
+          if (j + 1 < job_end) {
+            M::IssueGroupQ(p, p.prefill_jobs[j + 1].item, p.prefill_jobs[j + 1].kv_head, group,
+                           smem.q, wg, wg_tid);
+            q_issued = true;
+          }
+        }
         WgmmaWait<0>();
         release_v(g);
         if (tile + 1 < num_tiles) release_k(g + 1);

@@ -42,24 +42,21 @@ LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* 
       !st.ok()) {
     return st;
   }
-  limits->wide_head = SplitsColumns(head_dim);
-  limits->decode_tiles = resident > 0;
-  int unit = DecodeTileBlocks(head_dim);
-  if (!limits->decode_tiles) {
-    if (LaunchStatus st = DispatchPrefillTileOccupancy(kv_dtype, head_dim, &resident); !st.ok()) {
-      return st;
-    }
-    beside_merge = resident;
-    unit = 2;
-  }
-  if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
-  limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
-  limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
   int prefill_per_sm = 0;  // the portable prefill tile's (QueryPlanLimits: the Hopper kernel's)
   if (LaunchStatus st = DispatchPrefillTileOccupancy(kv_dtype, head_dim, &prefill_per_sm);
       !st.ok()) {
     return st;
   }
+  limits->wide_head = SplitsColumns(head_dim);
+  limits->decode_tiles = resident > 0;
+  int unit = DecodeTileBlocks(head_dim);
+  if (!limits->decode_tiles) {
+    resident = beside_merge = prefill_per_sm;
+    unit = 2;
+  }
+  if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
+  limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
+  limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
   limits->prefill_tile_blocks = sms * prefill_per_sm;
   return LaunchStatus::Ok();
 }

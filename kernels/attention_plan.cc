@@ -88,6 +88,12 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
   if (batch.total_queries > 0) {
     PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), batch.num_q_heads,
                       batch.num_kv_heads, batch.causal, batch.window, limits, &plan.work_);
+    // An FP8 cache's prefill tiles read a bfloat16 copy of its pages.
+    const int64_t position_bytes =
+        2 * int64_t{batch.head_dim} * std::max<int64_t>(DTypeSize(batch.kv_dtype), 2);
+    plan.work_.prefill_head_group =
+        PrefillHeadGroup(spans.data(), static_cast<int>(spans.size()), batch.num_kv_heads,
+                         position_bytes, limits);
     SchedulePrefillJobs(batch.num_kv_heads, limits.prefill_blocks, &plan.work_);
     AttachFirstPages(batch.page_table.data(), batch.page_size, &plan.work_);
   }
@@ -233,6 +239,7 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.prefill_jobs = reinterpret_cast<const AttentionPrefillJob*>(d + st.prefill_jobs);
   p.prefill_job_start = reinterpret_cast<const int32_t*>(d + st.prefill_job_start);
   p.num_prefill_blocks = w.num_prefill_blocks();
+  p.prefill_head_group = w.prefill_head_group;
   p.merge_tasks = reinterpret_cast<const AttentionMergeTask*>(d + st.merge_tasks);
   p.num_merge_tasks = static_cast<int32_t>(w.merge_tasks.size());
   p.separate_merge = w.separate_merge;

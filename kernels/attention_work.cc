@@ -89,6 +89,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->merge_tasks.clear();
   work->prefill_jobs.clear();
   work->prefill_job_start.clear();
+  work->prefill_head_group = 0;
   work->partial_rows = 0;
   work->separate_merge = false;
   work->merge_rows = 0;
@@ -286,14 +287,27 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
                    });
 }
 
+int PrefillHeadGroup(const AttentionSpan* spans, int num_spans, int num_kv_heads,
+                     int64_t position_bytes, const AttentionPlanLimits& limits) {
+  int64_t longest = 0;
+  for (int i = 0; i < num_spans; ++i) longest = std::max<int64_t>(longest, spans[i].kv_len);
+  const int64_t budget = limits.l2_bytes / 2, head_bytes = longest * position_bytes;
+  if (budget <= 0 || head_bytes * num_kv_heads <= budget) return num_kv_heads;
+  int group = 1;
+  for (int g = 2; g < num_kv_heads; ++g) {
+    if (num_kv_heads % g == 0 && head_bytes * g <= budget) group = g;
+  }
+  return group;
+}
+
 void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
   work->prefill_jobs.clear();
   work->prefill_job_start.clear();
   const int64_t num_jobs = static_cast<int64_t>(work->prefill_items.size()) * num_kv_heads;
   if (blocks <= 0 || num_jobs == 0) return;
   const int grid = static_cast<int>(std::min<int64_t>(blocks, num_jobs));
-  // List scheduling in the planner's order (by span, longest first; the kv heads of an item side
-  // by side): what the hardware's block scheduler did with one block per job, decided here so
+  // List scheduling in PrefillJobOf's order (the planner's, by span, longest first, a group of
+  // kv heads at a time, the group's heads of an item side by side): what the hardware's block scheduler did with one block per job, decided here so
   // that every block knows its next job while it runs the current one. Ties go to the lower
   // block, so the first `grid` jobs start on blocks 0, 1, ... in order.
   using Load = std::pair<int64_t, int>;  // (estimated end, block)
@@ -301,8 +315,12 @@ void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
   for (int b = 0; b < grid; ++b) free_at.push({0, b});
   std::vector<int32_t> owner(num_jobs);  // job i * num_kv_heads + h -> its block
   std::vector<int32_t> start(grid + 1, 0);
+  const uint32_t num_items = static_cast<uint32_t>(work->prefill_items.size());
+  const int head_group =
+      work->prefill_head_group > 0 ? work->prefill_head_group : num_kv_heads;
   for (int64_t j = 0; j < num_jobs; ++j) {
-    const AttentionWorkItem& item = work->prefill_items[j / num_kv_heads];
+    const AttentionWorkItem& item =
+        work->prefill_items[PrefillJobOf(static_cast<uint32_t>(j), num_items, head_group).item];
     const auto [end, b] = free_at.top();
     free_at.pop();
     owner[j] = b;
@@ -315,8 +333,9 @@ void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
   work->prefill_jobs.resize(num_jobs);
   for (int64_t j = 0; j < num_jobs; ++j) {
     AttentionPrefillJob& job = work->prefill_jobs[start[owner[j]]++];
-    job.item = work->prefill_items[j / num_kv_heads];
-    job.kv_head = static_cast<int32_t>(j % num_kv_heads);
+    const PrefillJobIndex at = PrefillJobOf(static_cast<uint32_t>(j), num_items, head_group);
+    job.item = work->prefill_items[at.item];
+    job.kv_head = at.kv_head;
   }
 }
 

@@ -40,6 +40,22 @@ struct ItemFirstPages {
   int32_t ids[kItemPages] = {};
 };
 
+// The (prefill item, kv head) of prefill job `unit` in the order the prefill blocks run: the kv
+// heads in groups of head_group (a divisor of the kv heads, PrefillHeadGroup), group after
+// group; within a group item-major (the planner's order), the group's kv heads of an item side
+// by side. One group of every kv head: item-major. Host and device.
+struct PrefillJobIndex {
+  uint32_t item = 0;
+  int kv_head = 0;
+};
+constexpr PrefillJobIndex PrefillJobOf(uint32_t unit, uint32_t num_items, int head_group) {
+  const uint32_t g = static_cast<uint32_t>(head_group);
+  const uint32_t per_group = num_items * g;
+  const uint32_t group = unit / per_group, in_group = unit - group * per_group;
+  const uint32_t item = in_group / g;
+  return {item, static_cast<int>(group * g + (in_group - item * g))};
+}
+
 // One job of the persistent Hopper prefill kernel: a prefill work item for one kv head, copied
 // whole so that a block reads its next job with one load (no item lookup behind it).
 struct AttentionPrefillJob {
@@ -106,6 +122,8 @@ struct AttentionWork {
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
   std::vector<AttentionPrefillJob> prefill_jobs;
   std::vector<int32_t> prefill_job_start;
+  // The kv heads whose prefill jobs run together (PrefillJobOf); 0: every kv head.
+  int32_t prefill_head_group = 0;
 
   // Blocks of the prefill schedule (PagedAttentionParams::num_prefill_blocks); 0 without one.
   int32_t num_prefill_blocks() const {
@@ -133,6 +151,8 @@ struct AttentionPlanLimits {
   // plan of prefill tiles alone is estimated against these with no wave boundary: its blocks
   // start as others end, longest first.
   int prefill_tile_blocks = 0;
+  // The device's L2 cache in bytes (PrefillHeadGroup); 0: unknown, every kv head together.
+  int64_t l2_bytes = 0;
   // The prefill kernel these limits were asked for.
   PrefillPath prefill_path = PrefillPath::kAuto;
   // Tiles of several blocks (head_dim 512, SplitsColumns in paged_attention.h): a split tile
@@ -162,8 +182,18 @@ void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* w
 // the 2^31 - 1 blocks one grid dimension takes.
 LaunchStatus TileGridBlocks(int64_t num_items, int num_kv_heads, unsigned* blocks);
 
-// Deals the prefill items x kv heads to `blocks` persistent blocks (greedy, in the planner's
-// order: each job goes to the block that is free first by an estimate of its length), so that
+// The kv heads whose prefill jobs run together (AttentionWork::prefill_head_group): all of them
+// where a span's K/V for every kv head (position_bytes a position and kv head, in the prefill
+// tiles' dtype) fit half of limits.l2_bytes, else the largest divisor of num_kv_heads whose
+// heads' K/V of the longest span fit it (at least 1). The blocks running at once read one
+// span's K/V prefix, each its kv head's: with every head, 1 x 32768's 64 MiB at head_dim 64
+// (128 at 128) over the H200's 50 MiB of L2 (docs/PERFORMANCE.md#design-decisions).
+int PrefillHeadGroup(const AttentionSpan* spans, int num_spans, int num_kv_heads,
+                     int64_t position_bytes, const AttentionPlanLimits& limits);
+
+// Deals the prefill items x kv heads to `blocks` persistent blocks (greedy, in PrefillJobOf's
+// order of work->prefill_head_group: each job goes to the block that is free first by an
+// estimate of its length), so that
 // each block's jobs run back to back and the next job's K/V loads overlap the end of the last.
 // blocks <= 0 clears the schedule.
 void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work);

@@ -30,10 +30,22 @@ LaunchStatus MultiprocessorCount(int* sms) {
   return LaunchStatus::Ok();
 }
 
+LaunchStatus L2CacheBytes(int64_t* bytes) {
+  int device = 0, l2 = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) err = cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, device);
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("L2 cache size: ") + cudaGetErrorString(err));
+  }
+  *bytes = l2;
+  return LaunchStatus::Ok();
+}
+
 // Tile blocks that run at once on the current device with room left on each SM for one
 // separate-merge block (the target_blocks a split plan's waves count), and all that run at once
 // (unsplit_blocks), counted in tiles (a split head_dim's tile takes DecodeTileBlocks); whether
-// the plan has decode tiles, and whether its tiles take several blocks (wide_head). Without
+// the plan has decode tiles, whether its tiles take several blocks (wide_head), and the L2's
+// bytes (PrefillHeadGroup's budget). Without
 // decode tiles every span runs on prefill tiles, counted in units of two blocks: those with rows
 // of a tile of up to 64 rows, a decode span's (PrefillTileBlocks).
 LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* limits) {
@@ -55,6 +67,7 @@ LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* 
     unit = 2;
   }
   if (LaunchStatus st = MultiprocessorCount(&sms); !st.ok()) return st;
+  if (LaunchStatus st = L2CacheBytes(&limits->l2_bytes); !st.ok()) return st;
   limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
   limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
   limits->prefill_tile_blocks = sms * prefill_per_sm;

@@ -147,6 +147,9 @@ struct PagedAttentionParams {
   const AttentionPrefillJob* prefill_jobs = nullptr;
   const int32_t* prefill_job_start = nullptr;  // num_prefill_blocks + 1 entries
   int32_t num_prefill_blocks = 0;
+  // The kv heads whose prefill jobs run together (PrefillJobOf; 0: every kv head): the
+  // one-block-a-job prefill kernels' blocks take their (item, kv head) in that order.
+  int32_t prefill_head_group = 0;
   // q's and out's dtype: kFloat32 or kv_dtype (last, so the fields before it keep their offsets).
   DType q_dtype = DType::kFloat32;
 

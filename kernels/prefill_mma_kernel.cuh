@@ -77,10 +77,11 @@ __device__ __forceinline__ void PrefillTileBody(const PagedAttentionParams& p) {
   T* smem_kv = reinterpret_cast<T*>(smem_raw);
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kPipelineBytes);
 
-  // Items run in the planner's order (by span, longest first); the kv heads of one item run
-  // side by side, and so do the blocks of one tile (kBlocksPerTile: row half, column half).
+  // Items run in the planner's order (by span, longest first), a group of kv heads at a time
+  // (PrefillJobAt); the group's kv heads of one item run side by side, and so do the blocks of
+  // one tile (kBlocksPerTile: row half, column half).
   const uint32_t sub = blockIdx.x % Cfg::kBlocksPerTile;
-  const ItemMajorBlock block = ItemMajorAt(p, blockIdx.x / Cfg::kBlocksPerTile);
+  const ItemMajorBlock block = PrefillJobAt(p, blockIdx.x / Cfg::kBlocksPerTile);
   const int row0 = static_cast<int>(sub / Cfg::kColSplit) * Cfg::kRows;  // in the planner's tile
   const int col0 = static_cast<int>(sub % Cfg::kColSplit) * Cfg::kDv;    // of O and V
   const int kv_head = block.kv_head;

@@ -611,14 +611,15 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
   static_assert(!Cfg::kPipelined, "the pipelined tile runs in the warp-specialized body");
+  static_assert(Cfg::kStages >= 3, "tile + 1 landed while tile + kS - 1 is issued");
   constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
   extern __shared__ __align__(128) unsigned char smem_raw[];
   const typename M::Smem smem = M::SmemOf(smem_raw);
   T* smem_kv = smem.kv;
 
-  // Items run in the planner's order (by span, longest first); the kv heads of one item run
-  // side by side.
-  const ItemMajorBlock block = ItemMajor(p);
+  // Items run in the planner's order (by span, longest first), a group of kv heads at a time
+  // (PrefillJobAt); the group's kv heads of one item run side by side.
+  const ItemMajorBlock block = PrefillJobAt(p, blockIdx.x);
   const int kv_head = block.kv_head;
   const AttentionWorkItem item = p.prefill_items[block.item];
   const AttentionSpan span = item.span_info;
@@ -703,42 +704,76 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   };
   auto fence_o = [&]() { FenceRegs(o); };
 
-  // ---- Main loop: one tile at a time, one barrier a tile. Past it, issue tile + kS - 1 into
-  // the stage the last iteration read, then S, softmax and P.V of this tile.
+  __shared__ float2 pin_slot;  // PinBeforeWait's (never written)
+  const uint32_t pin = SmemAddr(&pin_slot);
+  // The weights of a plain layer's tile on the rows' bases as they stand (ExpOnBase; its stage
+  // stays until the next barrier, for RecomputeS), or a variant's on its rows' maxima.
+  auto exponentials = [&](float(&s)[kNT][4], int tile, float(&alpha)[2]) {
+    if constexpr (kVariant) {
+      softmax_exp(s, tile, alpha);
+    } else {
+      const int pos0 = item.kv_start + tile * Cfg::kTileKv;
+      M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+      if (!M::ExpOnBase(s, softcap, scale_log2, row_max, row_sum, alpha)) {
+        M::RecomputeS(s, smem.q, wg * Cfg::kGroupRows + wg_warp * 16,
+                      smem_kv + (tile % kS) * Cfg::kStageElems, lane);
+        M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
+        M::ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
+      }
+    }
+  };
+
+  // ---- S of the first tile.
+  uint32_t pa[kKP][4];
+  CpAsyncWait<kS - 2>();  // tile 0's copies
+  ProxyFenceShared();
+  __syncthreads();
+  if (wg_tiles > 0) {
+    float s[kNT][4];
+    WgmmaFence();
+    issue_s(s, 0);
+    WgmmaCommit();
+    WgmmaWait<0>();
+    FenceRegs(s);
+    float alpha[2];
+    exponentials(s, 0, alpha);  // O is still zero: no rescale
+    M::PackP(s, pa);
+  }
+
+  // ---- Main loop, software-pipelined within the warpgroup (as the warp-specialized body's):
+  // S of tile + 1 and P.V of tile issued together, the exponentials of tile + 1 while P.V is in
+  // flight; one barrier a tile. Past it, tile + kS - 1 is issued into the stage of tile - 1,
+  // whose P.V the last iteration waited. Warpgroup-uniform branches, each issuing and waiting
+  // for its own wgmma's (ptxas serializes wgmma's whose groups stay open across a branch).
+#pragma unroll 1
   for (int tile = 0; tile < num_tiles; ++tile) {
     const int32_t next_id = load_page_id(tile + kS);
-    CpAsyncWait<kS - 2>();  // this tile's copies (issued up to tile + kS - 2)
+    CpAsyncWait<kS - 3>();  // tile + 1's copies (issued up to tile + kS - 2)
     ProxyFenceShared();     // this thread's cp.async and Q stores, visible to wgmma
-    // Every thread's copies of this tile have landed and every warp is done with the last tile,
-    // whose stage the copies below overwrite.
+    // Every thread's copies of tile + 1 have landed and every warp is done with tile - 1.
     __syncthreads();
     if (tile + kS - 1 < num_tiles) issue_tile(tile + kS - 1);
     CpAsyncCommit();
-    if (tile < wg_tiles) {
+    if (tile + 1 < wg_tiles) {
       float s[kNT][4];
+      fence_o();
+      M::FenceP(pa);
       WgmmaFence();
-      issue_s(s, tile);
+      issue_s(s, tile + 1);
       WgmmaCommit();
-      WgmmaWait<0>();
+      issue_pv(pa, tile);
+      WgmmaCommit();
+      WgmmaWait<1>();  // S of tile + 1; P.V of tile may still run
       FenceRegs(s);
-      uint32_t pa[kKP][4];
       float alpha[2];
-      if constexpr (kVariant) {
-        softmax_exp(s, tile, alpha);
-      } else {
-        // A plain layer's tile takes its weights on the rows' bases as they stand (ExpOnBase;
-        // its stage stays until the next tile's barrier, for RecomputeS).
-        const int pos0 = item.kv_start + tile * Cfg::kTileKv;
-        M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
-        if (!M::ExpOnBase(s, softcap, scale_log2, row_max, row_sum, alpha)) {
-          M::RecomputeS(s, smem.q, wg * Cfg::kGroupRows + wg_warp * 16,
-                        smem_kv + (tile % kS) * Cfg::kStageElems, lane);
-          M::MaskScores(s, pos0, item.kv_end, rows, quad_col, softcap);
-          M::ExpOfMasked(s, softcap, scale_log2, row_max, row_sum, alpha);
-        }
-      }
-      M::PackP(s, pa);
+      exponentials(s, tile + 1, alpha);
+      PinBeforeWait(pin, row_sum);  // the exponentials above the wait (see the ws body)
+      WgmmaWait<0>();
+      fence_o();
+      M::FenceP(pa);
       M::RescaleO(o, alpha);
+      M::PackP(s, pa);
+    } else if (tile < wg_tiles) {
       fence_o();
       M::FenceP(pa);
       WgmmaFence();

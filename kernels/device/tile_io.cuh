@@ -101,6 +101,19 @@ __device__ __forceinline__ ItemMajorBlock ItemMajor(const PagedAttentionParams& 
   return ItemMajorAt(p, blockIdx.x);
 }
 
+// The (prefill item, kv head) of a one-block-a-job prefill kernel's unit (blockIdx.x, or its
+// quotient where a tile takes several neighbouring blocks): PrefillJobOf's order, the planner's
+// head groups (item-major where every kv head is one group).
+__device__ __forceinline__ ItemMajorBlock PrefillJobAt(const PagedAttentionParams& p,
+                                                      uint32_t unit) {
+  if (p.prefill_head_group <= 0 || p.prefill_head_group >= p.num_kv_heads) {
+    return ItemMajorAt(p, unit);
+  }
+  const PrefillJobIndex at =
+      PrefillJobOf(unit, static_cast<uint32_t>(p.num_prefill_items), p.prefill_head_group);
+  return {at.item, at.kv_head};
+}
+
 // Row of out / lse for row span_row (= query * group + head in group) of the span whose first
 // query is at q_offset.
 __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int64_t q_offset,

@@ -301,8 +301,9 @@ TEST(AttentionPlan, PrefillItemsBySpanLongestFirst) {
 }
 
 // The persistent prefill kernel's schedule: every (item, kv head) exactly once, the first jobs
-// on blocks 0, 1, ... in the planner's order, each block's jobs in that order, and the blocks'
-// estimated work within one job of each other (greedy list scheduling).
+// on blocks 0, 1, ... in PrefillJobOf's order (item-major over every kv head, or a group of kv
+// heads at a time), each block's jobs in that order, and the blocks' estimated work within one
+// job of each other (greedy list scheduling).
 TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
   std::vector<kernels::AttentionSpan> spans = {
       {0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 1000, 9000}, {9192, 1200, 1, 700}};
@@ -311,48 +312,63 @@ TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
                              &work);
   ASSERT_FALSE(work.prefill_items.empty());
   constexpr int kHeads = 8, kBlocks = 132;
-  kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);
+  const uint32_t num_items = static_cast<uint32_t>(work.prefill_items.size());
   const size_t num_jobs = work.prefill_items.size() * kHeads;
-  ASSERT_EQ(work.prefill_jobs.size(), num_jobs);
-  ASSERT_EQ(work.prefill_job_start.size(), static_cast<size_t>(kBlocks + 1));
-  EXPECT_EQ(work.prefill_job_start.front(), 0);
-  EXPECT_EQ(work.prefill_job_start.back(), static_cast<int32_t>(num_jobs));
+  for (int head_group : {0, 2, 1}) {
+    SCOPED_TRACE(head_group);
+    work.prefill_head_group = head_group;
+    kernels::SchedulePrefillJobs(kHeads, kBlocks, &work);
+    ASSERT_EQ(work.prefill_jobs.size(), num_jobs);
+    ASSERT_EQ(work.prefill_job_start.size(), static_cast<size_t>(kBlocks + 1));
+    EXPECT_EQ(work.prefill_job_start.front(), 0);
+    EXPECT_EQ(work.prefill_job_start.back(), static_cast<int32_t>(num_jobs));
 
-  // Job (item i, head h) is the planner's job i * kHeads + h; find each in the schedule.
-  auto key = [](const kernels::AttentionWorkItem& it, int h) {
-    return std::make_tuple(it.span, it.row_start, it.kv_start, h);
-  };
-  std::map<std::tuple<int, int, int, int>, int> order;
-  for (size_t i = 0; i < work.prefill_items.size(); ++i) {
-    for (int h = 0; h < kHeads; ++h) order[key(work.prefill_items[i], h)] = i * kHeads + h;
-  }
-  ASSERT_EQ(order.size(), num_jobs) << "planner jobs are distinct";
-  std::vector<int> seen(num_jobs, 0);
-  int64_t min_load = INT64_MAX, max_load = 0, longest_job = 0;
-  for (int b = 0; b < kBlocks; ++b) {
-    int64_t load = 0;
-    int prev = -1;
-    for (int j = work.prefill_job_start[b]; j < work.prefill_job_start[b + 1]; ++j) {
-      const kernels::AttentionPrefillJob& job = work.prefill_jobs[j];
-      ASSERT_TRUE(order.count(key(job.item, job.kv_head)));
-      const int k = order[key(job.item, job.kv_head)];
-      ++seen[k];
-      if (j == work.prefill_job_start[b]) {
-        EXPECT_EQ(k, b) << "block " << b << "'s first job";
+    // Job (item i, head h) is PrefillJobOf's unit k; find each in the schedule.
+    auto key = [](const kernels::AttentionWorkItem& it, int h) {
+      return std::make_tuple(it.span, it.row_start, it.kv_start, h);
+    };
+    std::map<std::tuple<int, int, int, int>, int> order;
+    for (uint32_t k = 0; k < num_jobs; ++k) {
+      const kernels::PrefillJobIndex at =
+          kernels::PrefillJobOf(k, num_items, head_group > 0 ? head_group : kHeads);
+      ASSERT_LT(at.item, num_items);
+      ASSERT_LT(at.kv_head, kHeads);
+      if (head_group > 0) {
+        EXPECT_EQ(at.kv_head / head_group, static_cast<int>(k / (num_items * head_group)))
+            << "unit " << k << ": group by group";
+      } else {
+        EXPECT_EQ(at.item, k / kHeads) << "unit " << k << ": item-major";
       }
-      EXPECT_GT(k, prev) << "block " << b << " runs its jobs in the planner's order";
-      prev = k;
-      const int64_t cost = job.item.kv_end - job.item.kv_start + 128;  // the planner's estimate
-      load += cost;
-      longest_job = std::max(longest_job, cost);
+      order[key(work.prefill_items[at.item], at.kv_head)] = static_cast<int>(k);
     }
-    min_load = std::min(min_load, load);
-    max_load = std::max(max_load, load);
+    ASSERT_EQ(order.size(), num_jobs) << "every (item, kv head) once";
+    std::vector<int> seen(num_jobs, 0);
+    int64_t min_load = INT64_MAX, max_load = 0, longest_job = 0;
+    for (int b = 0; b < kBlocks; ++b) {
+      int64_t load = 0;
+      int prev = -1;
+      for (int j = work.prefill_job_start[b]; j < work.prefill_job_start[b + 1]; ++j) {
+        const kernels::AttentionPrefillJob& job = work.prefill_jobs[j];
+        ASSERT_TRUE(order.count(key(job.item, job.kv_head)));
+        const int k = order[key(job.item, job.kv_head)];
+        ++seen[k];
+        if (j == work.prefill_job_start[b]) {
+          EXPECT_EQ(k, b) << "block " << b << "'s first job";
+        }
+        EXPECT_GT(k, prev) << "block " << b << " runs its jobs in the planner's order";
+        prev = k;
+        const int64_t cost = job.item.kv_end - job.item.kv_start + 128;  // the planner's estimate
+        load += cost;
+        longest_job = std::max(longest_job, cost);
+      }
+      min_load = std::min(min_load, load);
+      max_load = std::max(max_load, load);
+    }
+    for (size_t k = 0; k < num_jobs; ++k) EXPECT_EQ(seen[k], 1) << "job " << k;
+    // A job goes to the block with the least estimated work (positions + 128 per job), so no
+    // block ends more than one job after the least loaded one.
+    EXPECT_LE(max_load - min_load, longest_job);
   }
-  for (size_t k = 0; k < num_jobs; ++k) EXPECT_EQ(seen[k], 1) << "job " << k;
-  // A job goes to the block with the least estimated work (positions + 128 per job), so no
-  // block ends more than one job after the least loaded one.
-  EXPECT_LE(max_load - min_load, longest_job);
 
   // Fewer jobs than blocks: one block per job; no blocks: no schedule.
   kernels::SchedulePrefillJobs(kHeads, 100000, &work);
@@ -360,6 +376,32 @@ TEST(AttentionPlan, PrefillScheduleDealsEveryJobOnce) {
   kernels::SchedulePrefillJobs(kHeads, 0, &work);
   EXPECT_TRUE(work.prefill_jobs.empty());
   EXPECT_TRUE(work.prefill_job_start.empty());
+}
+
+// The kv heads whose prefill jobs run together: all of them while a span's K/V for every kv
+// head fits half the L2, else the largest divisor of the kv heads whose K/V fits it.
+TEST(AttentionPlan, PrefillHeadGroupsFitHalfTheL2) {
+  constexpr int64_t kMiB = 1 << 20;
+  const kernels::AttentionPlanLimits h200 = {.target_blocks = 264, .l2_bytes = 50 * kMiB};
+  auto group = [&](std::vector<kernels::AttentionSpan> spans, int heads, int head_dim,
+                   const kernels::AttentionPlanLimits& limits) {
+    return kernels::PrefillHeadGroup(spans.data(), static_cast<int>(spans.size()), heads,
+                                     2 * head_dim * 2, limits);
+  };
+  const kernels::AttentionSpan s32k = {0, 0, 32768, 32768}, s16k = {0, 0, 16384, 16384};
+  // 1 x 32768 at head_dim 64: 8 MiB a kv head, 64 for 8; 2 heads (16 MiB) fit 25, 4 do not.
+  EXPECT_EQ(group({s32k}, 8, 64, h200), 2);
+  // 4 x 4096 at 128: a span's 8 heads take 16 MiB: every head together.
+  EXPECT_EQ(group({{0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 4096, 4096},
+                   {12288, 768, 4096, 4096}},
+                  8, 128, h200),
+            8);
+  // 1 x 16384 at 128 on 6 kv heads: 8 MiB each; 3 (24 MiB) is the largest divisor that fits.
+  EXPECT_EQ(group({s16k}, 6, 128, h200), 3);
+  // One head over the budget (1 x 131072 at 128: 64 MiB): one at a time.
+  EXPECT_EQ(group({{0, 0, 131072, 131072}}, 8, 128, h200), 1);
+  // The L2 unknown: every head.
+  EXPECT_EQ(group({s32k}, 8, 64, {.target_blocks = 264}), 8);
 }
 
 // ---- AttentionPlan: one Forward's plan, slots and staging --------------------------------

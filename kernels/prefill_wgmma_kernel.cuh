@@ -93,14 +93,15 @@ struct WgmmaPrefillConfig {
   // columns past D zero and O's dropped; 1.05x the portable kernel's rate at 96, the same at 80
   // (docs/PERFORMANCE.md#head-dims).
   static constexpr int kWidth = WgmmaPrefillWidth(D);
-  // Tile shape per width: 128 128 positions x 3 stages; 64 64 x 5, one tile at a time (its
-  // products are too small to hide the softmax behind: persistent and warp-specialized, 1.0-1.14x
-  // the time; five stages and one barrier a tile, 0.87-0.90x four stages and two); 192 64 x 3 and
-  // 256 64 x 2, what their 48 and 64 KiB Q tiles leave room for
-  // (docs/PERFORMANCE.md#design-decisions).
+  // Tile shape per width: 128 128 positions x 3 stages; 64 64 x 5 in one block a job, two an SM
+  // (its products are too small to hide the softmax behind across warpgroups: persistent and
+  // warp-specialized, 1.0-1.14x the time; five stages and one barrier a tile, 0.87-0.90x four
+  // stages and two), pipelined within each warpgroup; 192 64 x 3 and 256 64 x 2, what their 48
+  // and 64 KiB Q tiles leave room for (docs/PERFORMANCE.md#design-decisions).
   static constexpr int kTileKv = kWidth == 128 ? 128 : 64;
   static constexpr int kStages = kWidth == 128 || kWidth == 192 ? 3 : (kWidth == 64 ? 5 : 2);
-  // Pipelined: S of tile j + 1 overlaps P.V of tile j.
+  // Pipelined across warpgroups: S of tile j + 1 overlaps P.V of tile j, and the consumer
+  // warpgroups take turns (WgmmaPrefillWsBody); head_dim 64's item body pipelines within each.
   static constexpr bool kPipelined = kWidth != 64;
   // Pipelined tiles run in persistent blocks (WgmmaPrefillWsBody), jobs back to back so
   // the next job's first K/V tiles load during the last one's end; head_dim 64's one block per
@@ -992,7 +993,7 @@ template <typename T, typename TIO, int D, bool kVariant, bool kTmaKv>
 __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p) {
   using Cfg = WgmmaPrefillConfig<T, D>;
   using M = WgmmaTileMath<T, D>;
-  static_assert(Cfg::kPipelined, "the one-tile-at-a-time loop runs in the per-item body");
+  static_assert(Cfg::kPipelined, "head_dim 64 runs in the per-item body");
   constexpr int kNT = M::kNT, kKP = M::kKP, kS = Cfg::kStages;
   constexpr int kConsumers = Cfg::kThreads, kConsumerWarps = kConsumers / 32;
   extern __shared__ __align__(128) unsigned char smem_raw[];

@@ -1116,6 +1116,153 @@ TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
   cudaStreamDestroy(stream);
 }
 
+// One causal prefill span of kLen queries on 8 kv heads, launched through the kernel library
+// with the device's plan limits but for l2_bytes: the blocks run the kv heads in the groups
+// PrefillHeadGroup picks from it. Outputs go to out (f32) and lse.
+class HeadGroupLaunch {
+ public:
+  static constexpr int kQHeads = 32, kKvHeads = 8, kPage = 16, kLen = 1100;
+  HeadGroupLaunch(int head_dim, kernels::PrefillPath path, int64_t l2_bytes) : dim_(head_dim) {
+    const int pages = (kLen + kPage - 1) / kPage;
+    std::mt19937 rng(11);
+    std::uniform_real_distribution<float> uni(-1.f, 1.f);
+    table_.resize(pages);
+    std::iota(table_.begin(), table_.end(), 0);
+    std::shuffle(table_.begin(), table_.end(), rng);
+    for (int kv_index = 0; kv_index < 2; ++kv_index) {
+      std::vector<uint16_t>& host = kv_index == 0 ? k_ : v_;
+      host.resize(size_t{pages} * kKvHeads * kPage * dim_);
+      for (uint16_t& x : host) StoreFromFloat(DType::kBFloat16, &x, 0, uni(rng));
+      void*& pool = kv_index == 0 ? k_pool_ : v_pool_;
+      ok_ = ok_ && cudaMalloc(&pool, host.size() * 2) == cudaSuccess &&
+            cudaMemcpy(pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+    }
+    q_.resize(size_t{kLen} * kQHeads * dim_);
+    for (float& x : q_) x = uni(rng);
+    kernels::AttentionPlanLimits limits;
+    ok_ = ok_ && kernels::QueryPlanLimits(DType::kBFloat16, dim_, path, &limits).ok();
+    limits.l2_bytes = l2_bytes;
+    span_ = {.num_queries = kLen, .kv_len = kLen};
+    const kernels::ForwardBatch batch = {.spans = {&span_, 1},
+                                         .page_table = table_,
+                                         .total_queries = kLen,
+                                         .num_q_heads = kQHeads,
+                                         .num_kv_heads = kKvHeads,
+                                         .head_dim = dim_,
+                                         .page_size = kPage,
+                                         .kv_dtype = DType::kBFloat16,
+                                         .q_dtype = DType::kFloat32,
+                                         .kv_wire_dtype = DType::kFloat32,
+                                         .causal = true,
+                                         .sm_scale = 1.f / std::sqrt(float(dim_)),
+                                         .return_lse = true};
+    plan_ = kernels::AttentionPlan::Make(batch, limits);
+    ok_ = ok_ && ws_.Reserve(plan_, nullptr).ok() && cudaDeviceSynchronize() == cudaSuccess;
+  }
+  ~HeadGroupLaunch() {
+    cudaFree(k_pool_);
+    cudaFree(v_pool_);
+  }
+  bool ok() const { return ok_; }
+  const kernels::AttentionWork& work() const { return plan_.work(); }
+
+  // out then lse of one launch, out and lse poisoned (NaN) before it.
+  std::vector<float> Run(cudaStream_t stream, kernels::Launcher& launcher) {
+    ws_.StageInputs(plan_, q_.data(), nullptr, nullptr);
+    const kernels::ForwardStaging& st = plan_.staging();
+    ok_ = ok_ && ws_.Upload(plan_, stream).ok() &&
+          cudaMemsetAsync(static_cast<char*>(ws_.device()) + st.out, 0xFF, st.results_end - st.out,
+                          stream) == cudaSuccess;
+    const kernels::LaunchStatus launched = kernels::LaunchPagedAttention(
+        ws_.Bind(plan_, k_pool_, v_pool_).attention, stream, launcher);
+    ok_ = ok_ && launched.ok();
+    std::vector<float> r(size_t{kLen} * kQHeads * (dim_ + 1));
+    ok_ = ok_ && ws_.Download(plan_, stream).ok() && cudaStreamSynchronize(stream) == cudaSuccess;
+    ws_.ReadResults(plan_, r.data(), r.data() + size_t{kLen} * kQHeads * dim_);
+    return r;
+  }
+  // Query `query`'s output for q head `head` in float64 from the pools' values.
+  std::vector<double> Reference(int query, int head) const {
+    const int kv_head = head / (kQHeads / kKvHeads);
+    const float* qv = &q_[(static_cast<size_t>(query) * kQHeads + head) * dim_];
+    auto row = [&](const std::vector<uint16_t>& pool, int pos) {
+      const size_t r = (size_t{static_cast<uint32_t>(table_[pos / kPage])} * kKvHeads + kv_head) *
+                           kPage + pos % kPage;
+      return &pool[r * dim_];
+    };
+    std::vector<double> score(query + 1), out(dim_, 0.0);
+    double top = -INFINITY, sum = 0;
+    for (int pos = 0; pos <= query; ++pos) {
+      double dot = 0;
+      for (int i = 0; i < dim_; ++i) dot += double{qv[i]} * Bf16ToFloat(row(k_, pos)[i]);
+      score[pos] = dot / std::sqrt(double(dim_));
+      top = std::max(top, score[pos]);
+    }
+    for (int pos = 0; pos <= query; ++pos) {
+      const double w = std::exp(score[pos] - top);
+      sum += w;
+      for (int i = 0; i < dim_; ++i) out[i] += w * Bf16ToFloat(row(v_, pos)[i]);
+    }
+    for (double& x : out) x /= sum;
+    return out;
+  }
+
+ private:
+  int dim_;
+  std::vector<int32_t> table_;
+  std::vector<uint16_t> k_, v_;
+  std::vector<float> q_;
+  kernels::ForwardSpan span_;
+  kernels::AttentionPlan plan_;
+  kernels::ForwardWorkspace ws_;
+  void* k_pool_ = nullptr;
+  void* v_pool_ = nullptr;
+  bool ok_ = true;
+};
+
+// The prefill kernels run the kv heads in the planner's groups (PrefillHeadGroup) where the
+// L2 would not hold a span's K/V for all of them: with an L2 that holds two heads' K/V twice
+// over, the one-block-a-job kernels (head_dim 64, the portable kernel) and the persistent one
+// (128) give exactly the outputs of every kv head together, and those match float64.
+TEST_F(CudaKernelTest, PrefillHeadGroupsGiveTheSameOutputs) {
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  kernels::Launcher launcher;
+  for (const int dim : {64, 128}) {
+    for (const kernels::PrefillPath path :
+         {kernels::PrefillPath::kAuto, kernels::PrefillPath::kPortable}) {
+      SCOPED_TRACE(::testing::Message() << "head_dim " << dim << ", path "
+                                        << (path == kernels::PrefillPath::kAuto ? "auto"
+                                                                               : "portable"));
+      const int64_t head_bytes = int64_t{HeadGroupLaunch::kLen} * 2 * dim * 2;
+      HeadGroupLaunch all(dim, path, /*l2_bytes=*/int64_t{1} << 40);
+      HeadGroupLaunch grouped(dim, path, /*l2_bytes=*/4 * head_bytes);
+      ASSERT_TRUE(all.ok() && grouped.ok());
+      ASSERT_EQ(all.work().prefill_head_group, HeadGroupLaunch::kKvHeads);
+      ASSERT_EQ(grouped.work().prefill_head_group, 2) << "the case no longer groups the heads";
+      ASSERT_FALSE(grouped.work().prefill_items.empty());
+      const std::vector<float> expected = all.Run(stream, launcher);
+      const std::vector<float> got = grouped.Run(stream, launcher);
+      ASSERT_TRUE(all.ok() && grouped.ok());
+      for (float x : got) ASSERT_FALSE(std::isnan(x)) << "an output was not written";
+      ASSERT_EQ(got, expected) << "the heads' order changed an output";
+      double worst = 0;
+      for (const int query : {0, 127, 128, 700, HeadGroupLaunch::kLen - 1}) {
+        for (const int head : {0, 9, 22, 31}) {
+          const std::vector<double> ref = grouped.Reference(query, head);
+          for (int i = 0; i < dim; ++i) {
+            const double x = got[(size_t{static_cast<uint32_t>(query)} * HeadGroupLaunch::kQHeads +
+                                  head) * dim + i];
+            worst = std::max(worst, std::abs(x - ref[i]));
+          }
+        }
+      }
+      EXPECT_LT(worst, 5e-3) << "against float64";
+    }
+  }
+  cudaStreamDestroy(stream);
+}
+
 // Launch after launch of the tiles and the separate merge with other queries each time: every
 // result is the one a first launch of those queries gave (nothing of one launch's partials or
 // split state leaks into the next).

@@ -91,9 +91,8 @@ AttentionPlan AttentionPlan::Make(const ForwardBatch& batch, const AttentionPlan
     // An FP8 cache's prefill tiles read a bfloat16 copy of its pages.
     const int64_t position_bytes =
         2 * int64_t{batch.head_dim} * std::max<int64_t>(DTypeSize(batch.kv_dtype), 2);
-    plan.work_.prefill_head_group =
-        PrefillHeadGroup(spans.data(), static_cast<int>(spans.size()), batch.num_kv_heads,
-                         position_bytes, limits);
+    plan.work_.prefill_head_group = PrefillHeadGroup(spans.data(), static_cast<int>(spans.size()),
+                                                     batch.num_kv_heads, position_bytes, limits);
     SchedulePrefillJobs(batch.num_kv_heads, limits.prefill_blocks, &plan.work_);
     AttachFirstPages(batch.page_table.data(), batch.page_size, &plan.work_);
   }

@@ -307,17 +307,17 @@ void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work) {
   if (blocks <= 0 || num_jobs == 0) return;
   const int grid = static_cast<int>(std::min<int64_t>(blocks, num_jobs));
   // List scheduling in PrefillJobOf's order (the planner's, by span, longest first, a group of
-  // kv heads at a time, the group's heads of an item side by side): what the hardware's block scheduler did with one block per job, decided here so
-  // that every block knows its next job while it runs the current one. Ties go to the lower
-  // block, so the first `grid` jobs start on blocks 0, 1, ... in order.
+  // kv heads at a time, the group's heads of an item side by side): what the hardware's block
+  // scheduler did with one block per job, decided here so that every block knows its next job
+  // while it runs the current one. Ties go to the lower block, so the first `grid` jobs start on
+  // blocks 0, 1, ... in order.
   using Load = std::pair<int64_t, int>;  // (estimated end, block)
   std::priority_queue<Load, std::vector<Load>, std::greater<Load>> free_at;
   for (int b = 0; b < grid; ++b) free_at.push({0, b});
-  std::vector<int32_t> owner(num_jobs);  // job i * num_kv_heads + h -> its block
+  std::vector<int32_t> owner(num_jobs);  // job j (PrefillJobOf's unit j) -> its block
   std::vector<int32_t> start(grid + 1, 0);
   const uint32_t num_items = static_cast<uint32_t>(work->prefill_items.size());
-  const int head_group =
-      work->prefill_head_group > 0 ? work->prefill_head_group : num_kv_heads;
+  const int head_group = work->prefill_head_group > 0 ? work->prefill_head_group : num_kv_heads;
   for (int64_t j = 0; j < num_jobs; ++j) {
     const AttentionWorkItem& item =
         work->prefill_items[PrefillJobOf(static_cast<uint32_t>(j), num_items, head_group).item];

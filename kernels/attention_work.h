@@ -192,10 +192,9 @@ int PrefillHeadGroup(const AttentionSpan* spans, int num_spans, int num_kv_heads
                      int64_t position_bytes, const AttentionPlanLimits& limits);
 
 // Deals the prefill items x kv heads to `blocks` persistent blocks (greedy, in PrefillJobOf's
-// order of work->prefill_head_group: each job goes to the block that is free first by an
-// estimate of its length), so that
-// each block's jobs run back to back and the next job's K/V loads overlap the end of the last.
-// blocks <= 0 clears the schedule.
+// order for work->prefill_head_group: each job goes to the block that is free first by an
+// estimate of its length), so that each block's jobs run back to back and the next job's K/V
+// loads overlap the end of the last. blocks <= 0 clears the schedule.
 void SchedulePrefillJobs(int num_kv_heads, int blocks, AttentionWork* work);
 
 }  // namespace pagedattn::kernels

@@ -392,7 +392,9 @@ TEST(AttentionPlan, PrefillHeadGroupsFitHalfTheL2) {
   // 1 x 32768 at head_dim 64: 8 MiB a kv head, 64 for 8; 2 heads (16 MiB) fit 25, 4 do not.
   EXPECT_EQ(group({s32k}, 8, 64, h200), 2);
   // 4 x 4096 at 128: a span's 8 heads take 16 MiB: every head together.
-  EXPECT_EQ(group({{0, 0, 4096, 4096}, {4096, 256, 4096, 4096}, {8192, 512, 4096, 4096},
+  EXPECT_EQ(group({{0, 0, 4096, 4096},
+                   {4096, 256, 4096, 4096},
+                   {8192, 512, 4096, 4096},
                    {12288, 768, 4096, 4096}},
                   8, 128, h200),
             8);

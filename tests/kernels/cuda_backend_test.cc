@@ -1186,8 +1186,9 @@ class HeadGroupLaunch {
     const int kv_head = head / (kQHeads / kKvHeads);
     const float* qv = &q_[(static_cast<size_t>(query) * kQHeads + head) * dim_];
     auto row = [&](const std::vector<uint16_t>& pool, int pos) {
-      const size_t r = (size_t{static_cast<uint32_t>(table_[pos / kPage])} * kKvHeads + kv_head) *
-                           kPage + pos % kPage;
+      const size_t r =
+          (size_t{static_cast<uint32_t>(table_[pos / kPage])} * kKvHeads + kv_head) * kPage +
+          pos % kPage;
       return &pool[r * dim_];
     };
     std::vector<double> score(query + 1), out(dim_, 0.0);
@@ -1231,9 +1232,9 @@ TEST_F(CudaKernelTest, PrefillHeadGroupsGiveTheSameOutputs) {
   for (const int dim : {64, 128}) {
     for (const kernels::PrefillPath path :
          {kernels::PrefillPath::kAuto, kernels::PrefillPath::kPortable}) {
-      SCOPED_TRACE(::testing::Message() << "head_dim " << dim << ", path "
-                                        << (path == kernels::PrefillPath::kAuto ? "auto"
-                                                                               : "portable"));
+      SCOPED_TRACE(::testing::Message()
+                   << "head_dim " << dim << ", path "
+                   << (path == kernels::PrefillPath::kAuto ? "auto" : "portable"));
       const int64_t head_bytes = int64_t{HeadGroupLaunch::kLen} * 2 * dim * 2;
       HeadGroupLaunch all(dim, path, /*l2_bytes=*/int64_t{1} << 40);
       HeadGroupLaunch grouped(dim, path, /*l2_bytes=*/4 * head_bytes);
@@ -1251,8 +1252,9 @@ TEST_F(CudaKernelTest, PrefillHeadGroupsGiveTheSameOutputs) {
         for (const int head : {0, 9, 22, 31}) {
           const std::vector<double> ref = grouped.Reference(query, head);
           for (int i = 0; i < dim; ++i) {
-            const double x = got[(size_t{static_cast<uint32_t>(query)} * HeadGroupLaunch::kQHeads +
-                                  head) * dim + i];
+            const double x =
+                got[(size_t{static_cast<uint32_t>(query)} * HeadGroupLaunch::kQHeads + head) * dim +
+                    i];
             worst = std::max(worst, std::abs(x - ref[i]));
           }
         }

@@ -18,12 +18,24 @@
 namespace pagedattn::kernels {
 
 // A merge warp's lanes own kMergeDims<D> consecutive dims of a row each: D / 32 where D is whole
-// 64-element blocks; at 80 and 96 four, and the lanes past the row (12 of 32 at 80, 8 at 96) idle.
+// 64-element blocks; at 80 and 96 four, and the lanes past the row (12 of 32 at 80, 8 at 96) store
+// nothing.
 template <int D>
 inline constexpr int kMergeDims = (D + 63) / 64 * 2;
 template <int D>
 __device__ __forceinline__ bool MergeLaneActive(int lane) {
   return D % 64 == 0 || lane * kMergeDims<D> < D;
+}
+// The first dim of the slice a lane loads: its own, and past the row the row's last slice. Every
+// lane loads, so no load is predicated: ptxas then issues an unrolled loop's loads together, where
+// loads predicated on MergeLaneActive went one split at a time into the same registers (each split
+// one L2 round trip; the separate merge at 80 took 5.2-5.6 us alone against 4.1 at 128; 1 x 32768
+// decode at 80 and 96, bf16 and FP8, 0.96-0.99x the time b2b since). What an idle lane sums is
+// never stored.
+template <int D>
+__device__ __forceinline__ int MergeLaneFirstDim(int lane) {
+  constexpr int kDims = kMergeDims<D>;
+  return min(lane, D / kDims - 1) * kDims;
 }
 
 // acc += w * v for one lane's kDims floats of a partial O row.
@@ -128,12 +140,11 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
       }
       // The O slices of the batch, one pointer stepped from split to split.
       SplitRowSlice<kDims> x[kBatch];
-      const float* src =
-          part_out + (task.partial_row + int64_t{s0} * task.row_stride + r) * D + lane * kDims;
-      const bool active = MergeLaneActive<D>(lane);
+      const float* src = part_out + (task.partial_row + int64_t{s0} * task.row_stride + r) * D +
+                         MergeLaneFirstDim<D>(lane);
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
-        if (j < n && active) x[j].Load(src);
+        if (j < n) x[j].Load(src);
         src += out_step;
       }
       float batch_max = my_lse[0];
@@ -156,7 +167,7 @@ __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const float w = __shfl_sync(0xffffffffu, my_weight[j / 32], j % 32);
-        if (j < n && active) x[j].AddTo(m.acc, w);
+        if (j < n) x[j].AddTo(m.acc, w);
       }
     }
     WriteMergedRow<TIO, D>(p, task, span, kv_head, group, r, m.acc, m.weight_sum, m.run_max);
@@ -296,10 +307,10 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     const int64_t row = int64_t{s} * task.row_stride;
     const float split_lse = __ldcg(lse + row);
     SplitRowSlice<kDims> x;
-    if (active) x.Load(part + row * D + lane * kDims);
+    x.Load(part + row * D + MergeLaneFirstDim<D>(lane));
     const float w = __expf(split_lse - m.Rebase(split_lse));
     m.weight_sum += w;
-    if (active) x.AddTo(m.acc, w);
+    x.AddTo(m.acc, w);
   }
   if (active) {
 #pragma unroll

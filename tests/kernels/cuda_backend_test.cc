@@ -981,12 +981,59 @@ TEST_F(CudaKernelTest, LaunchIntoACapturedStreamIsRecorded) {
   cudaStreamDestroy(stream);
 }
 
+// What the launch fixtures below share: a shuffled page table of `pages` pages, bf16 K and V
+// pools on the device (uploaded from host rows), and the plan and workspace of one batch.
+class PlannedLaunch {
+ public:
+  PlannedLaunch(const PlannedLaunch&) = delete;
+  PlannedLaunch& operator=(const PlannedLaunch&) = delete;
+  ~PlannedLaunch() {
+    cudaFree(k_pool_);
+    cudaFree(v_pool_);
+  }
+  bool ok() const { return ok_; }
+  const kernels::AttentionWork& work() const { return plan_.work(); }
+
+ protected:
+  PlannedLaunch() = default;
+  // table_: pages 0..pages-1 in an order shuffled by rng.
+  void ShuffleTable(int pages, std::mt19937& rng) {
+    table_.resize(pages);
+    std::iota(table_.begin(), table_.end(), 0);
+    std::shuffle(table_.begin(), table_.end(), rng);
+  }
+  // K's (kv_index 0) or V's pool, a copy of host's bf16 values.
+  void UploadPool(int kv_index, const std::vector<uint16_t>& host) {
+    void*& pool = kv_index == 0 ? k_pool_ : v_pool_;
+    ok_ = ok_ && cudaMalloc(&pool, host.size() * 2) == cudaSuccess &&
+          cudaMemcpy(pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+  }
+  // The plan of batch under limits, and a workspace reserved for it.
+  void Plan(const kernels::ForwardBatch& batch, const kernels::AttentionPlanLimits& limits) {
+    plan_ = kernels::AttentionPlan::Make(batch, limits);
+    ok_ = ok_ && ws_.Reserve(plan_, nullptr).ok() && cudaDeviceSynchronize() == cudaSuccess;
+  }
+  kernels::PagedAttentionParams Bound() const {
+    return ws_.Bind(plan_, k_pool_, v_pool_).attention;
+  }
+
+  std::vector<int32_t> table_;
+  kernels::ForwardSpan span_;
+  kernels::AttentionPlan plan_;
+  kernels::ForwardWorkspace ws_;
+  bool ok_ = true;
+
+ private:
+  void* k_pool_ = nullptr;
+  void* v_pool_ = nullptr;
+};
+
 // Split decode whose plan merges in the separate kernel, planned and staged through the kernel
 // library (AttentionPlan, ForwardWorkspace) and launched straight through LaunchPagedAttention:
 // the tiles and the merge go as one launch (kernels/launch.h). Into a captured stream the pair is
 // recorded as two kernel nodes in stream order; replaying the captured graph gives exactly what
 // the direct launch gave.
-class SeparateMergeLaunch {
+class SeparateMergeLaunch : public PlannedLaunch {
  public:
   static constexpr int kQHeads = 32, kDim = 128, kPage = 16, kLen = 20000;
   SeparateMergeLaunch() {
@@ -994,14 +1041,10 @@ class SeparateMergeLaunch {
     std::mt19937 rng(7);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
     std::vector<uint16_t> kv(size_t{pages} * kPage * kDim);
-    table_.resize(pages);
-    std::iota(table_.begin(), table_.end(), 0);
-    std::shuffle(table_.begin(), table_.end(), rng);
+    ShuffleTable(pages, rng);
     for (int kv_index = 0; kv_index < 2; ++kv_index) {
       for (uint16_t& x : kv) StoreFromFloat(DType::kBFloat16, &x, 0, uni(rng));
-      void*& pool = kv_index == 0 ? k_pool_ : v_pool_;
-      ok_ = ok_ && cudaMalloc(&pool, kv.size() * 2) == cudaSuccess &&
-            cudaMemcpy(pool, kv.data(), kv.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+      UploadPool(kv_index, kv);
     }
     kernels::AttentionPlanLimits limits;
     ok_ =
@@ -1020,15 +1063,8 @@ class SeparateMergeLaunch {
                                          .kv_wire_dtype = DType::kFloat32,
                                          .sm_scale = 1.f / std::sqrt(float{kDim}),
                                          .return_lse = true};
-    plan_ = kernels::AttentionPlan::Make(batch, limits);
-    ok_ = ok_ && ws_.Reserve(plan_, nullptr).ok() && cudaDeviceSynchronize() == cudaSuccess;
+    Plan(batch, limits);
   }
-  ~SeparateMergeLaunch() {
-    cudaFree(k_pool_);
-    cudaFree(v_pool_);
-  }
-  bool ok() const { return ok_; }
-  const kernels::AttentionWork& work() const { return plan_.work(); }
 
   // New random queries (seed), staged and uploaded; wrong_first: each decode item's carried
   // first page id replaced by its second (that page read twice, the first not at all: a wrong
@@ -1051,7 +1087,7 @@ class SeparateMergeLaunch {
   // The attention params bound to the staged image; first_pages false: every page id from the
   // page table.
   kernels::PagedAttentionParams Params(bool first_pages = true) const {
-    kernels::PagedAttentionParams p = ws_.Bind(plan_, k_pool_, v_pool_).attention;
+    kernels::PagedAttentionParams p = Bound();
     if (!first_pages) p.decode_wide_first_pages = nullptr;
     return p;
   }
@@ -1070,15 +1106,6 @@ class SeparateMergeLaunch {
     ws_.ReadResults(plan_, r.data(), r.data() + kQHeads * kDim);
     return r;
   }
-
- private:
-  std::vector<int32_t> table_;
-  kernels::ForwardSpan span_;
-  kernels::AttentionPlan plan_;
-  kernels::ForwardWorkspace ws_;
-  void* k_pool_ = nullptr;
-  void* v_pool_ = nullptr;
-  bool ok_ = true;
 };
 
 TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
@@ -1119,23 +1146,19 @@ TEST_F(CudaKernelTest, SeparateMergeCapturedAsTwoNodes) {
 // One causal prefill span of kLen queries on 8 kv heads, launched through the kernel library
 // with the device's plan limits but for l2_bytes: the blocks run the kv heads in the groups
 // PrefillHeadGroup picks from it. Outputs go to out (f32) and lse.
-class HeadGroupLaunch {
+class HeadGroupLaunch : public PlannedLaunch {
  public:
   static constexpr int kQHeads = 32, kKvHeads = 8, kPage = 16, kLen = 1100;
   HeadGroupLaunch(int head_dim, kernels::PrefillPath path, int64_t l2_bytes) : dim_(head_dim) {
     const int pages = (kLen + kPage - 1) / kPage;
     std::mt19937 rng(11);
     std::uniform_real_distribution<float> uni(-1.f, 1.f);
-    table_.resize(pages);
-    std::iota(table_.begin(), table_.end(), 0);
-    std::shuffle(table_.begin(), table_.end(), rng);
+    ShuffleTable(pages, rng);
     for (int kv_index = 0; kv_index < 2; ++kv_index) {
       std::vector<uint16_t>& host = kv_index == 0 ? k_ : v_;
       host.resize(size_t{pages} * kKvHeads * kPage * dim_);
       for (uint16_t& x : host) StoreFromFloat(DType::kBFloat16, &x, 0, uni(rng));
-      void*& pool = kv_index == 0 ? k_pool_ : v_pool_;
-      ok_ = ok_ && cudaMalloc(&pool, host.size() * 2) == cudaSuccess &&
-            cudaMemcpy(pool, host.data(), host.size() * 2, cudaMemcpyHostToDevice) == cudaSuccess;
+      UploadPool(kv_index, host);
     }
     q_.resize(size_t{kLen} * kQHeads * dim_);
     for (float& x : q_) x = uni(rng);
@@ -1156,15 +1179,8 @@ class HeadGroupLaunch {
                                          .causal = true,
                                          .sm_scale = 1.f / std::sqrt(float(dim_)),
                                          .return_lse = true};
-    plan_ = kernels::AttentionPlan::Make(batch, limits);
-    ok_ = ok_ && ws_.Reserve(plan_, nullptr).ok() && cudaDeviceSynchronize() == cudaSuccess;
+    Plan(batch, limits);
   }
-  ~HeadGroupLaunch() {
-    cudaFree(k_pool_);
-    cudaFree(v_pool_);
-  }
-  bool ok() const { return ok_; }
-  const kernels::AttentionWork& work() const { return plan_.work(); }
 
   // out then lse of one launch, out and lse poisoned (NaN) before it.
   std::vector<float> Run(cudaStream_t stream, kernels::Launcher& launcher) {
@@ -1173,8 +1189,7 @@ class HeadGroupLaunch {
     ok_ = ok_ && ws_.Upload(plan_, stream).ok() &&
           cudaMemsetAsync(static_cast<char*>(ws_.device()) + st.out, 0xFF, st.results_end - st.out,
                           stream) == cudaSuccess;
-    const kernels::LaunchStatus launched = kernels::LaunchPagedAttention(
-        ws_.Bind(plan_, k_pool_, v_pool_).attention, stream, launcher);
+    const kernels::LaunchStatus launched = kernels::LaunchPagedAttention(Bound(), stream, launcher);
     ok_ = ok_ && launched.ok();
     std::vector<float> r(size_t{kLen} * kQHeads * (dim_ + 1));
     ok_ = ok_ && ws_.Download(plan_, stream).ok() && cudaStreamSynchronize(stream) == cudaSuccess;
@@ -1210,15 +1225,8 @@ class HeadGroupLaunch {
 
  private:
   int dim_;
-  std::vector<int32_t> table_;
   std::vector<uint16_t> k_, v_;
   std::vector<float> q_;
-  kernels::ForwardSpan span_;
-  kernels::AttentionPlan plan_;
-  kernels::ForwardWorkspace ws_;
-  void* k_pool_ = nullptr;
-  void* v_pool_ = nullptr;
-  bool ok_ = true;
 };
 
 // The prefill kernels run the kv heads in the planner's groups (PrefillHeadGroup) where the

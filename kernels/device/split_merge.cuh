@@ -213,8 +213,7 @@ __device__ __forceinline__ void MergeSplitsTwoPass(const PagedAttentionParams& p
       for (int j = 0; j < n; ++j) {
         const float w = __shfl_sync(0xffffffffu, my_weight, j);
         const int64_t row = task.partial_row + (s0 + j) * task.row_stride + r;
-        const float* src = part_out + row * D + lane * kDims;
-        if (!MergeLaneActive<D>(lane)) continue;
+        const float* src = part_out + row * D + MergeLaneFirstDim<D>(lane);
 #pragma unroll
         for (int d = 0; d < kDims; d += 2) {
           const float2 v = __ldcg(reinterpret_cast<const float2*>(src + d));

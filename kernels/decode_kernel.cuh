@@ -248,16 +248,29 @@ struct DecodeTileMath {
   // Soft-caps the scores (when the layer has a cap), masks the positions past the split's end,
   // past a row's last (causal) or before its first (window), and scales the rest to log2 units.
   // A step that every live row of the warp sees whole (all but a range's last, in decode) skips
-  // the per-score tests (a warp-uniform branch); rows past the span are not written.
+  // the per-score tests (a warp-uniform branch); rows past the span are not written. q_rows: a
+  // factor of each of the thread's rows still to apply (an FP8 tile's power-of-two Q row scales;
+  // 1 otherwise), folded into the rows' log2 units where there is no cap (a power of two times
+  // scale_log2, exact), so that it costs no multiply a score.
   __device__ __forceinline__ static void MaskAndScale(float (&s)[2][4], int pos0, int kv_end,
                                                       const DecodeRows& rows, int quad_col,
-                                                      const Softcap& softcap, float scale_log2) {
-    softcap.Apply(s);
+                                                      const Softcap& softcap, float scale_log2,
+                                                      const float (&q_rows)[2] = {1.f, 1.f}) {
+    float unit[2] = {q_rows[0] * scale_log2, q_rows[1] * scale_log2};
+    if (softcap.on) {  // block-uniform: the cap takes the score itself
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[nt][e] *= q_rows[e >> 1];
+      }
+      softcap.Apply(s);
+      unit[0] = unit[1] = scale_log2;
+    }
     if (pos0 + 15 < kv_end && pos0 + 15 <= rows.all_see_last && pos0 >= rows.all_see_first) {
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[nt][e] = SaturatedScore(s[nt][e] * scale_log2);
+        for (int e = 0; e < 4; ++e) s[nt][e] = SaturatedScore(s[nt][e] * unit[e >> 1]);
       }
       return;
     }
@@ -268,7 +281,7 @@ struct DecodeTileMath {
         const int pos = pos0 + nt * 8 + 2 * quad_col + (e & 1);
         const bool visible =
             pos < kv_end && pos <= rows.q_pos[e >> 1] && pos >= rows.first_pos[e >> 1];
-        s[nt][e] = visible ? SaturatedScore(s[nt][e] * scale_log2) : -INFINITY;
+        s[nt][e] = visible ? SaturatedScore(s[nt][e] * unit[e >> 1]) : -INFINITY;
       }
     }
   }
@@ -478,8 +491,17 @@ struct DecodeFp8Math {
     }
   }
 
-  // Four E4M3 values (bytes of x) as two pairs of float16, exactly: (b0, b1), (b2, b3).
+  // Four E4M3 values (bytes of x) as two pairs of float16, exactly: (b0, b1), (b2, b3). From
+  // sm_89 one cvt a pair, the high pair's read from the register's upper half as it stands
+  // (F2FP's .H1 operand): a shift less every four bytes of K and V, 32 of an FP8 step's
+  // instructions at head_dim 128.
   __device__ __forceinline__ static void E4m3x4ToHalf(uint32_t x, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    asm("{\n.reg .b16 l, h;\nmov.b32 {l, h}, %2;\ncvt.rn.f16x2.e4m3x2 %0, l;\n"
+        "cvt.rn.f16x2.e4m3x2 %1, h;\n}\n"
+        : "=r"(lo), "=r"(hi)
+        : "r"(x));
+#else
     static_assert(sizeof(__nv_fp8x2_storage_t) == 2, "two E4M3 values");
     const __half2_raw l =
         __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x), __NV_E4M3);
@@ -487,6 +509,7 @@ struct DecodeFp8Math {
         __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(x >> 16), __NV_E4M3);
     lo = *reinterpret_cast<const uint32_t*>(&l);
     hi = *reinterpret_cast<const uint32_t*>(&h);
+#endif
   }
 
   // S = Q K^T over the 16 positions at row0 of the FP8 K tile sk (unscaled, Q's rows in their
@@ -537,17 +560,8 @@ struct DecodeFp8Math {
   }
 
   // A thread's scores or weights (columns 2 quad_col, + 1 of each n8 tile) times their
-  // positions' scales: row_scales[row0 + 8nt + 2quad_col + e % 2] (shared memory), or `one`;
-  // and by q_rows[i] for the thread's row i (quad_row, quad_row + 8).
-  __device__ __forceinline__ static void Scale(float (&s)[2][4], const float* row_scales, float one,
-                                               int row0, int quad_col, const float (&q_rows)[2]) {
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[nt][e] *= q_rows[e >> 1];
-    }
-    Scale(s, row_scales, one, row0, quad_col);
-  }
+  // positions' scales: row_scales[row0 + 8nt + 2quad_col + e % 2] (shared memory), or `one`.
+  // Q's row scales join the scores' log2 units (DecodeTileMath::MaskAndScale's q_rows).
   __device__ __forceinline__ static void Scale(float (&s)[2][4], const float* row_scales, float one,
                                                int row0, int quad_col) {
 #pragma unroll
@@ -1077,8 +1091,9 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         const float* scales =
             row_scales ? reinterpret_cast<const float*>(stage + 2 * Cfg::kTileKv * D) : nullptr;
         Fp8Math::ScoreQK(q_fragment, stage, row0, lane, s);               // S = Q.K^T, K as stored
-        Fp8Math::Scale(s, scales, k_scale, row0, quad_col, q_row_scale);  // K's and Q's scales
-        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
+        Fp8Math::Scale(s, scales, k_scale, row0, quad_col);  // K's scales
+        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2,
+                           q_row_scale);  // Q's row scales with the log2 units
         Math::OnlineSoftmax(s, state);
         v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col,
                        state);  // P times V's scales over the reference
@@ -1136,9 +1151,10 @@ __global__ void __maxnreg__(192)
   DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
                                                  DecodeFirstPages<kRowWarps>(params));
 }
-// An FP8 cache's (K and V straight into fragments, stages of half the bytes) at 168: three
-// blocks an SM instead of two, 7% faster on the largest default shapes
-// (docs/PERFORMANCE.md#design-decisions).
+// An FP8 cache's 16-row tile up to head_dim 128 (K and V straight into fragments, stages of half
+// the bytes) at 168: three blocks an SM instead of two, 7% faster on the largest default shapes at
+// 128 (docs/PERFORMANCE.md#design-decisions); at 96, where ptxas may take up to 175, 0.95x the
+// time at 256 x 2048.
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 __global__ void __maxnreg__(168)
     DecodeTileKernel168(const __grid_constant__ PagedAttentionParams params) {
@@ -1159,7 +1175,7 @@ template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 constexpr auto DecodeKernel() {
   if constexpr (DecodeTileBlocks(D) == 2) {
     return DecodeTileKernelPair<T, TIO, D, kRowWarps, kKvWarps>;
-  } else if constexpr (D == 128 && kRowWarps == 1 && kIsFp8<T>) {
+  } else if constexpr (D <= 128 && kRowWarps == 1 && kIsFp8<T>) {
     return DecodeTileKernel168<T, TIO, D, kRowWarps, kKvWarps>;
   } else if constexpr (D == 128 && kRowWarps == 1) {
     return DecodeTileKernel192<T, TIO, D, kRowWarps, kKvWarps>;

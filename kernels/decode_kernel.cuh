@@ -152,6 +152,13 @@ struct DecodeTileConfig {
   static_assert(kFp8StageBytes % 16 == 0, "stages keep 16-byte alignment");
 };
 
+// Whether a block of this tile whose item has at most 8 rows takes DecodeFp8NarrowMath's
+// transposed step: an FP8 cache's 16-row tile up to head_dim 128 (the default decode shapes' GQA
+// groups of 4 and 8).
+template <typename Cfg, int kRowWarps>
+inline constexpr bool kNarrowFp8Decode = Cfg::kFp8 && Cfg::kColSplit == 1 && kRowWarps == 1 &&
+                                         Cfg::kRowElems <= 128;
+
 // ---- One warp's 16 rows: what they see and their softmax state ----------------------------
 
 // The decode tile's softmax base is lazy (kRescaleSlack) from head_dim 80 on, where the skipped
@@ -169,16 +176,17 @@ struct DecodeRows {
   int all_see_first;   // to all_see_last: a step inside them needs no mask
 };
 
-// Rows span_row = row_start + row_warp * 16 + quad_row (+ 8) of a span whose first query is at
-// position first_q_pos and whose rows end at span_rows.
+// Rows span_row = row_start + row_warp * 16 + first_row (+ row_step) of a span whose first query
+// is at position first_q_pos and whose rows end at span_rows: a 16-row step's quad_row and
+// quad_row + 8, a narrow FP8 step's 2 quad_col and 2 quad_col + 1.
 __device__ __forceinline__ DecodeRows DecodeRowsOf(const PagedAttentionParams& p,
                                                    const AttentionWorkItem& item, int group,
                                                    int span_rows, int first_q_pos, int row_warp,
-                                                   int quad_row) {
+                                                   int first_row, int row_step) {
   DecodeRows rows;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
-    const int span_row = item.row_start + row_warp * 16 + quad_row + 8 * i;
+    const int span_row = item.row_start + row_warp * 16 + first_row + row_step * i;
     rows.q_pos[i] =
         span_row >= span_rows ? -1 : (p.causal ? first_q_pos + span_row / group : INT32_MAX);
     rows.first_pos[i] = WindowFirst(p, first_q_pos + span_row / group);
@@ -385,9 +393,9 @@ struct DecodeFp8Math {
   // Rewrites the block's Q tile (kRows rows, bfloat16) in float16, row r times 2^-e_r, and
   // stores 2^e_r at q_scales[r]. e_r puts the row's largest |q| in [2^14, 2^15): float16 holds
   // every value of the row to 2^-24 of it (below, as good as nothing next to the largest, they
-  // flush), with 3 more bits than bfloat16 had. In fragment order (kFragmentOrderQ) or in place.
-  // Once per item, by every thread; a barrier after.
-  template <int kRows, int kThreads>
+  // flush), with 3 more bits than bfloat16 had. In fragment order (kFragmentOrder) or in place
+  // (DecodeFp8NarrowMath's). Once per item, by every thread; a barrier after.
+  template <int kRows, int kThreads, bool kFragmentOrder = kFragmentOrderQ>
   __device__ __forceinline__ static void QToHalf(__nv_bfloat16* q, float* q_scales, int tid) {
     constexpr int kRowThreads = kThreads / kRows;  // neighbouring lanes of one warp
     constexpr int kChunks = D / 8;                 // 16-byte chunks a row (some threads one less)
@@ -395,7 +403,7 @@ struct DecodeFp8Math {
     const int r = tid / kRowThreads, first = tid % kRowThreads;
     uint4 v[kMine];  // fragment order: the thread's chunks, kept until every chunk is read
     float m = 0.f;
-    if constexpr (kFragmentOrderQ) {
+    if constexpr (kFragmentOrder) {
 #pragma unroll
       for (int k = 0; k < kMine; ++k) {
         const int c = first + k * kRowThreads;
@@ -426,7 +434,7 @@ struct DecodeFp8Math {
     frexpf(m, &ex);                    // m < 2^ex (0 for 0: the row stays as it is)
     const int e = max(ex - 15, -100);  // 2^-e stays a float for rows of tiny values
     const float down = ldexpf(1.f, -e);
-    if constexpr (kFragmentOrderQ) {
+    if constexpr (kFragmentOrder) {
       __syncthreads();  // every chunk read before any is moved
       uint32_t* words = reinterpret_cast<uint32_t*>(q);
 #pragma unroll
@@ -677,6 +685,263 @@ struct DecodeFp8Math {
   }
 };
 
+// An FP8 tile's step where a warp has at most 8 live rows (GQA groups up to 8 in decode):
+// transposed, S^T = K.Q^T and O^T = V^T.P^T, so that the 8 rows are the mma's n8 and K and V
+// its m16 (16 positions, 16 dims). The 16-row step computes 16 rows of which such a warp keeps
+// 4 or 8; this one half of its mma's, O in half the registers (D / 4, not D / 2), Q^T's
+// fragments in 2 registers a k step (one 8-byte load of a row, no moves) and 4 scores a thread.
+// Per lane (g = lane / 4, t = lane % 4):
+// - K's A fragment: a non-transposed ldmatrix gives position g (and g + 8) dims 4t .. 4t + 3 of
+//   a 16-dim step, converted as DecodeFp8Math's (the sum ordered around the bytes); Q^T's B
+//   fragment: row g, dims 4t .. 4t + 3, in float16 in place (QToHalf unordered).
+// - S^T's accumulator: s[0][0], [1]: position g, rows 2t, 2t + 1; [2], [3]: position g + 8.
+//   Each row's softmax reduces across the 8 lanes of its t (xor 4, 8, 16).
+// - P^T as the B operand: the weights packed as S^T lies, each 8x8 half transposed
+//   (MovMatrixTrans) to row g, positions 2t, 2t + 1 (and + 8).
+// - V^T's A fragment: an ldmatrix.trans gives positions 2t, 2t + 1 of dims 2g, 2g + 1, one
+//   byte permute and two conversions make the even dim's pair and the odd's (E4m3x4ToHalfPairs);
+//   m tile i takes dims 16i + 2g (m = g) and 16i + 2g + 1 (m = g + 8).
+// - O^T: o[i][0], [1]: dim 16i + 2g, rows 2t, 2t + 1; [2], [3]: dim 16i + 2g + 1.
+// Scales as DecodeFp8Math's: K's on the scores, V's in P against a lazily raised reference.
+template <int D>
+struct DecodeFp8NarrowMath {
+  using Fp8 = DecodeFp8Math<D>;
+  static constexpr int kRows = 8;
+
+  struct State {
+    float o[D / 16][4];
+    float row_max[2];  // rows 2t, 2t + 1 (log2 units)
+    float row_sum[2];  // the lane's part; StoreRows sums the 8 lanes of a row
+
+    __device__ __forceinline__ void Start() {
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+      row_max[0] = row_max[1] = -INFINITY;
+      row_sum[0] = row_sum[1] = 0.f;
+    }
+  };
+
+  // Q^T's B fragments from the warp's Q rows (float16 in place, QToHalf unordered): k step kc,
+  // row g, dims 16kc + 4t, + 1 (q[kc][0]) and + 2, + 3 (q[kc][1]).
+  __device__ __forceinline__ static void LoadQ(const __nv_bfloat16* warp_q, int lane,
+                                               uint32_t (&q)[D / 16][2]) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int kc = 0; kc < D / 16; ++kc) {
+      const uint2 v = *reinterpret_cast<const uint2*>(
+          warp_q + DecodeOffset<D>(g, 2 * kc + (t >> 1)) + 4 * (t & 1));
+      q[kc][0] = v.x;
+      q[kc][1] = v.y;
+    }
+  }
+
+  // S^T = K Q^T over the 16 positions at row0 of the FP8 K tile sk (unscaled; Q's rows in their
+  // float16 scale), in two accumulators (even and odd k steps) so that the chain is D / 32 deep.
+  __device__ __forceinline__ static void ScoreKQ(const uint32_t (&q)[D / 16][2],
+                                                 const unsigned char* sk, int row0, int lane,
+                                                 float (&s)[1][4]) {
+    float s_odd[4] = {0.f, 0.f, 0.f, 0.f};
+    const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int kc2 = 0; kc2 < D / 32; ++kc2) {
+      // m[0], m[1]: positions 0-7, 8-15 of dims 32kc2..+15; m[2], m[3]: of the next 16 dims.
+      uint32_t m[4];
+      LdMatrixX4(m, SmemAddr(sk + Fp8TileOffset<D>(r, 2 * kc2 + (lane >> 4))));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t a[4];
+        Fp8::E4m3x4ToHalf(m[2 * j], a[0], a[2]);
+        Fp8::E4m3x4ToHalf(m[2 * j + 1], a[1], a[3]);
+        Mma16816<__half>(j ? s_odd : s[0], a, q[2 * kc2 + j][0], q[2 * kc2 + j][1]);
+      }
+    }
+    if constexpr (D % 32 != 0) {  // head_dim 80: its last 16 dims from two matrices
+      uint32_t m[2];
+      LdMatrixX2(m, SmemAddr(sk + Fp8TileOffset<D>(r, D / 16 - 1)));
+      uint32_t a[4];
+      Fp8::E4m3x4ToHalf(m[0], a[0], a[2]);
+      Fp8::E4m3x4ToHalf(m[1], a[1], a[3]);
+      Mma16816<__half>(s[0], a, q[D / 16 - 1][0], q[D / 16 - 1][1]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[0][e] += s_odd[e];
+  }
+
+  // The scale of each of the lane's two positions (row0 + g, + 8): row_scales' (shared memory,
+  // PER_TOKEN) or `one`.
+  __device__ __forceinline__ static float2 PositionScales(const float* row_scales, float one,
+                                                          int row0, int g) {
+    if (row_scales == nullptr) return make_float2(one, one);
+    return make_float2(fminf(row_scales[row0 + g], kMaxTileScale),
+                       fminf(row_scales[row0 + g + 8], kMaxTileScale));
+  }
+
+  // S^T times K's scales of the lane's positions.
+  __device__ __forceinline__ static void ScaleK(float (&s)[1][4], const float* row_scales,
+                                                float one, int row0, int g) {
+    const float2 f = PositionScales(row_scales, one, row0, g);
+    s[0][0] *= f.x;
+    s[0][1] *= f.x;
+    s[0][2] *= f.y;
+    s[0][3] *= f.y;
+  }
+
+  // As DecodeTileMath::MaskAndScale, for S^T's layout: rows.q_pos / first_pos are rows 2t and
+  // 2t + 1 (DecodeRowsOf with row_step 1).
+  __device__ __forceinline__ static void MaskAndScale(float (&s)[1][4], int pos0, int kv_end,
+                                                      const DecodeRows& rows, int g,
+                                                      const Softcap& softcap, float scale_log2,
+                                                      const float (&q_rows)[2]) {
+    float unit[2] = {q_rows[0] * scale_log2, q_rows[1] * scale_log2};
+    if (softcap.on) {  // block-uniform: the cap takes the score itself
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][e] *= q_rows[e & 1];
+      softcap.Apply(s);
+      unit[0] = unit[1] = scale_log2;
+    }
+    if (pos0 + 15 < kv_end && pos0 + 15 <= rows.all_see_last && pos0 >= rows.all_see_first) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[0][e] = SaturatedScore(s[0][e] * unit[e & 1]);
+      return;
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int pos = pos0 + g + 8 * (e >> 1), i = e & 1;
+      const bool visible = pos < kv_end && pos <= rows.q_pos[i] && pos >= rows.first_pos[i];
+      s[0][e] = visible ? SaturatedScore(s[0][e] * unit[i]) : -INFINITY;
+    }
+  }
+
+  // DecodeTileMath::OnlineSoftmax's lazy base, each row's max found across its 8 lanes.
+  __device__ __forceinline__ static void OnlineSoftmax(float (&s)[1][4], State& st) {
+    float mx[2];
+    bool raise = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      mx[i] = fmaxf(s[0][i], s[0][2 + i]);
+      raise = raise || mx[i] > st.row_max[i] + kRescaleSlack;
+    }
+    if (!LazyRescale(D) || __any_sync(0xffffffffu, raise)) {
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int x = 4; x < 32; x *= 2) mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], x));
+        const float new_max = fmaxf(st.row_max[i], mx[i]);
+        const float alpha = FastExp2(st.row_max[i] - (new_max == -INFINITY ? 0.f : new_max));
+        st.row_max[i] = new_max;
+        st.row_sum[i] *= alpha;
+#pragma unroll
+        for (int d = 0; d < D / 16; ++d) {
+          st.o[d][i] *= alpha;
+          st.o[d][2 + i] *= alpha;
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const float base = st.row_max[i] == -INFINITY ? 0.f : st.row_max[i];
+      s[0][i] = FastExp2(s[0][i] - base);
+      s[0][2 + i] = FastExp2(s[0][2 + i] - base);
+      st.row_sum[i] += s[0][i] + s[0][2 + i];
+    }
+  }
+
+  // DecodeFp8Math::VScales for S^T's layout: a lane's two positions, the step's largest scale
+  // found across the lanes of its positions (xor 4, 8, 16).
+  struct VScales {
+    float ref = 0x1p-126f;
+    float inv = 0x1p126f;
+
+    __device__ __forceinline__ void Apply(float (&p)[1][4], const float* row_scales, float one,
+                                          int row0, int g, State& st) {
+      const float2 f = PositionScales(row_scales, one, row0, g);
+      float mx = fmaxf(f.x, f.y);
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+      if (mx > ref * 0x1p7f) {  // warp-uniform
+        const float down = ref / mx;
+#pragma unroll
+        for (int d = 0; d < D / 16; ++d) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) st.o[d][e] *= down;
+        }
+        ref = mx;
+        inv = 1.f / mx;
+      }
+      const float x = f.x * inv, y = f.y * inv;
+      p[0][0] *= x;
+      p[0][1] *= x;
+      p[0][2] *= y;
+      p[0][3] *= y;
+    }
+    __device__ __forceinline__ void Finish(State& st) const {
+#pragma unroll
+      for (int d = 0; d < D / 16; ++d) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st.o[d][e] *= ref;
+      }
+    }
+  };
+
+  // O^T += V^T P^T over the 16 positions at row0 of the FP8 V tile sv; p: the weights times V's
+  // scales over the reference (VScales).
+  __device__ __forceinline__ static void AccumulatePV(const float (&p)[1][4],
+                                                      const unsigned char* sv, int row0, int lane,
+                                                      State& st) {
+    const uint32_t b0 = MovMatrixTrans(PackPair<__half>(p[0][0], p[0][1]));  // positions 0-7
+    const uint32_t b1 = MovMatrixTrans(PackPair<__half>(p[0][2], p[0][3]));  // 8-15
+    const int r = row0 + (lane & 7) + 8 * ((lane >> 3) & 1);
+#pragma unroll
+    for (int c = 0; c + 1 < D / 16; c += 2) {
+      // m[0], m[1]: positions 0-7, 8-15 of dims 16c..+15; m[2], m[3]: of the next 16 dims.
+      uint32_t m[4];
+      LdMatrixX4Trans(m, SmemAddr(sv + Fp8TileOffset<D>(r, c + (lane >> 4))));
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        uint32_t a[4];
+        Fp8::E4m3x4ToHalfPairs(m[2 * j], a[0], a[1]);
+        Fp8::E4m3x4ToHalfPairs(m[2 * j + 1], a[2], a[3]);
+        Mma16816<__half>(st.o[c + j], a, b0, b1);
+      }
+    }
+    if constexpr (D % 32 != 0) {  // head_dim 80: its last 16 dims from two matrices
+      uint32_t m[2];
+      LdMatrixX2Trans(m, SmemAddr(sv + Fp8TileOffset<D>(r, D / 16 - 1)));
+      uint32_t a[4];
+      Fp8::E4m3x4ToHalfPairs(m[0], a[0], a[1]);
+      Fp8::E4m3x4ToHalfPairs(m[1], a[2], a[3]);
+      Mma16816<__half>(st.o[D / 16 - 1], a, b0, b1);
+    }
+  }
+
+  // The warp's rows into the combine's shared arrays (CombineKvWarpsAndWrite's layout): each
+  // row's sum across its 8 lanes, then its max and sum from lane t, its O from the 8 lanes.
+  __device__ __forceinline__ static void StoreRows(State& st, float* red_o, float* red_max,
+                                                   float* red_sum, int red_stride, int row_offset,
+                                                   int live_rows, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+#pragma unroll
+      for (int x = 4; x < 32; x *= 2) st.row_sum[i] += __shfl_xor_sync(0xffffffffu, st.row_sum[i], x);
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int r = 2 * t + i;
+      if (r >= live_rows) continue;
+      if (g == 0) {
+        red_max[row_offset + r] = st.row_max[i];
+        red_sum[row_offset + r] = st.row_sum[i];
+      }
+      float* red_row = red_o + (row_offset + r) * red_stride;
+#pragma unroll
+      for (int d = 0; d < D / 16; ++d) {
+        *reinterpret_cast<float2*>(red_row + 16 * d + 2 * g) = make_float2(st.o[d][i], st.o[d][2 + i]);
+      }
+    }
+  }
+};
+
 // ---- Combine and write ----------------------------------------------------------------------
 
 // The kKvWarps warps that split each KV tile combine their (max, sum, O) through shared memory
@@ -686,34 +951,28 @@ struct DecodeFp8Math {
 // buffers (a float4) of its split otherwise.
 // A block of a split head_dim (Cfg::kColSplit) writes its kDv columns from col0 on, and the
 // rows' LSE only from the block at column 0.
-template <typename TIO, typename Cfg, int D, int kKvWarps>
-__device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
-                                                       const AttentionWorkItem& item, int kv_head,
-                                                       int group, DecodeState<Cfg::kDv>& st,
-                                                       unsigned char* smem_raw, int row_warp,
-                                                       int kv_warp, int tid, int lane, int col0) {
+// A warp's 16 rows of DecodeState into the combine's shared arrays: each row's sum across its
+// quad, then its max, sum and O (row r of the block at row_offset + r).
+template <typename Cfg, int D>
+__device__ __forceinline__ void StoreDecodeRows(DecodeState<Cfg::kDv>& st, float* red_o,
+                                                float* red_max, float* red_sum, int row_offset,
+                                                int live_rows, int row_warp, int lane) {
   constexpr int DV = Cfg::kDv;
   const int quad_row = lane >> 2, quad_col = lane & 3;
-  const int span_rows = item.span_info.num_queries * group;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     st.row_sum[i] += __shfl_xor_sync(0xffffffffu, st.row_sum[i], 1);
     st.row_sum[i] += __shfl_xor_sync(0xffffffffu, st.row_sum[i], 2);
   }
-  __syncthreads();  // every warp is done with the pipeline's shared memory
-  float* red_o = reinterpret_cast<float*>(smem_raw);  // [kKvWarps][kRows][kRedStride]
-  float* red_max = red_o + kKvWarps * Cfg::kRows * Cfg::kRedStride;  // [kKvWarps][kRows]
-  float* red_sum = red_max + kKvWarps * Cfg::kRows;                  // [kKvWarps][kRows]
-  const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = row_warp * 16 + quad_row + 8 * i;
     if (r >= live_rows) continue;
     if (quad_col == 0) {
-      red_max[kv_warp * Cfg::kRows + r] = st.row_max[i];
-      red_sum[kv_warp * Cfg::kRows + r] = st.row_sum[i];
+      red_max[row_offset + r] = st.row_max[i];
+      red_sum[row_offset + r] = st.row_sum[i];
     }
-    float* red_row = red_o + (kv_warp * Cfg::kRows + r) * Cfg::kRedStride;
+    float* red_row = red_o + (row_offset + r) * Cfg::kRedStride;
     if constexpr (Cfg::kFp8) {  // DecodeFp8Math's layout: dims 16c + 4 quad_col .. + 3
 #pragma unroll
       for (int c = 0; c < D / 16; ++c) {
@@ -729,6 +988,24 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
       }
     }
   }
+}
+
+// store_rows(red_o, red_max, red_sum, row_offset, live_rows): the warp's rows into the shared
+// arrays (StoreDecodeRows, DecodeFp8NarrowMath::StoreRows).
+template <typename TIO, typename Cfg, int D, int kKvWarps, typename StoreRows>
+__device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
+                                                       const AttentionWorkItem& item, int kv_head,
+                                                       int group, StoreRows&& store_rows,
+                                                       unsigned char* smem_raw, int kv_warp,
+                                                       int tid, int col0) {
+  constexpr int DV = Cfg::kDv;
+  const int span_rows = item.span_info.num_queries * group;
+  __syncthreads();  // every warp is done with the pipeline's shared memory
+  float* red_o = reinterpret_cast<float*>(smem_raw);  // [kKvWarps][kRows][kRedStride]
+  float* red_max = red_o + kKvWarps * Cfg::kRows * Cfg::kRedStride;  // [kKvWarps][kRows]
+  float* red_sum = red_max + kKvWarps * Cfg::kRows;                  // [kKvWarps][kRows]
+  const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
+  store_rows(red_o, red_max, red_sum, kv_warp * Cfg::kRows, live_rows);
   __syncthreads();
   constexpr int kQuads = DV / 4;
   for (int e = tid; e < live_rows * kQuads; e += Cfg::kThreads) {
@@ -1018,100 +1295,169 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       p, item, span, kv_head, group, span_rows, smem_q,
       [](int r, int chunk) { return DecodeOffset<D>(r, chunk); }, threadIdx.x);
 
-  // ---- Per-thread state: rows quad_row and quad_row + 8 of this warp's 16.
-  DecodeState<Cfg::kDv> state;
-  state.Start();
-  const DecodeRows rows = DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row);
+  // ---- What every row path shares: the rows' visibility, the scores' unit, the scales.
   const Softcap softcap = Softcap::Of(p);
   const float scale_log2 = softcap.scale_log2;  // the scores' unit (capped: cap's)
   // FP8 read straight into fragments: the STATIC scales (PER_TOKEN: rows' own, in the stage).
   const float k_scale = fminf(p.scales.k, kMaxTileScale);
   const float v_scale = fminf(p.scales.v, kMaxTileScale);
   float* const q_scales = reinterpret_cast<float*>(smem_raw + Cfg::kQScaleOffset);
-  float q_row_scale[2] = {1.f, 1.f};  // 2^e of the thread's Q rows in float16 (QToHalf)
-  typename DecodeFp8Math<D>::VScales v_scales;  // P's V scales
-
-  // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before the
-  // first tile's S), read again from shared memory (ldmatrix) at 256, where registers are spent.
-  const T* warp_q = smem_q + row_warp * 16 * Cfg::kRowElems;
-  uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
-  auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
-    const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
-    LdMatrixX4(a, SmemAddr(warp_q + DecodeOffset<D>(r, 2 * kc + (lane >> 4))));
+  auto stage_scales = [&](int tile) -> const float* {
+    return row_scales ? reinterpret_cast<const float*>(stage_of(tile) + 2 * Cfg::kTileKv * D)
+                      : nullptr;
   };
-  auto load_any_q_frag = [&](int kc, uint32_t(&a)[4]) {
-    if constexpr (Cfg::kFp8) {
-      DecodeFp8Math<D>::LoadQFragment(warp_q, kc, lane, a);
-    } else {
-      load_q_frag(kc, a);
-    }
-  };
-  auto load_q_fragments = [&] {
-    if constexpr (Cfg::kQInRegisters) {
+  // The tiles in order: at_first(), once the first tile is in; then step(tile, row0, pos0) for
+  // each of the warp's 16-position steps that some row of the warp sees.
+  auto run_tiles = [&](const DecodeRows& rows, auto&& at_first, auto&& step) {
+    for (int tile = 0; tile < num_tiles; ++tile) {
+      issue_ahead(tile);  // cp.async, kStages - 1 tiles ahead
+      wait_for();
+      if (tile == 0) at_first();
 #pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) load_any_q_frag(kc, q_frag[kc]);
-    }
-  };
-  auto q_fragment = [&](int kc, uint32_t(&a)[4]) {
-    if constexpr (Cfg::kQInRegisters) {
-#pragma unroll
-      for (int j = 0; j < 4; ++j) a[j] = q_frag[kc][j];
-    } else {
-      load_any_q_frag(kc, a);
-    }
-  };
-
-  for (int tile = 0; tile < num_tiles; ++tile) {
-    issue_ahead(tile);  // cp.async, kStages - 1 tiles ahead
-    wait_for();
-    if (tile == 0) {
-      if constexpr (Cfg::kFp8) {  // Q in float16 for S (DecodeFp8Math)
-        DecodeFp8Math<D>::template QToHalf<Cfg::kRows, Cfg::kThreads>(smem_q, q_scales, tid);
-        __syncthreads();
-#pragma unroll
-        for (int i = 0; i < 2; ++i) q_row_scale[i] = q_scales[row_warp * 16 + quad_row + 8 * i];
+      for (int s = 0; s < Cfg::kSteps; ++s) {
+        const int row0 = kv_warp * Cfg::kWarpKv + s * 16;  // first position row in the tile
+        const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
+        if (pos0 >= item.kv_end || pos0 > rows.warp_max_pos || pos0 + 15 < rows.warp_min_first) {
+          continue;  // warp-uniform: no row of the warp sees these 16 positions
+        }
+        step(tile, row0, pos0);
       }
-      load_q_fragments();
+      __syncthreads();  // the stage is overwritten by the next iteration's copies
     }
-    const T* sk = k_tile(tile);
-    const T* sv = v_tile(tile);
+    CpAsyncWait<0>();
+  };
 
-#pragma unroll
-    for (int step = 0; step < Cfg::kSteps; ++step) {
-      const int row0 = kv_warp * Cfg::kWarpKv + step * 16;  // first position row in the tile
-      const int pos0 = item.kv_start + tile * Cfg::kTileKv + row0;
-      if (pos0 >= item.kv_end || pos0 > rows.warp_max_pos || pos0 + 15 < rows.warp_min_first) {
-        continue;  // warp-uniform: no row of the warp sees these 16 positions
-      }
-
-      float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-      if constexpr (Cfg::kFp8) {
-        using Fp8Math = DecodeFp8Math<D>;
-        const unsigned char* stage = stage_of(tile);
-        const float* scales =
-            row_scales ? reinterpret_cast<const float*>(stage + 2 * Cfg::kTileKv * D) : nullptr;
-        Fp8Math::ScoreQK(q_fragment, stage, row0, lane, s);               // S = Q.K^T, K as stored
-        Fp8Math::Scale(s, scales, k_scale, row0, quad_col);  // K's scales
-        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2,
-                           q_row_scale);  // Q's row scales with the log2 units
-        Math::OnlineSoftmax(s, state);
-        v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col,
-                       state);  // P times V's scales over the reference
-        Fp8Math::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);
-      } else {
-        Math::ScoreQK(q_fragment, sk, row0, lane, s);  // S = Q.K^T
-        Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
-        Math::OnlineSoftmax(s, state);                 // max, lazy rescale of O, exp2, row sums
-        Math::AccumulatePV(s, sv, row0, lane, state);  // O += P.V
-      }
-    }
-    __syncthreads();  // the stage is overwritten by the next iteration's copies
+  // ---- An FP8 tile of at most 8 live rows: the transposed step (DecodeFp8NarrowMath).
+  bool narrow = false;
+  if constexpr (kNarrowFp8Decode<Cfg, kRowWarps>) {
+    narrow = span_rows - item.row_start <= DecodeFp8NarrowMath<D>::kRows;  // block-uniform
   }
-  CpAsyncWait<0>();
-  if constexpr (Cfg::kFp8) v_scales.Finish(state);
+  if constexpr (kNarrowFp8Decode<Cfg, kRowWarps>) {
+    if (narrow) {
+      using Narrow = DecodeFp8NarrowMath<D>;
+      // A lane's rows: 2 quad_col and 2 quad_col + 1.
+      const DecodeRows rows =
+          DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, 2 * quad_col, 1);
+      typename Narrow::State state;
+      state.Start();
+      typename Narrow::VScales v_scales;
+      float q_row_scale[2] = {1.f, 1.f};
+      uint32_t q[D / 16][2];
+      run_tiles(
+          rows,
+          [&] {
+            DecodeFp8Math<D>::template QToHalf<Cfg::kRows, Cfg::kThreads, false>(smem_q, q_scales,
+                                                                                 tid);
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; ++i) q_row_scale[i] = q_scales[2 * quad_col + i];
+            Narrow::LoadQ(smem_q, lane, q);
+          },
+          [&](int tile, int row0, int pos0) {
+            const unsigned char* stage = stage_of(tile);
+            const float* scales = stage_scales(tile);
+            float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
+            Narrow::ScoreKQ(q, stage, row0, lane, s);                 // S^T = K.Q^T
+            Narrow::ScaleK(s, scales, k_scale, row0, quad_row);       // K's scales
+            Narrow::MaskAndScale(s, pos0, item.kv_end, rows, quad_row, softcap, scale_log2,
+                                 q_row_scale);  // Q's row scales with the log2 units
+            Narrow::OnlineSoftmax(s, state);
+            v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_row,
+                           state);  // P^T times V's scales over the reference
+            Narrow::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);  // O^T += V^T.P^T
+          });
+      v_scales.Finish(state);
+      CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(
+          p, item, kv_head, group,
+          [&](float* red_o, float* red_max, float* red_sum, int row_offset, int live_rows) {
+            Narrow::StoreRows(state, red_o, red_max, red_sum, Cfg::kRedStride, row_offset,
+                              live_rows, lane);
+          },
+          smem_raw, kv_warp, tid, col0);
+    }
+  }
 
-  CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(p, item, kv_head, group, state, smem_raw, row_warp,
-                                                kv_warp, tid, lane, col0);
+  // ---- The 16-row step: rows quad_row and quad_row + 8 of this warp's 16.
+  if (!narrow) {
+    DecodeState<Cfg::kDv> state;
+    state.Start();
+    const DecodeRows rows =
+        DecodeRowsOf(p, item, group, span_rows, first_q_pos, row_warp, quad_row, 8);
+    float q_row_scale[2] = {1.f, 1.f};  // 2^e of the thread's Q rows in float16 (QToHalf)
+    typename DecodeFp8Math<D>::VScales v_scales;  // P's V scales
+
+    // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before
+    // the first tile's S), read again from shared memory (ldmatrix) at 256, where registers are
+    // spent.
+    const T* warp_q = smem_q + row_warp * 16 * Cfg::kRowElems;
+    uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
+    auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {
+      const int r = (lane & 7) + 8 * ((lane >> 3) & 1);
+      LdMatrixX4(a, SmemAddr(warp_q + DecodeOffset<D>(r, 2 * kc + (lane >> 4))));
+    };
+    auto load_any_q_frag = [&](int kc, uint32_t(&a)[4]) {
+      if constexpr (Cfg::kFp8) {
+        DecodeFp8Math<D>::LoadQFragment(warp_q, kc, lane, a);
+      } else {
+        load_q_frag(kc, a);
+      }
+    };
+    auto q_fragment = [&](int kc, uint32_t(&a)[4]) {
+      if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+        for (int j = 0; j < 4; ++j) a[j] = q_frag[kc][j];
+      } else {
+        load_any_q_frag(kc, a);
+      }
+    };
+
+    run_tiles(
+        rows,
+        [&] {
+          if constexpr (Cfg::kFp8) {  // Q in float16 for S (DecodeFp8Math)
+            DecodeFp8Math<D>::template QToHalf<Cfg::kRows, Cfg::kThreads>(smem_q, q_scales, tid);
+            __syncthreads();
+#pragma unroll
+            for (int i = 0; i < 2; ++i) {
+              q_row_scale[i] = q_scales[row_warp * 16 + quad_row + 8 * i];
+            }
+          }
+          if constexpr (Cfg::kQInRegisters) {
+#pragma unroll
+            for (int kc = 0; kc < D / 16; ++kc) load_any_q_frag(kc, q_frag[kc]);
+          }
+        },
+        [&](int tile, int row0, int pos0) {
+          float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+          if constexpr (Cfg::kFp8) {
+            using Fp8Math = DecodeFp8Math<D>;
+            const unsigned char* stage = stage_of(tile);
+            const float* scales = stage_scales(tile);
+            Fp8Math::ScoreQK(q_fragment, stage, row0, lane, s);  // S = Q.K^T, K as stored
+            Fp8Math::Scale(s, scales, k_scale, row0, quad_col);  // K's scales
+            Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2,
+                               q_row_scale);  // Q's row scales with the log2 units
+            Math::OnlineSoftmax(s, state);
+            v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col,
+                           state);  // P times V's scales over the reference
+            Fp8Math::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);
+          } else {
+            Math::ScoreQK(q_fragment, k_tile(tile), row0, lane, s);  // S = Q.K^T
+            Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2);
+            Math::OnlineSoftmax(s, state);  // max, lazy rescale of O, exp2, row sums
+            Math::AccumulatePV(s, v_tile(tile), row0, lane, state);  // O += P.V
+          }
+        });
+    if constexpr (Cfg::kFp8) v_scales.Finish(state);
+
+    CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(
+        p, item, kv_head, group,
+        [&](float* red_o, float* red_max, float* red_sum, int row_offset, int live_rows) {
+          StoreDecodeRows<Cfg, D>(state, red_o, red_max, red_sum, row_offset, live_rows, row_warp,
+                                  lane);
+        },
+        smem_raw, kv_warp, tid, col0);
+  }
   // A tile of several blocks merges in the separate merge kernel (AttentionPlanLimits::wide_head).
   if constexpr (Cfg::kColSplit == 1) {
     MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);

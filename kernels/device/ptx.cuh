@@ -58,6 +58,13 @@ __device__ __forceinline__ void LdMatrixX2Trans(uint32_t (&r)[2], uint32_t smem_
                : "=r"(r[0]), "=r"(r[1])
                : "r"(smem_addr));
 }
+// An 8x8 matrix of 16-bit values held as ldmatrix leaves it (lane l: row l / 4, columns
+// 2 (l % 4), + 1), transposed across the warp: lane l then holds the transpose's row l / 4.
+__device__ __forceinline__ uint32_t MovMatrixTrans(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
 
 // 16-byte global -> shared copy; when !valid the destination is zero-filled and src unread.
 __device__ __forceinline__ void CpAsync16(uint32_t smem_addr, const void* src, bool valid) {

@@ -48,6 +48,22 @@ int PartialRowStride(const Tile& tile, const AttentionPlanLimits& limits) {
   return limits.wide_head ? tile.num_rows : tile.tile_rows;
 }
 
+// AttentionWork::decode_blocks_per_sm for `units` unsplit decode tile blocks: one block an SM
+// fewer than fit where its waves, each (k - 1) / k of a full one's work at fewer_blocks_rate,
+// take 1% less time than the full waves (both counted whole: the last wave's blocks each run as
+// long as any); 0 otherwise. At FP8's 0.85, 512 blocks of three an SM (1.29 waves on 132 SMs)
+// run in two waves of two an SM; 1024 and 2048 (2.59 and 5.17 waves) keep three.
+int32_t FewerDecodeBlocksPerSm(int64_t units, bool unsplit, const AttentionPlanLimits& limits) {
+  const int64_t k = limits.decode_blocks_per_sm;
+  if (!unsplit || limits.fewer_blocks_rate <= 0 || k < 2 || limits.unsplit_blocks <= 0) return 0;
+  const int64_t full = limits.unsplit_blocks, fewer = limits.unsplit_blocks * (k - 1) / k;
+  if (fewer <= 0) return 0;
+  const double full_time = static_cast<double>(CeilDiv(units, full));
+  const double fewer_time = static_cast<double>(CeilDiv(units, fewer)) * static_cast<double>(k - 1) /
+                            (static_cast<double>(k) * limits.fewer_blocks_rate);
+  return fewer_time < 0.99 * full_time ? static_cast<int32_t>(k - 1) : 0;
+}
+
 }  // namespace
 
 void AttachFirstPages(const int32_t* page_table, int page_size, AttentionWork* work) {
@@ -92,6 +108,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->prefill_head_group = 0;
   work->partial_rows = 0;
   work->separate_merge = false;
+  work->decode_blocks_per_sm = 0;
   work->merge_rows = 0;
   const int group = num_q_heads / num_kv_heads;
 
@@ -212,6 +229,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
   work->separate_merge = estimate(chunk).separate_merge;
+  work->decode_blocks_per_sm = FewerDecodeBlocksPerSm(tile_units, chunk >= max_end && decode_only,
+                                                      limits);
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
   // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.

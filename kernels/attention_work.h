@@ -117,6 +117,10 @@ struct AttentionWork {
   // head) in its own block instead, at the price of a launch.
   bool separate_merge = false;
   int32_t merge_rows = 0;  // Rows of the largest merge task.
+  // Decode tile blocks an SM may hold at once; 0: as many as fit. A plan that splits nothing
+  // asks for one fewer than fit where that finishes its waves sooner
+  // (AttentionPlanLimits::fewer_blocks_rate).
+  int32_t decode_blocks_per_sm = 0;
   // The persistent Hopper prefill kernel's schedule (SchedulePrefillJobs): block b runs
   // prefill_jobs[prefill_job_start[b] .. prefill_job_start[b + 1]) in that order. Empty when
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
@@ -141,6 +145,13 @@ struct AttentionPlanLimits {
   // The blocks that run at once when nothing is split (no merge block needs room beside the
   // tiles); 0 means target_blocks.
   int unsplit_blocks = 0;
+  // The decode tile's blocks an SM (unsplit_blocks = SMs x this / DecodeTileBlocks); 0: unknown.
+  int decode_blocks_per_sm = 0;
+  // An SM's decode rate with one tile block fewer than decode_blocks_per_sm, relative to its rate
+  // with all of them; 0: not measured (a plan never asks for fewer). Where a launch's last wave
+  // would hold few blocks, one block an SM fewer can finish in fewer waves' time: a tile bound by
+  // its own dependent chains (FP8) runs a short last wave nearly as long as a full one.
+  double fewer_blocks_rate = 0;
   // How finely KV is split: a multiple of kKvTileRows; tests lower it.
   int min_chunk = kDefaultMinChunk;
   // Blocks of the persistent Hopper prefill kernel (SchedulePrefillJobs); 0 where the prefill

@@ -1544,11 +1544,23 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
                                      ": split decode tiles merge in the separate merge kernel");
   }
   auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
-  constexpr size_t smem = Cfg::SmemBytes();
+  size_t smem = Cfg::SmemBytes();
   static SmemLimitFlags smem_raised;
   if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
       !st.ok()) {
     return st;
+  }
+  // Fewer blocks an SM than fit (AttentionWork::decode_blocks_per_sm): the launch asks for as
+  // much shared memory as leaves no room for one more.
+  if (params.decode_blocks_per_sm > 0) {
+    if (LaunchStatus st = SmemForBlocksPerSm(smem, params.decode_blocks_per_sm, &smem); !st.ok()) {
+      return st;
+    }
+    static SmemLimitFlags fewer_raised;
+    if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, fewer_raised, "paged attention");
+        !st.ok()) {
+      return st;
+    }
   }
   unsigned blocks = 0;
   if (LaunchStatus st = TileGridBlocks(int64_t{num_items} * Cfg::kColSplit, params.num_kv_heads,

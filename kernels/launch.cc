@@ -4,6 +4,7 @@
 
 #include "kernels/submission.h"
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
@@ -284,6 +285,29 @@ LaunchStatus Launcher::LaunchPair(const KernelLaunch& first, const KernelLaunch&
                                   const char* what) {
   const KernelLaunch k[2] = {first, second};
   return LaunchKernels(k, 2, stream, params, params_bytes, what);
+}
+
+LaunchStatus SmemForBlocksPerSm(size_t smem, int blocks_per_sm, size_t* padded) {
+  int device = 0, per_sm = 0, reserved = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device);
+  }
+  if (err == cudaSuccess) {
+    err = cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, device);
+  }
+  if (err != cudaSuccess) {
+    return LaunchStatus::CudaError(std::string("shared memory per SM: ") +
+                                   cudaGetErrorString(err));
+  }
+  // blocks_per_sm + 1 blocks of (asked + reserved) bytes each pass the SM's shared memory;
+  // blocks_per_sm of them fit (asked rounded up to 128 bytes, as the SM allocates it).
+  const size_t more = static_cast<size_t>(per_sm) / (blocks_per_sm + 1) + 1;
+  const size_t asked = more > static_cast<size_t>(reserved)
+                           ? (more - static_cast<size_t>(reserved) + 127) / 128 * 128
+                           : 0;
+  *padded = std::max(smem, asked);
+  return LaunchStatus::Ok();
 }
 
 }  // namespace pagedattn::kernels

@@ -130,4 +130,9 @@ LaunchStatus RaiseSmemLimitOnce(Kernel kernel, size_t smem, SmemLimitFlags& rais
   return LaunchStatus::Ok();
 }
 
+// The dynamic shared memory a launch of blocks that need `smem` bytes asks for so that at most
+// blocks_per_sm of them fit an SM of the current device: smem, or enough more that one block
+// more would not fit (AttentionWork::decode_blocks_per_sm).
+LaunchStatus SmemForBlocksPerSm(size_t smem, int blocks_per_sm, size_t* padded);
+
 }  // namespace pagedattn::kernels

@@ -70,6 +70,12 @@ LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* 
   if (LaunchStatus st = L2CacheBytes(&limits->l2_bytes); !st.ok()) return st;
   limits->target_blocks = std::max(sms * std::max(beside_merge, 1) / unit, 1);
   limits->unsplit_blocks = std::max(sms * std::max(resident, 1) / unit, 1);
+  limits->decode_blocks_per_sm = limits->decode_tiles ? resident : 0;
+  // The FP8 decode tiles are bound by their dependent chains, not by DRAM: at head_dim 128, two
+  // blocks an SM (three stages) ran the 64 x 4096 batch's two waves in 0.83-0.90x the time of
+  // three an SM's 1.29 waves, and 256 x 2048's 7.76 waves in 1.04x the time of 5.17: an SM's
+  // rate with two blocks about 0.85 of three's (docs/PERFORMANCE.md#design-decisions).
+  limits->fewer_blocks_rate = kv_dtype == DType::kFloat8E4M3 ? 0.85 : 0;
   limits->prefill_tile_blocks = sms * prefill_per_sm;
   return LaunchStatus::Ok();
 }

@@ -141,6 +141,8 @@ struct PagedAttentionParams {
   // separate_merge.
   int32_t* merge_counters = nullptr;
   bool separate_merge = false;  // AttentionWork::separate_merge
+  // AttentionWork::decode_blocks_per_sm (host side: the decode launches' shared memory).
+  int32_t decode_blocks_per_sm = 0;
   int32_t merge_rows = 0;       // AttentionWork::merge_rows
   // AttentionWork's prefill schedule; the Hopper prefill kernel needs it (one block each of
   // num_prefill_blocks).

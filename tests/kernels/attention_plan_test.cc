@@ -158,6 +158,38 @@ TEST(AttentionPlan, UnsplitPlanCountsWavesInAllResidentBlocks) {
   EXPECT_EQ(work.kv_chunk, mixed_chunk);
 }
 
+// Where tiles whose blocks run fewer an SM keep most of their rate (FP8's 0.85 at two of three),
+// an unsplit plan whose last wave would hold few blocks asks for one block an SM fewer: on 132
+// SMs, 512 blocks (1.29 waves of 396) run as two waves of 264; 1024 and 2048 (2.59 and 5.17
+// waves) and a split plan keep every block; without a measured rate nothing changes.
+TEST(AttentionPlan, ShortLastWaveRunsOneBlockAnSmFewer) {
+  const kernels::AttentionPlanLimits fp8 = {.target_blocks = 264,
+                                            .unsplit_blocks = 396,
+                                            .decode_blocks_per_sm = 3,
+                                            .fewer_blocks_rate = 0.85};
+  auto blocks_per_sm = [](int seqs, int ctx, const kernels::AttentionPlanLimits& limits) {
+    std::vector<kernels::AttentionSpan> batch;
+    for (int i = 0; i < seqs; ++i) batch.push_back({i, i * 256, 1, ctx});
+    kernels::AttentionWork work;
+    kernels::PlanAttentionWork(batch.data(), seqs, 32, 8, /*causal=*/true, /*window=*/0, limits,
+                               &work);
+    EXPECT_TRUE(seqs * 8 < 264 || work.merge_tasks.empty()) << seqs << " x " << ctx;
+    return work.decode_blocks_per_sm;
+  };
+  EXPECT_EQ(blocks_per_sm(64, 4096, fp8), 2);
+  EXPECT_EQ(blocks_per_sm(128, 8192, fp8), 0);
+  EXPECT_EQ(blocks_per_sm(256, 2048, fp8), 0);
+  EXPECT_EQ(blocks_per_sm(1, 32768, fp8), 0);  // split: a merge block needs its room
+  EXPECT_EQ(blocks_per_sm(16, 4096, fp8), 0);
+  kernels::AttentionPlanLimits unmeasured = fp8;
+  unmeasured.fewer_blocks_rate = 0;
+  EXPECT_EQ(blocks_per_sm(64, 4096, unmeasured), 0);
+  // A rate at which two an SM cannot gain: 2 waves x 2/3 / 0.6 > 2.
+  kernels::AttentionPlanLimits slow = fp8;
+  slow.fewer_blocks_rate = 0.6;
+  EXPECT_EQ(blocks_per_sm(64, 4096, slow), 0);
+}
+
 // A plan of prefill tiles alone is estimated against the prefill tiles that run at once, with no
 // wave boundary (blocks start as others end). 1 x 16384 on 8 kv heads is 4096 tile blocks: in
 // whole waves of head_dim 64's 396 decode blocks a split in two looked 1.6% better; against its

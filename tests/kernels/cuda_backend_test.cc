@@ -1426,6 +1426,41 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   }
 }
 
+// A decode batch of FP8 tiles a few blocks past one wave (AttentionWork::decode_blocks_per_sm):
+// the plan asks for one block an SM fewer than fit, and the launch (the same kernel, asking for
+// more shared memory) still answers within the FP8 bound. A launch whose shared memory the
+// kernel's limit did not allow would fail the Forward.
+TEST_F(CudaKernelTest, Fp8DecodeOneBlockAnSmFewer) {
+  constexpr int kDim = 128, kKvHeads = 8, kPage = 16;
+  kernels::AttentionPlanLimits limits;
+  ASSERT_TRUE(kernels::QueryPlanLimits(DType::kFloat8E4M3, kDim, kernels::PrefillPath::kAuto,
+                                       &limits)
+                  .ok());
+  ASSERT_GE(limits.decode_blocks_per_sm, 2) << "FP8 decode tiles hold fewer than two blocks";
+  const int seqs = (limits.unsplit_blocks + 8 + kKvHeads - 1) / kKvHeads;
+  std::vector<kernels::AttentionSpan> spans;
+  for (int i = 0; i < seqs; ++i) spans.push_back({i, i, 1, 201});
+  kernels::AttentionWork work;
+  kernels::PlanAttentionWork(spans.data(), seqs, 4 * kKvHeads, kKvHeads, /*causal=*/true,
+                             /*window=*/0, limits, &work);
+  ASSERT_TRUE(work.merge_tasks.empty());
+  ASSERT_EQ(work.decode_blocks_per_sm, limits.decode_blocks_per_sm - 1);
+
+  CacheGeometry g = testing::MakeGeometry(1, 4 * kKvHeads, kKvHeads, kDim, kPage,
+                                          DType::kFloat8E4M3, seqs * (208 / kPage) + 8);
+  std::unique_ptr<Cache> cache = MakeCacheOn(*backend_, g);
+  ASSERT_TRUE(cache);
+  testing::ForwardModel model(g, DType::kBFloat16, 91u);
+  std::vector<testing::SpanCase> prefill, decode;
+  for (int i = 0; i < seqs; ++i) {
+    prefill.push_back({static_cast<uint64_t>(i + 1), 0, 200, 1});
+    decode.push_back({static_cast<uint64_t>(i + 1), 200, 1, 1});
+  }
+  testing::Fp8Worst worst;
+  testing::ExpectFp8Close(model.Run(*cache, 0, prefill), "prefill, last query", &worst);
+  testing::ExpectFp8Close(model.Run(*cache, 0, decode), "decode, one block an SM fewer", &worst);
+}
+
 // Which launches the unclamped Hopper prefill kernels may take (host-side: no GPU needed): the
 // scale in log2 units up to 2^21, an FP8 STATIC K scale up to 2^48 / 448; PER_TOKEN always.
 TEST(ExponentsStayFiniteTest, BoundsTheScaleAndAStaticKScale) {

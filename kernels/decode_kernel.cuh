@@ -594,10 +594,36 @@ struct DecodeFp8Math {
   // packed weights stay below 2^15. A step's scales are the same for every row: the raise is
   // warp-uniform. Positions whose scales are 2^-24 of ref or less (V values that small beside
   // the step's largest) flush in float16.
-  struct VScales {
+  struct VReference {
     float ref = 0x1p-126f;
     float inv = 0x1p126f;
 
+    // ref raised to mx, the step's largest scale (the same in every lane), where mx passes it by
+    // more than 2^7, a thread's O (kN x 4 values) rescaled with it.
+    template <int kN>
+    __device__ __forceinline__ void RaiseTo(float mx, float (&o)[kN][4]) {
+      if (mx > ref * 0x1p7f) {  // warp-uniform
+        const float down = ref / mx;
+#pragma unroll
+        for (int n = 0; n < kN; ++n) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) o[n][e] *= down;
+        }
+        ref = mx;
+        inv = 1.f / mx;
+      }
+    }
+    // O back in its own units, once the last step is summed.
+    template <int kN>
+    __device__ __forceinline__ void Finish(float (&o)[kN][4]) const {
+#pragma unroll
+      for (int n = 0; n < kN; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[n][e] *= ref;
+      }
+    }
+  };
+  struct VScales : VReference {
     // p times the V scales of the step at row0 (row_scales[row0 + ...], or `one`) over ref.
     __device__ __forceinline__ void Apply(float (&p)[2][4], const float* row_scales, float one,
                                           int row0, int quad_col, DecodeState<D>& st) {
@@ -614,31 +640,14 @@ struct DecodeFp8Math {
       float mx = fmaxf(fmaxf(f[0].x, f[0].y), fmaxf(f[1].x, f[1].y));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      if (mx > ref * 0x1p7f) {  // warp-uniform
-        const float down = ref / mx;
-#pragma unroll
-        for (int dt = 0; dt < D / 8; ++dt) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st.o[dt][e] *= down;
-        }
-        ref = mx;
-        inv = 1.f / mx;
-      }
+      this->RaiseTo(mx, st.o);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const float x = f[nt].x * inv, y = f[nt].y * inv;
+        const float x = f[nt].x * this->inv, y = f[nt].y * this->inv;
         p[nt][0] *= x;
         p[nt][1] *= y;
         p[nt][2] *= x;
         p[nt][3] *= y;
-      }
-    }
-    // O back in its own units, once the last step is summed.
-    __device__ __forceinline__ void Finish(DecodeState<D>& st) const {
-#pragma unroll
-      for (int dt = 0; dt < D / 8; ++dt) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st.o[dt][e] *= ref;
       }
     }
   };
@@ -848,38 +857,19 @@ struct DecodeFp8NarrowMath {
 
   // DecodeFp8Math::VScales for S^T's layout: a lane's two positions, the step's largest scale
   // found across the lanes of its positions (xor 4, 8, 16).
-  struct VScales {
-    float ref = 0x1p-126f;
-    float inv = 0x1p126f;
-
+  struct VScales : Fp8::VReference {
     __device__ __forceinline__ void Apply(float (&p)[1][4], const float* row_scales, float one,
                                           int row0, int g, State& st) {
       const float2 f = PositionScales(row_scales, one, row0, g);
       float mx = fmaxf(f.x, f.y);
 #pragma unroll
       for (int x = 4; x < 32; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-      if (mx > ref * 0x1p7f) {  // warp-uniform
-        const float down = ref / mx;
-#pragma unroll
-        for (int d = 0; d < D / 16; ++d) {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) st.o[d][e] *= down;
-        }
-        ref = mx;
-        inv = 1.f / mx;
-      }
-      const float x = f.x * inv, y = f.y * inv;
+      this->RaiseTo(mx, st.o);
+      const float x = f.x * this->inv, y = f.y * this->inv;
       p[0][0] *= x;
       p[0][1] *= x;
       p[0][2] *= y;
       p[0][3] *= y;
-    }
-    __device__ __forceinline__ void Finish(State& st) const {
-#pragma unroll
-      for (int d = 0; d < D / 16; ++d) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st.o[d][e] *= ref;
-      }
     }
   };
 
@@ -1366,7 +1356,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                            state);  // P^T times V's scales over the reference
             Narrow::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);  // O^T += V^T.P^T
           });
-      v_scales.Finish(state);
+      v_scales.Finish(state.o);
       CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(
           p, item, kv_head, group,
           [&](float* red_o, float* red_max, float* red_sum, int row_offset, int live_rows) {
@@ -1448,7 +1438,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
             Math::AccumulatePV(s, v_tile(tile), row0, lane, state);  // O += P.V
           }
         });
-    if constexpr (Cfg::kFp8) v_scales.Finish(state);
+    if constexpr (Cfg::kFp8) v_scales.Finish(state.o);
 
     CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(
         p, item, kv_head, group,

@@ -8,7 +8,8 @@
 // (mma.m16n8k16, f32 accumulators) with an online softmax between them. The kKvWarps warps that
 // share a row slice split each KV tile and combine their softmax states at the end, so each K/V
 // byte is read once for every head of its GQA group. An FP8 cache's tiles are copied as stored
-// (half the bytes) and DecodeFp8Math reads them straight into float16 fragments.
+// (half the bytes) and DecodeFp8Math reads them straight into float16 fragments; a block of at
+// most 8 rows takes the step transposed (DecodeFp8NarrowMath).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -1321,8 +1322,6 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   bool narrow = false;
   if constexpr (kNarrowFp8Decode<Cfg, kRowWarps>) {
     narrow = span_rows - item.row_start <= DecodeFp8NarrowMath<D>::kRows;  // block-uniform
-  }
-  if constexpr (kNarrowFp8Decode<Cfg, kRowWarps>) {
     if (narrow) {
       using Narrow = DecodeFp8NarrowMath<D>;
       // A lane's rows: 2 quad_col and 2 quad_col + 1.

@@ -109,6 +109,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->partial_rows = 0;
   work->separate_merge = false;
   work->decode_blocks_per_sm = 0;
+  work->narrow_decode = false;
   work->merge_rows = 0;
   const int group = num_q_heads / num_kv_heads;
 
@@ -229,8 +230,11 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   }
   work->kv_chunk = static_cast<int32_t>(std::min<int64_t>(chunk, INT32_MAX));
   work->separate_merge = estimate(chunk).separate_merge;
-  work->decode_blocks_per_sm = FewerDecodeBlocksPerSm(tile_units, chunk >= max_end && decode_only,
-                                                      limits);
+  work->decode_blocks_per_sm =
+      FewerDecodeBlocksPerSm(tile_units, chunk >= max_end && decode_only, limits);
+  work->narrow_decode = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
+    return t.tile_rows != kDecodeTileRows || t.num_rows <= kDecodeNarrowRows;
+  });
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
   // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.

@@ -86,9 +86,11 @@ struct AttentionMergeTask {
 inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeWideTileRows = 32;
 inline constexpr int kPrefillTileRows = 128;
-// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes.
+// Warp layouts (query-row warps x KV-split warps) of the two decode tile shapes; the narrow tile
+// (RunsNarrowDecode, paged_attention.h) is the 16-row shape with eight KV-split warps.
 inline constexpr int kDecodeRowWarps = 1, kDecodeKvWarps = 4;
 inline constexpr int kDecodeWideRowWarps = 2, kDecodeWideKvWarps = 2;
+inline constexpr int kDecodeNarrowKvWarps = 8, kDecodeNarrowRows = 8;
 static_assert(kDecodeRowWarps * 16 == kDecodeTileRows &&
               kDecodeWideRowWarps * 16 == kDecodeWideTileRows);
 inline constexpr int kKvTileRows = 64;  // Positions per pipeline stage; chunk multiple (but see
@@ -121,6 +123,9 @@ struct AttentionWork {
   // asks for one fewer than fit where that finishes its waves sooner
   // (AttentionPlanLimits::fewer_blocks_rate).
   int32_t decode_blocks_per_sm = 0;
+  // Every 16-row decode tile holds at most kDecodeNarrowRows rows (decode at GQA up to 8): an FP8
+  // cache's tiles may then run the narrow kernel (eight warps, the transposed step alone).
+  bool narrow_decode = false;
   // The persistent Hopper prefill kernel's schedule (SchedulePrefillJobs): block b runs
   // prefill_jobs[prefill_job_start[b] .. prefill_job_start[b + 1]) in that order. Empty when
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).

@@ -9,7 +9,9 @@
 // share a row slice split each KV tile and combine their softmax states at the end, so each K/V
 // byte is read once for every head of its GQA group. An FP8 cache's tiles are copied as stored
 // (half the bytes) and DecodeFp8Math reads them straight into float16 fragments; a block of at
-// most 8 rows takes the step transposed (DecodeFp8NarrowMath).
+// most 8 rows takes the step transposed (DecodeFp8NarrowMath). Where every 16-row tile of a launch
+// has at most 8 rows, an FP8 cache's tiles may run as the narrow tile: eight warps on the KV
+// tile, the transposed step alone (RunsNarrowDecode).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -51,6 +53,10 @@ constexpr int DecodeStages(int head_dim) {
 constexpr int Fp8DecodeStages(int head_dim) {
   return head_dim == 64 ? 4 : head_dim == 80 || head_dim >= 192 ? 3 : 2;
 }
+// The narrow tile (RunsNarrowDecode; two blocks an SM): 2 stages. A third ran the two short
+// default shapes in 1.04-1.08x the time at head_dim 128 (1.02-1.04x at 64), the long ones in
+// 0.99-1.01x (docs/PERFORMANCE.md#design-decisions).
+constexpr int kNarrowDecodeStages = 2;
 // Positions a decode tile's stage holds: 128 for an FP8 cache up to head_dim 128
 // (docs/PERFORMANCE.md#design-decisions), 64 otherwise.
 constexpr int DecodeTilePositions(bool fp8, int head_dim) {
@@ -101,7 +107,8 @@ struct PackedKvCopy {
 // S: the cache's element type as stored (T, or Fp8); T: the tiles' (TileType<S>).
 template <typename S, int D, int kRowWarps, int kKvWarps>
 struct DecodeTileConfig {
-  static_assert(kRowWarps * kKvWarps == 4, "four warps per block");
+  static_assert(kRowWarps * kKvWarps == 4 || (kRowWarps == 1 && kKvWarps == kDecodeNarrowKvWarps),
+                "four warps a block, or the narrow tile's eight on one 16-row slice");
   static_assert(kKvWarps > 1, "the decode tiles split each KV tile among warps");
   using T = TileType<S>;
   static constexpr bool kFp8 = kIsFp8<S>;
@@ -114,7 +121,7 @@ struct DecodeTileConfig {
   static constexpr int kColSplit = DecodeTileBlocks(D);
   static constexpr int kDv = D / kColSplit;  // V's and O's columns per block
   static_assert(kColSplit == 1 || !kFp8, "FP8 at a split head_dim runs on prefill tiles");
-  static constexpr int kThreads = 128;
+  static constexpr int kThreads = 32 * kRowWarps * kKvWarps;
   static constexpr int kTileKv = DecodeTilePositions(kFp8, D);  // positions per stage
   static constexpr int kWarpKv = kTileKv / kKvWarps;  // positions per warp per stage
   static constexpr int kSteps = kWarpKv / 16;         // 16-position mma steps per warp per stage
@@ -123,7 +130,10 @@ struct DecodeTileConfig {
   static constexpr int kChunks = Copy::kChunks;  // 16-byte chunks per K/V row as stored
   static constexpr int kRowsPerThread = Copy::kRowsPerThread;  // rows each thread copies
   static constexpr int kRowStep = Copy::kRowStep;
-  static constexpr int kStages = kFp8 ? Fp8DecodeStages(D) : DecodeStages(D);
+  static constexpr bool kNarrowTile = kKvWarps == kDecodeNarrowKvWarps;  // RunsNarrowDecode
+  static constexpr int kStages = kNarrowTile ? kNarrowDecodeStages
+                                 : kFp8      ? Fp8DecodeStages(D)
+                                             : DecodeStages(D);
   // 16-bit rows of 10 or 12 chunks (head dims 80, 96): copied by PackedKvCopy.
   static constexpr bool kPackedCopy = !kFp8 && !kSwizzledRows<D> && kColSplit == 1;
   using Packed = PackedKvCopy<D, kThreads, kTileKv>;  // instantiated where kPackedCopy only
@@ -1319,9 +1329,14 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   };
 
   // ---- An FP8 tile of at most 8 live rows: the transposed step (DecodeFp8NarrowMath).
-  bool narrow = false;
+  // The narrow tile (RunsNarrowDecode): every block takes the transposed step.
+  constexpr bool kNarrowOnly = Cfg::kNarrowTile;
+  static_assert(!kNarrowOnly || kNarrowFp8Decode<Cfg, kRowWarps>, "the narrow tile's step");
+  bool narrow = kNarrowOnly;
   if constexpr (kNarrowFp8Decode<Cfg, kRowWarps>) {
-    narrow = span_rows - item.row_start <= DecodeFp8NarrowMath<D>::kRows;  // block-uniform
+    if constexpr (!kNarrowOnly) {
+      narrow = span_rows - item.row_start <= DecodeFp8NarrowMath<D>::kRows;  // block-uniform
+    }
     if (narrow) {
       using Narrow = DecodeFp8NarrowMath<D>;
       // A lane's rows: 2 quad_col and 2 quad_col + 1.
@@ -1367,7 +1382,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   }
 
   // ---- The 16-row step: rows quad_row and quad_row + 8 of this warp's 16.
-  if (!narrow) {
+  if (!narrow) {  // (never in the narrow tile: a constant there)
     DecodeState<Cfg::kDv> state;
     state.Start();
     const DecodeRows rows =
@@ -1506,9 +1521,18 @@ __global__ void __launch_bounds__(128) __cluster_dims__(2, 1, 1)
   DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
                                                  DecodeFirstPages<kRowWarps>(params));
 }
+// The narrow tile (RunsNarrowDecode): eight warps, two blocks an SM (at most 128 registers).
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+__global__ void __launch_bounds__(32 * kDecodeNarrowKvWarps, 2)
+    DecodeTileKernelNarrow(const __grid_constant__ PagedAttentionParams params) {
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
+                                                 DecodeFirstPages<kRowWarps>(params));
+}
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 constexpr auto DecodeKernel() {
-  if constexpr (DecodeTileBlocks(D) == 2) {
+  if constexpr (kKvWarps == kDecodeNarrowKvWarps) {
+    return DecodeTileKernelNarrow<T, TIO, D, kRowWarps, kKvWarps>;
+  } else if constexpr (DecodeTileBlocks(D) == 2) {
     return DecodeTileKernelPair<T, TIO, D, kRowWarps, kKvWarps>;
   } else if constexpr (D <= 128 && kRowWarps == 1 && kIsFp8<T>) {
     return DecodeTileKernel168<T, TIO, D, kRowWarps, kKvWarps>;
@@ -1657,5 +1681,12 @@ LaunchStatus DecodeTileOccupancy(int* resident, int* beside_merge) {
   PAGEDATTN_INSTANTIATE_DECODE_Q(T, float, D)       \
   PAGEDATTN_INSTANTIATE_DECODE_Q(T, TileType<T>, D) \
   template LaunchStatus DecodeTileOccupancy<T, D, kDecodeRowWarps, kDecodeKvWarps>(int*, int*);
+// The narrow decode tile (HasNarrowDecodeTiles), q in float and in the tiles' type.
+#define PAGEDATTN_INSTANTIATE_DECODE_NARROW(T, D)                                              \
+  template LaunchStatus LaunchDecodeTiles<T, float, D, kDecodeRowWarps, kDecodeNarrowKvWarps>( \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);              \
+  template LaunchStatus                                                                        \
+  LaunchDecodeTiles<T, TileType<T>, D, kDecodeRowWarps, kDecodeNarrowKvWarps>(                 \
+      const PagedAttentionParams&, cudaStream_t, const KernelLaunch*, Launcher&);
 
 }  // namespace pagedattn::kernels

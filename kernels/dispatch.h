@@ -137,9 +137,9 @@ LaunchStatus DispatchQDType(DType q_dtype, DType kv_dtype, F&& f) {
 
 // The decode tile kernels (kernels/decode_kernel.cuh), instantiated in
 // kernels/instantiate_hdim*_{f16,bf16,fp8}.cu for T (as stored) in {__half, __nv_bfloat16, Fp8},
-// q in TIO in {float, TileType<T>} and the two warp layouts of attention_work.h. then: a kernel launched right after
-// the tiles that may start before they end (the separate merge, Launcher::LaunchPair); null for
-// none.
+// q in TIO in {float, TileType<T>} and the warp layouts of attention_work.h (the narrow tile's
+// for FP8 up to head_dim 128 only). then: a kernel launched right after the tiles that may start
+// before they end (the separate merge, Launcher::LaunchPair); null for none.
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t stream,
                                const KernelLaunch* then, Launcher& launcher);
@@ -200,6 +200,12 @@ inline LaunchStatus DispatchAttentionTiles(const PagedAttentionParams& params, T
           }
         } else {
           if (shape == TileShape::kDecode) {
+            if constexpr (HasNarrowDecodeTiles(kIsFp8<T>, D)) {
+              if (RunsNarrowDecode(params)) {
+                return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeNarrowKvWarps>(
+                    params, stream, then, launcher);
+              }
+            }
             return LaunchDecodeTiles<T, TIO, D, kDecodeRowWarps, kDecodeKvWarps>(params, stream,
                                                                                  then, launcher);
           }

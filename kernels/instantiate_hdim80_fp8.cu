@@ -6,5 +6,6 @@
 namespace pagedattn::kernels {
 
 PAGEDATTN_INSTANTIATE_DECODE(Fp8, 80)
+PAGEDATTN_INSTANTIATE_DECODE_NARROW(Fp8, 80)
 
 }  // namespace pagedattn::kernels

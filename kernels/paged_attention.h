@@ -143,7 +143,8 @@ struct PagedAttentionParams {
   bool separate_merge = false;  // AttentionWork::separate_merge
   // AttentionWork::decode_blocks_per_sm (host side: the decode launches' shared memory).
   int32_t decode_blocks_per_sm = 0;
-  int32_t merge_rows = 0;       // AttentionWork::merge_rows
+  bool narrow_decode = false;  // AttentionWork::narrow_decode
+  int32_t merge_rows = 0;      // AttentionWork::merge_rows
   // AttentionWork's prefill schedule; the Hopper prefill kernel needs it (one block each of
   // num_prefill_blocks).
   const AttentionPrefillJob* prefill_jobs = nullptr;
@@ -211,6 +212,22 @@ constexpr int PrefillTileBlocks(int head_dim) { return SplitsColumns(head_dim) ?
 // 512, whose spans run on prefill tiles (on the pages' bfloat16 copy) like every span of a device
 // whose shared memory cannot hold a 512 decode tile (AttentionPlanLimits::decode_tiles).
 constexpr bool HasDecodeTiles(bool fp8, int head_dim) { return !(fp8 && SplitsColumns(head_dim)); }
+// Whether a cache dtype and head_dim have the narrow decode tile (eight warps on at most 8 rows,
+// the transposed step alone): FP8 up to head_dim 128.
+constexpr bool HasNarrowDecodeTiles(bool fp8, int head_dim) { return fp8 && head_dim <= 128; }
+// Whether a launch's 16-row decode tiles run the narrow tile (HasNarrowDecodeTiles): where every
+// one of them holds at most 8 rows (AttentionWork::narrow_decode), at head dims 64, 80 and 96,
+// and at 128 with STATIC scales in a plan that splits nothing. Twice the warps on each KV tile
+// run four of the five default shapes in 0.84-0.95x the time at 64-96 (256 x 2048 1.02x), 128
+// STATIC's unsplit shapes in 0.96-1.00x; at 128 split plans (16 x 4096 1.02-1.04x) and PER_TOKEN
+// (1.00-1.03x), whose step the 128 registers of two blocks of eight warps a SM crowd, keep the
+// four-warp tile (docs/PERFORMANCE.md#design-decisions).
+inline bool RunsNarrowDecode(const PagedAttentionParams& p) {
+  if (!p.narrow_decode || !HasNarrowDecodeTiles(p.kv_dtype == DType::kFloat8E4M3, p.head_dim)) {
+    return false;
+  }
+  return p.head_dim < 128 || (p.scales.k_rows == nullptr && p.num_merge_tasks == 0);
+}
 
 // Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at
 // most 2^48 (AttentionValue, common/dtype.h), so a score lies within 2^105 (head dims up to

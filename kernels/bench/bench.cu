@@ -740,14 +740,15 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
       "\"head_dim\": %d, \"page_size\": %d, \"dtype\": \"%s\", \"q_dtype\": \"%s\", "
       "\"causal\": %s, \"peer\": \"pagedattn\", \"time_us\": %.3f, \"tbps\": %.4f, "
       "\"b2b_time_us\": %.3f, \"max_rel_err\": %s, \"kv_chunk\": %d, \"merge\": \"%s\", "
-      "\"launch\": \"%s\", \"blocks\": %zu, \"blocks_per_sm\": %d, \"pool_copies\": %d, "
+      "\"launch\": \"%s\", \"blocks\": %zu, \"blocks_per_sm\": %d, \"narrow_tile\": %s, "
+      "\"pool_copies\": %d, "
       "\"positions\": %lld, "
       "\"stages\": %d, \"read_us\": %.3f, \"read_tbps\": %.4f, \"read_blocks_per_sm\": %d, "
       "\"l2_flushed\": true}",
       B, ctx.c_str(), Hq, Hkv, D, cfg.page_size, DTypeKey(cfg.dtype), DTypeKey(cfg.q_dtype), causal,
       t.launch_us, kv_bytes / t.launch_us / 1e6, t.b2b_us, err, work.kv_chunk, merge,
-      cfg.graph_launch ? "graph" : "plain", blocks, work.decode_blocks_per_sm, c.copies,
-      static_cast<long long>(positions),
+      cfg.graph_launch ? "graph" : "plain", blocks, work.decode_blocks_per_sm,
+      RunsNarrowDecode(p) ? "true" : "false", c.copies, static_cast<long long>(positions),
       /*stages: the kernels' own, as older rows print it*/ 0, read.read_us,
       read.read_us > 0 ? kv_bytes / read.read_us / 1e6 : 0.0, read.blocks_per_sm);
   return with_variant(row);

@@ -190,6 +190,47 @@ TEST(AttentionPlan, ShortLastWaveRunsOneBlockAnSmFewer) {
   EXPECT_EQ(blocks_per_sm(64, 4096, slow), 0);
 }
 
+// A launch runs the narrow decode tile only where every 16-row tile holds at most 8 rows (the
+// tile's warps each take one row of a lane pair, 8 rows in all), and then only where
+// RunsNarrowDecode's rule says it is faster: FP8 at head dims 64-96, and 128 with STATIC scales in
+// a plan that splits nothing.
+TEST(AttentionPlan, NarrowDecodeWhereEverySixteenRowTileHoldsAtMostEight) {
+  auto narrow = [](int q_heads, int kv_heads, std::vector<kernels::AttentionSpan> spans) {
+    kernels::AttentionWork work;
+    kernels::PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), q_heads, kv_heads,
+                               /*causal=*/true, /*window=*/0, {.target_blocks = 264}, &work);
+    return work.narrow_decode;
+  };
+  EXPECT_TRUE(narrow(32, 8, {{0, 0, 1, 4096}, {1, 256, 1, 100}}));    // 4 rows each
+  EXPECT_TRUE(narrow(64, 8, {{0, 0, 1, 4096}}));                      // GQA 8: 8 rows
+  EXPECT_TRUE(narrow(32, 8, {{0, 0, 2, 4096}}));                      // 2 queries x 4
+  EXPECT_FALSE(narrow(32, 8, {{0, 0, 1, 4096}, {1, 256, 3, 900}}));   // 12 rows beside 4
+  EXPECT_FALSE(narrow(40, 8, {{0, 0, 2, 4096}}));                     // GQA 5: 10 rows
+  EXPECT_TRUE(narrow(32, 8, {{0, 0, 1, 4096}, {1, 256, 600, 600}}));  // prefill tiles beside
+  EXPECT_TRUE(narrow(32, 8, {{0, 0, 8, 4096}}));  // 32 rows: a wide tile, no 16-row tile
+
+  kernels::PagedAttentionParams p;
+  p.narrow_decode = true;
+  p.kv_dtype = DType::kFloat8E4M3;
+  float row_scales = 1.f;  // PER_TOKEN: rows carry their scales
+  for (int d : {64, 80, 96, 128, 192, 256}) {
+    p.head_dim = d;
+    p.scales.k_rows = &row_scales;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 96) << "PER_TOKEN, head_dim " << d;
+    p.scales.k_rows = nullptr;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 128) << "STATIC, head_dim " << d;
+    p.num_merge_tasks = 1;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 96) << "STATIC, split, head_dim " << d;
+    p.num_merge_tasks = 0;
+  }
+  p.head_dim = 64;
+  p.narrow_decode = false;
+  EXPECT_FALSE(kernels::RunsNarrowDecode(p)) << "a tile of more than 8 rows in the launch";
+  p.narrow_decode = true;
+  p.kv_dtype = DType::kBFloat16;
+  EXPECT_FALSE(kernels::RunsNarrowDecode(p)) << "16-bit caches have no narrow tile";
+}
+
 // A plan of prefill tiles alone is estimated against the prefill tiles that run at once, with no
 // wave boundary (blocks start as others end). 1 x 16384 on 8 kv heads is 4096 tile blocks: in
 // whole waves of head_dim 64's 396 decode blocks a split in two looked 1.6% better; against its

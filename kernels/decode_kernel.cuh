@@ -54,8 +54,8 @@ constexpr int Fp8DecodeStages(int head_dim) {
   return head_dim == 64 ? 4 : head_dim == 80 || head_dim >= 192 ? 3 : 2;
 }
 // The narrow tile (RunsNarrowDecode; two blocks an SM): 2 stages. A third ran the two short
-// default shapes in 1.04-1.08x the time at head_dim 128 (1.02-1.04x at 64), the long ones in
-// 0.99-1.01x (docs/PERFORMANCE.md#design-decisions).
+// default shapes in 1.04-1.09x the time at head_dim 128 (1.02-1.04x at 64), the long ones in
+// 0.99-1.01x (docs/PERFORMANCE.md#tried).
 constexpr int kNarrowDecodeStages = 2;
 // Positions a decode tile's stage holds: 128 for an FP8 cache up to head_dim 128
 // (docs/PERFORMANCE.md#design-decisions), 64 otherwise.

@@ -220,8 +220,7 @@ constexpr bool HasNarrowDecodeTiles(bool fp8, int head_dim) { return fp8 && head
 // and at 128 with STATIC scales in a plan that splits nothing. Twice the warps on each KV tile
 // run four of the five default shapes in 0.84-0.95x the time at 64-96 (256 x 2048 1.02x), 128
 // STATIC's unsplit shapes in 0.96-1.00x; at 128 split plans (16 x 4096 1.02-1.04x) and PER_TOKEN
-// (1.00-1.03x), whose step the 128 registers of two blocks of eight warps a SM crowd, keep the
-// four-warp tile (docs/PERFORMANCE.md#design-decisions).
+// (0.99-1.03x) keep the four-warp tile (docs/PERFORMANCE.md#design-decisions).
 inline bool RunsNarrowDecode(const PagedAttentionParams& p) {
   if (!p.narrow_decode || !HasNarrowDecodeTiles(p.kv_dtype == DType::kFloat8E4M3, p.head_dim)) {
     return false;

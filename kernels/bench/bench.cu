@@ -12,7 +12,8 @@
 // launches), each case's pools first evicted from L2 by reading a buffer of 4x the L2 (the kernels
 // read K and V evict-first, so lines the setup left would hit:
 // docs/PERFORMANCE.md#design-decisions).
-// Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM.
+// Pools smaller than the L2 are rotated among copies so that the timed reads come from HBM, each
+// copy through a launcher (a cached graph) of its own.
 // Decode rows also carry read_us / read_tbps: a plain streaming read of the same K and V bytes,
 // timed the same way, the fastest this shape's bytes can be read in one launch. Prefill rows name
 // the kernel that ran ("wgmma" on sm_90a builds on a 9.0 GPU, "mma.sync" elsewhere or with
@@ -344,7 +345,13 @@ struct BenchCase {
   std::vector<float> q;  // [total_queries][Hq][D], the values staged (exact in q's dtype)
   int64_t pool_bytes = 0;
   int copies = 1;
+  int copy = 0;  // the copy the bound launch reads (UseCopy)
   std::vector<void*> k_pools, v_pools;
+  // With graph launches and several copies, a launcher each: each keeps its copy's graph, so
+  // that rotating the copies updates no graph between timed launches. An update is host work
+  // that the per-launch event times would count, and that a launch on one copy (every default
+  // shape but FP8's 1 x 32768) never pays.
+  std::vector<std::unique_ptr<Launcher>> copy_launchers;
   std::vector<KvScales> scales;  // an FP8 cache's, per copy
   AttentionPlan plan;
   ForwardWorkspace ws;
@@ -370,11 +377,12 @@ struct BenchCase {
     if (stream) cudaStreamDestroy(stream);
   }
   int64_t total_queries() const { return q_offset.back(); }
-  // Points the bound launch at pool copy `copy`.
-  void UseCopy(int copy) {
-    launch.attention.k_cache = k_pools[copy % copies];
-    launch.attention.v_cache = v_pools[copy % copies];
-    if (!scales.empty()) launch.attention.scales = scales[copy % copies];
+  // Points the bound launch at pool copy `c`.
+  void UseCopy(int c) {
+    copy = c % copies;
+    launch.attention.k_cache = k_pools[copy];
+    launch.attention.v_cache = v_pools[copy];
+    if (!scales.empty()) launch.attention.scales = scales[copy];
   }
 };
 
@@ -413,6 +421,9 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
           : static_cast<int>(std::min<int64_t>(
                 kMaxPoolCopies, std::max<int64_t>(1, (2 * c->l2_bytes + 2 * c->pool_bytes - 1) /
                                                          (2 * c->pool_bytes))));
+  if (cfg.graph_launch && c->copies > 1) {
+    for (int r = 0; r < c->copies; ++r) c->copy_launchers.push_back(std::make_unique<Launcher>());
+  }
   for (int r = 0; r < c->copies; ++r) {
     void *k = nullptr, *v = nullptr;
     BENCH_CHECK_CUDA(cudaMalloc(&k, c->pool_bytes));
@@ -500,8 +511,10 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
   return c;
 }
 
+// The bound launch on the current copy, through that copy's launcher where it has one.
 LaunchStatus Launch(BenchCase& c, Launcher& launcher) {
-  return LaunchForwardAttention(c.launch, c.stream, launcher);
+  Launcher& l = c.copy_launchers.empty() ? launcher : *c.copy_launchers[c.copy];
+  return LaunchForwardAttention(c.launch, c.stream, l);
 }
 
 // Runs the case on pool copy 0 with its outputs poisoned, and returns the largest relative error

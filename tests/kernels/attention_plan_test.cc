@@ -190,10 +190,9 @@ TEST(AttentionPlan, ShortLastWaveRunsOneBlockAnSmFewer) {
   EXPECT_EQ(blocks_per_sm(64, 4096, slow), 0);
 }
 
-// A launch runs the narrow decode tile only where every 16-row tile holds at most 8 rows (the
-// tile's warps each take one row of a lane pair, 8 rows in all), and then only where
-// RunsNarrowDecode's rule says it is faster: FP8 at head dims 64-96, and 128 with STATIC scales in
-// a plan that splits nothing.
+// A launch runs the narrow decode tile only where every 16-row tile holds at most 8 rows (its
+// transposed step holds 8: the mma's n8), and then only where RunsNarrowDecode's rule says it is
+// faster: FP8 at head dims 64-96, and 128 with STATIC scales in a plan that splits nothing.
 TEST(AttentionPlan, NarrowDecodeWhereEverySixteenRowTileHoldsAtMostEight) {
   auto narrow = [](int q_heads, int kv_heads, std::vector<kernels::AttentionSpan> spans) {
     kernels::AttentionWork work;

@@ -25,6 +25,7 @@
 #include <type_traits>
 
 #include "kernels/device/dtype.cuh"
+#include "kernels/device/profile.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
@@ -1068,6 +1069,14 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* smem_q = reinterpret_cast<T*>(smem_raw + Cfg::kQOffset);
 
+  // A profile build's stamps (kernels/device/profile.cuh): this kernel's region and block.
+#define PAGEDATTN_TILE_STAMP(event)                                                           \
+  PAGEDATTN_STAMP(p,                                                                          \
+                  profile::SlotOf(kRowWarps == kDecodeWideRowWarps ? profile::kDecodeWideTiles \
+                                                                   : profile::kDecodeTiles,   \
+                                  blockIdx.x),                                                \
+                  profile::event)
+  PAGEDATTN_TILE_STAMP(kTileEntry);
   // A separate merge launched after these tiles (Launcher::LaunchPair) may be scheduled
   // now: its blocks wait for this grid's end in griddepcontrol.wait.
   AllowDependentLaunch();
@@ -1313,7 +1322,10 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     for (int tile = 0; tile < num_tiles; ++tile) {
       issue_ahead(tile);  // cp.async, kStages - 1 tiles ahead
       wait_for();
-      if (tile == 0) at_first();
+      if (tile == 0) {
+        PAGEDATTN_TILE_STAMP(kFirstTileLanded);
+        at_first();
+      }
 #pragma unroll
       for (int s = 0; s < Cfg::kSteps; ++s) {
         const int row0 = kv_warp * Cfg::kWarpKv + s * 16;  // first position row in the tile
@@ -1326,6 +1338,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
       __syncthreads();  // the stage is overwritten by the next iteration's copies
     }
     CpAsyncWait<0>();
+    PAGEDATTN_TILE_STAMP(kLastTileDone);
   };
 
   // ---- An FP8 tile of at most 8 live rows: the transposed step (DecodeFp8NarrowMath).
@@ -1466,6 +1479,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   if constexpr (Cfg::kColSplit == 1) {
     MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
   }
+  PAGEDATTN_TILE_STAMP(kTileExit);
+#undef PAGEDATTN_TILE_STAMP
 }
 
 // ---- Kernels and launcher -----------------------------------------------------------------

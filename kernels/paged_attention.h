@@ -183,6 +183,12 @@ struct PagedAttentionParams {
   // kernels/tensor_map.h).
   int32_t kv_box_rows = 0;
   KvTensorMaps kv_maps = {};
+
+#ifdef PAGEDATTN_PROFILE
+  // A profile build's phase stamps (kernels/device/profile.cuh): profile::kSlots slots of
+  // profile::kEvents nanosecond stamps; null: none written.
+  uint64_t* profile = nullptr;
+#endif
 };
 
 // Sets the params' divisors (page_div, kv_heads_div) from page_size and num_kv_heads, as

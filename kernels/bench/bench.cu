@@ -41,6 +41,7 @@
 #include "common/reference.h"
 #include "kernels/attention_plan.h"
 #include "kernels/device/dtype.cuh"
+#include "kernels/device/profile.cuh"
 #include "kernels/dispatch.h"
 #include "kernels/launch.h"
 #include "kernels/paged_attention.h"
@@ -83,6 +84,7 @@ struct Config {
   PrefillPath prefill_path = PrefillPath::kAuto;  // --prefill-path portable: the mma.sync kernel
   bool graph_launch = true;  // --launch plain: every kernel by a plain launch (launch.h)
   std::string json;
+  std::string profile;  // --profile FILE: each case's phase stamps (a profile build's)
 };
 
 constexpr int kCheckSeqs = 2;    // sequences checked against the reference (first and last)
@@ -152,7 +154,12 @@ constexpr const char* kUsage =
     "  --prefill-path auto|portable           the Hopper (wgmma) or the mma.sync prefill kernel\n"
     "  --launch graph|plain                   how kernels are submitted (kernels/launch.h)\n"
     "  --merge planned|separate|in-kernel     where split-KV tiles are merged: the plan's choice,\n"
-    "                                         the merge kernel, or the tile kernel's last split\n";
+    "                                         the merge kernel, or the tile kernel's last split\n"
+    "  --profile FILE                         a profile build's (cmake -DPAGEDATTN_PROFILE=ON)\n"
+    "                                         phase stamps of each case's last back-to-back\n"
+    "                                         launch: each decode tile and merge block's entry,\n"
+    "                                         first tile, loop end, exit (JSON, one object a case;\n"
+    "                                         a summary a kernel on stderr)\n";
 
 Config ParseFlags(int argc, char** argv) {
   Config c;
@@ -229,12 +236,23 @@ Config ParseFlags(int argc, char** argv) {
       c.merge = kMerges[one_of({"planned", "separate", "in-kernel"})];
     else if (a == "--launch")
       c.graph_launch = one_of({"graph", "plain"}) == 0;
+    else if (a == "--profile")
+      c.profile = next();
     else {
       std::fprintf(stderr, "unknown flag %s\n\n%s", a.c_str(), kUsage);
       std::exit(2);
     }
   }
   if (c.q_dtype == DType::kUnspecified) c.q_dtype = TileKvDType(c.dtype);
+#ifndef PAGEDATTN_PROFILE
+  if (!c.profile.empty()) {
+    std::fprintf(stderr,
+                 "--profile needs a profile build: this one has no phase stamps (configure with "
+                 "-DPAGEDATTN_PROFILE=ON, e.g. PAGEDATTN_CMAKE_ARGS=-DPAGEDATTN_PROFILE=ON "
+                 "scripts/build.sh BUILD_DIR pagedattn-bench)\n");
+    std::exit(2);
+  }
+#endif
   // peers.py's default shapes for the suite.
   if (cases.empty()) {
     cases = c.prefill ? "4,4096 2,8192 1,16384" : "1,32768 16,4096 64,4096 256,2048 128,8192";
@@ -767,9 +785,114 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
   return with_variant(row);
 }
 
+#ifdef PAGEDATTN_PROFILE
+// --profile: the phase stamps (kernels/device/profile.cuh) of the last of kBackToBack launches
+// back to back, as b2b_time_us times them: a JSON object with, for each kernel that stamped,
+// its events and each block's stamps (grid order; null: not stamped), in microseconds from the
+// launch's first stamp. A line a kernel on stderr sums it up.
+std::string ProfileLaunch(const Config& cfg, BenchCase& c, Launcher& launcher) {
+  namespace pf = profile;
+  uint64_t* buf = nullptr;
+  BENCH_CHECK_CUDA(cudaMalloc(&buf, pf::kBufferBytes));
+  BENCH_CHECK_CUDA(cudaMemsetAsync(buf, 0, pf::kBufferBytes, c.stream));
+  FlushL2(c);
+  for (int it = 0; it < kBackToBack; ++it) {
+    c.UseCopy(it);
+    c.launch.attention.profile = it + 1 == kBackToBack ? buf : nullptr;
+    CheckLaunch(Launch(c, launcher), "paged attention");
+  }
+  c.launch.attention.profile = nullptr;
+  std::vector<uint64_t> stamps(size_t{pf::kSlots} * pf::kEvents);
+  BENCH_CHECK_CUDA(cudaMemcpyAsync(stamps.data(), buf, pf::kBufferBytes, cudaMemcpyDeviceToHost,
+                                   c.stream));
+  BENCH_CHECK_CUDA(cudaStreamSynchronize(c.stream));
+  BENCH_CHECK_CUDA(cudaFree(buf));
+
+  uint64_t t0 = UINT64_MAX;
+  for (uint64_t t : stamps) {
+    if (t != 0) t0 = std::min(t0, t);
+  }
+  struct RegionInfo {
+    const char* name;
+    std::array<const char*, pf::kEvents> events;  // null: an event the region does not stamp
+  };
+  const RegionInfo regions[pf::kRegions] = {
+      {"decode_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
+      {"decode_wide_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
+      {"merge", {"entry", "tiles done (griddepcontrol.wait)", nullptr, "exit"}},
+  };
+  const int B = static_cast<int>(c.ctx.size());
+  std::ostringstream js;
+  js << "{\"suite\": \"" << (cfg.prefill ? "prefill" : "decode") << "\", \"batch\": " << B
+     << ", \"ctx\": " << c.ctx[0] << ", \"head_dim\": " << cfg.head_dim << ", \"dtype\": \""
+     << DTypeKey(cfg.dtype) << "\", \"static_scales\": " << (cfg.static_scales ? "true" : "false")
+     << ", \"units\": \"us from the launch's first stamp\", \"kernels\": {";
+  bool first_region = true;
+  for (int r = 0; r < pf::kRegions; ++r) {
+    const uint64_t* region = stamps.data() + static_cast<size_t>(r) * pf::kRegionSlots * pf::kEvents;
+    int blocks = 0;  // one past the last block that stamped
+    for (int b = 0; b < pf::kRegionSlots; ++b) {
+      for (int e = 0; e < pf::kEvents; ++e) {
+        if (region[b * pf::kEvents + e] != 0) blocks = b + 1;
+      }
+    }
+    if (blocks == 0) continue;
+    auto us = [&](int b, int e) {
+      const uint64_t t = region[b * pf::kEvents + e];
+      return t == 0 ? -1.0 : static_cast<double>(t - t0) * 1e-3;
+    };
+    js << (first_region ? "" : ", ") << "\"" << regions[r].name << "\": {\"events\": [";
+    first_region = false;
+    bool first = true;
+    for (const char* e : regions[r].events) {
+      if (e == nullptr) continue;
+      js << (first ? "" : ", ") << "\"" << e << "\"";
+      first = false;
+    }
+    js << "], \"blocks\": [";
+    char num[32];
+    for (int b = 0; b < blocks; ++b) {
+      js << (b ? ", [" : "[");
+      first = true;
+      for (int e = 0; e < pf::kEvents; ++e) {
+        if (regions[r].events[e] == nullptr) continue;
+        const double t = us(b, e);
+        if (t < 0) {
+          std::snprintf(num, sizeof(num), "null");
+        } else {
+          std::snprintf(num, sizeof(num), "%.3f", t);
+        }
+        js << (first ? "" : ", ") << num;
+        first = false;
+      }
+      js << "]";
+    }
+    js << "]}";
+    // The summary: each event's earliest, median and latest stamp over the blocks.
+    std::fprintf(stderr, "profile case %d %s (%d blocks):", c.index, regions[r].name, blocks);
+    for (int e = 0; e < pf::kEvents; ++e) {
+      if (regions[r].events[e] == nullptr) continue;
+      std::vector<double> t;
+      for (int b = 0; b < blocks; ++b) {
+        if (us(b, e) >= 0) t.push_back(us(b, e));
+      }
+      if (t.empty()) continue;
+      std::sort(t.begin(), t.end());
+      std::fprintf(stderr, " %s %.2f / %.2f / %.2f;", regions[r].events[e], t.front(),
+                   t[t.size() / 2], t.back());
+    }
+    std::fprintf(stderr, " (us: first / median / last)\n");
+  }
+  js << "}}";
+  return js.str();
+}
+#endif
+
 // Checks, times, checks again (a launch that left state behind shows in the second check), and
-// reads the roofline; a case over the tolerance is neither timed nor reported.
-std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int index, Launcher& launcher) {
+// reads the roofline; a case over the tolerance is neither timed nor reported. With --profile
+// (a profile build), *profile gets the case's phase stamps (ProfileLaunch).
+std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int index, Launcher& launcher,
+                    std::string* profile) {
   std::unique_ptr<BenchCase> c = MakeCase(cfg, ctx, index);
   // bf16's 8 bits (in the cache, or in q and out) bound the accuracy; f16's 11 otherwise.
   const bool bf16 = cfg.dtype == DType::kBFloat16 || cfg.q_dtype == DType::kBFloat16;
@@ -786,6 +909,11 @@ std::string RunCase(const Config& cfg, const std::vector<int>& ctx, int index, L
   check("before timing");
   const Timing t = TimeLaunches(cfg, *c, launcher);
   check("after timing");
+#ifdef PAGEDATTN_PROFILE
+  if (!cfg.profile.empty()) *profile = ProfileLaunch(cfg, *c, launcher);
+#else
+  (void)profile;
+#endif
   const Roofline read = cfg.prefill ? Roofline{} : ReadRoofline(cfg, *c);
   return Row(cfg, *c, t, read, worst);
 }
@@ -797,24 +925,30 @@ int main(int argc, char** argv) {
   using namespace pagedattn::kernels;
   const Config cfg = ParseFlags(argc, argv);
   Launcher launcher(cfg.graph_launch);
-  std::vector<std::string> rows;
+  std::vector<std::string> rows, profiles;
   for (size_t i = 0; i < cfg.cases.size(); ++i) {
-    rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i), launcher));
+    std::string profile;
+    rows.push_back(RunCase(cfg, cfg.cases[i], static_cast<int>(i), launcher, &profile));
+    if (!profile.empty()) profiles.push_back(profile);
     std::printf("%s\n", rows.back().c_str());
     std::fflush(stdout);
   }
-  if (!cfg.json.empty()) {
-    FILE* f = std::fopen(cfg.json.c_str(), "w");
+  // A JSON array of objects, one a line.
+  auto write_array = [](const std::string& path, const std::vector<std::string>& objects) {
+    FILE* f = std::fopen(path.c_str(), "w");
     if (!f) {
-      std::fprintf(stderr, "cannot write %s\n", cfg.json.c_str());
-      return 1;
+      std::fprintf(stderr, "cannot write %s\n", path.c_str());
+      return false;
     }
     std::fprintf(f, "[\n");
-    for (size_t i = 0; i < rows.size(); ++i) {
-      std::fprintf(f, " %s%s\n", rows[i].c_str(), i + 1 < rows.size() ? "," : "");
+    for (size_t i = 0; i < objects.size(); ++i) {
+      std::fprintf(f, " %s%s\n", objects[i].c_str(), i + 1 < objects.size() ? "," : "");
     }
     std::fprintf(f, "]\n");
     std::fclose(f);
-  }
+    return true;
+  };
+  if (!cfg.json.empty() && !write_array(cfg.json, rows)) return 1;
+  if (!cfg.profile.empty() && !write_array(cfg.profile, profiles)) return 1;
   return 0;
 }

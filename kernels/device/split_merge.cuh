@@ -9,6 +9,7 @@
 
 #include "kernels/device/dtype.cuh"
 #include "kernels/device/mbarrier.cuh"
+#include "kernels/device/profile.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/tile_io.cuh"
 #include "kernels/device/variant.cuh"
@@ -291,7 +292,15 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   const AttentionMergeTask task = p.merge_tasks[blockIdx.x];
   const int r = blockIdx.y, kv_head = blockIdx.z;
   if (r >= task.num_rows) return;
+#define PAGEDATTN_MERGE_STAMP(event)                                                           \
+  PAGEDATTN_STAMP(                                                                             \
+      p,                                                                                       \
+      profile::SlotOf(profile::kMerge,                                                         \
+                      (int64_t{blockIdx.z} * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x), \
+      profile::event)
+  PAGEDATTN_MERGE_STAMP(kMergeEntry);
   WaitForPrerequisiteGrids();
+  PAGEDATTN_MERGE_STAMP(kMergeWaited);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const float* lse = p.partial_lse + int64_t{kv_head} * p.partial_rows + task.partial_row + r;
   const float* part =
@@ -344,6 +353,8 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     static_cast<TIO*>(p.out)[out_row * D + d] = FromFloat<TIO>(sum * norm.inv);
   }
   if (p.lse && threadIdx.x == 0) p.lse[out_row] = norm.lse;
+  PAGEDATTN_MERGE_STAMP(kMergeExit);
+#undef PAGEDATTN_MERGE_STAMP
 }
 
 template <typename TIO, int D>

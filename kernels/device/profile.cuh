@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "kernels/device/profile_layout.h"
 #include "kernels/paged_attention.h"
 
 // Where a block's time goes (the start of its first tile, its loop's end, its exit, a merge's
@@ -22,24 +23,6 @@
 #endif
 
 namespace pagedattn::kernels::profile {
-
-// The buffer: kSlots slots of kEvents 64-bit stamps (nanoseconds; 0: not stamped). A kernel's
-// blocks take the slots of their region, block b slot region + b; blocks past the region's end
-// do not stamp.
-inline constexpr int kEvents = 4;
-inline constexpr int kRegionSlots = 1 << 15;
-enum Region : int {
-  kDecodeTiles = 0,           // the 16-row decode tiles (the narrow tile too)
-  kDecodeWideTiles = 1,       // the 32-row decode tiles
-  kMerge = 2,                 // the separate merge (blocks in grid order: task, row, kv head)
-  kRegions = 3,
-};
-inline constexpr int kSlots = kRegions * kRegionSlots;
-inline constexpr size_t kBufferBytes = size_t{kSlots} * kEvents * sizeof(uint64_t);
-
-// The events of each region's blocks, in stamp order.
-enum TileEvent : int { kTileEntry = 0, kFirstTileLanded = 1, kLastTileDone = 2, kTileExit = 3 };
-enum MergeEvent : int { kMergeEntry = 0, kMergeWaited = 1, kMergeExit = 3 };
 
 #ifdef PAGEDATTN_PROFILE
 __device__ __forceinline__ uint64_t GlobalTimerNs() {

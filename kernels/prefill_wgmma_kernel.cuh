@@ -33,6 +33,7 @@
 #include <type_traits>
 
 #include "kernels/device/mbarrier.cuh"
+#include "kernels/device/profile.cuh"
 #include "kernels/device/ptx.cuh"
 #include "kernels/device/split_merge.cuh"
 #include "kernels/device/tile_io.cuh"
@@ -621,6 +622,9 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   // Items run in the planner's order (by span, longest first), a group of kv heads at a time
   // (PrefillJobAt); the group's kv heads of one item run side by side.
   const ItemMajorBlock block = PrefillJobAt(p, blockIdx.x);
+#define PAGEDATTN_JOB_STAMP(event) \
+  PAGEDATTN_STAMP(p, profile::SlotOf(profile::kPrefillJobs, blockIdx.x), profile::event)
+  PAGEDATTN_JOB_STAMP(kTileEntry);
   const int kv_head = block.kv_head;
   const AttentionWorkItem item = p.prefill_items[block.item];
   const AttentionSpan span = item.span_info;
@@ -729,6 +733,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
   CpAsyncWait<kS - 2>();  // tile 0's copies
   ProxyFenceShared();
   __syncthreads();
+  PAGEDATTN_JOB_STAMP(kFirstTileLanded);
   if (wg_tiles > 0) {
     float s[kNT][4];
     WgmmaFence();
@@ -787,6 +792,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
     store_row_base(tile + kS, next_id);  // read after the next iteration's barrier
   }
   CpAsyncWait<0>();
+  PAGEDATTN_JOB_STAMP(kLastTileDone);
 
   // ---- Normalize and write.
   M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
@@ -794,6 +800,8 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
                              row_sum, scale_log2);
 
   MergeIfLastSplit<TIO, D, kTwoPassMerge>(p, item, span, kv_head, group);
+  PAGEDATTN_JOB_STAMP(kTileExit);
+#undef PAGEDATTN_JOB_STAMP
 }
 
 // Named barriers of the warp-specialized body (0 is __syncthreads', kMergeBarrier the merge's).
@@ -1079,6 +1087,9 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
   int g0 = 0;  // stream index of the current job's first tile
 #pragma unroll 1
   for (int j = job_begin; j < job_end; ++j) {
+#define PAGEDATTN_JOB_STAMP(event) \
+  PAGEDATTN_STAMP(p, profile::SlotOf(profile::kPrefillJobs, j), profile::event)
+    PAGEDATTN_JOB_STAMP(kTileEntry);
     const AttentionWorkItem item = p.prefill_jobs[j].item;
     const int kv_head = p.prefill_jobs[j].kv_head;
     const AttentionSpan& span = item.span_info;
@@ -1115,6 +1126,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
     // ---- S of the first tile.
     uint32_t pa[kKP][4];
     wait_k(g0);
+    PAGEDATTN_JOB_STAMP(kFirstTileLanded);
     ProxyFenceShared();  // the producer's copies, seen through the async proxy
     take_turn();
     if (wg_tiles > 0) {
@@ -1211,6 +1223,7 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
       }
     }
     g0 += num_tiles;
+    PAGEDATTN_JOB_STAMP(kLastTileDone);
 
     // ---- Normalize and write.
     M::template WriteRows<TIO>(p, item, span, kv_head, group, span_rows,
@@ -1218,6 +1231,8 @@ __device__ __forceinline__ void WgmmaPrefillWsBody(const PagedAttentionParams& p
                                row_sum, scale_log2);
 
     MergeIfLastSplit<TIO, D, kTwoPassMerge, kConsumers>(p, item, span, kv_head, group);
+    PAGEDATTN_JOB_STAMP(kTileExit);
+#undef PAGEDATTN_JOB_STAMP
   }
   // Balances warpgroup 1's first arrival: every arrival at a turn barrier is matched.
   if (wg == 0) take_turn();

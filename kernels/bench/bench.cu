@@ -158,9 +158,9 @@ constexpr const char* kUsage =
     "                                         the merge kernel, or the tile kernel's last split\n"
     "  --profile FILE                         a profile build's (cmake -DPAGEDATTN_PROFILE=ON)\n"
     "                                         phase stamps of each case's last back-to-back\n"
-    "                                         launch: each decode tile and merge block's entry,\n"
-    "                                         first tile, loop end, exit (JSON, one object a case;\n"
-    "                                         a summary a kernel on stderr)\n";
+    "                                         launch: each decode tile, merge block and prefill\n"
+    "                                         job's start, first tile, loop end, exit (JSON, one\n"
+    "                                         object a case; a summary a kernel on stderr)\n";
 
 Config ParseFlags(int argc, char** argv) {
   Config c;

@@ -25,6 +25,7 @@ std::string ProfileJson(const std::string& head, const std::vector<uint64_t>& st
       {"decode_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
       {"decode_wide_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
       {"merge", {"entry", "tiles done (griddepcontrol.wait)", nullptr, "exit"}},
+      {"prefill_jobs", {"start", "first tile landed", "last tile done", "rows written"}},
   };
   std::ostringstream js;
   js << "{" << head << ", \"units\": \"us from the launch's first stamp\", \"kernels\": {";

@@ -16,12 +16,17 @@ enum Region : int {
   kDecodeTiles = 0,      // the 16-row decode tiles (the narrow tile too)
   kDecodeWideTiles = 1,  // the 32-row decode tiles
   kMerge = 2,            // the separate merge (blocks in grid order: task, row, kv head)
-  kRegions = 3,
+  // The Hopper prefill's jobs (an item and a kv head), stamped by thread 0 (its consumer
+  // warpgroup 0's view): the persistent kernel's job j at slot j of the schedule, the
+  // one-block-a-job kernel's block b at b.
+  kPrefillJobs = 3,
+  kRegions = 4,
 };
 inline constexpr int kSlots = kRegions * kRegionSlots;
 inline constexpr size_t kBufferBytes = size_t{kSlots} * kEvents * sizeof(uint64_t);
 
-// The events of each region's blocks, in stamp order (the merge stamps no event 2).
+// The events of each region's blocks, in stamp order (the merge stamps no event 2); a prefill
+// job's are a tile's: its start, its first K tile landed, its last tile done, its rows written.
 enum TileEvent : int { kTileEntry = 0, kFirstTileLanded = 1, kLastTileDone = 2, kTileExit = 3 };
 enum MergeEvent : int { kMergeEntry = 0, kMergeWaited = 1, kMergeExit = 3 };
 

@@ -81,6 +81,22 @@ TEST(ProfileJson, MissingStampsAreNullAndTheMergeHasThreeEvents) {
       << summary;
 }
 
+TEST(ProfileJson, PrefillJobsTakeTheirOwnEventNames) {
+  Stamps s;
+  s.Set(pf::kPrefillJobs, 1, pf::kTileEntry, kT0);
+  s.Set(pf::kPrefillJobs, 1, pf::kFirstTileLanded, kT0 + 1500);
+  s.Set(pf::kPrefillJobs, 1, pf::kLastTileDone, kT0 + 90000);
+  s.Set(pf::kPrefillJobs, 1, pf::kTileExit, kT0 + 91250);
+  std::string summary;
+  const std::string js = ProfileJson("\"case\": 2", s.values(), &summary);
+  EXPECT_NE(js.find("\"prefill_jobs\": {\"events\": [\"start\", \"first tile landed\", "
+                    "\"last tile done\", \"rows written\"], \"blocks\": [[null, null, null, "
+                    "null], [0.000, 1.500, 90.000, 91.250]]}"),
+            std::string::npos)
+      << js;
+  EXPECT_EQ(summary.rfind("prefill_jobs (2 blocks): start 0.00 / 0.00 / 0.00;", 0), 0u) << summary;
+}
+
 TEST(ProfileJson, NoStampsNoKernels) {
   Stamps s;
   std::string summary;

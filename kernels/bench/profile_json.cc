@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdio>
+#include <iterator>
 #include <sstream>
 
 #include "kernels/device/profile_layout.h"
@@ -21,12 +22,14 @@ std::string ProfileJson(const std::string& head, const std::vector<uint64_t>& st
     const char* name;
     std::array<const char*, pf::kEvents> events;  // null: an event the region does not stamp
   };
-  const RegionInfo regions[pf::kRegions] = {
+  // In profile::Region's order, one a region.
+  const RegionInfo regions[] = {
       {"decode_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
       {"decode_wide_tiles", {"entry", "first tile landed", "last tile done", "exit"}},
       {"merge", {"entry", "tiles done (griddepcontrol.wait)", nullptr, "exit"}},
       {"prefill_jobs", {"start", "first tile landed", "last tile done", "rows written"}},
   };
+  static_assert(std::size(regions) == pf::kRegions, "a name and events for every region");
   std::ostringstream js;
   js << "{" << head << ", \"units\": \"us from the launch's first stamp\", \"kernels\": {";
   bool first_region = true;

@@ -16,6 +16,9 @@
 #   PEERS=0          no peers.py (FlashInfer rows only when `import flashinfer` works)
 #   QUICK=1          the default decode and prefill shapes only, with fewer repetitions
 #   BENCH_TIMEOUT=N  seconds per bench or peers run (default 300)
+#   PROFILE_BUILD=DIR  a second build, configured with -DPAGEDATTN_PROFILE=ON: its bench also
+#                    writes the phase timelines (--profile) of the default decode and prefill
+#                    shapes, bf16 and FP8, into OUT_DIR/profile/ (the summaries in its logs)
 #
 # Outputs: OUT_DIR/logs/*.log (one per test, sanitizer, bench and peers run), OUT_DIR/ours/*.json
 # (bench rows, one file per run, its name the row's "variant" in compare.py) and
@@ -202,6 +205,29 @@ else
   bench decode_fp8_static --dtype float8_e4m3 --kv-scaling static --reps 30
   bench prefill_fp8 --suite prefill --dtype float8_e4m3 --reps 10
   peers decode_fp8 --no-limits --prefill none --kv-dtype float8_e4m3
+fi
+
+# The phase timelines of a profile build (kernels/README.md#tests-and-benchmark).
+if [ -n "${PROFILE_BUILD:-}" ]; then
+  prof_bin=$PROFILE_BUILD/kernels/bench/pagedattn-bench
+  mkdir -p "$out/profile"
+  # profile NAME [FLAGS...]: one timeline run, its stamps to profile/NAME.json.
+  profile() {
+    local name=$1
+    shift
+    timeout "$timeout_s" "$prof_bin" "$@" --profile "$out/profile/$name.json" \
+      > /dev/null 2> "$out/logs/profile_$name.log" ||
+      echo "profile $name failed rc=$? (logs/profile_$name.log)"
+  }
+  if [ ! -x "$prof_bin" ]; then
+    echo "profile: not built ($prof_bin)"
+  elif ! "$prof_bin" --cases none --profile /dev/null > /dev/null 2>&1; then
+    echo "profile: $prof_bin has no phase stamps (configure with -DPAGEDATTN_PROFILE=ON)"
+  else
+    profile decode --reps 10
+    profile decode_fp8 --dtype float8_e4m3 --reps 10
+    profile prefill --suite prefill --reps 3
+  fi
 fi
 
 python3 "$here/compare.py" "$out/ours" "$out/peers"

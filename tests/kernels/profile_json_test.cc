@@ -2,6 +2,7 @@
 // kernels write them: regions, events, blocks in grid order, missing stamps. No GPU.
 #include "kernels/bench/profile_json.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -14,6 +15,7 @@ namespace pagedattn::kernels {
 namespace {
 
 namespace pf = profile;
+using ::testing::HasSubstr;
 
 class Stamps {
  public:
@@ -38,11 +40,10 @@ TEST(ProfileJson, BlocksInGridOrderFromTheFirstStamp) {
   std::string summary;
   const std::string js = ProfileJson("\"case\": 7", s.values(), &summary);
   EXPECT_EQ(js.rfind("{\"case\": 7, \"units\": ", 0), 0u) << js;
-  EXPECT_NE(js.find("\"decode_tiles\": {\"events\": [\"entry\", \"first tile landed\", "
-                    "\"last tile done\", \"exit\"], \"blocks\": [[0.000, 0.250, 0.500, 0.750], "
-                    "[1.000, 1.250, 1.500, 1.750], [2.000, 2.250, 2.500, 2.750]]}"),
-            std::string::npos)
-      << js;
+  EXPECT_THAT(js,
+              HasSubstr("\"decode_tiles\": {\"events\": [\"entry\", \"first tile landed\", "
+                        "\"last tile done\", \"exit\"], \"blocks\": [[0.000, 0.250, 0.500, 0.750], "
+                        "[1.000, 1.250, 1.500, 1.750], [2.000, 2.250, 2.500, 2.750]]}"));
   // Regions without a stamp are left out.
   EXPECT_EQ(js.find("decode_wide_tiles"), std::string::npos) << js;
   EXPECT_EQ(js.find("merge"), std::string::npos) << js;
@@ -61,24 +62,20 @@ TEST(ProfileJson, MissingStampsAreNullAndTheMergeHasThreeEvents) {
   s.Set(pf::kMerge, 0, pf::kMergeExit, kT0 + 10500);
   std::string summary;
   const std::string js = ProfileJson("\"case\": 0", s.values(), &summary);
-  EXPECT_NE(js.find("\"decode_wide_tiles\": {\"events\": [\"entry\", \"first tile landed\", "
-                    "\"last tile done\", \"exit\"], \"blocks\": [[2.000, null, null, null], "
-                    "[null, null, null, null], [null, null, null, 9.000]]}"),
-            std::string::npos)
-      << js;
-  EXPECT_NE(js.find("\"merge\": {\"events\": [\"entry\", \"tiles done (griddepcontrol.wait)\", "
-                    "\"exit\"], \"blocks\": [[0.000, 8.000, 10.500]]}"),
-            std::string::npos)
-      << js;
+  EXPECT_THAT(js,
+              HasSubstr("\"decode_wide_tiles\": {\"events\": [\"entry\", \"first tile landed\", "
+                        "\"last tile done\", \"exit\"], \"blocks\": [[2.000, null, null, null], "
+                        "[null, null, null, null], [null, null, null, 9.000]]}"));
+  EXPECT_THAT(js,
+              HasSubstr("\"merge\": {\"events\": [\"entry\", \"tiles done (griddepcontrol.wait)\", "
+                        "\"exit\"], \"blocks\": [[0.000, 8.000, 10.500]]}"));
   EXPECT_EQ(js.find("decode_tiles\""), std::string::npos) << js;
-  EXPECT_NE(summary.find("decode_wide_tiles (3 blocks): entry 2.00 / 2.00 / 2.00; exit 9.00 / "
-                         "9.00 / 9.00;"),
-            std::string::npos)
-      << summary;
-  EXPECT_NE(summary.find("merge (1 blocks): entry 0.00 / 0.00 / 0.00; tiles done "
-                         "(griddepcontrol.wait) 8.00 / 8.00 / 8.00; exit 10.50 / 10.50 / 10.50;"),
-            std::string::npos)
-      << summary;
+  EXPECT_THAT(summary,
+              HasSubstr("decode_wide_tiles (3 blocks): entry 2.00 / 2.00 / 2.00; exit 9.00 / "
+                        "9.00 / 9.00;"));
+  EXPECT_THAT(summary,
+              HasSubstr("merge (1 blocks): entry 0.00 / 0.00 / 0.00; tiles done "
+                        "(griddepcontrol.wait) 8.00 / 8.00 / 8.00; exit 10.50 / 10.50 / 10.50;"));
 }
 
 TEST(ProfileJson, PrefillJobsTakeTheirOwnEventNames) {
@@ -89,11 +86,10 @@ TEST(ProfileJson, PrefillJobsTakeTheirOwnEventNames) {
   s.Set(pf::kPrefillJobs, 1, pf::kTileExit, kT0 + 91250);
   std::string summary;
   const std::string js = ProfileJson("\"case\": 2", s.values(), &summary);
-  EXPECT_NE(js.find("\"prefill_jobs\": {\"events\": [\"start\", \"first tile landed\", "
-                    "\"last tile done\", \"rows written\"], \"blocks\": [[null, null, null, "
-                    "null], [0.000, 1.500, 90.000, 91.250]]}"),
-            std::string::npos)
-      << js;
+  EXPECT_THAT(js,
+              HasSubstr("\"prefill_jobs\": {\"events\": [\"start\", \"first tile landed\", "
+                        "\"last tile done\", \"rows written\"], \"blocks\": [[null, null, null, "
+                        "null], [0.000, 1.500, 90.000, 91.250]]}"));
   EXPECT_EQ(summary.rfind("prefill_jobs (2 blocks): start 0.00 / 0.00 / 0.00;", 0), 0u) << summary;
 }
 

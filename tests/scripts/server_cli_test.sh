@@ -23,6 +23,22 @@ for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got
          "--max_total_pool_gb must be in 0" "--metrics_listen must be host:port"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
+# A flag given twice is an error naming both values (absl alone keeps the last without a word);
+# --listen given twice listens on both addresses, as its comma-separated list does.
+rc=0; out=$(timeout 10 "$server" --listen=127.0.0.1:0 --backend=cpu --cpu_threads=1 --cpu_threads 2 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--cpu_threads is given 2 times (1, 2); give it once" <<<"$out" ||
+  fail "a flag given twice: exit $rc: $out"
+sockdir=$(mktemp -d)
+"$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
+pid=$!
+wait_started "$log" $pid
+grep -q -- "--listen=127.0.0.1:0,unix:$sockdir/pa.sock" "$log" || fail "--listen twice: $(head -1 "$log")"
+[ "$("$cli" --target="unix:$sockdir/pa.sock" health)" = "SERVING" ] || fail "--listen twice: socket"
+[ "$("$cli" --target="127.0.0.1:$(log_port "$log" main)" health)" = "SERVING" ] ||
+  fail "--listen twice: port"
+kill -TERM $pid; wait $pid || fail "server with two --listen exit code $?"
+rm -rf "$sockdir"
+
 # --help: exit 0, every flag with its default, no path of the build machine.
 out=$("$server" --help) || fail "--help exit code $?"
 grep -q -- "--shutdown_grace_s (default: 10)" <<<"$out" || fail "--help: $out"

@@ -161,7 +161,7 @@ def expect_ok(rc, out, err, what):
     return check(rc == 0, f"{what}: exit 0" + ("" if rc == 0 else f" (got {rc}: {err.strip()})"))
 
 
-def readme_block(grpcurl, commands, server, proto_rpcs):
+def readme_block(grpcurl, commands, server, socket, proto_rpcs):
     """The `## grpcurl` block and the inline Unix-socket command, against a plaintext server."""
     target = f"127.0.0.1:{server.port}"
     # GetCache's <id>: a cache made here (the block's own CreateCache calls come after it).
@@ -174,7 +174,7 @@ def readme_block(grpcurl, commands, server, proto_rpcs):
     ran = 0
     for section, args, documented in commands:
         args = [a.replace("localhost:50051", target).replace("<id>", cache_id)
-                 .replace("/run/pagedattn/pa.sock", server.socket) for a in args[1:]]
+                 .replace("/run/pagedattn/pa.sock", socket) for a in args[1:]]
         rpc = rpc_of(args)
         what = f"README ({section}): grpcurl ... {rpc}"
         rc, out, err = run(grpcurl, args)
@@ -368,8 +368,7 @@ def main():
     with tempfile.TemporaryDirectory() as workdir:
         socket = os.path.join(workdir, "pa.sock")
         server = Server(binary, workdir, "plain", f"--listen=127.0.0.1:0,unix:{socket}")
-        server.socket = socket
-        ran = readme_block(grpcurl, plain_commands, server, proto_rpcs)
+        ran = readme_block(grpcurl, plain_commands, server, socket, proto_rpcs)
         large_forward(grpcurl, server)
         server.stop()
         ran += security_block(grpcurl, secure, binary, workdir)

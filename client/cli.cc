@@ -11,6 +11,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/ascii.h"
@@ -20,6 +21,7 @@
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/smoke.h"
+#include "common/cmdline.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each RPC, seconds");
@@ -151,6 +153,11 @@ int main(int argc, char** argv) {
   };
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
+  if (!pagedattn::NoRepeatedFlags("pagedattn-cli", argc, argv,
+                                  pagedattn::FlagKinds(absl::GetAllFlags(), "client/cli.cc"),
+                                  {"token"})) {
+    return 2;
+  }
   if (args.size() < 2) {
     std::cerr << kUsage << "\nrun with --help for the flags\n";
     return 2;

@@ -24,6 +24,7 @@
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
+#include "absl/flags/reflection.h"
 #include "absl/flags/usage.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
@@ -38,6 +39,7 @@
 #if PAGEDATTN_WITH_CUDA
 #include "client/device_region.h"
 #endif
+#include "common/cmdline.h"
 #include "common/transport.h"
 #include "pagedattn/v1/attention.pb.h"
 
@@ -924,5 +926,10 @@ int main(int argc, char** argv) {
       "model-shaped load against a pagedattn server, beside a bare gRPC echo of the same bytes.\n"
       "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]");
   absl::ParseCommandLine(argc, argv);
+  if (!pagedattn::NoRepeatedFlags("pagedattn-loadgen", argc, argv,
+                                  pagedattn::FlagKinds(absl::GetAllFlags(), "client/loadgen.cc"),
+                                  {"token"})) {
+    return 2;
+  }
   return pagedattn::Main();
 }

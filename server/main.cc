@@ -24,6 +24,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "common/cmdline.h"
 #include "server/core/backend_factory.h"
 #include "server/service/address.h"
 #include "server/service/server.h"
@@ -214,32 +215,6 @@ std::vector<std::string> FlagsFromEnvironment() {
   return ignored;
 }
 
-// The values of each server flag the command line gives more than once (absl keeps the last
-// and drops the others without a word): --listen=a --listen=b would silently serve b alone.
-// Scans argv as absl parses it: --name=value, --name value (not for booleans), --noname; "--"
-// ends the flags.
-std::map<std::string, std::vector<std::string>> RepeatedFlags(int argc, char** argv) {
-  const std::map<std::string, absl::CommandLineFlag*> flags = ServerFlags();
-  std::map<std::string, std::vector<std::string>> seen;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view a(argv[i]);
-    if (a == "--") break;
-    if (!absl::ConsumePrefix(&a, "--") && !absl::ConsumePrefix(&a, "-")) continue;
-    const size_t eq = a.find('=');
-    std::string name(a.substr(0, eq));
-    auto it = flags.find(name);
-    if (it == flags.end() && absl::StartsWith(name, "no")) it = flags.find(name.substr(2));
-    if (it == flags.end()) continue;  // absl names unknown flags itself
-    std::string value = eq == absl::string_view::npos ? "" : std::string(a.substr(eq + 1));
-    if (eq == absl::string_view::npos && !it->second->IsOfType<bool>() && i + 1 < argc) {
-      value = argv[++i];
-    }
-    seen[it->first].push_back(value);
-  }
-  std::erase_if(seen, [](const auto& entry) { return entry.second.size() < 2; });
-  return seen;
-}
-
 bool ParseSocketMode(const std::string& text, int* mode) {
   if (text.empty() || text.size() > 4) return false;
   *mode = 0;
@@ -348,7 +323,8 @@ int main(int argc, char** argv) {
   }
   absl::SetProgramUsageMessage(Usage());
   const std::vector<std::string> ignored_env = FlagsFromEnvironment();
-  const std::map<std::string, std::vector<std::string>> repeated = RepeatedFlags(argc, argv);
+  std::map<std::string, std::vector<std::string>> repeated =
+      pagedattn::RepeatedFlags(argc, argv, pagedattn::FlagKinds(ServerFlags(), "server/main.cc"));
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {
     std::cerr << "pagedattn-server: unexpected argument '" << rest[1]
@@ -357,16 +333,12 @@ int main(int argc, char** argv) {
   }
   // --listen given several times listens on every address, as its comma-separated list does;
   // any other flag given twice is an error rather than a value silently dropped.
-  std::vector<std::string> twice;
-  for (const auto& [name, values] : repeated) {
-    if (name == "listen") {
-      absl::SetFlag(&FLAGS_listen, absl::StrJoin(values, ","));
-    } else {
-      twice.push_back(absl::StrCat("--", name, " is given ", values.size(), " times (",
-                                   absl::StrJoin(values, ", "), "); give it once"));
-    }
+  if (auto listen = repeated.find("listen"); listen != repeated.end()) {
+    absl::SetFlag(&FLAGS_listen, absl::StrJoin(listen->second, ","));
+    repeated.erase(listen);
   }
-  if (!twice.empty()) {
+  if (const std::vector<std::string> twice = pagedattn::RepeatedFlagErrors(repeated);
+      !twice.empty()) {
     std::cerr << "pagedattn-server: " << absl::StrJoin(twice, "\npagedattn-server: ") << "\n";
     return 2;
   }

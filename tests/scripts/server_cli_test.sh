@@ -28,6 +28,12 @@ done
 rc=0; out=$(timeout 10 "$server" --listen=127.0.0.1:0 --backend=cpu --cpu_threads=1 --cpu_threads 2 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--cpu_threads is given 2 times (1, 2); give it once" <<<"$out" ||
   fail "a flag given twice: exit $rc: $out"
+# The CLI too, a token's values left out of the message.
+rc=0; out=$(timeout 10 "$cli" --target=127.0.0.1:1 --target 127.0.0.1:2 --token=s3cret-value-1 \
+  --token=s3cret-value-2 health 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--target is given 2 times (127.0.0.1:1, 127.0.0.1:2)" <<<"$out" &&
+  grep -q -- "--token is given 2 times; give it once" <<<"$out" && ! grep -q s3cret <<<"$out" ||
+  fail "CLI flags given twice: exit $rc: $out"
 sockdir=$(mktemp -d)
 "$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
 pid=$!

@@ -1,0 +1,85 @@
+// The command line's repeated flags: absl keeps a repeated flag's last value without a word, so
+// each program (server, CLI, load generator) asks here which of its flags came more than once.
+#pragma once
+
+#include <iostream>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace pagedattn {
+
+// A program's flags by name, true for a boolean one: those of `all` (absl::GetAllFlags(), passed
+// in so that this header needs no absl) defined in a file whose path contains `file`.
+template <typename AllFlags>
+std::map<std::string, bool> FlagKinds(const AllFlags& all, std::string_view file) {
+  std::map<std::string, bool> kinds;
+  for (const auto& [name, flag] : all) {
+    if (std::string_view(flag->Filename()).find(file) != std::string_view::npos) {
+      kinds[std::string(name)] = flag->template IsOfType<bool>();
+    }
+  }
+  return kinds;
+}
+
+// The flags of argv[1..argc) that appear more than once, each with its values in order. `flags`:
+// the program's flags by name, true for a boolean one. Reads argv as absl parses it:
+// --name=value or -name=value, --name value (not for a boolean: --name and --noname take none),
+// "--" ends the flags; names the program does not have are left to absl to refuse.
+inline std::map<std::string, std::vector<std::string>> RepeatedFlags(
+    int argc, char** argv, const std::map<std::string, bool>& flags) {
+  std::map<std::string, std::vector<std::string>> seen;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a(argv[i]);
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    a.remove_prefix(a[1] == '-' ? 2 : 1);
+    const size_t eq = a.find('=');
+    const std::string name(a.substr(0, eq));
+    auto it = flags.find(name);
+    if (it == flags.end() && name.rfind("no", 0) == 0) {
+      it = flags.find(name.substr(2));
+      if (it != flags.end() && !it->second) it = flags.end();  // --noX is for booleans only
+    }
+    if (it == flags.end()) continue;
+    std::string value = eq == std::string_view::npos ? "" : std::string(a.substr(eq + 1));
+    if (eq == std::string_view::npos && !it->second && i + 1 < argc) value = argv[++i];
+    seen[it->first].push_back(std::move(value));
+  }
+  std::erase_if(seen, [](const auto& entry) { return entry.second.size() < 2; });
+  return seen;
+}
+
+// One line a repeated flag: "--name is given 2 times (a, b); give it once", the values of the
+// `secret` flags (tokens) left out.
+inline std::vector<std::string> RepeatedFlagErrors(
+    const std::map<std::string, std::vector<std::string>>& repeated,
+    const std::vector<std::string>& secret = {}) {
+  std::vector<std::string> lines;
+  for (const auto& [name, values] : repeated) {
+    std::string line = "--" + name + " is given " + std::to_string(values.size()) + " times";
+    bool hide = false;
+    for (const std::string& s : secret) hide = hide || s == name;
+    if (!hide) {
+      line += " (";
+      for (size_t i = 0; i < values.size(); ++i) line += (i ? ", " : "") + values[i];
+      line += ")";
+    }
+    lines.push_back(line + "; give it once");
+  }
+  return lines;
+}
+
+// For a program whose every repeated flag is an error: writes "PROGRAM: <line>" to stderr for
+// each (RepeatedFlagErrors) and returns false when there was any.
+inline bool NoRepeatedFlags(const char* program, int argc, char** argv,
+                            const std::map<std::string, bool>& flags,
+                            const std::vector<std::string>& secret = {}) {
+  const std::vector<std::string> lines =
+      RepeatedFlagErrors(RepeatedFlags(argc, argv, flags), secret);
+  for (const std::string& line : lines) std::cerr << program << ": " << line << "\n";
+  return lines.empty();
+}
+
+}  // namespace pagedattn

@@ -1216,8 +1216,18 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
 #pragma unroll
       for (int i = 0; i < Cfg::kRowsPerThread; ++i)
         pool_rows[i] = __shfl_sync(0xffffffffu, found, i * kRowsAtOnce + my_first_slot);
-      if (!copies) return;
       const int rows_left = item.kv_end - (item.kv_start + tile * Cfg::kTileKv);
+      // FP8 PER_TOKEN: each row's K and V scales, copied by the lane that found the row (lanes
+      // 0..kWarpRows-1 of the warps find each row of the tile once), zeros past the range.
+      if constexpr (Cfg::kFp8) {
+        if (row_scales && lane < kWarpRows) {
+          float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + lane_row;
+          const bool valid = lane_row < rows_left;
+          CpAsync4(SmemAddr(scales), p.scales.k_rows + found, valid);
+          CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + found, valid);
+        }
+      }
+      if (!copies) return;
 #pragma unroll
       for (int i = 0; i < Cfg::kRowsPerThread; ++i) {
         const int row = copy_row0 + i * Cfg::kRowStep;
@@ -1228,11 +1238,6 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                               Fp8TileOffset<D>(row, copy_chunk);
           CpAsync16Policy(sk, k_bytes + offset, valid, read_once);
           CpAsync16Policy(sk + Cfg::kTileKv * D, v_bytes + offset, valid, read_once);
-          if (row_scales && copy_chunk == 0) {
-            float* scales = reinterpret_cast<float*>(stage + 2 * Cfg::kTileKv * D) + row;
-            CpAsync4(SmemAddr(scales), p.scales.k_rows + pool_rows[i], valid);
-            CpAsync4(SmemAddr(scales + Cfg::kTileKv), p.scales.v_rows + pool_rows[i], valid);
-          }
         } else {
           uint32_t sk = SmemAddr(stage);
           asm("" : "+r"(sk));

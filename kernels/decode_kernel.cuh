@@ -649,10 +649,14 @@ struct DecodeFp8Math {
           f[nt].y = fminf(f[nt].y, kMaxTileScale);
         }
       }
+      // The reference rises only where a scale of the step passes it by 2^7 (rare after the
+      // first steps): a vote finds that, and the step's largest scale is found only then.
       float mx = fmaxf(fmaxf(f[0].x, f[0].y), fmaxf(f[1].x, f[1].y));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      this->RaiseTo(mx, st.o);
+      if (__any_sync(0xffffffffu, mx > this->ref * 0x1p7f)) {
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        this->RaiseTo(mx, st.o);
+      }
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const float x = f[nt].x * this->inv, y = f[nt].y * this->inv;
@@ -874,9 +878,11 @@ struct DecodeFp8NarrowMath {
                                           int row0, int g, State& st) {
       const float2 f = PositionScales(row_scales, one, row0, g);
       float mx = fmaxf(f.x, f.y);
+      if (__any_sync(0xffffffffu, mx > this->ref * 0x1p7f)) {  // as DecodeFp8Math::VScales
 #pragma unroll
-      for (int x = 4; x < 32; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
-      this->RaiseTo(mx, st.o);
+        for (int x = 4; x < 32; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
+        this->RaiseTo(mx, st.o);
+      }
       const float x = f.x * this->inv, y = f.y * this->inv;
       p[0][0] *= x;
       p[0][1] *= x;

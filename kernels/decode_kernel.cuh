@@ -580,14 +580,16 @@ struct DecodeFp8Math {
   }
 
   // A thread's scores or weights (columns 2 quad_col, + 1 of each n8 tile) times their
-  // positions' scales: row_scales[row0 + 8nt + 2quad_col + e % 2] (shared memory), or `one`.
-  // Q's row scales join the scores' log2 units (DecodeTileMath::MaskAndScale's q_rows).
-  __device__ __forceinline__ static void Scale(float (&s)[2][4], const float* row_scales, float one,
-                                               int row0, int quad_col) {
+  // positions' scales: row_scales[row0 + 8nt + 2quad_col + e % 2] (the stage's, in shared
+  // memory) where per_token (block-uniform), else `one`. Q's row scales join the scores' log2
+  // units (DecodeTileMath::MaskAndScale's q_rows).
+  __device__ __forceinline__ static void Scale(float (&s)[2][4], const float* row_scales,
+                                               bool per_token, float one, int row0,
+                                               int quad_col) {
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float2 f = make_float2(one, one);
-      if (row_scales != nullptr) {
+      if (per_token) {
         f = *reinterpret_cast<const float2*>(row_scales + row0 + nt * 8 + 2 * quad_col);
         f.x = fminf(f.x, kMaxTileScale);
         f.y = fminf(f.y, kMaxTileScale);
@@ -636,14 +638,16 @@ struct DecodeFp8Math {
     }
   };
   struct VScales : VReference {
-    // p times the V scales of the step at row0 (row_scales[row0 + ...], or `one`) over ref.
-    __device__ __forceinline__ void Apply(float (&p)[2][4], const float* row_scales, float one,
-                                          int row0, int quad_col, DecodeState<D>& st) {
+    // p times the V scales of the step at row0 (row_scales[row0 + ...] where per_token, else
+    // `one`) over ref.
+    __device__ __forceinline__ void Apply(float (&p)[2][4], const float* row_scales,
+                                          bool per_token, float one, int row0, int quad_col,
+                                          DecodeState<D>& st) {
       float2 f[2];
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         f[nt] = make_float2(one, one);
-        if (row_scales != nullptr) {
+        if (per_token) {
           f[nt] = *reinterpret_cast<const float2*>(row_scales + row0 + nt * 8 + 2 * quad_col);
           f[nt].x = fminf(f[nt].x, kMaxTileScale);
           f[nt].y = fminf(f[nt].y, kMaxTileScale);
@@ -792,19 +796,19 @@ struct DecodeFp8NarrowMath {
     for (int e = 0; e < 4; ++e) s[0][e] += s_odd[e];
   }
 
-  // The scale of each of the lane's two positions (row0 + g, + 8): row_scales' (shared memory,
-  // PER_TOKEN) or `one`.
-  __device__ __forceinline__ static float2 PositionScales(const float* row_scales, float one,
-                                                          int row0, int g) {
-    if (row_scales == nullptr) return make_float2(one, one);
+  // The scale of each of the lane's two positions (row0 + g, + 8): row_scales' (the stage's, in
+  // shared memory) where per_token (block-uniform), else `one`.
+  __device__ __forceinline__ static float2 PositionScales(const float* row_scales, bool per_token,
+                                                          float one, int row0, int g) {
+    if (!per_token) return make_float2(one, one);
     return make_float2(fminf(row_scales[row0 + g], kMaxTileScale),
                        fminf(row_scales[row0 + g + 8], kMaxTileScale));
   }
 
   // S^T times K's scales of the lane's positions.
   __device__ __forceinline__ static void ScaleK(float (&s)[1][4], const float* row_scales,
-                                                float one, int row0, int g) {
-    const float2 f = PositionScales(row_scales, one, row0, g);
+                                                bool per_token, float one, int row0, int g) {
+    const float2 f = PositionScales(row_scales, per_token, one, row0, g);
     s[0][0] *= f.x;
     s[0][1] *= f.x;
     s[0][2] *= f.y;
@@ -874,9 +878,9 @@ struct DecodeFp8NarrowMath {
   // DecodeFp8Math::VScales for S^T's layout: a lane's two positions, the step's largest scale
   // found across the lanes of its positions (xor 4, 8, 16).
   struct VScales : Fp8::VReference {
-    __device__ __forceinline__ void Apply(float (&p)[1][4], const float* row_scales, float one,
-                                          int row0, int g, State& st) {
-      const float2 f = PositionScales(row_scales, one, row0, g);
+    __device__ __forceinline__ void Apply(float (&p)[1][4], const float* row_scales,
+                                          bool per_token, float one, int row0, int g, State& st) {
+      const float2 f = PositionScales(row_scales, per_token, one, row0, g);
       float mx = fmaxf(f.x, f.y);
       if (__any_sync(0xffffffffu, mx > this->ref * 0x1p7f)) {  // as DecodeFp8Math::VScales
 #pragma unroll
@@ -1323,9 +1327,10 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   const float k_scale = fminf(p.scales.k, kMaxTileScale);
   const float v_scale = fminf(p.scales.v, kMaxTileScale);
   float* const q_scales = reinterpret_cast<float*>(smem_raw + Cfg::kQScaleOffset);
+  // A stage's K row scales, then V's (read where row_scales: PER_TOKEN). Never null, so that
+  // the step takes them as shared memory, not as a generic pointer tested for null a step.
   auto stage_scales = [&](int tile) -> const float* {
-    return row_scales ? reinterpret_cast<const float*>(stage_of(tile) + 2 * Cfg::kTileKv * D)
-                      : nullptr;
+    return reinterpret_cast<const float*>(stage_of(tile) + 2 * Cfg::kTileKv * D);
   };
   // The tiles in order: at_first(), once the first tile is in; then step(tile, row0, pos0) for
   // each of the warp's 16-position steps that some row of the warp sees.
@@ -1386,11 +1391,11 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
             const float* scales = stage_scales(tile);
             float s[1][4] = {{0.f, 0.f, 0.f, 0.f}};
             Narrow::ScoreKQ(q, stage, row0, lane, s);                 // S^T = K.Q^T
-            Narrow::ScaleK(s, scales, k_scale, row0, quad_row);       // K's scales
+            Narrow::ScaleK(s, scales, row_scales, k_scale, row0, quad_row);  // K's scales
             Narrow::MaskAndScale(s, pos0, item.kv_end, rows, quad_row, softcap, scale_log2,
                                  q_row_scale);  // Q's row scales with the log2 units
             Narrow::OnlineSoftmax(s, state);
-            v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_row,
+            v_scales.Apply(s, scales + Cfg::kTileKv, row_scales, v_scale, row0, quad_row,
                            state);  // P^T times V's scales over the reference
             Narrow::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);  // O^T += V^T.P^T
           });
@@ -1462,11 +1467,11 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
             const unsigned char* stage = stage_of(tile);
             const float* scales = stage_scales(tile);
             Fp8Math::ScoreQK(q_fragment, stage, row0, lane, s);  // S = Q.K^T, K as stored
-            Fp8Math::Scale(s, scales, k_scale, row0, quad_col);  // K's scales
+            Fp8Math::Scale(s, scales, row_scales, k_scale, row0, quad_col);  // K's scales
             Math::MaskAndScale(s, pos0, item.kv_end, rows, quad_col, softcap, scale_log2,
                                q_row_scale);  // Q's row scales with the log2 units
             Math::OnlineSoftmax(s, state);
-            v_scales.Apply(s, scales ? scales + Cfg::kTileKv : nullptr, v_scale, row0, quad_col,
+            v_scales.Apply(s, scales + Cfg::kTileKv, row_scales, v_scale, row0, quad_col,
                            state);  // P times V's scales over the reference
             Fp8Math::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);
           } else {

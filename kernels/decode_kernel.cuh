@@ -1493,7 +1493,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   }
   // A tile of several blocks merges in the separate merge kernel (AttentionPlanLimits::wide_head).
   if constexpr (Cfg::kColSplit == 1) {
-    MergeIfLastSplit<TIO, D, DecodeMergeBatch(D)>(p, item, span, kv_head, group);
+    MergeIfLastSplit<TIO, D, DecodeMergeBatch(D, Cfg::kThreads)>(p, item, span, kv_head, group);
   }
   PAGEDATTN_TILE_STAMP(kTileExit);
 #undef PAGEDATTN_TILE_STAMP

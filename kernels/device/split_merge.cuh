@@ -115,7 +115,11 @@ __device__ __forceinline__ void WriteMergedRow(const PagedAttentionParams& p,
 // batch costs one L2 round trip and none waits for a max over all splits first.
 // Splits per merge batch in the decode tiles: at head_dim 128, up to 33 splits (one wave of 264
 // blocks on 8 kv heads) take one batch.
-constexpr int DecodeMergeBatch(int head_dim) { return head_dim == 128 ? 33 : 9; }
+// The narrow FP8 tile (256 threads at 128 registers) takes 9 at 128 too: 33 splits' slices
+// (132 registers) spilled 300 bytes there.
+constexpr int DecodeMergeBatch(int head_dim, int block_threads) {
+  return head_dim == 128 && block_threads <= 128 ? 33 : 9;
+}
 
 template <typename TIO, int D, int kBatch>
 __device__ __forceinline__ void MergeSplits(const PagedAttentionParams& p,

@@ -221,17 +221,14 @@ constexpr bool HasDecodeTiles(bool fp8, int head_dim) { return !(fp8 && SplitsCo
 // Whether a cache dtype and head_dim have the narrow decode tile (eight warps on at most 8 rows,
 // the transposed step alone): FP8 up to head_dim 128.
 constexpr bool HasNarrowDecodeTiles(bool fp8, int head_dim) { return fp8 && head_dim <= 128; }
-// Whether a launch's 16-row decode tiles run the narrow tile (HasNarrowDecodeTiles): where every
-// one of them holds at most 8 rows (AttentionWork::narrow_decode), at head dims 64, 80 and 96,
-// and at 128 with STATIC scales in a plan that splits nothing. Twice the warps on each KV tile
-// run four of the five default shapes in 0.84-0.95x the time at 64-96 (256 x 2048 1.02x), 128
-// STATIC's unsplit shapes in 0.96-1.00x; at 128 split plans (16 x 4096 1.02-1.04x) and PER_TOKEN
-// (0.99-1.03x) keep the four-warp tile (docs/PERFORMANCE.md#design-decisions).
+// Whether a launch's 16-row decode tiles run the narrow tile (HasNarrowDecodeTiles): wherever
+// every one of them holds at most 8 rows (AttentionWork::narrow_decode), split plans and both
+// scalings too. Twice the warps on each KV tile run four of the five default shapes in
+// 0.84-0.95x the time at 64-96 (256 x 2048 1.02x); at 128, once its in-kernel merge stopped
+// spilling (DecodeMergeBatch), 0.95-0.99x on every default shape, PER_TOKEN and STATIC
+// (docs/PERFORMANCE.md#design-decisions).
 inline bool RunsNarrowDecode(const PagedAttentionParams& p) {
-  if (!p.narrow_decode || !HasNarrowDecodeTiles(p.kv_dtype == DType::kFloat8E4M3, p.head_dim)) {
-    return false;
-  }
-  return p.head_dim < 128 || (p.scales.k_rows == nullptr && p.num_merge_tasks == 0);
+  return p.narrow_decode && HasNarrowDecodeTiles(p.kv_dtype == DType::kFloat8E4M3, p.head_dim);
 }
 
 // Whether every score's softmax exponent stays finite without a clamp. q and K hold values of at

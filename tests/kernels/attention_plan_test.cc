@@ -191,8 +191,8 @@ TEST(AttentionPlan, ShortLastWaveRunsOneBlockAnSmFewer) {
 }
 
 // A launch runs the narrow decode tile only where every 16-row tile holds at most 8 rows (its
-// transposed step holds 8: the mma's n8), and then only where RunsNarrowDecode's rule says it is
-// faster: FP8 at head dims 64-96, and 128 with STATIC scales in a plan that splits nothing.
+// transposed step holds 8: the mma's n8), for an FP8 cache up to head_dim 128, either scaling,
+// split or not.
 TEST(AttentionPlan, NarrowDecodeWhereEverySixteenRowTileHoldsAtMostEight) {
   auto narrow = [](int q_heads, int kv_heads, std::vector<kernels::AttentionSpan> spans) {
     kernels::AttentionWork work;
@@ -215,11 +215,14 @@ TEST(AttentionPlan, NarrowDecodeWhereEverySixteenRowTileHoldsAtMostEight) {
   for (int d : {64, 80, 96, 128, 192, 256}) {
     p.head_dim = d;
     p.scales.k_rows = &row_scales;
-    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 96) << "PER_TOKEN, head_dim " << d;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 128) << "PER_TOKEN, head_dim " << d;
+    p.num_merge_tasks = 1;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 128) << "PER_TOKEN, split, head_dim " << d;
+    p.num_merge_tasks = 0;
     p.scales.k_rows = nullptr;
     EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 128) << "STATIC, head_dim " << d;
     p.num_merge_tasks = 1;
-    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 96) << "STATIC, split, head_dim " << d;
+    EXPECT_EQ(kernels::RunsNarrowDecode(p), d <= 128) << "STATIC, split, head_dim " << d;
     p.num_merge_tasks = 0;
   }
   p.head_dim = 64;

@@ -225,7 +225,7 @@ constexpr bool HasNarrowDecodeTiles(bool fp8, int head_dim) { return fp8 && head
 // every one of them holds at most 8 rows (AttentionWork::narrow_decode), split plans and both
 // scalings too. Twice the warps on each KV tile run four of the five default shapes in
 // 0.84-0.95x the time at 64-96 (256 x 2048 1.02x); at 128, once its in-kernel merge stopped
-// spilling (DecodeMergeBatch), 0.95-0.99x on every default shape, PER_TOKEN and STATIC
+// spilling (DecodeMergeBatch), 0.95-1.00x on every default shape, PER_TOKEN and STATIC
 // (docs/PERFORMANCE.md#design-decisions).
 inline bool RunsNarrowDecode(const PagedAttentionParams& p) {
   return p.narrow_decode && HasNarrowDecodeTiles(p.kv_dtype == DType::kFloat8E4M3, p.head_dim);

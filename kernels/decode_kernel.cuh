@@ -612,11 +612,17 @@ struct DecodeFp8Math {
     float ref = 0x1p-126f;
     float inv = 0x1p126f;
 
-    // ref raised to mx, the step's largest scale (the same in every lane), where mx passes it by
-    // more than 2^7, a thread's O (kN x 4 values) rescaled with it.
+    // Whether a scale passes the reference by more than 2^7: the only case that raises it.
+    __device__ __forceinline__ bool Passes(float mx) const { return mx > ref * 0x1p7f; }
+    // Whether any lane's scale Passes: the step's largest scale is then found and raised to.
+    __device__ __forceinline__ bool AnyPasses(float mx) const {
+      return __any_sync(0xffffffffu, Passes(mx));
+    }
+    // ref raised to mx, the step's largest scale (the same in every lane), where mx Passes it,
+    // a thread's O (kN x 4 values) rescaled with it.
     template <int kN>
     __device__ __forceinline__ void RaiseTo(float mx, float (&o)[kN][4]) {
-      if (mx > ref * 0x1p7f) {  // warp-uniform
+      if (Passes(mx)) {  // warp-uniform
         const float down = ref / mx;
 #pragma unroll
         for (int n = 0; n < kN; ++n) {
@@ -656,7 +662,7 @@ struct DecodeFp8Math {
       // The reference rises only where a scale of the step passes it by 2^7 (rare after the
       // first steps): a vote finds that, and the step's largest scale is found only then.
       float mx = fmaxf(fmaxf(f[0].x, f[0].y), fmaxf(f[1].x, f[1].y));
-      if (__any_sync(0xffffffffu, mx > this->ref * 0x1p7f)) {
+      if (this->AnyPasses(mx)) {
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         this->RaiseTo(mx, st.o);
@@ -882,7 +888,7 @@ struct DecodeFp8NarrowMath {
                                           bool per_token, float one, int row0, int g, State& st) {
       const float2 f = PositionScales(row_scales, per_token, one, row0, g);
       float mx = fmaxf(f.x, f.y);
-      if (__any_sync(0xffffffffu, mx > this->ref * 0x1p7f)) {  // as DecodeFp8Math::VScales
+      if (this->AnyPasses(mx)) {  // as DecodeFp8Math::VScales
 #pragma unroll
         for (int x = 4; x < 32; x *= 2) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, x));
         this->RaiseTo(mx, st.o);

@@ -17,10 +17,10 @@ template <typename S>
 inline constexpr bool kIsFp8 = std::is_same_v<S, Fp8>;
 
 // The element type S's tiles take q and out in and, where an FP8 cache's values are dequantized
-// on their way into shared memory (prefill's page copy, decode at head dims 80, 96, 192), compute
-// in: S's own, bfloat16 for an FP8 cache (x = float(stored) * scale, rounded to bfloat16: a
-// scaled value keeps float's range). The FP8 decode tiles at 64, 128, 256 read the stored values
-// straight into float16 fragments instead (decode_kernel.cuh, DecodeFp8Math).
+// on their way into shared memory (prefill's page copy), compute in: S's own, bfloat16 for an FP8
+// cache (x = float(stored) * scale, rounded to bfloat16: a scaled value keeps float's range). The
+// FP8 decode tiles, at every head dim, read the stored values straight into float16 fragments
+// instead (decode_fp8_math.cuh, DecodeFp8Math).
 template <typename S>
 using TileType = std::conditional_t<kIsFp8<S>, __nv_bfloat16, S>;
 

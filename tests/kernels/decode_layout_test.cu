@@ -1,4 +1,4 @@
-// The FP8 decode tile's Q layout (kernels/decode_kernel.cuh, DecodeFp8Math): where QToHalf puts
+// The FP8 decode tile's Q layout (kernels/decode_fp8_math.cuh, DecodeFp8Math): where QToHalf puts
 // each pair of Q's dims in fragment order, checked against the mma.m16n8k16 A fragment as PTX
 // defines it (register j of lane 4g + t: row g + 8 (j % 2), k slots 2t + 8 (j / 2), + 1) and
 // the FP8 tiles' k order (slots 2t, 2t + 1 hold dims 4t, 4t + 1; slots 2t + 8, 2t + 9 dims
@@ -8,7 +8,7 @@
 
 #include <vector>
 
-#include "kernels/decode_kernel.cuh"
+#include "kernels/decode_fp8_math.cuh"
 
 namespace pagedattn::kernels {
 namespace {

@@ -166,11 +166,12 @@ struct PagedAttentionParams {
   // softmax denominator and carry no value.
   const float* sinks = nullptr;
 
-  // An FP8 cache (kv_dtype kFloat8E4M3): the layer's scales. The decode tiles dequantize K/V
-  // on their way into shared memory; the prefill tiles read a bfloat16 copy of the pages their
-  // spans attend (AttentionPlan: prefill's pages are few and each is read by many query tiles):
-  // page dequant_pages[i] of the pool goes to page i of dequant_k / dequant_v (num_dequant_pages
-  // of them), and prefill_page_table is page_table with those spans' entries renumbered so.
+  // An FP8 cache (kv_dtype kFloat8E4M3): the layer's scales. The decode tiles read the stored
+  // bytes into their mma fragments and apply the scales there; the prefill tiles read a bfloat16
+  // copy of the pages their spans attend (AttentionPlan: prefill's pages are few and each is
+  // read by many query tiles): page dequant_pages[i] of the pool goes to page i of dequant_k /
+  // dequant_v (num_dequant_pages of them), and prefill_page_table is page_table with those
+  // spans' entries renumbered so.
   KvScales scales = {};
   const int32_t* dequant_pages = nullptr;
   int32_t num_dequant_pages = 0;

@@ -28,11 +28,12 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
   };
   if (options.backend == BackendChoice::kCpu) return cpu();
 #if PAGEDATTN_WITH_CUDA
-  if (CudaDeviceCount() == 0) {
+  std::string no_gpu;
+  if (CudaDeviceCount(&no_gpu) == 0) {
     if (options.backend == BackendChoice::kCuda) {
-      return absl::FailedPreconditionError(
-          "--backend=cuda but no CUDA GPU is visible to this process");
+      return absl::FailedPreconditionError(absl::StrCat("--backend=cuda but ", no_gpu));
     }
+    created.fallback_reason = std::move(no_gpu);
     return cpu();
   }
   absl::StatusOr<std::unique_ptr<Backend>> cuda =

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -650,11 +651,20 @@ class CudaBackend final : public Backend {
 
 CudaForwardBuffers::~CudaForwardBuffers() { backend_->Release(std::move(ws_)); }
 
-int CudaDeviceCount() {
+int CudaDeviceCount(std::string* why) {
   int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+  const cudaError_t err = cudaGetDeviceCount(&count);
+  if (err != cudaSuccess) {
     cudaGetLastError();  // clear: "no driver" must not leak into later calls
-    return 0;
+    count = 0;
+  }
+  if (count == 0 && why != nullptr) {
+    *why = absl::StrCat("no CUDA GPU is visible to this process (",
+                        err != cudaSuccess ? cudaGetErrorString(err) : "the driver lists none",
+                        ")");
+    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
+      absl::StrAppend(why, "; CUDA_VISIBLE_DEVICES=\"", visible, "\"");
+    }
   }
   return count;
 }

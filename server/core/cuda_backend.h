@@ -15,8 +15,9 @@ namespace kernels {
 class Launcher;
 }  // namespace kernels
 
-// GPUs visible to this process; 0 when there is no driver or no GPU. Never throws or aborts.
-int CudaDeviceCount();
+// GPUs visible to this process; 0 when there is no driver or no GPU, and then, where why is
+// given, the CUDA runtime's reason (and CUDA_VISIBLE_DEVICES, when set). Never throws or aborts.
+int CudaDeviceCount(std::string* why = nullptr);
 
 struct CudaBackendOptions {
   // Prefill tiles always run on the portable (mma.sync) kernel, never the Hopper (wgmma) one.

@@ -45,6 +45,24 @@ grep -q -- "--listen=127.0.0.1:0,unix:$sockdir/pa.sock" "$log" || fail "--listen
 kill -TERM $pid; wait $pid || fail "server with two --listen exit code $?"
 rm -rf "$sockdir"
 
+# --backend=auto with no GPU visible (CUDA_VISIBLE_DEVICES= hides every one): the CPU backend and,
+# in a build with CUDA, a warning that says why; --backend=cuda refuses to start, saying why.
+CUDA_VISIBLE_DEVICES= "$server" --listen=127.0.0.1:0 --backend=auto >"$log" 2>&1 &
+pid=$!
+wait_started "$log" $pid
+grep -q "backend cpu on" "$log" || fail "auto without a GPU: not on the CPU backend"
+if grep -q "build has CUDA: yes" "$log"; then
+  grep -q 'serving on the CPU backend because.*no CUDA GPU is visible.*CUDA_VISIBLE_DEVICES=""' \
+    "$log" || fail "auto without a GPU: no warning that says why"
+  rc=0; out=$(CUDA_VISIBLE_DEVICES= timeout 10 "$server" --listen=127.0.0.1:0 --backend=cuda 2>&1) ||
+    rc=$?
+  [ $rc -ne 0 ] && grep -q -- "--backend=cuda but no CUDA GPU is visible" <<<"$out" ||
+    fail "--backend=cuda without a GPU: exit $rc: $out"
+else
+  ! grep -q "serving on the CPU backend because" "$log" || fail "a build without CUDA warns of it"
+fi
+kill -TERM $pid; wait $pid || fail "auto without a GPU: exit code $?"
+
 # --help: exit 0, every flag with its default, no path of the build machine.
 out=$("$server" --help) || fail "--help exit code $?"
 grep -q -- "--shutdown_grace_s (default: 10)" <<<"$out" || fail "--help: $out"

@@ -53,11 +53,13 @@ class CacheConfigError(InvalidArgument):
 
 
 class NotFound(PagedAttnError):
-    """NOT_FOUND: an unknown cache, or an attend-only span on an unknown sequence."""
+    """NOT_FOUND: an unknown cache or memory region, or an attend-only span on an unknown
+    sequence."""
 
 
 class FailedPrecondition(PagedAttnError):
-    """FAILED_PRECONDITION: a span's start leaves a gap after the sequence's length."""
+    """FAILED_PRECONDITION: a span's start leaves a gap after the sequence's length, or device
+    tensors (RegisterMemory) asked of a server whose backend is not CUDA."""
 
 
 class Unauthenticated(PagedAttnError):
@@ -96,15 +98,25 @@ _NUMBER_PATTERNS = [
     re.compile(r"at most (?P<max_caches>\d+) caches per tenant"),
     re.compile(r"larger than max \((?P<message_bytes>\d+) vs\. (?P<max_message_bytes>\d+)\)"),
 ]
-_NUMBER_FIELDS = sorted({name for p in _NUMBER_PATTERNS for name in p.groupindex})
+# Numbers the server sends only as google.rpc.ErrorInfo metadata (no older message states them).
+_INFO_ONLY_FIELDS = {"budget_bytes", "bytes_in_flight", "response_bytes"}
+_NUMBER_FIELDS = sorted(
+    {name for p in _NUMBER_PATTERNS for name in p.groupindex} | _INFO_ONLY_FIELDS
+)
 
 
 class ResourceExhausted(PagedAttnError):
-    """RESOURCE_EXHAUSTED, with the numbers the message states as attributes (None when absent):
-    pool too big: bytes_needed, num_pages, bytes_per_page, free_bytes, device, max_pages;
-    sequence too long: sequence_length, capacity_tokens; cache limit: max_caches;
-    gRPC message limit: message_bytes, max_message_bytes."""
+    """RESOURCE_EXHAUSTED, with its numbers as attributes (None when absent): the server's
+    google.rpc.ErrorInfo metadata (`reason` names the case), else the numbers the message states.
+    out of pages (OutOfPages): pages_needed, free_pages, total_pages, page_size;
+    pool too big (POOL_TOO_LARGE): bytes_needed, num_pages, bytes_per_page, free_bytes, device,
+    max_pages; sequence too long (SEQUENCE_TOO_LONG): sequence_length, capacity_tokens;
+    cache limit (TOO_MANY_CACHES): max_caches; server busy (SERVER_BUSY): bytes_in_flight,
+    bytes_needed, budget_bytes; answer too large (RESPONSE_TOO_LARGE): response_bytes,
+    max_message_bytes; gRPC's own message limit: message_bytes, max_message_bytes."""
 
+    budget_bytes: Optional[int]
+    bytes_in_flight: Optional[int]
     bytes_needed: Optional[int]
     bytes_per_page: Optional[int]
     capacity_tokens: Optional[int]
@@ -118,6 +130,7 @@ class ResourceExhausted(PagedAttnError):
     num_pages: Optional[int]
     page_size: Optional[int]
     pages_needed: Optional[int]
+    response_bytes: Optional[int]
     sequence_length: Optional[int]
     total_pages: Optional[int]
 

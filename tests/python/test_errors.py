@@ -1,0 +1,67 @@
+"""pagedattn.errors without a server: the exception type and attributes for each google.rpc.Status
+the server sends (ErrorInfo reasons and their numbers, BadRequest violations, message-only)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from pagedattn import errors
+from pagedattn._vendor.google.rpc import error_details_pb2, status_pb2
+
+RESOURCE_EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+
+
+def status_with_info(code: int, message: str, reason: str, numbers: dict[str, int]):
+    info = error_details_pb2.ErrorInfo(reason=reason, domain="pagedattn",
+                                       metadata={k: str(v) for k, v in numbers.items()})
+    status = status_pb2.Status(code=code, message=message)
+    status.details.add().Pack(info)
+    return status
+
+
+@pytest.mark.parametrize("reason,numbers", [
+    ("SERVER_BUSY", {"bytes_in_flight": 900, "bytes_needed": 300, "budget_bytes": 1000}),
+    ("RESPONSE_TOO_LARGE", {"response_bytes": 6 << 20, "max_message_bytes": 4 << 20}),
+    ("SEQUENCE_TOO_LONG", {"sequence_length": 13, "capacity_tokens": 12}),
+    ("TOO_MANY_CACHES", {"max_caches": 4}),
+])
+def test_error_info_numbers_are_attributes_and_the_rest_none(reason, numbers):
+    err = errors.from_status(status_with_info(RESOURCE_EXHAUSTED, "m", reason, numbers))
+    assert type(err) is errors.ResourceExhausted
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.reason == reason
+    for name, value in numbers.items():
+        assert getattr(err, name) == value
+    # Every number any case carries is an attribute: None where this case has none.
+    for name in errors.ResourceExhausted.__annotations__:
+        if name not in numbers and name != "reason":
+            assert getattr(err, name) is None, name
+
+
+def test_out_of_pages_is_its_own_type():
+    numbers = {"pages_needed": 3, "free_pages": 1, "total_pages": 3, "page_size": 4}
+    err = errors.from_status(status_with_info(RESOURCE_EXHAUSTED, "m", "OUT_OF_PAGES", numbers))
+    assert type(err) is errors.OutOfPages
+    assert (err.pages_needed, err.free_pages, err.total_pages, err.page_size) == (3, 1, 3, 4)
+    assert err.response_bytes is None and err.bytes_in_flight is None
+
+
+def test_message_numbers_without_error_info():
+    # gRPC's own limit on a message carries no ErrorInfo: the numbers come from its text.
+    status = status_pb2.Status(
+        code=RESOURCE_EXHAUSTED,
+        message="Received message larger than max (5242890 vs. 4194304)")
+    err = errors.from_status(status)
+    assert type(err) is errors.ResourceExhausted and err.reason is None
+    assert (err.message_bytes, err.max_message_bytes) == (5242890, 4194304)
+    assert err.budget_bytes is None
+
+
+def test_bad_request_violations():
+    bad = error_details_pb2.BadRequest()
+    bad.field_violations.add(field="page_size", description="must be one of 1..1024 (got 0)")
+    status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
+    status.details.add().Pack(bad)
+    err = errors.from_status(status)
+    assert type(err) is errors.CacheConfigError
+    assert err.fields == ["page_size"] and "(got 0)" in dict(err.violations)["page_size"]

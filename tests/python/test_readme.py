@@ -54,3 +54,12 @@ def test_sharded_example_prints_what_readme_says(target, shard_servers):
     documented = documented_prints(code)
     assert documented, "README's sharded example documents no print"
     assert run_block(runnable, namespace) == documented
+
+
+def test_asyncio_example_prints_what_readme_says(target):
+    # The asyncio example uses the quick start's config and qkv helper, as README's reader has them.
+    _, _, namespace = quick_start(target)
+    code = python_block("import asyncio\nimport pagedattn.aio\n")
+    documented = documented_prints(code)
+    assert documented, "README's asyncio example documents no print"
+    assert run_block(code.replace('"localhost:50051"', repr(target)), namespace) == documented

@@ -1,7 +1,7 @@
 // pagedattn-cli: talk to a pagedattn server from the shell.
 //   pagedattn-cli [--target=host:port] <command> [args]
 // Commands: info, health, validate, create-cache, list, describe ID, delete ID, release ID SEQ...,
-// smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
+// stats, smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
 #include <google/protobuf/util/json_util.h>
 
 #include <cstdio>

@@ -122,8 +122,8 @@ class Client {
   // protobuf copies; the answer's bytes are copied once, into `output`).
   absl::StatusOr<ForwardReply> ForwardTensors(const ForwardCall& call, const ForwardOutput& output);
   // Maps a device allocation of this process into the server for cache_id (CUDA backend, same
-  // node): ipc_handle is the cudaIpcMemHandle_t of the allocation's start (client/device.h
-  // makes one), size_bytes how much of it Forwards may use, lease_seconds 0 for the server's
+  // node): ipc_handle is the cudaIpcMemHandle_t of the allocation's start
+  // (client/device_region.h: DeviceRegion::ipc_handle()), size_bytes how much of it Forwards may use, lease_seconds 0 for the server's
   // default; ipc_events the cudaIpcEventHandle_t of events for ForwardCall::sync (IpcEvent).
   // Forward's TensorArgs then name {region_id, offset} in it.
   absl::StatusOr<v1::MemoryRegion> RegisterMemory(const std::string& cache_id,

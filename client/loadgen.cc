@@ -491,8 +491,8 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
 }
 #endif
 
-// One Step stream per step: the first message opens the step (spans), the others carry a layer;
-// `inflight` layers are sent ahead of the answers.
+// One Step stream for the run: each step's first message opens it (spans), the others carry a
+// layer; `inflight` layers are sent ahead of the answers.
 absl::StatusOr<Samples> RunStream(Client& client, const Workload& w, const std::string& cache) {
   Samples out;
   std::string result(static_cast<size_t>(w.out_bytes), '\0');

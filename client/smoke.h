@@ -31,7 +31,7 @@ struct SmokeReport {
   std::string summary;  // One line per Forward.
 };
 
-// Creates a cache, runs three Forwards (mixed prefill, decode, chunked prefill, a rewind),
+// Creates a cache, runs four Forwards (mixed prefill, decode, chunked prefill, a rewind),
 // checks every output, releases, deletes the cache. Transport errors are returned as status;
 // a wrong answer is a report with passed=false.
 absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& options);

@@ -56,9 +56,10 @@ constexpr const char* DTypeName(DType t) {
 enum class BackendKind { kCpu, kCuda };
 
 // Head dims per backend, ascending. CUDA: those with compiled kernels (adding one means adding its
-// instantiation in kernels/dispatch.h; a static_assert there keeps the two in step); 512 runs
-// every span on prefill tiles split over four blocks (kernels/paged_attention.h
-// SplitsColumns). CPU: the reference runs any.
+// instantiation in kernels/dispatch.h; a static_assert there keeps the two in step); 512 splits
+// each tile's O columns over neighbouring blocks, two a decode tile and four a prefill tile
+// (kernels/paged_attention.h SplitsColumns), and runs an FP8 cache on prefill tiles alone. CPU:
+// the reference runs any.
 inline constexpr std::array<int, 7> kCudaHeadDims = {64, 80, 96, 128, 192, 256, 512};
 inline constexpr std::array<int, 7> kCpuHeadDims = {64, 80, 96, 128, 192, 256, 512};
 

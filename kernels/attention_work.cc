@@ -215,8 +215,8 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   }
   // One wave exactly: a decode-only plan may also cut the longest range into as many equal
   // pieces as the blocks hold per tile, at any position (the decode tiles mask a split's ends),
-  // so that 1 x 32768 on 8 kv heads runs 264 splits of 993 positions rather than 256 of 1024
-  // with 8 of the GPU's 264 block slots idle.
+  // so that 1 x 32768 on 8 kv heads runs 33 splits a kv head of 993 positions (264 blocks) rather
+  // than 32 of 1024 (256) with 8 of the GPU's 264 block slots idle.
   const int64_t tile_units = static_cast<int64_t>(tiles.size()) * num_kv_heads;
   if (decode_only && tile_units > 0 && blocks / tile_units >= 2) {
     const int64_t c = std::max(floor_chunk, CeilDiv(max_end, blocks / tile_units));

@@ -82,7 +82,7 @@ struct AttentionMergeTask {
 // tile up to 32 rows, so each K/V page is read once for every query head of its group:
 // decode (16 rows; the 4 warps split each KV tile), wide decode (32 rows; 2 row warps x 2 KV
 // warps), and prefill (128 rows, kernels/prefill_mma_kernel.cuh: 4 warps of 32 rows for head_dim
-// 64/128, 8 warps of 16 rows for 256).
+// 64-128, 8 warps of 16 rows for 192 and 256; at 512 blocks of 64 rows, 4 warps of 16).
 inline constexpr int kDecodeTileRows = 16;
 inline constexpr int kDecodeWideTileRows = 32;
 inline constexpr int kPrefillTileRows = 128;

@@ -30,7 +30,7 @@ constexpr int DecodeStages(int head_dim) {
 // takes 128 positions (DecodeTilePositions), as many bytes as a 16-bit tile of 64: a tile's fixed
 // costs (a barrier, the softmax's shuffles, the wait) are paid once for twice the positions.
 // Stages: 4 at 64, 3 at 80, 2 at 96 and 128 (three blocks an SM each; a third stage at 96 or 128
-// would leave two), 3 at 192 (two blocks) and 256 (one).
+// would leave two), 3 at 192 and 256 (two blocks an SM; the 32-row tile one at 256).
 constexpr int Fp8DecodeStages(int head_dim) {
   return head_dim == 64 ? 4 : head_dim == 80 || head_dim >= 192 ? 3 : 2;
 }

@@ -2,17 +2,17 @@
 // body, the thin __global__ wrappers and the host launcher. Their configuration is in
 // decode_config.cuh, a warp's step in decode_math.cuh (16-bit caches) and decode_fp8_math.cuh.
 //
-// Included only by the per-head-dim instantiation files. A block takes one work item: up to
-// kRowWarps * 16 query rows (row = query * group + head in group, all of one kv head) against a KV
-// range, streamed through a cp.async pipeline of 64-position tiles (128 for an FP8 cache at head
-// dims up to 128) gathered through the page table. S = Q.K^T and O += P.V run on tensor cores
-// (mma.m16n8k16, f32 accumulators) with an online softmax between them. The kKvWarps warps that
-// share a row slice split each KV tile and combine their softmax states at the end, so each K/V
-// byte is read once for every head of its GQA group. An FP8 cache's tiles are copied as stored
-// (half the bytes) and DecodeFp8Math reads them straight into float16 fragments; a block of at
-// most 8 rows takes the step transposed (DecodeFp8NarrowMath). Where every 16-row tile of a launch
-// has at most 8 rows, an FP8 cache's tiles may run as the narrow tile: eight warps on the KV
-// tile, the transposed step alone (RunsNarrowDecode).
+// Included by the per-head-dim instantiation files (and kernels/bench/profile_check.cu). A block
+// takes one work item: up to kRowWarps * 16 query rows (row = query * group + head in group, all of
+// one kv head) against a KV range, streamed through a cp.async pipeline of 64-position tiles (128
+// for an FP8 cache at head dims up to 128) gathered through the page table. S = Q.K^T and O += P.V
+// run on tensor cores (mma.m16n8k16, f32 accumulators) with an online softmax between them. The
+// kKvWarps warps that share a row slice split each KV tile and combine their softmax states at the
+// end, so each K/V byte is read once for every head of its GQA group. An FP8 cache's tiles are
+// copied as stored (half the bytes) and DecodeFp8Math reads them straight into float16 fragments; a
+// block of at most 8 rows takes the step transposed (DecodeFp8NarrowMath). Where every 16-row tile
+// of a launch has at most 8 rows, an FP8 cache's tiles may run as the narrow tile: eight warps on
+// the KV tile, the transposed step alone (RunsNarrowDecode).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -201,7 +201,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // (docs/PERFORMANCE.md#design-decisions).
   const uint64_t read_once = EvictFirstPolicy();
   const int copy_chunk = tid % Cfg::Copy::kSlots, copy_row0 = tid / Cfg::Copy::kSlots;
-  // A column past the row (head_dim 192; 80 and 96 copy as PackedKvCopy, every thread).
+  // A column past the row (head_dim 192, and 80 and 96 on an FP8 cache; a 16-bit cache's 80 and
+  // 96 copy as PackedKvCopy, every thread).
   const bool copies = Cfg::kPackedCopy || copy_chunk < Cfg::kChunks;
   // A split head_dim's V: the chunk of this block's columns a thread's K chunk lies over (V rows
   // are addressed as K's), out of range for the threads of the other half's columns.
@@ -505,8 +506,8 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
     typename DecodeFp8Math<D>::VScales v_scales;  // P's V scales
 
     // The warp's 16 Q rows as mma A fragments: in registers up to head_dim 128 (loaded before
-    // the first tile's S), read again from shared memory (ldmatrix) at 256, where registers are
-    // spent.
+    // the first tile's S), read again from shared memory (ldmatrix) above 128 (192, 256, 512),
+    // where registers are spent.
     const T* warp_q = smem_q + row_warp * 16 * Cfg::kRowElems;
     uint32_t q_frag[Cfg::kQInRegisters ? D / 16 : 1][4];
     auto load_q_frag = [&](int kc, uint32_t(&a)[4]) {

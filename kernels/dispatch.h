@@ -35,7 +35,7 @@ constexpr bool SameHeadDims() {
 }
 static_assert(SameHeadDims(),
               "kCudaHeadDims changed: add its instantiation in kernels/dispatch.h and a "
-              "kernels/instantiate_hdim<N>_{f16,bf16}.cu files");
+              "kernels/instantiate_hdim<N>_{f16,bf16,fp8}.cu files (no fp8 at 512)");
 static_assert(kCudaKvDTypes.size() == 3 && kCudaKvDTypes[0] == DType::kFloat16 &&
                   kCudaKvDTypes[1] == DType::kBFloat16 && kCudaKvDTypes[2] == DType::kFloat8E4M3,
               "kCudaKvDTypes changed: extend DispatchKvDType");

@@ -39,7 +39,7 @@ LaunchStatus Error(const char* what, const char* step, cudaError_t err) {
 }
 
 // A launch without a graph. after_previous: it may start before the stream's previous kernel
-// ends (programmatic stream serialization; see LaunchKernelPairWithParams).
+// ends (programmatic stream serialization; see Launcher::LaunchPair).
 LaunchStatus PlainLaunch(const KernelLaunch& k, cudaStream_t stream, const void* params,
                          const char* what, bool after_previous = false) {
   void* args[] = {const_cast<void*>(params)};

@@ -3,11 +3,12 @@
 //
 // Included only by the per-head-dim instantiation files. A block takes one prefill work item:
 // kPrefillTileRows (128) query rows (row = query * group + head in group, all of one kv head)
-// against a KV range, streamed through a cp.async pipeline of 64-position K/V tiles gathered
-// through the page table into swizzled shared memory. Each warp owns kMTiles
-// 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
-// Per 64-position tile: S = Q.K^T, one online-softmax update (exp2, scale
-// folded into an FMA), O += P.V with P kept in registers as the A operand.
+// against a KV range, streamed through a cp.async pipeline of K/V tiles (kTileKv: 64 positions,
+// 32 at head_dim 512) gathered through the page table into swizzled shared memory. Each warp owns
+// kMTiles 16-row slices, so every K/V fragment read with ldmatrix feeds kMTiles mma's.
+// Per softmax step (kSubKv: 64 positions up to head_dim 96, 32 above): S = Q.K^T, one
+// online-softmax update (exp2, scale folded into an FMA), O += P.V with P kept in registers as
+// the A operand.
 // Masks are applied only on the tiles that need them (the causal diagonal, a sliding window's
 // start, the end of the range); tiles a warp cannot see are skipped.
 #pragma once
@@ -61,7 +62,8 @@ struct PrefillTileConfig {
   static constexpr size_t kPipelineBytes = size_t{kStages} * kStageElems * sizeof(T);
   static constexpr size_t kQBytes = size_t{kRows} * kRowElems * sizeof(T);
   static constexpr size_t SmemBytes() { return kPipelineBytes + kQBytes; }
-  // d192/d256 hold 96/128 accumulators per thread with 8 warps: one block per SM; the others two.
+  // d192/d256 hold 96/128 accumulators per thread with 8 warps, d512 its 256 columns' share: one
+  // block per SM; d64..d128 two.
   static constexpr int kMinBlocks = D > 128 ? 1 : 2;
   static_assert(kWarps * kWarpRows == kRows, "warps cover the tile's rows");
   static_assert(kTileKv % kSubKv == 0, "whole softmax steps per stage");

@@ -1,12 +1,14 @@
 // The Hopper prefill tile kernel: the prefill tile of kernels/prefill_mma_kernel.cuh with its
-// two matrix products on warpgroup MMA (wgmma, sm_90a). Included only by instantiate_hdim*.cu.
+// two matrix products on warpgroup MMA (wgmma, sm_90a). Included by instantiate_hdim*.cu (and
+// by the bench's profile check and the copy-layout test).
 //
 // A job is one prefill work item (kPrefillTileRows = 128 query rows) of one kv head, computed by
 // two warpgroups of 64 rows each. K/V tiles (64 or 128 positions) are gathered through the page
-// table with 16-byte cp.async (row-wise, so any page size works) into shared memory laid out in
-// the 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a [rows][D] tile
-// is its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at chunk
-// c ^ (r % 8).
+// table with 16-byte cp.async (row-wise, so any page size works), or in the persistent blocks as
+// TMA boxes (page sizes a multiple of 8, no window: PrefillTmaBoxRows), into shared memory laid
+// out in the 128-byte-swizzle format that wgmma reads directly: each 64-column slice of a
+// [rows][D] tile is its own [rows][64] block of 128-byte rows, 16-byte chunk c of row r stored at
+// chunk c ^ (r % 8).
 //
 // At every head_dim but 64 (80 and 96 in 128's layout: WgmmaPrefillConfig::kWidth) a block is
 // persistent and warp-specialized (FlashAttention-3's recipe, on paged K/V): it runs the jobs
@@ -17,7 +19,8 @@
 // barriers): one's softmax runs while the other's matrix products do. At 64 a block runs one
 // job, every thread copying and computing, a block barrier a tile.
 // Per tile and warpgroup:
-//   S = Q.K^T:  wgmma m64n64k16, A = Q and B = K from shared memory (both K-major), D/16 steps;
+//   S = Q.K^T:  wgmma m64nTk16 (T = kTileKv: n128 at width 128, n64 at 64, 192 and 256), A = Q
+//               and B = K from shared memory (both K-major), D/16 steps;
 //   online softmax in registers (exp2, scale folded into an FMA), masks only where needed;
 //   O += P.V:   wgmma m64nWk16, A = P from registers (the S accumulator layout re-packed),
 //               B = V from shared memory (MN-major: the transpose bit), one wgmma over all of
@@ -378,7 +381,7 @@ struct WgmmaTileMath {
   }
 
   // O += P V of one tile (the V tile at v_desc, leading field kVLeading): per 16-position k
-  // step, one wgmma per 64-column slice of V.
+  // step, one wgmma over all of V's 64-column slices (at width 64, its one n64).
   __device__ __forceinline__ static void IssuePV(float (&o)[kOT][4], const uint32_t (&pa)[kKP][4],
                                                  uint64_t v_desc) {
 #pragma unroll
@@ -647,8 +650,7 @@ __device__ __forceinline__ void WgmmaPrefillItemBody(const PagedAttentionParams&
       WarpUniform((item.kv_end - item.kv_start + Cfg::kTileKv - 1) / Cfg::kTileKv);
   const int32_t* pages = p.page_table + span.page_table_offset;
   // Row indices (row = (page * kv_heads + kv_head) * page_size + in_page, D elements each) fit
-  // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory. At head_dim 128 the
-  // block uses all but 2 KiB of the SM's shared memory, which int64 offsets would not fit.
+  // in 31 bits: 2^31 rows of at least 128 bytes exceed any GPU's memory.
   __shared__ int32_t row_base[kS][Cfg::kTileKv];  // -1: past the item's range
   auto load_page_id = [&](int tile) {
     const int pos = item.kv_start + tile * Cfg::kTileKv + tid;
@@ -989,7 +991,7 @@ __device__ __forceinline__ void ProduceKvCpAsync(const PagedAttentionParams& p, 
   CpAsyncWait<0>();
 }
 
-// The persistent, warp-specialized body (head_dim 128's layout). Threads 0..kThreads-1: two
+// The persistent, warp-specialized body (every width but 64). Threads 0..kThreads-1: two
 // consumer warpgroups; the last warpgroup: the producer. Both sides walk the block's jobs and
 // their tiles in the same order, stream tile g in stage g % kS; per stage four mbarriers:
 // full_k and full_v (the producer's 128 threads' copies of K, of V, have landed), empty_k and

@@ -2,7 +2,9 @@
 # Installs every package pagedattn needs to build, test and run, from Debian/Ubuntu's archive.
 # The single source of packages for README's commands, CI (.ci/run) and docker/Dockerfile.
 #   scripts/install-deps.sh            build + test dependencies
-#   scripts/install-deps.sh --runtime  only the shared libraries the installed server needs
+#   scripts/install-deps.sh --runtime PKG...  install the named runtime library packages only
+#   scripts/install-deps.sh --list-runtime    print the runtime library packages this machine's
+#                                             build packages depend on (docker/Dockerfile)
 set -euo pipefail
 
 BUILD_PKGS=(

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The CPU-side tests (core, service end to end, hardening, security, data plane, sharding) under
-# AddressSanitizer with UndefinedBehaviorSanitizer, then under ThreadSanitizer: two more builds
-# (CPU backend only), in build-asan/ and build-tsan/. CI runs it after scripts/test.sh.
+# The CPU-side tests (core, service end to end, hardening, security, data plane, sharding, IPC)
+# under AddressSanitizer with UndefinedBehaviorSanitizer, then under ThreadSanitizer: two more
+# builds (CPU backend only), in build-asan/ and build-tsan/. CI runs it after scripts/test.sh.
 #   scripts/test-sanitizers.sh [asan|tsan]...        (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."

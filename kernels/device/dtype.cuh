@@ -89,7 +89,7 @@ __device__ __forceinline__ float SaturatedScore(float s) {
 
 // The softmax base of a row whose raw (unscaled) max is mx: mx * scale_log2, saturated, and 0
 // for a row that sees nothing yet. 2^(s * scale_log2 - base) is then at most 1 for every score
-// of the row, which SoftmaxWeight makes exact even when the product overflows.
+// of the row, which SoftmaxExponent's clamp to 0 makes exact even when the product overflows.
 __device__ __forceinline__ float SoftmaxBase(float mx, float scale_log2) {
   return mx == -INFINITY ? 0.f : SaturatedScore(mx * scale_log2);
 }

@@ -1,8 +1,8 @@
 // Synchronization of a warp-specialized block: shared-memory mbarriers (a producer's copies
 // landing, consumers releasing a stage), named barriers (a subset of the block's warps),
 // setmaxnreg (registers moved between warpgroups) and TMA copies that land on an mbarrier. The
-// Hopper prefill kernel's; mbarriers and named barriers exist from sm_80, the rest on sm_90a
-// only (PAGEDATTN_WGMMA_DEVICE).
+// Hopper prefill kernel's; named barriers and mbarrier init and arrive exist from sm_80, the
+// waits (mbarrier.try_wait), setmaxnreg and TMA on sm_90a only (PAGEDATTN_WGMMA_DEVICE).
 #pragma once
 
 #include <cstdint>

@@ -23,7 +23,7 @@ __device__ __forceinline__ int64_t KvChunkOffset(const PagedAttentionParams& p, 
 }
 
 // Shared-memory layout of a [rows][D] K, V or Q tile. Head dims that are whole 64-element
-// blocks (64, 128, 192, 256) are swizzled: the chunk index is XORed with row % 8, so that the
+// blocks (64, 128, 192, 256, 512) are swizzled: the chunk index is XORed with row % 8, so that the
 // eight rows an ldmatrix reads hit eight different bank groups. The others (80, 96) pad each
 // row by one chunk instead (176 or 208 bytes: eight consecutive rows again start in eight
 // different 16-byte bank groups). The decode tile lays out its own rows (DecodeOffset).

@@ -1,5 +1,6 @@
 // Warpgroup MMA (wgmma, sm_90a): shared-memory matrix descriptors for the 128-byte swizzle,
-// the fence/commit/wait wrappers and the two wgmma shapes the Hopper prefill kernel issues.
+// the fence/commit/wait wrappers and the wgmma shapes the Hopper prefill kernel issues (shared
+// A and B: n64, n128; A in registers: n64, n128, n192, n256).
 //
 // Device code exists only when compiled for sm_90a (PAGEDATTN_WGMMA_DEVICE).
 #pragma once
@@ -28,7 +29,7 @@ __host__ __device__ __forceinline__ constexpr int Sw128Offset(int row, int chunk
 
 // Shared-memory matrix descriptor, 128-byte swizzle: start address, 1024 bytes between
 // consecutive groups of 8 rows (the stride field), and the leading field: for an MN-major
-// operand wider than one 64-column slice (P.V at head_dim 128), the bytes between slices;
+// operand wider than one 64-column slice (P.V at every width above 64), the bytes between slices;
 // unused by K-major operands (a k16 step stays inside one 128-byte row).
 __device__ __forceinline__ uint64_t Sw128Desc(uint32_t smem_addr, uint32_t leading_bytes = 1024) {
   return uint64_t{(smem_addr & 0x3FFFFu) >> 4} | (uint64_t{leading_bytes >> 4} << 16) |

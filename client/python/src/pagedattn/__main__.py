@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
     g.add_argument("--head_dim", type=int, default=128)
     g.add_argument("--page_size", type=int, default=16)
-    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32 or DTYPE_UNSPECIFIED")
+    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3 or DTYPE_UNSPECIFIED")
     g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
     g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
     g.add_argument("--device", type=int, default=0)

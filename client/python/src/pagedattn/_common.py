@@ -116,7 +116,7 @@ def forward_result(resp: pb.ForwardResponse, q: ArrayLike, return_lse: bool) -> 
 class Timing(NamedTuple):
     """The server's time for one layer of a Step stream (StepResponse.timing)."""
 
-    server_micros: int  # from the request's bytes received to the answer's bytes ready
+    server_micros: int  # from the layer starting to run (after its parse and turn) to its encoding
     kernel_micros: int  # time of the layer's kernels (GPU time on the CUDA backend)
 
 

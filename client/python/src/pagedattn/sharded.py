@@ -10,7 +10,7 @@ launch with fewer heads may split a sequence's KV over more blocks).
         with client.create_cache(config) as cache:    # one cache per server, deleted on exit
             out = cache.forward(0, [Span.prefill(1, 5)], q, k, v)
 
-A forward that fails on some shards is rolled back on the others (TruncateSequences to each
+A forward that fails on some shards is rolled back on every shard (TruncateSequences to each
 appending span's start), then raises what the failed shard raised (the same class, e.g.
 OutOfPages) with the shard named; see ShardedCache.forward. pagedattn.aio has the asyncio twin.
 """

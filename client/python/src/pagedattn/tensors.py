@@ -67,7 +67,7 @@ def dtype_enum(dtype: DTypeLike) -> int:
 
 
 def dtype_name(dtype: DTypeLike) -> str:
-    """'float32', 'float16', 'bfloat16' or 'dtype_unspecified'."""
+    """'float32', 'float16', 'bfloat16', 'float8_e4m3' or 'dtype_unspecified'."""
     return pb.DType.Name(dtype_enum(dtype)).lower()
 
 

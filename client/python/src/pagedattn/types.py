@@ -16,7 +16,8 @@ class CacheConfig:
 
     Capacity: `num_pages`, or `max_bytes` (as many whole pages as fit), or neither (the largest
     pool that fits in 90% of the free device memory). A page holds `page_size` tokens of every
-    layer: bytes = num_pages * 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize.
+    layer: bytes = num_pages * 2 * num_layers * num_kv_heads * page_size * head_dim * itemsize
+    (a float8_e4m3 cache with per_token scales adds 4 bytes a row of K and of V for its scales).
     """
 
     num_layers: int

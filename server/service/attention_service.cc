@@ -323,6 +323,23 @@ namespace {
 
 int64_t Micros(double us) { return static_cast<int64_t>(us + 0.5); }
 
+// A message of an open step (one that sets no spans) carries a layer and its tensors; the cache
+// and the options are the opening message's. One that names another cache or other options
+// would run with the step's silently, so it is refused (the same ones are harmless).
+absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string& step_cache_id,
+                            const wire::ForwardOptionsRef& step) {
+  const wire::ForwardOptionsRef& o = r.options;
+  const bool other_cache = !r.cache_id.empty() && r.cache_id != step_cache_id;
+  const bool other_options = (o.causal.has_value() && o.causal != step.causal) ||
+                             (o.sm_scale.has_value() && !(o.sm_scale == step.sm_scale)) ||
+                             (o.return_lse && !step.return_lse);
+  if (!other_cache && !other_options) return absl::OkStatus();
+  return absl::InvalidArgumentError(absl::StrCat(
+      other_cache ? "cache_id" : "options", " of a Step message that sets no spans differ from "
+      "the open step's: such a message carries only a layer and its q/k/v, and runs with the "
+      "cache and options of the message that opened the step; set spans to open a new step"));
+}
+
 }  // namespace
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
@@ -445,14 +462,30 @@ class AttentionServiceImpl::StepReactor final
     incoming_.Clear();
     wire::ForwardRequestRef& r = job.received.request;
     job.layer = r.layer;
+    if (!s.ok()) {
+      // Whether the message was to open a step (and on which cache) is unknown: the open step
+      // ends, so that the layers after it cannot run with the old step's spans, positions and
+      // cache. They are refused until a message sets spans again (and names the cache).
+      opened_ = false;
+      spans_.clear();
+      cache_id_.clear();
+      closed_by_garbled_ = true;
+    } else if (!r.spans.empty()) {  // opens a step
+      if (!r.cache_id.empty()) cache_id_ = r.cache_id;
+      spans_ = r.spans;
+      options_ = r.options;
+      opened_ = true;
+      closed_by_garbled_ = false;
+    } else if (opened_) {
+      s = CheckStepLayer(r, cache_id_, options_);
+    }
     if (s.ok()) {
-      if (!r.spans.empty()) {  // opens a step
-        if (!r.cache_id.empty()) cache_id_ = r.cache_id;
-        spans_ = r.spans;
-        options_ = r.options;
-        opened_ = true;
-      }
-      if (!opened_) {
+      if (!opened_ && closed_by_garbled_) {
+        s = absl::InvalidArgumentError(
+            "no step is open: an earlier message of this stream could not be parsed, so the step "
+            "it may have opened is unknown; send a message that sets spans (and cache_id) to open "
+            "one");
+      } else if (!opened_) {
         s = absl::InvalidArgumentError(
             "the first message of a Step stream must set spans (and cache_id): it opens the step");
       } else if (cache_id_.empty()) {
@@ -567,6 +600,7 @@ class AttentionServiceImpl::StepReactor final
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   // The open step: what messages without spans run with.
   bool opened_ ABSL_GUARDED_BY(mu_) = false;
+  bool closed_by_garbled_ ABSL_GUARDED_BY(mu_) = false;  // the last step ended by bad bytes
   std::string cache_id_ ABSL_GUARDED_BY(mu_);
   std::vector<wire::SpanRef> spans_ ABSL_GUARDED_BY(mu_);
   wire::ForwardOptionsRef options_ ABSL_GUARDED_BY(mu_);

@@ -15,7 +15,7 @@ import pytest
 import pagedattn
 import pagedattn.aio
 from pagedattn import CacheConfig, Span, errors
-from pagedattn._common import StepMessages
+from pagedattn._common import StepMessages, forward_request
 from pagedattn.reference import reference_attention, relative_error
 from pagedattn.smoke import round_to
 from pagedattn.tensors import dtype_enum
@@ -220,6 +220,60 @@ def test_a_layers_error_is_forwards_and_the_stream_goes_on(client, kv_dtypes):
             assert step.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
         stats = cache.stats()
         assert (stats.used_pages, stats.live_sequences) == (2, 1)  # the failures left nothing
+
+
+def _raw_step(client, messages: list[bytes]) -> list[int]:
+    """The status code answering each raw Step message, sent in order on one stream."""
+    step = client.channel.stream_stream(
+        "/pagedattn.v1.AttentionService/Step", request_serializer=lambda b: b,
+        response_deserializer=pagedattn.pb.StepResponse.FromString)
+    return [r.error.code for r in step(iter(messages), timeout=60)]
+
+
+def _message(cache, layer, spans, q, k, v, opens: bool = True) -> pagedattn.pb.ForwardRequest:
+    req = forward_request(cache, layer, spans, q, k, v, None, None, False, None)
+    if not opens:  # a layer of the open step: no spans, no cache_id
+        req.ClearField("spans")
+        req.ClearField("cache_id")
+    return req
+
+
+OK, INVALID_ARGUMENT = 0, grpc.StatusCode.INVALID_ARGUMENT.value[0]
+
+
+def test_a_garbled_message_ends_the_open_step(client, kv_dtypes):
+    """Bytes that do not parse may have been the next step's opening message: the layers after
+    them must not run with the old step's spans (they would write over its positions)."""
+    rng = np.random.default_rng(12)
+    with client.create_cache(config(kv_dtypes[0], num_layers=2)) as cache:
+        t0, t1 = qkv(rng, 1), qkv(rng, 1)
+        step0 = [_message(cache, 0, [Span.prefill(1, 1)], *t0),
+                 _message(cache, 1, [Span.prefill(1, 1)], *t0, opens=False)]
+        garbled = _message(cache, 0, [Span.decode(1, 1)], *t1).SerializeToString() + b"\xff"
+        after = _message(cache, 1, [Span.decode(1, 1)], *t1, opens=False)
+        reopened = _message(cache, 0, [Span.decode(1, 1)], *t1)
+        codes = _raw_step(client, [m.SerializeToString() for m in step0] +
+                          [garbled, after.SerializeToString(), reopened.SerializeToString()])
+        assert codes == [OK, OK, INVALID_ARGUMENT, INVALID_ARGUMENT, OK]
+        # Layer 1 holds position 0 alone: its decode at position 1 is no gap, at 2 it is one.
+        with pytest.raises(errors.FailedPrecondition):
+            cache.forward(1, [Span.decode(1, 2)], *qkv(rng, 1))
+        assert cache.forward(1, [Span.decode(1, 1)], *t1).shape == (1, HQ, D)
+
+
+def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_dtypes):
+    rng = np.random.default_rng(13)
+    with client.create_cache(config(kv_dtypes[0], num_layers=3)) as cache:
+        t = qkv(rng, 2)
+        opener = _message(cache, 0, [Span.prefill(1, 2)], *t)
+        same = _message(cache, 1, [Span.prefill(1, 2)], *t, opens=False)
+        same.cache_id = cache.cache_id  # the step's own cache: harmless
+        other = _message(cache, 2, [Span.prefill(1, 2)], *t, opens=False)
+        other.cache_id = "0" * 32
+        scaled = _message(cache, 2, [Span.prefill(1, 2)], *t, opens=False)
+        scaled.options.sm_scale = 0.5
+        codes = _raw_step(client, [m.SerializeToString() for m in (opener, same, other, scaled)])
+        assert codes == [OK, OK, INVALID_ARGUMENT, INVALID_ARGUMENT]
 
 
 def test_stream_failure_reaches_every_future_and_close():

@@ -281,10 +281,16 @@ absl::StatusOr<TruncateResult> Cache::Truncate(
     return absl::InvalidArgumentError(
         absl::StrCat("layer must be in 0..", geometry_.num_layers - 1, " (got ", layer, ")"));
   }
+  absl::flat_hash_set<uint64_t> seen;
+  seen.reserve(lengths.size());
   for (const auto& [seq_id, length] : lengths) {
     if (length < 0) {
       return absl::InvalidArgumentError(
           absl::StrCat("length of sequence ", seq_id, " is ", length, " (must be >= 0)"));
+    }
+    if (!seen.insert(seq_id).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("sequence ", seq_id, " appears more than once in lengths (give each once)"));
     }
   }
   absl::ReaderMutexLock structure(&structure_mu_);
@@ -307,7 +313,10 @@ ReleaseResult Cache::Release(absl::Span<const uint64_t> seq_ids) {
   absl::MutexLock structure(&structure_mu_);
   absl::MutexLock meta(&meta_mu_);
   ReleaseResult r;
+  absl::flat_hash_set<uint64_t> seen;
+  seen.reserve(seq_ids.size());
   for (uint64_t id : seq_ids) {
+    if (!seen.insert(id).second) continue;  // an id given twice is released (and counted) once
     const int64_t freed = table_.Release(id);
     if (freed < 0) {
       r.unknown_seq_ids.push_back(id);

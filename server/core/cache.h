@@ -123,11 +123,12 @@ class Cache {
   // The checks of Forward that need no data: layer, spans, limits, tensor dtypes, shapes and
   // sizes (a tensor's data pointer may be null), sm_scale, the answer's size.
   absl::Status Check(const ForwardArgs& args) const { return ValidateForward(args); }
-  // Frees the sequences' pages in every layer. Waits for in-flight Forwards.
+  // Frees the sequences' pages in every layer (an id given twice counts once). Waits for
+  // in-flight Forwards.
   ReleaseResult Release(absl::Span<const uint64_t> seq_ids);
   // Shortens each (seq_id, length) in `layer` to at most length tokens. INVALID_ARGUMENT (and
-  // nothing changed) for a layer out of range or a negative length. Waits for in-flight
-  // Forwards on the layer.
+  // nothing changed) for a layer out of range, a negative length or a seq_id given twice. Waits
+  // for in-flight Forwards on the layer.
   absl::StatusOr<TruncateResult> Truncate(int32_t layer,
                                           absl::Span<const std::pair<uint64_t, int64_t>> lengths);
   CacheStats Stats() const;

@@ -274,7 +274,21 @@ TEST_F(CacheTest, TruncateRejectsBadArgumentsAndChangesNothing) {
   EXPECT_NE(r.status().message().find("layer must be in 0..3"), std::string::npos);
   r = cache_->Truncate(0, {{1, 0}, {1, -1}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  // A sequence given twice (which length would win?) is refused whole, the first not applied.
+  r = cache_->Truncate(0, {{1, 3}, {1, 1}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(r.status().message().find("sequence 1 appears more than once"), std::string::npos)
+      << r.status();
   ExpectUnchanged(before);
+}
+
+TEST_F(CacheTest, ReleaseCountsAnIdGivenTwiceOnce) {
+  ASSERT_TRUE(cache_->Forward(Prefill(1, 0, 10)).ok());
+  const ReleaseResult r = cache_->Release(std::vector<uint64_t>{1, 1, 9});
+  EXPECT_EQ(r.released, 1);
+  EXPECT_EQ(r.freed_pages, 2);  // 10 tokens in pages of 8
+  EXPECT_EQ(r.unknown_seq_ids, std::vector<uint64_t>{9});
+  EXPECT_EQ(cache_->Stats().used_pages, 0);
 }
 
 }  // namespace

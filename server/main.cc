@@ -1,5 +1,6 @@
 // pagedattn-server: flags (from the command line or PAGEDATTN_<FLAG> variables), logging, and
 // signal handling around PagedAttnServer. SIGTERM/SIGINT: a bounded graceful shutdown, exit 0.
+#include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <unistd.h>  // environ
 
@@ -269,22 +270,12 @@ std::vector<std::string> InvalidFlags() {
   return bad;
 }
 
-// gRPC's own log lines go through spdlog, in its format and under --log_level. Errors a caller
-// causes (a failed TLS handshake, a reset connection) are debug lines, and a line repeated
-// within a second is counted instead of printed.
-void GrpcLogToSpdlog(gpr_log_func_args* args) {
+// A library's log line through spdlog, in its format and under --log_level, at most once a
+// second for each kind of line (its first 80 characters), with the count of those held back: a
+// client that sends bad bytes over and over must not flood the log.
+void LogThrottled(spdlog::level::level_enum level, const char* source, const std::string& message) {
   static absl::Mutex mu;
   static auto* last_seen = new std::map<std::string, std::pair<absl::Time, int>>();
-  const std::string message = absl::CHexEscape(args->message ? args->message : "");
-  spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
-                                    : args->severity == GPR_LOG_SEVERITY_INFO
-                                        ? spdlog::level::debug
-                                        : spdlog::level::trace;
-  for (const char* caller_caused :
-       {"Handshake failed", "handshake", "ssl_transport_security", "Connection reset",
-        "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
-    if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
-  }
   if (!spdlog::should_log(level)) return;
   const std::string key = message.substr(0, 80);
   const absl::Time now = absl::Now();
@@ -301,8 +292,38 @@ void GrpcLogToSpdlog(gpr_log_func_args* args) {
     when = now;
     count = 0;
   }
-  spdlog::log(level, "grpc: {}{}", message,
+  spdlog::log(level, "{}: {}{}", source, message,
               suppressed > 0 ? absl::StrCat(" (and ", suppressed, " more like it)") : "");
+}
+
+// gRPC's own log lines. Errors a caller causes (a failed TLS handshake, a reset connection) are
+// debug lines.
+void GrpcLogToSpdlog(gpr_log_func_args* args) {
+  const std::string message = absl::CHexEscape(args->message ? args->message : "");
+  spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
+                                    : args->severity == GPR_LOG_SEVERITY_INFO
+                                        ? spdlog::level::debug
+                                        : spdlog::level::trace;
+  for (const char* caller_caused :
+       {"Handshake failed", "handshake", "ssl_transport_security", "Connection reset",
+        "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
+    if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
+  }
+  LogThrottled(level, "grpc", message);
+}
+
+// protobuf's own lines (by default unthrottled on stderr, whatever --log_level says). Those of a
+// request that does not parse (a string field that is not UTF-8) are the caller's: debug.
+void ProtobufLogToSpdlog(google::protobuf::LogLevel severity, const char* /*file*/, int /*line*/,
+                         const std::string& text) {
+  const std::string message = absl::CHexEscape(text);
+  spdlog::level::level_enum level = severity >= google::protobuf::LOGLEVEL_WARNING
+                                        ? spdlog::level::warn
+                                        : spdlog::level::debug;
+  if (absl::StrContains(message, "invalid UTF-8") || absl::StrContains(message, "parsing")) {
+    level = spdlog::level::debug;
+  }
+  LogThrottled(level, "protobuf", message);
 }
 
 }  // namespace
@@ -361,6 +382,7 @@ int main(int argc, char** argv) {
   spdlog::set_level(level);
   spdlog::flush_on(spdlog::level::info);
   gpr_set_log_function(GrpcLogToSpdlog);
+  google::protobuf::SetLogHandler(ProtobufLogToSpdlog);
   gpr_set_log_verbosity(level <= spdlog::level::trace ? GPR_LOG_SEVERITY_DEBUG
                                                       : GPR_LOG_SEVERITY_ERROR);
   if (!ignored_env.empty()) {

@@ -97,3 +97,25 @@ def test_mtls_client_certificate(server_binary, pki):
                 c.server_info()
     finally:
         assert server.stop() == 0, server.log
+
+
+def test_bad_bytes_do_not_flood_the_log(server_binary):
+    """A request whose string field is not UTF-8 makes protobuf log a line: it goes through the
+    server's logger (debug, throttled), not unconditionally to stderr once a call."""
+    for level, most in (("info", 0), ("debug", 5)):
+        server = ServerProcess(server_binary, "--backend=cpu", "--cpu_threads=1",
+                               f"--log_level={level}")
+        try:
+            with grpc.insecure_channel(server.target) as channel:
+                get = channel.unary_unary("/pagedattn.v1.AttentionService/GetCache",
+                                          request_serializer=lambda b: b,
+                                          response_deserializer=lambda b: b)
+                for _ in range(200):
+                    with pytest.raises(grpc.RpcError):
+                        get(b"\x0a\x02\xff\xfe", timeout=10)  # cache_id: two non-UTF-8 bytes
+        finally:
+            assert server.stop() == 0, server.log
+        lines = [line for line in server.lines if "UTF-8" in line]
+        assert len(lines) <= most, f"--log_level={level}:\n{''.join(lines[:10])}"
+        if level == "debug":
+            assert lines and "protobuf: " in lines[0] and " debug " in lines[0], server.log

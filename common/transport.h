@@ -8,6 +8,10 @@
 
 namespace pagedattn {
 
+// The largest piece a connection's bytes are read in: the server's memory for requests in
+// flight (--request_memory_mb) must hold at least one.
+inline constexpr int kMaxReadChunkBytes = 16 << 20;
+
 // gRPC channel arguments (name, integer value).
 inline constexpr std::array<std::pair<const char*, int>, 6> kTransportArgs = {{
     {"grpc.http2.lookahead_bytes", 16 << 20},            // the initial stream window
@@ -15,7 +19,7 @@ inline constexpr std::array<std::pair<const char*, int>, 6> kTransportArgs = {{
     {"grpc.http2.write_buffer_size", 16 << 20},          // bytes queued per write
     {"grpc.experimental.tcp_read_chunk_size", 4 << 20},  // socket reads
     {"grpc.experimental.tcp_min_read_chunk_size", 1 << 20},
-    {"grpc.experimental.tcp_max_read_chunk_size", 16 << 20},
+    {"grpc.experimental.tcp_max_read_chunk_size", kMaxReadChunkBytes},
 }};
 
 // The largest message the server accepts and sends by default, and what clients accept.

@@ -26,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "common/cmdline.h"
+#include "common/transport.h"
 #include "server/core/backend_factory.h"
 #include "server/service/address.h"
 #include "server/service/server.h"
@@ -94,7 +95,7 @@ ABSL_FLAG(int64_t, request_memory_mb, 0,
           "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
           "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
           "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
-          "+ 64");
+          "+ 64; else at least 16 (the transport's largest read) and --max_message_mb");
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
           "gRPC's own debug lines");
@@ -262,7 +263,13 @@ std::vector<std::string> InvalidFlags() {
   range("--max_memory_regions", absl::GetFlag(FLAGS_max_memory_regions), 0, 1e6);
   range("--memory_lease_seconds", absl::GetFlag(FLAGS_memory_lease_seconds), 1, 86400);
   const int64_t request_mb = absl::GetFlag(FLAGS_request_memory_mb);
-  if (request_mb > 0 && request_mb < absl::GetFlag(FLAGS_max_message_mb)) {
+  constexpr int64_t kMinRequestMemoryMb = pagedattn::kMaxReadChunkBytes >> 20;
+  if (request_mb > 0 && request_mb < kMinRequestMemoryMb) {
+    bad.push_back(absl::StrCat(
+        "--request_memory_mb must be 0 or at least ", kMinRequestMemoryMb, " (got ", request_mb,
+        "): gRPC reads a connection's bytes in pieces of up to ", kMinRequestMemoryMb,
+        " MiB, and with less it cannot receive even a small call"));
+  } else if (request_mb > 0 && request_mb < absl::GetFlag(FLAGS_max_message_mb)) {
     bad.push_back(absl::StrCat(
         "--request_memory_mb (", request_mb, ") must be at least --max_message_mb (",
         absl::GetFlag(FLAGS_max_message_mb), "): a largest message could never be received"));

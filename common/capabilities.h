@@ -72,6 +72,10 @@ inline constexpr int kMaxPageSize = 1024;
 inline constexpr int kMaxGqaRatio = 32;
 inline constexpr int kMaxNumLayers = 4096;
 inline constexpr int kMaxNumHeads = 1024;
+// Sinks values of a config, every layer's together (gpt-oss-120b: 36 layers x 64 q heads = 2304).
+// A cache's config travels in every CreateCache, GetCache and ListCaches answer: 4096 layers x
+// 1024 heads (16 MiB) would not fit the smallest --max_message_mb.
+inline constexpr int64_t kMaxSinkValues = 1 << 16;
 
 // Cache dtypes per backend; tensor (q/k/v) dtypes are accepted in any of kIoDTypes and
 // converted to the cache dtype.

@@ -66,6 +66,17 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
                                    c.num_layers, " entries (got ", n, ")"));
     return;
   }
+  int64_t sink_values = 0;
+  for (const LayerAttentionRequest& l : c.layers) {
+    sink_values += static_cast<int64_t>(l.sinks.size());
+  }
+  if (sink_values > kMaxSinkValues) {
+    violate("layers",
+            absl::StrCat("the layers' sinks hold ", sink_values, " values in all; at most ",
+                         kMaxSinkValues, " (a config travels in every answer that describes its "
+                         "cache)"));
+    return;
+  }
   for (size_t i = 0; i < n; ++i) {
     const LayerAttentionRequest& l = c.layers[i];
     const std::string at = absl::StrCat("layers[", i, "].");

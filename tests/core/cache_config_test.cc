@@ -247,6 +247,23 @@ TEST(CacheConfigTest, LayerVariantRulesNameTheFieldAndTheValue) {
   EXPECT_NE(r.violations[3].description.find("sinks[5]"), std::string::npos);
 }
 
+TEST(CacheConfigTest, SinksOfEveryLayerAreBoundedInAll) {
+  CacheConfigRequest c = Valid();
+  c.num_layers = 256;
+  c.num_q_heads = c.num_kv_heads = 256;
+  LayerAttentionRequest sinks;
+  sinks.sinks.assign(256, 0.5f);
+  c.layers.assign(256, sinks);  // 65536 values: the most a config may hold
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
+  c.num_layers = 257;
+  c.layers.push_back(sinks);
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), std::vector<std::string>{"layers"});
+  EXPECT_NE(r.violations[0].description.find("65792 values in all; at most 65536"),
+            std::string::npos)
+      << r.violations[0].description;
+}
+
 TEST(CacheConfigTest, LayerVariantsRunOnEveryBackend) {
   CacheConfigRequest c = Valid();
   LayerAttentionRequest l;

@@ -12,13 +12,17 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "server/service/address.h"
 
 namespace pagedattn {
 namespace {
 
 constexpr size_t kMaxRequestBytes = 8192;
-constexpr int kReadTimeoutMs = 2000;
+// For the whole request, not each read: connections are answered one at a time, so a client that
+// trickles a byte at a time must not hold the port (a scrape waits at most this long behind it).
+constexpr int kRequestTimeoutMs = 2000;
 
 void WriteAll(int fd, absl::string_view data) {
   while (!data.empty()) {
@@ -120,8 +124,10 @@ void HttpServer::Loop() {
 }
 
 void HttpServer::Answer(int fd) {
-  const timeval timeout = {kReadTimeoutMs / 1000, (kReadTimeoutMs % 1000) * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &timeout, sizeof(timeout));
+  // A client that does not read the answer must not hold the port either.
+  const timeval timeout = {kRequestTimeoutMs / 1000, (kRequestTimeoutMs % 1000) * 1000};
+  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(kRequestTimeoutMs);
   std::string request;
   char buf[1024];
   while (request.find("\r\n\r\n") == std::string::npos &&
@@ -130,8 +136,11 @@ void HttpServer::Answer(int fd) {
       Respond(fd, "431 Request Header Fields Too Large", "text/plain", "request too large\n");
       return;
     }
-    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
-    if (n <= 0) return;  // closed, or timed out
+    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
+    pollfd readable = {fd, POLLIN, 0};
+    if (left_ms <= 0 || poll(&readable, 1, static_cast<int>(left_ms)) <= 0) return;  // too slow
+    const ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
+    if (n <= 0) return;  // closed
     request.append(buf, static_cast<size_t>(n));
   }
   // Request line: METHOD SP target SP version.

@@ -1,13 +1,19 @@
 // Operations end to end: TLS and mTLS with certificates made here (openssl), bearer tokens
 // and tenant isolation, the plaintext health port, /metrics moving with traffic, and every
 // limit with its error.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <thread>
 
+#include "absl/time/clock.h"
 #include "client/client.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
@@ -272,6 +278,39 @@ TEST(MetricsTest, PerCacheSeriesAreOptIn) {
   EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_used" + labels), 2) << *text;
   EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_free" + labels), 14);
   EXPECT_EQ(Sample(*text, "pagedattn_cache_live_sequences" + labels), 1);
+}
+
+// Connections to the metrics port are answered one at a time: one that sends its request a byte
+// at a time gets 2 s for all of it, not 2 s a byte, so a scrape behind it still gets through.
+TEST(MetricsTest, ATricklingClientDoesNotHoldThePort) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend.backend = BackendChoice::kCpu;
+  o.metrics_listen = "127.0.0.1:0";
+  auto server = PagedAttnServer::Start(o);
+  ASSERT_TRUE(server.ok()) << server.status();
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in addr = {};
+  addr.sin_family = AF_INET;
+  addr.sin_port = htons(static_cast<uint16_t>((*server)->metrics_port()));
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)), 0);
+  std::thread trickle([fd] {  // "GET /metrics..." a byte every 250 ms, for 6 s
+    for (int i = 0; i < 24; ++i) {
+      if (send(fd, "G", 1, MSG_NOSIGNAL) != 1) break;
+      absl::SleepFor(absl::Milliseconds(250));
+    }
+  });
+  absl::SleepFor(absl::Milliseconds(100));  // the trickling connection is the one being read
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> text =
+      FetchMetrics(absl::StrCat("127.0.0.1:", (*server)->metrics_port()));
+  const absl::Duration took = absl::Now() - start;
+  trickle.join();
+  close(fd);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_LT(took, absl::Seconds(4)) << "the scrape waited behind a client sending a byte at a time";
 }
 
 TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {

@@ -132,7 +132,7 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   }
   // The answer must be sendable, or the K/V would be committed for a reply the caller never
   // gets.
-  const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
+  const DType out_dtype = ForwardOutDType(g, a);
   const int64_t response_bytes = ForwardResponseBytes(g, a);
   if (limits_.max_response_bytes > 0 && response_bytes > limits_.max_response_bytes) {
     return WithErrorInfo(
@@ -148,10 +148,15 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   return absl::OkStatus();
 }
 
+DType ForwardOutDType(const CacheGeometry& g, const ForwardArgs& a) {
+  if (!a.q.empty()) return a.q.dtype;
+  return g.kv_dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : g.kv_dtype;
+}
+
 int64_t ForwardResponseBytes(const CacheGeometry& g, const ForwardArgs& a) {
   int64_t total_q = 0;
   for (const SpanRequest& s : a.spans) total_q += std::max(0, s.num_queries);
-  const DType out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
+  const DType out_dtype = ForwardOutDType(g, a);
   return total_q * g.num_q_heads *
              (int64_t{g.head_dim} * DTypeSize(out_dtype) +
               (a.return_lse ? static_cast<int64_t>(sizeof(float)) : 0)) +
@@ -227,8 +232,8 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   plan.stop = stop;
 
   ForwardResult result;
-  // An append-only request may omit q: its (empty) output then takes the cache dtype.
-  result.out_dtype = a.q.empty() ? g.kv_dtype : a.q.dtype;
+  // An append-only request may omit q: its (empty) output then takes ForwardOutDType.
+  result.out_dtype = ForwardOutDType(g, a);
   result.out_shape = {plan.total_queries, g.num_q_heads, g.head_dim};
   if (a.return_lse) result.lse_shape = {plan.total_queries, g.num_q_heads};
   const size_t out_bytes = static_cast<size_t>(plan.total_queries) * g.num_q_heads * g.head_dim *

@@ -100,8 +100,12 @@ struct ForwardLimits {
 // rounded up: what the response-size check adds to out and lse.
 inline constexpr int64_t kResponseFramingBytes = 256;
 
-// Bytes of a Forward's answer: out (in q's dtype; the cache's when q is unset), lse when asked,
-// and kResponseFramingBytes.
+// The dtype of a Forward's out: q's; with q unset (an append-only Forward, its out empty) the
+// cache's, or bfloat16 for an FP8 cache (FP8 is a cache's storage, never a tensor's dtype).
+DType ForwardOutDType(const CacheGeometry& geometry, const ForwardArgs& args);
+
+// Bytes of a Forward's answer: out (in ForwardOutDType), lse when asked, and
+// kResponseFramingBytes.
 int64_t ForwardResponseBytes(const CacheGeometry& geometry, const ForwardArgs& args);
 
 class Cache {

@@ -235,7 +235,7 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   const absl::Time stage_start = absl::Now();
   int64_t total_queries = 0;
   for (const wire::SpanRef& s : request.spans) total_queries += std::max(0, s.num_queries);
-  const DType out_dtype = request.q.present ? static_cast<DType>(request.q.dtype) : g.kv_dtype;
+  const DType out_dtype = ForwardOutDType(g, args);
   const size_t out_bytes = static_cast<size_t>(total_queries) * g.num_q_heads * g.head_dim *
                            static_cast<size_t>(std::max(0, DTypeSize(out_dtype)));
   const size_t lse_bytes = request.options.return_lse

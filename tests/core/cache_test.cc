@@ -185,7 +185,13 @@ TEST_F(CacheTest, AppendOnlyForwardMayOmitQ) {
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE(r->out.empty());
   EXPECT_EQ(r->out_shape, (std::vector<int64_t>{0, 4, 64}));
+  EXPECT_EQ(r->out_dtype, DType::kBFloat16);  // the cache's
   EXPECT_EQ(cache_->Stats().used_pages, 1);
+  // An FP8 cache's empty out is bfloat16: FP8 is never a tensor's dtype on the wire.
+  CacheGeometry fp8 = g_;
+  fp8.kv_dtype = DType::kFloat8E4M3;
+  EXPECT_EQ(ForwardOutDType(fp8, a), DType::kBFloat16);
+  EXPECT_EQ(ForwardOutDType(fp8, Prefill(2, 0, 1)), DType::kFloat32);  // q's
   // Queries later attend what was appended.
   ForwardModel model(g_, DType::kFloat32, 9);
   EXPECT_TRUE(model.Run(*cache_, 1, {{1, 0, 3, 3}}).status.ok());

@@ -18,7 +18,10 @@ namespace {
 
 // A cache id as received, quoted for an error message: escaped (no control characters reach a
 // log or a terminal) and cut to 64 bytes (a hostile id cannot make the status arbitrarily long).
-absl::Status CacheNotFound(absl::string_view cache_id) {
+absl::Status UnknownCache(absl::string_view cache_id) {
+  if (cache_id.empty()) {
+    return absl::InvalidArgumentError("cache_id is required (CreateCache or ListCaches gives it)");
+  }
   constexpr size_t kShown = 64;
   std::string shown = absl::CHexEscape(cache_id.substr(0, kShown));
   if (cache_id.size() > kShown) absl::StrAppend(&shown, "...(", cache_id.size(), " bytes)");
@@ -115,7 +118,7 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
   auto it = caches_.find(cache_id);
   // Another tenant's cache is indistinguishable from a missing one.
   if (it == caches_.end() || it->second->owner() != owner) {
-    return CacheNotFound(cache_id);
+    return UnknownCache(cache_id);
   }
   return it->second;
 }
@@ -147,7 +150,7 @@ absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
   absl::MutexLock lock(&mu_);
   auto it = caches_.find(cache_id);
   if (it == caches_.end() || it->second->owner() != owner) {
-    return CacheNotFound(cache_id);
+    return UnknownCache(cache_id);
   }
   const int64_t bytes = it->second->geometry().TotalBytes();
   total_pool_bytes_ -= bytes;

@@ -194,6 +194,10 @@ TEST_F(E2ETest, CacheLifecycle) {
   EXPECT_EQ(client_->GetCache(created->cache_id()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->DeleteCache(created->cache_id()).status().code(), absl::StatusCode::kNotFound);
   EXPECT_EQ(client_->GetCache("nope").status().code(), absl::StatusCode::kNotFound);
+  // No id at all is a missing field, not an unknown cache.
+  const absl::Status empty = client_->GetCache("").status();
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument) << empty;
+  EXPECT_NE(empty.message().find("cache_id is required"), std::string::npos) << empty;
 }
 
 TEST_F(E2ETest, SmokeMixedBatchMatchesReference) {

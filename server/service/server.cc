@@ -6,6 +6,7 @@
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
+#include <grpcpp/support/server_interceptor.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -16,6 +17,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "common/transport.h"
 #include "server/core/host_memory.h"
@@ -51,6 +53,42 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const S
   }
   return grpc::SslServerCredentials(ssl);
 }
+
+// gRPC answers a request whose bytes protobuf cannot parse with INTERNAL and no message (its
+// generated handlers deserialize before ours run). That is the caller's error: INVALID_ARGUMENT,
+// naming the method. Forward and Step parse their own bytes (and say why), so they get none.
+class UnparsedRequestInterceptor final : public grpc::experimental::Interceptor {
+ public:
+  explicit UnparsedRequestInterceptor(const char* method) : method_(method) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(
+            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
+      const grpc::Status s = methods->GetSendStatus();
+      if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
+        methods->ModifySendStatus(grpc::Status(
+            grpc::StatusCode::INVALID_ARGUMENT,
+            absl::StrCat("the request's bytes are not a valid request of ", method_,
+                         " (protobuf could not parse them: a string field that is not UTF-8, a "
+                         "truncated or corrupt message)")));
+      }
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string method_;
+};
+
+class UnparsedRequestInterceptorFactory final
+    : public grpc::experimental::ServerInterceptorFactoryInterface {
+ public:
+  grpc::experimental::Interceptor* CreateServerInterceptor(
+      grpc::experimental::ServerRpcInfo* info) override {
+    const absl::string_view method = info->method() != nullptr ? info->method() : "";
+    if (absl::EndsWith(method, "/Forward") || absl::EndsWith(method, "/Step")) return nullptr;
+    return new UnparsedRequestInterceptor(info->method() != nullptr ? info->method() : "?");
+  }
+};
 
 // Every gRPC port: one process per port (no SO_REUSEPORT: a second server on a busy port must
 // fail to start, not take half of the first one's connections).
@@ -160,6 +198,9 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   quota.Resize(static_cast<size_t>(request_memory));
   quota.SetMaxThreads(kMaxServerThreads);
   builder.SetResourceQuota(quota);
+  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<UnparsedRequestInterceptorFactory>());
+  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   for (size_t i = 0; i < addresses->size(); ++i) {
     const ListenAddress& a = (*addresses)[i];

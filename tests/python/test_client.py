@@ -151,6 +151,22 @@ def test_out_of_pages_has_numbers_and_changes_nothing(client, kv_dtypes):
         assert e.value.reason == "SEQUENCE_TOO_LONG"
 
 
+@pytest.mark.parametrize("method", ["TruncateSequences", "CreateCache", "GetCache", "Forward"])
+def test_bytes_that_do_not_parse_are_invalid_argument(client, method):
+    """Not INTERNAL with no message (what gRPC's generated handlers answer on their own)."""
+    call = client.channel.unary_unary(f"/pagedattn.v1.AttentionService/{method}",
+                                      request_serializer=lambda b: b,
+                                      response_deserializer=lambda b: b)
+    junks = [b"\xff" * 10]  # a bad tag
+    if method != "Forward":  # Forward's own parser takes any bytes as an id (then NOT_FOUND)
+        junks.append(b"\x0a\x02\xff\xfe")  # field 1, a string that is not UTF-8
+    for junk in junks:
+        with pytest.raises(grpc.RpcError) as e:
+            call(junk, timeout=30)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, junk, e.value.details())
+        assert e.value.details(), (method, junk)
+
+
 def test_not_found_errors(client, kv_dtypes):
     rng = np.random.default_rng(2)
     q, kv = randn(rng, 1, 4, 64), randn(rng, 1, 2, 64)

@@ -31,17 +31,18 @@ absl::Status UnknownCache(absl::string_view cache_id) {
 }  // namespace
 
 absl::Status ValidateCacheName(absl::string_view name) {
-  if (name.size() > kMaxCacheNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("name must be at most ", kMaxCacheNameBytes,
-                                                   " characters (got ", name.size(), ")"));
-  }
-  for (size_t i = 0; i < name.size(); ++i) {
+  // Characters first: a name of 100 non-ASCII characters is refused for them, not its bytes.
+  for (size_t i = 0; i < name.size() && i <= kMaxCacheNameBytes; ++i) {
     const unsigned char c = static_cast<unsigned char>(name[i]);
     if (c < 0x20 || c > 0x7e) {
       return absl::InvalidArgumentError(
           absl::StrCat("name must be printable ASCII (0x20..0x7e); character ", i, " is 0x",
                        absl::Hex(c, absl::kZeroPad2)));
     }
+  }
+  if (name.size() > kMaxCacheNameBytes) {
+    return absl::InvalidArgumentError(absl::StrCat("name must be at most ", kMaxCacheNameBytes,
+                                                   " characters (got ", name.size(), ")"));
   }
   return absl::OkStatus();
 }

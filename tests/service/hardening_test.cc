@@ -300,6 +300,13 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
   std::string line;
   while (std::getline(lines, line)) EXPECT_NE(line.rfind("FORGED", 0), 0u) << line;
   EXPECT_NE(log.find("x\\nFORGED2"), std::string::npos) << log;
+  // 100 characters of two bytes each: refused for what they are, not as 200 "characters".
+  std::string accented;
+  for (int i = 0; i < 100; ++i) accented += "\xc3\xa9";  // U+00E9 in UTF-8
+  named = client_->CreateCache(Config(4), accented);
+  EXPECT_EQ(named.status().code(), absl::StatusCode::kInvalidArgument) << named.status();
+  EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos)
+      << named.status();
 }
 
 // A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.

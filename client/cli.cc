@@ -134,11 +134,13 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
     }
     c.add_kv_scales(scale);
   }
-  if (absl::GetFlag(FLAGS_num_pages) > 0 && absl::GetFlag(FLAGS_max_bytes) > 0) {
+  if (absl::GetFlag(FLAGS_num_pages) != 0 && absl::GetFlag(FLAGS_max_bytes) != 0) {
     return absl::InvalidArgumentError("set --num_pages or --max_bytes, not both");
   }
-  if (absl::GetFlag(FLAGS_num_pages) > 0) c.set_num_pages(absl::GetFlag(FLAGS_num_pages));
-  if (absl::GetFlag(FLAGS_max_bytes) > 0) c.set_max_bytes(absl::GetFlag(FLAGS_max_bytes));
+  // Any value but 0 (unset) goes to the server, whose validation names it: a negative one must
+  // not quietly become the default capacity (most of the GPU's free memory).
+  if (absl::GetFlag(FLAGS_num_pages) != 0) c.set_num_pages(absl::GetFlag(FLAGS_num_pages));
+  if (absl::GetFlag(FLAGS_max_bytes) != 0) c.set_max_bytes(absl::GetFlag(FLAGS_max_bytes));
   c.set_device(absl::GetFlag(FLAGS_device));
   return c;
 }

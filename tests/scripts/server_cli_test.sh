@@ -111,6 +111,11 @@ rc=0; out=$("$cli" $t --kv_dtype=int8 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3" <<<"$out" && ! grep -q UNSPECIFIED <<<"$out" || fail "bad --kv_dtype: $out"
 rc=0; out=$("$cli" $t --num_pages=16 --max_bytes=100000 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "not both" <<<"$out" || fail "num_pages and max_bytes: $out"
+# A negative capacity is the server's violation to name, never the default capacity.
+for f in num_pages max_bytes; do
+  rc=0; out=$("$cli" $t --$f=-1 validate 2>&1) || rc=$?
+  [ $rc -eq 1 ] && grep -q "\"field\": \"$f\"" <<<"$out" || fail "--$f=-1: exit $rc: $out"
+done
 # An FP8 cache's scaling: STATIC with its scales (echoed per layer), bad values named.
 "$cli" $t --num_layers=2 --num_pages=16 --kv_dtype=float8_e4m3 --kv_scaling=static \
   --kv_scales=0.02,0.01 validate | grep -q '"valid": true' || fail "FP8 STATIC with scales"

@@ -91,6 +91,13 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   } else {
     const std::vector<int64_t> kv_shape = {total_new, g.num_kv_heads, g.head_dim};
     const char* kv_names = "total_new_tokens, num_kv_heads, head_dim";
+    for (const auto& [name, t] : {std::pair{"k", &a.k}, std::pair{"v", &a.v}}) {
+      if (t->empty() && total_new > 0) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            name, " is required: the spans append ", total_new, " new tokens (num_new_tokens; a "
+            "span that only attends sets it to 0)"));
+      }
+    }
     if (s = CheckTensor("k", a.k, kv_shape, kv_names); !s.ok()) return s;
     if (s = CheckTensor("v", a.v, kv_shape, kv_names); !s.ok()) return s;
     if (a.k.dtype != a.v.dtype) {

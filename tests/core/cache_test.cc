@@ -70,6 +70,8 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
        absl::StatusCode::kInvalidArgument, "q.dtype"},
       {"bad dtype value", [](ForwardArgs& a) { a.k.dtype = static_cast<DType>(9); },
        absl::StatusCode::kInvalidArgument, "k.dtype"},
+      {"no v to append", [](ForwardArgs& a) { a.v = {}; }, absl::StatusCode::kInvalidArgument,
+       "v is required: the spans append 5 new tokens"},
       {"negative dim", [](ForwardArgs& a) { a.q.shape[0] = -3; },
        absl::StatusCode::kInvalidArgument, "q.shape"},
       {"huge dim",
@@ -93,7 +95,7 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
          a.k = {};
          a.v = {};
        },
-       absl::StatusCode::kInvalidArgument, "k.dtype"},
+       absl::StatusCode::kInvalidArgument, "k is required: the spans append 5 new tokens"},
       {"queries > length", [](ForwardArgs& a) { a.spans[0].num_queries = 20; },
        absl::StatusCode::kInvalidArgument, "num_queries"},
       {"negative start", [](ForwardArgs& a) { a.spans[0].start = -1; },

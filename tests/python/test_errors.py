@@ -1,9 +1,11 @@
-"""pagedattn.errors without a server: the exception type and attributes for each google.rpc.Status
-the server sends (ErrorInfo reasons and their numbers, BadRequest violations, message-only)."""
+"""Errors without a server: the exception type and attributes for each google.rpc.Status the
+server sends (ErrorInfo reasons and their numbers, BadRequest violations, message-only), and the
+values the client checks by name before sending (spans, sequence ids)."""
 
 from __future__ import annotations
 
 import grpc
+import numpy as np
 import pytest
 
 from pagedattn import errors
@@ -65,3 +67,21 @@ def test_bad_request_violations():
     err = errors.from_status(status)
     assert type(err) is errors.CacheConfigError
     assert err.fields == ["page_size"] and "(got 0)" in dict(err.violations)["page_size"]
+
+
+def test_span_and_seq_id_values_are_checked_by_name():
+    from pagedattn import Span
+    from pagedattn.types import seq_id_list, sequence_lengths
+
+    with pytest.raises(ValueError, match=r"Span.seq_id must be in 0\.\.18446744073709551615 \(got -1\)"):
+        Span.decode(-1, 0)
+    with pytest.raises(TypeError, match=r"Span.num_new_tokens must be an int \(got float 1.5\)"):
+        Span(1, 0, 1.5, 1)
+    with pytest.raises(TypeError, match="Span.start must be an int"):
+        Span(1, True, 1, 1)  # a bool is not a position
+    assert Span(np.uint64(7), np.int32(0), 1, 1).to_proto().seq_id == 7  # numpy ints are ints
+    with pytest.raises(ValueError, match=r"seq_ids\[1\] must be in 0\.\."):
+        seq_id_list([3, -5])
+    with pytest.raises(ValueError, match="seq_id must be in 0"):
+        sequence_lengths({-1: 2})
+    assert [x.length for x in sequence_lengths({4: 2})] == [2]

@@ -18,7 +18,8 @@ from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
-    ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, sequence_lengths, span_protos,
+    ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, seq_id_list, sequence_lengths,
+    span_protos,
 )
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
@@ -144,7 +145,7 @@ class Client:
         self, cache: Any, seq_ids: Sequence[int], *, timeout: Optional[float] = None
     ) -> pb.ReleaseSequencesResponse:
         """See pagedattn.Client.release."""
-        req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
+        req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=seq_id_list(seq_ids))
         return await self._call(self.stub.ReleaseSequences, req, timeout)
 
     async def truncate(

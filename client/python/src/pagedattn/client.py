@@ -21,6 +21,7 @@ from .types import (
     SpanLike,
     cache_id_of,
     config_proto,
+    seq_id_list,
     sequence_lengths,
     span_protos,
 )
@@ -223,7 +224,7 @@ class Client:
     ) -> pb.ReleaseSequencesResponse:
         """Frees the sequences' pages in every layer: `released`, `freed_pages`, and the
         `unknown_seq_ids` that had no sequence (not an error)."""
-        req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=list(seq_ids))
+        req = pb.ReleaseSequencesRequest(cache_id=cache_id_of(cache), seq_ids=seq_id_list(seq_ids))
         return self._call(self.stub.ReleaseSequences, req, timeout)
 
     def truncate(

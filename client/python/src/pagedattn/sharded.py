@@ -28,7 +28,9 @@ from ._common import TLS
 from .client import Cache, Client
 from .errors import CacheConfigError, InvalidArgument, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike, _is_torch
-from .types import ConfigLike, LengthsLike, SpanLike, config_proto, sequence_lengths, span_protos
+from .types import (
+    ConfigLike, LengthsLike, SpanLike, config_proto, seq_id_list, sequence_lengths, span_protos,
+)
 from .v1 import attention_pb2 as pb
 
 TargetsLike = Union[str, Sequence[Union[str, Any]]]
@@ -531,7 +533,7 @@ class _ShardedCacheBase:
                 for s in self.shards]
 
     def _release_requests(self, seq_ids: Sequence[int]) -> list[pb.ReleaseSequencesRequest]:
-        ids = list(seq_ids)
+        ids = seq_id_list(seq_ids)
         return [pb.ReleaseSequencesRequest(cache_id=s.cache_id, seq_ids=ids) for s in self.shards]
 
     def _truncate_requests(self, layer: int,

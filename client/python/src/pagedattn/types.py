@@ -3,6 +3,7 @@ to and from the pagedattn.v1 protos; every call also takes the raw protos)."""
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -127,6 +128,25 @@ def config_proto(config: ConfigLike) -> pb.CacheConfig:
     raise TypeError(f"expected pagedattn.CacheConfig or pagedattn.v1 CacheConfig (got {type(config)})")
 
 
+_SEQ_ID_MAX = 2**64 - 1  # seq_id is a uint64
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def checked_int(name: str, value: Any, lo: int = _INT64_MIN, hi: int = _INT64_MAX) -> int:
+    """value as an int for the field `name`, or a TypeError / ValueError that names the field
+    (protobuf's own say only "Value out of range" or "cannot be interpreted as an integer")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int (got {type(value).__name__} {value!r})")
+    if not lo <= int(value) <= hi:
+        raise ValueError(f"{name} must be in {lo}..{hi} (got {value})")
+    return int(value)
+
+
+def seq_id_list(seq_ids: Iterable[int]) -> list[int]:
+    """Sequence ids for a request, each checked (uint64)."""
+    return [checked_int(f"seq_ids[{i}]", s, 0, _SEQ_ID_MAX) for i, s in enumerate(seq_ids)]
+
+
 @dataclass(frozen=True)
 class Span:
     """One sequence's piece of a Forward: write `num_new_tokens` K/V rows at positions
@@ -151,6 +171,13 @@ class Span:
     def attend(cls, seq_id: int, length: int, num_queries: int = 1) -> "Span":
         """Append nothing; query the last `num_queries` positions of a `length`-token sequence."""
         return cls(seq_id, length, 0, num_queries)
+
+    def __post_init__(self) -> None:
+        # The server checks what the values mean (a gap, too many queries); these are what the
+        # wire can carry, named here rather than in protobuf's words.
+        checked_int("Span.seq_id", self.seq_id, 0, _SEQ_ID_MAX)
+        for name in ("start", "num_new_tokens", "num_queries"):
+            checked_int(f"Span.{name}", getattr(self, name))
 
     def to_proto(self) -> pb.Span:
         return pb.Span(
@@ -193,7 +220,8 @@ def sequence_lengths(lengths: LengthsLike) -> list[pb.SequenceLength]:
         if isinstance(x, pb.SequenceLength):
             out.append(x)
         elif isinstance(x, tuple) and len(x) == 2:
-            out.append(pb.SequenceLength(seq_id=x[0], length=x[1]))
+            out.append(pb.SequenceLength(seq_id=checked_int("seq_id", x[0], 0, _SEQ_ID_MAX),
+                                         length=checked_int("length", x[1])))
         else:
             raise TypeError(
                 f"a length is a (seq_id, length) tuple or a pagedattn.v1 SequenceLength (got {x!r})"

@@ -446,6 +446,14 @@ def test_cli_info_validate_smoke(target, backend):
     assert r.stdout.strip().splitlines()[-1] == "PASS"
     r = _cli("--target=127.0.0.1:1", "--timeout_s=5", "info")
     assert r.returncode == 1 and "UNAVAILABLE" in r.stderr
+    # An FP8 cache's smoke (within FP8's bound, as pagedattn-cli smoke); usage errors are one
+    # line and exit 2, never a traceback.
+    r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--head_dim=64", "smoke")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    for args, says in ((["--q_dtype=fp8", "smoke"], "q_dtype must be float32, float16 or bfloat16"),
+                       (["--tls_ca=/nonexistent/ca.pem", "info"], "/nonexistent/ca.pem")):
+        r = _cli(f"--target={target}", *args)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_raw_protos_and_deadline(client, kv_dtypes):

@@ -134,6 +134,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # a file named by a flag (--tls_ca, ...) that cannot be read
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -10,7 +10,9 @@ import numpy as np
 
 from .client import Client
 from .reference import reference_attention, relative_error
-from .tensors import BFLOAT16, FLOAT16, FLOAT32, DTypeLike, dtype_enum, round_to_bfloat16
+from .tensors import (
+    BFLOAT16, FLOAT16, FLOAT32, FLOAT8_E4M3, DTypeLike, dtype_enum, dtype_name, round_to_bfloat16,
+)
 from .types import CacheConfig, Span
 
 # (layer, spans): prefills, a decode, a chunked prefill, an attend-only span, a rewind.
@@ -20,7 +22,9 @@ STEPS = [
     (1, [Span(1, 0, 38, 38), Span(3, 0, 5, 2)]),
     (0, [Span(1, 30, 3, 3), Span(2, 0, 0, 0), Span(3, 5, 0, 4)]),
 ]
-TOLERANCE = {FLOAT32: 1e-5, FLOAT16: 2e-3, BFLOAT16: 1e-2}
+# An FP8 cache is checked against the unquantized K/V, within its documented bound (README, FP8
+# caches), as pagedattn-cli smoke does.
+TOLERANCE = {FLOAT32: 1e-5, FLOAT16: 2e-3, BFLOAT16: 1e-2, FLOAT8_E4M3: 0.15}
 
 
 @dataclass
@@ -58,6 +62,11 @@ def run_smoke(
     """Creates a cache, runs the STEPS, checks every output and LSE, releases, deletes.
     RPC failures raise; a wrong answer is a report with passed=False."""
     kv_t, q_t = dtype_enum(kv_dtype), dtype_enum(q_dtype)
+    if kv_t not in TOLERANCE:
+        raise ValueError("kv_dtype must be float32, float16, bfloat16 or float8_e4m3 "
+                         f"(got {dtype_name(kv_t)})")
+    if q_t not in (FLOAT32, FLOAT16, BFLOAT16):
+        raise ValueError(f"q_dtype must be float32, float16 or bfloat16 (got {dtype_name(q_t)})")
     # The output comes back in q's dtype: its rounding counts too.
     report = SmokeReport(tolerance=max(TOLERANCE[kv_t], TOLERANCE[q_t]))
     config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t, num_pages=64)

@@ -150,13 +150,19 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   absl::FlagsUsageConfig usage_config;
+  // --help names the program, not the build machine's path to its source (and matches on that
+  // name: absl hands contains_help_flags the normalized one).
+  usage_config.normalize_filename = [](absl::string_view path) {
+    return absl::StrContains(path, "client/cli.cc") ? std::string("pagedattn-cli")
+                                                    : std::string(path);
+  };
   usage_config.contains_help_flags = [](absl::string_view path) {
-    return absl::StrContains(path, "client/cli.cc");
+    return path == "pagedattn-cli" || absl::StrContains(path, "client/cli.cc");
   };
   absl::SetFlagsUsageConfig(usage_config);
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (!pagedattn::NoRepeatedFlags("pagedattn-cli", argc, argv,
-                                  pagedattn::FlagKinds(absl::GetAllFlags(), "client/cli.cc"),
+                                  pagedattn::FlagKinds(absl::GetAllFlags(), "pagedattn-cli"),
                                   {"token"})) {
     return 2;
   }

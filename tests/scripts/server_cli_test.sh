@@ -70,6 +70,11 @@ grep -q -- "--shutdown_grace_s (default: 10)" <<<"$out" || fail "--help: $out"
 grep -q -- "PAGEDATTN_<FLAG>" <<<"$out" || fail "--help does not explain PAGEDATTN_<FLAG>"
 ! grep -q "main.cc\|/work/\|/src/" <<<"$out" || fail "--help shows a build path: $out"
 "$server" --version | grep -q "^pagedattn-server [0-9]" || fail "--version"
+# The CLI's --help too: its commands and every flag, no path of the build machine.
+out=$("$cli" --help) || true  # absl's --help exits 1
+grep -q -- "--num_pages (cache config: pages" <<<"$out" && grep -q "release CACHE_ID SEQ" <<<"$out" ||
+  fail "cli --help: $out"
+! grep -q "cli.cc\|/work/\|/src/" <<<"$out" || fail "cli --help shows a build path: $out"
 
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &

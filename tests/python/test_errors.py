@@ -85,3 +85,21 @@ def test_span_and_seq_id_values_are_checked_by_name():
     with pytest.raises(ValueError, match="seq_id must be in 0"):
         sequence_lengths({-1: 2})
     assert [x.length for x in sequence_lengths({4: 2})] == [2]
+
+
+def test_misused_arguments_name_what_is_wrong():
+    import pagedattn
+    from pagedattn import CacheConfig, LayerAttention, Span
+    from pagedattn.types import span_protos
+
+    with pytest.raises(TypeError, match=r"spans is a list of spans \(got one span"):
+        span_protos(Span.decode(1, 0))
+    layered = CacheConfig(2, 4, 2, 64, page_size=4, num_pages=4, layers=[{"sliding_window": 4}])
+    with pytest.raises(TypeError, match=r"layers\[0\] must be a pagedattn.LayerAttention"):
+        layered.to_proto()
+    one = CacheConfig(2, 4, 2, 64, page_size=4, num_pages=4, layers=LayerAttention(sliding_window=4))
+    with pytest.raises(TypeError, match="layers is a list of LayerAttention"):
+        one.to_proto()
+    for bad in ("5", 0, -1.0, True):
+        with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
+            pagedattn.Client("127.0.0.1:1", timeout=bad)

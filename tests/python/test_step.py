@@ -315,6 +315,8 @@ def test_close_mid_step_drains_the_answers(client, kv_dtypes):
             assert_same(f.result(), unary.forward(layer, [Span.prefill(1, 6)], *data[layer]))
         with pytest.raises(RuntimeError, match="closed"):
             step.submit(0, *data[0])
+        with pytest.raises(RuntimeError, match="closed"):  # not accepted, to fail at submit
+            step.begin([Span.decode(1, 6)])
         step.close()  # idempotent
         assert streamed.stats().forward_calls == layers
 

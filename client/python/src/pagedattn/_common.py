@@ -56,6 +56,15 @@ def channel_setup(
     return creds, opts + list(options)
 
 
+def check_timeout(timeout: Any) -> None:
+    """A client's default timeout: seconds > 0, or None for none (checked when the client is
+    made, not at its first call, deep inside grpc)."""
+    if timeout is None:
+        return
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise ValueError(f"timeout must be a positive number of seconds or None (got {timeout!r})")
+
+
 def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 

@@ -41,6 +41,7 @@ class Client:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.target = target
+        _common.check_timeout(timeout)
         self.timeout = timeout
         self._metadata = _common.auth_metadata(token)
         creds, opts = _common.channel_setup(tls, max_message_bytes, options)
@@ -294,6 +295,8 @@ class Step:
         return_lse: bool = False,
     ) -> None:
         """See pagedattn.client.Step.begin."""
+        if self._closed:
+            raise RuntimeError("the Step stream is closed")
         self._messages.begin(cache, spans, causal, sm_scale, return_lse, self._messages.dtype)
         if cache is not None:
             self.cache_id = cache_id_of(cache)

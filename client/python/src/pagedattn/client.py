@@ -55,6 +55,7 @@ class Client:
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         self.target = target
+        _common.check_timeout(timeout)
         self.timeout = timeout
         self._metadata = _common.auth_metadata(token)
         creds, opts = _common.channel_setup(tls, max_message_bytes, options)
@@ -340,6 +341,8 @@ class Step:
         spans and options (defaults when unset, as in Client.step) and, when given, `cache`;
         the layers after it run with them."""
         with self._lock:
+            if self._closed:
+                raise RuntimeError("the Step stream is closed")
             self._messages.begin(cache, spans, causal, sm_scale, return_lse,
                                  self._messages.dtype)
             if cache is not None:

@@ -56,7 +56,11 @@ class CacheConfig:
             msg.num_pages = self.num_pages
         if self.max_bytes is not None:
             msg.max_bytes = self.max_bytes
-        for layer in self.layers:
+        if isinstance(self.layers, LayerAttention):
+            raise TypeError("layers is a list of LayerAttention (got one; [it] holds for every layer)")
+        for i, layer in enumerate(self.layers):
+            if not isinstance(layer, LayerAttention):
+                raise TypeError(f"layers[{i}] must be a pagedattn.LayerAttention (got {layer!r})")
             msg.layers.append(layer.to_proto())
         if self.kv_scaling is not None:
             try:
@@ -192,6 +196,8 @@ SpanLike = Union[Span, pb.Span, tuple]
 
 
 def span_protos(spans: Iterable[SpanLike]) -> list[pb.Span]:
+    if isinstance(spans, (Span, pb.Span)):
+        raise TypeError(f"spans is a list of spans (got one span: [{spans!r}] would do)")
     out = []
     for s in spans:
         if isinstance(s, pb.Span):

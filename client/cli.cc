@@ -193,6 +193,19 @@ int main(int argc, char** argv) {
       std::exit(2);
     }
   };
+  // Arguments a command would ignore are a mistake to report (a flag given without its --, a
+  // word too many), not to drop: release takes any number of sequence ids, the others a fixed
+  // count.
+  const bool one_arg = command == "describe" || command == "delete";
+  const bool no_args = command == "info" || command == "health" || command == "validate" ||
+                       command == "create-cache" || command == "list" || command == "stats" ||
+                       command == "smoke";
+  const size_t takes = one_arg ? 1 : 0;
+  if ((one_arg || no_args) && args.size() > takes + 2) {
+    std::cerr << "pagedattn-cli " << command << ": unexpected argument '" << args[takes + 2]
+              << "'\n" << kUsage;
+    return 2;
+  }
 
   if (command == "info") {
     auto r = c.GetServerInfo();

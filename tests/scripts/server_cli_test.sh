@@ -70,6 +70,11 @@ grep -q -- "--shutdown_grace_s (default: 10)" <<<"$out" || fail "--help: $out"
 grep -q -- "PAGEDATTN_<FLAG>" <<<"$out" || fail "--help does not explain PAGEDATTN_<FLAG>"
 ! grep -q "main.cc\|/work/\|/src/" <<<"$out" || fail "--help shows a build path: $out"
 "$server" --version | grep -q "^pagedattn-server [0-9]" || fail "--version"
+# A word a command would ignore is an error (exit 2), not dropped.
+for cmd in "health extra" "describe id extra"; do
+  rc=0; out=$("$cli" --target=127.0.0.1:1 $cmd 2>&1) || rc=$?
+  [ $rc -eq 2 ] && grep -q "unexpected argument 'extra'" <<<"$out" || fail "$cmd: exit $rc: $out"
+done
 # The CLI's --help too: its commands and every flag, no path of the build machine.
 out=$("$cli" --help) || true  # absl's --help exits 1
 grep -q -- "--num_pages (cache config: pages" <<<"$out" && grep -q "release CACHE_ID SEQ" <<<"$out" ||

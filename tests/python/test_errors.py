@@ -103,3 +103,37 @@ def test_misused_arguments_name_what_is_wrong():
     for bad in ("5", 0, -1.0, True):
         with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
             pagedattn.Client("127.0.0.1:1", timeout=bad)
+
+
+def test_a_closed_client_raises_client_closed_before_sending():
+    # No server: a call on a closed channel never reaches one, and grpc's own ValueError ("Cannot
+    # invoke RPC on closed channel!") is not what a caller catching PagedAttnError expects.
+    import asyncio
+
+    import pagedattn
+    from pagedattn import aio
+
+    client = pagedattn.Client("127.0.0.1:1")
+    client.close()
+    with pytest.raises(errors.ClientClosed, match="127.0.0.1:1 is closed") as e:
+        client.health()
+    assert isinstance(e.value, errors.PagedAttnError) and e.value.code is None
+    with pytest.raises(errors.ClientClosed):
+        client.step("cache", [pagedattn.Span(1, 0, 1, 1)])
+
+    sharded = pagedattn.ShardedClient(["127.0.0.1:1", "127.0.0.1:2"])
+    sharded.close()
+    answers = sharded.fan_out("GetServerInfo", [pagedattn.pb.GetServerInfoRequest()] * 2)
+    assert [type(a) for a in answers] == [errors.ClientClosed] * 2
+
+    async def closed_aio():
+        c = aio.Client("127.0.0.1:1")
+        await c.close()
+        with pytest.raises(errors.ClientClosed, match="async with"):
+            await c.health()
+        with pytest.raises(errors.ClientClosed):
+            async with c.step("cache", [pagedattn.Span(1, 0, 1, 1)]) as s:
+                await s.forward(0, np.zeros((1, 1, 64), np.float32), np.zeros((1, 1, 64), np.float32),
+                                np.zeros((1, 1, 64), np.float32))
+
+    asyncio.run(closed_aio())

@@ -23,6 +23,7 @@ from .client import Cache, Client, LayerFuture, Step
 from .device import DeviceMemory
 from .errors import (
     CacheConfigError,
+    ClientClosed,
     DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
@@ -43,7 +44,8 @@ from .v1 import attention_pb2 as pb
 __version__ = "0.1.0"
 
 __all__ = [
-    "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "DEFAULT_MAX_MESSAGE_BYTES",
+    "BFLOAT16", "Cache", "CacheConfig", "CacheConfigError", "Client", "ClientClosed",
+    "DEFAULT_MAX_MESSAGE_BYTES",
     "DeadlineExceeded", "DeviceMemory", "FLOAT16", "FLOAT32", "FailedPrecondition", "InvalidArgument",
     "LayerAttention", "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
     "ResourceExhausted", "ShardedCache", "ShardedClient", "Span", "Step", "TLS", "Timing",

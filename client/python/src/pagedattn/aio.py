@@ -15,7 +15,7 @@ import grpc.aio
 from . import _common, device, sharded
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import PagedAttnError, from_rpc_error
+from .errors import ClientClosed, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
     ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, seq_id_list, sequence_lengths,
@@ -51,8 +51,15 @@ class Client:
             self.channel = grpc.aio.secure_channel(target, creds, options=opts)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._closed = False
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this client of {self.target} is closed (close() or the end of "
+                               "its `async with` block); make a new Client")
 
     async def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
+        self._check_open()
         try:
             return await method(
                 request,
@@ -63,6 +70,8 @@ class Client:
             raise from_rpc_error(e) from e
 
     async def close(self) -> None:
+        """Closes the channel; calls in flight are cancelled, later calls raise ClientClosed."""
+        self._closed = True
         await self.channel.close()
 
     async def __aenter__(self) -> "Client":
@@ -267,6 +276,7 @@ class Step:
 
     def _open(self) -> Any:
         if self._call is None:
+            self.client._check_open()
             self._call = self.client.stub.Step(timeout=self._timeout,
                                                metadata=self.client._metadata)
             self._writer = asyncio.get_running_loop().create_task(self._write_all())

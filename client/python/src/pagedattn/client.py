@@ -13,7 +13,7 @@ import grpc
 from . import _common, device
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import PagedAttnError, from_rpc_error
+from .errors import ClientClosed, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
     ConfigLike,
@@ -65,10 +65,12 @@ class Client:
             self.channel = grpc.secure_channel(target, creds, options=opts)
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
+        self._closed = False
 
     # -- plumbing ------------------------------------------------------------------------------
 
     def _call(self, method: Callable, request: Any, timeout: Optional[float]) -> Any:
+        self._check_open()
         try:
             return method(
                 request,
@@ -78,8 +80,14 @@ class Client:
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosed(f"this client of {self.target} is closed (close() or the end of "
+                               "its `with` block); make a new Client")
+
     def close(self) -> None:
-        """Closes the channel; calls in flight are cancelled."""
+        """Closes the channel; calls in flight are cancelled, later calls raise ClientClosed."""
+        self._closed = True
         self.channel.close()
 
     def __enter__(self) -> "Client":
@@ -322,6 +330,7 @@ class Step:
         self._failure: Optional[PagedAttnError] = None  # what ended the stream otherwise
         self._error_seen = False  # the failure was raised to the caller
         self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        client._check_open()
         self._call = client.stub.Step(
             iter(self._requests.get, _END), timeout=timeout, metadata=client._metadata
         )

@@ -34,6 +34,11 @@ class PagedAttnError(Exception):
         return f"{self.code.name}: {self.message}" if self.code is not None else self.message
 
 
+class ClientClosed(PagedAttnError):
+    """A call on a client after its close() (or the end of its `with` block): no RPC was sent.
+    `code` is None. Make a new client."""
+
+
 class InvalidArgument(PagedAttnError):
     """INVALID_ARGUMENT: a bad field (shapes, dtypes, spans, a limit)."""
 

@@ -618,10 +618,11 @@ class ShardedClient(_ShardedClientBase):
                 calls.append(None)
                 continue
             try:
+                client._check_open()
                 calls.append((getattr(client.stub, method).future(
                     request, timeout=client.timeout if timeout is None else timeout,
                     metadata=client._metadata), None))
-            except Exception as e:  # e.g. a closed channel
+            except Exception as e:  # e.g. a closed client (ClientClosed)
                 calls.append((None, e))
         out: list[Any] = []
         for started in calls:

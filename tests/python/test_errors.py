@@ -137,3 +137,52 @@ def test_a_closed_client_raises_client_closed_before_sending():
                                 np.zeros((1, 1, 64), np.float32))
 
     asyncio.run(closed_aio())
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    ({"layer": 1.5}, "layer must be an int (got float 1.5)"),
+    ({"layer": "0"}, "layer must be an int (got str '0')"),
+    ({"causal": "yes"}, "causal must be True or False (got str 'yes')"),
+    ({"return_lse": 1}, "return_lse must be True or False (got int 1)"),
+    ({"sm_scale": "x"}, "sm_scale must be a number (got str 'x')"),
+    ({"timeout": "x"}, "timeout must be a positive number of seconds or None (got 'x')"),
+])
+def test_scalar_arguments_are_named_before_sending(kwargs, message):
+    # No server: each is refused before an RPC, by its argument's name (protobuf's own message
+    # was "'str' object cannot be interpreted as an integer").
+    import pagedattn
+
+    client = pagedattn.Client("127.0.0.1:1")
+    args = {"layer": 0, **kwargs}
+    layer = args.pop("layer")
+    q = np.zeros((1, 2, 64), np.float32)
+    kv = np.zeros((1, 1, 64), np.float32)
+    with pytest.raises((TypeError, ValueError)) as e:
+        client.forward("c", layer, [pagedattn.Span.prefill(1, 1)], q, kv, kv, **args)
+    assert str(e.value) == message
+    if "timeout" not in kwargs:
+        with pytest.raises(TypeError, match=message.split(" (")[0]):
+            step = client.step("c", [pagedattn.Span.prefill(1, 1)], **{
+                k: v for k, v in args.items() if k != "layer"})
+            step.forward(layer, q, kv, kv)
+    client.close()
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("head_dim", "64", "CacheConfig.head_dim must be an int (got str '64')"),
+    ("num_pages", 5.0, "CacheConfig.num_pages must be an int (got float 5.0)"),
+    ("num_layers", 2**31, "CacheConfig.num_layers must be in -2147483648..2147483647"),
+    ("kv_scales", ["1"], "CacheConfig.kv_scales[0] must be a number (got str '1')"),
+])
+def test_config_fields_are_named_before_sending(field, value, message):
+    import pagedattn
+    from pagedattn.types import config_proto
+
+    config = pagedattn.CacheConfig(**{"num_layers": 2, "num_q_heads": 2, "num_kv_heads": 1,
+                                      "head_dim": 64, "page_size": 16, field: value})
+    with pytest.raises((TypeError, ValueError)) as e:
+        config_proto(config)
+    assert str(e.value).startswith(message)
+    window = pagedattn.LayerAttention(sliding_window=4.5)
+    with pytest.raises(TypeError, match="LayerAttention.sliding_window must be an int"):
+        window.to_proto()

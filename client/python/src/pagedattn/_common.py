@@ -11,7 +11,9 @@ import grpc
 
 from .errors import from_status
 from .tensors import ArrayLike, DTypeLike, fill_tensor, from_tensor
-from .types import SpanLike, cache_id_of, span_protos
+from .types import (
+    SpanLike, cache_id_of, checked_bool, checked_float, checked_int32, span_protos,
+)
 from .v1 import attention_pb2 as pb
 
 # The server's default --max_message_mb (512 MiB); gRPC's own default receive limit is 4 MiB.
@@ -81,7 +83,7 @@ def forward_request(
     return_lse: bool,
     dtype: Optional[DTypeLike],
 ) -> pb.ForwardRequest:
-    req = pb.ForwardRequest(cache_id=cache_id_of(cache), layer=layer, spans=span_protos(spans))
+    req = pb.ForwardRequest(cache_id=cache_id_of(cache), layer=checked_int32("layer", layer), spans=span_protos(spans))
     _fill_qkv(req, q, k, v, dtype)
     _fill_options(req, causal, sm_scale, return_lse)
     return req
@@ -106,10 +108,10 @@ def _fill_options(
     req: pb.ForwardRequest, causal: Optional[bool], sm_scale: Optional[float], return_lse: bool
 ) -> None:
     if causal is not None:
-        req.options.causal = causal
+        req.options.causal = checked_bool("causal", causal)
     if sm_scale is not None:
-        req.options.sm_scale = sm_scale
-    req.options.return_lse = return_lse
+        req.options.sm_scale = checked_float("sm_scale", sm_scale)
+    req.options.return_lse = checked_bool("return_lse", return_lse)
 
 
 def forward_result(resp: pb.ForwardResponse, q: ArrayLike, return_lse: bool) -> Any:
@@ -167,7 +169,7 @@ class StepMessages:
     ) -> pb.ForwardRequest:
         """The message for `layer`: the opening one (spans, cache_id, options) after begin(),
         else only the layer and its tensors. Call sent() once it is on its way."""
-        req = pb.ForwardRequest(layer=layer)
+        req = pb.ForwardRequest(layer=checked_int32("layer", layer))
         _fill_qkv(req, q, k, v, self.dtype)
         if self._opening is not None:
             req.MergeFrom(self._opening)

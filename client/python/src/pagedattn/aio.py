@@ -18,8 +18,8 @@ from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
 from .errors import ClientClosed, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
-    ConfigLike, LengthsLike, SpanLike, cache_id_of, config_proto, seq_id_list, sequence_lengths,
-    span_protos,
+    ConfigLike, LengthsLike, SpanLike, cache_id_of, checked_int32, config_proto, seq_id_list,
+    sequence_lengths, span_protos,
 )
 from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
@@ -60,6 +60,8 @@ class Client:
 
     async def _call(self, method: Any, request: Any, timeout: Optional[float]) -> Any:
         self._check_open()
+        if timeout is not None:
+            _common.check_timeout(timeout)
         try:
             return await method(
                 request,
@@ -163,7 +165,7 @@ class Client:
     ) -> pb.TruncateSequencesResponse:
         """See pagedattn.Client.truncate."""
         req = pb.TruncateSequencesRequest(
-            cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
+            cache_id=cache_id_of(cache), layer=checked_int32("layer", layer), lengths=sequence_lengths(lengths)
         )
         return await self._call(self.stub.TruncateSequences, req, timeout)
 
@@ -214,6 +216,7 @@ class Client:
         """See pagedattn.Client.step: `async with client.step(cache, spans) as step:` then
         `out = await step.forward(layer, q, k, v)`, or `f = await step.submit(...)` for every
         layer first and `await f` (or `await f.result()`) after."""
+        _common.check_timeout(timeout)
         return Step(self, cache, spans, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                     dtype=dtype, timeout=self.timeout if timeout is None else timeout)
 

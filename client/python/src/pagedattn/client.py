@@ -20,6 +20,7 @@ from .types import (
     LengthsLike,
     SpanLike,
     cache_id_of,
+    checked_int32,
     config_proto,
     seq_id_list,
     sequence_lengths,
@@ -71,6 +72,8 @@ class Client:
 
     def _call(self, method: Callable, request: Any, timeout: Optional[float]) -> Any:
         self._check_open()
+        if timeout is not None:
+            _common.check_timeout(timeout)
         try:
             return method(
                 request,
@@ -246,7 +249,7 @@ class Client:
         freed. All or nothing. Returns `truncated`, `freed_pages` and `unknown_seq_ids` (not
         an error)."""
         req = pb.TruncateSequencesRequest(
-            cache_id=cache_id_of(cache), layer=layer, lengths=sequence_lengths(lengths)
+            cache_id=cache_id_of(cache), layer=checked_int32("layer", layer), lengths=sequence_lengths(lengths)
         )
         return self._call(self.stub.TruncateSequences, req, timeout)
 
@@ -273,6 +276,7 @@ class Client:
         `with client.step(cache, spans) as step:` closes the stream on exit (cancels it when
         the block raises). `timeout` (default: the client's) is the deadline of the whole
         stream. Arguments as forward()."""
+        _common.check_timeout(timeout)
         return Step(self, cache, spans, causal=causal, sm_scale=sm_scale, return_lse=return_lse,
                     dtype=dtype, timeout=self.timeout if timeout is None else timeout)
 

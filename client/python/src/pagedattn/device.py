@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .tensors import dtype_enum
+from .types import checked_bool, checked_float, checked_int32
 from .v1 import attention_pb2 as pb
 
 ALIGN = 16  # the server's alignment of device tensor offsets
@@ -122,7 +123,7 @@ def device_request(
     memory: DeviceMemory, cache_id: str, layer: int, spans: list[pb.Span], q: Any, k: Any, v: Any,
     out: Any, lse: Any, causal: Optional[bool], sm_scale: Optional[float],
 ) -> pb.ForwardRequest:
-    req = pb.ForwardRequest(cache_id=cache_id, layer=layer, spans=spans)
+    req = pb.ForwardRequest(cache_id=cache_id, layer=checked_int32("layer", layer), spans=spans)
     req.q.CopyFrom(memory.tensor(q))
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither, when no span appends tokens)")
@@ -134,7 +135,7 @@ def device_request(
         req.lse.CopyFrom(memory.tensor(lse))
         req.options.return_lse = True
     if causal is not None:
-        req.options.causal = causal
+        req.options.causal = checked_bool("causal", causal)
     if sm_scale is not None:
-        req.options.sm_scale = sm_scale
+        req.options.sm_scale = checked_float("sm_scale", sm_scale)
     return req

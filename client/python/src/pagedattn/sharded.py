@@ -29,7 +29,8 @@ from .client import Cache, Client
 from .errors import CacheConfigError, InvalidArgument, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike, _is_torch
 from .types import (
-    ConfigLike, LengthsLike, SpanLike, config_proto, seq_id_list, sequence_lengths, span_protos,
+    ConfigLike, LengthsLike, SpanLike, checked_int32, config_proto, seq_id_list, sequence_lengths,
+    span_protos,
 )
 from .v1 import attention_pb2 as pb
 
@@ -529,7 +530,7 @@ class _ShardedCacheBase:
         if not lengths or all(isinstance(o, BaseException) and nothing_written(o)
                               for o in outcomes):
             return None
-        return [pb.TruncateSequencesRequest(cache_id=s.cache_id, layer=layer, lengths=lengths)
+        return [pb.TruncateSequencesRequest(cache_id=s.cache_id, layer=checked_int32("layer", layer), lengths=lengths)
                 for s in self.shards]
 
     def _release_requests(self, seq_ids: Sequence[int]) -> list[pb.ReleaseSequencesRequest]:
@@ -539,7 +540,7 @@ class _ShardedCacheBase:
     def _truncate_requests(self, layer: int,
                            lengths: LengthsLike) -> list[pb.TruncateSequencesRequest]:
         protos = sequence_lengths(lengths)
-        return [pb.TruncateSequencesRequest(cache_id=s.cache_id, layer=layer, lengths=protos)
+        return [pb.TruncateSequencesRequest(cache_id=s.cache_id, layer=checked_int32("layer", layer), lengths=protos)
                 for s in self.shards]
 
     def _get_requests(self) -> list[pb.GetCacheRequest]:

@@ -7,6 +7,8 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
+import numpy as np
+
 from .tensors import DTypeLike, dtype_enum, dtype_name
 from .v1 import attention_pb2 as pb
 
@@ -42,20 +44,20 @@ class CacheConfig:
 
     def to_proto(self) -> pb.CacheConfig:
         msg = pb.CacheConfig(
-            num_layers=self.num_layers,
-            num_q_heads=self.num_q_heads,
-            num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim,
-            page_size=self.page_size,
+            num_layers=checked_int32("CacheConfig.num_layers", self.num_layers),
+            num_q_heads=checked_int32("CacheConfig.num_q_heads", self.num_q_heads),
+            num_kv_heads=checked_int32("CacheConfig.num_kv_heads", self.num_kv_heads),
+            head_dim=checked_int32("CacheConfig.head_dim", self.head_dim),
+            page_size=checked_int32("CacheConfig.page_size", self.page_size),
             kv_dtype=dtype_enum(self.kv_dtype),
-            device=self.device,
+            device=checked_int32("CacheConfig.device", self.device),
         )
         if self.num_pages is not None and self.max_bytes is not None:
             raise ValueError("CacheConfig: set num_pages or max_bytes, not both")
         if self.num_pages is not None:
-            msg.num_pages = self.num_pages
+            msg.num_pages = checked_int("CacheConfig.num_pages", self.num_pages)
         if self.max_bytes is not None:
-            msg.max_bytes = self.max_bytes
+            msg.max_bytes = checked_int("CacheConfig.max_bytes", self.max_bytes)
         if isinstance(self.layers, LayerAttention):
             raise TypeError("layers is a list of LayerAttention (got one; [it] holds for every layer)")
         for i, layer in enumerate(self.layers):
@@ -68,7 +70,8 @@ class CacheConfig:
             except ValueError:
                 raise ValueError(f"CacheConfig: kv_scaling must be 'per_token' or 'static' "
                                  f"(got {self.kv_scaling!r})") from None
-        msg.kv_scales.extend(self.kv_scales)
+        msg.kv_scales.extend(checked_float(f"CacheConfig.kv_scales[{i}]", x)
+                             for i, x in enumerate(self.kv_scales))
         return msg
 
     @classmethod
@@ -105,11 +108,12 @@ class LayerAttention:
     sinks: Sequence[float] = ()
 
     def to_proto(self) -> pb.LayerAttention:
-        msg = pb.LayerAttention(sinks=list(self.sinks))
+        msg = pb.LayerAttention(
+            sinks=[checked_float(f"LayerAttention.sinks[{i}]", x) for i, x in enumerate(self.sinks)])
         if self.sliding_window is not None:
-            msg.sliding_window = self.sliding_window
+            msg.sliding_window = checked_int32("LayerAttention.sliding_window", self.sliding_window)
         if self.logit_softcap is not None:
-            msg.logit_softcap = self.logit_softcap
+            msg.logit_softcap = checked_float("LayerAttention.logit_softcap", self.logit_softcap)
         return msg
 
     @classmethod
@@ -144,6 +148,29 @@ def checked_int(name: str, value: Any, lo: int = _INT64_MIN, hi: int = _INT64_MA
     if not lo <= int(value) <= hi:
         raise ValueError(f"{name} must be in {lo}..{hi} (got {value})")
     return int(value)
+
+
+_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+
+def checked_int32(name: str, value: Any) -> int:
+    """checked_int for an int32 field."""
+    return checked_int(name, value, _INT32_MIN, _INT32_MAX)
+
+
+def checked_bool(name: str, value: Any) -> bool:
+    """value as a bool for the field `name` (True/False, numpy's too), else a TypeError naming
+    it: protobuf would take 0 and 1, and say only "cannot be interpreted as an integer"."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False (got {type(value).__name__} {value!r})")
+    return bool(value)
+
+
+def checked_float(name: str, value: Any) -> float:
+    """value as a float for the field `name` (any real number but a bool), else a TypeError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a number (got {type(value).__name__} {value!r})")
+    return float(value)
 
 
 def seq_id_list(seq_ids: Iterable[int]) -> list[int]:

@@ -49,11 +49,20 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     }
   }
   if (pages_needed > pool_.num_free()) {
+    // Pages that this Forward's rewinds leave unused go back to the pool only when it commits:
+    // until then its kernel may not write them (a rollback restores the old lengths, whose K/V
+    // they hold). Named here, since a TruncateSequences first would free them.
+    const int64_t rewind_pages = RewindPages(layer, spans);
     return WithErrorInfo(
-        absl::ResourceExhaustedError(
-            absl::StrCat("out of KV pages: this Forward needs ", pages_needed, " more pages of ",
-                         page_size_, " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
-                         " are free (release finished sequences or create a larger cache)")),
+        absl::ResourceExhaustedError(absl::StrCat(
+            "out of KV pages: this Forward needs ", pages_needed, " more pages of ", page_size_,
+            " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
+            " are free (release finished sequences or create a larger cache)",
+            rewind_pages == 0
+                ? ""
+                : absl::StrCat("; its rewinds leave ", rewind_pages,
+                               " pages unused, freed only once a Forward completes: "
+                               "TruncateSequences first frees them"))),
         {"OUT_OF_PAGES",
          {{"pages_needed", pages_needed},
           {"free_pages", pool_.num_free()},
@@ -84,6 +93,22 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     r.entries.push_back({s.seq_id, old_len, new_len});
   }
   return r;
+}
+
+int64_t SequenceTable::RewindPages(int32_t layer, absl::Span<const SpanWrite> spans) const {
+  int64_t pages = 0;
+  for (const SpanWrite& s : spans) {
+    auto it = seqs_.find(s.seq_id);
+    if (it == seqs_.end() || s.num_new_tokens == 0) continue;  // attending rewinds nothing
+    const Sequence& seq = it->second;
+    int64_t longest = s.start + s.num_new_tokens;
+    if (longest >= seq.layer_len[layer]) continue;
+    for (int32_t l = 0; l < num_layers_; ++l) {
+      if (l != layer) longest = std::max(longest, seq.layer_len[l]);
+    }
+    pages += std::max<int64_t>(0, static_cast<int64_t>(seq.pages.size()) - PagesFor(longest));
+  }
+  return pages;
 }
 
 void SequenceTable::Commit(const Reservation& r) {

@@ -67,6 +67,8 @@ class SequenceTable {
   int64_t PagesFor(int64_t tokens) const { return (tokens + page_size_ - 1) / page_size_; }
 
  private:
+  // Pages the spans' rewinds of `layer` would leave unused once committed.
+  int64_t RewindPages(int32_t layer, absl::Span<const SpanWrite> spans) const;
   // Drops pages beyond the longest layer; drops the sequence when every layer is empty.
   void Shrink(uint64_t seq_id);
 

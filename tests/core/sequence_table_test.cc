@@ -71,6 +71,27 @@ TEST(SequenceTableTest, ExhaustionChangesNothing) {
   EXPECT_EQ(t.pool().num_free(), 3);
 }
 
+TEST(SequenceTableTest, ExhaustionNamesThePagesRewindsWouldFree) {
+  SequenceTable t(2, 4, 6);
+  t.Commit(*t.Reserve(0, {{1, 0, 16}}));  // 4 pages
+  t.Commit(*t.Reserve(1, {{1, 0, 6}}));   // layer 1 keeps 2 of them
+  t.Commit(*t.Reserve(0, {{2, 0, 8}}));   // 2 pages: none free
+  // Sequence 1's layer 0 rewinds to 5 tokens (its layers then need 2 pages, 2 unused) while
+  // sequence 2 grows by a page: refused, since the rewind's pages are freed only at commit.
+  absl::StatusOr<Reservation> r = t.Reserve(0, {{1, 4, 1}, {2, 8, 1}});
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("its rewinds leave 2 pages unused"), std::string::npos)
+      << r.status();
+  EXPECT_EQ(t.Find(1)->layer_len[0], 16);
+  // Without a rewind the message says nothing of one; attending (no new tokens) rewinds nothing.
+  r = t.Reserve(0, {{1, 4, 0}, {2, 8, 1}});
+  ASSERT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_EQ(r.status().message().find("rewind"), std::string::npos) << r.status();
+  // As the message says: the truncate frees them, and the same Forward then fits.
+  EXPECT_EQ(t.Truncate(0, 1, 4), 2);
+  EXPECT_TRUE(t.Reserve(0, {{1, 4, 1}, {2, 8, 1}}).ok());
+}
+
 TEST(SequenceTableTest, RollbackRestoresEverything) {
   SequenceTable t(1, 4, 10);
   t.Commit(*t.Reserve(0, {{1, 0, 8}}));

@@ -179,14 +179,98 @@ def test_heads_are_checked_before_sending(shard_targets):
                          kv_dtype="bfloat16", num_pages=16)
     rng = np.random.default_rng(0)
     with pagedattn.ShardedClient(shard_targets[:2]) as sc, sc.create_cache(config) as sh:
-        # 16 q heads: split in two they would look right to each shard
+        # 16 q heads: split in two they would look right to each shard. Each shape is named as
+        # the whole cache's, not as a shard's part of it.
         with pytest.raises(errors.InvalidArgument) as e:
             sh.forward(0, [Span.prefill(1, 3)], *qkv(rng, 3, 3, 16, 4))
-        assert "num_q_heads=8" in e.value.message
+        assert e.value.message == ("q.shape must be [3, 8, 64] = [total_queries, num_q_heads, "
+                                   "head_dim] (got [3, 16, 64])")
         with pytest.raises(errors.InvalidArgument) as e:
             sh.forward(0, [Span.prefill(1, 3)], *qkv(rng, 3, 3, 8, 2))
-        assert "num_kv_heads=4" in e.value.message
+        assert e.value.message == ("k.shape must be [3, 4, 64] = [total_new_tokens, "
+                                   "num_kv_heads, head_dim] (got [3, 2, 64])")
+        with pytest.raises(errors.InvalidArgument, match=r"q.shape must be \[3, 8, 64\].*got \[4, 8, 64\]"):
+            sh.forward(0, [Span.prefill(1, 3)], randn(rng, 4, 8, 64), *qkv(rng, 3, 3, 8, 4)[1:])
+        with pytest.raises(errors.InvalidArgument, match=r"v.shape must be \[3, 4, 64\].*got \[3, 4, 32\]"):
+            q, k, _ = qkv(rng, 3, 3, 8, 4)
+            sh.forward(0, [Span.prefill(1, 3)], q, k, randn(rng, 3, 4, 32))
         assert [s.forward_calls for s in sh.stats()] == [0, 0]
+
+
+def test_sinks_are_counted_for_the_whole_cache(shard_targets):
+    # 3 sinks for 4 q heads: each shard's server would be told its own 2 heads' count.
+    config = CacheConfig(num_layers=2, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                         num_pages=16, layers=[pagedattn.LayerAttention(),
+                                               pagedattn.LayerAttention(sinks=[0.5, 1.0, 2.0])])
+    with pagedattn.ShardedClient(shard_targets[:2]) as sc:
+        with pytest.raises(errors.CacheConfigError) as e:
+            sc.create_cache(config)
+    assert e.value.violations == [
+        ("layers[1].sinks", "sinks must have num_q_heads=4 values, one per q head (got 3)")]
+
+
+def test_a_call_refused_by_the_client_rolls_nothing_back(shard_targets):
+    # The rewriting span's request is over the client's own message limit on every shard: it is
+    # never sent, so nothing is truncated (a rollback to the span's start would drop tokens
+    # 10..99 that every shard holds).
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         num_pages=64)
+    rng = np.random.default_rng(5)
+    with pagedattn.ShardedClient(shard_targets[:2], max_message_bytes=200_000) as sc, \
+            sc.create_cache(config) as sh:
+        sh.forward(0, [Span.prefill(1, 100)], *qkv(rng, 100, 100, 4, 2))
+        with pytest.raises(errors.ResourceExhausted) as e:
+            sh.forward(0, [Span.prefill(1, 400, start=10)], *qkv(rng, 400, 400, 4, 2))
+        assert "no shard wrote anything" in e.value.message and e.value.rolled_back == []
+        # Still 100 tokens on both: attending at position 100 leaves no gap.
+        sh.forward(0, [Span(1, 100, 0, 1)], randn(rng, 1, 4, 64))
+        # A bad timeout is refused before any shard is sent the call.
+        with pytest.raises(ValueError, match="timeout must be a positive number"):
+            sh.forward(0, [Span.decode(1, 100)], *qkv(rng, 1, 1, 4, 2), timeout=0)
+        assert [s.forward_calls for s in sh.stats()] == [2, 2]
+
+
+def test_a_shard_whose_cache_is_gone_counts_as_deleted(shard_targets):
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         num_pages=8)
+    with pagedattn.ShardedClient(shard_targets[:2]) as sc:
+        sh = sc.create_cache(config)
+        sc.clients[1].delete_cache(sh.cache_ids[1])  # as a restarted server would have lost it
+        sh.delete()
+        assert sh.deleted
+        assert sh.cache_ids[0] not in [c.cache_id for c in sc.clients[0].list_caches()]
+
+
+def test_a_cancelled_aio_forward_rolls_every_shard_back(start_servers):
+    import signal
+    import threading
+
+    servers = start_servers(2)
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                         num_pages=16)
+    rng = np.random.default_rng(9)
+
+    async def run():
+        async with pagedattn.aio.ShardedClient([s.target for s in servers], timeout=30) as sc:
+            sh = await sc.create_cache(config)
+            await sh.forward(0, [Span.prefill(1, 8)], *qkv(rng, 8, 8, 4, 2))
+            # Shard 1 stops answering; shard 0 writes the 4 tokens; the caller gives up.
+            servers[1].proc.send_signal(signal.SIGSTOP)
+            resume = threading.Timer(1.0, servers[1].proc.send_signal, (signal.SIGCONT,))
+            resume.start()
+            try:
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(
+                        sh.forward(0, [Span.prefill(1, 4, start=8)], *qkv(rng, 4, 4, 4, 2)), 0.3)
+            finally:
+                resume.join()
+            # Both shards hold 8 tokens again, as a gap after them says (shard 0 had 12).
+            for shard in sh.shards:
+                with pytest.raises(errors.FailedPrecondition, match="the sequence has 8 tokens"):
+                    await shard.forward(0, [Span(1, 9, 0, 1)], randn(rng, 1, 2, 64))
+            await sh.delete()
+
+    asyncio.run(run())
 
 
 # -- the config ------------------------------------------------------------------------------

@@ -589,11 +589,26 @@ class ShardedCache(sharded._ShardedCacheBase):
         dtype: Optional[DTypeLike] = None,
         timeout: Optional[float] = None,
     ) -> Any:
-        """See pagedattn.ShardedCache.forward (the same split, join, rollback and errors)."""
+        """See pagedattn.ShardedCache.forward (the same split, join, rollback and errors). A
+        forward cancelled while its calls are out (asyncio.wait_for, Task.cancel) rolls every
+        shard back as a failed one does, then lets the cancellation go on."""
         spans = span_protos(spans)
         requests, likes = self._forward_requests(layer, spans, q, k, v, causal, sm_scale,
                                                  return_lse, dtype)
-        outcomes = await self.client.fan_out("Forward", requests, timeout)
+        try:
+            outcomes = await self.client.fan_out("Forward", requests, timeout)
+        except asyncio.CancelledError:
+            # The shards' calls are cancelled with this one, some perhaps after writing: the
+            # rollback runs in a task of its own, which a second cancellation does not stop.
+            undo = self._rollback_requests(layer, spans, [asyncio.CancelledError()])
+            if undo is not None:
+                rollback_task = asyncio.ensure_future(
+                    self.client.fan_out("TruncateSequences", undo, timeout))
+                try:
+                    await asyncio.shield(rollback_task)
+                except asyncio.CancelledError:
+                    pass  # cancelled again: the rollback goes on
+            raise
         if not sharded._failed(outcomes):
             return self._forward_answer(outcomes, likes, return_lse)
         undo = self._rollback_requests(layer, spans, outcomes)

@@ -26,7 +26,9 @@ import grpc
 from . import _common
 from ._common import TLS
 from .client import Cache, Client
-from .errors import CacheConfigError, InvalidArgument, PagedAttnError, from_rpc_error
+from .errors import (
+    CacheConfigError, ClientClosed, InvalidArgument, NotFound, PagedAttnError, from_rpc_error,
+)
 from .tensors import ArrayLike, DTypeLike, _is_torch
 from .types import (
     ConfigLike, LengthsLike, SpanLike, checked_int32, config_proto, seq_id_list, sequence_lengths,
@@ -117,6 +119,11 @@ def shard_configs(config: ConfigLike, num_shards: int) -> list[pb.CacheConfig]:
         violations.append(("num_q_heads", (
             f"num_q_heads must be a positive multiple of num_kv_heads={kv}, so that each query "
             f"head stays on the shard of its KV head (got {q})")))
+    for i, layer in enumerate(full.layers):  # split by q head below: the whole count here
+        if layer.sinks and len(layer.sinks) != q:
+            violations.append((f"layers[{i}].sinks", (
+                f"sinks must have num_q_heads={q} values, one per q head (got "
+                f"{len(layer.sinks)})")))
     if violations:
         what = "; ".join(f"{field}: {why}" for field, why in violations)
         plural = "s" if len(violations) > 1 else ""
@@ -132,7 +139,7 @@ def shard_configs(config: ConfigLike, num_shards: int) -> list[pb.CacheConfig]:
         if full.WhichOneof("capacity") == "max_bytes":
             c.max_bytes = full.max_bytes // n
         for layer in c.layers:  # sinks are per q head: the shard's heads' own
-            if len(layer.sinks) == q:
+            if layer.sinks:
                 heads = head_range(q, n, i)
                 sinks = list(layer.sinks)[heads.start:heads.stop]
                 del layer.sinks[:]
@@ -179,12 +186,13 @@ def validation_error(
     return err
 
 
-def _heads_of(x: Any, name: str, want: int, kind: str) -> None:
-    shape = tuple(x.shape)
-    if len(shape) != 3 or shape[1] != want:
-        raise InvalidArgument(
-            f"{name} must be [tokens, {kind}={want}, head_dim] to be split by head "
-            f"(got shape {list(shape)})", grpc.StatusCode.INVALID_ARGUMENT)
+def _check_shape(x: Any, name: str, want: list[int], names: str) -> None:
+    """The whole cache's shape, checked before the split: a shard's server would name its own
+    part's (its heads only)."""
+    shape = [int(d) for d in x.shape]
+    if shape != want:
+        raise InvalidArgument(f"{name}.shape must be {want} = [{names}] (got {shape})",
+                              grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def _as_array(x: Any) -> Any:
@@ -196,16 +204,20 @@ def _as_array(x: Any) -> Any:
 
 
 def split_heads(
-    q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike],
-    num_q_heads: int, num_kv_heads: int, num_shards: int,
+    q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike], config: pb.CacheConfig,
+    spans: Sequence[pb.Span], num_shards: int,
 ) -> list[tuple[Any, Any, Any]]:
-    """(q, k, v) of each shard: views of its heads (dtypes kept; the request copies them)."""
+    """(q, k, v) of each shard: views of its heads (dtypes kept; the request copies them).
+    Their shapes are checked first, against the whole cache's `config` and the spans."""
     q, k, v = _as_array(q), _as_array(k), _as_array(v)
-    _heads_of(q, "q", num_q_heads, "num_q_heads")
-    if k is not None:
-        _heads_of(k, "k", num_kv_heads, "num_kv_heads")
-    if v is not None:
-        _heads_of(v, "v", num_kv_heads, "num_kv_heads")
+    num_q_heads, num_kv_heads, d = config.num_q_heads, config.num_kv_heads, config.head_dim
+    _check_shape(q, "q", [sum(s.num_queries for s in spans), num_q_heads, d],
+                 "total_queries, num_q_heads, head_dim")
+    new_tokens = sum(s.num_new_tokens for s in spans)
+    for name, x in (("k", k), ("v", v)):
+        if x is not None:
+            _check_shape(x, name, [new_tokens, num_kv_heads, d],
+                         "total_new_tokens, num_kv_heads, head_dim")
     parts = []
     for i in range(num_shards):
         qh = head_range(num_q_heads, num_shards, i)
@@ -249,9 +261,15 @@ _NOTHING_WRITTEN = {
 
 def nothing_written(error: BaseException) -> bool:
     """True when a shard's failed Forward certainly wrote nothing."""
+    if isinstance(error, ClientClosed) or isinstance(error, (TypeError, ValueError)):
+        return True  # refused by the client before a call began
     if not isinstance(error, PagedAttnError):
         return False
     if error.code in _NOTHING_WRITTEN:
+        return True
+    # gRPC's own limit on a message that this client would send: it never left.
+    if (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+            and "Sent message larger than max" in error.message):
         return True
     # The server's RESOURCE_EXHAUSTED (out of pages, busy, ...) carries a google.rpc.ErrorInfo.
     return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and bool(getattr(error, "reason", None))
@@ -343,9 +361,11 @@ def forward_failure(
                       f"{'s' if len(rolled_back) > 1 else ''} "
                       + ", ".join(map(str, rolled_back)))
         for i, e in rollback_errors.items():
-            after += (f"; could NOT roll back {shard_name(i, targets[i])}: {_describe(e)} "
-                      "(its cache may keep this call's tokens: release those sequences or "
-                      "retry the call, which rewrites them)")
+            after += f"; could NOT roll back {shard_name(i, targets[i])}: {_describe(e)} " + (
+                "(its cache is gone, e.g. its server restarted: this sharded cache cannot "
+                "serve any more; delete it and create it again)" if isinstance(e, NotFound) else
+                "(its cache may keep this call's tokens: release those sequences or retry the "
+                "call, which rewrites them)")
     return shard_error(failed, targets, n, "in Forward", after=after,
                        rollback_errors=rollback_errors, rolled_back=rolled_back)
 
@@ -507,8 +527,7 @@ class _ShardedCacheBase:
         dtype: Optional[DTypeLike],
     ) -> tuple[list[pb.ForwardRequest], list[Any]]:
         """Each shard's ForwardRequest, and its q (the kind of array its answer comes as)."""
-        parts = split_heads(q, k, v, self.config.num_q_heads, self.config.num_kv_heads,
-                            self.num_shards)
+        parts = split_heads(q, k, v, self.config, spans, self.num_shards)
         requests = [
             _common.forward_request(shard.cache_id, layer, spans, qs, ks, vs, causal, sm_scale,
                                     return_lse, dtype)
@@ -557,10 +576,14 @@ class _ShardedCacheBase:
     def _deleted(self, outcomes: Sequence[Any]) -> int:
         """Marks the shards deleted; the bytes freed; raises the first failure."""
         freed = 0
-        for shard, o in zip(self.shards, outcomes):
+        outcomes = list(outcomes)
+        for i, (shard, o) in enumerate(zip(self.shards, outcomes)):
             if isinstance(o, pb.DeleteCacheResponse):
                 shard.deleted = True
                 freed += o.freed_bytes
+            elif isinstance(o, NotFound):  # gone already (its server restarted, say)
+                shard.deleted = True
+                outcomes[i] = None
         _raise_first_failure(outcomes, self.targets, "in DeleteCache")
         return freed
 
@@ -612,6 +635,8 @@ class ShardedClient(_ShardedClientBase):
         """Sends requests[i] to shard i with the stub's `method` ("Forward", ...), all at once
         (None: nothing to shard i), and waits for every answer. Returns, by shard, the answer,
         the pagedattn exception of a failed call, or None."""
+        if timeout is not None:
+            _common.check_timeout(timeout)  # before any shard is sent anything
         # (call, None), or (None, the exception of a call that could not start), or None.
         calls: list[Any] = []
         for client, request in zip(self.clients, requests):
@@ -735,7 +760,9 @@ class ShardedCache(_ShardedCacheBase):
         and saying whether the rollback worked; it carries `shard`, `target`, `shard_errors`,
         `rolled_back` (shards rolled back), `rollback_errors` ({shard: exception}: a shard that
         could not be rolled back, e.g. a server that is down, may keep the call's tokens) and
-        `original` (the shard's own exception, also its __cause__)."""
+        `original` (the shard's own exception, also its __cause__). A call interrupted in the
+        caller (KeyboardInterrupt) is not rolled back: truncate() those spans' sequences to
+        their starts before using them again (pagedattn.aio's cancelled forward is)."""
         spans = span_protos(spans)
         requests, likes = self._forward_requests(layer, spans, q, k, v, causal, sm_scale,
                                                  return_lse, dtype)
@@ -776,7 +803,8 @@ class ShardedCache(_ShardedCacheBase):
     def delete(self, *, timeout: Optional[float] = None) -> int:
         """Deletes every shard's cache not deleted yet; returns the bytes freed. When a shard
         fails (e.g. its server is down), the others are deleted still and its exception,
-        naming it, is raised; delete() again retries that shard."""
+        naming it, is raised; delete() again retries that shard. A shard whose cache is gone
+        already (NOT_FOUND: its server restarted, say) counts as deleted."""
         return self._deleted(self.client.fan_out("DeleteCache", self._delete_requests(), timeout))
 
     def __enter__(self) -> "ShardedCache":

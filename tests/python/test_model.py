@@ -225,7 +225,10 @@ def test_model_families_of_other_head_dims(client, server_info, kv_dtypes, backe
     model = _tiny_head_dim(kind, getattr(torch, dtype), device)
     hf.register()
     hf.set_attention(model, "pagedattn")
-    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
+    # sinks_of is the recipe for any model: None where there are none (GPT-NeoX's layers have
+    # `attention`, not `self_attn`).
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16,
+                                 sinks=hf.sinks_of(model))
     assert config.head_dim == head_dim
     with client.create_cache(config, f"test_model_{kind}") as cache:
         paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
@@ -233,3 +236,47 @@ def test_model_families_of_other_head_dims(client, server_info, kv_dtypes, backe
         # Every layer's attention of every step went through the service.
         assert paged_cache.forward_calls == NEW_TOKENS * model.config.num_hidden_layers
     _expect_same_generation(model, got, dtype, f"{kind} on {backend}/{device}")
+
+
+def test_layers_a_cache_cannot_serve_are_refused():
+    """Llama 4's chunked attention lives in transformers' mask, which the attention function
+    does not use; hybrid models' linear layers keep state there: refused by name, not served
+    wrongly."""
+    from types import SimpleNamespace
+
+    base = dict(model_type="llama4_text", num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, hidden_size=256, head_dim=64)
+    chunked = SimpleNamespace(**base, layer_types=["chunked_attention"] * 3 + ["full_attention"])
+    with pytest.raises(ValueError, match=r"layer_types \['chunked_attention'\] \(layers \[0, 1, 2\]\)"):
+        hf.cache_config_for(chunked)
+    with pytest.raises(ValueError, match="chunked attention .attention_chunk_size=8192."):
+        hf.cache_config_for(SimpleNamespace(**base, attention_chunk_size=8192))
+    hybrid = SimpleNamespace(**dict(base, model_type="qwen3_next"),
+                             layer_types=["linear_attention", "full_attention"] * 2)
+    with pytest.raises(ValueError, match=r"qwen3_next: layer_types \['linear_attention'\]"):
+        hf.cache_config_for(hybrid)
+    ok = SimpleNamespace(**base, layer_types=["sliding_attention", "full_attention"] * 2,
+                         sliding_window=8)
+    assert [layer.sliding_window for layer in hf.cache_config_for(ok).layers] == [8, None, 8, None]
+
+
+def test_a_used_cache_is_refused_until_released(client, kv_dtypes):
+    """A second greedy_generate on the same PagedAttnCache would append to the first run's
+    sequences while its positions start at 0: refused; after release() it runs as the first."""
+    dtype = "float32" if "float32" in kv_dtypes else "bfloat16"
+    model = hf.tiny_llama(dtype=getattr(torch, dtype), device=_device())
+    hf.register()
+    hf.set_attention(model, "pagedattn")
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
+    with client.create_cache(config, "test_model_reuse") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        first = hf.greedy_generate(model, PROMPTS, 4, cache=paged_cache)
+        assert paged_cache.num_tokens == sum(len(p) + 3 for p in PROMPTS)
+        with pytest.raises(ValueError, match=r"holds 42 tokens of an earlier generation"):
+            hf.greedy_generate(model, PROMPTS, 4, cache=paged_cache)
+        paged_cache.release()
+        assert paged_cache.num_tokens == 0 and paged_cache.get_seq_length() == 0
+        again = hf.greedy_generate(model, PROMPTS, 4, cache=paged_cache)
+    assert torch.equal(again.tokens, first.tokens)
+    for a, b in zip(again.logits, first.logits):
+        assert torch.equal(a, b)

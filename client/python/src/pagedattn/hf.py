@@ -32,6 +32,27 @@ from .types import CacheConfig, LayerAttention, Span
 
 ATTN_IMPLEMENTATION = "pagedattn"
 CACHE_KWARG = "pagedattn_cache"  # the model-call kwarg transformers hands on to the attention
+# The `layer_types` a cache can serve. Others (Llama 4's "chunked_attention", the linear or
+# recurrent layers of hybrid models) are refused: their masks or state live in transformers.
+SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layer_types(model_config: Any) -> None:
+    """Raises ValueError when the model has layers a pagedattn cache cannot serve: a
+    `layer_types` entry other than full or sliding-window attention, or chunked attention."""
+    types = getattr(model_config, "layer_types", None) or ()
+    other = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
+    if other:
+        layers = [i for i, t in enumerate(types) if t not in SUPPORTED_LAYER_TYPES]
+        raise ValueError(
+            f"{getattr(model_config, 'model_type', 'this model')}: layer_types {other} (layers "
+            f"{layers[:8]}{' ...' if len(layers) > 8 else ''}) cannot be served: a pagedattn "
+            f"cache serves {' and '.join(SUPPORTED_LAYER_TYPES)} layers")
+    if getattr(model_config, "attention_chunk_size", None) and not types:
+        raise ValueError(
+            f"{getattr(model_config, 'model_type', 'this model')}: chunked attention "
+            f"(attention_chunk_size={model_config.attention_chunk_size}) cannot be served: a "
+            "pagedattn cache serves full and sliding-window attention")
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:
@@ -55,7 +76,9 @@ def cache_config_for(model_config: Any, *, page_size: int = 16, kv_dtype: Any = 
     model config: a sliding window on the layers `layer_types` marks "sliding_attention" (on
     every layer when the config has a window and no layer types, as Mistral's), Gemma 2's
     `attn_logit_softcapping`, and sinks (learned weights, not config: `sinks_of(model)`, one
-    sequence per layer). The attention function checks each layer's call against it."""
+    sequence per layer). The attention function checks each layer's call against it. Raises
+    ValueError for a model whose layers it cannot describe (check_layer_types)."""
+    check_layer_types(model_config)
     head_dim = getattr(model_config, "head_dim", None) or (
         model_config.hidden_size // model_config.num_attention_heads
     )
@@ -93,7 +116,7 @@ def sinks_of(model: Any) -> Optional[list[list[float]]]:
     """Each decoder layer's attention sinks (gpt-oss: `self_attn.sinks`, one logit per q head),
     for cache_config_for(..., sinks=); None when the model has none."""
     layers = model.get_decoder().layers if hasattr(model, "get_decoder") else model.model.layers
-    found = [getattr(layer.self_attn, "sinks", None) for layer in layers]
+    found = [getattr(getattr(layer, "self_attn", None), "sinks", None) for layer in layers]
     if all(x is None for x in found):
         return None
     return [[] if x is None else x.detach().float().cpu().tolist() for x in found]
@@ -229,11 +252,19 @@ class PagedAttnCache(Cache):
                 stream.close()
 
     def release(self) -> Any:
-        """Frees the sequences' pages in the server; returns the ReleaseSequencesResponse."""
+        """Frees the sequences' pages in the server and starts the cache over (empty, ready for
+        another greedy_generate); returns the ReleaseSequencesResponse."""
         self.close_stream()
         resp = self.handle.release(self.seq_ids)
         self.lengths = [0] * len(self.seq_ids)
+        self.real, self.spans = None, []
+        self._past_steps = self._steps = 0
         return resp
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the server holds for these sequences (0 for a new or released cache)."""
+        return sum(self.lengths)
 
     # The padded [batch, time] view that transformers' mask code may ask about.
     def get_seq_length(self, layer_idx: Optional[int] = 0, *args: Any, **kwargs: Any) -> int:
@@ -272,9 +303,13 @@ def paged_attention_forward(
     cache = kwargs.get(CACHE_KWARG)
     if not isinstance(cache, PagedAttnCache):
         raise ValueError(
-            f"the '{ATTN_IMPLEMENTATION}' attention needs the model call to pass "
-            f"{CACHE_KWARG}=<PagedAttnCache> (pagedattn.hf.greedy_generate does)"
+            f"the '{ATTN_IMPLEMENTATION}' attention got no {CACHE_KWARG}=<PagedAttnCache>: pass "
+            "it in the model call (pagedattn.hf.greedy_generate does); where it was passed, "
+            f"this model ({type(module).__name__}) does not hand the call's extra arguments on "
+            "to its attention layers, and cannot run with this attention"
         )
+    if module.layer_idx not in cache._checked_layers:
+        check_layer_types(getattr(module, "config", None))
     cache.check_layer(module.layer_idx, kwargs.get("sliding_window"), kwargs.get("softcap"),
                       kwargs.get("s_aux"))
     if dropout:
@@ -353,6 +388,11 @@ def greedy_generate(
     position_ids = (real.long().cumsum(dim=1) - 1).clamp(min=0)
     attn_mask = real.long()
 
+    if cache is not None and cache.num_tokens:
+        raise ValueError(
+            f"the PagedAttnCache holds {cache.num_tokens} tokens of an earlier generation: "
+            "call its release() first (or make a new one); its sequences would go on from them "
+            "while the positions start again at 0")
     kv = cache if cache is not None else DynamicCache()
     kw = {_cache_kwarg(model): kv, "use_cache": True}
     if cache is not None:

@@ -245,6 +245,11 @@ std::vector<std::string> InvalidFlags() {
     bad.push_back(absl::StrCat("--unix_socket_mode must be an octal file mode like 0660 (got '",
                                absl::GetFlag(FLAGS_unix_socket_mode), "')"));
   }
+  if (const std::string level = absl::GetFlag(FLAGS_log_level);
+      spdlog::level::from_str(level) == spdlog::level::off && level != "off") {
+    bad.push_back(absl::StrCat(
+        "--log_level must be one of trace, debug, info, warn, error, off (got '", level, "')"));
+  }
   address("--health_listen", absl::GetFlag(FLAGS_health_listen), true);
   address("--metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true);
   auto range = [&](const char* flag, double value, double lo, double hi) {
@@ -365,12 +370,10 @@ int main(int argc, char** argv) {
     absl::SetFlag(&FLAGS_listen, absl::StrJoin(listen->second, ","));
     repeated.erase(listen);
   }
-  if (const std::vector<std::string> twice = pagedattn::RepeatedFlagErrors(repeated);
-      !twice.empty()) {
-    std::cerr << "pagedattn-server: " << absl::StrJoin(twice, "\npagedattn-server: ") << "\n";
-    return 2;
-  }
-  if (const std::vector<std::string> bad = InvalidFlags(); !bad.empty()) {
+  // Every flag given twice and every bad value, together.
+  std::vector<std::string> bad = pagedattn::RepeatedFlagErrors(repeated);
+  for (std::string& e : InvalidFlags()) bad.push_back(std::move(e));
+  if (!bad.empty()) {
     std::cerr << "pagedattn-server: " << absl::StrJoin(bad, "\npagedattn-server: ") << "\n";
     return 2;
   }
@@ -378,15 +381,8 @@ int main(int argc, char** argv) {
   auto logger = spdlog::stdout_color_mt("pagedattn");
   spdlog::set_default_logger(logger);
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e%z %^%l%$ %v");
-  const std::string level_name = absl::GetFlag(FLAGS_log_level);
-  const spdlog::level::level_enum level = spdlog::level::from_str(level_name);
-  if (level == spdlog::level::off && level_name != "off") {
-    std::cerr << "pagedattn-server: --log_level must be one of trace, debug, info, warn, error, "
-                 "off (got '"
-              << level_name << "')\n";
-    return 2;
-  }
-  spdlog::set_level(level);
+  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  spdlog::set_level(level);  // a valid name: InvalidFlags checked it
   spdlog::flush_on(spdlog::level::info);
   gpr_set_log_function(GrpcLogToSpdlog);
   google::protobuf::SetLogHandler(ProtobufLogToSpdlog);

@@ -50,7 +50,8 @@ absl::StatusOr<CreatedBackend> CreateBackend(const BackendOptions& options) {
 #else
   if (options.backend == BackendChoice::kCuda) {
     return absl::FailedPreconditionError(
-        "--backend=cuda but this binary was built without CUDA (no nvcc at build time)");
+        "--backend=cuda but this binary was built without the CUDA backend (no nvcc at build "
+        "time, or configured with -DPAGEDATTN_CUDA=OFF)");
   }
   return cpu();
 #endif

@@ -44,6 +44,18 @@ def test_quick_start_prints_what_readme_says(target):
     assert printed == documented
 
 
+def test_step_example_runs_in_the_quick_start(target):
+    # README places it in the quick start's `with` block, after the decode of layer 0.
+    code = python_block("import numpy as np\nimport pagedattn\n")
+    step = python_block("with cache.step(")
+    last = code.rstrip("\n").splitlines()[-1]
+    assert last.startswith("        print(out.shape")
+    code = code.rstrip("\n") + "\n" + "".join(f"        {line}\n" for line in step.splitlines())
+    printed = run_block(code.replace('"localhost:50051"', repr(target)), {})
+    assert printed[0] == "(1, 32, 128) float32"
+    assert re.fullmatch(r"Timing\(server_micros=\d+, kernel_micros=\d+\)", printed[1]), printed
+
+
 def test_sharded_example_prints_what_readme_says(target, shard_servers):
     # The sharded example uses the quick start's qkv helper, as README's reader has it.
     _, _, namespace = quick_start(target)

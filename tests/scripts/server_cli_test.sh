@@ -16,12 +16,15 @@ rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --prefill_kernel=fastes
 [ $rc -ne 0 ] || fail "bad --prefill_kernel accepted"
 grep -q "prefill_kernel.*must be one of auto, portable" <<<"$out" || fail "bad --prefill_kernel: $out"
 rc=0; out=$("$server" --listen=127.0.0.1:99999 --cpu_threads=-3 --max_message_mb=0 --request_memory_mb=3 \
-  --shutdown_grace_s=-5 --max_total_pool_gb=-1 --metrics_listen=nohost 2>&1) || rc=$?
+  --shutdown_grace_s=-5 --max_total_pool_gb=-1 --metrics_listen=nohost --log_level=loud \
+  --backend=cpu --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 2 ] || fail "bad flags: exit $rc: $out"
 for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got -3)" \
          "--max_message_mb must be in 1..2047 (got 0)" "--shutdown_grace_s must be in 0..3600" \
          "--max_total_pool_gb must be in 0" "--metrics_listen must be host:port" \
-         "--request_memory_mb must be 0 or at least 16 (got 3)"; do
+         "--request_memory_mb must be 0 or at least 16 (got 3)" \
+         "--log_level must be one of trace, debug, info, warn, error, off (got 'loud')" \
+         "--backend is given 2 times"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
 # A flag given twice is an error naming both values (absl alone keeps the last without a word);

@@ -434,3 +434,50 @@ def test_async_every_layer_sent_before_reading_big_answers(target, kv_dtypes):
                 assert outs[0].nbytes == 8 << 20
 
     asyncio.run(main())
+
+
+def test_async_a_waiter_cancelled_leaves_the_stream_going(target, kv_dtypes):
+    """asyncio.wait_for giving up on one layer's answer cancels that wait, not the stream: grpc.aio
+    cancels the whole call when a read() is cancelled, so the read is shared and shielded. Every
+    answer still comes, equal to the unary Forward's; close() ends the stream cleanly."""
+
+    async def main() -> None:
+        rng = np.random.default_rng(4)
+        async with pagedattn.aio.Client(target, timeout=60) as client:
+            async with await client.create_cache(config(kv_dtypes[0], 16, 512)) as cache:
+                q, k, v = qkv(rng, 1000)
+                step = cache.step([Span.prefill(1, 1000)])
+                futures = [await step.submit(layer, q, k, v) for layer in range(16)]
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(futures[15].result(), 0.001)
+                outs = [await f for f in futures]
+                await step.close()
+                assert not step._failure
+                await cache.truncate(0, {1: 0})
+                assert_same(outs[0], await cache.forward(0, [Span.prefill(1, 1000)], q, k, v))
+
+    asyncio.run(main())
+
+
+def test_async_a_dropped_step_ends_its_call(target, kv_dtypes):
+    """A Step dropped without close() or cancel() cancels its call (as the blocking Step does):
+    none is left open on the server, its grpc tasks pending, until the channel closes."""
+    import gc
+
+    async def main() -> None:
+        rng = np.random.default_rng(5)
+        async with pagedattn.aio.Client(target, timeout=60) as client:
+            async with await client.create_cache(config(kv_dtypes[0])) as cache:
+                before = len(asyncio.all_tasks())
+                for i in range(20):
+                    step = cache.step([Span.prefill(100 + i, 2)])
+                    await (await step.submit(0, *qkv(rng, 2)))
+                    del step
+                gc.collect()
+                for _ in range(50):  # the cancellations' callbacks run on the loop
+                    await asyncio.sleep(0.01)
+                    if len(asyncio.all_tasks()) <= before:
+                        break
+                assert len(asyncio.all_tasks()) <= before
+
+    asyncio.run(main())

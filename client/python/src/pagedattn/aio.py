@@ -269,7 +269,8 @@ class Step:
         self._pending: deque[LayerFuture] = deque()  # sent, not answered, in order
         self._outbox: "asyncio.Queue[Any]" = asyncio.Queue()  # messages, then _END
         self._writer: Optional[asyncio.Task] = None  # writes the outbox to the call
-        self._read_lock = asyncio.Lock()  # one reader of the stream at a time
+        # The read of the next answer, one at a time, shared by its waiters (_read_task).
+        self._reading: Optional[asyncio.Future] = None
         self._call: Any = None  # the grpc.aio call, once opened
         self._closed = False
         self._cancelled = False
@@ -348,20 +349,21 @@ class Step:
             return
         if not already:
             self._outbox.put_nowait(_END)
-        async with self._read_lock:
-            while self._failure is None and self._pending:
-                await self._read_one()
-            if self._failure is None and not self._finished:
-                try:
-                    extra = await self._call.read()
-                except grpc.aio.AioRpcError as e:
-                    self._fail(from_rpc_error(e))
+        while self._failure is None and self._pending:
+            await asyncio.shield(self._read_task())
+        if self._failure is None and not self._finished:
+            if self._reading is not None and not self._reading.done():
+                await asyncio.shield(self._reading)  # a close() racing another close()
+            try:
+                extra = await self._call.read() if not self._finished else grpc.aio.EOF
+            except grpc.aio.AioRpcError as e:
+                self._fail(from_rpc_error(e))
+            else:
+                if extra is grpc.aio.EOF:
+                    self._finished = True
                 else:
-                    if extra is grpc.aio.EOF:
-                        self._finished = True
-                    else:
-                        self._fail(PagedAttnError("the Step stream answered a message never sent",
-                                                  grpc.StatusCode.INTERNAL))
+                    self._fail(PagedAttnError("the Step stream answered a message never sent",
+                                              grpc.StatusCode.INTERNAL))
         if self._writer is not None:
             await asyncio.gather(self._writer, return_exceptions=True)
         if self._failure is not None and not self._error_seen:
@@ -397,11 +399,28 @@ class Step:
     def __repr__(self) -> str:
         return f"aio.Step(cache_id={self.cache_id!r}, pending={len(self._pending)})"
 
+    def __del__(self) -> None:
+        # Dropped open (no close() or cancel()): end the call, as the blocking Step does, so
+        # that it does not stay open on the server until the channel closes.
+        try:
+            if self._call is not None and not self._finished and self._failure is None:
+                self._call.cancel()
+            if self._writer is not None and not self._writer.done():
+                self._writer.cancel()
+        except Exception:  # the loop is gone: the channel's close ends it
+            pass
+
+    def _read_task(self) -> "asyncio.Future[None]":
+        """The read of the next answer, started if none is in flight. Its waiters await it
+        through asyncio.shield: a waiter cancelled (asyncio.wait_for) leaves the read, and the
+        stream, going (grpc.aio cancels the whole call when a read() is cancelled)."""
+        if self._reading is None or self._reading.done():
+            self._reading = asyncio.ensure_future(self._read_one())
+        return self._reading
+
     async def _wait(self, future: LayerFuture) -> None:
         while not future.done():
-            async with self._read_lock:
-                if not future.done():
-                    await self._read_one()
+            await asyncio.shield(self._read_task())
 
     async def _read_one(self) -> None:
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections import deque
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -67,6 +68,10 @@ class Client:
         self.stub = pb_grpc.AttentionServiceStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)
         self._closed = False
+        # Closes the channel when the client is collected, and at interpreter exit if it is
+        # still open: an open Step stream's call left to the garbage collector at exit can hang
+        # grpc's own finalizer.
+        self._close_channel = weakref.finalize(self, self.channel.close)
 
     # -- plumbing ------------------------------------------------------------------------------
 
@@ -91,7 +96,7 @@ class Client:
     def close(self) -> None:
         """Closes the channel; calls in flight are cancelled, later calls raise ClientClosed."""
         self._closed = True
-        self.channel.close()
+        self._close_channel()
 
     def __enter__(self) -> "Client":
         return self

@@ -11,6 +11,7 @@
 #include <iostream>
 #include <map>
 #include <string>
+#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -114,7 +115,8 @@ ABSL_FLAG(bool, forward_graph, true,
           "one by one, the kernels through --graph_launch's per-kernel graphs");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, calls in flight "
-          "get this many seconds (0..3600) and are then stopped; the process exits within it");
+          "get this many seconds (0..3600) and are then stopped (at once on a second signal); the "
+          "process exits within it");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
           "CreateCache beyond this many caches per tenant fails with RESOURCE_EXHAUSTED "
           "(0: no limit)");
@@ -479,9 +481,26 @@ int main(int argc, char** argv) {
     int sig = 0;
     sigwait(&signals, &sig);
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
-    spdlog::info("received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight",
+    spdlog::info("received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
+                 "(a second signal stops them now)",
                  sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+    // A second signal during the grace period (Ctrl-C again) cuts it short.
+    std::atomic<bool> shut_down{false};
+    std::thread again([&] {
+      const timespec tick{0, 100'000'000};
+      while (!shut_down.load()) {
+        if (const int s = sigtimedwait(&signals, nullptr, &tick); s > 0) {
+          spdlog::warn("received {} again: calls in flight are stopped now (a stopped call "
+                       "commits nothing)",
+                       s == SIGTERM ? "SIGTERM" : "SIGINT");
+          (*server)->StopCallsNow();
+          return;
+        }
+      }
+    });
     (*server)->Shutdown(absl::Seconds(grace));
+    shut_down = true;
+    again.join();
   });
   (*server)->Wait();
   signal_thread.join();

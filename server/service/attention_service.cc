@@ -342,12 +342,27 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
 
 }  // namespace
 
+// A unary Forward's reactor: in the gate until its answer has gone out (OnDone), not only until
+// the handler returns, so that shutdown's wait for idle covers sending an answer of megabytes.
+class AttentionServiceImpl::ForwardReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit ForwardReactor(RpcGate* gate) : gate_(gate), entered_(gate->Enter()) {}
+  void OnDone() override {
+    if (entered_) gate_->Leave();
+    delete this;
+  }
+
+ private:
+  RpcGate* const gate_;
+  const bool entered_;  // false while draining: Handle refuses the call then
+};
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
   // Runs here, on the callback thread: a hop to another thread would add its wake-up to every
   // Forward's latency. The Step stream, whose layers overlap, uses the executor.
-  grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
+  grpc::ServerUnaryReactor* reactor = new ForwardReactor(gate_);
   reactor->Finish(Handle("Forward", ctx, [&](Rpc& rpc) -> absl::Status {
     ReceivedForward received;
     if (absl::Status s = ParseForward(*req, &received); !s.ok()) return s;
@@ -382,8 +397,9 @@ class AttentionServiceImpl::StepReactor final
   StepReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx) {
     if (!service_->gate_->Enter()) {
-      Finish(grpc::Status(grpc::StatusCode::UNAVAILABLE,
-                          "the server is shutting down; retry (on another replica)"));
+      Rpc rpc("Step", ctx_, service_->gate_);
+      Finish(service_->Finish(
+          rpc, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
       return;
     }
     entered_ = true;

@@ -105,7 +105,8 @@ class AttentionServiceImpl final
                                 v1::UnregisterMemoryResponse* resp) override;
 
  private:
-  class StepReactor;  // attention_service.cc
+  class StepReactor;     // attention_service.cc
+  class ForwardReactor;  // attention_service.cc
 
   // Runs body(rpc) -> absl::Status as the call named method, with the preamble and epilogue
   // every call shares.

@@ -283,6 +283,8 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
   if (health_server_) health_server_->Shutdown(now);
 }
 
+void PagedAttnServer::StopCallsNow() { gate_->StopAll(); }
+
 void PagedAttnServer::Wait() {
   if (server_ != nullptr) server_->Wait();
   if (health_server_ != nullptr) health_server_->Wait();

@@ -76,6 +76,9 @@ class PagedAttnServer {
   // (a stopped Forward commits nothing), and whatever is still open (Watch streams, calls that
   // did not stop) is cancelled when the grace period ends. Returns by then. Idempotent.
   void Shutdown(absl::Duration grace);
+  // During Shutdown: tells the calls in flight to stop now rather than at the end of the grace
+  // period (a second SIGTERM or SIGINT); Shutdown then returns once they have.
+  void StopCallsNow();
   // Blocks until the server has shut down.
   void Wait();
 

@@ -515,3 +515,58 @@ def test_fp8_cache_config(client, kv_dtypes):
         assert cache.info.bytes_per_token == 2 * 2 * 2 * 64
     with pytest.raises(TypeError, match="float8_e4m3 is a cache's kv_dtype"):
         pagedattn.tensors.to_tensor(np.zeros((1, 4, 64), np.float32), "float8_e4m3")
+
+
+def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
+    """SIGTERM while a Forward with a large answer runs: it finishes inside --shutdown_grace_s
+    and its answer reaches the client (the server waits for the answer to go out, not only for
+    the handler to return), then the server exits 0."""
+    import signal
+    import time
+
+    if backend != "cpu":
+        pytest.skip("timed for the CPU backend's speed")
+    (server,) = start_servers(1, "--shutdown_grace_s=20")  # one CPU thread, as every test server
+    n = 2048  # about a second on one CPU thread; an 8 MiB answer
+    config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
+                         page_size=16, kv_dtype="float32", num_pages=n // 16)
+    q = np.random.default_rng(3).standard_normal((n, 8, 128), dtype=np.float32)
+    with pagedattn.Client(server.target, timeout=60) as c:
+        cache = c.create_cache(config, delete_on_exit=False)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(cache.forward, 0, [Span.prefill(1, n)], q, q, q)
+            time.sleep(0.3)
+            assert not answer.done()
+            server.proc.send_signal(signal.SIGTERM)
+            out = answer.result()
+    assert out.shape == q.shape and np.isfinite(out).all()
+    assert server.stop() == 0
+
+
+def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
+    """SIGTERM, then SIGINT during the grace period (Ctrl-C twice): the Forward in flight is
+    stopped at once and the server exits 0 long before the 60 s grace ends."""
+    import signal
+    import time
+
+    if backend != "cpu":
+        pytest.skip("timed for the CPU backend's speed")
+    (server,) = start_servers(1, "--shutdown_grace_s=60")
+    n = 4096  # several seconds on one CPU thread
+    config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
+                         page_size=16, kv_dtype="float32", num_pages=n // 16)
+    q = np.random.default_rng(4).standard_normal((n, 8, 128), dtype=np.float32)
+    with pagedattn.Client(server.target, timeout=120) as c:
+        cache = c.create_cache(config, delete_on_exit=False)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            answer = pool.submit(cache.forward, 0, [Span.prefill(1, n)], q, q, q)
+            time.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            time.sleep(0.3)
+            t0 = time.monotonic()
+            server.proc.send_signal(signal.SIGINT)
+            with pytest.raises(errors.PagedAttnError):
+                answer.result()
+            assert server.proc.wait(timeout=30) == 0
+            assert time.monotonic() - t0 < 15
+    assert "received SIGINT again: calls in flight are stopped now" in server.log

@@ -4,6 +4,7 @@
 // stats, smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
 #include <google/protobuf/util/json_util.h>
 
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -174,6 +175,11 @@ int main(int argc, char** argv) {
 
   pagedattn::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
+  if (const double t = absl::GetFlag(FLAGS_timeout_s); !(t > 0) || std::isinf(t)) {
+    std::cerr << "pagedattn-cli: --timeout_s must be a positive number of seconds (got " << t
+              << ")\n";
+    return 2;
+  }
   options.timeout = absl::Seconds(absl::GetFlag(FLAGS_timeout_s));
   options.bearer_token = absl::GetFlag(FLAGS_token);
   if (options.bearer_token.empty() && std::getenv("PAGEDATTN_TOKEN") != nullptr) {

@@ -6,6 +6,7 @@
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -31,10 +32,19 @@ absl::StatusOr<std::string> ReadFile(const std::string& path) {
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  absl::Status out(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+  if (!status.error_details().empty()) {
+    out.SetPayload(kStatusDetailsPayload, absl::Cord(status.error_details()));
+  }
+  return out;
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  if (!(options.timeout > absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "timeout must be positive (absl::InfiniteDuration() for none; got ",
+        absl::FormatDuration(options.timeout), ")"));
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -216,6 +226,33 @@ absl::Status CopyTensor(const wire::TensorRef& t, void* dst, size_t dst_bytes, c
   return absl::OkStatus();
 }
 
+// The output buffers against the answer q's shape and dtype make (host q only; out takes q's
+// dtype), checked before the call is sent: found after it, the server would have committed.
+absl::Status CheckOutput(const ForwardCall& call, const ForwardOutput& output) {
+  if (output.lse != nullptr && !call.options.return_lse) {
+    return absl::InvalidArgumentError(
+        "an lse buffer was given but options.return_lse is false: set it, or pass no lse");
+  }
+  const TensorArg& q = call.q;
+  const size_t size = DTypeSize(static_cast<DType>(q.dtype));
+  if (!q.region_id.empty() || q.shape.size() != 3 || size == 0 ||
+      std::any_of(q.shape.begin(), q.shape.end(), [](int64_t d) { return d < 0; })) {
+    return absl::OkStatus();  // the server names what is wrong with q
+  }
+  const size_t out_bytes = static_cast<size_t>(q.shape[0] * q.shape[1] * q.shape[2]) * size;
+  if (output.out != nullptr && output.out_bytes != out_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the out buffer has ", output.out_bytes, " bytes; q's shape and dtype make the answer's ",
+        out_bytes));
+  }
+  const size_t lse_bytes = static_cast<size_t>(q.shape[0] * q.shape[1]) * sizeof(float);
+  if (output.lse != nullptr && output.lse_bytes != lse_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the lse buffer has ", output.lse_bytes, " bytes; the answer's lse has ", lse_bytes));
+  }
+  return absl::OkStatus();
+}
+
 // The reply's fields and tensors (into output); a StepResponse's error as a status.
 absl::StatusOr<ForwardReply> DecodeReply(grpc::ByteBuffer& buffer, const ForwardOutput& output) {
   std::vector<grpc::Slice> slices;
@@ -232,7 +269,11 @@ absl::StatusOr<ForwardReply> DecodeReply(grpc::ByteBuffer& buffer, const Forward
   if (!r.error_status.empty()) {
     google::rpc::Status status;
     status.ParseFromString(r.error_status);
-    return absl::Status(static_cast<absl::StatusCode>(status.code()), status.message());
+    absl::Status out(static_cast<absl::StatusCode>(status.code()), status.message());
+    if (status.details_size() > 0) {
+      out.SetPayload(kStatusDetailsPayload, absl::Cord(std::string(r.error_status)));
+    }
+    return out;
   }
   ForwardReply reply;
   reply.out_dtype = static_cast<v1::DType>(r.out.dtype);
@@ -260,6 +301,7 @@ int64_t TrailerMicros(const grpc::ClientContext& ctx, const char* key) {
 
 absl::StatusOr<ForwardReply> Client::ForwardTensors(const ForwardCall& call,
                                                     const ForwardOutput& output) {
+  if (absl::Status s = CheckOutput(call, output); !s.ok()) return s;
   grpc::ClientContext ctx;
   Prepare(&ctx);
   const grpc::ByteBuffer request = EncodeCall(call);

@@ -21,7 +21,7 @@ namespace pagedattn {
 
 struct ClientOptions {
   std::string target = "localhost:50051";      // host:port of the server.
-  absl::Duration timeout = absl::Seconds(60);  // Per-RPC deadline.
+  absl::Duration timeout = absl::Seconds(60);  // Per-RPC deadline; > 0 (Connect checks).
   std::string bearer_token;                    // Sent as "authorization: Bearer <token>" if set.
   std::string tls_ca_file;                     // PEM roots: enables TLS when set.
   std::string tls_cert_file;                   // Client certificate (mTLS), PEM.
@@ -172,7 +172,13 @@ class StepStream {
 // Prometheus text, or UNAVAILABLE.
 absl::StatusOr<std::string> FetchMetrics(const std::string& target);
 
-// grpc::Status -> absl::Status (same code and message).
+// The payload of a status from the server that carries details: the serialized google.rpc.Status
+// (its google.rpc.BadRequest violations, or the google.rpc.ErrorInfo of a RESOURCE_EXHAUSTED).
+inline constexpr absl::string_view kStatusDetailsPayload =
+    "type.googleapis.com/google.rpc.Status";
+
+// grpc::Status -> absl::Status (same code and message; the server's details, if it sent any, as
+// the kStatusDetailsPayload payload).
 absl::Status FromGrpcStatus(const grpc::Status& status);
 
 // Tensor helpers: values are rounded to dtype (FLOAT32/FLOAT16/BFLOAT16) on the way in.

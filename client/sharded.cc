@@ -7,6 +7,7 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -49,6 +50,28 @@ struct HeadSlice {
     }
   }
 };
+
+// True when a shard's failed Forward certainly wrote nothing: refused for what the request is
+// (a Forward is all or nothing), refused by the server for room with its details (ErrorInfo),
+// or never sent (over this client's own message limit). Other failures (UNAVAILABLE,
+// DEADLINE_EXCEEDED, CANCELLED, INTERNAL) may come after the shard committed.
+bool NothingWritten(const absl::Status& s) {
+  switch (s.code()) {
+    case absl::StatusCode::kInvalidArgument:
+    case absl::StatusCode::kNotFound:
+    case absl::StatusCode::kFailedPrecondition:
+    case absl::StatusCode::kOutOfRange:
+    case absl::StatusCode::kAlreadyExists:
+    case absl::StatusCode::kPermissionDenied:
+    case absl::StatusCode::kUnauthenticated:
+      return true;
+    case absl::StatusCode::kResourceExhausted:
+      return s.GetPayload(kStatusDetailsPayload).has_value() ||
+             absl::StrContains(s.message(), "Sent message larger than max");
+    default:
+      return false;
+  }
+}
 
 // Shard `part`'s slice of a whole-cache tensor, gathered into `storage`.
 TensorArg SliceTensor(const TensorArg& t, int part, int parts, std::string* storage) {
@@ -110,12 +133,25 @@ absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig
     return absl::InvalidArgumentError(absl::StrCat(
         "num_q_heads: ", q, " must be a positive multiple of num_kv_heads (", kv, ")"));
   }
+  // Sinks are per q head, split below: their count is the whole cache's (a shard's server
+  // would name its own part's).
+  for (int i = 0; i < config.layers_size(); ++i) {
+    const int sinks = config.layers(i).sinks_size();
+    if (sinks != 0 && sinks != q) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("layers[", i, "].sinks: sinks must have num_q_heads=", q,
+                       " values, one per q head (got ", sinks, ")"));
+    }
+  }
   v1::CacheConfig part = config;
   part.set_num_kv_heads(kv / n);
   part.set_num_q_heads(q / n);
-  // Sinks are per q head: the shard's heads' (a wrong count is left for the servers to name).
+  // A byte budget is the whole cache's: each shard holds 1/N of every page.
+  if (config.capacity_case() == v1::CacheConfig::kMaxBytes) {
+    part.set_max_bytes(config.max_bytes() / n);
+  }
   for (v1::LayerAttention& layer : *part.mutable_layers()) {
-    if (layer.sinks_size() != q) continue;
+    if (layer.sinks_size() == 0) continue;
     const std::vector<float> all(layer.sinks().begin(), layer.sinks().end());
     layer.clear_sinks();
     for (int h = shard * (q / n); h < (shard + 1) * (q / n); ++h) layer.add_sinks(all[h]);
@@ -173,7 +209,10 @@ absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
   absl::Status first;
   for (int i = 0; i < num_shards() && i < static_cast<int>(cache.cache_ids.size()); ++i) {
     absl::StatusOr<int64_t> freed = shards_[i]->DeleteCache(cache.cache_ids[i]);
-    if (!freed.ok() && first.ok()) first = Named(i, freed.status());
+    // NOT_FOUND: deleted already (an earlier try, or the shard's server restarted).
+    if (!freed.ok() && !absl::IsNotFound(freed.status()) && first.ok()) {
+      first = Named(i, freed.status());
+    }
   }
   return first;
 }
@@ -197,17 +236,50 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     return absl::InvalidArgumentError(
         absl::StrCat("the sharded cache has ", cache.cache_ids.size(), " shards, the client ", n));
   }
-  if (call.q.dtype != v1::DTYPE_UNSPECIFIED &&
-      (call.q.shape.size() != 3 || call.q.shape[1] != cache.config.num_q_heads())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "q must be [total_queries, num_q_heads=", cache.config.num_q_heads(), ", head_dim]"));
+  // The whole cache's shapes and bytes, checked before the split: a shard's server would name
+  // its own part's, and a slice of a short buffer would read past it.
+  int64_t total_queries = 0, new_tokens = 0;
+  for (const wire::SpanRef& s : call.spans) {
+    total_queries += s.num_queries;
+    new_tokens += s.num_new_tokens;
   }
-  for (const TensorArg* t : {&call.k, &call.v}) {
-    if (t->dtype != v1::DTYPE_UNSPECIFIED &&
-        (t->shape.size() != 3 || t->shape[1] != cache.config.num_kv_heads())) {
-      return absl::InvalidArgumentError(absl::StrCat("k and v must be [new_tokens, num_kv_heads=",
-                                                     cache.config.num_kv_heads(), ", head_dim]"));
+  const int64_t d = cache.config.head_dim();
+  auto check = [&](const char* name, const TensorArg& t, std::vector<int64_t> want,
+                   const char* names) -> absl::Status {
+    if (t.dtype == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();  // absent: the server says
+    if (ElementSize(t.dtype) == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got ",
+                       v1::DType_Name(t.dtype), ")"));
     }
+    if (t.shape != want) {
+      return absl::InvalidArgumentError(absl::StrCat(name, ".shape must be [",
+                                                     absl::StrJoin(want, ", "), "] = [", names,
+                                                     "] (got [", absl::StrJoin(t.shape, ", "),
+                                                     "])"));
+    }
+    const size_t bytes = static_cast<size_t>(want[0] * want[1] * want[2]) * ElementSize(t.dtype);
+    if (t.region_id.empty() && (t.data == nullptr || t.bytes != bytes)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".data must hold ", bytes, " bytes (got ", t.bytes, ")"));
+    }
+    return absl::OkStatus();
+  };
+  if (total_queries < 0 || new_tokens < 0) {
+    return absl::InvalidArgumentError("spans: num_queries and num_new_tokens must be >= 0");
+  }
+  for (absl::Status s :
+       {check("q", call.q, {total_queries, cache.config.num_q_heads(), d},
+              "total_queries, num_q_heads, head_dim"),
+        check("k", call.k, {new_tokens, cache.config.num_kv_heads(), d},
+              "total_new_tokens, num_kv_heads, head_dim"),
+        check("v", call.v, {new_tokens, cache.config.num_kv_heads(), d},
+              "total_new_tokens, num_kv_heads, head_dim")}) {
+    if (!s.ok()) return s;
+  }
+  if (output.lse != nullptr && !call.options.return_lse) {
+    return absl::InvalidArgumentError(
+        "an lse buffer was given but options.return_lse is false: set it, or pass no lse");
   }
   const int64_t queries = call.q.dtype != v1::DTYPE_UNSPECIFIED ? call.q.shape[0] : 0;
   const HeadSlice out_slice{
@@ -252,10 +324,15 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     if (!parts[i].reply.ok()) failed.push_back(i);
   }
   if (!failed.empty()) {
-    // Put the shards that committed back to the lengths they had.
+    // Put the shards that committed back to the lengths they had; not when every shard failed
+    // before writing anything (a rewinding span would lose the rows before it for nothing).
     std::vector<std::pair<uint64_t, int64_t>> lengths;
-    for (const wire::SpanRef& s : call.spans) {
-      if (s.num_new_tokens > 0) lengths.emplace_back(s.seq_id, s.start);
+    if (static_cast<int>(failed.size()) < n ||
+        !std::all_of(failed.begin(), failed.end(),
+                     [&](int i) { return NothingWritten(parts[i].reply.status()); })) {
+      for (const wire::SpanRef& s : call.spans) {
+        if (s.num_new_tokens > 0) lengths.emplace_back(s.seq_id, s.start);
+      }
     }
     std::vector<std::string> notes;
     // Every shard, the failed ones too: a shard whose call failed in transport may have
@@ -264,7 +341,12 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
       if (lengths.empty()) continue;
       absl::StatusOr<v1::TruncateSequencesResponse> t =
           shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
-      if (!t.ok()) {
+      if (absl::IsNotFound(t.status())) {
+        notes.push_back(absl::StrCat(
+            "could not rewind shard ", i, " (", targets_[i], "): its cache is gone (its server "
+            "restarted?): this sharded cache cannot serve any more; delete it and create it "
+            "again: ", t.status().message()));
+      } else if (!t.ok()) {
         notes.push_back(
             absl::StrCat("could not rewind shard ", i, " (", targets_[i],
                          "), which may keep the call's tokens: ", t.status().message()));

@@ -31,9 +31,9 @@ class ShardedClient {
   const std::string& target(int shard) const { return targets_[shard]; }
   Client& shard(int i) { return *shards_[i]; }
 
-  // Shard `shard`'s part of `config`: num_kv_heads / N, num_q_heads / N, and each layer's sinks
-  // of its q heads. INVALID_ARGUMENT naming num_kv_heads (and the shard counts that would divide
-  // it) otherwise.
+  // Shard `shard`'s part of `config`: num_kv_heads / N, num_q_heads / N, max_bytes / N, and
+  // each layer's sinks of its q heads. INVALID_ARGUMENT naming num_kv_heads (and the shard
+  // counts that would divide it), or a layer's sinks of another count than num_q_heads.
   absl::StatusOr<v1::CacheConfig> ShardConfig(const v1::CacheConfig& config, int shard) const;
   // Validates the whole config once, then each shard's part on its server (errors name the
   // shard and the field, every violation of every shard), then creates a cache on each. If a
@@ -42,16 +42,19 @@ class ShardedClient {
   // As CreateCache, with each shard's num_pages given (tests and uneven memory).
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,
                                            const std::vector<int64_t>& num_pages_per_shard);
-  // Every shard's, even when one fails (the first failure is returned, naming its shard).
+  // Every shard's, even when one fails (the first failure is returned, naming its shard); a
+  // shard whose cache is gone already (NOT_FOUND) counts as deleted, so a retry completes.
   absl::Status DeleteCache(const ShardedCache& cache);
   absl::Status ReleaseSequences(const ShardedCache& cache, const std::vector<uint64_t>& seq_ids);
 
   // One Forward on every shard. call.q [T, num_q_heads, head_dim] and call.k / call.v
-  // [new tokens, num_kv_heads, head_dim] are the whole cache's (cache ids are taken from
+  // [new tokens, num_kv_heads, head_dim] are the whole cache's, shapes and bytes checked as such
+  // before anything is sent (cache ids are taken from
   // `cache`); the N Forwards run concurrently and `output` receives the joined answer (lse
   // too). server_micros and kernel_micros are the slowest shard's. Each shard's Forward is all
   // or nothing; when some fail, every shard is rewound to each appending span's start
-  // (TruncateSequences; a call that failed in transport may have committed), so every shard's
+  // (TruncateSequences; a call that failed in transport may have committed; not when every
+  // shard refused it before writing), so every shard's
   // sequences keep the lengths they had, and the status (the failed shard's code) names the
   // shard(s) and any shard that could not be rewound. Rows a rewinding span (start < the
   // sequence's length) overwrote are not put back there: the sequence then ends at the span's

@@ -57,6 +57,12 @@ grpc::Status AttentionServiceImpl::Handle(const char* method, grpc::ServerContex
         rpc, absl::UnavailableError("the server is shutting down; retry (on another replica)"));
   }
   absl::Cleanup leave = [this] { gate_->Leave(); };
+  return HandleEntered(rpc, ctx, std::forward<Body>(body));
+}
+
+template <typename Body>
+grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx,
+                                                 Body&& body) {
   if (auth_ != nullptr) {
     absl::StatusOr<std::string> tenant = auth_->Authenticate(*ctx);
     if (!tenant.ok()) return Finish(rpc, tenant.status());
@@ -347,6 +353,7 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
 class AttentionServiceImpl::ForwardReactor final : public grpc::ServerUnaryReactor {
  public:
   explicit ForwardReactor(RpcGate* gate) : gate_(gate), entered_(gate->Enter()) {}
+  bool entered() const { return entered_; }
   void OnDone() override {
     if (entered_) gate_->Leave();
     delete this;
@@ -354,7 +361,7 @@ class AttentionServiceImpl::ForwardReactor final : public grpc::ServerUnaryReact
 
  private:
   RpcGate* const gate_;
-  const bool entered_;  // false while draining: Handle refuses the call then
+  const bool entered_;  // false while draining: the call is refused
 };
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
@@ -362,8 +369,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
                                                         grpc::ByteBuffer* resp) {
   // Runs here, on the callback thread: a hop to another thread would add its wake-up to every
   // Forward's latency. The Step stream, whose layers overlap, uses the executor.
-  grpc::ServerUnaryReactor* reactor = new ForwardReactor(gate_);
-  reactor->Finish(Handle("Forward", ctx, [&](Rpc& rpc) -> absl::Status {
+  ForwardReactor* reactor = new ForwardReactor(gate_);
+  Rpc call("Forward", ctx, gate_);
+  if (!reactor->entered()) {
+    reactor->Finish(Finish(
+        call, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
+    return reactor;
+  }
+  reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
     ReceivedForward received;
     if (absl::Status s = ParseForward(*req, &received); !s.ok()) return s;
     const double parse_us = rpc.seconds() * 1e6;

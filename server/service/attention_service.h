@@ -112,6 +112,9 @@ class AttentionServiceImpl final
   // every call shares.
   template <typename Body>
   grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx, Body&& body);
+  // Handle's part after the gate (the caller has entered it): authentication, body, Finish.
+  template <typename Body>
+  grpc::Status HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx, Body&& body);
   // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
   // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,

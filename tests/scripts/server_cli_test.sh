@@ -38,6 +38,12 @@ rc=0; out=$(timeout 10 "$cli" --target=127.0.0.1:1 --target 127.0.0.1:2 --token=
 [ $rc -eq 2 ] && grep -q -- "--target is given 2 times (127.0.0.1:1, 127.0.0.1:2)" <<<"$out" &&
   grep -q -- "--token is given 2 times; give it once" <<<"$out" && ! grep -q s3cret <<<"$out" ||
   fail "CLI flags given twice: exit $rc: $out"
+# A deadline that is not a positive number of seconds is a usage error, not an RPC's failure.
+for t in 0 -1 nan inf; do
+  rc=0; out=$(timeout 10 "$cli" --target=127.0.0.1:1 --timeout_s=$t health 2>&1) || rc=$?
+  [ $rc -eq 2 ] && grep -q -- "--timeout_s must be a positive number of seconds" <<<"$out" ||
+    fail "--timeout_s=$t: exit $rc: $out"
+done
 sockdir=$(mktemp -d)
 "$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
 pid=$!

@@ -279,6 +279,117 @@ TEST_F(ShardedTest, OutOfPagesOnOneShardChangesNoShard) {
   EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
 }
 
+// Shapes, bytes and sinks are checked as the whole cache's before anything is sent: a shard's
+// server would name its own part (4 q heads, not 8), and a short buffer would be read past.
+TEST_F(ShardedTest, WholeCacheShapesAreCheckedBeforeSending) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  v1::CacheConfig with_sinks = Config(v1::BFLOAT16);
+  v1::LayerAttention* layer = with_sinks.add_layers();
+  for (int h = 0; h < 4; ++h) layer->add_sinks(0.5f);  // 4 sinks for 8 q heads
+  absl::StatusOr<ShardedCache> refused = sharded->CreateCache(with_sinks, "");
+  EXPECT_EQ(refused.status().message(),
+            "layers[0].sinks: sinks must have num_q_heads=8 values, one per q head (got 4)");
+
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const Step step(0, {{1, 0, 5, 5}}, v1::BFLOAT16, 21);
+  std::string out(step.out_bytes(), '\0'), lse(step.lse_bytes(), '\0');
+  const ForwardOutput output{out.data(), out.size(), reinterpret_cast<float*>(lse.data()),
+                             lse.size()};
+  ForwardCall call = step.Call("");
+  call.k.shape = {4, kKvHeads, kHeadDim};
+  EXPECT_EQ(sharded->Forward(*cache, call, output).status().message(),
+            "k.shape must be [5, 4, 64] = [total_new_tokens, num_kv_heads, head_dim] (got [4, 4, "
+            "64])");
+  call = step.Call("");
+  call.q.bytes = 8;  // a buffer shorter than its shape: never sliced
+  EXPECT_EQ(sharded->Forward(*cache, call, output).status().message(),
+            "q.data must hold 5120 bytes (got 8)");
+  call = step.Call("");
+  call.k.shape = {-1, kKvHeads, kHeadDim};
+  EXPECT_EQ(sharded->Forward(*cache, call, output).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  call = step.Call("");
+  call.options.return_lse = false;  // an lse buffer nobody would fill
+  EXPECT_EQ(sharded->Forward(*cache, call, output).status().code(),
+            absl::StatusCode::kInvalidArgument);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(sharded->shard(i).GetCache(cache->cache_ids[i])->stats().forward_calls(), 0);
+  }
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+}
+
+// The unsharded client checks its output buffers before sending: found after the answer came,
+// the server would have committed the call's tokens already.
+TEST_F(ShardedTest, OutputBuffersAreCheckedBeforeSending) {
+  std::unique_ptr<Client> ref = Reference();
+  const std::string cache = ref->CreateCache(Config(v1::BFLOAT16))->cache_id();
+  const Step step(0, {{1, 0, 6, 6}}, v1::BFLOAT16, 41);
+  std::string out(step.out_bytes() - 2, '\0'), lse(step.lse_bytes(), '\0');
+  absl::StatusOr<ForwardReply> r = ref->ForwardTensors(
+      step.Call(cache), {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  out.resize(step.out_bytes());
+  ForwardCall no_lse = step.Call(cache);
+  no_lse.options.return_lse = false;
+  r = ref->ForwardTensors(
+      no_lse, {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(ref->GetCache(cache)->stats().live_sequences(), 0) << "a refused call was sent";
+  // Errors keep the server's details (here the ErrorInfo of RESOURCE_EXHAUSTED).
+  const Step too_long(0, {{2, 0, 500, 1}}, v1::BFLOAT16, 42);
+  out.resize(too_long.out_bytes());
+  lse.resize(too_long.lse_bytes());
+  r = ref->ForwardTensors(too_long.Call(cache), {out.data(), out.size(),
+                                                 reinterpret_cast<float*>(lse.data()), lse.size()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_TRUE(r.status().GetPayload(kStatusDetailsPayload).has_value()) << r.status();
+  EXPECT_TRUE(ref->DeleteCache(cache).ok());
+}
+
+// A call that every shard refused before writing is not rolled back: a rewinding span's
+// sequence keeps its rows before the span's start on every shard.
+TEST_F(ShardedTest, ACallNoShardWroteIsNotRolledBack) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 31)).ok());
+  ForwardCall call;
+  const Step rewind(0, {{1, 10, 4, 4}}, v1::BFLOAT16, 32);
+  call = rewind.Call("");
+  call.options.sm_scale = -1.0f;  // every shard refuses it: INVALID_ARGUMENT
+  std::string out(rewind.out_bytes(), '\0'), lse(rewind.lse_bytes(), '\0');
+  absl::StatusOr<ForwardReply> r = sharded->Forward(
+      *cache, call,
+      {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument) << r.status();
+  EXPECT_EQ(r.status().message().find("rewind"), std::string::npos) << r.status();
+  // Still 20 tokens on both shards: appending at 20 leaves no gap.
+  EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 33)).ok());
+  // A shard whose cache is gone counts as deleted (its server restarted, say).
+  ASSERT_TRUE(sharded->shard(1).DeleteCache(cache->cache_ids[1]).ok());
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  EXPECT_TRUE(sharded->shard(0).ListCaches()->empty());
+}
+
+// max_bytes is the whole cache's budget: each shard gets its share, as many pages as one
+// server holding every head would.
+TEST_F(ShardedTest, MaxBytesIsSplitOverTheShards) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  std::unique_ptr<Client> ref = Reference();
+  v1::CacheConfig config = Config(v1::BFLOAT16);
+  config.set_max_bytes(1 << 20);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  absl::StatusOr<v1::CacheInfo> whole = ref->CreateCache(config);
+  ASSERT_TRUE(whole.ok()) << whole.status();
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ(sharded->shard(i).GetCache(cache->cache_ids[i])->num_pages(), whole->num_pages());
+  }
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  EXPECT_TRUE(ref->DeleteCache(whole->cache_id()).ok());
+}
+
 TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
   std::vector<std::unique_ptr<PagedAttnServer>> servers;
   for (int i = 0; i < 2; ++i) servers.push_back(StartServer());

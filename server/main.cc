@@ -31,6 +31,7 @@
 #include "server/core/backend_factory.h"
 #include "server/service/address.h"
 #include "server/service/server.h"
+#include "server/service/throttled_log.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -284,32 +285,6 @@ std::vector<std::string> InvalidFlags() {
   return bad;
 }
 
-// A library's log line through spdlog, in its format and under --log_level, at most once a
-// second for each kind of line (its first 80 characters), with the count of those held back: a
-// client that sends bad bytes over and over must not flood the log.
-void LogThrottled(spdlog::level::level_enum level, const char* source, const std::string& message) {
-  static absl::Mutex mu;
-  static auto* last_seen = new std::map<std::string, std::pair<absl::Time, int>>();
-  if (!spdlog::should_log(level)) return;
-  const std::string key = message.substr(0, 80);
-  const absl::Time now = absl::Now();
-  int suppressed = 0;
-  {
-    absl::MutexLock lock(&mu);
-    if (last_seen->size() > 1000) last_seen->clear();
-    auto& [when, count] = (*last_seen)[key];
-    if (now - when < absl::Seconds(1)) {
-      ++count;
-      return;
-    }
-    suppressed = count;
-    when = now;
-    count = 0;
-  }
-  spdlog::log(level, "{}: {}{}", source, message,
-              suppressed > 0 ? absl::StrCat(" (and ", suppressed, " more like it)") : "");
-}
-
 // gRPC's own log lines. Errors a caller causes (a failed TLS handshake, a reset connection) are
 // debug lines.
 void GrpcLogToSpdlog(gpr_log_func_args* args) {
@@ -323,7 +298,7 @@ void GrpcLogToSpdlog(gpr_log_func_args* args) {
         "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
     if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
   }
-  LogThrottled(level, "grpc", message);
+  pagedattn::LogThrottled(level, "grpc: " + message.substr(0, 80), "grpc: " + message);
 }
 
 // protobuf's own lines (by default unthrottled on stderr, whatever --log_level says). Those of a
@@ -337,7 +312,7 @@ void ProtobufLogToSpdlog(google::protobuf::LogLevel severity, const char* /*file
   if (absl::StrContains(message, "invalid UTF-8") || absl::StrContains(message, "parsing")) {
     level = spdlog::level::debug;
   }
-  LogThrottled(level, "protobuf", message);
+  pagedattn::LogThrottled(level, "protobuf: " + message.substr(0, 80), "protobuf: " + message);
 }
 
 }  // namespace

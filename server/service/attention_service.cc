@@ -13,6 +13,7 @@
 #include "server/core/error_info.h"
 #include "server/service/convert.h"
 #include "server/service/status.h"
+#include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
 
 namespace pagedattn {
@@ -71,21 +72,33 @@ grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBa
   return Finish(rpc, body(rpc));
 }
 
-// Counts the call in the metrics and logs one line: debug for success and the caller's errors,
-// error for the server's own failures (e.g. a CUDA error). Never logs request metadata, so
-// tokens stay out of logs.
+// Counts the call in the metrics and logs one line: debug for success and the caller's
+// mistakes, info for limits and authentication (RESOURCE_EXHAUSTED, UNAUTHENTICATED,
+// PERMISSION_DENIED: what an operator may have to act on; at most one a second for each method
+// and code), error for the server's own failures (e.g. a CUDA error). Never logs request
+// metadata, so tokens stay out of logs.
 grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s) {
   if (metrics_ != nullptr) metrics_->RecordRpc(rpc.method(), s.code());
   const double ms = rpc.seconds() * 1e3;
-  const std::string peer = ForLog(rpc.context()->peer());
+  const std::string who = absl::StrCat(
+      "cache=", rpc.cache(), rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
+      " peer=", ForLog(rpc.context()->peer()));
   if (s.ok()) {
-    spdlog::debug("rpc {} cache={} peer={} ok {:.3f} ms", rpc.method(), rpc.cache(), peer, ms);
+    spdlog::debug("rpc {} {} ok {:.3f} ms", rpc.method(), who, ms);
   } else if (s.code() == absl::StatusCode::kInternal || s.code() == absl::StatusCode::kUnknown ||
              s.code() == absl::StatusCode::kDataLoss) {
-    spdlog::error("rpc {} cache={} peer={} {} {:.3f} ms: {}", rpc.method(), rpc.cache(), peer,
+    spdlog::error("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
                   absl::StatusCodeToString(s.code()), ms, ForLog(s.message()));
+  } else if (s.code() == absl::StatusCode::kResourceExhausted ||
+             s.code() == absl::StatusCode::kUnauthenticated ||
+             s.code() == absl::StatusCode::kPermissionDenied) {
+    LogThrottled(spdlog::level::info,
+                 absl::StrCat("rpc ", rpc.method(), " ", absl::StatusCodeToString(s.code())),
+                 absl::StrCat("rpc ", rpc.method(), " ", who, " ",
+                              absl::StatusCodeToString(s.code()), ": ",
+                              absl::CHexEscape(s.message())));
   } else {
-    spdlog::debug("rpc {} cache={} peer={} {} {:.3f} ms: {}", rpc.method(), rpc.cache(), peer,
+    spdlog::debug("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
                   absl::StatusCodeToString(s.code()), ms, absl::CHexEscape(s.message()));
   }
   return ToGrpcStatus(s);

@@ -58,7 +58,8 @@ void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const For
 
 std::string Metrics::Render(const CacheManager& manager) const {
   std::string out;
-  Header(&out, "pagedattn_rpcs_total", "counter", "RPCs served, by method and status code.");
+  Header(&out, "pagedattn_rpcs_total", "counter", "RPCs served, by method and status code (a Step stream's layers "
+         "each count as one, as a Forward).");
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, n] : rpcs_) {
@@ -67,7 +68,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
     }
   }
   Header(&out, "pagedattn_forward_latency_seconds", "histogram",
-         "Latency of successful Forward RPCs in the service (parse to response).");
+         "Latency of successful Forwards in the service, unary or a Step stream's layers (parse "
+         "to response).");
   int64_t cumulative = 0;
   for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
     cumulative += latency_buckets_[i].load(std::memory_order_relaxed);

@@ -570,3 +570,28 @@ def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
             assert server.proc.wait(timeout=30) == 0
             assert time.monotonic() - t0 < 15
     assert "received SIGINT again: calls in flight are stopped now" in server.log
+
+
+def test_limits_are_logged_at_info_and_throttled(start_servers):
+    """A refusal an operator may act on (here out of pages) is an info line naming the call and
+    the cache, at most one a second for each method and code, with the count held back."""
+    import time
+
+    (server,) = start_servers(1)
+    config = CacheConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
+                         num_pages=4)
+    q, kv = np.zeros((12, 2, 64), np.float32), np.zeros((12, 1, 64), np.float32)
+    with pagedattn.Client(server.target) as c, c.create_cache(config) as cache:
+        cache.forward(0, [Span.prefill(1, 12)], q, kv, kv)  # 3 of the 4 pages
+        for _ in range(3):
+            with pytest.raises(errors.OutOfPages):
+                cache.forward(0, [Span.prefill(2, 8)], q[:8], kv[:8], kv[:8])
+        time.sleep(1.1)
+        with pytest.raises(errors.OutOfPages):
+            cache.forward(0, [Span.prefill(2, 8)], q[:8], kv[:8], kv[:8])
+        cache_id = cache.cache_id
+    lines = [line for line in server.log.splitlines() if "RESOURCE_EXHAUSTED" in line]
+    assert len(lines) == 2, server.log
+    assert all(" info " in line and f"rpc Forward cache={cache_id}" in line and
+               "out of KV pages" in line for line in lines), lines
+    assert lines[1].endswith("(and 2 more like it)"), lines

@@ -1,0 +1,17 @@
+// LogThrottled: a log line at most once a second for each kind of line, with the count of
+// those held back, so that a client repeating a mistake (or a library repeating a complaint)
+// cannot flood the log.
+#pragma once
+
+#include <string>
+
+#include "spdlog/spdlog.h"
+
+namespace pagedattn {
+
+// Logs "<line> (and N more like it)" at `level` unless a line of the same `kind` went out
+// within the last second (then it only counts it).
+void LogThrottled(spdlog::level::level_enum level, const std::string& kind,
+                  const std::string& line);
+
+}  // namespace pagedattn

@@ -15,17 +15,24 @@ class StopToken {
  public:
   // Never stops.
   StopToken() = default;
-  // Stops once cancelled() returns true (it is polled; it must be cheap and thread-safe) or
-  // once deadline has passed.
-  StopToken(std::function<bool()> cancelled, absl::Time deadline)
-      : cancelled_(std::move(cancelled)), deadline_(deadline) {}
+  // Stops once cancelled() returns true (it is polled; it must be cheap and thread-safe), once
+  // deadline has passed, or once shutting_down() returns true (polled likewise).
+  StopToken(std::function<bool()> cancelled, absl::Time deadline,
+            std::function<bool()> shutting_down = {})
+      : cancelled_(std::move(cancelled)),
+        shutting_down_(std::move(shutting_down)),
+        deadline_(deadline) {}
 
-  // OK while the work should go on; CANCELLED or DEADLINE_EXCEEDED once it should stop.
+  // OK while the work should go on; UNAVAILABLE (the server stopped it: a retry elsewhere
+  // works), CANCELLED or DEADLINE_EXCEEDED once it should stop.
   absl::Status Check() const {
+    if (shutting_down_ && shutting_down_()) {
+      return absl::UnavailableError(
+          "the server is shutting down and stopped the call before it finished; nothing was "
+          "changed: retry (on another replica)");
+    }
     if (cancelled_ && cancelled_()) {
-      return absl::CancelledError(
-          "the call was cancelled (by the caller, or the server is shutting down); nothing was "
-          "changed");
+      return absl::CancelledError("the call was cancelled by its caller; nothing was changed");
     }
     if (deadline_ != absl::InfiniteFuture() && absl::Now() > deadline_) {
       return absl::DeadlineExceededError(
@@ -36,6 +43,7 @@ class StopToken {
 
  private:
   std::function<bool()> cancelled_;
+  std::function<bool()> shutting_down_;
   absl::Time deadline_ = absl::InfiniteFuture();
 };
 

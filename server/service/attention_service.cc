@@ -29,10 +29,11 @@ std::string ForLog(absl::string_view s) {
 
 StopToken StopFor(grpc::ServerContextBase* ctx, const RpcGate* gate) {
   const auto deadline = ctx->deadline();
-  return StopToken([ctx, gate] { return gate->stopping() || ctx->IsCancelled(); },
+  return StopToken([ctx] { return ctx->IsCancelled(); },
                    deadline == std::chrono::system_clock::time_point::max()
                        ? absl::InfiniteFuture()
-                       : absl::FromChrono(deadline));
+                       : absl::FromChrono(deadline),
+                   [gate] { return gate->stopping(); });
 }
 
 }  // namespace

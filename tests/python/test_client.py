@@ -4,7 +4,9 @@ f32/f16/bf16 round trips against the float64 reference, big prefills, concurrent
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import signal
 import subprocess
 import sys
 
@@ -517,28 +519,34 @@ def test_fp8_cache_config(client, kv_dtypes):
         pagedattn.tensors.to_tensor(np.zeros((1, 4, 64), np.float32), "float8_e4m3")
 
 
-def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
-    """SIGTERM while a Forward with a large answer runs: it finishes inside --shutdown_grace_s
-    and its answer reaches the client (the server waits for the answer to go out, not only for
-    the handler to return), then the server exits 0."""
-    import signal
+@contextlib.contextmanager
+def _long_forward(server, n: int, seed: int):
+    """A prefill of n tokens (8 heads of 128, float32: seconds on one CPU thread) running on
+    `server`; yields (q, the future of its answer), once it has been under way for 0.3 s."""
     import time
 
-    if backend != "cpu":
-        pytest.skip("timed for the CPU backend's speed")
-    (server,) = start_servers(1, "--shutdown_grace_s=20")  # one CPU thread, as every test server
-    n = 2048  # about a second on one CPU thread; an 8 MiB answer
     config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
                          page_size=16, kv_dtype="float32", num_pages=n // 16)
-    q = np.random.default_rng(3).standard_normal((n, 8, 128), dtype=np.float32)
-    with pagedattn.Client(server.target, timeout=60) as c:
+    q = np.random.default_rng(seed).standard_normal((n, 8, 128), dtype=np.float32)
+    with pagedattn.Client(server.target, timeout=120) as c:
         cache = c.create_cache(config, delete_on_exit=False)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(cache.forward, 0, [Span.prefill(1, n)], q, q, q)
             time.sleep(0.3)
             assert not answer.done()
-            server.proc.send_signal(signal.SIGTERM)
-            out = answer.result()
+            yield q, answer
+
+
+def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
+    """SIGTERM while a Forward with a large answer runs: it finishes inside --shutdown_grace_s
+    and its answer reaches the client (the server waits for the answer to go out, not only for
+    the handler to return), then the server exits 0."""
+    if backend != "cpu":
+        pytest.skip("timed for the CPU backend's speed")
+    (server,) = start_servers(1, "--shutdown_grace_s=20")  # one CPU thread, as every test server
+    with _long_forward(server, 2048, 3) as (q, answer):  # about a second; an 8 MiB answer
+        server.proc.send_signal(signal.SIGTERM)
+        out = answer.result()
     assert out.shape == q.shape and np.isfinite(out).all()
     assert server.stop() == 0
 
@@ -546,29 +554,20 @@ def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
 def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
     """SIGTERM, then SIGINT during the grace period (Ctrl-C twice): the Forward in flight is
     stopped at once and the server exits 0 long before the 60 s grace ends."""
-    import signal
     import time
 
     if backend != "cpu":
         pytest.skip("timed for the CPU backend's speed")
     (server,) = start_servers(1, "--shutdown_grace_s=60")
-    n = 4096  # several seconds on one CPU thread
-    config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
-                         page_size=16, kv_dtype="float32", num_pages=n // 16)
-    q = np.random.default_rng(4).standard_normal((n, 8, 128), dtype=np.float32)
-    with pagedattn.Client(server.target, timeout=120) as c:
-        cache = c.create_cache(config, delete_on_exit=False)
-        with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            answer = pool.submit(cache.forward, 0, [Span.prefill(1, n)], q, q, q)
-            time.sleep(0.3)
-            server.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            t0 = time.monotonic()
-            server.proc.send_signal(signal.SIGINT)
-            with pytest.raises(errors.Unavailable, match="stopped the call before it finished"):
-                answer.result()  # a retry on another replica would work
-            assert server.proc.wait(timeout=30) == 0
-            assert time.monotonic() - t0 < 15
+    with _long_forward(server, 4096, 4) as (_, answer):  # several seconds
+        server.proc.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        server.proc.send_signal(signal.SIGINT)
+        with pytest.raises(errors.Unavailable, match="stopped the call before it finished"):
+            answer.result()  # a retry on another replica would work
+        assert server.proc.wait(timeout=30) == 0
+        assert time.monotonic() - t0 < 15
     assert "received SIGINT again: calls in flight are stopped now" in server.log
 
 

@@ -259,7 +259,7 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
                                                      "])"));
     }
     const size_t bytes = static_cast<size_t>(want[0] * want[1] * want[2]) * ElementSize(t.dtype);
-    if (t.region_id.empty() && (t.data == nullptr || t.bytes != bytes)) {
+    if (t.region_id.empty() && (t.bytes != bytes || (bytes > 0 && t.data == nullptr))) {
       return absl::InvalidArgumentError(
           absl::StrCat(name, ".data must hold ", bytes, " bytes (got ", t.bytes, ")"));
     }

@@ -75,9 +75,9 @@ grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBa
 
 // Counts the call in the metrics and logs one line: debug for success and the caller's
 // mistakes, info for limits and authentication (RESOURCE_EXHAUSTED, UNAUTHENTICATED,
-// PERMISSION_DENIED: what an operator may have to act on; at most one a second for each method
-// and code), error for the server's own failures (e.g. a CUDA error). Never logs request
-// metadata, so tokens stay out of logs.
+// PERMISSION_DENIED: what an operator may have to act on; at most one a second for each client
+// connection, method and code), error for the server's own failures (e.g. a CUDA error). Never
+// logs request metadata, so tokens stay out of logs.
 grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s) {
   if (metrics_ != nullptr) metrics_->RecordRpc(rpc.method(), s.code());
   const double ms = rpc.seconds() * 1e3;
@@ -94,7 +94,8 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
              s.code() == absl::StatusCode::kUnauthenticated ||
              s.code() == absl::StatusCode::kPermissionDenied) {
     LogThrottled(spdlog::level::info,
-                 absl::StrCat("rpc ", rpc.method(), " ", absl::StatusCodeToString(s.code())),
+                 absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
+                              absl::StatusCodeToString(s.code())),
                  absl::StrCat("rpc ", rpc.method(), " ", who, " ",
                               absl::StatusCodeToString(s.code()), ": ",
                               absl::CHexEscape(s.message())));

@@ -80,19 +80,27 @@ grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBa
 // logs request metadata, so tokens stay out of logs.
 grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s) {
   if (metrics_ != nullptr) metrics_->RecordRpc(rpc.method(), s.code());
+  const bool server_error = s.code() == absl::StatusCode::kInternal ||
+                            s.code() == absl::StatusCode::kUnknown ||
+                            s.code() == absl::StatusCode::kDataLoss;
+  const bool limit = s.code() == absl::StatusCode::kResourceExhausted ||
+                     s.code() == absl::StatusCode::kUnauthenticated ||
+                     s.code() == absl::StatusCode::kPermissionDenied;
+  const spdlog::level::level_enum level = server_error ? spdlog::level::err
+                                          : limit      ? spdlog::level::info
+                                                       : spdlog::level::debug;
+  // Nothing of the line is built unless it is logged: a Forward's answer is waiting.
+  if (!spdlog::should_log(level)) return ToGrpcStatus(s);
   const double ms = rpc.seconds() * 1e3;
   const std::string who = absl::StrCat(
       "cache=", rpc.cache(), rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
       " peer=", ForLog(rpc.context()->peer()));
   if (s.ok()) {
     spdlog::debug("rpc {} {} ok {:.3f} ms", rpc.method(), who, ms);
-  } else if (s.code() == absl::StatusCode::kInternal || s.code() == absl::StatusCode::kUnknown ||
-             s.code() == absl::StatusCode::kDataLoss) {
+  } else if (server_error) {
     spdlog::error("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
                   absl::StatusCodeToString(s.code()), ms, ForLog(s.message()));
-  } else if (s.code() == absl::StatusCode::kResourceExhausted ||
-             s.code() == absl::StatusCode::kUnauthenticated ||
-             s.code() == absl::StatusCode::kPermissionDenied) {
+  } else if (limit) {
     LogThrottled(spdlog::level::info,
                  absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
                               absl::StatusCodeToString(s.code())),

@@ -1,6 +1,9 @@
 // TokenAuthenticator: parses the tokens file and checks bearer tokens.
 #include "server/service/auth.h"
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -8,14 +11,26 @@
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 
 namespace pagedattn {
 
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(
     const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth_tokens_file ", path, " is a directory, not a tokens file"));
+  }
+  errno = 0;
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read --auth_tokens_file ", path));
+  if (!in) {
+    const int err = errno;
+    return absl::NotFoundError(
+        absl::StrCat("cannot read --auth_tokens_file ", path,
+                     err != 0 ? absl::StrCat(": ", std::strerror(err)) : std::string()));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a = FromString(ss.str());
@@ -44,12 +59,28 @@ absl::Status CheckTokenStrength(absl::string_view token) {
         absl::StrCat("a token must use at least ", kMinTokenDistinctChars,
                      " different characters; make one with: openssl rand -hex 32"));
   }
-  for (char c : token) {
-    if (!absl::ascii_isgraph(static_cast<unsigned char>(c))) {
-      return absl::InvalidArgumentError("a token is printable ASCII without spaces");
-    }
-  }
+  if (absl::Status s = CheckTokenCharacters(token); !s.ok()) return s;
   return absl::OkStatus();
+}
+
+absl::Status CheckTokenCharacters(absl::string_view token) {
+  // RFC 6750's b64token: letters, digits and -._~+/, then '=' padding. Never quotes the token.
+  size_t i = 0;
+  auto token_char = [](unsigned char c) {
+    return absl::ascii_isalnum(c) || c == '-' || c == '.' || c == '_' || c == '~' || c == '+' ||
+           c == '/';
+  };
+  while (i < token.size() && token_char(static_cast<unsigned char>(token[i]))) ++i;
+  while (i < token.size() && token[i] == '=') ++i;
+  if (i == token.size()) return absl::OkStatus();
+  const unsigned char c = static_cast<unsigned char>(token[i]);
+  const std::string shown = absl::ascii_isgraph(c)
+                                ? absl::StrCat("'", std::string(1, static_cast<char>(c)), "'")
+                                : absl::StrFormat("byte 0x%02x", c);
+  return absl::InvalidArgumentError(absl::StrCat(
+      "a token is letters, digits and -._~+/ with '=' padding at its end (RFC 6750); this one has ",
+      shown, " at position ", i, " of ", token.size(),
+      c == ',' || c == ';' || c == ':' ? " (the separator before a tenant is whitespace)" : ""));
 }
 
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromString(
@@ -98,10 +129,20 @@ absl::StatusOr<std::string> TokenAuthenticator::Authenticate(
   if (it == md.end()) {
     return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
   }
+  // Two credentials are refused, not resolved by their order.
+  if (md.count("authorization") > 1) {
+    return absl::UnauthenticatedError(
+        "more than one 'authorization' metadata entry: send exactly one 'Bearer <token>'");
+  }
   absl::string_view value(it->second.data(), it->second.size());
-  if (!absl::ConsumePrefix(&value, "Bearer ") && !absl::ConsumePrefix(&value, "bearer ")) {
+  // The scheme is case-insensitive (RFC 9110), then at least one space.
+  constexpr absl::string_view kScheme = "bearer";
+  if (value.size() <= kScheme.size() ||
+      !absl::EqualsIgnoreCase(value.substr(0, kScheme.size()), kScheme) ||
+      value[kScheme.size()] != ' ') {
     return absl::UnauthenticatedError("authorization metadata must be 'Bearer <token>'");
   }
+  value.remove_prefix(kScheme.size());
   return TenantForToken(absl::StripAsciiWhitespace(value));
 }
 

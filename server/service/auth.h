@@ -13,11 +13,15 @@
 
 namespace pagedattn {
 
-// What a token in the tokens file must be: at least kMinTokenLength printable characters, of
-// at least kMinTokenDistinctChars different ones, and no placeholder text ("REPLACE...").
+// What a token in the tokens file must be: at least kMinTokenLength characters of RFC 6750's
+// b64token (CheckTokenCharacters), at least kMinTokenDistinctChars different ones, and no
+// placeholder text ("REPLACE...").
 inline constexpr size_t kMinTokenLength = 16;
 inline constexpr size_t kMinTokenDistinctChars = 6;
 absl::Status CheckTokenStrength(absl::string_view token);
+// Letters, digits and -._~+/, then '=' padding; the error names the first other character and
+// its position, never the token.
+absl::Status CheckTokenCharacters(absl::string_view token);
 
 class TokenAuthenticator {
  public:

@@ -399,6 +399,57 @@ TEST(TokenFileTest, ParsesAndRejects) {
   EXPECT_FALSE(TokenAuthenticator::FromString(t1 + "\n" + t1 + "\n").ok());
   EXPECT_EQ(TokenAuthenticator::FromFile("/nonexistent").status().code(),
             absl::StatusCode::kNotFound);
+  EXPECT_NE(TokenAuthenticator::FromFile("/nonexistent")
+                .status()
+                .message()
+                .find("No such file or directory"),
+            std::string::npos);
+  absl::Status dir = TokenAuthenticator::FromFile("/tmp").status();
+  EXPECT_EQ(dir.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(dir.message().find("is a directory"), std::string::npos) << dir;
+}
+
+// "token,tenant" (a separator other than whitespace) was one token of the tenant "default", so
+// every tenant written that way shared one tenant's caches. Tokens are RFC 6750 characters; the
+// error names the first other one and its place, never the token.
+TEST(TokenFileTest, TokensAreRfc6750Characters) {
+  const std::string t = "0123456789abcdef0123";
+  for (const std::string& sep : {std::string(","), std::string(";"), std::string(":")}) {
+    absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a =
+        TokenAuthenticator::FromString("# tokens\n" + t + sep + "alice\n");
+    ASSERT_EQ(a.status().code(), absl::StatusCode::kInvalidArgument) << sep;
+    EXPECT_NE(a.status().message().find("line 2: a token is letters, digits and -._~+/"),
+              std::string::npos)
+        << a.status();
+    EXPECT_NE(a.status().message().find("'" + sep + "' at position 20 of 26"), std::string::npos)
+        << a.status();
+    EXPECT_NE(a.status().message().find("separator before a tenant is whitespace"),
+              std::string::npos);
+    EXPECT_EQ(a.status().message().find(t), std::string::npos) << a.status();
+  }
+  // Base64 with padding, and the other RFC 6750 characters, are tokens.
+  EXPECT_TRUE(TokenAuthenticator::FromString("aGVsbG8td29ybGQtMTIzNA== team\n").ok());
+  EXPECT_TRUE(TokenAuthenticator::FromString("a1-b2.c3_d4~e5+f6/g7h8 team\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString("aGVsbG8=td29ybGQtMTIzNA team\n").ok());
+  EXPECT_FALSE(TokenAuthenticator::FromString("0123456789abcdef\x01 team\n").ok());
+}
+
+// pagedattn::Client refuses a token gRPC could not send (it aborted the process and printed the
+// token), without quoting it.
+TEST(ClientTokenTest, UnsendableTokenIsRefusedAtConnect) {
+  ClientOptions o;
+  o.target = "127.0.0.1:1";
+  for (const std::string& token :
+       {std::string("s3cret-line-token\n"), std::string("s3cret-line-token\r\n"),
+        std::string("s3cret line token")}) {
+    o.bearer_token = token;
+    absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+    ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(c.status().message().find("s3cret"), std::string::npos) << c.status();
+    EXPECT_NE(c.status().message().find("bearer token: byte 0x"), std::string::npos) << c.status();
+  }
+  o.bearer_token = "s3cret-line-token";
+  EXPECT_TRUE(Client::Connect(o).ok());
 }
 
 // Weak tokens and the manifests' placeholders are refused when the server starts, and the

@@ -7,6 +7,9 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <sstream>
@@ -38,8 +41,19 @@ std::string OpenSslError() {
 }
 
 absl::StatusOr<std::string> ReadFile(const char* flag, const std::string& path) {
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(flag, " ", path, ": is a directory, not a PEM file"));
+  }
+  errno = 0;
   std::ifstream in(path);
-  if (!in) return absl::NotFoundError(absl::StrCat(flag, " ", path, ": cannot read the file"));
+  if (!in) {
+    const int err = errno;
+    return absl::NotFoundError(
+        absl::StrCat(flag, " ", path, ": cannot read the file",
+                     err != 0 ? absl::StrCat(" (", std::strerror(err), ")") : std::string()));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   std::string pem = ss.str();
@@ -111,6 +125,27 @@ absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
     absl::StatusOr<std::unique_ptr<X509, X509Free>> ca =
         ParseCert("--tls_client_ca", files.client_ca_file, m.client_ca_pem);
     if (!ca.ok()) return ca.status();
+    // A bundle may hold an expired CA beside its successor; with none valid now, no client
+    // certificate verifies and every client would fail its handshake.
+    int certs = 0, valid = 0;
+    auto bio = Bio(m.client_ca_pem);
+    while (true) {
+      std::unique_ptr<X509, X509Free> c(PEM_read_bio_X509(bio.get(), nullptr, nullptr, nullptr));
+      if (c == nullptr) break;
+      ++certs;
+      if (X509_cmp_current_time(X509_get0_notAfter(c.get())) >= 0 &&
+          X509_cmp_current_time(X509_get0_notBefore(c.get())) <= 0) {
+        ++valid;
+      }
+    }
+    ERR_clear_error();  // the loop's end: no more certificates
+    if (valid == 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--tls_client_ca ", files.client_ca_file, ": ",
+                       certs == 1 ? "the certificate has"
+                                  : absl::StrCat("each of its ", certs, " certificates has"),
+                       " expired or is not valid yet: no client certificate would verify"));
+    }
   }
   return m;
 }

@@ -285,8 +285,17 @@ std::vector<std::string> InvalidFlags() {
   return bad;
 }
 
-// gRPC's own log lines. Errors a caller causes (a failed TLS handshake, a reset connection) are
-// debug lines.
+// The throttle's kind of a library's log line: its text before the first ':' (where the
+// details a caller chooses, such as a TLS server name, usually follow), at most 80 characters,
+// so that a client varying those details is still throttled as one kind.
+std::string LineKind(absl::string_view library, absl::string_view message) {
+  absl::string_view head = message.substr(0, 80);
+  head = head.substr(0, head.find(':'));
+  return absl::StrCat(library, ": ", head);
+}
+
+// gRPC's own log lines. Errors a caller causes (a failed TLS handshake, a TLS server name the
+// certificate does not have, a reset connection) are debug lines.
 void GrpcLogToSpdlog(gpr_log_func_args* args) {
   const std::string message = absl::CHexEscape(args->message ? args->message : "");
   spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
@@ -294,11 +303,12 @@ void GrpcLogToSpdlog(gpr_log_func_args* args) {
                                         ? spdlog::level::debug
                                         : spdlog::level::trace;
   for (const char* caller_caused :
-       {"Handshake failed", "handshake", "ssl_transport_security", "Connection reset",
-        "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
+       {"Handshake failed", "handshake", "ssl_transport_security",
+        "No match found for server name", "Connection reset", "Socket closed", "endpoint",
+        "Broken pipe", "frame of size"}) {
     if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
   }
-  pagedattn::LogThrottled(level, "grpc: " + message.substr(0, 80), "grpc: " + message);
+  pagedattn::LogThrottled(level, LineKind("grpc", message), "grpc: " + message);
 }
 
 // protobuf's own lines (by default unthrottled on stderr, whatever --log_level says). Those of a
@@ -312,7 +322,7 @@ void ProtobufLogToSpdlog(google::protobuf::LogLevel severity, const char* /*file
   if (absl::StrContains(message, "invalid UTF-8") || absl::StrContains(message, "parsing")) {
     level = spdlog::level::debug;
   }
-  pagedattn::LogThrottled(level, "protobuf: " + message.substr(0, 80), "protobuf: " + message);
+  pagedattn::LogThrottled(level, LineKind("protobuf", message), "protobuf: " + message);
 }
 
 }  // namespace

@@ -10,8 +10,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "absl/strings/ascii.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "common/dtype.h"
 #include "common/transport.h"
 #include "google/rpc/status.pb.h"
@@ -44,6 +46,17 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     return absl::InvalidArgumentError(absl::StrCat(
         "timeout must be positive (absl::InfiniteDuration() for none; got ",
         absl::FormatDuration(options.timeout), ")"));
+  }
+  // gRPC aborts the process on a header value it cannot send, and prints it: a token with a
+  // newline (read from a secret file) would crash the caller and leak. Refused here, unquoted.
+  for (size_t i = 0; i < options.bearer_token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(options.bearer_token[i]);
+    if (!absl::ascii_isgraph(c)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "bearer token: byte 0x%02x at position %d of %d is not printable ASCII%s", c, i,
+          options.bearer_token.size(),
+          c == '\n' || c == '\r' ? " (a line end, as read from a file: strip it)" : ""));
+    }
   }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {

@@ -44,6 +44,11 @@ for t in 0 -1 nan inf; do
   [ $rc -eq 2 ] && grep -q -- "--timeout_s must be a positive number of seconds" <<<"$out" ||
     fail "--timeout_s=$t: exit $rc: $out"
 done
+# A token with a line end (as read from a secret file) is refused before any call, unquoted;
+# gRPC aborted the process on it and printed the token.
+rc=0; out=$(PAGEDATTN_TOKEN=$'s3cret-line-token\n' timeout 10 "$cli" --target=127.0.0.1:1 health 2>&1) || rc=$?
+[ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "byte 0x0a at position 17 of 18.*strip it" <<<"$out" &&
+  ! grep -q s3cret <<<"$out" || fail "token with a newline: exit $rc: $out"
 sockdir=$(mktemp -d)
 "$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
 pid=$!

@@ -68,7 +68,18 @@ def check_timeout(timeout: Any) -> None:
 
 
 def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
+    """The bearer token's metadata, its characters checked when the client is made (grpc would
+    fail each call with INTERNAL "Invalid metadata"). The error never quotes the token."""
+    if not token:
+        return ()
+    if not isinstance(token, str):
+        raise TypeError(f"token must be a str (got {type(token).__name__})")
+    for i, ch in enumerate(token):
+        if not ("!" <= ch <= "~"):
+            hint = " (a line end, as read from a file: strip it)" if ch in "\r\n" else ""
+            raise ValueError(f"token: character {ord(ch):#04x} at position {i} of {len(token)} "
+                             f"is not printable ASCII{hint}")
+    return (("authorization", f"Bearer {token}"),)
 
 
 def forward_request(

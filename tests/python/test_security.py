@@ -11,6 +11,7 @@ import grpc
 import pytest
 
 import pagedattn
+import pagedattn.aio
 from pagedattn import CacheConfig, errors
 
 from conftest import ServerProcess
@@ -119,3 +120,113 @@ def test_bad_bytes_do_not_flood_the_log(server_binary):
         assert len(lines) <= most, f"--log_level={level}:\n{''.join(lines[:10])}"
         if level == "debug":
             assert lines and "protobuf: " in lines[0] and " debug " in lines[0], server.log
+
+
+def _list_caches(secure_server, pki, metadata):
+    """ListCaches through a raw channel with the given metadata: the tenant's cache ids."""
+    creds = grpc.ssl_channel_credentials((pki / "ca.pem").read_bytes())
+    with grpc.secure_channel(secure_server.target, creds) as channel:
+        call = channel.unary_unary("/pagedattn.v1.AttentionService/ListCaches",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+        return call(b"", metadata=metadata, timeout=10)
+
+
+def test_two_credentials_are_refused_and_the_scheme_is_case_insensitive(secure_server, pki):
+    """Two authorization entries used to resolve to the first one; now neither is taken."""
+    for pair in ((ALPHA, BETA), (BETA, ALPHA), (ALPHA, "garbage-garbage-garbage")):
+        with pytest.raises(grpc.RpcError) as e:
+            _list_caches(secure_server, pki,
+                         [("authorization", f"Bearer {pair[0]}"),
+                          ("authorization", f"Bearer {pair[1]}")])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "more than one 'authorization'" in e.value.details()
+    for scheme in ("Bearer", "bearer", "BEARER", "bEaReR"):
+        _list_caches(secure_server, pki, [("authorization", f"{scheme} {ALPHA}")])
+    for value in (f"Bearer{ALPHA}", f"Basic {ALPHA}", "Bearer"):
+        with pytest.raises(grpc.RpcError) as e:
+            _list_caches(secure_server, pki, [("authorization", value)])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_a_token_with_a_line_end_is_refused_by_the_client(secure_server):
+    for bad in (ALPHA + "\n", ALPHA + "\r\n", "two words-and-more"):
+        with pytest.raises(ValueError, match="not printable ASCII") as e:
+            pagedattn.Client(secure_server.target, bad)
+        assert ALPHA not in str(e.value) and "words" not in str(e.value)
+    with pytest.raises(ValueError, match="strip it"):
+        pagedattn.aio.Client(secure_server.target, ALPHA + "\n")
+
+
+def test_tls_server_names_a_caller_chooses_do_not_fill_the_log(secure_server, pki):
+    """A client naming a TLS server the certificate does not have made gRPC log a warning, and
+    each different name was a kind of line of its own to the throttle."""
+    before = len(secure_server.lines)
+    ca = (pki / "ca.pem").read_bytes()
+    for i in range(30):
+        options = [("grpc.ssl_target_name_override", f"attacker-{i}-example.invalid")]
+        with grpc.secure_channel(secure_server.target, grpc.ssl_channel_credentials(ca),
+                                 options=options) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=2)
+            except grpc.FutureTimeoutError:
+                pass
+    lines = [line for line in secure_server.lines[before:] if "server name" in line]
+    assert not lines, "".join(lines[:5])  # debug lines, under --log_level=info
+
+
+def test_tokens_file_separator_mistake_stops_the_server(server_binary, tmp_path):
+    tokens = tmp_path / "tokens"
+    tokens.write_text(f"{ALPHA},alpha\n")
+    r = subprocess.run([server_binary, "--backend=cpu", "--listen=127.0.0.1:0",
+                        f"--auth_tokens_file={tokens}"], capture_output=True, text=True,
+                       timeout=30)
+    out = r.stdout + r.stderr
+    assert r.returncode != 0, out
+    assert "line 1: a token is letters, digits and -._~+/" in out, out
+    assert "separator before a tenant is whitespace" in out, out
+    assert ALPHA not in out, out
+
+
+def _expired_ca(d: Path) -> Path:
+    """A self-signed CA certificate whose validity ended in 2021 (openssl ca sets the dates)."""
+    db = d / "expired_db"
+    db.mkdir()
+    (db / "index.txt").write_text("")
+    (db / "serial").write_text("01\n")
+    (d / "expired.cnf").write_text(
+        f"[ca]\ndefault_ca = x\n[x]\ndir = {db}\ndatabase = $dir/index.txt\nserial = $dir/serial\n"
+        "new_certs_dir = $dir\ndefault_md = sha256\npolicy = p\nunique_subject = no\n"
+        "[p]\ncommonName = supplied\n[v3]\nbasicConstraints = critical,CA:true\n")
+    for cmd in (
+        "openssl req -newkey rsa:2048 -nodes -keyout expired.key -out expired.csr -subj /CN=old-ca",
+        "openssl ca -batch -selfsign -config expired.cnf -extensions v3 -keyfile expired.key "
+        "-in expired.csr -out expired.pem -startdate 20200101000000Z -enddate 20210101000000Z",
+    ):
+        subprocess.run(cmd.split(), cwd=d, check=True, capture_output=True)
+    return d / "expired.pem"
+
+
+def test_expired_certificates_stop_the_server(server_binary, pki, tmp_path):
+    """An expired --tls_client_ca started an mTLS server no client certificate could pass."""
+    expired = _expired_ca(tmp_path)
+    tls = [f"--tls_cert={pki / 'server.pem'}", f"--tls_key={pki / 'server.key'}"]
+    cases = (
+        ([f"--tls_client_ca={expired}"], "--tls_client_ca", "expired or is not valid yet"),
+        ([f"--tls_client_ca={expired.parent / 'bundle.pem'}"], None, None),
+        ([f"--tls_cert={expired}", f"--tls_key={tmp_path / 'expired.key'}"], "--tls_cert",
+         "the certificate has expired"),
+        ([f"--tls_client_ca={tmp_path}"], "--tls_client_ca", "is a directory"),
+    )
+    # A bundle of the expired CA and a valid one (a rotation) is accepted.
+    (tmp_path / "bundle.pem").write_bytes(expired.read_bytes() + (pki / "ca.pem").read_bytes())
+    for extra, flag, message in cases:
+        args = ["--backend=cpu", *(extra if extra[0].startswith("--tls_cert") else tls + extra)]
+        if flag is None:
+            server = ServerProcess(server_binary, *args)
+            assert server.stop() == 0, server.log
+            continue
+        r = subprocess.run([server_binary, "--listen=127.0.0.1:0", *args], capture_output=True,
+                           text=True, timeout=30)
+        out = r.stdout + r.stderr
+        assert r.returncode != 0 and flag in out and message in out, out

@@ -196,9 +196,33 @@ void PrintHelp() {
 
 // Sets each flag that has a PAGEDATTN_<FLAG> variable; the command line, parsed after, wins.
 // Returns the PAGEDATTN_* variables that name no flag (for a log line), or exits on a bad value.
-std::vector<std::string> FlagsFromEnvironment() {
+// Edits (insertions, deletions, substitutions) that take a to b.
+size_t EditDistance(absl::string_view a, absl::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diagonal + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diagonal = up;
+    }
+  }
+  return row[b.size()];
+}
+
+// An environment variable that is no flag's, with the flag's variable it is likely a typo of
+// (at most 3 edits away), if any: PAGEDATTN_AUTH_TOKEN_FILE would otherwise start a server
+// without the auth its operator meant to turn on.
+struct IgnoredVariable {
+  std::string name;
+  std::string likely;  // empty: no flag's variable is close
+};
+
+std::vector<IgnoredVariable> FlagsFromEnvironment() {
   std::map<std::string, absl::CommandLineFlag*> flags = ServerFlags();
-  std::vector<std::string> ignored;
+  std::vector<IgnoredVariable> ignored;
   for (char** e = environ; *e != nullptr; ++e) {
     absl::string_view entry(*e);
     if (!absl::StartsWith(entry, kEnvPrefix)) continue;
@@ -208,7 +232,17 @@ std::vector<std::string> FlagsFromEnvironment() {
     const std::string name = absl::AsciiStrToLower(var.substr(sizeof(kEnvPrefix) - 1));
     auto it = flags.find(name);
     if (it == flags.end()) {
-      if (var != "PAGEDATTN_TOKEN") ignored.push_back(var);  // the CLI's token
+      if (var == "PAGEDATTN_TOKEN") continue;  // the CLI's token
+      IgnoredVariable v{var, ""};
+      size_t best = 4;
+      for (const auto& [flag, unused] : flags) {
+        const size_t d = EditDistance(name, flag);
+        if (d < best) {
+          best = d;
+          v.likely = absl::StrCat(kEnvPrefix, absl::AsciiStrToUpper(flag));
+        }
+      }
+      ignored.push_back(std::move(v));
       continue;
     }
     std::string error;
@@ -342,7 +376,7 @@ int main(int argc, char** argv) {
     }
   }
   absl::SetProgramUsageMessage(Usage());
-  const std::vector<std::string> ignored_env = FlagsFromEnvironment();
+  const std::vector<IgnoredVariable> ignored_env = FlagsFromEnvironment();
   std::map<std::string, std::vector<std::string>> repeated =
       pagedattn::RepeatedFlags(argc, argv, pagedattn::FlagKinds(ServerFlags(), "server/main.cc"));
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
@@ -375,9 +409,12 @@ int main(int argc, char** argv) {
   google::protobuf::SetLogHandler(ProtobufLogToSpdlog);
   gpr_set_log_verbosity(level <= spdlog::level::trace ? GPR_LOG_SEVERITY_DEBUG
                                                       : GPR_LOG_SEVERITY_ERROR);
-  if (!ignored_env.empty()) {
-    spdlog::info("environment: {} ignored (no such flag; see --help)",
-                 absl::StrJoin(ignored_env, ", "));
+  for (const IgnoredVariable& v : ignored_env) {
+    if (v.likely.empty()) {
+      spdlog::info("environment: {} ignored (no such flag; see --help)", v.name);
+    } else {
+      spdlog::warn("environment: {} ignored (no such flag): did you mean {}?", v.name, v.likely);
+    }
   }
 
   // Block the shutdown signals in every thread; one thread waits for them with sigwait.

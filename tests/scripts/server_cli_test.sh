@@ -60,6 +60,18 @@ grep -q -- "--listen=127.0.0.1:0,unix:$sockdir/pa.sock" "$log" || fail "--listen
 kill -TERM $pid; wait $pid || fail "server with two --listen exit code $?"
 rm -rf "$sockdir"
 
+# A misspelled flag variable is a warning naming the variable it is likely a typo of (here the
+# operator meant to turn auth on); an unrelated PAGEDATTN_ variable stays an info line.
+PAGEDATTN_AUTH_TOKEN_FILE=/nonexistent PAGEDATTN_SOMETHING_ELSE=1 \
+  "$server" --listen=127.0.0.1:0 --backend=cpu >"$log" 2>&1 &
+pid=$!
+wait_started "$log" $pid
+grep -q "warning environment: PAGEDATTN_AUTH_TOKEN_FILE ignored (no such flag): did you mean PAGEDATTN_AUTH_TOKENS_FILE?" "$log" ||
+  fail "a misspelled variable: $(grep environment "$log")"
+grep -q "info environment: PAGEDATTN_SOMETHING_ELSE ignored" "$log" ||
+  fail "an unrelated variable: $(grep environment "$log")"
+kill -TERM $pid; wait $pid || fail "server exit code $?"
+
 # --backend=auto with no GPU visible (CUDA_VISIBLE_DEVICES= hides every one): the CPU backend and,
 # in a build with CUDA, a warning that says why; --backend=cuda refuses to start, saying why.
 CUDA_VISIBLE_DEVICES= "$server" --listen=127.0.0.1:0 --backend=auto >"$log" 2>&1 &

@@ -409,12 +409,17 @@ int main(int argc, char** argv) {
   google::protobuf::SetLogHandler(ProtobufLogToSpdlog);
   gpr_set_log_verbosity(level <= spdlog::level::trace ? GPR_LOG_SEVERITY_DEBUG
                                                       : GPR_LOG_SEVERITY_ERROR);
+  std::vector<std::string> unrelated;
   for (const IgnoredVariable& v : ignored_env) {
     if (v.likely.empty()) {
-      spdlog::info("environment: {} ignored (no such flag; see --help)", v.name);
+      unrelated.push_back(v.name);
     } else {
       spdlog::warn("environment: {} ignored (no such flag): did you mean {}?", v.name, v.likely);
     }
+  }
+  if (!unrelated.empty()) {
+    spdlog::info("environment: {} ignored (no such flag; see --help)",
+                 absl::StrJoin(unrelated, ", "));
   }
 
   // Block the shutdown signals in every thread; one thread waits for them with sigwait.

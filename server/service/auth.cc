@@ -1,11 +1,6 @@
 // TokenAuthenticator: parses the tokens file and checks bearer tokens.
 #include "server/service/auth.h"
 
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
-#include <sstream>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -13,27 +8,15 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
+#include "server/service/flag_file.h"
 
 namespace pagedattn {
 
 absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile(
     const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--auth_tokens_file ", path, " is a directory, not a tokens file"));
-  }
-  errno = 0;
-  std::ifstream in(path);
-  if (!in) {
-    const int err = errno;
-    return absl::NotFoundError(
-        absl::StrCat("cannot read --auth_tokens_file ", path,
-                     err != 0 ? absl::StrCat(": ", std::strerror(err)) : std::string()));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a = FromString(ss.str());
+  absl::StatusOr<std::string> contents = ReadFlagFile("--auth_tokens_file", path);
+  if (!contents.ok()) return contents.status();
+  absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a = FromString(*contents);
   if (!a.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", a.status().message()));
   return a;
 }

@@ -7,16 +7,13 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
-#include <cerrno>
-#include <cstring>
-#include <filesystem>
-#include <fstream>
 #include <memory>
-#include <sstream>
+#include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "server/service/flag_file.h"
 
 namespace pagedattn {
 namespace {
@@ -41,22 +38,9 @@ std::string OpenSslError() {
 }
 
 absl::StatusOr<std::string> ReadFile(const char* flag, const std::string& path) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(flag, " ", path, ": is a directory, not a PEM file"));
-  }
-  errno = 0;
-  std::ifstream in(path);
-  if (!in) {
-    const int err = errno;
-    return absl::NotFoundError(
-        absl::StrCat(flag, " ", path, ": cannot read the file",
-                     err != 0 ? absl::StrCat(" (", std::strerror(err), ")") : std::string()));
-  }
-  std::stringstream ss;
-  ss << in.rdbuf();
-  std::string pem = ss.str();
+  absl::StatusOr<std::string> contents = ReadFlagFile(flag, path);
+  if (!contents.ok()) return contents.status();
+  std::string pem = *std::move(contents);
   // The manifests' and examples' placeholders: a server must not start on them.
   for (const char* placeholder : {"REPLACE", "CHANGEME", "PLACEHOLDER"}) {
     if (absl::StrContains(absl::AsciiStrToUpper(pem), placeholder)) {

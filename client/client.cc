@@ -1,7 +1,6 @@
 // Client implementation: one deadline per RPC, optional TLS and bearer token.
 #include "client/client.h"
 
-#include <civetweb.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/impl/codegen/client_unary_call.h>
 #include <grpcpp/security/credentials.h>
@@ -384,32 +383,6 @@ absl::StatusOr<bool> Client::CheckHealth(const std::string& service) {
   grpc::Status s = stub->Check(&ctx, request, &response);
   if (!s.ok()) return FromGrpcStatus(s);
   return response.status() == grpc::health::v1::HealthCheckResponse::SERVING;
-}
-
-absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
-  const size_t colon = target.rfind(':');
-  int port = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(target.substr(colon + 1), &port)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("metrics target must be host:port (got '", target, "')"));
-  }
-  const std::string host = target.substr(0, colon);
-  mg_init_library(0);
-  char error[256] = {0};
-  mg_connection* conn = mg_download(host.c_str(), port, 0, error, sizeof(error),
-                                    "GET /metrics HTTP/1.0\r\nHost: %s\r\n\r\n", host.c_str());
-  if (conn == nullptr) {
-    return absl::UnavailableError(
-        absl::StrCat("cannot fetch http://", target, "/metrics: ", error));
-  }
-  std::string body;
-  char buf[4096];
-  for (int n; (n = mg_read(conn, buf, sizeof(buf))) > 0;) body.append(buf, static_cast<size_t>(n));
-  const int status = mg_get_response_info(conn)->status_code;
-  mg_close_connection(conn);
-  if (status != 200)
-    return absl::UnavailableError(absl::StrCat("GET /metrics answered HTTP ", status));
-  return body;
 }
 
 v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape,

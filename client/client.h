@@ -168,8 +168,10 @@ class StepStream {
   bool closed_ = false;
 };
 
-// GET http://target/metrics (target "host:port" of the server's --metrics_listen): the
-// Prometheus text, or UNAVAILABLE.
+// GET http://target/metrics (target "host:port" or "[ipv6]:port" of the server's
+// --metrics_listen; a host name tries each of its addresses): the Prometheus text; UNAVAILABLE
+// when no address answers (5 s to connect, 10 s a wait after) or the answer is not HTTP 200,
+// INVALID_ARGUMENT for a target that is not host:port.
 absl::StatusOr<std::string> FetchMetrics(const std::string& target);
 
 // The payload of a status from the server that carries details: the serialized google.rpc.Status

@@ -11,11 +11,11 @@ BUILD_PKGS=(
   build-essential cmake ninja-build ccache pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libspdlog-dev libfmt-dev libgtest-dev libgmock-dev
-  libcivetweb-dev openssl ca-certificates python3 python3-venv
+  openssl ca-certificates python3 python3-venv
 )
 # Runtime libraries: names differ between Debian 12 and Ubuntu 24.04, so they are resolved
 # from what the build packages pulled in (see runtime_pkgs below).
-RUNTIME_PATTERNS='^(libgrpc\+\+1|libgrpc[0-9]|libprotobuf[0-9]|libabsl[0-9]|libspdlog1|libfmt[0-9]|libcivetweb1|libssl3|libre2-[0-9]|libc-ares2)'
+RUNTIME_PATTERNS='^(libgrpc\+\+1|libgrpc[0-9]|libprotobuf[0-9]|libabsl[0-9]|libspdlog1|libfmt[0-9]|libssl3|libre2-[0-9]|libc-ares2)'
 
 SUDO=""
 if [ "$(id -u)" -ne 0 ]; then SUDO="sudo"; fi

@@ -138,8 +138,8 @@ ABSL_FLAG(std::string, auth_tokens_file, "",
           "AttentionService call needs 'authorization: Bearer <token>' and sees only its "
           "tenant's caches; health and reflection stay open");
 ABSL_FLAG(std::string, health_listen, "",
-          "extra host:port serving only grpc.health.v1 in plaintext (for Kubernetes gRPC "
-          "probes, which cannot speak TLS); empty: none");
+          "extra host:port serving grpc.health.v1 and server reflection in plaintext, not "
+          "AttentionService (for Kubernetes gRPC probes, which cannot speak TLS); empty: none");
 ABSL_FLAG(std::string, metrics_listen, "",
           "host:port (or [ipv6]:port) for Prometheus metrics over HTTP at /metrics (no auth: "
           "totals only, see --metrics_per_cache); empty: none");
@@ -468,10 +468,15 @@ int main(int argc, char** argv) {
         (*server)->backend_fallback_reason());
   }
   absl::StatusOr<pagedattn::MemoryInfo> mem = backend.memory(0);
+  // "listening on port N" first (scripts read the port of --listen=host:0 from it), then every
+  // address as bound.
+  const std::string bound = absl::StrJoin((*server)->listening(), ", ");
   spdlog::info(
-      "pagedattn-server {} listening on port {} (--listen={}); backend {} on {} ({} device{}, "
+      "pagedattn-server {} listening on {} ({}; --listen={}); backend {} on {} ({} device{}, "
       "{:.1f} of {:.1f} GiB free for pools); build has CUDA: {}; health SERVING",
-      PAGEDATTN_VERSION, (*server)->port(), options.listen, backend.name(), backend.device_name(),
+      PAGEDATTN_VERSION,
+      (*server)->port() != 0 ? absl::StrCat("port ", (*server)->port()) : std::string("a socket"),
+      bound, options.listen, backend.name(), backend.device_name(),
       backend.device_count(), backend.device_count() == 1 ? "" : "s",
       mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
       mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,

@@ -8,16 +8,12 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "common/host_port.h"
 
 namespace pagedattn {
 
-struct HostPort {
-  std::string host;  // Without brackets; empty: every interface.
-  int port = 0;      // 0..65535; 0 picks a free port.
-};
-
 // INVALID_ARGUMENT naming the flag and the value when it is not host:port with a port in
-// 0..65535.
+// 0..65535 (common/host_port.h's parser).
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view flag, absl::string_view address);
 
 // One address of --listen: a TCP host:port, or a Unix socket "unix:/path/to.sock".

@@ -220,8 +220,10 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
             absl::StrCat("chmod of the socket ", a.path, ": ", std::strerror(errno)));
       }
       s->unix_sockets_.push_back(a.path);
-    } else if (s->port_ == 0) {
-      s->port_ = bound[i];
+      s->listening_.push_back("unix:" + a.path);
+    } else {
+      if (s->port_ == 0) s->port_ = bound[i];
+      s->listening_.push_back(FormatHostPort({a.tcp.host, bound[i]}));
     }
   }
   if (!options.health_listen.empty()) {

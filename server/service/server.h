@@ -58,6 +58,9 @@ class PagedAttnServer {
 
   // The first TCP address's port (0 when --listen has Unix sockets only).
   int port() const { return port_; }
+  // Every --listen address as bound, in its order: host:port with the port a 0 picked, or
+  // unix:/path.
+  const std::vector<std::string>& listening() const { return listening_; }
   int health_port() const { return health_port_; }
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
   bool tls() const { return tls_; }
@@ -102,6 +105,7 @@ class PagedAttnServer {
   std::string backend_fallback_reason_;
   std::vector<std::string> unix_sockets_;  // removed when the server has stopped
   int port_ = 0;
+  std::vector<std::string> listening_;
   int health_port_ = 0;
   bool tls_ = false;
   absl::Mutex shutdown_mu_;

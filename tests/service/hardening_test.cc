@@ -309,6 +309,47 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
       << named.status();
 }
 
+// Every --listen address is reported as bound (the log line names them all), and the
+// metrics fetch of pagedattn-cli and the load generator reaches an IPv6 listener and says why
+// when it cannot.
+TEST(ListenTest, EveryListenerAndIpv6MetricsAreReachable) {
+  ServerOptions o = CpuOptions();
+  o.listen = "127.0.0.1:0,127.0.0.1:0";
+  auto plain = PagedAttnServer::Start(o);
+  ASSERT_TRUE(plain.ok()) << plain.status();
+  const std::vector<std::string>& bound = (*plain)->listening();
+  ASSERT_EQ(bound.size(), 2u);
+  EXPECT_EQ(bound[0], absl::StrCat("127.0.0.1:", (*plain)->port()));
+  EXPECT_NE(bound[1], bound[0]);
+  EXPECT_NE(bound[1], "127.0.0.1:0");
+  // The gRPC port speaks HTTP/2 only: a fetch there is refused as such, not hung on.
+  const absl::StatusOr<std::string> grpc_port = FetchMetrics(bound[1]);
+  EXPECT_EQ(grpc_port.status().code(), absl::StatusCode::kUnavailable) << grpc_port.status();
+  EXPECT_NE(grpc_port.status().message().find("not HTTP"), std::string::npos)
+      << grpc_port.status();
+
+  o.listen = "127.0.0.1:0";
+  o.metrics_listen = "[::1]:0";
+  auto server = PagedAttnServer::Start(o);
+  if (!server.ok()) GTEST_SKIP() << "no IPv6 loopback here: " << server.status();
+  const std::string target = absl::StrCat("[::1]:", (*server)->metrics_port());
+  absl::StatusOr<std::string> text = FetchMetrics(target);
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_NE(text->find("pagedattn_rpcs_total"), std::string::npos);
+  const absl::StatusOr<std::string> unbracketed =
+      FetchMetrics(absl::StrCat("::1:", (*server)->metrics_port()));
+  EXPECT_EQ(unbracketed.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(unbracketed.status().message().find("[brackets]"), std::string::npos)
+      << unbracketed.status();
+  const int port = (*server)->metrics_port();
+  server->reset();  // nothing listens there now
+  const absl::StatusOr<std::string> gone = FetchMetrics(target);
+  EXPECT_EQ(gone.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_NE(gone.status().message().find(absl::StrCat("connect to [::1]:", port)),
+            std::string::npos)
+      << gone.status();
+}
+
 // A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.
 TEST(CreateCacheTest, CallerThatGivesUpLeavesNoCache) {
   auto server = *PagedAttnServer::Start(CpuOptions());

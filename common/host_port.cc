@@ -1,0 +1,44 @@
+#include "common/host_port.h"
+
+#include <cctype>
+#include <charconv>
+
+namespace pagedattn {
+
+std::string ParseHostPort(std::string_view address, HostPort* out) {
+  HostPort hp;
+  std::string_view port;
+  if (!address.empty() && address.front() == '[') {
+    const size_t close = address.find(']');
+    if (close == std::string_view::npos) return "no closing ']'";
+    hp.host = std::string(address.substr(1, close - 1));
+    if (close + 1 >= address.size() || address[close + 1] != ':') return "no :port";
+    port = address.substr(close + 2);
+  } else {
+    const size_t colon = address.rfind(':');
+    if (colon == std::string_view::npos) return "no :port";
+    hp.host = std::string(address.substr(0, colon));
+    if (hp.host.find(':') != std::string::npos) return "an IPv6 address needs [brackets]";
+    port = address.substr(colon + 1);
+  }
+  for (char c : hp.host) {
+    if (std::iscntrl(static_cast<unsigned char>(c)) || c == ' ') {
+      return "the host has a space or a control character";
+    }
+  }
+  if (port.empty() || port.size() > 5 || !std::isdigit(static_cast<unsigned char>(port.front())) ||
+      std::from_chars(port.data(), port.data() + port.size(), hp.port).ptr !=
+          port.data() + port.size()) {
+    return "the port is not a number";
+  }
+  if (hp.port < 0 || hp.port > 65535) return "the port is out of range";
+  *out = std::move(hp);
+  return "";
+}
+
+std::string FormatHostPort(const HostPort& hp) {
+  const bool v6 = hp.host.find(':') != std::string::npos;
+  return (v6 ? "[" + hp.host + "]" : hp.host) + ":" + std::to_string(hp.port);
+}
+
+}  // namespace pagedattn

@@ -1,6 +1,6 @@
-// TokenAuthenticator: parses the tokens file and checks bearer tokens.
+// TokenAuthenticator: parses the tokens file and checks bearer tokens; TokenAuthProcessor
+// checks them as a call's headers arrive.
 #include "server/service/auth.h"
-
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/ascii.h"
@@ -107,17 +107,23 @@ absl::StatusOr<std::string> TokenAuthenticator::TenantForToken(absl::string_view
 
 absl::StatusOr<std::string> TokenAuthenticator::Authenticate(
     const grpc::ServerContextBase& ctx) const {
-  const auto& md = ctx.client_metadata();
-  auto it = md.find("authorization");
-  if (it == md.end()) {
+  std::vector<absl::string_view> values;
+  const auto [first, last] = ctx.client_metadata().equal_range("authorization");
+  for (auto it = first; it != last; ++it) values.emplace_back(it->second.data(), it->second.size());
+  return AuthenticateValues(values);
+}
+
+absl::StatusOr<std::string> TokenAuthenticator::AuthenticateValues(
+    const std::vector<absl::string_view>& authorization) const {
+  if (authorization.empty()) {
     return absl::UnauthenticatedError("missing 'authorization: Bearer <token>' metadata");
   }
   // Two credentials are refused, not resolved by their order.
-  if (md.count("authorization") > 1) {
+  if (authorization.size() > 1) {
     return absl::UnauthenticatedError(
         "more than one 'authorization' metadata entry: send exactly one 'Bearer <token>'");
   }
-  absl::string_view value(it->second.data(), it->second.size());
+  absl::string_view value = authorization[0];
   // The scheme is case-insensitive (RFC 9110), then at least one space.
   constexpr absl::string_view kScheme = "bearer";
   if (value.size() <= kScheme.size() ||
@@ -133,6 +139,27 @@ size_t TokenAuthenticator::num_tenants() const {
   absl::flat_hash_set<std::string> t;
   for (const auto& [token, tenant] : tenants_) t.insert(tenant);
   return t.size();
+}
+
+bool PathNeedsToken(absl::string_view path) {
+  return !absl::StartsWith(path, "/grpc.health.v1.Health/") &&
+         !absl::StartsWith(path, "/grpc.reflection.");
+}
+
+grpc::Status TokenAuthProcessor::Process(const InputMetadata& metadata, grpc::AuthContext*,
+                                         OutputMetadata*, OutputMetadata*) {
+  const auto path = metadata.find(":path");
+  // gRPC always sends the path; without one the handlers decide.
+  if (path == metadata.end()) return grpc::Status::OK;
+  const absl::string_view p(path->second.data(), path->second.size());
+  if (!PathNeedsToken(p)) return grpc::Status::OK;
+  std::vector<absl::string_view> values;
+  const auto [first, last] = metadata.equal_range("authorization");
+  for (auto it = first; it != last; ++it) values.emplace_back(it->second.data(), it->second.size());
+  const absl::StatusOr<std::string> tenant = auth_->AuthenticateValues(values);
+  if (tenant.ok()) return grpc::Status::OK;
+  if (refused_) refused_(p, tenant.status());
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(tenant.status().message()));
 }
 
 }  // namespace pagedattn

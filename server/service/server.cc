@@ -2,6 +2,7 @@
 // reflection, the optional plaintext health port and the metrics HTTP endpoint; and shutdown.
 #include "server/service/server.h"
 
+#include <google/protobuf/descriptor.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
@@ -17,11 +18,14 @@
 #include <cstring>
 #include <thread>
 
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
 #include "common/transport.h"
 #include "server/core/host_memory.h"
 #include "server/service/address.h"
+#include "server/service/throttled_log.h"
 #include "server/service/tls.h"
 #include "spdlog/spdlog.h"
 
@@ -31,6 +35,21 @@ namespace {
 // Synchronous handlers hold a thread each while they run; past this many the transport refuses
 // new calls (RESOURCE_EXHAUSTED) instead of the process growing without bound.
 constexpr int kMaxServerThreads = 512;
+
+// AttentionService's method of a call's path ("/pagedattn.v1.AttentionService/Forward" ->
+// "Forward", as the handlers count it), or "" for any other path.
+absl::string_view MethodOfPath(absl::string_view path) {
+  static const google::protobuf::ServiceDescriptor* const service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          v1::AttentionService::service_full_name());
+  absl::string_view method = path;
+  if (service == nullptr || !absl::ConsumePrefix(&method, "/") ||
+      !absl::ConsumePrefix(&method, service->full_name()) || !absl::ConsumePrefix(&method, "/") ||
+      service->FindMethodByName(std::string(method)) == nullptr) {
+    return "";
+  }
+  return method;
+}
 
 absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const ServerOptions& o) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
@@ -161,6 +180,24 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
                      r.size_bytes, why);
       });
   s->metrics_ = std::make_unique<Metrics>(options.metrics_per_cache);
+  if (s->tls_ && s->auth_ != nullptr) {
+    (*creds)->SetAuthMetadataProcessor(std::make_shared<TokenAuthProcessor>(
+        s->auth_.get(), [metrics = s->metrics_.get()](absl::string_view path,
+                                                     const absl::Status& status) {
+          // Counted under the method's name where it is one of AttentionService's (an unknown
+          // path's name is the caller's to choose: no series for it).
+          const absl::string_view method = MethodOfPath(path);
+          if (!method.empty()) metrics->RecordRpc(std::string(method), status.code());
+          // At most a line a second for each method and reason: the caller's address is not
+          // known here, and a caller without a token must not flood the log.
+          LogThrottled(spdlog::level::info,
+                       absl::StrCat("refused at headers ", method.empty() ? "?" : method, " ",
+                                    status.message()),
+                       absl::StrCat("rpc ", method.empty() ? absl::CHexEscape(path) : method,
+                                    " refused as its headers arrived: UNAUTHENTICATED: ",
+                                    status.message()));
+        }));
+  }
   s->gate_ = std::make_unique<RpcGate>();
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(

@@ -169,6 +169,33 @@ TEST_F(SecurityTest, MissingOrWrongTokenIsUnauthenticated) {
   EXPECT_TRUE(Connect(kAlpha)->ListCaches().ok());
 }
 
+// A call without a valid token is refused as its headers arrive (TokenAuthProcessor), before
+// gRPC reads its request: a message over --max_message_mb says UNAUTHENTICATED, not that it is
+// too large, and holds no request memory. The refusals are counted and logged as the handlers'.
+TEST_F(SecurityTest, CallWithoutTokenIsRefusedBeforeItsRequestIsRead) {
+  testing::LogCapture captured(spdlog::level::info);
+  const std::string missing = "pagedattn_rpcs_total{method=\"Forward\",code=\"UNAUTHENTICATED\"}";
+  const std::string wrong = "pagedattn_rpcs_total{method=\"GetCache\",code=\"UNAUTHENTICATED\"}";
+  const std::string before = MetricsText();
+  const v1::ForwardRequest big = Prefill("any", 1, 4096);  // 2 MiB, the limit 256 KiB
+  ASSERT_GT(big.ByteSizeLong(), size_t{1} << 20);
+  const absl::Status no_token = Connect("")->Forward(big).status();
+  EXPECT_EQ(no_token.code(), absl::StatusCode::kUnauthenticated) << no_token;
+  EXPECT_NE(no_token.message().find("missing 'authorization"), std::string::npos) << no_token;
+  const absl::Status bad_token = Connect("nope-not-a-token-at-all")->GetCache("x").status();
+  EXPECT_EQ(bad_token.code(), absl::StatusCode::kUnauthenticated) << bad_token;
+  // With a token the same message is refused for its size, as before.
+  EXPECT_EQ(Connect(kAlpha)->Forward(big).status().code(), absl::StatusCode::kResourceExhausted);
+  const std::string after = MetricsText();
+  EXPECT_EQ(Sample(after, missing), std::max(0.0, Sample(before, missing)) + 1);
+  EXPECT_EQ(Sample(after, wrong), std::max(0.0, Sample(before, wrong)) + 1);
+  const std::string log = captured.str();
+  EXPECT_NE(log.find("rpc Forward refused as its headers arrived: UNAUTHENTICATED: missing"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("nope-not-a-token"), std::string::npos);
+}
+
 TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
   auto tls = Connect("");
   EXPECT_TRUE(*tls->CheckHealth());

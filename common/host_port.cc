@@ -1,3 +1,5 @@
+// ParseHostPort and FormatHostPort: host:port, [ipv6]:port and :port, one parser for the
+// server's listen flags and the clients' targets.
 #include "common/host_port.h"
 
 #include <cctype>

@@ -27,9 +27,10 @@ class Reader {
     return true;
   }
 
-  bool ReadVarint(uint64_t* v) {
+  // A varint of at most max_bytes bytes (protobuf's: 5 for a key or a length, 10 otherwise).
+  bool ReadVarint(uint64_t* v, int max_bytes = 10) {
     *v = 0;
-    for (int shift = 0; shift < 70; shift += 7) {
+    for (int shift = 0; shift < 7 * max_bytes; shift += 7) {
       uint8_t b;
       if (!ReadByte(&b)) return false;
       if (shift == 63 && (b & 0x7e) != 0) return false;  // more than 64 bits
@@ -98,11 +99,40 @@ class Reader {
   size_t chunk_ = 0, offset_ = 0, pos_ = 0, total_ = 0;
 };
 
+// protobuf's bounds on a key's field number and on a length-delimited field's length.
+constexpr uint64_t kMaxFieldNumber = (uint64_t{1} << 29) - 1;
+constexpr uint64_t kMaxLength = (uint64_t{1} << 31) - 1;
+
+// Whether bytes are UTF-8 (what a proto3 string must be): no overlong forms, no surrogates,
+// nothing past U+10FFFF.
+bool IsUtf8(const std::string& s) {
+  for (size_t i = 0; i < s.size();) {
+    const auto c = static_cast<unsigned char>(s[i]);
+    const int n = c < 0x80           ? 1
+                  : (c >> 5) == 0x6  ? 2
+                  : (c >> 4) == 0xe  ? 3
+                  : (c >> 3) == 0x1e ? 4
+                                     : 0;
+    if (n == 0 || i + n > s.size()) return false;
+    uint32_t code = n == 1 ? c : c & (0xff >> (n + 1));
+    for (int k = 1; k < n; ++k) {
+      const auto b = static_cast<unsigned char>(s[i + k]);
+      if ((b & 0xc0) != 0x80) return false;
+      code = code << 6 | (b & 0x3f);
+    }
+    const uint32_t least[] = {0, 0, 0x80, 0x800, 0x10000};
+    if (code < least[n] || code > 0x10ffff || (code >= 0xd800 && code <= 0xdfff)) return false;
+    i += n;
+  }
+  return true;
+}
+
 // One message's fields, between the reader's position and `end`: each field's number and wire
 // type goes to on_field, which reads the value (or returns false to have it skipped).
 class Parser {
  public:
-  Parser(Reader& r, std::string* error) : r_(r), error_(error) {}
+  Parser(Reader& r, std::string* error, const ParseLimits& limits)
+      : r_(r), error_(error), limits_(limits) {}
 
   bool Fail(const std::string& why) {
     if (error_->empty()) *error_ = why + " at byte " + std::to_string(r_.pos());
@@ -115,7 +145,8 @@ class Parser {
   bool Fields(size_t end, OnField&& on_field) {
     while (r_.pos() < end) {
       uint64_t key;
-      if (!r_.ReadVarint(&key)) return Fail("truncated field key");
+      if (!r_.ReadVarint(&key, 5)) return Fail("truncated or overlong field key");
+      if ((key >> 3) > kMaxFieldNumber) return Fail("field number past 2^29 - 1");
       const uint32_t number = static_cast<uint32_t>(key >> 3);
       const uint32_t type = static_cast<uint32_t>(key & 7);
       if (number == 0) return Fail("field number 0");
@@ -136,10 +167,11 @@ class Parser {
       case kFixed64:
         return r_.Skip(8) || Fail("truncated fixed64");
       case kLength:
-        return (r_.ReadVarint(&v) && r_.Skip(v)) || Fail("truncated length-delimited field");
+        return (r_.ReadVarint(&v, 5) && v <= kMaxLength && r_.Skip(v)) ||
+               Fail("truncated or overlong length-delimited field");
       case kFixed32:
         return r_.Skip(4) || Fail("truncated fixed32");
-      default:
+      default:  // groups (3, 4), which proto3 never sends, and 6, 7
         return Fail("unsupported wire type " + std::to_string(type));
     }
   }
@@ -149,10 +181,26 @@ class Parser {
   // A length-delimited field's end position.
   bool LengthEnd(size_t* end) {
     uint64_t len;
-    if (!r_.ReadVarint(&len)) return Fail("truncated length");
+    if (!r_.ReadVarint(&len, 5) || len > kMaxLength) return Fail("truncated or overlong length");
     if (len > r_.total() - r_.pos()) return Fail("a length runs past the end of the message");
     *end = r_.pos() + static_cast<size_t>(len);
     return true;
+  }
+
+  // A string field (length-delimited; the caller checked the wire type) into *out.
+  bool String(const char* name, std::string* out) {
+    size_t end = 0;
+    if (!LengthEnd(&end)) return false;
+    if (!r_.ReadString(end - r_.pos(), out)) return Fail(std::string("truncated ") + name);
+    return IsUtf8(*out) || Fail(std::string(name) + " is not UTF-8");
+  }
+
+  // One more entry of a repeated field that has `size` already: false past `limit`, with an
+  // error that starts "at most" (a limit, not malformed bytes: ParseForwardRequest).
+  bool Room(size_t size, size_t limit, const char* what) {
+    if (size < limit) return true;
+    if (error_->empty()) *error_ = "at most " + std::to_string(limit) + " " + what;
+    return false;
   }
 
   // A Tensor field (length-delimited; the caller checked the wire type), merged into *t.
@@ -169,6 +217,7 @@ class Parser {
       }
       if (number == 2 && wt == kVarint) {  // one unpacked entry
         if (!Varint(&v)) return -1;
+        if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in a tensor's shape")) return -1;
         t->shape.push_back(static_cast<int64_t>(v));
         return 1;
       }
@@ -177,6 +226,9 @@ class Parser {
         if (!LengthEnd(&packed_end)) return -1;
         while (r_.pos() < packed_end) {
           if (!r_.ReadVarint(&v)) return Fail("truncated packed shape"), -1;
+          if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in a tensor's shape")) {
+            return -1;
+          }
           t->shape.push_back(static_cast<int64_t>(v));
         }
         return r_.pos() == packed_end ? 1 : (Fail("packed shape overruns"), -1);
@@ -195,9 +247,7 @@ class Parser {
         return Fields(buffer_end,
                       [&](uint32_t n, uint32_t bt) -> int {
                         if (n == 1 && bt == kLength) {
-                          size_t id_end = 0;
-                          if (!LengthEnd(&id_end)) return -1;
-                          return r_.ReadString(id_end - r_.pos(), &t->region_id) ? 1 : -1;
+                          return String("region_id", &t->region_id) ? 1 : -1;
                         }
                         if (n == 2 && bt == kVarint) {
                           if (!Varint(&v)) return -1;
@@ -214,10 +264,12 @@ class Parser {
   }
 
   Reader& reader() { return r_; }
+  const ParseLimits& limits() const { return limits_; }
 
  private:
   Reader& r_;
   std::string* error_;
+  const ParseLimits& limits_;
 };
 
 void PutVarint(std::string* out, uint64_t v) {
@@ -266,26 +318,24 @@ void TensorRef::CopyTo(char* dst) const {
 }
 
 bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* out,
-                         std::string* error) {
+                         std::string* error, const ParseLimits& limits) {
   error->clear();
   *out = ForwardRequestRef();
   Reader r(chunks);
-  Parser p(r, error);
+  Parser p(r, error, limits);
   // Each handler reads its field when the wire type is the field's, and returns 0 (skip it as
   // an unknown field, as protobuf does) otherwise.
   return p.Fields(r.total(), [&](uint32_t number, uint32_t type) -> int {
     uint64_t v = 0;
     size_t end = 0;
-    if (number == 1 && type == kLength) {
-      if (!p.LengthEnd(&end)) return -1;
-      return r.ReadString(end - r.pos(), &out->cache_id) ? 1 : -1;
-    }
+    if (number == 1 && type == kLength) return p.String("cache_id", &out->cache_id) ? 1 : -1;
     if (number == 2 && type == kVarint) {
       if (!p.Varint(&v)) return -1;
       out->layer = static_cast<int32_t>(v);
       return 1;
     }
     if (number == 3 && type == kLength) {
+      if (!p.Room(out->spans.size(), limits.max_spans, "spans per Forward")) return -1;
       if (!p.LengthEnd(&end)) return -1;
       SpanRef s;
       const bool ok = p.Fields(end, [&](uint32_t n, uint32_t t) -> int {
@@ -311,9 +361,7 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
       return p.Fields(end,
                       [&](uint32_t n, uint32_t t) -> int {
                         if (n == 1 && t == kLength) {
-                          size_t id_end = 0;
-                          if (!p.LengthEnd(&id_end)) return -1;
-                          return r.ReadString(id_end - r.pos(), &out->sync.region_id) ? 1 : -1;
+                          return p.String("sync.region_id", &out->sync.region_id) ? 1 : -1;
                         }
                         if ((n == 2 || n == 3) && t == kVarint) {
                           if (!p.Varint(&v)) return -1;
@@ -352,11 +400,11 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
 }
 
 bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* out,
-                          std::string* error) {
+                          std::string* error, const ParseLimits& limits) {
   error->clear();
   *out = ForwardResponseRef();
   Reader r(chunks);
-  Parser p(r, error);
+  Parser p(r, error, limits);
   return p.Fields(r.total(), [&](uint32_t number, uint32_t type) -> int {
     uint64_t v = 0;
     size_t end = 0;

@@ -67,12 +67,23 @@ struct ForwardRequestRef {
   DeviceSyncRef sync;  // Field 10.
 };
 
+// Bounds the parse checks as it goes: a repeated field's entry costs 1-2 bytes on the wire and
+// 8-24 in memory, so a request of many empty spans or shape entries would otherwise grow 10-25
+// times its size before any limit saw it.
+struct ParseLimits {
+  size_t max_spans = SIZE_MAX;  // ForwardRequest.spans (the server's --max_forward_spans)
+  size_t max_shape_dims = 8;    // any Tensor's shape (a Forward's have 2 or 3)
+};
+
 // Parses a ForwardRequest whose bytes are `chunks` in order (protobuf's rules: unknown fields
 // skipped, the last value of a singular field wins, repeated scalars packed or not, a message
-// field seen twice merged). Returns false and says why in *error for bytes that are not a
-// ForwardRequest. No tensor byte is copied.
+// field seen twice merged, keys and lengths of at most 5 bytes, field numbers under 2^29,
+// lengths under 2^31, strings UTF-8; groups, which proto3 never sends, are refused). Returns
+// false and says why in *error for bytes that are not a ForwardRequest or pass `limits`. No
+// tensor byte is copied. An error past `limits` starts "at most" ("at most 65536 spans per
+// Forward"): the bytes may well be a ForwardRequest.
 bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* out,
-                         std::string* error);
+                         std::string* error, const ParseLimits& limits = {});
 
 // The bytes before a Tensor field's data in a message: the field's tag and length, the
 // tensor's dtype and shape, and the data's tag and length. The data_size bytes of the data
@@ -115,6 +126,6 @@ struct ForwardResponseRef {
   int64_t kernel_micros = 0;
 };
 bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* out,
-                          std::string* error);
+                          std::string* error, const ParseLimits& limits = {});
 
 }  // namespace pagedattn::wire

@@ -44,6 +44,7 @@ class CacheManager {
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
 
   int64_t total_pool_bytes() const;
+  const CacheManagerLimits& limits() const { return limits_; }
 
  private:
   ValidationContext ContextFor(int32_t device) const;

@@ -401,7 +401,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   }
   reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
     ReceivedForward received;
-    if (absl::Status s = ParseForward(*req, &received); !s.ok()) return s;
+    if (absl::Status s = ParseForward(*req, manager_->limits().forward.max_spans, &received);
+        !s.ok()) {
+      return s;
+    }
     const double parse_us = rpc.seconds() * 1e6;
     absl::StatusOr<ForwardAnswer> answer =
         RunForward(rpc, received.request.cache_id, received.request, received.bytes);
@@ -508,7 +511,8 @@ class AttentionServiceImpl::StepReactor final
   // that cannot run is answered with its error right away.
   void Accept(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time parse_start = absl::Now();
-    absl::Status s = ParseForward(incoming_, &job.received);
+    absl::Status s =
+        ParseForward(incoming_, service_->manager_->limits().forward.max_spans, &job.received);
     job.accepted = absl::Now();
     job.parse_us = absl::ToDoubleMicroseconds(job.accepted - parse_start);
     incoming_.Clear();

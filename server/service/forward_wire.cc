@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <memory>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/rpc/status.pb.h"
 
@@ -49,7 +50,8 @@ grpc::Slice SliceOf(const char* data, size_t size, const std::shared_ptr<Forward
 
 }  // namespace
 
-absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out) {
+absl::Status ParseForward(const grpc::ByteBuffer& buffer, int64_t max_spans,
+                          ReceivedForward* out) {
   if (!buffer.Dump(&out->chunks).ok()) {
     return absl::InvalidArgumentError("the request's bytes could not be read");
   }
@@ -60,7 +62,10 @@ absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out) 
     out->bytes += s.size();
   }
   std::string error;
-  if (!wire::ParseForwardRequest(pieces, &out->request, &error)) {
+  wire::ParseLimits limits;
+  limits.max_spans = static_cast<size_t>(std::max<int64_t>(max_spans, 0));
+  if (!wire::ParseForwardRequest(pieces, &out->request, &error, limits)) {
+    if (absl::StartsWith(error, "at most ")) return absl::InvalidArgumentError(error);
     return absl::InvalidArgumentError(
         absl::StrCat("the request is not a pagedattn.v1.ForwardRequest: ", error));
   }

@@ -23,8 +23,10 @@ struct ReceivedForward {
   size_t bytes = 0;  // The message's size.
 };
 
-// INVALID_ARGUMENT naming what is wrong when the bytes are not a ForwardRequest.
-absl::Status ParseForward(const grpc::ByteBuffer& buffer, ReceivedForward* out);
+// INVALID_ARGUMENT naming what is wrong when the bytes are not a ForwardRequest, or hold more
+// than max_spans spans (refused as they are read: see wire::ParseLimits).
+absl::Status ParseForward(const grpc::ByteBuffer& buffer, int64_t max_spans,
+                          ReceivedForward* out);
 
 // Whether any of the request's tensors names a device buffer (RegisterMemory).
 bool HasDeviceTensors(const wire::ForwardRequestRef& request);

@@ -208,5 +208,72 @@ TEST(WireTest, TruncatedMessagesFailAndGarbageNeverCrashes) {
   }
 }
 
+// Bytes protobuf refuses are refused here too (a wider key or length read as a smaller one, a
+// field number past 2^29 - 1, a string that is not UTF-8), each saying why.
+TEST(WireTest, RefusesWhatProtobufRefuses) {
+  const std::string id(32, 'c');
+  struct Case {
+    std::string bytes;
+    const char* why;
+  };
+  const std::vector<Case> cases = {
+      {std::string("\x8a\x80\x80\x80\x80\x01\x20", 7) + id, "overlong field key"},  // 6 bytes
+      {std::string("\x8a\x80\x80\x80\x80\x00\x20", 7) + id, "overlong field key"},
+      {std::string("\x80\x80\x80\x80\x10\x01", 6), "field number past"},  // field 2^29
+      {std::string("\x0a\xa0\x80\x80\x80\x80\x00", 7) + id, "overlong length"},
+      {std::string("\x0a\x02\xff\xfe", 4), "cache_id is not UTF-8"},
+      {std::string("\x0a\x02\xc0\x80", 4), "cache_id is not UTF-8"},        // overlong NUL
+      {std::string("\x0a\x03\xed\xa0\x80", 5), "cache_id is not UTF-8"},    // a surrogate
+  };
+  for (const Case& c : cases) {
+    v1::ForwardRequest pb;
+    EXPECT_FALSE(pb.ParseFromString(c.bytes)) << c.why;
+    wire::ForwardRequestRef got;
+    std::string error;
+    EXPECT_FALSE(wire::ParseForwardRequest({{c.bytes.data(), c.bytes.size()}}, &got, &error))
+        << c.why;
+    EXPECT_NE(error.find(c.why), std::string::npos) << error;
+  }
+  // UTF-8 of every length passes, as a 5-byte key does.
+  v1::ForwardRequest pb;
+  pb.set_cache_id("caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x98\x80");
+  std::string bytes = pb.SerializeAsString();
+  wire::ForwardRequestRef got;
+  std::string error;
+  ASSERT_TRUE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error)) << error;
+  EXPECT_EQ(got.cache_id, pb.cache_id());
+  bytes = std::string("\x90\x80\x80\x80\x00\x05", 6);  // layer = 5, its key in 5 bytes
+  ASSERT_TRUE(pb.ParseFromString(bytes));
+  ASSERT_TRUE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error)) << error;
+  EXPECT_EQ(got.layer, 5);
+}
+
+// Repeated fields are bounded as they are read: a request of many empty spans (2 bytes each) or
+// shape entries (1 byte each) is refused before it grows the parse 10-25 times its size.
+TEST(WireTest, RepeatedFieldsAreBoundedAsTheyAreRead) {
+  v1::ForwardRequest pb;
+  for (int i = 0; i < 5; ++i) pb.add_spans()->set_seq_id(i);
+  for (int i = 0; i < 9; ++i) pb.mutable_q()->add_shape(1);
+  const std::string bytes = pb.SerializeAsString();
+  wire::ForwardRequestRef got;
+  std::string error;
+  wire::ParseLimits limits;
+  limits.max_spans = 4;
+  limits.max_shape_dims = 9;
+  EXPECT_FALSE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error, limits));
+  EXPECT_NE(error.find("at most 4 spans per Forward"), std::string::npos) << error;
+  limits.max_spans = 5;
+  EXPECT_TRUE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error, limits))
+      << error;
+  EXPECT_EQ(got.spans.size(), 5u);
+  // The default: 8 dims, whether packed or one entry at a time.
+  EXPECT_FALSE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error));
+  EXPECT_NE(error.find("at most 8 dims in a tensor's shape"), std::string::npos) << error;
+  std::string unpacked = std::string("\x22\x12", 2);  // q: 9 unpacked shape entries
+  for (int i = 0; i < 9; ++i) unpacked += std::string("\x10\x01", 2);
+  EXPECT_FALSE(wire::ParseForwardRequest({{unpacked.data(), unpacked.size()}}, &got, &error));
+  EXPECT_NE(error.find("at most 8 dims"), std::string::npos) << error;
+}
+
 }  // namespace
 }  // namespace pagedattn

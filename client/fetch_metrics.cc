@@ -52,8 +52,8 @@ int ConnectAny(const HostPort& hp, std::string* why) {
   absl::Cleanup free_found = [found] { freeaddrinfo(found); };
   *why = "no address";
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK,
-                          a->ai_protocol);
+    const int fd =
+        socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) {
       *why = std::strerror(errno);
       continue;
@@ -85,7 +85,8 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
   if (const std::string why = ParseHostPort(target, &hp); !why.empty() || hp.port == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("metrics target must be host:port or [ipv6]:port with a port in 1..65535 "
-                     "(got '", target, "': ", why.empty() ? "port 0" : why, ")"));
+                     "(got '",
+                     target, "': ", why.empty() ? "port 0" : why, ")"));
   }
   const std::string authority = FormatHostPort({hp.host.empty() ? "localhost" : hp.host, hp.port});
   const std::string url = absl::StrCat("http://", authority, "/metrics");
@@ -97,8 +98,8 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
   if (fd < 0) return unavailable(why);
   absl::Cleanup close_fd = [fd] { close(fd); };
 
-  const std::string request = absl::StrCat("GET /metrics HTTP/1.0\r\nHost: ", authority,
-                                           "\r\nAccept: text/plain\r\n\r\n");
+  const std::string request =
+      absl::StrCat("GET /metrics HTTP/1.0\r\nHost: ", authority, "\r\nAccept: text/plain\r\n\r\n");
   for (size_t sent = 0; sent < request.size();) {
     const ssize_t n = send(fd, request.data() + sent, request.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
@@ -133,7 +134,8 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
       head_end == std::string::npos) {
     return unavailable("the answer is not HTTP");
   }
-  if (status != 200) return absl::UnavailableError(absl::StrCat("GET ", url, " answered HTTP ", status));
+  if (status != 200)
+    return absl::UnavailableError(absl::StrCat("GET ", url, " answered HTTP ", status));
   return response.substr(head_end + 4);
 }
 

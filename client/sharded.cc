@@ -87,6 +87,14 @@ TensorArg SliceTensor(const TensorArg& t, int part, int parts, std::string* stor
   return out;
 }
 
+// A shard's server judges its part of max_bytes (1/N of the whole cache's), so the values
+// its violation names are a shard's; said beside it, or the suggestion fails again.
+std::string ShardPartNote(absl::string_view field, int num_shards) {
+  if (field != "max_bytes" || num_shards == 1) return "";
+  return absl::StrCat(" (the values are a shard's: each takes 1/", num_shards,
+                      " of the cache's max_bytes, so the cache's are ", num_shards, " times them)");
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
@@ -138,9 +146,9 @@ absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig
   for (int i = 0; i < config.layers_size(); ++i) {
     const int sinks = config.layers(i).sinks_size();
     if (sinks != 0 && sinks != q) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("layers[", i, "].sinks: sinks must have num_q_heads=", q,
-                       " values, one per q head (got ", sinks, ")"));
+      return absl::InvalidArgumentError(absl::StrCat("layers[", i,
+                                                     "].sinks: sinks must have num_q_heads=", q,
+                                                     " values, one per q head (got ", sinks, ")"));
     }
   }
   v1::CacheConfig part = config;
@@ -183,7 +191,8 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
     if (!v.ok()) return Named(i, v.status());
     for (const v1::ConfigViolation& violation : v->violations()) {
       problems.push_back(absl::StrCat("shard ", i, " (", targets_[i], "): ", violation.field(),
-                                      ": ", violation.description()));
+                                      ": ", violation.description(),
+                                      ShardPartNote(violation.field(), num_shards())));
     }
   }
   if (!problems.empty()) {
@@ -197,8 +206,25 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
     absl::StatusOr<v1::CacheInfo> info =
         shards_[i]->CreateCache(parts[i], name.empty() ? name : absl::StrCat(name, "/", i));
     if (!info.ok()) {
-      for (int j = 0; j < i; ++j) (void)shards_[j]->DeleteCache(cache.cache_ids[j]);
-      return Named(i, info.status());
+      // Those created are deleted; one that cannot be is named, so that the caller, who never
+      // gets its id otherwise, can delete it later.
+      std::vector<std::string> left;
+      for (int j = 0; j < i; ++j) {
+        absl::StatusOr<int64_t> freed = shards_[j]->DeleteCache(cache.cache_ids[j]);
+        if (!freed.ok() && !absl::IsNotFound(freed.status())) {
+          left.push_back(absl::StrCat("the cache ", cache.cache_ids[j], " created on shard ", j,
+                                      " (", targets_[j], ") could not be deleted (",
+                                      freed.status().ToString(), "): delete it there"));
+        }
+      }
+      absl::Status failed = Named(i, info.status());
+      if (left.empty()) return failed;
+      absl::Status noted(failed.code(),
+                         absl::StrCat(failed.message(), "; and ", absl::StrJoin(left, "; ")));
+      failed.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
+        noted.SetPayload(url, payload);
+      });
+      return noted;
     }
     cache.cache_ids.push_back(info->cache_id());
   }
@@ -248,15 +274,13 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
                    const char* names) -> absl::Status {
     if (t.dtype == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();  // absent: the server says
     if (ElementSize(t.dtype) == 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(name, ".dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got ",
-                       v1::DType_Name(t.dtype), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          name, ".dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got ", v1::DType_Name(t.dtype), ")"));
     }
     if (t.shape != want) {
-      return absl::InvalidArgumentError(absl::StrCat(name, ".shape must be [",
-                                                     absl::StrJoin(want, ", "), "] = [", names,
-                                                     "] (got [", absl::StrJoin(t.shape, ", "),
-                                                     "])"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, ".shape must be [", absl::StrJoin(want, ", "), "] = [", names,
+                       "] (got [", absl::StrJoin(t.shape, ", "), "])"));
     }
     const size_t bytes = static_cast<size_t>(want[0] * want[1] * want[2]) * ElementSize(t.dtype);
     if (t.region_id.empty() && (t.bytes != bytes || (bytes > 0 && t.data == nullptr))) {
@@ -268,13 +292,12 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
   if (total_queries < 0 || new_tokens < 0) {
     return absl::InvalidArgumentError("spans: num_queries and num_new_tokens must be >= 0");
   }
-  for (absl::Status s :
-       {check("q", call.q, {total_queries, cache.config.num_q_heads(), d},
-              "total_queries, num_q_heads, head_dim"),
-        check("k", call.k, {new_tokens, cache.config.num_kv_heads(), d},
-              "total_new_tokens, num_kv_heads, head_dim"),
-        check("v", call.v, {new_tokens, cache.config.num_kv_heads(), d},
-              "total_new_tokens, num_kv_heads, head_dim")}) {
+  for (absl::Status s : {check("q", call.q, {total_queries, cache.config.num_q_heads(), d},
+                               "total_queries, num_q_heads, head_dim"),
+                         check("k", call.k, {new_tokens, cache.config.num_kv_heads(), d},
+                               "total_new_tokens, num_kv_heads, head_dim"),
+                         check("v", call.v, {new_tokens, cache.config.num_kv_heads(), d},
+                               "total_new_tokens, num_kv_heads, head_dim")}) {
     if (!s.ok()) return s;
   }
   if (output.lse != nullptr && !call.options.return_lse) {
@@ -343,9 +366,11 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
           shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
       if (absl::IsNotFound(t.status())) {
         notes.push_back(absl::StrCat(
-            "could not rewind shard ", i, " (", targets_[i], "): its cache is gone (its server "
+            "could not rewind shard ", i, " (", targets_[i],
+            "): its cache is gone (its server "
             "restarted?): this sharded cache cannot serve any more; delete it and create it "
-            "again: ", t.status().message()));
+            "again: ",
+            t.status().message()));
       } else if (!t.ok()) {
         notes.push_back(
             absl::StrCat("could not rewind shard ", i, " (", targets_[i],

@@ -37,7 +37,8 @@ class ShardedClient {
   absl::StatusOr<v1::CacheConfig> ShardConfig(const v1::CacheConfig& config, int shard) const;
   // Validates the whole config once, then each shard's part on its server (errors name the
   // shard and the field, every violation of every shard), then creates a cache on each. If a
-  // shard fails, the caches already created are deleted and the status names the shard.
+  // shard fails, the caches already created are deleted and the status names the shard (and
+  // any cache that could not be deleted, with its id and shard).
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name);
   // As CreateCache, with each shard's num_pages given (tests and uneven memory).
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,

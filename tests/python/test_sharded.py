@@ -6,7 +6,9 @@ pages, a killed server); and the asyncio twin."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import socket
+import warnings
 
 import grpc
 import ml_dtypes
@@ -346,6 +348,23 @@ def test_config_invalid_on_one_shard_or_create_failing_on_one(client, start_serv
             assert len(sc.clients[1].list_caches()) == 1
 
 
+def test_max_bytes_too_small_says_the_values_are_a_shards(shard_targets):
+    """Each shard judges its 1/N of max_bytes: its suggestion is a shard's, and the error says
+    so (taken as the whole cache's, it failed again)."""
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         kv_dtype="bfloat16", max_bytes=1000)
+    with pagedattn.ShardedClient(shard_targets[:2]) as sc:
+        with pytest.raises(errors.CacheConfigError) as e:
+            sc.create_cache(config)
+        assert e.value.fields == ["max_bytes", "max_bytes"]
+        assert ("the values are a shard's: each takes 1/2 of the cache's max_bytes, so the "
+                "cache's are 2 times them") in e.value.message
+        # one page a shard: 2 (K, V) x 16 tokens x 64 x 2 bytes = 4096; the cache's twice that
+        cache = sc.create_cache(dataclasses.replace(config, max_bytes=2 * 4096))
+        assert [s.info.num_pages for s in cache.shards] == [1, 1]
+        cache.delete()
+
+
 # -- failures --------------------------------------------------------------------------------
 
 
@@ -444,6 +463,28 @@ def test_killed_shard_fails_the_forward_and_the_rest_roll_back(client, start_ser
 
 
 # -- targets ---------------------------------------------------------------------------------
+
+
+def test_a_block_that_raises_keeps_its_exception_and_names_the_caches_left(client, start_servers):
+    """Leaving `with sharded cache` by an exception while a shard is down: the block's exception
+    goes on, noting which shard caches could not be deleted (a warning before Python 3.11)."""
+    servers = start_servers(2)
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=4,
+                         kv_dtype="bfloat16", num_pages=8)
+    with pagedattn.ShardedClient([s.target for s in servers], timeout=5) as sc:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with pytest.raises(RuntimeError, match="the block failed") as e:
+                with sc.create_cache(config) as cache:
+                    left = cache.shards[1].cache_id
+                    servers[1].proc.kill()
+                    servers[1].proc.wait()
+                    raise RuntimeError("the block failed")
+        notes = getattr(e.value, "__notes__", None) or [str(w.message) for w in caught]
+        assert len(notes) == 1, notes
+        assert "deleting the sharded cache" in notes[0] and "shard 1" in notes[0]
+        assert f"{left} on {servers[1].target}" in notes[0]
+        assert cache.shards[0].deleted and not cache.shards[1].deleted
 
 
 def test_targets_from_dns_are_sorted_and_unique(monkeypatch):

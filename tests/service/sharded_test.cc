@@ -388,6 +388,16 @@ TEST_F(ShardedTest, MaxBytesIsSplitOverTheShards) {
   }
   EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
   EXPECT_TRUE(ref->DeleteCache(whole->cache_id()).ok());
+  // Too small: each shard names its own part's values, and the error says they are a shard's
+  // (taken for the whole cache's, the suggestion failed again).
+  config.set_max_bytes(1000);
+  const absl::Status small = sharded->CreateCache(config, "").status();
+  EXPECT_EQ(small.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(small.message().find("max_bytes: max_bytes (500 bytes)"), std::string::npos) << small;
+  EXPECT_NE(small.message().find("the values are a shard's: each takes 1/2 of the cache's "
+                                 "max_bytes, so the cache's are 2 times them"),
+            std::string::npos)
+      << small;
 }
 
 TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {

@@ -4,6 +4,7 @@ building a ForwardRequest / reading a ForwardResponse, and the messages of a Ste
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional, Sequence, Union
 
@@ -46,6 +47,10 @@ def channel_setup(
     opts: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
+        # A restarted server is called again within about 2 s (gRPC's default backoff grows to
+        # 120 s); common/transport.h has the C++ client's same values.
+        ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     creds = None
     if tls:
@@ -56,6 +61,17 @@ def channel_setup(
         if t.server_name:
             opts.append(("grpc.ssl_target_name_override", t.server_name))
     return creds, opts + list(options)
+
+
+def cleanup_failed_during(error: Optional[BaseException], cleanup: Exception, what: str) -> None:
+    """A context manager's cleanup (deleting `what`) failed while its block raised `error`: the
+    block's exception goes on, carrying the cleanup's failure as a note (Python 3.11+), else as
+    a warning, so that a cache left behind is named somewhere."""
+    note = f"and deleting {what} on leaving the block failed: {cleanup}"
+    if error is not None and hasattr(error, "add_note"):
+        error.add_note(note)
+    else:
+        warnings.warn(note, ResourceWarning, stacklevel=3)
 
 
 def check_timeout(timeout: Any) -> None:

@@ -498,9 +498,14 @@ class Cache:
     async def __aenter__(self) -> "Cache":
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: Any, error: Any, tb: Any) -> None:
         if self.delete_on_exit and not self.deleted:
-            await self.delete()
+            try:
+                await self.delete()
+            except Exception as e:
+                if exc_type is None:
+                    raise
+                _common.cleanup_failed_during(error, e, f"the cache {self.cache_id}")
 
     def __repr__(self) -> str:
         return f"aio.Cache(cache_id={self.cache_id!r}, name={self.info.name!r})"
@@ -667,10 +672,14 @@ class ShardedCache(sharded._ShardedCacheBase):
     async def __aenter__(self) -> "ShardedCache":
         return self
 
-    async def __aexit__(self, exc_type: Any, *exc: Any) -> None:
+    async def __aexit__(self, exc_type: Any, error: Any, tb: Any) -> None:
         if self.delete_on_exit and not self.deleted:
             try:
                 await self.delete()
-            except Exception:
+            except Exception as e:
                 if exc_type is None:
                     raise
+                _common.cleanup_failed_during(
+                    error, e, "the sharded cache (its caches left: "
+                    + ", ".join(f"{s.cache_id} on {t}" for s, t in zip(self.shards, self.targets)
+                                if not s.deleted) + ")")

@@ -552,9 +552,15 @@ class Cache:
     def __enter__(self) -> "Cache":
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, error: Any, tb: Any) -> None:
         if self.delete_on_exit and not self.deleted:
-            self.delete()
+            try:
+                self.delete()
+            except Exception as e:
+                if exc_type is None:
+                    raise
+                # The block's own exception goes on, noting the cache it leaves behind.
+                _common.cleanup_failed_during(error, e, f"the cache {self.cache_id}")
 
     def __repr__(self) -> str:
         return f"Cache(cache_id={self.cache_id!r}, name={self.info.name!r})"

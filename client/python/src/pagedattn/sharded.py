@@ -161,15 +161,24 @@ def validation_error(
     invalid = [i for i, r in enumerate(responses) if not r.valid]
     if not invalid:
         return None
+    def described(v: Any) -> str:
+        # A shard's server judges its part of max_bytes (1/N of the whole cache's): the values
+        # it names are a shard's, said beside them, or the suggestion fails again.
+        if v.field != "max_bytes" or len(targets) == 1:
+            return v.description
+        n = len(targets)
+        return (f"{v.description} (the values are a shard's: each takes 1/{n} of the cache's "
+                f"max_bytes, so the cache's are {n} times them)")
+
     violations = [
-        (v.field, f"{shard_name(i, targets[i])}: {v.description}")
+        (v.field, f"{shard_name(i, targets[i])}: {described(v)}")
         for i in invalid for v in responses[i].violations
     ]
     # The message says each violation once, with the shards that have it.
     grouped: dict[tuple[str, str], list[int]] = {}
     for i in invalid:
         for v in responses[i].violations:
-            grouped.setdefault((v.field, v.description), []).append(i)
+            grouped.setdefault((v.field, described(v)), []).append(i)
     what = "; ".join(
         f"{field}: shard{'s' if len(shards) > 1 else ''} "
         + ", ".join(f"{i} ({targets[i]})" for i in shards) + f": {why}"
@@ -810,10 +819,15 @@ class ShardedCache(_ShardedCacheBase):
     def __enter__(self) -> "ShardedCache":
         return self
 
-    def __exit__(self, exc_type: Any, *exc: Any) -> None:
+    def __exit__(self, exc_type: Any, error: Any, tb: Any) -> None:
         if self.delete_on_exit and not self.deleted:
             try:
                 self.delete()
-            except Exception:
-                if exc_type is None:  # else the block's own exception goes on
+            except Exception as e:
+                if exc_type is None:
                     raise
+                # The block's own exception goes on, noting the shards' caches left behind.
+                _common.cleanup_failed_during(
+                    error, e, "the sharded cache (its caches left: "
+                    + ", ".join(f"{s.cache_id} on {t}" for s, t in zip(self.shards, self.targets)
+                                if not s.deleted) + ")")

@@ -87,6 +87,16 @@ TensorArg SliceTensor(const TensorArg& t, int part, int parts, std::string* stor
   return out;
 }
 
+// fn(i) for every shard at once (shard 0 on the calling thread), so that a shard that hangs
+// costs one timeout, not one for each shard behind it.
+template <typename Fn>
+void OnEveryShard(int n, Fn&& fn) {
+  std::vector<std::thread> threads;
+  for (int i = 1; i < n; ++i) threads.emplace_back(fn, i);
+  if (n > 0) fn(0);
+  for (std::thread& t : threads) t.join();
+}
+
 // A shard's server judges its part of max_bytes (1/N of the whole cache's), so the values
 // its violation names are a shard's; said beside it, or the suggestion fails again.
 std::string ShardPartNote(absl::string_view field, int num_shards) {
@@ -100,6 +110,16 @@ std::string ShardPartNote(absl::string_view field, int num_shards) {
 absl::StatusOr<std::unique_ptr<ShardedClient>> ShardedClient::Connect(
     std::vector<std::string> targets, const ClientOptions& options) {
   if (targets.empty()) return absl::InvalidArgumentError("a sharded client needs >= 1 target");
+  // The same server twice would hold two shards' heads in two caches: a mistake in the list.
+  for (size_t i = 0; i < targets.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (targets[i] == targets[j]) {
+        return absl::InvalidArgumentError(absl::StrCat("shard targets ", j, " and ", i,
+                                                       " are the same (", targets[i],
+                                                       "): each shard needs its own server"));
+      }
+    }
+  }
   std::vector<std::unique_ptr<Client>> shards;
   for (const std::string& t : targets) {
     ClientOptions o = options;
@@ -186,8 +206,12 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
   }
   // Every shard's violations, before anything is allocated.
   std::vector<std::string> problems;
+  std::vector<absl::StatusOr<v1::ValidateCacheConfigResponse>> validated(
+      static_cast<size_t>(num_shards()), absl::CancelledError("not validated"));
+  OnEveryShard(num_shards(),
+               [&](int i) { validated[i] = shards_[i]->ValidateCacheConfig(parts[i]); });
   for (int i = 0; i < num_shards(); ++i) {
-    absl::StatusOr<v1::ValidateCacheConfigResponse> v = shards_[i]->ValidateCacheConfig(parts[i]);
+    const absl::StatusOr<v1::ValidateCacheConfigResponse>& v = validated[i];
     if (!v.ok()) return Named(i, v.status());
     for (const v1::ConfigViolation& violation : v->violations()) {
       problems.push_back(absl::StrCat("shard ", i, " (", targets_[i], "): ", violation.field(),
@@ -232,26 +256,40 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
 }
 
 absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
-  absl::Status first;
-  for (int i = 0; i < num_shards() && i < static_cast<int>(cache.cache_ids.size()); ++i) {
-    absl::StatusOr<int64_t> freed = shards_[i]->DeleteCache(cache.cache_ids[i]);
-    // NOT_FOUND: deleted already (an earlier try, or the shard's server restarted).
-    if (!freed.ok() && !absl::IsNotFound(freed.status()) && first.ok()) {
-      first = Named(i, freed.status());
-    }
+  const int n = std::min(num_shards(), static_cast<int>(cache.cache_ids.size()));
+  std::vector<absl::Status> results(static_cast<size_t>(n));
+  OnEveryShard(n,
+               [&](int i) { results[i] = shards_[i]->DeleteCache(cache.cache_ids[i]).status(); });
+  // NOT_FOUND: deleted already (an earlier try, or the shard's server restarted).
+  return Failures(results, /*not_found_is_done=*/true);
+}
+
+absl::Status ShardedClient::Failures(const std::vector<absl::Status>& results,
+                                     bool not_found_is_done) const {
+  std::vector<absl::Status> failed;
+  for (int i = 0; i < static_cast<int>(results.size()); ++i) {
+    if (results[i].ok() || (not_found_is_done && absl::IsNotFound(results[i]))) continue;
+    failed.push_back(Named(i, results[i]));
   }
-  return first;
+  if (failed.empty()) return absl::OkStatus();
+  std::vector<std::string> rest;
+  for (size_t j = 1; j < failed.size(); ++j) rest.push_back(failed[j].ToString());
+  if (rest.empty()) return failed[0];
+  absl::Status all(failed[0].code(),
+                   absl::StrCat(failed[0].message(), "; ", absl::StrJoin(rest, "; ")));
+  failed[0].ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { all.SetPayload(url, payload); });
+  return all;
 }
 
 absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
                                              const std::vector<uint64_t>& seq_ids) {
-  absl::Status first;
-  for (int i = 0; i < num_shards() && i < static_cast<int>(cache.cache_ids.size()); ++i) {
-    absl::StatusOr<v1::ReleaseSequencesResponse> r =
-        shards_[i]->ReleaseSequences(cache.cache_ids[i], seq_ids);
-    if (!r.ok() && first.ok()) first = Named(i, r.status());
-  }
-  return first;
+  const int n = std::min(num_shards(), static_cast<int>(cache.cache_ids.size()));
+  std::vector<absl::Status> results(static_cast<size_t>(n));
+  OnEveryShard(n, [&](int i) {
+    results[i] = shards_[i]->ReleaseSequences(cache.cache_ids[i], seq_ids).status();
+  });
+  return Failures(results, /*not_found_is_done=*/false);
 }
 
 absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
@@ -337,10 +375,7 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     }
     p.reply = shards_[i]->ForwardTensors(p.call, o);
   };
-  std::vector<std::thread> threads;
-  for (int i = 1; i < n; ++i) threads.emplace_back(run, i);
-  run(0);
-  for (std::thread& t : threads) t.join();
+  OnEveryShard(n, run);
 
   std::vector<int> failed;
   for (int i = 0; i < n; ++i) {
@@ -360,10 +395,25 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     std::vector<std::string> notes;
     // Every shard, the failed ones too: a shard whose call failed in transport may have
     // committed, and all shards then end each sequence at the same length.
+    std::vector<absl::StatusOr<v1::TruncateSequencesResponse>> rewound(
+        static_cast<size_t>(n), absl::CancelledError("not rewound"));
+    if (!lengths.empty()) {
+      OnEveryShard(n, [&](int i) {
+        rewound[i] = shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
+      });
+      std::vector<std::string> done;
+      for (int i = 0; i < n; ++i) {
+        if (rewound[i].ok()) done.push_back(absl::StrCat(i));
+      }
+      if (!done.empty()) {
+        notes.push_back(absl::StrCat("shard", done.size() > 1 ? "s " : " ",
+                                     absl::StrJoin(done, ", "),
+                                     " rewound to the call's span starts"));
+      }
+    }
     for (int i = 0; i < n; ++i) {
       if (lengths.empty()) continue;
-      absl::StatusOr<v1::TruncateSequencesResponse> t =
-          shards_[i]->TruncateSequences(cache.cache_ids[i], call.layer, lengths);
+      const absl::StatusOr<v1::TruncateSequencesResponse>& t = rewound[i];
       if (absl::IsNotFound(t.status())) {
         notes.push_back(absl::StrCat(
             "could not rewind shard ", i, " (", targets_[i],

@@ -69,6 +69,9 @@ class ShardedClient {
 
   // `status` with its message prefixed by the shard (index and target); payloads kept.
   absl::Status Named(int shard, const absl::Status& status) const;
+  // The shards' results, by shard: OK, or the first failure naming its shard with every other
+  // failure after it (NOT_FOUND counted as done where not_found_is_done).
+  absl::Status Failures(const std::vector<absl::Status>& results, bool not_found_is_done) const;
 
   std::vector<std::string> targets_;
   std::vector<std::unique_ptr<Client>> shards_;

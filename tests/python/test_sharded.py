@@ -487,6 +487,11 @@ def test_a_block_that_raises_keeps_its_exception_and_names_the_caches_left(clien
         assert cache.shards[0].deleted and not cache.shards[1].deleted
 
 
+def test_the_same_target_twice_is_refused(shard_targets):
+    with pytest.raises(ValueError, match=r"shard targets 0 and 2 are the same \("):
+        pagedattn.ShardedClient([shard_targets[0], shard_targets[1], shard_targets[0]])
+
+
 def test_targets_from_dns_are_sorted_and_unique(monkeypatch):
     def fake_getaddrinfo(host, port, *args, **kwargs):
         assert (host, port) == ("pagedattn.example", 50051)

@@ -430,6 +430,9 @@ TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
       << r.status();
   EXPECT_NE(r.status().message().find("could not rewind shard 1"), std::string::npos)
       << r.status();
+  EXPECT_NE(r.status().message().find("shard 0 rewound to the call's span starts"),
+            std::string::npos)
+      << r.status();
   const v1::CacheStats now = sharded->shard(0).GetCache(cache->cache_ids[0])->stats();
   EXPECT_EQ(now.used_pages(), before.used_pages());
   EXPECT_EQ(now.live_sequences(), before.live_sequences());
@@ -444,6 +447,23 @@ TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
                 .status()
                 .code(),
             absl::StatusCode::kFailedPrecondition);
+  // A delete with shard 1 gone deletes shard 0's cache and names shard 1 (a second try then
+  // counts shard 0's NOT_FOUND as done).
+  const absl::Status deleted = sharded->DeleteCache(*cache);
+  EXPECT_EQ(deleted.code(), absl::StatusCode::kUnavailable) << deleted;
+  EXPECT_NE(deleted.message().find("shard 1 (" + targets[1] + ")"), std::string::npos) << deleted;
+  EXPECT_EQ(sharded->shard(0).GetCache(cache->cache_ids[0]).status().code(),
+            absl::StatusCode::kNotFound);
+}
+
+// The same server given twice would hold two shards' heads in two caches of one server.
+TEST(ShardTargetsTest, TheSameTargetTwiceIsRefused) {
+  absl::StatusOr<std::unique_ptr<ShardedClient>> twice =
+      ShardedClient::Connect({"127.0.0.1:50051", "127.0.0.1:50052", "127.0.0.1:50051"}, Options());
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(twice.status().message().find("shard targets 0 and 2 are the same (127.0.0.1:50051)"),
+            std::string::npos)
+      << twice.status();
 }
 
 TEST(ShardTargetsTest, StatefulSetNamesAndResolvedAddresses) {

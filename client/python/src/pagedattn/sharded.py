@@ -457,6 +457,16 @@ class _ShardedClientBase:
                 raise TypeError(f"a shard is a target string or a {client_type.__module__}."
                                 f"{client_type.__name__} (got {t!r})")
         self.targets: list[str] = [c.target for c in self.clients]
+        # The same server twice would hold two shards' heads in two caches: a mistake in the
+        # list, refused before anything is sent.
+        first: dict[str, int] = {}
+        for i, t in enumerate(self.targets):
+            if t in first:
+                for c in self._owned:
+                    c.close()
+                raise ValueError(f"shard targets {first[t]} and {i} are the same ({t}): each "
+                                 "shard needs its own server")
+            first[t] = i
 
     @property
     def num_shards(self) -> int:

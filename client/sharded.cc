@@ -87,6 +87,16 @@ TensorArg SliceTensor(const TensorArg& t, int part, int parts, std::string* stor
   return out;
 }
 
+// A shard's cache name: the cache's, cut to leave room under the server's 128 characters,
+// then "[shard i/N]", as the Python client names them, so that ListCaches on any server shows
+// which part of which cache it holds whichever client made it.
+std::string ShardCacheName(const std::string& name, int shard, int num_shards) {
+  constexpr size_t kMaxNameBytes = 128;  // the server's (kMaxCacheNameBytes)
+  const std::string suffix = absl::StrCat("[shard ", shard, "/", num_shards, "]");
+  if (name.empty()) return suffix;
+  return absl::StrCat(name.substr(0, kMaxNameBytes - 1 - suffix.size()), " ", suffix);
+}
+
 // fn(i) for every shard at once (shard 0 on the calling thread), so that a shard that hangs
 // costs one timeout, not one for each shard behind it.
 template <typename Fn>
@@ -228,7 +238,7 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
   cache.config = config;
   for (int i = 0; i < num_shards(); ++i) {
     absl::StatusOr<v1::CacheInfo> info =
-        shards_[i]->CreateCache(parts[i], name.empty() ? name : absl::StrCat(name, "/", i));
+        shards_[i]->CreateCache(parts[i], ShardCacheName(name, i, num_shards()));
     if (!info.ok()) {
       // Those created are deleted; one that cannot be is named, so that the caller, who never
       // gets its id otherwise, can delete it later.

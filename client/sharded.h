@@ -39,6 +39,8 @@ class ShardedClient {
   // shard and the field, every violation of every shard), then creates a cache on each. If a
   // shard fails, the caches already created are deleted and the status names the shard (and
   // any cache that could not be deleted, with its id and shard).
+  // Shard i's cache is named "<name> [shard i/N]" (the name cut to fit the server's 128
+  // characters), as the Python client names them.
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name);
   // As CreateCache, with each shard's num_pages given (tests and uneven memory).
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,

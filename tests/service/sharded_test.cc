@@ -10,6 +10,7 @@
 #include <cstring>
 #include <random>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "server/service/server.h"
 
@@ -457,6 +458,29 @@ TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
 }
 
 // The same server given twice would hold two shards' heads in two caches of one server.
+// Shard caches are named "<name> [shard i/N]" (the Python client's form), the name cut so that
+// a name the server takes unsharded is taken sharded too.
+TEST_F(ShardedTest, ShardCachesAreNamedForTheirPart) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  const std::string longest(128, 'n');
+  for (const std::string& name : {std::string("llama"), std::string(), longest}) {
+    absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), name);
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    for (int i = 0; i < 2; ++i) {
+      const std::string got = sharded->shard(i).GetCache(cache->cache_ids[i])->name();
+      const std::string suffix = absl::StrCat("[shard ", i, "/2]");
+      EXPECT_TRUE(absl::EndsWith(got, suffix)) << got;
+      EXPECT_LE(got.size(), 128u);
+      if (name == "llama") {
+        EXPECT_EQ(got, "llama " + suffix);
+      } else if (name.empty()) {
+        EXPECT_EQ(got, suffix);
+      }
+    }
+    EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  }
+}
+
 TEST(ShardTargetsTest, TheSameTargetTwiceIsRefused) {
   absl::StatusOr<std::unique_ptr<ShardedClient>> twice =
       ShardedClient::Connect({"127.0.0.1:50051", "127.0.0.1:50052", "127.0.0.1:50051"}, Options());

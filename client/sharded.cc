@@ -97,6 +97,16 @@ std::string ShardCacheName(const std::string& name, int shard, int num_shards) {
   return absl::StrCat(name.substr(0, kMaxNameBytes - 1 - suffix.size()), " ", suffix);
 }
 
+// `status` with notes after its message, its code and payloads (the server's details) kept.
+absl::Status WithNotes(const absl::Status& status, const std::vector<std::string>& notes) {
+  if (notes.empty()) return status;
+  absl::Status noted(status.code(),
+                     absl::StrCat(status.message(), "; ", absl::StrJoin(notes, "; ")));
+  status.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { noted.SetPayload(url, payload); });
+  return noted;
+}
+
 // fn(i) for every shard at once (shard 0 on the calling thread), so that a shard that hangs
 // costs one timeout, not one for each shard behind it.
 template <typename Fn>
@@ -251,14 +261,7 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
                                       freed.status().ToString(), "): delete it there"));
         }
       }
-      absl::Status failed = Named(i, info.status());
-      if (left.empty()) return failed;
-      absl::Status noted(failed.code(),
-                         absl::StrCat(failed.message(), "; and ", absl::StrJoin(left, "; ")));
-      failed.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-        noted.SetPayload(url, payload);
-      });
-      return noted;
+      return WithNotes(Named(i, info.status()), left);
     }
     cache.cache_ids.push_back(info->cache_id());
   }
@@ -284,12 +287,7 @@ absl::Status ShardedClient::Failures(const std::vector<absl::Status>& results,
   if (failed.empty()) return absl::OkStatus();
   std::vector<std::string> rest;
   for (size_t j = 1; j < failed.size(); ++j) rest.push_back(failed[j].ToString());
-  if (rest.empty()) return failed[0];
-  absl::Status all(failed[0].code(),
-                   absl::StrCat(failed[0].message(), "; ", absl::StrJoin(rest, "; ")));
-  failed[0].ForEachPayload(
-      [&](absl::string_view url, const absl::Cord& payload) { all.SetPayload(url, payload); });
-  return all;
+  return WithNotes(failed[0], rest);
 }
 
 absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
@@ -440,14 +438,7 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     for (size_t j = 1; j < failed.size(); ++j) {
       notes.push_back(Named(failed[j], parts[failed[j]].reply.status()).ToString());
     }
-    absl::Status first = Named(failed[0], parts[failed[0]].reply.status());
-    if (notes.empty()) return first;
-    absl::Status with_notes(first.code(),
-                            absl::StrCat(first.message(), "; ", absl::StrJoin(notes, "; ")));
-    first.ForEachPayload([&](absl::string_view url, const absl::Cord& payload) {
-      with_notes.SetPayload(url, payload);
-    });
-    return with_notes;
+    return WithNotes(Named(failed[0], parts[failed[0]].reply.status()), notes);
   }
 
   ForwardReply joined = *parts[0].reply;

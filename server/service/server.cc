@@ -182,30 +182,29 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->metrics_ = std::make_unique<Metrics>(options.metrics_per_cache);
   if (s->tls_ && s->auth_ != nullptr) {
     (*creds)->SetAuthMetadataProcessor(std::make_shared<TokenAuthProcessor>(
-        s->auth_.get(), [metrics = s->metrics_.get()](absl::string_view path,
-                                                     const absl::Status& status) {
+        s->auth_.get(),
+        [metrics = s->metrics_.get()](absl::string_view path, const absl::Status& status) {
           // Counted under the method's name where it is one of AttentionService's (an unknown
           // path's name is the caller's to choose: no series for it).
           const absl::string_view method = MethodOfPath(path);
           if (!method.empty()) metrics->RecordRpc(std::string(method), status.code());
           // At most a line a second for each method and reason: the caller's address is not
           // known here, and a caller without a token must not flood the log.
-          LogThrottled(spdlog::level::info,
-                       absl::StrCat("refused at headers ", method.empty() ? "?" : method, " ",
-                                    status.message()),
-                       absl::StrCat("rpc ", method.empty() ? absl::CHexEscape(path) : method,
-                                    " refused as its headers arrived: UNAUTHENTICATED: ",
-                                    status.message()));
+          LogThrottled(
+              spdlog::level::info,
+              absl::StrCat("refused at headers ", method.empty() ? "?" : method, " ",
+                           status.message()),
+              absl::StrCat("rpc ", method.empty() ? absl::CHexEscape(path.substr(0, 64)) : method,
+                           " refused as its headers arrived: UNAUTHENTICATED: ", status.message()));
         }));
   }
   s->gate_ = std::make_unique<RpcGate>();
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
-  s->service_ =
-      std::make_unique<AttentionServiceImpl>(s->manager_.get(), s->regions_.get(), s->auth_.get(),
-                                             s->metrics_.get(), s->gate_.get(), s->budget_.get(),
-                                             s->executor_.get());
+  s->service_ = std::make_unique<AttentionServiceImpl>(
+      s->manager_.get(), s->regions_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(),
+      s->budget_.get(), s->executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
 

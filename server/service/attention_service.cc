@@ -4,6 +4,7 @@
 #include <chrono>
 #include <deque>
 #include <memory>
+#include <optional>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
@@ -101,12 +102,12 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
     spdlog::error("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
                   absl::StatusCodeToString(s.code()), ms, ForLog(s.message()));
   } else if (limit) {
-    LogThrottled(spdlog::level::info,
-                 absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
-                              absl::StatusCodeToString(s.code())),
-                 absl::StrCat("rpc ", rpc.method(), " ", who, " ",
-                              absl::StatusCodeToString(s.code()), ": ",
-                              absl::CHexEscape(s.message())));
+    LogThrottled(
+        spdlog::level::info,
+        absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
+                     absl::StatusCodeToString(s.code())),
+        absl::StrCat("rpc ", rpc.method(), " ", who, " ", absl::StatusCodeToString(s.code()), ": ",
+                     absl::CHexEscape(s.message())));
   } else {
     spdlog::debug("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
                   absl::StatusCodeToString(s.code()), ms, absl::CHexEscape(s.message()));
@@ -364,7 +365,8 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
                              (o.return_lse && !step.return_lse);
   if (!other_cache && !other_options) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      other_cache ? "cache_id" : "options", " of a Step message that sets no spans differ from "
+      other_cache ? "cache_id" : "options",
+      " of a Step message that sets no spans differ from "
       "the open step's: such a message carries only a layer and its q/k/v, and runs with the "
       "cache and options of the message that opened the step; set spans to open a new step"));
 }
@@ -446,8 +448,11 @@ class AttentionServiceImpl::StepReactor final
       absl::StatusOr<std::string> tenant = service_->auth_->Authenticate(*ctx);
       if (!tenant.ok()) {
         Rpc rpc("Step", ctx_, service_->gate_);
-        absl::MutexLock lock(&mu_);
-        FinishLocked(service_->Finish(rpc, tenant.status()));
+        {
+          absl::MutexLock lock(&mu_);
+          finished_ = true;
+        }
+        Finish(service_->Finish(rpc, tenant.status()));
         return;
       }
       tenant_ = *std::move(tenant);
@@ -457,36 +462,50 @@ class AttentionServiceImpl::StepReactor final
   }
 
   void OnReadDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    reading_ = false;
-    if (!ok) {
-      reads_done_ = true;
-      MaybeFinishLocked();
-      return;
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      reading_ = false;
+      if (!ok) {
+        reads_done_ = true;
+        done = DoneLocked();
+      } else {
+        auto job = std::make_shared<Job>();
+        job->seq = next_seq_++;
+        Accept(*job);
+        jobs_.push_back(std::move(job));
+        ScheduleLocked();
+        WriteLocked();  // a message answered with an error at once may be next in line
+        ReadLocked();
+      }
     }
-    auto job = std::make_shared<Job>();
-    job->seq = next_seq_++;
-    Accept(*job);
-    jobs_.push_back(std::move(job));
-    ScheduleLocked();
-    WriteLocked();  // a message answered with an error at once may be next in line
-    ReadLocked();
+    if (done) Finish(*done);
   }
 
   void OnWriteDone(bool ok) override {
-    absl::MutexLock lock(&mu_);
-    writing_ = false;
-    jobs_.pop_front();
-    if (!ok) cancelled_ = true;  // the stream is broken: stop reading and running
-    WriteLocked();
-    ReadLocked();
-    MaybeFinishLocked();
+    std::optional<grpc::Status> done;
+    std::shared_ptr<Job> written;  // released after mu_ (its bytes may be the last reference)
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      written = std::move(jobs_.front());
+      jobs_.pop_front();
+      if (!ok) cancelled_ = true;  // the stream is broken: stop reading and running
+      WriteLocked();
+      ReadLocked();
+      done = DoneLocked();
+    }
+    if (done) Finish(*done);
   }
 
   void OnCancel() override {
-    absl::MutexLock lock(&mu_);
-    cancelled_ = true;
-    MaybeFinishLocked();
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      done = DoneLocked();
+    }
+    if (done) Finish(*done);
   }
 
   void OnDone() override {
@@ -511,11 +530,11 @@ class AttentionServiceImpl::StepReactor final
   // that cannot run is answered with its error right away.
   void Accept(Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     const absl::Time parse_start = absl::Now();
-    absl::Status s =
-        ParseForward(incoming_, service_->manager_->limits().forward.max_spans, &job.received);
+    job.received.buffer.Swap(&incoming_);  // the job owns the message (ReceivedForward::buffer)
+    absl::Status s = ParseForward(job.received.buffer,
+                                  service_->manager_->limits().forward.max_spans, &job.received);
     job.accepted = absl::Now();
     job.parse_us = absl::ToDoubleMicroseconds(job.accepted - parse_start);
-    incoming_.Clear();
     wire::ForwardRequestRef& r = job.received.request;
     job.layer = r.layer;
     if (!s.ok()) {
@@ -607,14 +626,21 @@ class AttentionServiceImpl::StepReactor final
     } else {
       answer = EncodeStepError(job->layer, status);
     }
-    absl::MutexLock lock(&mu_);
-    job->answer = std::move(answer);
-    job->done = true;
-    job->running = false;
-    --running_;
-    ScheduleLocked();
-    WriteLocked();
-    MaybeFinishLocked();
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      job->answer = std::move(answer);
+      job->done = true;
+      job->running = false;
+      --running_;
+      ScheduleLocked();
+      WriteLocked();
+      done = DoneLocked();
+    }
+    // After mu_ and as the last use of this reactor: this thread is not one of gRPC's reactions,
+    // so gRPC may run OnDone, which deletes the reactor, as soon as Finish is called (a Finish
+    // under the lock unlocked a deleted mutex: a client cancelling streams aborted the server).
+    if (done) Finish(*done);
   }
 
   void WriteLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
@@ -623,21 +649,22 @@ class AttentionServiceImpl::StepReactor final
     StartWrite(&jobs_.front()->answer);
   }
 
-  void MaybeFinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+  // Whether the stream is done, with the status to Finish it with (finished_ then set): the
+  // caller calls Finish once it has released mu_, as its last use of the reactor.
+  std::optional<grpc::Status> DoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A cancelled stream finishes with its read still pending (gRPC then completes the read
     // with ok=false): a read started as the cancellation arrives is not always completed
     // otherwise, and the call would never end (a server shutdown would wait for it forever).
-    if (finished_ || running_ > 0 || writing_ || (reading_ && !cancelled_)) return;
+    if (finished_ || running_ > 0 || writing_ || (reading_ && !cancelled_)) return std::nullopt;
     if (cancelled_) {
-      FinishLocked(grpc::Status(grpc::StatusCode::CANCELLED, "the Step stream was cancelled"));
-    } else if (reads_done_ && jobs_.empty()) {
-      FinishLocked(grpc::Status::OK);
+      finished_ = true;
+      return grpc::Status(grpc::StatusCode::CANCELLED, "the Step stream was cancelled");
     }
-  }
-
-  void FinishLocked(const grpc::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    finished_ = true;
-    Finish(status);
+    if (reads_done_ && jobs_.empty()) {
+      finished_ = true;
+      return grpc::Status::OK;
+    }
+    return std::nullopt;
   }
 
   AttentionServiceImpl* const service_;

@@ -18,6 +18,12 @@ namespace pagedattn {
 
 // A ForwardRequest as received: the parsed fields and the chunks its tensors point into.
 struct ReceivedForward {
+  // The message, where the reader keeps it (a Step layer's, which outlives its read): its
+  // bytes are freed by the ByteBuffer, which gives gRPC's core the context it needs under
+  // memory pressure; freed by the last grpc::Slice instead, from a thread that is not gRPC's,
+  // they crashed the server there (a null ExecCtx in the resource quota's reclaimer).
+  // Declared first, so destroyed after the chunks' references.
+  grpc::ByteBuffer buffer;
   std::vector<grpc::Slice> chunks;  // keep the bytes the pieces point into alive
   wire::ForwardRequestRef request;
   size_t bytes = 0;  // The message's size.

@@ -2,16 +2,17 @@
 // signal handling around PagedAttnServer. SIGTERM/SIGINT: a bounded graceful shutdown, exit 0.
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
+#include <sys/resource.h>
 #include <unistd.h>  // environ
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <csignal>
 #include <cstdlib>
 #include <iostream>
 #include <map>
 #include <string>
-#include <atomic>
 #include <thread>
 #include <vector>
 
@@ -92,12 +93,13 @@ ABSL_FLAG(BackendChoice, backend, BackendChoice::kAuto,
 ABSL_FLAG(int64_t, max_message_mb, 512,
           "largest request or response, MiB (1..2047). A Forward carries q, k and v in and out "
           "(and lse) back; one whose answer would be larger is refused before anything is written");
-ABSL_FLAG(int64_t, request_memory_mb, 0,
-          "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
-          "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
-          "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
-          "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
-          "+ 64; else at least 16 (the transport's largest read) and --max_message_mb");
+ABSL_FLAG(
+    int64_t, request_memory_mb, 0,
+    "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
+    "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
+    "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
+    "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
+    "+ 64; else at least 16 (the transport's largest read) and --max_message_mb");
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
           "gRPC's own debug lines");
@@ -337,9 +339,8 @@ void GrpcLogToSpdlog(gpr_log_func_args* args) {
                                         ? spdlog::level::debug
                                         : spdlog::level::trace;
   for (const char* caller_caused :
-       {"Handshake failed", "handshake", "ssl_transport_security",
-        "No match found for server name", "Connection reset", "Socket closed", "endpoint",
-        "Broken pipe", "frame of size"}) {
+       {"Handshake failed", "handshake", "ssl_transport_security", "No match found for server name",
+        "Connection reset", "Socket closed", "endpoint", "Broken pipe", "frame of size"}) {
     if (absl::StrContains(message, caller_caused)) level = spdlog::level::debug;
   }
   pagedattn::LogThrottled(level, LineKind("grpc", message), "grpc: " + message);
@@ -350,9 +351,8 @@ void GrpcLogToSpdlog(gpr_log_func_args* args) {
 void ProtobufLogToSpdlog(google::protobuf::LogLevel severity, const char* /*file*/, int /*line*/,
                          const std::string& text) {
   const std::string message = absl::CHexEscape(text);
-  spdlog::level::level_enum level = severity >= google::protobuf::LOGLEVEL_WARNING
-                                        ? spdlog::level::warn
-                                        : spdlog::level::debug;
+  spdlog::level::level_enum level =
+      severity >= google::protobuf::LOGLEVEL_WARNING ? spdlog::level::warn : spdlog::level::debug;
   if (absl::StrContains(message, "invalid UTF-8") || absl::StrContains(message, "parsing")) {
     level = spdlog::level::debug;
   }
@@ -360,6 +360,24 @@ void ProtobufLogToSpdlog(google::protobuf::LogLevel severity, const char* /*file
 }
 
 }  // namespace
+
+// The open-file soft limit raised to the hard one (systemd's default soft limit is 1024). Every
+// connection holds a descriptor, and gRPC stops accepting on a listener for good once accept()
+// fails with EMFILE (grpc/grpc#20418): a burst of 1,100 idle connections against 1024 left the
+// port dead while the health port said SERVING. Returns the limit now in force (0: unknown).
+rlim_t RaiseOpenFilesLimit() {
+  rlimit limit{};
+  if (getrlimit(RLIMIT_NOFILE, &limit) != 0) return 0;
+  if (limit.rlim_cur < limit.rlim_max) {
+    rlimit raised = limit;
+    raised.rlim_cur = limit.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &raised) == 0) return raised.rlim_cur;
+  }
+  return limit.rlim_cur;
+}
+
+// Below this many open files a client can exhaust them with connections alone.
+constexpr rlim_t kFewOpenFiles = 65536;
 
 int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
@@ -454,6 +472,7 @@ int main(int argc, char** argv) {
   options.memory.max_regions = absl::GetFlag(FLAGS_max_memory_regions);
   options.memory.default_lease = absl::Seconds(absl::GetFlag(FLAGS_memory_lease_seconds));
 
+  const rlim_t open_files = RaiseOpenFilesLimit();
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);
   if (!server.ok()) {
@@ -476,24 +495,30 @@ int main(int argc, char** argv) {
       "{:.1f} of {:.1f} GiB free for pools); build has CUDA: {}; health SERVING",
       PAGEDATTN_VERSION,
       (*server)->port() != 0 ? absl::StrCat("port ", (*server)->port()) : std::string("a socket"),
-      bound, options.listen, backend.name(), backend.device_name(),
-      backend.device_count(), backend.device_count() == 1 ? "" : "s",
-      mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
+      bound, options.listen, backend.name(), backend.device_name(), backend.device_count(),
+      backend.device_count() == 1 ? "" : "s", mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
       mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
       pagedattn::BuiltWithCuda() ? "yes" : "no");
   if (backend.kind() == pagedattn::BackendKind::kCuda) {
     std::vector<std::string> ccs;
     for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
-    const char* launches = !options.backend.graph_launch ? "plain"
-                           : options.backend.forward_graph
-                               ? "a Forward as one cached graph"
-                               : "each kernel through a cached graph";
+    const char* launches = !options.backend.graph_launch   ? "plain"
+                           : options.backend.forward_graph ? "a Forward as one cached graph"
+                                                           : "each kernel through a cached graph";
     spdlog::info("CUDA: compute capability {}; kernels built as {}; prefill {}, launches {}",
                  absl::StrJoin(ccs, ", "), absl::StrJoin(pagedattn::BuiltCudaArchitectures(), " "),
                  AbslUnparseFlag(options.backend.prefill_kernel), launches);
   }
-  spdlog::info("limits: messages up to {} MiB; {} MiB for requests in flight",
-               options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20);
+  spdlog::info("limits: messages up to {} MiB; {} MiB for requests in flight; {} open files",
+               options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20,
+               open_files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(open_files));
+  if (open_files != 0 && open_files != RLIM_INFINITY && open_files < kFewOpenFiles) {
+    spdlog::warn(
+        "only {} open files (the hard limit): every connection takes one, and once they run out "
+        "gRPC stops accepting calls until a restart; raise it (LimitNOFILE= in systemd, ulimit "
+        "-Hn, or the container runtime's nofile) to at least {}",
+        open_files, kFewOpenFiles);
+  }
   if ((*server)->auth() != nullptr && !(*server)->tls()) {
     spdlog::warn(
         "bearer tokens travel in plaintext on this port: serve TLS (--tls_cert, "
@@ -513,18 +538,20 @@ int main(int argc, char** argv) {
     int sig = 0;
     sigwait(&signals, &sig);
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
-    spdlog::info("received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
-                 "(a second signal stops them now)",
-                 sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+    spdlog::info(
+        "received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
+        "(a second signal stops them now)",
+        sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
     // A second signal during the grace period (Ctrl-C again) cuts it short.
     std::atomic<bool> shut_down{false};
     std::thread again([&] {
       const timespec tick{0, 100'000'000};
       while (!shut_down.load()) {
         if (const int s = sigtimedwait(&signals, nullptr, &tick); s > 0) {
-          spdlog::warn("received {} again: calls in flight are stopped now (a stopped call "
-                       "commits nothing)",
-                       s == SIGTERM ? "SIGTERM" : "SIGINT");
+          spdlog::warn(
+              "received {} again: calls in flight are stopped now (a stopped call "
+              "commits nothing)",
+              s == SIGTERM ? "SIGTERM" : "SIGINT");
           (*server)->StopCallsNow();
           return;
         }

@@ -9,8 +9,12 @@
 
 namespace pagedattn {
 
+// At most this many throttled lines a second, of all kinds together.
+inline constexpr int kMaxThrottledLinesPerSecond = 20;
+
 // Logs "<line> (and N more like it)" at `level` unless a line of the same `kind` went out
-// within the last second (then it only counts it).
+// within the last second (then it only counts it), or kMaxThrottledLinesPerSecond lines of any
+// kind did (then it is counted, and the next line that goes out says how many were held back).
 void LogThrottled(spdlog::level::level_enum level, const std::string& kind,
                   const std::string& line);
 

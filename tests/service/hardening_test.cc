@@ -19,6 +19,7 @@
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "server/service/server.h"
+#include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
 #include "tests/service/log_capture.h"
 
@@ -305,8 +306,7 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
   for (int i = 0; i < 100; ++i) accented += "\xc3\xa9";  // U+00E9 in UTF-8
   named = client_->CreateCache(Config(4), accented);
   EXPECT_EQ(named.status().code(), absl::StatusCode::kInvalidArgument) << named.status();
-  EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos)
-      << named.status();
+  EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos) << named.status();
 }
 
 // Every --listen address is reported as bound (the log line names them all), and the
@@ -325,8 +325,7 @@ TEST(ListenTest, EveryListenerAndIpv6MetricsAreReachable) {
   // The gRPC port speaks HTTP/2 only: a fetch there is refused as such, not hung on.
   const absl::StatusOr<std::string> grpc_port = FetchMetrics(bound[1]);
   EXPECT_EQ(grpc_port.status().code(), absl::StatusCode::kUnavailable) << grpc_port.status();
-  EXPECT_NE(grpc_port.status().message().find("not HTTP"), std::string::npos)
-      << grpc_port.status();
+  EXPECT_NE(grpc_port.status().message().find("not HTTP"), std::string::npos) << grpc_port.status();
 
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "[::1]:0";
@@ -348,6 +347,28 @@ TEST(ListenTest, EveryListenerAndIpv6MetricsAreReachable) {
   EXPECT_NE(gone.status().message().find(absl::StrCat("connect to [::1]:", port)),
             std::string::npos)
       << gone.status();
+}
+
+// Throttled lines of many kinds (a kind per client connection) are capped together: a client
+// opening a connection a call cannot fill the log; the next line says how many were held back.
+TEST(ThrottledLogTest, ManyKindsAreCappedTogether) {
+  absl::SleepFor(absl::Seconds(1.1));  // a second of its own (earlier tests' lines count too)
+  testing::LogCapture captured(spdlog::level::info);
+  for (int i = 0; i < 200; ++i) {
+    LogThrottled(spdlog::level::info, absl::StrCat("peer-", i), absl::StrCat("line-of-", i, "."));
+  }
+  absl::SleepFor(absl::Seconds(1.1));  // the next second's budget
+  LogThrottled(spdlog::level::info, "after", "the next line.");
+  const std::string log = captured.str();
+  int lines = 0;
+  for (size_t at = log.find("line-of-"); at != std::string::npos;
+       at = log.find("line-of-", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, kMaxThrottledLinesPerSecond) << log;
+  EXPECT_NE(log.find("the next line. (180 throttled lines of all kinds held back before it)"),
+            std::string::npos)
+      << log;
 }
 
 // A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.

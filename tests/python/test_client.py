@@ -564,7 +564,10 @@ def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
         time.sleep(0.3)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
-        with pytest.raises(errors.Unavailable, match="stopped the call before it finished"):
+        # The server's own words, or, on a loaded host, gRPC's: the status of the stopped call
+        # can still be on its way when the server cancels what is left and closes connections.
+        with pytest.raises(errors.Unavailable,
+                           match="stopped the call before it finished|Cancelling all calls"):
             answer.result()  # a retry on another replica would work
         assert server.proc.wait(timeout=30) == 0
         assert time.monotonic() - t0 < 15

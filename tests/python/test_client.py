@@ -520,9 +520,11 @@ def test_fp8_cache_config(client, kv_dtypes):
 
 
 @contextlib.contextmanager
-def _long_forward(server, n: int, seed: int):
+def _long_forward(server, n: int, seed: int, under_way_s: float = 0.3):
     """A prefill of n tokens (8 heads of 128, float32: seconds on one CPU thread) running on
-    `server`; yields (q, the future of its answer), once it has been under way for 0.3 s."""
+    `server`; yields (q, the future of its answer), once it has been under way for under_way_s
+    (its request, 12n KiB, must have reached the server by then: on a loaded host 0.3 s was
+    not always enough for 4096 tokens' 48 MiB)."""
     import time
 
     config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
@@ -532,7 +534,7 @@ def _long_forward(server, n: int, seed: int):
         cache = c.create_cache(config, delete_on_exit=False)
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             answer = pool.submit(cache.forward, 0, [Span.prefill(1, n)], q, q, q)
-            time.sleep(0.3)
+            time.sleep(under_way_s)
             assert not answer.done()
             yield q, answer
 
@@ -559,15 +561,12 @@ def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
     if backend != "cpu":
         pytest.skip("timed for the CPU backend's speed")
     (server,) = start_servers(1, "--shutdown_grace_s=60")
-    with _long_forward(server, 4096, 4) as (_, answer):  # several seconds
+    with _long_forward(server, 4096, 4, under_way_s=1.5) as (_, answer):  # several seconds
         server.proc.send_signal(signal.SIGTERM)
         time.sleep(0.3)
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
-        # The server's own words, or, on a loaded host, gRPC's: the status of the stopped call
-        # can still be on its way when the server cancels what is left and closes connections.
-        with pytest.raises(errors.Unavailable,
-                           match="stopped the call before it finished|Cancelling all calls"):
+        with pytest.raises(errors.Unavailable, match="stopped the call before it finished"):
             answer.result()  # a retry on another replica would work
         assert server.proc.wait(timeout=30) == 0
         assert time.monotonic() - t0 < 15

@@ -87,15 +87,15 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
     client_ = *Client::Connect(c);
   }
 
-  std::string NewCache() {
+  std::string NewCache(int page_size = 7, int num_pages = 64) {  // 7: odd on purpose
     v1::CacheConfig c;
     c.set_num_layers(kLayers);
     c.set_num_q_heads(kHeads);
     c.set_num_kv_heads(kKvHeads);
     c.set_head_dim(kHeadDim);
-    c.set_page_size(7);  // odd on purpose
+    c.set_page_size(page_size);
     c.set_kv_dtype(v1::BFLOAT16);
-    c.set_num_pages(64);
+    c.set_num_pages(num_pages);
     return client_->CreateCache(c)->cache_id();
   }
 
@@ -289,15 +289,7 @@ TEST(PhaseMetricsTest, UnaryAndStepForwardsAreCountedByPhase) {
 // the reactor's lock let gRPC delete the reactor first (an abort: "Mutex unlocked when
 // destroyed") after 90-280 such cancels from four clients.
 TEST_P(DataPlaneTest, StreamsCancelledWhileTheirLayerRunsLeaveTheServerUp) {
-  v1::CacheConfig config;
-  config.set_num_layers(1);
-  config.set_num_q_heads(kHeads);
-  config.set_num_kv_heads(kKvHeads);
-  config.set_head_dim(kHeadDim);
-  config.set_page_size(1);
-  config.set_kv_dtype(v1::BFLOAT16);
-  config.set_num_pages(300);
-  const std::string cache = client_->CreateCache(config)->cache_id();
+  const std::string cache = NewCache(/*page_size=*/1, /*num_pages=*/300);
   Case layer{0, {}};
   for (uint64_t seq = 0; seq < 256; ++seq) layer.spans.push_back({seq, 0, 1, 1});  // rewrites
   const Tensors tensors = MakeTensors(layer, 1);

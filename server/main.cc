@@ -97,7 +97,8 @@ ABSL_FLAG(
     int64_t, request_memory_mb, 0,
     "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "
     "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
-    "data held by calls (past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
+    "data held by calls, a Forward's from its arrival until its answer is sent or its call ends "
+    "(past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
     "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
     "+ 64; else at least 16 (the transport's largest read) and --max_message_mb");
 ABSL_FLAG(std::string, log_level, "info",

@@ -243,26 +243,6 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
         "(Tensor.device_buffer); otherwise the answer carries out and lse");
   }
   if (absl::Status s = (*cache)->Check(args); !s.ok()) return s;
-  const int64_t response_bytes = ForwardResponseBytes(g, args);
-  // The request's bytes and the answer's, held until the answer is built, against the server's
-  // budget for data in flight.
-  const int64_t held = static_cast<int64_t>(request_bytes) + response_bytes;
-  if (budget_ != nullptr && !budget_->TryAcquire(held)) {
-    return WithErrorInfo(
-        absl::ResourceExhaustedError(absl::StrCat(
-            "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
-            "call needs ", held, " more and the budget is ", budget_->limit(),
-            " (--request_memory_mb); retry shortly")),
-        {"SERVER_BUSY",
-         {{"bytes_in_flight", budget_->used()},
-          {"bytes_needed", held},
-          {"budget_bytes", budget_->limit()}}});
-  }
-  absl::Cleanup release = [&] {
-    if (budget_ != nullptr) budget_->Release(held);
-  };
-  ForwardAnswer answer;
-  const absl::Time stage_start = absl::Now();
   int64_t total_queries = 0;
   for (const wire::SpanRef& s : request.spans) total_queries += std::max(0, s.num_queries);
   const DType out_dtype = ForwardOutDType(g, args);
@@ -271,11 +251,40 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   const size_t lse_bytes = request.options.return_lse
                                ? static_cast<size_t>(total_queries) * g.num_q_heads * sizeof(float)
                                : 0;
+  // What the call holds against the server's budget for data in flight: the request's bytes
+  // and the buffers (q, k and v staged, out and lse), until the answer has gone out. The
+  // answer's bytes are the buffers' (EncodeResponse), which stay as long as gRPC holds them:
+  // an answer a client does not read keeps its bytes in the budget, and the server refuses
+  // others (RESOURCE_EXHAUSTED) instead of growing past it.
+  const int64_t held = static_cast<int64_t>(request_bytes + QBytes(request) + KvBytes(request) +
+                                            out_bytes + lse_bytes);
+  std::optional<ByteBudget::Hold> hold =
+      budget_ != nullptr ? budget_->TryHold(held) : std::make_optional<ByteBudget::Hold>();
+  if (!hold.has_value()) {
+    return WithErrorInfo(
+        absl::ResourceExhaustedError(absl::StrCat(
+            "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
+            "call needs ", held, " more and the budget is ", budget_->limit(),
+            " (--request_memory_mb; an answer's bytes count until it is sent); retry shortly")),
+        {"SERVER_BUSY",
+         {{"bytes_in_flight", budget_->used()},
+          {"bytes_needed", held},
+          {"budget_bytes", budget_->limit()}}});
+  }
+  ForwardAnswer answer;
+  const absl::Time stage_start = absl::Now();
   absl::StatusOr<std::unique_ptr<ForwardBuffers>> buffers =
       manager_->backend().AcquireForwardBuffers(g.device, QBytes(request), KvBytes(request),
                                                 out_bytes, lse_bytes);
   if (!buffers.ok()) return buffers.status();
-  answer.buffers = *std::move(buffers);
+  // The hold goes with the buffers (after them: members are destroyed in reverse order).
+  struct HeldBuffers {
+    ByteBudget::Hold hold;
+    std::unique_ptr<ForwardBuffers> buffers;
+  };
+  auto held_buffers =
+      std::make_shared<HeldBuffers>(HeldBuffers{*std::move(hold), *std::move(buffers)});
+  answer.buffers = std::shared_ptr<ForwardBuffers>(held_buffers, held_buffers->buffers.get());
   args = ToForwardArgs(request, answer.buffers.get());
   answer.stage_in_us = absl::ToDoubleMicroseconds(absl::Now() - stage_start);
   absl::StatusOr<ForwardResult> result = (*cache)->Forward(args, rpc.stop(), &answer.timings);

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
+#include <utility>
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -58,19 +60,43 @@ class RpcGate {
 // would go over it is refused (RESOURCE_EXHAUSTED, retry later) instead of growing the process.
 class ByteBudget {
  public:
+  // Bytes taken from a budget, given back when the Hold is destroyed.
+  class Hold {
+   public:
+    Hold() = default;  // holds nothing
+    Hold(Hold&& o) noexcept : budget_(std::exchange(o.budget_, nullptr)), bytes_(o.bytes_) {}
+    Hold& operator=(Hold&& o) noexcept {
+      if (this != &o) {
+        Reset();
+        budget_ = std::exchange(o.budget_, nullptr);
+        bytes_ = o.bytes_;
+      }
+      return *this;
+    }
+    Hold(const Hold&) = delete;
+    Hold& operator=(const Hold&) = delete;
+    ~Hold() { Reset(); }
+
+   private:
+    friend class ByteBudget;
+    Hold(ByteBudget* budget, int64_t bytes) : budget_(budget), bytes_(bytes) {}
+    void Reset() {
+      if (budget_ != nullptr) budget_->Release(bytes_);
+      budget_ = nullptr;
+    }
+    ByteBudget* budget_ = nullptr;
+    int64_t bytes_ = 0;
+  };
+
   explicit ByteBudget(int64_t limit) : limit_(limit) {}
   int64_t limit() const { return limit_; }
   // Takes n bytes if they fit (always, when nothing else is held: one call must be able to
-  // run); false otherwise.
-  bool TryAcquire(int64_t n) {
+  // run); nothing otherwise.
+  std::optional<Hold> TryHold(int64_t n) {
     absl::MutexLock lock(&mu_);
-    if (used_ > 0 && used_ + n > limit_) return false;
+    if (used_ > 0 && used_ + n > limit_) return std::nullopt;
     used_ += n;
-    return true;
-  }
-  void Release(int64_t n) {
-    absl::MutexLock lock(&mu_);
-    used_ -= n;
+    return Hold(this, n);
   }
   int64_t used() const {
     absl::MutexLock lock(&mu_);
@@ -78,6 +104,11 @@ class ByteBudget {
   }
 
  private:
+  void Release(int64_t n) {
+    absl::MutexLock lock(&mu_);
+    used_ -= n;
+  }
+
   const int64_t limit_;
   mutable absl::Mutex mu_;
   int64_t used_ ABSL_GUARDED_BY(mu_) = 0;

@@ -3,6 +3,7 @@
 // oversized error texts, unauthenticated health streams, forged log lines, orphan caches.
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
+#include <grpcpp/support/channel_arguments.h>
 #include <gtest/gtest.h>
 
 #include <atomic>
@@ -256,6 +257,84 @@ TEST(MessageLimitTest, OverLimitAnswerCommitsNothing) {
   EXPECT_EQ(client->Forward(Request(cache, 1, kTokens + 1, 1, 1, 3)).status().code(),
             absl::StatusCode::kFailedPrecondition);
   EXPECT_TRUE(client->Forward(Request(cache, 1, kTokens, 1, 1, 3)).ok());
+}
+
+// An answer its client does not read keeps its bytes in the Forward data budget until it is sent
+// or its call ends: other callers are refused (the server busy) instead of the process growing
+// past --request_memory_mb with unsent answers; once the call is cancelled they run again.
+TEST(RequestMemoryTest, UnreadAnswersHoldTheBudgetUntilTheirCallEnds) {
+  ServerOptions o = CpuOptions();
+  o.request_memory_bytes = 32 << 20;
+  auto server = *PagedAttnServer::Start(o);
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  constexpr int kSeqs = 768, kTokens = 4;
+  const std::string cache = client->CreateCache(Config(kSeqs + 1))->cache_id();
+  // kSeqs sequences of kTokens tokens, every one queried, q in float32: a 15 MB request (under
+  // gRPC's quota, the same 32 MiB), staged whole, and a 12.6 MB answer (float32, like q): more
+  // than the whole budget, so that it runs alone.
+  v1::ForwardRequest big;
+  big.set_cache_id(cache);
+  for (int i = 0; i < kSeqs; ++i) {
+    v1::Span* s = big.add_spans();
+    s->set_seq_id(i + 1);
+    s->set_num_new_tokens(kTokens);
+    s->set_num_queries(kTokens);
+  }
+  const int64_t rows = int64_t{kSeqs} * kTokens;
+  *big.mutable_q() = MakeTensor(v1::FLOAT32, {rows, kHeads, kHeadDim},
+                                Random(static_cast<size_t>(rows) * kHeads * kHeadDim, 1));
+  *big.mutable_k() = MakeTensor(v1::BFLOAT16, {rows, kKvHeads, kHeadDim},
+                                Random(static_cast<size_t>(rows) * kKvHeads * kHeadDim, 2));
+  *big.mutable_v() = MakeTensor(v1::BFLOAT16, {rows, kKvHeads, kHeadDim},
+                                Random(static_cast<size_t>(rows) * kKvHeads * kHeadDim, 3));
+  // Sent on a channel of its own whose stream window stays at 64 KiB, and never read.
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  args.SetInt(GRPC_ARG_HTTP2_STREAM_LOOKAHEAD_BYTES, 64 << 10);
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                           grpc::InsecureChannelCredentials(), args);
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  std::string bytes;
+  ASSERT_TRUE(big.SerializeToString(&bytes));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(&ctx, "/pagedattn.v1.AttentionService/Forward", request, &cq);
+  call->StartCall();
+  // Sends the request (gRPC batches a unary call's sends with its first read) and reads the
+  // initial metadata only; the queue is polled (it moves this channel's bytes), the answer never
+  // asked for.
+  call->ReadInitialMetadata(reinterpret_cast<void*>(1));
+  std::thread poller([&cq] {
+    void* tag;
+    bool ok;
+    while (cq.Next(&tag, &ok)) {
+    }
+  });
+  // Its K/V are in (every sequence's page taken), then its answer is built and sent.
+  for (int i = 0; i < 2000 && OnlyCacheStats(*server).used_pages < kSeqs; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(OnlyCacheStats(*server).used_pages, kSeqs);
+  absl::SleepFor(absl::Milliseconds(500));
+  const v1::ForwardRequest small = Request(cache, kSeqs + 1, 0, 1, 1, 4);
+  absl::StatusOr<v1::ForwardResponse> r = client->Forward(small);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
+  EXPECT_NE(r.status().message().find("the server is busy"), std::string::npos) << r.status();
+  // The unread call ends: its answer's bytes leave the budget and the others run again.
+  ctx.TryCancel();
+  for (int i = 0; i < 200; ++i) {
+    r = client->Forward(small);
+    if (r.status().code() != absl::StatusCode::kResourceExhausted) break;
+    absl::SleepFor(absl::Milliseconds(25));
+  }
+  EXPECT_TRUE(r.ok()) << r.status();
+  call.reset();
+  cq.Shutdown();
+  poller.join();
 }
 
 // Error texts that quote request data stay short: a 20 kB id or a 5000-dim shape gets its

@@ -58,11 +58,10 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
             "out of KV pages: this Forward needs ", pages_needed, " more pages of ", page_size_,
             " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
             " are free (release finished sequences or create a larger cache)",
-            rewind_pages == 0
-                ? ""
-                : absl::StrCat("; its rewinds leave ", rewind_pages,
-                               " pages unused, freed only once a Forward completes: "
-                               "TruncateSequences first frees them"))),
+            rewind_pages == 0 ? ""
+                              : absl::StrCat("; its rewinds leave ", rewind_pages,
+                                             " pages unused, freed only once a Forward completes: "
+                                             "TruncateSequences first frees them"))),
         {"OUT_OF_PAGES",
          {{"pages_needed", pages_needed},
           {"free_pages", pool_.num_free()},
@@ -89,6 +88,9 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
       std::vector<int32_t> more = *pool_.Allocate(want - static_cast<int64_t>(seq.pages.size()));
       seq.pages.insert(seq.pages.end(), more.begin(), more.end());
     }
+    // A rewind: the old length's pages stay until this reservation ends (another layer's
+    // commit, rollback or truncation must not free them: a rollback restores that length).
+    if (new_len < old_len) seq.rewinding.emplace_back(layer, old_len);
     seq.layer_len[layer] = new_len;
     r.entries.push_back({s.seq_id, old_len, new_len});
   }
@@ -106,6 +108,9 @@ int64_t SequenceTable::RewindPages(int32_t layer, absl::Span<const SpanWrite> sp
     for (int32_t l = 0; l < num_layers_; ++l) {
       if (l != layer) longest = std::max(longest, seq.layer_len[l]);
     }
+    for (const auto& [l, len] : seq.rewinding) {
+      if (l != layer) longest = std::max(longest, len);
+    }
     pages += std::max<int64_t>(0, static_cast<int64_t>(seq.pages.size()) - PagesFor(longest));
   }
   return pages;
@@ -115,7 +120,11 @@ void SequenceTable::Commit(const Reservation& r) {
   // Growing a layer leaves the pages covering exactly the longest layer; only a rewind (a layer
   // now shorter than before) can leave pages no layer needs.
   for (const Reservation::Entry& e : r.entries) {
-    if (e.kv_len < e.old_len) Shrink(e.seq_id);
+    if (e.kv_len >= e.old_len) continue;
+    auto it = seqs_.find(e.seq_id);
+    if (it == seqs_.end()) continue;
+    EndRewind(it->second, r.layer);
+    Shrink(e.seq_id);
   }
 }
 
@@ -124,15 +133,26 @@ void SequenceTable::Rollback(const Reservation& r) {
     auto it = seqs_.find(e.seq_id);
     if (it == seqs_.end()) continue;
     it->second.layer_len[r.layer] = e.old_len;
+    EndRewind(it->second, r.layer);
     Shrink(e.seq_id);
   }
+}
+
+int64_t SequenceTable::Longest(const Sequence& seq) {
+  int64_t longest = *std::max_element(seq.layer_len.begin(), seq.layer_len.end());
+  for (const auto& [layer, len] : seq.rewinding) longest = std::max(longest, len);
+  return longest;
+}
+
+void SequenceTable::EndRewind(Sequence& seq, int32_t layer) {
+  std::erase_if(seq.rewinding, [layer](const auto& e) { return e.first == layer; });
 }
 
 void SequenceTable::Shrink(uint64_t seq_id) {
   auto it = seqs_.find(seq_id);
   if (it == seqs_.end()) return;
   Sequence& seq = it->second;
-  const int64_t longest = *std::max_element(seq.layer_len.begin(), seq.layer_len.end());
+  const int64_t longest = Longest(seq);
   const int64_t keep = PagesFor(longest);
   if (keep < static_cast<int64_t>(seq.pages.size())) {
     pool_.Free(absl::MakeConstSpan(seq.pages).subspan(static_cast<size_t>(keep)));

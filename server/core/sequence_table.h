@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -14,10 +15,15 @@
 namespace pagedattn {
 
 struct Sequence {
-  // Page i holds positions [i*page_size, (i+1)*page_size); outside a reservation, exactly the
-  // pages of the longest layer (never fewer: Reserve relies on it).
+  // Page i holds positions [i*page_size, (i+1)*page_size); exactly the pages of the longest
+  // layer, counting a layer a reservation rewinds at its length before it (never fewer:
+  // Reserve relies on it, and a rollback must find the old length's pages).
   std::vector<int32_t> pages;
   std::vector<int64_t> layer_len;  // Tokens written per layer.
+  // Layers a reservation in flight rewinds, with their lengths before it: until it commits, the
+  // pages those lengths need stay, whatever other layers do (a layer's reservations run one at
+  // a time, so a layer appears at most once).
+  std::vector<std::pair<int32_t, int64_t>> rewinding;
 };
 
 // One span's write request against the table.
@@ -69,6 +75,10 @@ class SequenceTable {
  private:
   // Pages the spans' rewinds of `layer` would leave unused once committed.
   int64_t RewindPages(int32_t layer, absl::Span<const SpanWrite> spans) const;
+  // The longest layer, a layer in a rewind in flight at its length before it.
+  static int64_t Longest(const Sequence& seq);
+  // Ends the reservation's rewind of `layer` (Commit, Rollback).
+  static void EndRewind(Sequence& seq, int32_t layer);
   // Drops pages beyond the longest layer; drops the sequence when every layer is empty.
   void Shrink(uint64_t seq_id);
 

@@ -106,6 +106,47 @@ TEST(SequenceTableTest, RollbackRestoresEverything) {
   EXPECT_EQ(t.pool().num_free(), 8);
 }
 
+// A reservation that rewinds a layer keeps the old length's pages until it ends: other layers'
+// commits, rollbacks and truncations in the meantime (their Forwards run at once) must not
+// free them, or its rollback would restore a length whose pages other sequences now hold.
+TEST(SequenceTableTest, RewindInFlightKeepsItsPagesWhileOtherLayersShrink) {
+  for (int other : {0, 1, 2}) {  // another layer's rewind committed, rolled back; a truncation
+    SCOPED_TRACE(other);
+    SequenceTable t(3, 16, 12);
+    for (int32_t l = 0; l < 3; ++l) t.Commit(*t.Reserve(l, {{1, 0, 64}}));  // 4 pages
+    const std::vector<int32_t> pages = t.Find(1)->pages;
+    absl::StatusOr<Reservation> rewind = t.Reserve(0, {{1, 0, 16}});  // layer 0 -> 16 tokens
+    ASSERT_TRUE(rewind.ok());
+    if (other == 2) {
+      EXPECT_EQ(t.Truncate(1, 1, 16), 0);
+      EXPECT_EQ(t.Truncate(2, 1, 16), 0);
+    } else {
+      for (int32_t l : {1, 2}) {
+        absl::StatusOr<Reservation> r = t.Reserve(l, {{1, 0, 16}});
+        ASSERT_TRUE(r.ok());
+        if (other == 0)
+          t.Commit(*r);
+        else
+          t.Rollback(*r);
+      }
+    }
+    EXPECT_EQ(t.Find(1)->pages, pages);
+    EXPECT_EQ(t.pool().num_free(), 8);
+    // No other sequence can take them, and the rollback finds the old length covered.
+    EXPECT_FALSE(t.Reserve(1, {{2, 0, 9 * 16}}).ok());
+    t.Rollback(*rewind);
+    EXPECT_EQ(t.Find(1)->layer_len[0], 64);
+    EXPECT_EQ(t.Find(1)->pages, pages);
+    EXPECT_EQ(t.pool().num_free(), 8);
+    // Committed instead, the rewind frees what no layer needs any more.
+    rewind = t.Reserve(0, {{1, 0, 16}});
+    ASSERT_TRUE(rewind.ok());
+    t.Commit(*rewind);
+    EXPECT_EQ(t.Find(1)->pages.size(), other == 1 ? 4u : 1u);
+    EXPECT_EQ(t.pool().num_free(), other == 1 ? 8 : 11);
+  }
+}
+
 TEST(SequenceTableTest, ReleaseFreesAllLayers) {
   SequenceTable t(2, 4, 10);
   t.Commit(*t.Reserve(0, {{1, 0, 9}}));

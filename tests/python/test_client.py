@@ -312,6 +312,19 @@ def test_rewind_then_rewrite_matches_reference(client, kv_dtypes):
         assert relative_error(out, ref) <= TOLERANCE[kv_dtypes[0]]
 
 
+def test_append_only_forward_takes_no_q(client, kv_dtypes):
+    rng = np.random.default_rng(14)
+    with client.create_cache(small_config(kv_dtypes[0])) as cache:
+        k, v = randn(rng, 10, 2, 64), randn(rng, 10, 2, 64)
+        out = cache.forward(0, [Span(1, 0, 10, 0)], None, k, v)
+        assert out.shape == (0, 4, 64)
+        q = randn(rng, 1, 4, 64)
+        out = cache.forward(0, [Span(1, 10, 0, 1)], q)
+        stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
+        ref, _ = reference_attention(q, stored(k), stored(v))
+        assert relative_error(out, ref) <= TOLERANCE[kv_dtypes[0]]
+
+
 def test_release_gives_pages_back(client, kv_dtypes):
     rng = np.random.default_rng(13)
     with client.create_cache(small_config(kv_dtypes[0])) as cache:

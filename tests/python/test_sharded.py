@@ -157,6 +157,10 @@ def test_layer_variants_shard_with_their_heads(client, shard_targets):
                      *qkv(rng, 12, 12, hq, hkv, NUMPY_DTYPE["bfloat16"]), return_lse=True)
                 both(ref, sh, layer, [Span.decode(1, 7), Span.decode(2, 5)],
                      *qkv(rng, 2, 2, hq, hkv, NUMPY_DTYPE["bfloat16"]), return_lse=True)
+            # Append only: no q (None) on either.
+            _, k, v = qkv(rng, 3, 0, hq, hkv, NUMPY_DTYPE["bfloat16"])
+            out = both(ref, sh, 0, [Span(1, 8, 3, 0)], None, k, v)
+            assert out.shape == (0, hq, 64)
 
 
 def test_torch_tensors_and_wire_dtype(client, shard_targets):

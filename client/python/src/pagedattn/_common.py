@@ -102,7 +102,7 @@ def forward_request(
     cache: Any,
     layer: int,
     spans: Sequence[SpanLike],
-    q: ArrayLike,
+    q: Optional[ArrayLike],
     k: Optional[ArrayLike],
     v: Optional[ArrayLike],
     causal: Optional[bool],
@@ -118,14 +118,15 @@ def forward_request(
 
 def _fill_qkv(
     req: pb.ForwardRequest,
-    q: ArrayLike,
+    q: Optional[ArrayLike],
     k: Optional[ArrayLike],
     v: Optional[ArrayLike],
     dtype: Optional[DTypeLike],
 ) -> None:
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither, when no span appends tokens)")
-    fill_tensor(req.q, q, dtype)
+    if q is not None:  # None: no span has queries (an append-only call)
+        fill_tensor(req.q, q, dtype)
     if k is not None:
         fill_tensor(req.k, k, dtype)
         fill_tensor(req.v, v, dtype)
@@ -141,7 +142,7 @@ def _fill_options(
     req.options.return_lse = checked_bool("return_lse", return_lse)
 
 
-def forward_result(resp: pb.ForwardResponse, q: ArrayLike, return_lse: bool) -> Any:
+def forward_result(resp: pb.ForwardResponse, q: Optional[ArrayLike], return_lse: bool) -> Any:
     out = from_tensor(resp.out, like=q)
     if not return_lse:
         return out
@@ -192,7 +193,7 @@ class StepMessages:
         self.dtype = dtype
 
     def request(
-        self, layer: int, q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike]
+        self, layer: int, q: Optional[ArrayLike], k: Optional[ArrayLike], v: Optional[ArrayLike]
     ) -> pb.ForwardRequest:
         """The message for `layer`: the opening one (spans, cache_id, options) after begin(),
         else only the layer and its tensors. Call sent() once it is on its way."""

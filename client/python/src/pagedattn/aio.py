@@ -130,7 +130,7 @@ class Client:
         cache: Any,
         layer: int,
         spans: Sequence[SpanLike],
-        q: ArrayLike,
+        q: Optional[ArrayLike],
         k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
         *,
@@ -316,7 +316,7 @@ class Step:
             self.cache_id = cache_id_of(cache)
 
     async def submit(
-        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        self, layer: int, q: Optional[ArrayLike], k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
     ) -> LayerFuture:
         """See pagedattn.client.Step.submit (the message is queued for the stream's writer
@@ -335,7 +335,7 @@ class Step:
         return future
 
     async def forward(
-        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        self, layer: int, q: Optional[ArrayLike], k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
     ) -> Any:
         """See pagedattn.client.Step.forward."""
@@ -469,7 +469,7 @@ class Cache:
     def config(self) -> pb.CacheConfig:
         return self.info.config
 
-    async def forward(self, layer: int, spans: Sequence[SpanLike], q: ArrayLike, k: Any = None,
+    async def forward(self, layer: int, spans: Sequence[SpanLike], q: Optional[ArrayLike], k: Any = None,
                       v: Any = None, **kwargs: Any) -> Any:
         return await self.client.forward(self, layer, spans, q, k, v, **kwargs)
 
@@ -603,7 +603,7 @@ class ShardedCache(sharded._ShardedCacheBase):
         self,
         layer: int,
         spans: Sequence[SpanLike],
-        q: ArrayLike,
+        q: Optional[ArrayLike],
         k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
         *,

@@ -157,7 +157,7 @@ class Client:
         cache: Any,
         layer: int,
         spans: Sequence[SpanLike],
-        q: ArrayLike,
+        q: Optional[ArrayLike],
         k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
         *,
@@ -174,7 +174,8 @@ class Client:
             spans: Span / (seq_id, start, num_new_tokens, num_queries) per sequence, in the
                 order of the rows of q and k/v.
             q: [total_queries, num_q_heads, head_dim], float32/float16/bfloat16 numpy array or
-                torch tensor (float64 travels as float32; CUDA tensors through host memory).
+                torch tensor (float64 travels as float32; CUDA tensors through host memory);
+                None when no span has queries (out then comes back empty, as numpy).
             k, v: [total_new_tokens, num_kv_heads, head_dim], same dtype; None when no span
                 appends tokens.
             causal: default True; sm_scale: default 1/sqrt(head_dim).
@@ -367,7 +368,7 @@ class Step:
                 self.cache_id = cache_id_of(cache)
 
     def submit(
-        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        self, layer: int, q: Optional[ArrayLike], k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
     ) -> LayerFuture:
         """Sends `layer` of the open step (q, k, v as in Client.forward) without waiting for
@@ -387,7 +388,7 @@ class Step:
         return future
 
     def forward(
-        self, layer: int, q: ArrayLike, k: Optional[ArrayLike] = None,
+        self, layer: int, q: Optional[ArrayLike], k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
     ) -> Any:
         """submit(layer, q, k, v).result(): sends the layer and waits for its answer, which is
@@ -516,7 +517,7 @@ class Cache:
         """The config with defaults resolved (num_pages set)."""
         return self.info.config
 
-    def forward(self, layer: int, spans: Sequence[SpanLike], q: ArrayLike, k: Any = None,
+    def forward(self, layer: int, spans: Sequence[SpanLike], q: Optional[ArrayLike], k: Any = None,
                 v: Any = None, **kwargs: Any) -> Any:
         """Client.forward on this cache."""
         return self.client.forward(self, layer, spans, q, k, v, **kwargs)

@@ -213,15 +213,16 @@ def _as_array(x: Any) -> Any:
 
 
 def split_heads(
-    q: ArrayLike, k: Optional[ArrayLike], v: Optional[ArrayLike], config: pb.CacheConfig,
+    q: Optional[ArrayLike], k: Optional[ArrayLike], v: Optional[ArrayLike], config: pb.CacheConfig,
     spans: Sequence[pb.Span], num_shards: int,
 ) -> list[tuple[Any, Any, Any]]:
     """(q, k, v) of each shard: views of its heads (dtypes kept; the request copies them).
     Their shapes are checked first, against the whole cache's `config` and the spans."""
     q, k, v = _as_array(q), _as_array(k), _as_array(v)
     num_q_heads, num_kv_heads, d = config.num_q_heads, config.num_kv_heads, config.head_dim
-    _check_shape(q, "q", [sum(s.num_queries for s in spans), num_q_heads, d],
-                 "total_queries, num_q_heads, head_dim")
+    if q is not None:  # None: no span has queries
+        _check_shape(q, "q", [sum(s.num_queries for s in spans), num_q_heads, d],
+                     "total_queries, num_q_heads, head_dim")
     new_tokens = sum(s.num_new_tokens for s in spans)
     for name, x in (("k", k), ("v", v)):
         if x is not None:
@@ -231,7 +232,7 @@ def split_heads(
     for i in range(num_shards):
         qh = head_range(num_q_heads, num_shards, i)
         kh = head_range(num_kv_heads, num_shards, i)
-        qs = q[:, qh.start:qh.stop]
+        qs = None if q is None else q[:, qh.start:qh.stop]
         ks = None if k is None else k[:, kh.start:kh.stop]
         vs = None if v is None else v[:, kh.start:kh.stop]
         parts.append((qs, ks, vs))
@@ -753,7 +754,7 @@ class ShardedCache(_ShardedCacheBase):
         self,
         layer: int,
         spans: Sequence[SpanLike],
-        q: ArrayLike,
+        q: Optional[ArrayLike],
         k: Optional[ArrayLike] = None,
         v: Optional[ArrayLike] = None,
         *,

@@ -138,9 +138,16 @@ absl::StatusOr<v1::CacheInfo> Client::GetCache(const std::string& cache_id) {
   return response;
 }
 
-absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches() {
-  PAGEDATTN_UNARY(ListCaches, v1::ListCachesRequest(), v1::ListCachesResponse);
-  return std::vector<v1::CacheInfo>(response.caches().begin(), response.caches().end());
+absl::StatusOr<std::vector<v1::CacheInfo>> Client::ListCaches(int32_t page_size) {
+  std::vector<v1::CacheInfo> all;
+  v1::ListCachesRequest request;
+  request.set_page_size(page_size);
+  while (true) {  // every page, each answer's token asking for the next
+    PAGEDATTN_UNARY(ListCaches, request, v1::ListCachesResponse);
+    all.insert(all.end(), response.caches().begin(), response.caches().end());
+    if (response.next_page_token().empty()) return all;
+    request.set_page_token(response.next_page_token());
+  }
 }
 
 absl::StatusOr<int64_t> Client::DeleteCache(const std::string& cache_id) {

@@ -110,7 +110,9 @@ class Client {
   absl::StatusOr<v1::CacheInfo> CreateCache(const v1::CacheConfig& config,
                                             const std::string& name = "");
   absl::StatusOr<v1::CacheInfo> GetCache(const std::string& cache_id);
-  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches();
+  // Every cache (of the caller's tenant), oldest first, asking page_size a call (0: as many as
+  // fit a message) until the last page.
+  absl::StatusOr<std::vector<v1::CacheInfo>> ListCaches(int32_t page_size = 0);
   absl::StatusOr<int64_t> DeleteCache(const std::string& cache_id);
   absl::StatusOr<v1::ForwardResponse> Forward(const v1::ForwardRequest& request);
   absl::StatusOr<v1::TruncateSequencesResponse> TruncateSequences(

@@ -122,6 +122,12 @@ constexpr bool SupportsSlidingWindow(BackendKind) { return true; }
 constexpr bool SupportsLogitSoftcap(BackendKind) { return true; }
 constexpr bool SupportsSinks(BackendKind) { return true; }
 inline constexpr int32_t kMaxSlidingWindow = 1 << 24;  // positions
+// logit_softcap's range: from float's smallest normal (a subnormal cap is zero to a GPU that
+// flushes subnormals, to the CPU backend not) to 2^64 (its scores in log2 units stay finite).
+inline constexpr float kMinLogitSoftcap = 0x1p-126f;
+inline constexpr float kMaxLogitSoftcap = 0x1p64f;
+// The largest sink logit magnitude (in log2 units a row's max and sum stay finite).
+inline constexpr float kMaxSinkMagnitude = 0x1p64f;
 
 constexpr bool IsSupportedGqaRatio(int num_q_heads, int num_kv_heads) {
   return num_kv_heads > 0 && num_q_heads > 0 && num_q_heads % num_kv_heads == 0 &&

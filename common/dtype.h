@@ -97,16 +97,24 @@ inline float E4m3ToFloat(uint8_t b) {
   return sign * std::ldexp(1.f + static_cast<float>(mant) / 8.f, exp - 7);
 }
 
-// An FP8 row's scale and its inverse: PER_TOKEN's from the row's largest finite magnitude (a
-// zero row: 1), so that the row's largest value is stored as 448. Stored = E4M3(x * inverse),
-// read back as float(stored) * scale; the GPU kernels compute both the same way.
+// The smallest largest magnitude a PER_TOKEN row takes a scale from: 2^-116, where the scale
+// (max / 448) is still a normal float and its inverse (448 / max) finite. A row below it (zeros
+// too) is stored as zeros of scale 1: an inverse past float's range made 0 * inf = NaN.
+inline constexpr float kFp8MinRowMax = 0x1p-116f;
+// The smallest STATIC scale: float's smallest normal, whose inverse (2^126) is finite.
+inline constexpr float kFp8MinStaticScale = 0x1p-126f;
+
+// An FP8 row's scale and its inverse: PER_TOKEN's from the row's largest finite magnitude (under
+// kFp8MinRowMax: 1), so that the row's largest value is stored as 448. Stored = E4M3(x *
+// inverse), read back as float(stored) * scale; the GPU kernels compute both the same way.
 struct Fp8RowScale {
   float scale = 1.f;
   float inverse = 1.f;
   static Fp8RowScale OfMax(float max_abs) {
-    if (!(max_abs > 0.f) || !std::isfinite(max_abs)) return {};
+    if (!(max_abs >= kFp8MinRowMax) || !std::isfinite(max_abs)) return {};
     return {max_abs / kE4m3Max, kE4m3Max / max_abs};
   }
+  // scale: at least kFp8MinStaticScale (CacheConfig validation).
   static Fp8RowScale Static(float scale) { return {scale, 1.f / scale}; }
 };
 

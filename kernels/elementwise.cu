@@ -53,7 +53,7 @@ __global__ void __launch_bounds__(256) AppendKvKernel(const __grid_constant__ Ap
 }
 
 // Into an FP8 cache: one warp per (token, head) row, K rows then V rows (blockIdx.y). PER_TOKEN:
-// the row's scale is its largest magnitude / 448 (1 for a row of zeros), found across the
+// the row's scale is its largest magnitude / 448 (1 under kFp8MinRowMax: zeros), found across the
 // warp and written beside the row; STATIC: the layer's. Values are stored as E4M3(x * (1 /
 // scale)), the host's StoreFp8Row to the bit (common/dtype.h Fp8RowScale).
 template <typename Src>
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(256)
       for (int m = 16; m > 0; m >>= 1) {
         max_abs = fmaxf(max_abs, __shfl_xor_sync(0xffffffffu, max_abs, m));
       }
-      const bool usable = max_abs > 0.f;
+      const bool usable = max_abs >= kFp8MinRowMax;  // else zeros of scale 1 (common/dtype.h)
       scale = usable ? max_abs / 448.f : 1.f;
       inverse = usable ? 448.f / max_abs : 1.f;
     }
@@ -203,8 +203,8 @@ LaunchStatus LaunchDequantizePages(const PagedAttentionParams& params, cudaStrea
   constexpr int kThreads = 256;
   const int64_t work = int64_t{params.num_dequant_pages} * params.num_kv_heads * params.page_size *
                        (params.head_dim / 16);
-  return launcher.Launch(DequantizePagesKernel, dim3(GridFor(work, kThreads), 2), dim3(kThreads),
-                         0, stream, params, "dequantize FP8 pages");
+  return launcher.Launch(DequantizePagesKernel, dim3(GridFor(work, kThreads), 2), dim3(kThreads), 0,
+                         stream, params, "dequantize FP8 pages");
 }
 
 LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType dst_dtype, int64_t n,
@@ -215,8 +215,8 @@ LaunchStatus LaunchConvert(const void* src, DType src_dtype, void* dst, DType ds
     return DispatchIoDType(dst_dtype, [&](auto dst_tag) {
       using Dst = typename decltype(dst_tag)::type;
       constexpr int kThreads = 256;
-      return launcher.Launch(ConvertKernel<Src, Dst>, dim3(GridFor(n, kThreads)), dim3(kThreads),
-                             0, stream, ConvertParams{src, dst, n}, "convert");
+      return launcher.Launch(ConvertKernel<Src, Dst>, dim3(GridFor(n, kThreads)), dim3(kThreads), 0,
+                             stream, ConvertParams{src, dst, n}, "convert");
     });
   });
 }

@@ -92,7 +92,8 @@ ABSL_FLAG(BackendChoice, backend, BackendChoice::kAuto,
           "without a usable GPU");
 ABSL_FLAG(int64_t, max_message_mb, 512,
           "largest request or response, MiB (1..2047). A Forward carries q, k and v in and out "
-          "(and lse) back; one whose answer would be larger is refused before anything is written");
+          "(and lse) back; one whose answer would be larger is refused before anything is written, "
+          "and a cache whose one query's answer would be is refused at CreateCache");
 ABSL_FLAG(
     int64_t, request_memory_mb, 0,
     "memory for requests in flight, MiB: gRPC's receive buffers are held to it (past it "

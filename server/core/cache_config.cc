@@ -11,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "common/dtype.h"
 #include "server/core/error_info.h"
 
 namespace pagedattn {
@@ -64,18 +65,18 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
   if (n > 1 && static_cast<int64_t>(n) != c.num_layers) {
     violate("layers", absl::StrCat("layers must have 0, 1 (every layer) or num_layers=",
                                    c.num_layers, " entries (got ", n, ")"));
-    return;
   }
+  // Counted as the cache holds them: one entry's sinks for every layer.
   int64_t sink_values = 0;
   for (const LayerAttentionRequest& l : c.layers) {
     sink_values += static_cast<int64_t>(l.sinks.size());
   }
+  if (n == 1) sink_values *= std::max<int64_t>(c.num_layers, 0);
   if (sink_values > kMaxSinkValues) {
-    violate("layers",
-            absl::StrCat("the layers' sinks hold ", sink_values, " values in all; at most ",
-                         kMaxSinkValues, " (a config travels in every answer that describes its "
-                         "cache)"));
-    return;
+    violate("layers", absl::StrCat("the layers' sinks hold ", sink_values, " values in all",
+                                   n == 1 ? " (one entry's, for each of num_layers layers)" : "",
+                                   "; at most ", kMaxSinkValues,
+                                   " (a config travels in every answer that describes its cache)"));
   }
   for (size_t i = 0; i < n; ++i) {
     const LayerAttentionRequest& l = c.layers[i];
@@ -95,10 +96,14 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
     }
     if (l.logit_softcap.has_value() &&
         !unsupported("logit_softcap", SupportsLogitSoftcap(backend)) &&
-        !(std::isfinite(*l.logit_softcap) && *l.logit_softcap > 0)) {
-      violate(at + "logit_softcap",
-              absl::StrCat("logit_softcap must be positive and finite, or unset for none (got ",
-                           *l.logit_softcap, ")"));
+        !(*l.logit_softcap >= kMinLogitSoftcap && *l.logit_softcap <= kMaxLogitSoftcap)) {
+      violate(at + "logit_softcap", absl::StrCat("logit_softcap must be in ", kMinLogitSoftcap,
+                                                 " (float's smallest "
+                                                 "normal value) .. ",
+                                                 kMaxLogitSoftcap,
+                                                 " (2^64), or unset for none "
+                                                 "(got ",
+                                                 *l.logit_softcap, ")"));
     }
     if (!l.sinks.empty() && !unsupported("sinks", SupportsSinks(backend))) {
       if (static_cast<int64_t>(l.sinks.size()) != c.num_q_heads) {
@@ -106,9 +111,9 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
                                            " values, one per q head (got ", l.sinks.size(), ")"));
       } else {
         for (size_t h = 0; h < l.sinks.size(); ++h) {
-          if (!std::isfinite(l.sinks[h])) {
-            violate(at + "sinks",
-                    absl::StrCat("sinks must be finite (sinks[", h, "] is ", l.sinks[h], ")"));
+          if (!(std::fabs(l.sinks[h]) <= kMaxSinkMagnitude)) {
+            violate(at + "sinks", absl::StrCat("sinks must be finite, within +-", kMaxSinkMagnitude,
+                                               " (2^64) (sinks[", h, "] is ", l.sinks[h], ")"));
             break;
           }
         }
@@ -118,20 +123,21 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
 }
 
 // An FP8 cache's scaling: kv_scaling only on FP8, STATIC with its scales (2 or 2 * num_layers,
-// positive and finite), scales only with STATIC. Never a silent scale of 1.
+// finite, normal and positive), scales only with STATIC. Never a silent scale of 1.
 template <typename Violate>
 void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
   const bool fp8 = c.kv_dtype == DType::kFloat8E4M3;
   const int scaling = static_cast<int>(c.kv_scaling);
   if (scaling < 0 || scaling > 2) {
-    violate("kv_scaling", absl::StrCat("kv_scaling must be PER_TOKEN or STATIC, or unset (got ",
-                                       scaling, ")"));
+    violate("kv_scaling",
+            absl::StrCat("kv_scaling must be PER_TOKEN or STATIC, or unset (got ", scaling, ")"));
     return;
   }
   if (!fp8 && c.kv_scaling != KvScaling::kUnspecified) {
     violate("kv_scaling",
-            absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (kv_dtype is ",
-                         DTypeName(c.kv_dtype), "); leave it unset"));
+            absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (got kv_scaling ",
+                         c.kv_scaling == KvScaling::kStatic ? "STATIC" : "PER_TOKEN",
+                         " with kv_dtype ", DTypeName(c.kv_dtype), "); leave it unset"));
   }
   if (c.kv_scaling == KvScaling::kStatic) {
     const size_t n = c.kv_scales.size();
@@ -139,13 +145,16 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
       violate("kv_scales",
               absl::StrCat("kv_scaling STATIC needs kv_scales: K's and V's scale for every layer "
                            "(2 values) or per layer (2 x num_layers = ",
-                           2 * int64_t{c.num_layers}, ") (got ", n,
-                           "); PER_TOKEN needs none"));
+                           2 * int64_t{c.num_layers}, ") (got ", n, "); PER_TOKEN needs none"));
     } else {
       for (size_t i = 0; i < n; ++i) {
-        if (!(std::isfinite(c.kv_scales[i]) && c.kv_scales[i] > 0.f)) {
-          violate("kv_scales", absl::StrCat("kv_scales must be positive and finite (kv_scales[",
-                                            i, "] is ", c.kv_scales[i], ")"));
+        // Float's smallest normal and up: an inverse (what values are stored times) that
+        // overflows made 0 * inf = NaN of a zero.
+        if (!(std::isfinite(c.kv_scales[i]) && c.kv_scales[i] >= kFp8MinStaticScale)) {
+          violate("kv_scales",
+                  absl::StrCat("kv_scales must be finite and at least ", kFp8MinStaticScale,
+                               " (float's smallest normal value) (kv_scales[", i, "] is ",
+                               c.kv_scales[i], ")"));
           break;
         }
       }
@@ -216,11 +225,10 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
     }
   }
   if (!IsSupportedHeadDim(ctx.backend, c.head_dim)) {
-    violate("head_dim",
-            absl::StrCat("head_dim must be one of ", HeadDimList(ctx.backend), " on the ",
-                         ctx.backend == BackendKind::kCuda ? "cuda" : "cpu", " backend (got ",
-                         c.head_dim, "; nearest valid: ", NearestHeadDim(ctx.backend, c.head_dim),
-                         ")"));
+    violate("head_dim", absl::StrCat("head_dim must be one of ", HeadDimList(ctx.backend),
+                                     " on the ", ctx.backend == BackendKind::kCuda ? "cuda" : "cpu",
+                                     " backend (got ", c.head_dim, "; nearest valid: ",
+                                     NearestHeadDim(ctx.backend, c.head_dim), ")"));
   }
   if (!IsSupportedPageSize(c.page_size)) {
     const int nearest = c.page_size < kMinPageSize ? kMinPageSize : kMaxPageSize;
@@ -258,6 +266,19 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   }
   ValidateLayers(c, ctx.backend, violate);
   ValidateScaling(c, violate);
+  // One query's answer at its largest (float32, with its lse) and its row of q must fit a
+  // message, or every Forward that queries would be refused (256 bytes: a message's framing).
+  if (ctx.max_message_bytes > 0 && r.violations.empty()) {
+    const int64_t one_query = int64_t{c.num_q_heads} * (int64_t{c.head_dim} * 4 + 4) + 256;
+    if (one_query > ctx.max_message_bytes) {
+      violate("num_q_heads",
+              absl::StrCat("one query's answer, num_q_heads=", c.num_q_heads, " x head_dim=",
+                           c.head_dim, " float32 values with its lse, takes ", one_query,
+                           " bytes, over the server's largest message of ", ctx.max_message_bytes,
+                           " bytes (--max_message_mb): no Forward could answer a query; spread "
+                           "the heads over several caches or raise --max_message_mb"));
+    }
+  }
   if (!r.violations.empty()) return r;
 
   CacheGeometry g;
@@ -270,8 +291,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   g.device = c.device;
   g.layers = ResolveLayers(c);
   if (c.kv_dtype == DType::kFloat8E4M3) {
-    g.kv_scaling =
-        c.kv_scaling == KvScaling::kUnspecified ? KvScaling::kPerToken : c.kv_scaling;
+    g.kv_scaling = c.kv_scaling == KvScaling::kUnspecified ? KvScaling::kPerToken : c.kv_scaling;
     if (g.kv_scaling == KvScaling::kStatic) {
       for (int32_t l = 0; l < c.num_layers; ++l) {
         const size_t at = c.kv_scales.size() == 2 ? 0 : 2 * static_cast<size_t>(l);

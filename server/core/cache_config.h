@@ -30,9 +30,9 @@ struct CacheConfigRequest {
   std::optional<int64_t> num_pages;  // Exactly one of num_pages / max_bytes, or neither.
   std::optional<int64_t> max_bytes;
   int32_t device = 0;
-  std::vector<LayerAttentionRequest> layers;  // Empty, one (every layer), or num_layers.
+  std::vector<LayerAttentionRequest> layers;       // Empty, one (every layer), or num_layers.
   KvScaling kv_scaling = KvScaling::kUnspecified;  // FP8 caches only; unset: kPerToken.
-  std::vector<float> kv_scales;                     // kStatic: 2 or 2 * num_layers values.
+  std::vector<float> kv_scales;                    // kStatic: 2 or 2 * num_layers values.
 };
 
 struct FieldViolation {
@@ -47,6 +47,9 @@ struct ValidationContext {
   int64_t free_bytes = 0;  // Memory free for pools on the requested device.
   // What free_bytes is, for messages: "free on device 0", or the pool budget that bounds it.
   std::string free_bytes_source = "free";
+  // The server's largest message (--max_message_mb), which one query's answer (and its row of
+  // q) must fit; 0: no bound.
+  int64_t max_message_bytes = 0;
 };
 
 struct ValidationResult {

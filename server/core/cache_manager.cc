@@ -8,6 +8,7 @@
 #include <random>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "server/core/error_info.h"
@@ -61,6 +62,7 @@ ValidationContext CacheManager::ContextFor(int32_t device) const {
   ValidationContext ctx;
   ctx.backend = backend_->kind();
   ctx.device_count = backend_->device_count();
+  ctx.max_message_bytes = limits_.forward.max_response_bytes;
   if (device >= 0 && device < ctx.device_count) {
     absl::StatusOr<MemoryInfo> mem = backend_->memory(device);
     ctx.free_bytes = mem.ok() ? mem->free_bytes : 0;
@@ -130,6 +132,30 @@ std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner)
       std::remove_if(out.begin(), out.end(), [&](const auto& c) { return c->owner() != owner; }),
       out.end());
   return out;
+}
+
+std::string CacheManager::ListToken(const Cache& cache) {
+  return absl::StrCat(cache.created_unix_ms(), ":", cache.id());
+}
+
+absl::StatusOr<std::vector<std::shared_ptr<Cache>>> CacheManager::ListAfter(
+    const std::string& owner, const std::string& after) const {
+  std::vector<std::shared_ptr<Cache>> all = List(owner);
+  if (after.empty()) return all;
+  const size_t colon = after.find(':');
+  int64_t created_ms = 0;
+  if (colon == std::string::npos || !absl::SimpleAtoi(after.substr(0, colon), &created_ms)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("page_token '", absl::CHexEscape(after.substr(0, 64)),
+                     "' is not one this server gave (pass an answer's next_page_token, or "
+                     "nothing for the first page)"));
+  }
+  const std::string id = after.substr(colon + 1);
+  auto past = [&](const std::shared_ptr<Cache>& c) {
+    return c->created_unix_ms() != created_ms ? c->created_unix_ms() > created_ms : c->id() > id;
+  };
+  all.erase(all.begin(), std::find_if(all.begin(), all.end(), past));
+  return all;
 }
 
 std::vector<std::shared_ptr<Cache>> CacheManager::ListAll() const {

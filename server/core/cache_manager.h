@@ -37,7 +37,15 @@ class CacheManager {
                                                 const StopToken& stop = {});
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
+  // The owner's caches, oldest first (by creation time, then id).
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
+  // The owner's caches after the one whose ListToken is `after` ("": from the first), in List's
+  // order: a page of a listing goes on there even where caches were deleted in between. An
+  // `after` that no ListToken could be is INVALID_ARGUMENT.
+  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> ListAfter(const std::string& owner,
+                                                                const std::string& after) const;
+  // Where a listing stands once it has given this cache.
+  static std::string ListToken(const Cache& cache);
   // Every tenant's caches (for metrics).
   std::vector<std::shared_ptr<Cache>> ListAll() const;
   // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference.

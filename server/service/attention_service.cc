@@ -3,6 +3,7 @@
 
 #include <chrono>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <optional>
 
@@ -201,13 +202,36 @@ grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx,
 }
 
 grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx,
-                                              const v1::ListCachesRequest*,
+                                              const v1::ListCachesRequest* req,
                                               v1::ListCachesResponse* resp) {
-  return Handle("ListCaches", ctx, [&](Rpc& rpc) {
-    for (const std::shared_ptr<Cache>& cache : manager_->List(rpc.tenant())) {
-      v1::CacheInfo* info = resp->add_caches();
-      ToProto(*cache, info);
-      info->mutable_stats()->set_memory_regions(regions_->CountFor(cache->id()));
+  return Handle("ListCaches", ctx, [&](Rpc& rpc) -> absl::Status {
+    if (req->page_size() < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("page_size must be >= 0 (0: as many as fit a message; got ",
+                       req->page_size(), ")"));
+    }
+    absl::StatusOr<std::vector<std::shared_ptr<Cache>>> caches =
+        manager_->ListAfter(rpc.tenant(), req->page_token());
+    if (!caches.ok()) return caches.status();
+    // A page ends at page_size caches or where the next would take the answer past the largest
+    // message (a config with many sinks is large); it holds at least one.
+    const int64_t limit = manager_->limits().forward.max_response_bytes;
+    const int64_t max_bytes = limit > 0 ? limit - 1024 : std::numeric_limits<int64_t>::max();
+    int64_t bytes = 0;
+    for (size_t i = 0; i < caches->size(); ++i) {
+      const Cache& cache = *(*caches)[i];
+      v1::CacheInfo info;
+      ToProto(cache, &info);
+      info.mutable_stats()->set_memory_regions(regions_->CountFor(cache.id()));
+      const int64_t size = static_cast<int64_t>(info.ByteSizeLong()) + 8;
+      const bool full = (req->page_size() > 0 && i == static_cast<size_t>(req->page_size())) ||
+                        (i > 0 && bytes + size > max_bytes);
+      if (full) {
+        resp->set_next_page_token(CacheManager::ListToken(*(*caches)[i - 1]));
+        break;
+      }
+      bytes += size;
+      *resp->add_caches() = std::move(info);
     }
     return absl::OkStatus();
   });

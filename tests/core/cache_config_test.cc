@@ -5,6 +5,9 @@
 
 #include <limits>
 
+#include "common/capabilities.h"
+#include "common/dtype.h"
+
 namespace pagedattn {
 namespace {
 
@@ -196,7 +199,6 @@ TEST(CacheConfigTest, TooLargeForMemoryIsResourceExhaustedWithNumbers) {
   EXPECT_NE(s.message().find("12345678"), std::string::npos);
 }
 
-
 TEST(CacheConfigTest, LayerVariantsResolvePerLayer) {
   CacheConfigRequest c = Valid();  // 4 layers: Gemma-style, windowed and global alternating
   LayerAttentionRequest windowed, global;
@@ -239,9 +241,9 @@ TEST(CacheConfigTest, LayerVariantRulesNameTheFieldAndTheValue) {
   c.layers[3].sinks.assign(32, 0.f);
   c.layers[3].sinks[5] = std::numeric_limits<float>::infinity();
   r = ValidateCacheConfig(c, Ctx());
-  EXPECT_EQ(Fields(r), (std::vector<std::string>{"layers[0].sliding_window",
-                                                 "layers[1].logit_softcap", "layers[2].sinks",
-                                                 "layers[3].sinks"}));
+  EXPECT_EQ(Fields(r),
+            (std::vector<std::string>{"layers[0].sliding_window", "layers[1].logit_softcap",
+                                      "layers[2].sinks", "layers[3].sinks"}));
   EXPECT_NE(r.violations[0].description.find("(got 0)"), std::string::npos);
   EXPECT_NE(r.violations[2].description.find("num_q_heads=32"), std::string::npos);
   EXPECT_NE(r.violations[3].description.find("sinks[5]"), std::string::npos);
@@ -262,6 +264,43 @@ TEST(CacheConfigTest, SinksOfEveryLayerAreBoundedInAll) {
   EXPECT_NE(r.violations[0].description.find("65792 values in all; at most 65536"),
             std::string::npos)
       << r.violations[0].description;
+  // One entry stands for every layer: counted as the cache holds it (257 x 256).
+  c.layers = {sinks};
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(Fields(r), std::vector<std::string>{"layers"});
+  EXPECT_NE(r.violations[0].description.find("65792 values in all (one entry's"), std::string::npos)
+      << r.violations[0].description;
+  c.num_layers = 256;
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
+}
+
+// Caps and sinks whose arithmetic leaves float's range (a cap's inverse, a sink in log2 units),
+// or that a GPU flushing subnormals reads as zero, are refused with the range; the range's ends
+// are accepted.
+TEST(CacheConfigTest, VariantValuesStayWithinFloatsRange) {
+  CacheConfigRequest c = Valid();
+  c.layers.assign(1, LayerAttentionRequest{});
+  for (float cap : {1e-39f, 1e-45f, 1e30f, std::numeric_limits<float>::max()}) {
+    c.layers[0].logit_softcap = cap;
+    ValidationResult r = ValidateCacheConfig(c, Ctx());
+    ASSERT_EQ(Fields(r), std::vector<std::string>{"layers[0].logit_softcap"}) << cap;
+    EXPECT_NE(r.violations[0].description.find("must be in"), std::string::npos)
+        << r.violations[0].description;
+  }
+  for (float cap : {kMinLogitSoftcap, kMaxLogitSoftcap, 30.f}) {
+    c.layers[0].logit_softcap = cap;
+    EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid()) << cap;
+  }
+  c.layers[0].logit_softcap.reset();
+  c.layers[0].sinks.assign(32, 0.5f);
+  for (float sink : {3e38f, -1e20f}) {
+    c.layers[0].sinks[7] = sink;
+    ValidationResult r = ValidateCacheConfig(c, Ctx());
+    ASSERT_EQ(Fields(r), std::vector<std::string>{"layers[0].sinks"}) << sink;
+    EXPECT_NE(r.violations[0].description.find("sinks[7]"), std::string::npos);
+  }
+  c.layers[0].sinks[7] = -kMaxSinkMagnitude;
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
 }
 
 TEST(CacheConfigTest, LayerVariantsRunOnEveryBackend) {
@@ -277,6 +316,22 @@ TEST(CacheConfigTest, LayerVariantsRunOnEveryBackend) {
                            << Fields(r).size() << " violations";
     EXPECT_EQ(r.geometry.layers.size(), 4u);  // one entry: every layer alike
   }
+}
+
+// A config whose one query's answer cannot fit the server's largest message would have every
+// Forward that queries refused: it is refused at creation, naming the sizes.
+TEST(CacheConfigTest, OneQuerysAnswerMustFitAMessage) {
+  CacheConfigRequest c = Valid();  // 32 heads x 128: 32 x 516 + 256 = 16768 bytes
+  ValidationContext ctx = Ctx();
+  ctx.max_message_bytes = 16768;
+  EXPECT_TRUE(ValidateCacheConfig(c, ctx).valid());
+  ctx.max_message_bytes = 16767;
+  ValidationResult r = ValidateCacheConfig(c, ctx);
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"num_q_heads"});
+  EXPECT_NE(r.violations[0].description.find("takes 16768 bytes, over the server's largest "
+                                             "message of 16767 bytes (--max_message_mb)"),
+            std::string::npos)
+      << r.violations[0].description;
 }
 
 // FP8: PER_TOKEN by default, its rows' scales counted in the page's bytes; STATIC with its
@@ -316,13 +371,17 @@ TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
       << r.violations[0].description;
   c.kv_scales = {1.f, 2.f, 3.f};  // neither 2 nor 2 x num_layers
   EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scales"});
-  for (float bad : {0.f, -1.f, std::numeric_limits<float>::infinity(),
+  // A subnormal scale's inverse overflows (the values it stores would read 0 * inf = NaN).
+  for (float bad : {0.f, -1.f, 1e-39f, std::numeric_limits<float>::infinity(),
                     std::numeric_limits<float>::quiet_NaN()}) {
     c.kv_scales = {1.f, bad};
     r = ValidateCacheConfig(c, Ctx());
     ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scales"}) << bad;
     EXPECT_NE(r.violations[0].description.find("kv_scales[1]"), std::string::npos);
+    EXPECT_NE(r.violations[0].description.find("at least"), std::string::npos);
   }
+  c.kv_scales = {kFp8MinStaticScale, 1.f};
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
   c.kv_scaling = KvScaling::kPerToken;  // scales without STATIC
   c.kv_scales = {1.f, 1.f};
   EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scales"});
@@ -331,6 +390,7 @@ TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
   r = ValidateCacheConfig(c, Ctx());
   ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scaling"});
   EXPECT_NE(r.violations[0].description.find("BFLOAT16"), std::string::npos);
+  EXPECT_NE(r.violations[0].description.find("PER_TOKEN"), std::string::npos);
   c.kv_scaling = static_cast<KvScaling>(7);
   EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scaling"});
 }

@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <limits>
 #include <tuple>
 
 #include "tests/fp8_sweep.h"
@@ -183,9 +185,7 @@ TEST(CpuAttentionTest, EachOptionChangesTheAnswer) {
   EXPECT_NE(run(sinks), plain);
 }
 
-
 // ---- FP8 E4M3 caches ----------------------------------------------------------------------
-
 
 // The conversion over all 256 codes and the edges: every finite code reads back and converts to
 // itself, halfway values go to the even code, values past 448 (and infinities) saturate, NaN
@@ -200,7 +200,7 @@ TEST(Fp8Test, E4m3RoundsToNearestEvenAndSaturates) {
     EXPECT_EQ(FloatToE4m3(x), code == 0x80 ? 0x80 : code) << code << " " << x;
   }
   EXPECT_EQ(E4m3ToFloat(0x7e), 448.f);
-  EXPECT_EQ(E4m3ToFloat(0x01), 0.001953125f);  // the smallest subnormal, 2^-9
+  EXPECT_EQ(E4m3ToFloat(0x01), 0.001953125f);           // the smallest subnormal, 2^-9
   EXPECT_EQ(FloatToE4m3(1.0625f), FloatToE4m3(1.f));    // halfway to 1.125: to even (1.0)
   EXPECT_EQ(FloatToE4m3(1.1875f), FloatToE4m3(1.25f));  // halfway 1.125..1.25: to even (1.25)
   EXPECT_EQ(FloatToE4m3(0.0029296875f), 0x02);          // 1.5 subnormal steps: to 2
@@ -209,6 +209,39 @@ TEST(Fp8Test, E4m3RoundsToNearestEvenAndSaturates) {
     EXPECT_EQ(FloatToE4m3(-big), 0xfe) << big;
   }
   EXPECT_TRUE(std::isnan(E4m3ToFloat(FloatToE4m3(std::numeric_limits<float>::quiet_NaN()))));
+}
+
+// A PER_TOKEN row whose largest magnitude is under kFp8MinRowMax is stored as zeros of scale 1:
+// its inverse (448 / max) past float's range stored NaN for its zeros (0 * inf). STATIC's
+// smallest scale keeps a finite inverse. Through a cache: rows of 1e-40 with every other
+// channel exactly zero answer without NaN.
+TEST(Fp8Test, RowsTooSmallForAScaleAreStoredAsZeros) {
+  for (float max_abs : {1e-40f, 1e-37f, 0x1p-120f}) {
+    const Fp8RowScale s = Fp8RowScale::OfMax(max_abs);
+    EXPECT_EQ(s.scale, 1.f) << max_abs;
+    EXPECT_EQ(FloatToE4m3(0.f * s.inverse), 0) << max_abs;
+  }
+  const Fp8RowScale smallest = Fp8RowScale::OfMax(kFp8MinRowMax);
+  EXPECT_TRUE(std::isfinite(smallest.inverse));
+  EXPECT_GE(smallest.scale, std::numeric_limits<float>::min());  // a normal float
+  EXPECT_TRUE(std::isfinite(Fp8RowScale::Static(kFp8MinStaticScale).inverse));
+  for (KvScaling scaling : {KvScaling::kPerToken, KvScaling::kStatic}) {
+    CacheGeometry g = MakeGeometry(1, 4, 1, 64, 16, DType::kFloat8E4M3, 8);
+    g.kv_scaling = scaling;
+    if (scaling == KvScaling::kStatic) g.kv_scales = {kFp8MinStaticScale, kFp8MinStaticScale};
+    std::unique_ptr<Cache> cache = MakeCache(g);
+    ForwardModel m(g, DType::kFloat32, 3);
+    m.SetKvShape(1e-40f, 2, 0.f);  // even channels exactly zero
+    for (const auto& step :
+         std::vector<std::vector<testing::SpanCase>>{{{1, 0, 40, 40}}, {{1, 40, 1, 1}}}) {
+      const ForwardModel::Outcome o = m.Run(*cache, 0, step);
+      ASSERT_TRUE(o.status.ok()) << o.status;
+      const int64_t n = static_cast<int64_t>(o.result.out.size() / 4);
+      const float* out = reinterpret_cast<const float*>(o.result.out.data());
+      EXPECT_TRUE(std::all_of(out, out + n, [](float x) { return std::isfinite(x); }))
+          << (scaling == KvScaling::kStatic ? "static" : "per-token");
+    }
+  }
 }
 
 // (scaling, page size, gqa): the FP8 sweep (tests/fp8_sweep.h) on the CPU backend, every

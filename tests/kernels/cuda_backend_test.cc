@@ -15,6 +15,7 @@
 #include <map>
 #include <memory>
 #include <numeric>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -315,8 +316,8 @@ CaseSpec WideSeparateMergeCase(int gqa, int head_dim) {
   c.page_size = 16;
   c.steps = {{{30000, 0}, {6000, 0}}, {{queries, queries}, {queries, queries}}};
   const kernels::AttentionWork work =
-      PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}},
-                  gqa, 1, c.cache_dtype, head_dim);
+      PlannedWork({{0, 0, queries, 30000 + queries}, {queries, 1876, queries, 6000 + queries}}, gqa,
+                  1, c.cache_dtype, head_dim);
   EXPECT_TRUE(work.separate_merge) << "the case no longer reaches the separate merge";
   kernels::AttentionPlanLimits limits;
   EXPECT_TRUE(
@@ -372,9 +373,10 @@ struct VariantCase {
   bool sinks;
 };
 constexpr VariantCase kVariants[] = {
-    {"window4", 4, 0.f, false},   {"window33", 33, 0.f, false}, {"window300", 300, 0.f, false},
-    {"softcap2", 0, 2.f, false},  {"softcap30", 0, 30.f, false}, {"sinks", 0, 0.f, true},
-    {"all", 20, 5.f, true},       {"all_wide", 1000, 50.f, true},
+    {"window4", 4, 0.f, false},     {"window33", 33, 0.f, false},
+    {"window300", 300, 0.f, false}, {"softcap2", 0, 2.f, false},
+    {"softcap30", 0, 30.f, false},  {"sinks", 0, 0.f, true},
+    {"all", 20, 5.f, true},         {"all_wide", 1000, 50.f, true},
     {"softcap100", 0, 100.f, false}};  // past the fixed softmax base (Softcap::bounded)
 
 TEST_F(CudaKernelTest, VariantSweep) {
@@ -425,9 +427,8 @@ TEST_F(CudaKernelTest, HeadDim512SplitTiles) {
     c.sinks = v.sinks;
     c.cache_dtype = index == 1 ? DType::kFloat16 : DType::kBFloat16;
     c.q_dtype = index == 1 ? DType::kFloat16 : DType::kFloat32;
-    c.steps = {{{6000, 0}, {129, 129}, {40, 0}},
-               {{1, 1}, {64, 64}, {1, 1}},
-               {{1, 1}, {1, 1}, {8, 8}}};
+    c.steps = {
+        {{6000, 0}, {129, 129}, {40, 0}}, {{1, 1}, {64, 64}, {1, 1}}, {{1, 1}, {1, 1}, {8, 8}}};
     c.seed = 5120 + index++;
     SCOPED_TRACE(v.name);
     RunCase(*backend_, c);
@@ -1384,8 +1385,8 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   for (KvScaling scaling : {KvScaling::kPerToken, KvScaling::kStatic}) {
     for (int dim : kCudaHeadDims) {
       const int page = index % 2 ? 16 : 7, gqa = index % 3 == 0 ? 8 : 4;
-      CacheGeometry g = testing::MakeGeometry(1, 2 * gqa, 2, dim, page, DType::kFloat8E4M3,
-                                              3000 / page + 50);
+      CacheGeometry g =
+          testing::MakeGeometry(1, 2 * gqa, 2, dim, page, DType::kFloat8E4M3, 3000 / page + 50);
       g.kv_scaling = scaling;
       // STATIC: calibrated to the data below (x100, outlier channels x30): 4 sigma of the largest.
       if (scaling == KvScaling::kStatic) g.kv_scales = {12000.f / 448.f, 15000.f / 448.f};
@@ -1405,8 +1406,9 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
           o[b] = models[b].Run(*caches[b], 0, steps[si]);
           ASSERT_TRUE(o[b].status.ok()) << o[b].status;
         }
-        const std::string what = absl::StrCat(scaling == KvScaling::kStatic ? "static" : "per-token",
-                                              " d ", dim, " page ", page, " step ", si);
+        const std::string what =
+            absl::StrCat(scaling == KvScaling::kStatic ? "static" : "per-token", " d ", dim,
+                         " page ", page, " step ", si);
         const int64_t n = static_cast<int64_t>(o[0].result.out.size() / 2);
         std::vector<float> a = testing::Decode(DType::kBFloat16, o[0].result.out.data(), n);
         std::vector<float> b = testing::Decode(DType::kBFloat16, o[1].result.out.data(), n);
@@ -1426,6 +1428,81 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   }
 }
 
+// The ends of what a config may hold answer on the GPU as on the CPU backend, with no NaN:
+// caps at the range's ends (the smallest with a large sm_scale too, whose quotient passes
+// float's range), sinks of +-2^64, an FP8 cache's rows under kFp8MinRowMax (zeros of scale 1)
+// and STATIC's smallest scale; prefill and decode tiles both.
+TEST_F(CudaKernelTest, ExtremeAcceptedValuesAnswerAsOnTheCpu) {
+  CpuBackend cpu;
+  struct Extreme {
+    const char* name;
+    float softcap;                  // 0: none
+    float sink;                     // 0: none
+    KvScaling fp8;                  // kUnspecified: a bfloat16 cache
+    float kv_scale;                 // K and V drawn at this scale
+    std::optional<float> sm_scale;  // unset: the default
+  };
+  constexpr KvScaling kBf16 = KvScaling::kUnspecified;
+  const Extreme cases[] = {
+      {"smallest cap", kMinLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt},
+      {"smallest cap, sm_scale 1e30", kMinLogitSoftcap, 0.f, kBf16, 1.f, 1e30f},
+      {"cap 1e-30", 1e-30f, 0.f, kBf16, 1.f, std::nullopt},
+      {"largest cap", kMaxLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt},
+      {"sinks +2^64", 0.f, kMaxSinkMagnitude, kBf16, 1.f, std::nullopt},
+      {"sinks -2^64", 0.f, -kMaxSinkMagnitude, kBf16, 1.f, std::nullopt},
+      {"fp8 rows of 1e-40", 0.f, 0.f, KvScaling::kPerToken, 1e-40f, std::nullopt},
+      {"fp8 smallest static scale", 0.f, 0.f, KvScaling::kStatic, 1e-36f, std::nullopt},
+  };
+  for (const Extreme& e : cases) {
+    SCOPED_TRACE(e.name);
+    const bool fp8 = e.fp8 != KvScaling::kUnspecified;
+    CacheGeometry g =
+        testing::MakeGeometry(1, 8, 2, 128, 16, fp8 ? DType::kFloat8E4M3 : DType::kBFloat16, 64);
+    if (e.softcap > 0.f || e.sink != 0.f) {
+      LayerAttention a;
+      a.logit_softcap = e.softcap;
+      if (e.sink != 0.f) a.sinks.assign(8, e.sink);
+      g.layers = {a};
+    }
+    if (fp8) {
+      g.kv_scaling = e.fp8;
+      if (e.fp8 == KvScaling::kStatic) g.kv_scales = {kFp8MinStaticScale, kFp8MinStaticScale};
+    }
+    std::unique_ptr<Cache> caches[2] = {MakeCacheOn(cpu, g), MakeCacheOn(*backend_, g)};
+    ASSERT_TRUE(caches[0] && caches[1]);
+    testing::ForwardModel models[2] = {{g, DType::kFloat32, 11u}, {g, DType::kFloat32, 11u}};
+    const std::vector<std::vector<testing::SpanCase>> steps = {{{1, 0, 300, 300}, {2, 0, 40, 40}},
+                                                               {{1, 300, 1, 1}, {2, 40, 1, 1}}};
+    for (size_t si = 0; si < steps.size(); ++si) {
+      testing::ForwardModel::Outcome o[2];
+      for (int b = 0; b < 2; ++b) {
+        // FP8: every other channel exactly zero (a zero times an overflowed inverse was NaN).
+        models[b].SetKvShape(e.kv_scale, fp8 ? 2 : 1 << 30, fp8 ? 0.f : 1.f);
+        o[b] = models[b].Run(*caches[b], 0, steps[si], /*causal=*/true, e.sm_scale);
+        ASSERT_TRUE(o[b].status.ok()) << o[b].status;
+      }
+      const int64_t n = static_cast<int64_t>(o[0].result.out.size() / 4);
+      ASSERT_EQ(o[1].result.out.size(), o[0].result.out.size());
+      const float* a = reinterpret_cast<const float*>(o[0].result.out.data());
+      const float* b = reinterpret_cast<const float*>(o[1].result.out.data());
+      double largest = 0, diff = 0;
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_TRUE(std::isfinite(a[i]) && std::isfinite(b[i])) << "step " << si << " at " << i;
+        largest = std::max(largest, double{std::abs(a[i])});
+        diff = std::max(diff, double{std::abs(a[i] - b[i])});
+      }
+      EXPECT_LE(diff, 2e-2 * largest) << "step " << si;
+      const float* la = reinterpret_cast<const float*>(o[0].result.lse.data());
+      const float* lb = reinterpret_cast<const float*>(o[1].result.lse.data());
+      for (size_t i = 0; i < o[0].result.lse.size() / 4; ++i) {
+        ASSERT_FALSE(std::isnan(la[i]) || std::isnan(lb[i])) << "step " << si << " lse " << i;
+        EXPECT_LE(std::abs(la[i] - lb[i]), 1e-2 * std::max(1.f, std::abs(la[i])))
+            << "step " << si << " lse " << i;
+      }
+    }
+  }
+}
+
 // A decode batch of FP8 tiles a few blocks past one wave (AttentionWork::decode_blocks_per_sm):
 // the plan asks for one block an SM fewer than fit, and the launch (the same kernel, asking for
 // more shared memory) still answers within the FP8 bound. A launch whose shared memory the
@@ -1433,9 +1510,9 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
 TEST_F(CudaKernelTest, Fp8DecodeOneBlockAnSmFewer) {
   constexpr int kDim = 128, kKvHeads = 8, kPage = 16;
   kernels::AttentionPlanLimits limits;
-  ASSERT_TRUE(kernels::QueryPlanLimits(DType::kFloat8E4M3, kDim, kernels::PrefillPath::kAuto,
-                                       &limits)
-                  .ok());
+  ASSERT_TRUE(
+      kernels::QueryPlanLimits(DType::kFloat8E4M3, kDim, kernels::PrefillPath::kAuto, &limits)
+          .ok());
   ASSERT_GE(limits.decode_blocks_per_sm, 2) << "FP8 decode tiles hold fewer than two blocks";
   const int seqs = (limits.unsplit_blocks + 8 + kKvHeads - 1) / kKvHeads;
   std::vector<kernels::AttentionSpan> spans;

@@ -98,6 +98,23 @@ def test_cache_lifecycle(client, kv_dtypes):
     assert client.delete_cache(kept.cache_id) == kept.info.bytes
 
 
+def test_list_caches_follows_every_page(client, kv_dtypes):
+    config = small_config(kv_dtypes[0])
+    made = [client.create_cache(config, name=f"py-page-{i}") for i in range(3)]
+    try:
+        ids = [c.cache_id for c in made]
+        for page_size in (0, 1, 2):
+            listed = [c.cache_id for c in client.list_caches(page_size=page_size)]
+            assert [i for i in listed if i in ids] == ids, page_size
+        one = client.stub.ListCaches(pb.ListCachesRequest(page_size=1))
+        assert len(one.caches) == 1 and one.next_page_token
+        with pytest.raises(errors.InvalidArgument):
+            client.list_caches(page_size=-1)
+    finally:
+        for c in made:
+            c.delete()
+
+
 # -- errors, with their structure ------------------------------------------------------------
 
 

@@ -19,6 +19,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "pagedattn/v1/attention.grpc.pb.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
@@ -335,6 +336,74 @@ TEST(RequestMemoryTest, UnreadAnswersHoldTheBudgetUntilTheirCallEnds) {
   call.reset();
   cq.Shutdown();
   poller.join();
+}
+
+// Caches whose configs hold many sinks make a long listing: ListCaches answers in pages that fit
+// the largest message (or page_size), each with the token for the next, which holds where
+// caches were deleted in between; the client follows them to the end.
+TEST(ListCachesTest, PagesFitTheLargestMessageAndGoOnAfterDeletions) {
+  ServerOptions o = CpuOptions();
+  o.max_message_bytes = 1 << 20;
+  auto server = *PagedAttnServer::Start(o);
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  // 64 layers x 1024 q heads of sinks: 65536 values, 256 KiB a config; five over 1 MiB.
+  v1::CacheConfig c;
+  c.set_num_layers(64);
+  c.set_num_q_heads(1024);
+  c.set_num_kv_heads(32);
+  c.set_head_dim(64);
+  c.set_page_size(1);
+  c.set_kv_dtype(v1::BFLOAT16);
+  c.set_num_pages(1);
+  v1::LayerAttention* layer = c.add_layers();
+  for (int h = 0; h < 1024; ++h) layer->add_sinks(0.25f * h);
+  std::vector<std::string> ids;
+  for (int i = 0; i < 5; ++i) {
+    absl::StatusOr<v1::CacheInfo> info = client->CreateCache(c);
+    ASSERT_TRUE(info.ok()) << info.status();
+    ids.push_back(info->cache_id());
+    absl::SleepFor(absl::Milliseconds(2));  // distinct creation times (the order's first key)
+  }
+  auto ids_of = [](const auto& caches) {
+    std::vector<std::string> out;
+    for (const v1::CacheInfo& i : caches) out.push_back(i.cache_id());
+    return out;
+  };
+  absl::StatusOr<std::vector<v1::CacheInfo>> all = client->ListCaches();
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(ids_of(*all), ids);
+
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials()));
+  auto list = [&](int32_t page_size, const std::string& token, v1::ListCachesResponse* resp) {
+    grpc::ClientContext ctx;
+    v1::ListCachesRequest req;
+    req.set_page_size(page_size);
+    req.set_page_token(token);
+    return stub->ListCaches(&ctx, req, resp);
+  };
+  v1::ListCachesResponse first;
+  ASSERT_TRUE(list(0, "", &first).ok());  // as many as fit 1 MiB: three
+  EXPECT_EQ(first.caches_size(), 3);
+  EXPECT_LE(first.ByteSizeLong(), size_t{1} << 20);
+  ASSERT_FALSE(first.next_page_token().empty());
+  v1::ListCachesResponse page;
+  ASSERT_TRUE(list(2, "", &page).ok());
+  EXPECT_EQ(ids_of(page.caches()), std::vector<std::string>(ids.begin(), ids.begin() + 2));
+  // The next page's first cache deleted in between: the listing goes on after it.
+  ASSERT_TRUE(client->DeleteCache(ids[2]).ok());
+  const std::string token = page.next_page_token();
+  page.Clear();
+  ASSERT_TRUE(list(2, token, &page).ok());
+  EXPECT_EQ(ids_of(page.caches()), std::vector<std::string>(ids.begin() + 3, ids.end()));
+  EXPECT_TRUE(page.next_page_token().empty());
+  // What no answer gave is refused, naming the field.
+  grpc::Status st = list(0, "not-a-token", &page);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("page_token"), std::string::npos) << st.error_message();
+  st = list(-1, "", &page);
+  EXPECT_EQ(st.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_NE(st.error_message().find("page_size"), std::string::npos) << st.error_message();
 }
 
 // Error texts that quote request data stay short: a 20 kB id or a 5000-dim shape gets its

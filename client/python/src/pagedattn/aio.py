@@ -116,9 +116,18 @@ class Client:
         req = pb.GetCacheRequest(cache_id=cache_id_of(cache))
         return await self._call(self.stub.GetCache, req, timeout)
 
-    async def list_caches(self, *, timeout: Optional[float] = None) -> list[pb.CacheInfo]:
+    async def list_caches(
+        self, *, page_size: int = 0, timeout: Optional[float] = None
+    ) -> list[pb.CacheInfo]:
         """See pagedattn.Client.list_caches."""
-        return list((await self._call(self.stub.ListCaches, pb.ListCachesRequest(), timeout)).caches)
+        caches: list[pb.CacheInfo] = []
+        req = pb.ListCachesRequest(page_size=checked_int32("page_size", page_size))
+        while True:
+            resp = await self._call(self.stub.ListCaches, req, timeout)
+            caches.extend(resp.caches)
+            if not resp.next_page_token:
+                return caches
+            req.page_token = resp.next_page_token
 
     async def delete_cache(self, cache: Any, *, timeout: Optional[float] = None) -> int:
         """See pagedattn.Client.delete_cache."""

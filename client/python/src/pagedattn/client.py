@@ -143,9 +143,19 @@ class Client:
         """Config and live stats (free/used pages, live sequences, Forward calls) of a cache."""
         return self._call(self.stub.GetCache, pb.GetCacheRequest(cache_id=cache_id_of(cache)), timeout)
 
-    def list_caches(self, *, timeout: Optional[float] = None) -> list[pb.CacheInfo]:
-        """Every cache of this server (of the caller's tenant when auth is on), oldest first."""
-        return list(self._call(self.stub.ListCaches, pb.ListCachesRequest(), timeout).caches)
+    def list_caches(
+        self, *, page_size: int = 0, timeout: Optional[float] = None
+    ) -> list[pb.CacheInfo]:
+        """Every cache of this server (of the caller's tenant when auth is on), oldest first:
+        every page, page_size caches a call (0: as many as fit the server's largest message)."""
+        caches: list[pb.CacheInfo] = []
+        req = pb.ListCachesRequest(page_size=checked_int32("page_size", page_size))
+        while True:
+            resp = self._call(self.stub.ListCaches, req, timeout)
+            caches.extend(resp.caches)
+            if not resp.next_page_token:
+                return caches
+            req.page_token = resp.next_page_token
 
     def delete_cache(self, cache: Any, *, timeout: Optional[float] = None) -> int:
         """Frees a cache; returns the bytes given back. In-flight Forwards on it finish first."""

@@ -122,10 +122,14 @@ constexpr bool SupportsSlidingWindow(BackendKind) { return true; }
 constexpr bool SupportsLogitSoftcap(BackendKind) { return true; }
 constexpr bool SupportsSinks(BackendKind) { return true; }
 inline constexpr int32_t kMaxSlidingWindow = 1 << 24;  // positions
-// logit_softcap's range: from float's smallest normal (a subnormal cap is zero to a GPU that
-// flushes subnormals, to the CPU backend not) to 2^64 (its scores in log2 units stay finite).
-inline constexpr float kMinLogitSoftcap = 0x1p-126f;
+// logit_softcap's range: 2^-20 to 2^64 (its scores in log2 units stay finite). A capped layer's
+// scores scale by sm_scale / cap (the GPU's Q tile carries it), at most kMaxSoftcapScale so
+// that they stay finite: a Forward's sm_scale is checked against it, and the smallest cap keeps
+// the default sm_scale (1 / sqrt(head_dim), at most 1/8) within it.
+inline constexpr float kMinLogitSoftcap = 0x1p-20f;
 inline constexpr float kMaxLogitSoftcap = 0x1p64f;
+inline constexpr float kMaxSoftcapScale = 0x1p21f;
+static_assert(0.125f / kMinLogitSoftcap <= kMaxSoftcapScale);
 // The largest sink logit magnitude (in log2 units a row's max and sum stay finite).
 inline constexpr float kMaxSinkMagnitude = 0x1p64f;
 

@@ -93,9 +93,10 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     const char* kv_names = "total_new_tokens, num_kv_heads, head_dim";
     for (const auto& [name, t] : {std::pair{"k", &a.k}, std::pair{"v", &a.v}}) {
       if (t->empty() && total_new > 0) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            name, " is required: the spans append ", total_new, " new tokens (num_new_tokens; a "
-            "span that only attends sets it to 0)"));
+        return absl::InvalidArgumentError(absl::StrCat(name, " is required: the spans append ",
+                                                       total_new,
+                                                       " new tokens (num_new_tokens; a "
+                                                       "span that only attends sets it to 0)"));
       }
     }
     if (s = CheckTensor("k", a.k, kv_shape, kv_names); !s.ok()) return s;
@@ -109,6 +110,17 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   if (a.sm_scale.has_value() && !(std::isfinite(*a.sm_scale) && *a.sm_scale > 0)) {
     return absl::InvalidArgumentError(
         absl::StrCat("options.sm_scale must be positive and finite (got ", *a.sm_scale, ")"));
+  }
+  // A capped layer's scores scale by sm_scale / cap before their tanh (the GPU's Q tile carries
+  // it): at most 2^21, so that they stay finite. The default sm_scale always passes
+  // (kMinLogitSoftcap).
+  if (const LayerAttention* v = g.attention(a.layer);
+      a.sm_scale.has_value() && v != nullptr && v->logit_softcap > 0.f &&
+      !(*a.sm_scale / v->logit_softcap <= kMaxSoftcapScale)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "options.sm_scale=", *a.sm_scale, " over layer ", a.layer, "'s logit_softcap=",
+        v->logit_softcap, " is ", *a.sm_scale / v->logit_softcap, "; at most ", kMaxSoftcapScale,
+        " (2^21): use an sm_scale of at most ", v->logit_softcap * kMaxSoftcapScale));
   }
   if (a.device_tensors) {
     if (!(total_q == 0 && a.q.empty() && a.out.empty())) {

@@ -97,13 +97,10 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
     if (l.logit_softcap.has_value() &&
         !unsupported("logit_softcap", SupportsLogitSoftcap(backend)) &&
         !(*l.logit_softcap >= kMinLogitSoftcap && *l.logit_softcap <= kMaxLogitSoftcap)) {
-      violate(at + "logit_softcap", absl::StrCat("logit_softcap must be in ", kMinLogitSoftcap,
-                                                 " (float's smallest "
-                                                 "normal value) .. ",
-                                                 kMaxLogitSoftcap,
-                                                 " (2^64), or unset for none "
-                                                 "(got ",
-                                                 *l.logit_softcap, ")"));
+      violate(at + "logit_softcap",
+              absl::StrCat("logit_softcap must be in ", kMinLogitSoftcap, " (2^-20) .. ",
+                           kMaxLogitSoftcap, " (2^64), or unset for none (got ", *l.logit_softcap,
+                           ")"));
     }
     if (!l.sinks.empty() && !unsupported("sinks", SupportsSinks(backend))) {
       if (static_cast<int64_t>(l.sinks.size()) != c.num_q_heads) {

@@ -274,13 +274,12 @@ TEST(CacheConfigTest, SinksOfEveryLayerAreBoundedInAll) {
   EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
 }
 
-// Caps and sinks whose arithmetic leaves float's range (a cap's inverse, a sink in log2 units),
-// or that a GPU flushing subnormals reads as zero, are refused with the range; the range's ends
-// are accepted.
+// Caps and sinks whose arithmetic leaves float's range (sm_scale over a small cap, a large cap
+// or sink in log2 units) are refused with the range; the range's ends are accepted.
 TEST(CacheConfigTest, VariantValuesStayWithinFloatsRange) {
   CacheConfigRequest c = Valid();
   c.layers.assign(1, LayerAttentionRequest{});
-  for (float cap : {1e-39f, 1e-45f, 1e30f, std::numeric_limits<float>::max()}) {
+  for (float cap : {1e-39f, 1e-45f, 1e-7f, 1e30f, std::numeric_limits<float>::max()}) {
     c.layers[0].logit_softcap = cap;
     ValidationResult r = ValidateCacheConfig(c, Ctx());
     ASSERT_EQ(Fields(r), std::vector<std::string>{"layers[0].logit_softcap"}) << cap;

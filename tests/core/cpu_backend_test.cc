@@ -211,6 +211,25 @@ TEST(Fp8Test, E4m3RoundsToNearestEvenAndSaturates) {
   EXPECT_TRUE(std::isnan(E4m3ToFloat(FloatToE4m3(std::numeric_limits<float>::quiet_NaN()))));
 }
 
+// A capped layer's scores scale by sm_scale / cap, at most 2^21: a Forward whose sm_scale takes
+// it past is refused naming sm_scale and its largest value; at the bound it answers.
+TEST(CpuAttentionTest, SmScaleOverASoftcapIsBounded) {
+  CacheGeometry g = MakeGeometry(1, 4, 2, 64, 16, DType::kBFloat16, 8);
+  LayerAttention capped;
+  capped.logit_softcap = 0.5f;
+  g.layers = {capped};
+  std::unique_ptr<Cache> cache = MakeCache(g);
+  ForwardModel m(g, DType::kFloat32, 9);
+  ForwardModel::Outcome o = m.Run(*cache, 0, {{1, 0, 8, 8}}, true, 0.5f * kMaxSoftcapScale * 2);
+  ASSERT_EQ(o.status.code(), absl::StatusCode::kInvalidArgument) << o.status;
+  EXPECT_NE(o.status.message().find("options.sm_scale="), std::string::npos) << o.status;
+  EXPECT_NE(o.status.message().find("use an sm_scale of at most 1.04858e+06"), std::string::npos)
+      << o.status;
+  o = m.Run(*cache, 0, {{1, 0, 8, 8}}, true, 0.5f * kMaxSoftcapScale);
+  ASSERT_TRUE(o.status.ok()) << o.status;
+  EXPECT_FALSE(o.any_nan);
+}
+
 // A PER_TOKEN row whose largest magnitude is under kFp8MinRowMax is stored as zeros of scale 1:
 // its inverse (448 / max) past float's range stored NaN for its zeros (0 * inf). STATIC's
 // smallest scale keeps a finite inverse. Through a cache: rows of 1e-40 with every other

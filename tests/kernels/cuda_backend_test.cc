@@ -1428,9 +1428,9 @@ TEST_F(CudaKernelTest, Fp8AnswersMatchTheCpuBackend) {
   }
 }
 
-// The ends of what a config may hold answer on the GPU as on the CPU backend, with no NaN:
-// caps at the range's ends (the smallest with a large sm_scale too, whose quotient passes
-// float's range), sinks of +-2^64, an FP8 cache's rows under kFp8MinRowMax (zeros of scale 1)
+// The ends of what a config and a Forward may hold answer on the GPU as on the CPU backend,
+// with no NaN: caps at the range's ends (with the largest sm_scale over them too, which the
+// Q tile carries), sinks of +-2^64, an FP8 cache's rows under kFp8MinRowMax (zeros of scale 1)
 // and STATIC's smallest scale; prefill and decode tiles both.
 TEST_F(CudaKernelTest, ExtremeAcceptedValuesAnswerAsOnTheCpu) {
   CpuBackend cpu;
@@ -1441,17 +1441,22 @@ TEST_F(CudaKernelTest, ExtremeAcceptedValuesAnswerAsOnTheCpu) {
     KvScaling fp8;                  // kUnspecified: a bfloat16 cache
     float kv_scale;                 // K and V drawn at this scale
     std::optional<float> sm_scale;  // unset: the default
+    // Whether the backends' answers must agree: not where scores of thousands of units make the
+    // softmax a sign test, which the bfloat16 Q tile's rounding decides otherwise for the
+    // scores nearest zero (finite on both still).
+    bool agree = true;
   };
   constexpr KvScaling kBf16 = KvScaling::kUnspecified;
   const Extreme cases[] = {
-      {"smallest cap", kMinLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt},
-      {"smallest cap, sm_scale 1e30", kMinLogitSoftcap, 0.f, kBf16, 1.f, 1e30f},
-      {"cap 1e-30", 1e-30f, 0.f, kBf16, 1.f, std::nullopt},
-      {"largest cap", kMaxLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt},
-      {"sinks +2^64", 0.f, kMaxSinkMagnitude, kBf16, 1.f, std::nullopt},
-      {"sinks -2^64", 0.f, -kMaxSinkMagnitude, kBf16, 1.f, std::nullopt},
-      {"fp8 rows of 1e-40", 0.f, 0.f, KvScaling::kPerToken, 1e-40f, std::nullopt},
-      {"fp8 smallest static scale", 0.f, 0.f, KvScaling::kStatic, 1e-36f, std::nullopt},
+      {"smallest cap", kMinLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt, true},
+      {"smallest cap, largest sm_scale", kMinLogitSoftcap, 0.f, kBf16, 1.f,
+       kMinLogitSoftcap * kMaxSoftcapScale, true},
+      {"cap 30, largest sm_scale", 30.f, 0.f, kBf16, 1.f, 30.f * kMaxSoftcapScale, false},
+      {"largest cap", kMaxLogitSoftcap, 0.f, kBf16, 1.f, std::nullopt, true},
+      {"sinks +2^64", 0.f, kMaxSinkMagnitude, kBf16, 1.f, std::nullopt, true},
+      {"sinks -2^64", 0.f, -kMaxSinkMagnitude, kBf16, 1.f, std::nullopt, true},
+      {"fp8 rows of 1e-40", 0.f, 0.f, KvScaling::kPerToken, 1e-40f, std::nullopt, true},
+      {"fp8 smallest static scale", 0.f, 0.f, KvScaling::kStatic, 1e-36f, std::nullopt, true},
   };
   for (const Extreme& e : cases) {
     SCOPED_TRACE(e.name);
@@ -1491,13 +1496,17 @@ TEST_F(CudaKernelTest, ExtremeAcceptedValuesAnswerAsOnTheCpu) {
         largest = std::max(largest, double{std::abs(a[i])});
         diff = std::max(diff, double{std::abs(a[i] - b[i])});
       }
-      EXPECT_LE(diff, 2e-2 * largest) << "step " << si;
+      if (e.agree) {
+        EXPECT_LE(diff, 2e-2 * largest) << "step " << si;
+      }
       const float* la = reinterpret_cast<const float*>(o[0].result.lse.data());
       const float* lb = reinterpret_cast<const float*>(o[1].result.lse.data());
       for (size_t i = 0; i < o[0].result.lse.size() / 4; ++i) {
         ASSERT_FALSE(std::isnan(la[i]) || std::isnan(lb[i])) << "step " << si << " lse " << i;
-        EXPECT_LE(std::abs(la[i] - lb[i]), 1e-2 * std::max(1.f, std::abs(la[i])))
-            << "step " << si << " lse " << i;
+        if (e.agree) {
+          EXPECT_LE(std::abs(la[i] - lb[i]), 1e-2 * std::max(1.f, std::abs(la[i])))
+              << "step " << si << " lse " << i;
+        }
       }
     }
   }

@@ -58,6 +58,15 @@ std::string NewCacheId() {
 CacheManager::CacheManager(Backend* backend, CacheManagerLimits limits)
     : backend_(backend), limits_(limits) {}
 
+CacheManager::~CacheManager() {
+  // The caches' deleters uncount their bytes under mu_: they run while the members live.
+  absl::flat_hash_map<std::string, std::shared_ptr<Cache>> caches;
+  {
+    absl::MutexLock lock(&mu_);
+    caches.swap(caches_);
+  }
+}
+
 ValidationContext CacheManager::ContextFor(int32_t device) const {
   ValidationContext ctx;
   ctx.backend = backend_->kind();
@@ -107,11 +116,19 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   const int64_t now_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
                              std::chrono::system_clock::now().time_since_epoch())
                              .count();
-  auto cache = std::make_shared<Cache>(NewCacheId(), name, owner, v.geometry, *std::move(pool),
-                                       backend_, now_ms, limits_.forward);
+  // The pool's bytes count against --max_total_pool_gb until the cache is gone, not only
+  // until it is deleted: a Forward in flight keeps it (and its pool) past DeleteCache.
+  const int64_t bytes = v.geometry.TotalBytes();
+  std::shared_ptr<Cache> cache(new Cache(NewCacheId(), name, owner, v.geometry, *std::move(pool),
+                                         backend_, now_ms, limits_.forward),
+                               [this, bytes](Cache* c) {
+                                 delete c;
+                                 absl::MutexLock lock(&mu_);
+                                 total_pool_bytes_ -= bytes;
+                               });
   absl::MutexLock lock(&mu_);
   caches_[cache->id()] = cache;
-  total_pool_bytes_ += v.geometry.TotalBytes();
+  total_pool_bytes_ += bytes;
   return cache;
 }
 
@@ -174,14 +191,20 @@ std::vector<std::shared_ptr<Cache>> CacheManager::ListAll() const {
 
 absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
                                              const std::string& owner) {
-  absl::MutexLock lock(&mu_);
-  auto it = caches_.find(cache_id);
-  if (it == caches_.end() || it->second->owner() != owner) {
-    return UnknownCache(cache_id);
+  // Destroyed (and its bytes uncounted, Create's deleter) outside mu_: here, or by the last
+  // Forward that holds it.
+  std::shared_ptr<Cache> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = caches_.find(cache_id);
+    if (it == caches_.end() || it->second->owner() != owner) {
+      return UnknownCache(cache_id);
+    }
+    gone = std::move(it->second);
+    caches_.erase(it);
   }
-  const int64_t bytes = it->second->geometry().TotalBytes();
-  total_pool_bytes_ -= bytes;
-  caches_.erase(it);
+  const int64_t bytes = gone->geometry().TotalBytes();
+  gone.reset();
   // Pools are mappings of their own and go back to the system when the last reference drops;
   // this returns what the heap kept of the cache's bookkeeping and of recent requests.
   malloc_trim(0);

@@ -25,6 +25,8 @@ struct CacheManagerLimits {
 class CacheManager {
  public:
   explicit CacheManager(Backend* backend, CacheManagerLimits limits = {});
+  // Caches still held elsewhere must be gone first (their deleters count bytes here).
+  ~CacheManager();
 
   Backend& backend() const { return *backend_; }
 
@@ -48,9 +50,11 @@ class CacheManager {
   static std::string ListToken(const Cache& cache);
   // Every tenant's caches (for metrics).
   std::vector<std::shared_ptr<Cache>> ListAll() const;
-  // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference.
+  // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference,
+  // and counts in total_pool_bytes() until then.
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
 
+  // The pools of live caches and of deleted ones that a Forward still holds.
   int64_t total_pool_bytes() const;
   const CacheManagerLimits& limits() const { return limits_; }
 

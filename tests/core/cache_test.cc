@@ -6,6 +6,7 @@
 
 #include <thread>
 
+#include "server/core/cache_manager.h"
 #include "server/core/cpu_backend.h"
 #include "tests/test_util.h"
 
@@ -297,6 +298,39 @@ TEST_F(CacheTest, ReleaseCountsAnIdGivenTwiceOnce) {
   EXPECT_EQ(r.freed_pages, 2);  // 10 tokens in pages of 8
   EXPECT_EQ(r.unknown_seq_ids, std::vector<uint64_t>{9});
   EXPECT_EQ(cache_->Stats().used_pages, 0);
+}
+
+// A deleted cache's pool counts against --max_total_pool_gb until the last Forward holding it
+// lets go (its memory is mapped until then): a cache created meanwhile is refused, as the
+// pool budget's message says, and admitted once it is gone.
+TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
+  CpuBackend backend;
+  CacheConfigRequest c;
+  c.num_layers = 2;
+  c.num_q_heads = 4;
+  c.num_kv_heads = 2;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.kv_dtype = DType::kBFloat16;
+  c.num_pages = 32;
+  const int64_t bytes = 2 * 2 * 2 * 16 * 64 * 2 * 32;  // K and V, 2 layers x 2 heads x 32 pages
+  CacheManagerLimits limits;
+  limits.max_total_pool_bytes = bytes + bytes / 2;  // one such pool, not two
+  CacheManager m(&backend, limits);
+  absl::StatusOr<std::shared_ptr<Cache>> a = m.Create(c, "a", "");
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_EQ(m.total_pool_bytes(), bytes);
+  std::shared_ptr<Cache> in_flight = *a;  // what a running Forward holds
+  a->reset();
+  ASSERT_EQ(*m.Delete(in_flight->id(), ""), bytes);
+  EXPECT_EQ(m.total_pool_bytes(), bytes);
+  absl::StatusOr<std::shared_ptr<Cache>> b = m.Create(c, "b", "");
+  ASSERT_EQ(b.status().code(), absl::StatusCode::kResourceExhausted) << b.status();
+  EXPECT_NE(b.status().message().find("--max_total_pool_gb"), std::string::npos) << b.status();
+  in_flight.reset();
+  EXPECT_EQ(m.total_pool_bytes(), 0);
+  b = m.Create(c, "b", "");
+  EXPECT_TRUE(b.ok()) << b.status();
 }
 
 }  // namespace

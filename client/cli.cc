@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -99,9 +100,8 @@ absl::StatusOr<pagedattn::v1::DType> ParseDType(const std::string& s) {
   pagedattn::v1::DType t;
   if (!pagedattn::v1::DType_Parse(absl::AsciiStrToUpper(s), &t) ||
       t == pagedattn::v1::DTYPE_UNSPECIFIED) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (got '", s,
-                     "')"));
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--kv_dtype must be FLOAT16, BFLOAT16, FLOAT32 or FLOAT8_E4M3 (got '", s, "')"));
   }
   return t;
 }
@@ -121,9 +121,9 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
     pagedattn::v1::KvScaling s;
     if (!pagedattn::v1::KvScaling_Parse(scaling, &s) ||
         s == pagedattn::v1::KV_SCALING_UNSPECIFIED) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "--kv_scaling must be PER_TOKEN or STATIC (got '", absl::GetFlag(FLAGS_kv_scaling),
-          "')"));
+      return absl::InvalidArgumentError(
+          absl::StrCat("--kv_scaling must be PER_TOKEN or STATIC (got '",
+                       absl::GetFlag(FLAGS_kv_scaling), "')"));
     }
     c.set_kv_scaling(s);
   }
@@ -148,7 +148,40 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
 
 }  // namespace
 
+// --help: the usage and every flag with its default (never its value: --token's would be a
+// secret on the screen), on stdout, exit 0.
+void PrintHelp() {
+  std::cout << kUsage << "\nflags:\n";
+  std::map<std::string, absl::CommandLineFlag*> flags;
+  for (const auto& [name, flag] : absl::GetAllFlags()) {
+    if (absl::StrContains(flag->Filename(), "client/cli.cc")) flags[std::string(name)] = flag;
+  }
+  for (const auto& [name, flag] : flags) {
+    std::cout << "  --" << name << " (default: " << flag->DefaultValue() << ")\n";
+    std::string line = "     ";
+    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
+      if (line.size() + 1 + word.size() > 96) {
+        std::cout << line << "\n";
+        line = "     ";
+      }
+      absl::StrAppend(&line, " ", word);
+    }
+    std::cout << line << "\n";
+  }
+}
+
 int main(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const absl::string_view a(argv[i]);
+    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+      PrintHelp();
+      return 0;
+    }
+    if (a == "--version" || a == "-version") {
+      std::cout << "pagedattn-cli " << PAGEDATTN_VERSION << "\n";
+      return 0;
+    }
+  }
   absl::SetProgramUsageMessage(kUsage);
   absl::FlagsUsageConfig usage_config;
   // --help names the program, not the build machine's path to its source (and matches on that
@@ -209,7 +242,8 @@ int main(int argc, char** argv) {
   const size_t takes = one_arg ? 1 : 0;
   if ((one_arg || no_args) && args.size() > takes + 2) {
     std::cerr << "pagedattn-cli " << command << ": unexpected argument '" << args[takes + 2]
-              << "'\n" << kUsage;
+              << "'\n"
+              << kUsage;
     return 2;
   }
 

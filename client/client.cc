@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -42,9 +43,9 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   if (!(options.timeout > absl::ZeroDuration())) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "timeout must be positive (absl::InfiniteDuration() for none; got ",
-        absl::FormatDuration(options.timeout), ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout must be positive (absl::InfiniteDuration() for none; got ",
+                     absl::FormatDuration(options.timeout), ")"));
   }
   // gRPC aborts the process on a header value it cannot send, and prints it: a token with a
   // newline (read from a secret file) would crash the caller and leak. Refused here, unquoted.
@@ -57,18 +58,44 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
           c == '\n' || c == '\r' ? " (a line end, as read from a file: strip it)" : ""));
     }
   }
+  // gRPC aborts the process on a certificate without its key; a name to check or a key with no
+  // TLS to use them in would send the calls in plaintext unnoticed.
+  if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("TLS: a client certificate and its key go together (got ",
+                     options.tls_cert_file.empty() ? "a key without a certificate"
+                                                   : "a certificate without a key",
+                     ")"));
+  }
+  if (!options.tls_server_name.empty() && options.tls_ca_file.empty() &&
+      options.tls_cert_file.empty()) {
+    return absl::InvalidArgumentError(
+        "TLS: tls_server_name applies to TLS connections: set tls_ca_file (the CA to verify "
+        "the server with) too");
+  }
   std::shared_ptr<grpc::ChannelCredentials> creds;
   if (!options.tls_ca_file.empty() || !options.tls_cert_file.empty()) {
     grpc::SslCredentialsOptions ssl;
+    // A file that holds no PEM block of its kind is named here (gRPC's error names neither).
+    auto pem = [](const std::string& path, const char* what,
+                  absl::string_view marker) -> absl::StatusOr<std::string> {
+      absl::StatusOr<std::string> data = ReadFile(path);
+      if (data.ok() && !absl::StrContains(*data, marker)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("TLS ", what, " ", path, " holds no PEM ", marker, " block"));
+      }
+      return data;
+    };
     if (!options.tls_ca_file.empty()) {
-      absl::StatusOr<std::string> ca = ReadFile(options.tls_ca_file);
+      absl::StatusOr<std::string> ca = pem(options.tls_ca_file, "CA file", "CERTIFICATE");
       if (!ca.ok()) return ca.status();
       ssl.pem_root_certs = *ca;
     }
     if (!options.tls_cert_file.empty()) {
-      absl::StatusOr<std::string> cert = ReadFile(options.tls_cert_file);
+      absl::StatusOr<std::string> cert =
+          pem(options.tls_cert_file, "certificate file", "CERTIFICATE");
       if (!cert.ok()) return cert.status();
-      absl::StatusOr<std::string> key = ReadFile(options.tls_key_file);
+      absl::StatusOr<std::string> key = pem(options.tls_key_file, "key file", "PRIVATE KEY");
       if (!key.ok()) return key.status();
       ssl.pem_cert_chain = *cert;
       ssl.pem_private_key = *key;
@@ -262,14 +289,14 @@ absl::Status CheckOutput(const ForwardCall& call, const ForwardOutput& output) {
   }
   const size_t out_bytes = static_cast<size_t>(q.shape[0] * q.shape[1] * q.shape[2]) * size;
   if (output.out != nullptr && output.out_bytes != out_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the out buffer has ", output.out_bytes, " bytes; q's shape and dtype make the answer's ",
-        out_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("the out buffer has ", output.out_bytes,
+                                                   " bytes; q's shape and dtype make the answer's ",
+                                                   out_bytes));
   }
   const size_t lse_bytes = static_cast<size_t>(q.shape[0] * q.shape[1]) * sizeof(float);
   if (output.lse != nullptr && output.lse_bytes != lse_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the lse buffer has ", output.lse_bytes, " bytes; the answer's lse has ", lse_bytes));
+    return absl::InvalidArgumentError(absl::StrCat("the lse buffer has ", output.lse_bytes,
+                                                   " bytes; the answer's lse has ", lse_bytes));
   }
   return absl::OkStatus();
 }

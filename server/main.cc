@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <iostream>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -224,7 +225,7 @@ struct IgnoredVariable {
   std::string likely;  // empty: no flag's variable is close
 };
 
-std::vector<IgnoredVariable> FlagsFromEnvironment() {
+std::vector<IgnoredVariable> FlagsFromEnvironment(std::set<std::string>* from_env) {
   std::map<std::string, absl::CommandLineFlag*> flags = ServerFlags();
   std::vector<IgnoredVariable> ignored;
   for (char** e = environ; *e != nullptr; ++e) {
@@ -254,6 +255,7 @@ std::vector<IgnoredVariable> FlagsFromEnvironment() {
       std::cerr << "pagedattn-server: " << var << ": " << error << "\n";
       std::exit(2);
     }
+    from_env->insert(name);
   }
   return ignored;
 }
@@ -286,10 +288,12 @@ std::vector<std::string> InvalidFlags() {
     bad.push_back(absl::StrCat("--unix_socket_mode must be an octal file mode like 0660 (got '",
                                absl::GetFlag(FLAGS_unix_socket_mode), "')"));
   }
-  if (const std::string level = absl::GetFlag(FLAGS_log_level);
+  if (const std::string level = absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level));
       spdlog::level::from_str(level) == spdlog::level::off && level != "off") {
-    bad.push_back(absl::StrCat(
-        "--log_level must be one of trace, debug, info, warn, error, off (got '", level, "')"));
+    bad.push_back(
+        absl::StrCat("--log_level must be one of trace, debug, info, warn, error, off "
+                     "(any case; got '",
+                     absl::GetFlag(FLAGS_log_level), "')"));
   }
   address("--health_listen", absl::GetFlag(FLAGS_health_listen), true);
   address("--metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true);
@@ -396,7 +400,13 @@ int main(int argc, char** argv) {
     }
   }
   absl::SetProgramUsageMessage(Usage());
-  const std::vector<IgnoredVariable> ignored_env = FlagsFromEnvironment();
+  std::set<std::string> from_env;  // flags whose value is an environment variable's
+  const std::vector<IgnoredVariable> ignored_env = FlagsFromEnvironment(&from_env);
+  for (int i = 1; i < argc; ++i) {  // the command line wins
+    absl::string_view a(argv[i]);
+    if (!absl::ConsumePrefix(&a, "--") && !absl::ConsumePrefix(&a, "-")) continue;
+    from_env.erase(std::string(a.substr(0, a.find('='))));
+  }
   std::map<std::string, std::vector<std::string>> repeated =
       pagedattn::RepeatedFlags(argc, argv, pagedattn::FlagKinds(ServerFlags(), "server/main.cc"));
   const std::vector<char*> rest = absl::ParseCommandLine(argc, argv);
@@ -414,6 +424,14 @@ int main(int argc, char** argv) {
   // Every flag given twice and every bad value, together.
   std::vector<std::string> bad = pagedattn::RepeatedFlagErrors(repeated);
   for (std::string& e : InvalidFlags()) bad.push_back(std::move(e));
+  // A value from the environment is named by its variable too: a container sets no flags.
+  for (std::string& e : bad) {
+    for (const std::string& name : from_env) {
+      if (absl::StartsWith(e, absl::StrCat("--", name, " "))) {
+        absl::StrAppend(&e, " (set by ", kEnvPrefix, absl::AsciiStrToUpper(name), ")");
+      }
+    }
+  }
   if (!bad.empty()) {
     std::cerr << "pagedattn-server: " << absl::StrJoin(bad, "\npagedattn-server: ") << "\n";
     return 2;
@@ -422,7 +440,8 @@ int main(int argc, char** argv) {
   auto logger = spdlog::stdout_color_mt("pagedattn");
   spdlog::set_default_logger(logger);
   spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e%z %^%l%$ %v");
-  const spdlog::level::level_enum level = spdlog::level::from_str(absl::GetFlag(FLAGS_log_level));
+  const spdlog::level::level_enum level =
+      spdlog::level::from_str(absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level)));
   spdlog::set_level(level);  // a valid name: InvalidFlags checked it
   spdlog::flush_on(spdlog::level::info);
   gpr_set_log_function(GrpcLogToSpdlog);

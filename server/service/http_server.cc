@@ -1,4 +1,5 @@
-// HttpServer: getaddrinfo + bind + a poll loop over the listening socket and a wake-up eventfd.
+// HttpServer: getaddrinfo + bind + a poll loop over the listening socket, a wake-up eventfd and
+// the connections whose request is still arriving.
 #include "server/service/http_server.h"
 
 #include <netdb.h>
@@ -8,7 +9,9 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <vector>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -20,9 +23,16 @@ namespace pagedattn {
 namespace {
 
 constexpr size_t kMaxRequestBytes = 8192;
-// For the whole request, not each read: connections are answered one at a time, so a client that
-// trickles a byte at a time must not hold the port (a scrape waits at most this long behind it).
+// For the whole request, not each read: a client that trickles a byte at a time gives up its
+// slot after this long.
 constexpr int kRequestTimeoutMs = 2000;
+// Requests read side by side; past it the oldest is dropped for a new connection, so that
+// connections that send nothing cannot keep a scrape out (6 of them held one for 12 s when
+// connections were read one at a time).
+constexpr size_t kMaxPending = 64;
+// Answers are written blocking (they fit a socket's buffer but for the largest /metrics): a
+// client that reads nothing holds the loop this long at most.
+constexpr int kAnswerTimeoutMs = 500;
 
 void WriteAll(int fd, absl::string_view data) {
   while (!data.empty()) {
@@ -33,9 +43,10 @@ void WriteAll(int fd, absl::string_view data) {
 }
 
 void Respond(int fd, absl::string_view status, absl::string_view content_type,
-             absl::string_view body) {
+             absl::string_view body, absl::string_view extra_headers = "") {
   WriteAll(fd, absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                            "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n"));
+                            "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
+                            "Connection: close\r\n\r\n"));
   WriteAll(fd, body);
 }
 
@@ -108,41 +119,74 @@ HttpServer::~HttpServer() {
 }
 
 void HttpServer::Loop() {
-  pollfd fds[2] = {{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}};
+  // Connections whose request is still arriving, read side by side: a client that trickles
+  // bytes (or sends none) holds only its own slot, for at most kRequestTimeoutMs.
+  struct Pending {
+    int fd;
+    absl::Time deadline;
+    std::string request;
+  };
+  std::vector<Pending> pending;
+  auto drop = [&](size_t i) {
+    close(pending[i].fd);
+    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+  };
+  std::vector<pollfd> fds;
   while (true) {
-    if (poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
-      return;
+    fds.assign({{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}});
+    absl::Time next = absl::InfiniteFuture();
+    for (const Pending& p : pending) {
+      fds.push_back({p.fd, POLLIN, 0});
+      next = std::min(next, p.deadline);
     }
-    if (fds[1].revents != 0) return;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (fd < 0) continue;
-    Answer(fd);
-    close(fd);
+    const int timeout_ms = next == absl::InfiniteFuture()
+                               ? -1
+                               : static_cast<int>(std::max<int64_t>(
+                                     0, absl::ToInt64Milliseconds(next - absl::Now()) + 1));
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    if (fds[1].revents != 0) break;
+    // Reads what each pending connection has; answers those whose request is complete.
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (fds[2 + i].revents == 0) continue;
+      Pending& p = pending[i];
+      char buf[1024];
+      const ssize_t n = recv(p.fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        drop(i);  // closed
+        continue;
+      }
+      if (n > 0) p.request.append(buf, static_cast<size_t>(n));
+      if (p.request.find("\r\n\r\n") != std::string::npos ||
+          p.request.find("\n\n") != std::string::npos) {
+        Answer(p.fd, p.request);
+        drop(i);
+      } else if (p.request.size() >= kMaxRequestBytes) {
+        Respond(p.fd, "431 Request Header Fields Too Large", "text/plain", "request too large\n");
+        drop(i);
+      }
+    }
+    const absl::Time now = absl::Now();
+    for (size_t i = pending.size(); i-- > 0;) {
+      if (pending[i].deadline <= now) drop(i);  // too slow
+    }
+    if ((fds[0].revents & POLLIN) != 0) {
+      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+      if (fd >= 0) {
+        if (pending.size() >= kMaxPending) drop(0);  // the oldest gives way
+        // A client that does not read its answer must not hold the loop either.
+        const timeval timeout = {kAnswerTimeoutMs / 1000, (kAnswerTimeoutMs % 1000) * 1000};
+        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
+        pending.push_back({fd, now + absl::Milliseconds(kRequestTimeoutMs), {}});
+      }
+    }
   }
+  for (const Pending& p : pending) close(p.fd);
 }
 
-void HttpServer::Answer(int fd) {
-  // A client that does not read the answer must not hold the port either.
-  const timeval timeout = {kRequestTimeoutMs / 1000, (kRequestTimeoutMs % 1000) * 1000};
-  setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(kRequestTimeoutMs);
-  std::string request;
-  char buf[1024];
-  while (request.find("\r\n\r\n") == std::string::npos &&
-         request.find("\n\n") == std::string::npos) {
-    if (request.size() >= kMaxRequestBytes) {
-      Respond(fd, "431 Request Header Fields Too Large", "text/plain", "request too large\n");
-      return;
-    }
-    const int64_t left_ms = absl::ToInt64Milliseconds(deadline - absl::Now());
-    pollfd readable = {fd, POLLIN, 0};
-    if (left_ms <= 0 || poll(&readable, 1, static_cast<int>(left_ms)) <= 0) return;  // too slow
-    const ssize_t n = recv(fd, buf, sizeof(buf), MSG_DONTWAIT);
-    if (n <= 0) return;  // closed
-    request.append(buf, static_cast<size_t>(n));
-  }
+void HttpServer::Answer(int fd, const std::string& request) {
   // Request line: METHOD SP target SP version.
   const size_t sp1 = request.find(' ');
   const size_t sp2 = sp1 == std::string::npos ? sp1 : request.find(' ', sp1 + 1);
@@ -158,7 +202,7 @@ void HttpServer::Answer(int fd) {
     return;
   }
   if (method != "GET" && method != "HEAD") {
-    Respond(fd, "405 Method Not Allowed", "text/plain", "GET only\n");
+    Respond(fd, "405 Method Not Allowed", "text/plain", "GET only\n", "Allow: GET, HEAD\r\n");
     return;
   }
   const std::string body = body_();

@@ -1,6 +1,7 @@
 // HttpServer: a minimal HTTP/1.1 server answering GET on one path (Prometheus /metrics), IPv4
-// and IPv6. One thread answers one connection at a time (Connection: close); a request is read
-// with a timeout and a size bound, so a slow or hostile client holds it for seconds at most.
+// and IPv6. One thread reads up to 64 requests side by side, each with a timeout and a size
+// bound, and answers each once complete (Connection: close): slow or hostile clients hold only
+// their own connections, a scrape is answered as soon as its request is in.
 #pragma once
 
 #include <atomic>
@@ -29,7 +30,7 @@ class HttpServer {
  private:
   HttpServer() = default;
   void Loop();
-  void Answer(int fd);
+  void Answer(int fd, const std::string& request);  // a complete request's
 
   std::string path_;
   std::string content_type_;

@@ -26,13 +26,9 @@ void Metrics::RecordRpc(const std::string& method, absl::StatusCode code) {
 }
 
 void Metrics::RecordForward(double seconds, int64_t tokens_appended, int64_t queries) {
-  for (size_t i = 0; i < kLatencyBuckets.size(); ++i) {
-    if (seconds <= kLatencyBuckets[i]) {
-      latency_buckets_[i].fetch_add(1, std::memory_order_relaxed);
-      break;  // buckets are stored non-cumulative and summed when rendered
-    }
-  }
-  latency_count_.fetch_add(1, std::memory_order_relaxed);
+  size_t b = 0;  // buckets are stored non-cumulative and summed when rendered
+  while (b < kLatencyBuckets.size() && seconds > kLatencyBuckets[b]) ++b;
+  latency_buckets_[b].fetch_add(1, std::memory_order_relaxed);
   latency_sum_ns_.fetch_add(static_cast<int64_t>(seconds * 1e9), std::memory_order_relaxed);
   tokens_appended_.fetch_add(tokens_appended, std::memory_order_relaxed);
   queries_attended_.fetch_add(queries, std::memory_order_relaxed);
@@ -76,7 +72,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
     absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"", kLatencyBuckets[i],
                     "\"} ", cumulative, "\n");
   }
-  const int64_t count = latency_count_.load(std::memory_order_relaxed);
+  const int64_t count =
+      cumulative + latency_buckets_[kLatencyBuckets.size()].load(std::memory_order_relaxed);
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_bucket{le=\"+Inf\"} ", count, "\n");
   absl::StrAppendFormat(&out, "pagedattn_forward_latency_seconds_sum %.9f\n",
                         latency_sum_ns_.load(std::memory_order_relaxed) * 1e-9);

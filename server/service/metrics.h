@@ -43,8 +43,9 @@ class Metrics {
   const bool per_cache_;
   mutable absl::Mutex mu_;
   std::map<std::pair<std::string, std::string>, int64_t> rpcs_ ABSL_GUARDED_BY(mu_);
-  std::array<std::atomic<int64_t>, kLatencyBuckets.size()> latency_buckets_{};
-  std::atomic<int64_t> latency_count_{0};
+  // Non-cumulative, the last past every bound (+Inf): the count is their sum, so that a scrape
+  // never shows a bucket above it (a separate count, read apart, once did).
+  std::array<std::atomic<int64_t>, kLatencyBuckets.size() + 1> latency_buckets_{};
   std::atomic<int64_t> latency_sum_ns_{0};
   // Phase histograms, bucket counts non-cumulative: [phase][bucket], then +Inf.
   static constexpr std::array<double, 12> kPhaseBuckets = {1e-6, 2.5e-6, 5e-6, 1e-5, 2.5e-5, 5e-5,

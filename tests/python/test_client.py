@@ -482,8 +482,14 @@ def test_cli_info_validate_smoke(target, backend):
     # line and exit 2, never a traceback.
     r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--head_dim=64", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    # Page size 1 (the smoke's cache has the pages its steps need at any page size).
+    r = _cli(f"--target={target}", "--page_size=1", "smoke")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
     for args, says in ((["--q_dtype=fp8", "smoke"], "q_dtype must be float32, float16 or bfloat16"),
-                       (["--tls_ca=/nonexistent/ca.pem", "info"], "/nonexistent/ca.pem")):
+                       (["--tls_ca=/nonexistent/ca.pem", "info"], "/nonexistent/ca.pem"),
+                       (["--tls_key=/x.key", "info"], "--tls_key needs --tls_cert"),
+                       (["--tls_server_name=x", "info"], "--tls_server_name applies to TLS"),
+                       (["--tls_ca=/etc/hostname", "info"], "holds no PEM")):
         r = _cli(f"--target={target}", *args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 

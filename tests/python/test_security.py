@@ -100,6 +100,16 @@ def test_mtls_client_certificate(server_binary, pki):
         assert server.stop() == 0, server.log
 
 
+def test_half_given_tls_settings_are_refused(pki):
+    # gRPC aborts the process on a client certificate without its key (or the reverse).
+    for tls in (pagedattn.TLS(ca=str(pki / "ca.pem"), cert=str(pki / "client.pem")),
+                pagedattn.TLS(ca=str(pki / "ca.pem"), key=str(pki / "client.key"))):
+        with pytest.raises(ValueError, match="certificate and its key go together"):
+            pagedattn.Client("localhost:1", tls=tls)
+    with pytest.raises(ValueError, match="holds no PEM CERTIFICATE block"):
+        pagedattn.Client("localhost:1", tls=pagedattn.TLS(ca=str(pki / "client.key")))
+
+
 def test_bad_bytes_do_not_flood_the_log(server_binary):
     """A request whose string field is not UTF-8 makes protobuf log a line: it goes through the
     server's logger (debug, throttled), not unconditionally to stderr once a call."""

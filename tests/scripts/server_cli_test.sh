@@ -23,7 +23,7 @@ for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got
          "--max_message_mb must be in 1..2047 (got 0)" "--shutdown_grace_s must be in 0..3600" \
          "--max_total_pool_gb must be in 0" "--metrics_listen must be host:port" \
          "--request_memory_mb must be 0 or at least 16 (got 3)" \
-         "--log_level must be one of trace, debug, info, warn, error, off (got 'loud')" \
+         "--log_level must be one of trace, debug, info, warn, error, off (any case; got 'loud')" \
          "--backend is given 2 times"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
@@ -101,11 +101,22 @@ for cmd in "health extra" "describe id extra"; do
   rc=0; out=$("$cli" --target=127.0.0.1:1 $cmd 2>&1) || rc=$?
   [ $rc -eq 2 ] && grep -q "unexpected argument 'extra'" <<<"$out" || fail "$cmd: exit $rc: $out"
 done
-# The CLI's --help too: its commands and every flag, no path of the build machine.
-out=$("$cli" --help) || true  # absl's --help exits 1
-grep -q -- "--num_pages (cache config: pages" <<<"$out" && grep -q "release CACHE_ID SEQ" <<<"$out" ||
-  fail "cli --help: $out"
+# A bad value from the environment is named by its variable too (a container sets no flags);
+# the command line's own value is named by the flag alone.
+rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--max_message_mb must be in 1..2047 (got 0) (set by PAGEDATTN_MAX_MESSAGE_MB)" <<<"$out" ||
+  fail "env range error: exit $rc: $out"
+rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.1:0 --max_message_mb=0 2>&1) || rc=$?
+[ $rc -eq 2 ] && ! grep -q "set by" <<<"$out" || fail "command-line range error: exit $rc: $out"
+# The CLI's --help too: exit 0, its commands and every flag with its default (never a flag's
+# value: --token's is a secret), no path of the build machine; --version its version.
+out=$("$cli" --token=s3cret-help-value --help) || fail "cli --help exit code $?"
+grep -q -- "--num_pages (default: 0)" <<<"$out" && grep -q "cache config: pages" <<<"$out" &&
+  grep -q "release CACHE_ID SEQ" <<<"$out" || fail "cli --help: $out"
 ! grep -q "cli.cc\|/work/\|/src/" <<<"$out" || fail "cli --help shows a build path: $out"
+! grep -q "s3cret-help-value" <<<"$out" || fail "cli --help shows --token's value"
+out=$("$cli" --version) || fail "cli --version exit code $?"
+grep -q "^pagedattn-cli [0-9]" <<<"$out" || fail "cli --version: $out"
 
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &

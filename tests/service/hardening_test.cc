@@ -1,10 +1,14 @@
 // What a hostile or unlucky client can do to a running server, end to end on the CPU backend:
 // shutdown during long work, cancelled and timed-out Forwards, answers too large to send,
 // oversized error texts, unauthenticated health streams, forged log lines, orphan caches.
+#include <arpa/inet.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <atomic>
 #include <chrono>
@@ -495,6 +499,35 @@ TEST(ListenTest, EveryListenerAndIpv6MetricsAreReachable) {
   EXPECT_NE(gone.status().message().find(absl::StrCat("connect to [::1]:", port)),
             std::string::npos)
       << gone.status();
+}
+
+// Connections to /metrics that send nothing (or trickle) hold only themselves: with ten of them
+// open a scrape is answered at once (read one connection at a time, each held its 2 s and a
+// scrape waited 20 s), and the latency histogram's buckets never pass its count.
+TEST(MetricsTest, IdleConnectionsDoNotHoldAScrape) {
+  ServerOptions o = CpuOptions();
+  o.metrics_listen = "127.0.0.1:0";
+  auto server = *PagedAttnServer::Start(o);
+  std::vector<int> idle;
+  for (int i = 0; i < 10; ++i) {
+    const int fd = socket(AF_INET, SOCK_STREAM, 0);
+    sockaddr_in a = {};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(static_cast<uint16_t>(server->metrics_port()));
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_EQ(connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+    ASSERT_EQ(send(fd, "GET /met", 8, 0), 8);  // a request that never ends
+    idle.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(100));
+  const absl::Time start = absl::Now();
+  absl::StatusOr<std::string> text =
+      FetchMetrics(absl::StrCat("127.0.0.1:", server->metrics_port()));
+  const absl::Duration took = absl::Now() - start;
+  ASSERT_TRUE(text.ok()) << text.status();
+  EXPECT_LT(took, absl::Milliseconds(1000)) << took;
+  EXPECT_NE(text->find("pagedattn_forward_latency_seconds_count 0"), std::string::npos);
+  for (int fd : idle) close(fd);
 }
 
 // Throttled lines of many kinds (a kind per client connection) are capped together: a client

@@ -479,6 +479,39 @@ TEST(ClientTokenTest, UnsendableTokenIsRefusedAtConnect) {
   EXPECT_TRUE(Client::Connect(o).ok());
 }
 
+// Half-given TLS settings are refused at Connect, naming what is missing: gRPC aborted the
+// process on a certificate without its key, and a key or a server name without TLS sent the
+// calls in plaintext unnoticed; a file that holds no PEM block is named.
+TEST(ClientTlsTest, HalfGivenSettingsAreRefusedAtConnect) {
+  Pki pki;
+  ASSERT_TRUE(pki.ok());
+  ClientOptions o;
+  o.target = "127.0.0.1:1";
+  o.tls_ca_file = pki.path("ca.pem");
+  o.tls_cert_file = pki.path("client.pem");  // and no key
+  absl::StatusOr<std::unique_ptr<Client>> c = Client::Connect(o);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("a certificate without a key"), std::string::npos);
+  o.tls_cert_file.clear();
+  o.tls_key_file = pki.path("client.key");
+  c = Client::Connect(o);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("a key without a certificate"), std::string::npos);
+  o = ClientOptions();
+  o.target = "127.0.0.1:1";
+  o.tls_server_name = "pagedattn.test";
+  c = Client::Connect(o);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("tls_server_name applies to TLS"), std::string::npos);
+  o.tls_ca_file = pki.path("client.key");  // a key, not a certificate
+  c = Client::Connect(o);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
+  EXPECT_NE(c.status().message().find("holds no PEM CERTIFICATE block"), std::string::npos)
+      << c.status();
+  o.tls_ca_file = pki.path("ca.pem");
+  EXPECT_TRUE(Client::Connect(o).ok());
+}
+
 // Weak tokens and the manifests' placeholders are refused when the server starts, and the
 // message never quotes the token.
 TEST(TokenFileTest, WeakAndPlaceholderTokensAreRefused) {

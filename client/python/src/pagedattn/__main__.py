@@ -58,7 +58,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
     g.add_argument("--head_dim", type=int, default=128)
     g.add_argument("--page_size", type=int, default=16)
-    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32, FLOAT8_E4M3 or DTYPE_UNSPECIFIED")
+    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32 (CPU) or FLOAT8_E4M3")
     g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
     g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
     g.add_argument("--device", type=int, default=0)
@@ -68,6 +68,10 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _tls(a: argparse.Namespace) -> Any:
+    if a.tls_key and not a.tls_cert:
+        raise ValueError("--tls_key needs --tls_cert (a client certificate and its key)")
+    if a.tls_server_name and not (a.tls or a.tls_ca or a.tls_cert):
+        raise ValueError("--tls_server_name applies to TLS: add --tls or --tls_ca")
     if a.tls_ca or a.tls_cert:
         return TLS(ca=a.tls_ca or None, cert=a.tls_cert or None, key=a.tls_key or None,
                    server_name=a.tls_server_name or None)

@@ -40,6 +40,17 @@ def _pem(x: Union[str, bytes, None]) -> Optional[bytes]:
         return f.read()
 
 
+def _pem_of(what: str, x: Union[str, bytes, None], kind: str) -> Optional[bytes]:
+    """The PEM bytes of TLS setting `what`, refused when they hold no block of `kind`
+    ("CERTIFICATE", "PRIVATE KEY"): gRPC's own error for them names neither the setting nor the
+    file."""
+    data = _pem(x)
+    if data is not None and f"{kind}-----".encode() not in data:
+        where = f" ({os.fspath(x)})" if not isinstance(x, bytes) else ""
+        raise ValueError(f"TLS {what}{where} holds no PEM {kind} block")
+    return data
+
+
 def channel_setup(
     tls: Union[bool, TLS, None], max_message_bytes: int, options: Sequence[tuple[str, Any]]
 ) -> tuple[Optional[grpc.ChannelCredentials], list[tuple[str, Any]]]:
@@ -55,8 +66,16 @@ def channel_setup(
     creds = None
     if tls:
         t = tls if isinstance(tls, TLS) else TLS()
+        if (t.cert is None) != (t.key is None):
+            # gRPC aborts the process on a certificate without its key (or the reverse).
+            raise ValueError(
+                "TLS: a client certificate and its key go together (got "
+                + ("cert without key" if t.key is None else "key without cert") + ")"
+            )
         creds = grpc.ssl_channel_credentials(
-            root_certificates=_pem(t.ca), private_key=_pem(t.key), certificate_chain=_pem(t.cert)
+            root_certificates=_pem_of("ca", t.ca, "CERTIFICATE"),
+            private_key=_pem_of("key", t.key, "PRIVATE KEY"),
+            certificate_chain=_pem_of("cert", t.cert, "CERTIFICATE"),
         )
         if t.server_name:
             opts.append(("grpc.ssl_target_name_override", t.server_name))

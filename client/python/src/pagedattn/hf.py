@@ -263,7 +263,9 @@ class PagedAttnCache(Cache):
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the server holds for these sequences (0 for a new or released cache)."""
+        """Tokens of these sequences once the step planned last has run on every layer (0 for a
+        new or released cache). A step that failed counts too, though the server may hold it
+        on some layers only: such a cache is to be released before reuse."""
         return sum(self.lengths)
 
     # The padded [batch, time] view that transformers' mask code may ask about.

@@ -69,7 +69,10 @@ def run_smoke(
         raise ValueError(f"q_dtype must be float32, float16 or bfloat16 (got {dtype_name(q_t)})")
     # The output comes back in q's dtype: its rounding counts too.
     report = SmokeReport(tolerance=max(TOLERANCE[kv_t], TOLERANCE[q_t]))
-    config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t, num_pages=64)
+    # Room for the steps' three sequences of up to 64 tokens at any page size (page_size 1
+    # needs 80 pages; 64 left it out of pages).
+    num_pages = max(64, 3 * -(-64 // max(page_size, 1)))
+    config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t, num_pages=num_pages)
     rng = np.random.default_rng(seed)
     # Host copy of each (layer, sequence)'s K and V rows, rounded to kv_dtype.
     kv: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}

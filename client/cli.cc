@@ -299,7 +299,8 @@ int main(int argc, char** argv) {
     if (!r.ok()) return Fail(r.status());
     PrintJson(*r);
   } else if (command == "stats") {
-    absl::StatusOr<std::string> text = pagedattn::FetchMetrics(absl::GetFlag(FLAGS_metrics_target));
+    absl::StatusOr<std::string> text =
+        pagedattn::FetchMetrics(absl::GetFlag(FLAGS_metrics_target), options.timeout);
     if (!text.ok()) return Fail(text.status());
     // The samples without the HELP/TYPE comments: one "name{labels} value" per line.
     for (absl::string_view line : absl::StrSplit(*text, '\n', absl::SkipEmpty())) {

@@ -125,9 +125,9 @@ class Client {
   absl::StatusOr<ForwardReply> ForwardTensors(const ForwardCall& call, const ForwardOutput& output);
   // Maps a device allocation of this process into the server for cache_id (CUDA backend, same
   // node): ipc_handle is the cudaIpcMemHandle_t of the allocation's start
-  // (client/device_region.h: DeviceRegion::ipc_handle()), size_bytes how much of it Forwards may use, lease_seconds 0 for the server's
-  // default; ipc_events the cudaIpcEventHandle_t of events for ForwardCall::sync (IpcEvent).
-  // Forward's TensorArgs then name {region_id, offset} in it.
+  // (client/device_region.h: DeviceRegion::ipc_handle()), size_bytes how much of it Forwards may
+  // use, lease_seconds 0 for the server's default; ipc_events the cudaIpcEventHandle_t of events
+  // for ForwardCall::sync (IpcEvent). Forward's TensorArgs then name {region_id, offset} in it.
   absl::StatusOr<v1::MemoryRegion> RegisterMemory(const std::string& cache_id,
                                                   const std::string& ipc_handle, int64_t size_bytes,
                                                   int32_t device = 0, int32_t lease_seconds = 0,
@@ -172,14 +172,14 @@ class StepStream {
 
 // GET http://target/metrics (target "host:port" or "[ipv6]:port" of the server's
 // --metrics_listen; a host name tries each of its addresses): the Prometheus text; UNAVAILABLE
-// when no address answers (5 s to connect, 10 s a wait after) or the answer is not HTTP 200,
-// INVALID_ARGUMENT for a target that is not host:port.
-absl::StatusOr<std::string> FetchMetrics(const std::string& target);
+// when no address answers (up to 5 s, at most `timeout`, to connect; `timeout` a wait after) or
+// the answer is not HTTP 200, INVALID_ARGUMENT for a target that is not host:port.
+absl::StatusOr<std::string> FetchMetrics(const std::string& target,
+                                         absl::Duration timeout = absl::Seconds(10));
 
 // The payload of a status from the server that carries details: the serialized google.rpc.Status
 // (its google.rpc.BadRequest violations, or the google.rpc.ErrorInfo of a RESOURCE_EXHAUSTED).
-inline constexpr absl::string_view kStatusDetailsPayload =
-    "type.googleapis.com/google.rpc.Status";
+inline constexpr absl::string_view kStatusDetailsPayload = "type.googleapis.com/google.rpc.Status";
 
 // grpc::Status -> absl::Status (same code and message; the server's details, if it sent any, as
 // the kStatusDetailsPayload payload).

@@ -6,6 +6,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <string>
@@ -20,8 +21,7 @@
 namespace pagedattn {
 namespace {
 
-constexpr int kConnectTimeoutMs = 5000;  // per address
-constexpr int kIoTimeoutMs = 10000;      // per wait for the socket
+constexpr int kConnectTimeoutMs = 5000;  // per address, at most
 constexpr size_t kMaxResponseBytes = size_t{256} << 20;
 
 // Waits for `events` on fd: "" when ready, else why not.
@@ -30,13 +30,13 @@ std::string Await(int fd, short events, int timeout_ms) {
   for (;;) {
     const int n = poll(&p, 1, timeout_ms);
     if (n > 0) return "";
-    if (n == 0) return absl::StrCat("no answer in ", timeout_ms / 1000, " s");
+    if (n == 0) return absl::StrCat("no answer in ", timeout_ms / 1000.0, " s");
     if (errno != EINTR) return std::strerror(errno);
   }
 }
 
 // A connected, non-blocking socket to one of host:port's addresses, or -1 and *why.
-int ConnectAny(const HostPort& hp, std::string* why) {
+int ConnectAny(const HostPort& hp, int timeout_ms, std::string* why) {
   addrinfo hints = {};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -62,7 +62,8 @@ int ConnectAny(const HostPort& hp, std::string* why) {
     if (connect(fd, a->ai_addr, a->ai_addrlen) != 0) {
       if (errno != EINPROGRESS) {
         failed = std::strerror(errno);
-      } else if (failed = Await(fd, POLLOUT, kConnectTimeoutMs); failed.empty()) {
+      } else if (failed = Await(fd, POLLOUT, std::min(kConnectTimeoutMs, timeout_ms));
+                 failed.empty()) {
         int err = 0;
         socklen_t len = sizeof(err);
         getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &len);
@@ -80,7 +81,9 @@ int ConnectAny(const HostPort& hp, std::string* why) {
 
 }  // namespace
 
-absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
+absl::StatusOr<std::string> FetchMetrics(const std::string& target, absl::Duration timeout) {
+  const int io_ms =
+      static_cast<int>(std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 1, INT32_MAX));
   HostPort hp;
   if (const std::string why = ParseHostPort(target, &hp); !why.empty() || hp.port == 0) {
     return absl::InvalidArgumentError(
@@ -94,7 +97,7 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
     return absl::UnavailableError(absl::StrCat("cannot fetch ", url, ": ", why));
   };
   std::string why;
-  const int fd = ConnectAny(hp, &why);
+  const int fd = ConnectAny(hp, io_ms, &why);
   if (fd < 0) return unavailable(why);
   absl::Cleanup close_fd = [fd] { close(fd); };
 
@@ -106,7 +109,7 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
       sent += static_cast<size_t>(n);
     } else if (n < 0 && errno != EAGAIN && errno != EINTR) {
       return unavailable(std::strerror(errno));
-    } else if (std::string late = Await(fd, POLLOUT, kIoTimeoutMs); !late.empty()) {
+    } else if (std::string late = Await(fd, POLLOUT, io_ms); !late.empty()) {
       return unavailable(late);
     }
   }
@@ -122,7 +125,7 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target) {
       }
     } else if (errno != EAGAIN && errno != EINTR) {
       return unavailable(std::strerror(errno));
-    } else if (std::string late = Await(fd, POLLIN, kIoTimeoutMs); !late.empty()) {
+    } else if (std::string late = Await(fd, POLLIN, io_ms); !late.empty()) {
       return unavailable(late);
     }
   }

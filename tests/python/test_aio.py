@@ -90,3 +90,42 @@ def test_many_forwards_in_flight(target, kv_dtypes):
                 return worst
 
     assert asyncio.run(main()) <= TOLERANCE[cache_dtype]
+
+
+def test_closing_the_client_fails_its_calls_in_flight_as_the_blocking_client(target):
+    """close() while a Forward and a Step layer run: each raises PagedAttnError CANCELLED (as the
+    blocking client's do), never CancelledError in a task nobody cancelled; a cancelled task's
+    own CancelledError stays one."""
+    async def main() -> None:
+        client = pagedattn.aio.Client(target)
+        config = CacheConfig(1, 4, 2, 64, page_size=16, kv_dtype="float32", num_pages=256)
+        cache = await client.create_cache(config, "aio-close")
+        rng = np.random.default_rng(3)
+        q, k, v = (rng.standard_normal((2048, h, 64), dtype=np.float32) for h in (4, 2, 2))
+
+        async def unary() -> object:
+            try:
+                return await cache.forward(0, [Span.prefill(1, 2048)], q, k, v)
+            except errors.PagedAttnError as e:
+                return e
+
+        async def layer() -> object:
+            try:
+                async with cache.step([Span.prefill(2, 2048)]) as step:
+                    return await step.forward(0, q, k, v)
+            except errors.PagedAttnError as e:
+                return e
+
+        tasks = [asyncio.create_task(unary()), asyncio.create_task(layer())]
+        await asyncio.sleep(0.05)  # both calls in flight on the server
+        await client.close()
+        for result in await asyncio.gather(*tasks, return_exceptions=True):
+            assert isinstance(result, errors.PagedAttnError), repr(result)
+            assert result.code == grpc.StatusCode.CANCELLED or isinstance(
+                result, errors.ClientClosed), repr(result)
+        with pytest.raises(errors.ClientClosed):
+            await cache.forward(0, [Span.prefill(3, 1)], q[:1], k[:1], v[:1])
+        async with pagedattn.aio.Client(target) as other:  # the cache is still there: delete it
+            await other.delete_cache(cache.cache_id)
+
+    asyncio.run(main())

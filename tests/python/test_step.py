@@ -321,6 +321,20 @@ def test_close_mid_step_drains_the_answers(client, kv_dtypes):
         assert streamed.stats().forward_calls == layers
 
 
+def test_a_closed_clients_step_sends_nothing_more(target, kv_dtypes):
+    rng = np.random.default_rng(8)
+    c = pagedattn.Client(target)
+    cache = c.create_cache(config(kv_dtypes[0]), delete_on_exit=False)
+    step = cache.step([Span.prefill(1, 6)])
+    step.forward(0, *qkv(rng, 6))
+    c.close()
+    with pytest.raises(errors.ClientClosed):
+        step.submit(1, *qkv(rng, 6))
+    step.cancel()
+    with pagedattn.Client(target) as other:
+        other.delete_cache(cache.cache_id)
+
+
 def test_cancel_mid_step(client, kv_dtypes):
     rng = np.random.default_rng(7)
     layers = 4

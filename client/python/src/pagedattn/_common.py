@@ -82,7 +82,7 @@ def channel_setup(
     return creds, opts + list(options)
 
 
-def cleanup_failed_during(error: Optional[BaseException], cleanup: Exception, what: str) -> None:
+def cleanup_failed_during(error: Optional[BaseException], cleanup: BaseException, what: str) -> None:
     """A context manager's cleanup (deleting `what`) failed while its block raised `error`: the
     block's exception goes on, carrying the cleanup's failure as a note (Python 3.11+), else as
     a warning, so that a cache left behind is named somewhere."""

@@ -25,6 +25,19 @@ from .v1 import attention_pb2 as pb
 from .v1 import attention_pb2_grpc as pb_grpc
 
 
+
+def _being_cancelled() -> bool:
+    """Whether the current task was asked to cancel (Python 3.11+; before it, never known)."""
+    task = asyncio.current_task()
+    return task is not None and getattr(task, "cancelling", lambda: 0)() > 0
+
+
+def _closed_in_flight() -> PagedAttnError:
+    """What a call gets when its client's close() cancelled it (grpc.aio raises CancelledError
+    then, in a task nobody cancelled): the sync client's error."""
+    return PagedAttnError("the client was closed while this call was in flight",
+                          grpc.StatusCode.CANCELLED)
+
 class Client:
     """An asyncio connection to a pagedattn server; arguments as pagedattn.Client.
 
@@ -70,6 +83,10 @@ class Client:
             )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from e
+        except asyncio.CancelledError:
+            if self._closed and not _being_cancelled():
+                raise _closed_in_flight() from None
+            raise
 
     async def close(self) -> None:
         """Closes the channel; calls in flight are cancelled, later calls raise ClientClosed."""
@@ -438,6 +455,9 @@ class Step:
             self._fail(from_rpc_error(e))
             return
         except asyncio.CancelledError:
+            if self.client._closed and not self._cancelled and not _being_cancelled():
+                self._fail(_closed_in_flight())  # the channel's close() cancelled the call
+                return
             if not self._cancelled:  # this task was cancelled, not the stream
                 raise
             resp = grpc.aio.EOF  # read() raises CancelledError on a stream cancel() ended
@@ -511,7 +531,7 @@ class Cache:
         if self.delete_on_exit and not self.deleted:
             try:
                 await self.delete()
-            except Exception as e:
+            except (Exception, asyncio.CancelledError) as e:  # a second cancel lands here too
                 if exc_type is None:
                     raise
                 _common.cleanup_failed_during(error, e, f"the cache {self.cache_id}")

@@ -384,6 +384,7 @@ class Step:
         """Sends `layer` of the open step (q, k, v as in Client.forward) without waiting for
         its answer; its result() waits. Raises RuntimeError once the stream is closed, and
         the stream's failure once it is known."""
+        self.client._check_open()  # a closed client's stream sends nothing more
         with self._lock:
             if self._failure is not None:
                 self._error_seen = True

@@ -156,18 +156,7 @@ void PrintHelp() {
   for (const auto& [name, flag] : absl::GetAllFlags()) {
     if (absl::StrContains(flag->Filename(), "client/cli.cc")) flags[std::string(name)] = flag;
   }
-  for (const auto& [name, flag] : flags) {
-    std::cout << "  --" << name << " (default: " << flag->DefaultValue() << ")\n";
-    std::string line = "     ";
-    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
-      if (line.size() + 1 + word.size() > 96) {
-        std::cout << line << "\n";
-        line = "     ";
-      }
-      absl::StrAppend(&line, " ", word);
-    }
-    std::cout << line << "\n";
-  }
+  pagedattn::PrintFlagsHelp(std::cout, flags);
 }
 
 int main(int argc, char** argv) {

@@ -2,6 +2,7 @@
 // each program (server, CLI, load generator) asks here which of its flags came more than once.
 #pragma once
 
+#include <algorithm>
 #include <iostream>
 #include <map>
 #include <string>
@@ -21,6 +22,31 @@ std::map<std::string, bool> FlagKinds(const AllFlags& all, std::string_view file
     }
   }
   return kinds;
+}
+
+// --help's list of `flags` (name -> flag, as FlagKinds takes them): each as "  --name (default:
+// D)" and its help wrapped at 96 columns, never its current value (a token's would be a secret
+// on the screen).
+template <typename Flags>
+void PrintFlagsHelp(std::ostream& out, const Flags& flags) {
+  for (const auto& [name, flag] : flags) {
+    out << "  --" << name << " (default: " << flag->DefaultValue() << ")\n";
+    const std::string help = flag->Help();
+    std::string line = "     ";
+    for (size_t at = 0; at < help.size();) {
+      const size_t end = std::min(help.find(' ', at), help.size());
+      if (end > at) {
+        if (line.size() + 1 + (end - at) > 96) {
+          out << line << "\n";
+          line = "     ";
+        }
+        line.push_back(' ');
+        line.append(help, at, end - at);
+      }
+      at = end + 1;
+    }
+    out << line << "\n";
+  }
 }
 
 // The flags of argv[1..argc) that appear more than once, each with its values in order. `flags`:

@@ -185,18 +185,7 @@ std::map<std::string, absl::CommandLineFlag*> ServerFlags() {
 // --help: the usage and every flag with its default, on stdout, exit 0.
 void PrintHelp() {
   std::cout << "pagedattn-server: " << Usage() << "\nflags:\n";
-  for (const auto& [name, flag] : ServerFlags()) {
-    std::cout << "  --" << name << " (default: " << flag->DefaultValue() << ")\n";
-    std::string line = "     ";
-    for (absl::string_view word : absl::StrSplit(flag->Help(), ' ', absl::SkipEmpty())) {
-      if (line.size() + 1 + word.size() > 96) {
-        std::cout << line << "\n";
-        line = "     ";
-      }
-      absl::StrAppend(&line, " ", word);
-    }
-    std::cout << line << "\n";
-  }
+  pagedattn::PrintFlagsHelp(std::cout, ServerFlags());
 }
 
 // Sets each flag that has a PAGEDATTN_<FLAG> variable; the command line, parsed after, wins.

@@ -160,16 +160,15 @@ void PrintHelp() {
 }
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view a(argv[i]);
-    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+  switch (pagedattn::FindInfoFlag(argc, argv)) {
+    case pagedattn::InfoFlag::kHelp:
       PrintHelp();
       return 0;
-    }
-    if (a == "--version" || a == "-version") {
+    case pagedattn::InfoFlag::kVersion:
       std::cout << "pagedattn-cli " << PAGEDATTN_VERSION << "\n";
       return 0;
-    }
+    case pagedattn::InfoFlag::kNone:
+      break;
   }
   absl::SetProgramUsageMessage(kUsage);
   absl::FlagsUsageConfig usage_config;

@@ -24,6 +24,21 @@ std::map<std::string, bool> FlagKinds(const AllFlags& all, std::string_view file
   return kinds;
 }
 
+// Whether argv asks for --help (or -h, --helpfull) or --version, which a program answers before
+// parsing its flags (absl's own --help prints the flags' current values and exits 1).
+enum class InfoFlag { kNone, kHelp, kVersion };
+inline InfoFlag FindInfoFlag(int argc, char** argv) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view a(argv[i]);
+    if (a == "--") break;
+    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+      return InfoFlag::kHelp;
+    }
+    if (a == "--version" || a == "-version") return InfoFlag::kVersion;
+  }
+  return InfoFlag::kNone;
+}
+
 // --help's list of `flags` (name -> flag, as FlagKinds takes them): each as "  --name (default:
 // D)" and its help wrapped at 96 columns, never its current value (a token's would be a secret
 // on the screen).

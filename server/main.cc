@@ -375,18 +375,17 @@ rlim_t RaiseOpenFilesLimit() {
 constexpr rlim_t kFewOpenFiles = 65536;
 
 int main(int argc, char** argv) {
-  for (int i = 1; i < argc; ++i) {
-    const absl::string_view a(argv[i]);
-    if (a == "--help" || a == "-help" || a == "-h" || a == "--helpfull" || a == "-helpfull") {
+  switch (pagedattn::FindInfoFlag(argc, argv)) {
+    case pagedattn::InfoFlag::kHelp:
       PrintHelp();
       return 0;
-    }
-    if (a == "--version" || a == "-version") {
+    case pagedattn::InfoFlag::kVersion:
       std::cout << "pagedattn-server " << PAGEDATTN_VERSION
                 << (pagedattn::BuiltWithCuda() ? " (CUDA and CPU backends)" : " (CPU backend)")
                 << "\n";
       return 0;
-    }
+    case pagedattn::InfoFlag::kNone:
+      break;
   }
   absl::SetProgramUsageMessage(Usage());
   std::set<std::string> from_env;  // flags whose value is an environment variable's

@@ -581,8 +581,10 @@ def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
     the handler to return), then the server exits 0."""
     if backend != "cpu":
         pytest.skip("timed for the CPU backend's speed")
-    (server,) = start_servers(1, "--shutdown_grace_s=20")  # one CPU thread, as every test server
-    with _long_forward(server, 2048, 3) as (q, answer):  # about a second; an 8 MiB answer
+    (server,) = start_servers(1, "--shutdown_grace_s=60")  # one CPU thread, as every test server
+    # Seconds of work, a 12 MiB answer; 1 s for its 36 MiB request to be in (0.3 s was not
+    # always enough on a loaded host: the SIGTERM came first and refused the call).
+    with _long_forward(server, 3072, 3, under_way_s=1.0) as (q, answer):
         server.proc.send_signal(signal.SIGTERM)
         out = answer.result()
     assert out.shape == q.shape and np.isfinite(out).all()

@@ -262,16 +262,39 @@ bool ParseSocketMode(const std::string& text, int* mode) {
 // Every flag value that is out of range, each named (checked before anything starts).
 std::vector<std::string> InvalidFlags() {
   std::vector<std::string> bad;
-  auto address = [&](const char* flag, const std::string& value, bool optional) {
-    if (optional && value.empty()) return;
-    absl::StatusOr<pagedattn::HostPort> hp = pagedattn::ParseHostPort(flag, value);
-    if (!hp.ok()) bad.emplace_back(hp.status().message());
+  // The TCP addresses with a fixed port, by flag: two flags on one port would fail at start as
+  // "in use by another process", which it is not.
+  std::vector<std::pair<std::string, pagedattn::HostPort>> fixed;
+  auto claim = [&](const std::string& flag, const pagedattn::HostPort& hp) {
+    if (hp.port == 0) return;
+    auto any = [](const std::string& h) { return h.empty() || h == "0.0.0.0" || h == "::"; };
+    for (const auto& [other, o] : fixed) {
+      if (o.port == hp.port && (o.host == hp.host || any(o.host) || any(hp.host))) {
+        bad.push_back(absl::StrCat(flag, " and ", other, " both take port ", hp.port,
+                                   ": give each a port of its own"));
+        return;
+      }
+    }
+    fixed.emplace_back(flag, hp);
   };
   if (absl::StatusOr<std::vector<pagedattn::ListenAddress>> listen =
           pagedattn::ParseListenAddresses("--listen", absl::GetFlag(FLAGS_listen));
       !listen.ok()) {
     bad.emplace_back(listen.status().message());
+  } else {
+    for (const pagedattn::ListenAddress& a : *listen) {
+      if (!a.unix_socket) claim("--listen", a.tcp);
+    }
   }
+  auto address = [&](const char* flag, const std::string& value, bool optional) {
+    if (optional && value.empty()) return;
+    absl::StatusOr<pagedattn::HostPort> hp = pagedattn::ParseHostPort(flag, value);
+    if (!hp.ok()) {
+      bad.emplace_back(hp.status().message());
+    } else {
+      claim(flag, *hp);
+    }
+  };
   int mode = 0;
   if (!ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode), &mode)) {
     bad.push_back(absl::StrCat("--unix_socket_mode must be an octal file mode like 0660 (got '",

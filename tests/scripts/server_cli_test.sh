@@ -101,6 +101,11 @@ for cmd in "health extra" "describe id extra"; do
   rc=0; out=$("$cli" --target=127.0.0.1:1 $cmd 2>&1) || rc=$?
   [ $rc -eq 2 ] && grep -q "unexpected argument 'extra'" <<<"$out" || fail "$cmd: exit $rc: $out"
 done
+# Two of the server's own listeners on one port are named as such (not "in use by another
+# process", which it is not).
+rc=0; out=$("$server" --backend=cpu --listen=0.0.0.0:50551 --health_listen=127.0.0.1:50551 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--health_listen and --listen both take port 50551" <<<"$out" ||
+  fail "shared port: exit $rc: $out"
 # A bad value from the environment is named by its variable too (a container sets no flags);
 # the command line's own value is named by the flag alone.
 rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?

@@ -9,6 +9,7 @@ import dataclasses
 import signal
 import subprocess
 import sys
+import time
 
 import grpc
 import ml_dtypes
@@ -100,7 +101,10 @@ def test_cache_lifecycle(client, kv_dtypes):
 
 def test_list_caches_follows_every_page(client, kv_dtypes):
     config = small_config(kv_dtypes[0])
-    made = [client.create_cache(config, name=f"py-page-{i}") for i in range(3)]
+    made = []
+    for i in range(3):  # in distinct milliseconds: the listing's order is creation time, then id
+        made.append(client.create_cache(config, name=f"py-page-{i}"))
+        time.sleep(0.002)
     try:
         ids = [c.cache_id for c in made]
         for page_size in (0, 1, 2):

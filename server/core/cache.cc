@@ -18,7 +18,7 @@ constexpr int64_t kMaxPosition = int64_t{1} << 40;
 
 Cache::Cache(std::string id, std::string name, std::string owner, const CacheGeometry& geometry,
              std::unique_ptr<KvPool> pool, Backend* backend, int64_t created_unix_ms,
-             ForwardLimits limits)
+             ForwardLimits limits, uint64_t serial)
     : id_(std::move(id)),
       name_(std::move(name)),
       owner_(std::move(owner)),
@@ -27,6 +27,7 @@ Cache::Cache(std::string id, std::string name, std::string owner, const CacheGeo
       backend_(backend),
       created_unix_ms_(created_unix_ms),
       limits_(limits),
+      serial_(serial),
       table_(geometry.num_layers, geometry.page_size, geometry.num_pages) {
   layer_mu_.reserve(static_cast<size_t>(geometry.num_layers));
   for (int32_t i = 0; i < geometry.num_layers; ++i)

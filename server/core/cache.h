@@ -112,13 +112,16 @@ class Cache {
  public:
   Cache(std::string id, std::string name, std::string owner, const CacheGeometry& geometry,
         std::unique_ptr<KvPool> pool, Backend* backend, int64_t created_unix_ms,
-        ForwardLimits limits = {});
+        ForwardLimits limits = {}, uint64_t serial = 0);
 
   const std::string& id() const { return id_; }
   const std::string& name() const { return name_; }
   const std::string& owner() const { return owner_; }
   const CacheGeometry& geometry() const { return geometry_; }
   int64_t created_unix_ms() const { return created_unix_ms_; }
+  // Its place in its CacheManager's creations (1, 2, ...): listings' order, exact where the
+  // clock's milliseconds are not (two caches in one millisecond, a clock set back).
+  uint64_t serial() const { return serial_; }
 
   // Appends and attends. On any error the cache is exactly as it was before the call; that
   // includes the stop token's status when the caller gives up before the Forward commits.
@@ -153,6 +156,7 @@ class Cache {
   Backend* const backend_;
   const int64_t created_unix_ms_;
   const ForwardLimits limits_;
+  const uint64_t serial_;
 
   // Lock order: structure_mu_ (shared for Forward, exclusive for Release), then the layer's
   // mutex (one Forward per layer at a time; different layers run concurrently), then meta_mu_

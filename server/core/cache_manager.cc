@@ -120,7 +120,7 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   // until it is deleted: a Forward in flight keeps it (and its pool) past DeleteCache.
   const int64_t bytes = v.geometry.TotalBytes();
   std::shared_ptr<Cache> cache(new Cache(NewCacheId(), name, owner, v.geometry, *std::move(pool),
-                                         backend_, now_ms, limits_.forward),
+                                         backend_, now_ms, limits_.forward, ++caches_made_),
                                [this, bytes](Cache* c) {
                                  delete c;
                                  absl::MutexLock lock(&mu_);
@@ -151,27 +151,22 @@ std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner)
   return out;
 }
 
-std::string CacheManager::ListToken(const Cache& cache) {
-  return absl::StrCat(cache.created_unix_ms(), ":", cache.id());
-}
+std::string CacheManager::ListToken(const Cache& cache) { return absl::StrCat(cache.serial()); }
 
 absl::StatusOr<std::vector<std::shared_ptr<Cache>>> CacheManager::ListAfter(
     const std::string& owner, const std::string& after) const {
   std::vector<std::shared_ptr<Cache>> all = List(owner);
   if (after.empty()) return all;
-  const size_t colon = after.find(':');
-  int64_t created_ms = 0;
-  if (colon == std::string::npos || !absl::SimpleAtoi(after.substr(0, colon), &created_ms)) {
+  uint64_t serial = 0;
+  if (!absl::SimpleAtoi(after, &serial) || serial == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_token '", absl::CHexEscape(after.substr(0, 64)),
                      "' is not one this server gave (pass an answer's next_page_token, or "
                      "nothing for the first page)"));
   }
-  const std::string id = after.substr(colon + 1);
-  auto past = [&](const std::shared_ptr<Cache>& c) {
-    return c->created_unix_ms() != created_ms ? c->created_unix_ms() > created_ms : c->id() > id;
-  };
-  all.erase(all.begin(), std::find_if(all.begin(), all.end(), past));
+  all.erase(all.begin(), std::find_if(all.begin(), all.end(), [&](const auto& c) {
+              return c->serial() > serial;
+            }));
   return all;
 }
 
@@ -181,11 +176,8 @@ std::vector<std::shared_ptr<Cache>> CacheManager::ListAll() const {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, cache] : caches_) out.push_back(cache);
   }
-  std::sort(out.begin(), out.end(), [](const auto& a, const auto& b) {
-    return a->created_unix_ms() != b->created_unix_ms()
-               ? a->created_unix_ms() < b->created_unix_ms()
-               : a->id() < b->id();
-  });
+  std::sort(out.begin(), out.end(),
+            [](const auto& a, const auto& b) { return a->serial() < b->serial(); });
   return out;
 }
 

@@ -39,7 +39,7 @@ class CacheManager {
                                                 const StopToken& stop = {});
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
-  // The owner's caches, oldest first (by creation time, then id).
+  // The owner's caches, oldest first (in the order they were made: Cache::serial).
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
   // The owner's caches after the one whose ListToken is `after` ("": from the first), in List's
   // order: a page of a listing goes on there even where caches were deleted in between. An
@@ -67,6 +67,7 @@ class CacheManager {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
   int64_t total_pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t caches_made_ ABSL_GUARDED_BY(create_mu_) = 0;
 };
 
 // A cache's name is a label for people and logs: at most this many printable ASCII characters.

@@ -4,8 +4,11 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
 #include <thread>
+#include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "server/core/cache_manager.h"
 #include "server/core/cpu_backend.h"
 #include "tests/test_util.h"
@@ -331,6 +334,43 @@ TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   EXPECT_EQ(m.total_pool_bytes(), 0);
   b = m.Create(c, "b", "");
   EXPECT_TRUE(b.ok()) << b.status();
+}
+
+// A listing gives caches in the order they were made, also those made within one millisecond
+// (a small CPU cache is made in microseconds: sixteen of them share a few milliseconds, whose
+// random ids would order them otherwise), and a page token goes on exactly after its cache.
+TEST(CacheManagerTest, ListsInTheOrderCachesWereMade) {
+  CpuBackend backend;
+  CacheConfigRequest c;
+  c.num_layers = 1;
+  c.num_q_heads = 2;
+  c.num_kv_heads = 1;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.kv_dtype = DType::kBFloat16;
+  c.num_pages = 2;
+  CacheManager m(&backend);
+  std::vector<std::string> made;
+  for (int i = 0; i < 16; ++i) {
+    absl::StatusOr<std::shared_ptr<Cache>> cache = m.Create(c, absl::StrCat("c", i), "");
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    made.push_back((*cache)->id());
+  }
+  auto ids = [](const std::vector<std::shared_ptr<Cache>>& caches) {
+    std::vector<std::string> out;
+    for (const auto& cache : caches) out.push_back(cache->id());
+    return out;
+  };
+  EXPECT_EQ(ids(m.List("")), made);
+  const std::vector<std::shared_ptr<Cache>> all = m.List("");
+  ASSERT_TRUE(m.Delete(made[5], "").ok());  // the token's own cache gone: the listing goes on
+  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> rest =
+      m.ListAfter("", CacheManager::ListToken(*all[5]));
+  ASSERT_TRUE(rest.ok()) << rest.status();
+  EXPECT_EQ(ids(*rest), std::vector<std::string>(made.begin() + 6, made.end()));
+  for (const char* bad : {"x", "0", "-1", "3:abc"}) {
+    EXPECT_EQ(m.ListAfter("", bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
 }
 
 }  // namespace

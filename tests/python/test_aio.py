@@ -125,6 +125,7 @@ def test_closing_the_client_fails_its_calls_in_flight_as_the_blocking_client(tar
                 result, errors.ClientClosed), repr(result)
         with pytest.raises(errors.ClientClosed):
             await cache.forward(0, [Span.prefill(3, 1)], q[:1], k[:1], v[:1])
+        assert cache.step([Span.prefill(3, 1)]).closed  # a closed client's Step says so
         async with pagedattn.aio.Client(target) as other:  # the cache is still there: delete it
             await other.delete_cache(cache.cache_id)
 

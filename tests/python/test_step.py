@@ -327,7 +327,9 @@ def test_a_closed_clients_step_sends_nothing_more(target, kv_dtypes):
     cache = c.create_cache(config(kv_dtypes[0]), delete_on_exit=False)
     step = cache.step([Span.prefill(1, 6)])
     step.forward(0, *qkv(rng, 6))
+    assert not step.closed
     c.close()
+    assert step.closed  # as it says once close() ends its call
     with pytest.raises(errors.ClientClosed):
         step.submit(1, *qkv(rng, 6))
     step.cancel()
@@ -475,18 +477,34 @@ def test_async_a_waiter_cancelled_leaves_the_stream_going(target, kv_dtypes):
 
 def test_async_a_dropped_step_ends_its_call(target, kv_dtypes):
     """A Step dropped without close() or cancel() cancels its call (as the blocking Step does):
-    none is left open on the server, its grpc tasks pending, until the channel closes."""
+    none is left open on the server, its grpc tasks pending, until the channel closes. Dropped
+    with layers unanswered or not yet written too, and without asyncio's "Task was destroyed
+    but it is pending!" (its writer was collected with it)."""
     import gc
+    import logging
+
+    class Errors(logging.Handler):
+        def __init__(self) -> None:
+            super().__init__(logging.ERROR)
+            self.messages: list[str] = []
+
+        def emit(self, record: logging.LogRecord) -> None:
+            self.messages.append(record.getMessage())
 
     async def main() -> None:
         rng = np.random.default_rng(5)
         async with pagedattn.aio.Client(target, timeout=60) as client:
             async with await client.create_cache(config(kv_dtypes[0])) as cache:
                 before = len(asyncio.all_tasks())
-                for i in range(20):
+                for i in range(30):
                     step = cache.step([Span.prefill(100 + i, 2)])
-                    await (await step.submit(0, *qkv(rng, 2)))
-                    del step
+                    future = await step.submit(0, *qkv(rng, 2))
+                    if i % 3 == 0:
+                        await future
+                    elif i % 3 == 1:  # the second layer's message still in the outbox
+                        await future
+                        await step.submit(1, *qkv(rng, 2))
+                    del step, future
                 gc.collect()
                 for _ in range(50):  # the cancellations' callbacks run on the loop
                     await asyncio.sleep(0.01)
@@ -494,4 +512,11 @@ def test_async_a_dropped_step_ends_its_call(target, kv_dtypes):
                         break
                 assert len(asyncio.all_tasks()) <= before
 
-    asyncio.run(main())
+    errors = Errors()
+    logging.getLogger("asyncio").addHandler(errors)
+    try:
+        asyncio.run(main())
+        gc.collect()
+    finally:
+        logging.getLogger("asyncio").removeHandler(errors)
+    assert errors.messages == []

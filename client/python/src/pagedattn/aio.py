@@ -38,6 +38,34 @@ def _closed_in_flight() -> PagedAttnError:
     return PagedAttnError("the client was closed while this call was in flight",
                           grpc.StatusCode.CANCELLED)
 
+_END = object()  # the end of a Step's outbox: half-closes the stream
+
+# Tasks the loop must finish though nothing else holds them: a Step's writer, which refers to
+# its outbox and call but not to the Step, so that a Step dropped open is collected (its
+# __del__ cancels the call and the writer) and the writer ends as a task, not destroyed pending.
+_live_tasks: "set[asyncio.Task]" = set()
+
+
+def _keep_until_done(task: "asyncio.Task") -> "asyncio.Task":
+    _live_tasks.add(task)
+    task.add_done_callback(_live_tasks.discard)
+    return task
+
+
+async def _write_all(outbox: "asyncio.Queue[Any]", call: Any) -> None:
+    """A Step's outbox to its stream, in order; _END half-closes it. Stops where the stream
+    ends: reading it says why."""
+    try:
+        while True:
+            request = await outbox.get()
+            if request is _END:
+                await call.done_writing()
+                return
+            await call.write(request)
+    except (asyncio.InvalidStateError, grpc.aio.AioRpcError, asyncio.CancelledError):
+        pass
+
+
 class Client:
     """An asyncio connection to a pagedattn server; arguments as pagedattn.Client.
 
@@ -247,9 +275,6 @@ class Client:
                     dtype=dtype, timeout=self.timeout if timeout is None else timeout)
 
 
-_END = object()  # the end of a Step's outbox: half-closes the stream
-
-
 class LayerFuture(_common.LayerAnswer):
     """See pagedattn.client.LayerFuture; `await future` is `await future.result()`."""
 
@@ -309,21 +334,9 @@ class Step:
             self.client._check_open()
             self._call = self.client.stub.Step(timeout=self._timeout,
                                                metadata=self.client._metadata)
-            self._writer = asyncio.get_running_loop().create_task(self._write_all())
+            self._writer = _keep_until_done(
+                asyncio.get_running_loop().create_task(_write_all(self._outbox, self._call)))
         return self._call
-
-    async def _write_all(self) -> None:
-        """The outbox to the stream, in order; _END half-closes it. Stops where the stream
-        ends: reading it says why."""
-        try:
-            while True:
-                request = await self._outbox.get()
-                if request is _END:
-                    await self._call.done_writing()
-                    return
-                await self._call.write(request)
-        except (asyncio.InvalidStateError, grpc.aio.AioRpcError, asyncio.CancelledError):
-            pass
 
     def begin(
         self,
@@ -410,7 +423,8 @@ class Step:
 
     @property
     def closed(self) -> bool:
-        return self._closed or self._failure is not None
+        """True once close() or cancel() was called, the stream failed or its client closed."""
+        return self._closed or self._failure is not None or self.client._closed
 
     async def __aenter__(self) -> "Step":
         self._open()

@@ -448,8 +448,8 @@ class Step:
 
     @property
     def closed(self) -> bool:
-        """True once close() or cancel() was called (or the stream failed)."""
-        return self._closed or self._failure is not None
+        """True once close() or cancel() was called, the stream failed or its client closed."""
+        return self._closed or self._failure is not None or self.client._closed
 
     def __enter__(self) -> "Step":
         return self

@@ -128,12 +128,19 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
     c.set_kv_scaling(s);
   }
   for (const std::string& text : absl::GetFlag(FLAGS_kv_scales)) {
-    float scale = 0;
-    if (!absl::SimpleAtof(text, &scale)) {
+    double scale = 0;
+    if (!absl::SimpleAtod(text, &scale)) {
       return absl::InvalidArgumentError(
           absl::StrCat("--kv_scales must be numbers, comma-separated (got '", text, "')"));
     }
-    c.add_kv_scales(scale);
+    // The wire's type is float: a value that would arrive as 0 or inf is refused as typed,
+    // rather than named by the server as the 0 or inf it became.
+    const float narrowed = static_cast<float>(scale);
+    if (std::isfinite(scale) && (std::isinf(narrowed) || (narrowed == 0 && scale != 0))) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "--kv_scales value '", text, "' is outside float's range (scales are floats)"));
+    }
+    c.add_kv_scales(narrowed);
   }
   if (absl::GetFlag(FLAGS_num_pages) != 0 && absl::GetFlag(FLAGS_max_bytes) != 0) {
     return absl::InvalidArgumentError("set --num_pages or --max_bytes, not both");
@@ -303,6 +310,8 @@ int main(int argc, char** argv) {
     so.num_q_heads = config->num_q_heads();
     so.num_kv_heads = config->num_kv_heads();
     so.kv_dtype = config->kv_dtype();
+    so.kv_scaling = config->kv_scaling();
+    so.kv_scales.assign(config->kv_scales().begin(), config->kv_scales().end());
     auto info = c.GetServerInfo();
     if (!info.ok()) return Fail(info.status());
     auto r = pagedattn::RunSmoke(c, so);

@@ -48,6 +48,9 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   config.set_head_dim(o.head_dim);
   config.set_page_size(o.page_size);
   config.set_kv_dtype(o.kv_dtype);
+  config.set_kv_scaling(o.kv_scaling);
+  const size_t num_scales = o.kv_scales.size() > 4 ? 4 : o.kv_scales.size();  // two layers'
+  for (size_t i = 0; i < num_scales; ++i) config.add_kv_scales(o.kv_scales[i]);
   // Room for the steps' three sequences of up to 64 tokens at any page size (page_size 1
   // needs 80 pages; 64 left it out of pages).
   config.set_num_pages(std::max(64, 3 * ((64 + o.page_size - 1) / std::max(o.page_size, 1))));
@@ -55,8 +58,11 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   if (!cache.ok()) return cache.status();
   report.cache_id = cache->cache_id();
   absl::StrAppendFormat(
-      &report.summary, "  config: head_dim %d, page_size %d, %d q / %d kv heads, kv_dtype %s\n",
-      o.head_dim, o.page_size, o.num_q_heads, o.num_kv_heads, v1::DType_Name(o.kv_dtype));
+      &report.summary, "  config: head_dim %d, page_size %d, %d q / %d kv heads, kv_dtype %s%s\n",
+      o.head_dim, o.page_size, o.num_q_heads, o.num_kv_heads, v1::DType_Name(o.kv_dtype),
+      o.kv_scaling == v1::KV_SCALING_UNSPECIFIED
+          ? ""
+          : absl::StrCat(" (", v1::KvScaling_Name(o.kv_scaling), ")").c_str());
   // Whatever goes wrong below, the cache goes (best effort: the error that ended the run is
   // the one reported).
   bool deleted_cache = false;

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/statusor.h"
 #include "client/client.h"
@@ -16,6 +17,11 @@ struct SmokeOptions {
   int32_t num_q_heads = 8;
   int32_t num_kv_heads = 2;
   v1::DType kv_dtype = v1::BFLOAT16;
+  // FLOAT8_E4M3's scaling (unset: PER_TOKEN) and STATIC's scales: 2 values, or per layer, of
+  // which the smoke cache's two layers take the first 4. Its K/V are standard normal: STATIC
+  // scales near 4.5 / 448 = 0.01 fit them.
+  v1::KvScaling kv_scaling = v1::KV_SCALING_UNSPECIFIED;
+  std::vector<float> kv_scales;
   v1::DType q_dtype = v1::FLOAT32;
   uint64_t seed = 1;
 };

@@ -1,5 +1,6 @@
 // LaunchStatus: what a kernel launcher returns. Kernel code stays free of absl; the CUDA
-// backend maps a failed LaunchStatus to an absl::Status (unsupported -> INVALID_ARGUMENT).
+// backend maps a failed LaunchStatus to an absl::Status (unsupported -> INVALID_ARGUMENT, out of
+// memory -> RESOURCE_EXHAUSTED, a CUDA error -> INTERNAL).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,12 +12,15 @@ namespace pagedattn::kernels {
 
 class LaunchStatus {
  public:
-  enum class Code { kOk, kUnsupported, kCudaError };
+  enum class Code { kOk, kUnsupported, kOutOfMemory, kCudaError };
 
   LaunchStatus() = default;
   static LaunchStatus Ok() { return LaunchStatus(); }
   static LaunchStatus Unsupported(std::string message) {
     return LaunchStatus(Code::kUnsupported, std::move(message));
+  }
+  static LaunchStatus OutOfMemory(std::string message) {
+    return LaunchStatus(Code::kOutOfMemory, std::move(message));
   }
   static LaunchStatus CudaError(std::string message) {
     return LaunchStatus(Code::kCudaError, std::move(message));

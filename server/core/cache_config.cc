@@ -134,7 +134,11 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
     violate("kv_scaling",
             absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (got kv_scaling ",
                          c.kv_scaling == KvScaling::kStatic ? "STATIC" : "PER_TOKEN",
-                         " with kv_dtype ", DTypeName(c.kv_dtype), "); leave it unset"));
+                         " with kv_dtype ",
+                         DTypeSize(c.kv_dtype) > 0 || c.kv_dtype == DType::kUnspecified
+                             ? std::string(DTypeName(c.kv_dtype))
+                             : absl::StrCat(static_cast<int>(c.kv_dtype)),
+                         "); leave it unset"));
   }
   if (c.kv_scaling == KvScaling::kStatic) {
     const size_t n = c.kv_scales.size();
@@ -144,16 +148,24 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
                            "(2 values) or per layer (2 x num_layers = ",
                            2 * int64_t{c.num_layers}, ") (got ", n, "); PER_TOKEN needs none"));
     } else {
+      // Every bad scale named (the first kShown of them), in one violation of the field.
+      constexpr int kShown = 8;
+      std::string bad;
+      int num_bad = 0;
       for (size_t i = 0; i < n; ++i) {
         // Float's smallest normal and up: an inverse (what values are stored times) that
         // overflows made 0 * inf = NaN of a zero.
-        if (!(std::isfinite(c.kv_scales[i]) && c.kv_scales[i] >= kFp8MinStaticScale)) {
-          violate("kv_scales",
-                  absl::StrCat("kv_scales must be finite and at least ", kFp8MinStaticScale,
-                               " (float's smallest normal value) (kv_scales[", i, "] is ",
-                               c.kv_scales[i], ")"));
-          break;
+        if (std::isfinite(c.kv_scales[i]) && c.kv_scales[i] >= kFp8MinStaticScale) continue;
+        if (num_bad++ < kShown) {
+          absl::StrAppend(&bad, bad.empty() ? "" : ", ", "kv_scales[", i, "] is ",
+                          c.kv_scales[i]);
         }
+      }
+      if (num_bad > 0) {
+        if (num_bad > kShown) absl::StrAppend(&bad, " and ", num_bad - kShown, " more");
+        violate("kv_scales", absl::StrCat("kv_scales must be finite and at least ",
+                                          kFp8MinStaticScale,
+                                          " (float's smallest normal value) (", bad, ")"));
       }
     }
   } else if (!c.kv_scales.empty()) {

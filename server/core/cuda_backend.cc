@@ -44,6 +44,8 @@ absl::Status FromLaunch(const k::LaunchStatus& st) {
       return absl::OkStatus();
     case k::LaunchStatus::Code::kUnsupported:
       return absl::InvalidArgumentError(st.message());
+    case k::LaunchStatus::Code::kOutOfMemory:
+      return absl::ResourceExhaustedError(st.message());
     case k::LaunchStatus::Code::kCudaError:
       return absl::InternalError(st.message());
   }

@@ -379,6 +379,13 @@ TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
     EXPECT_NE(r.violations[0].description.find("kv_scales[1]"), std::string::npos);
     EXPECT_NE(r.violations[0].description.find("at least"), std::string::npos);
   }
+  // Every bad scale is named, not the first alone.
+  c.kv_scales = {-1.f, std::numeric_limits<float>::quiet_NaN()};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scales"});
+  EXPECT_NE(r.violations[0].description.find("kv_scales[0] is -1, kv_scales[1] is nan"),
+            std::string::npos)
+      << r.violations[0].description;
   c.kv_scales = {kFp8MinStaticScale, 1.f};
   EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
   c.kv_scaling = KvScaling::kPerToken;  // scales without STATIC
@@ -390,6 +397,14 @@ TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
   ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scaling"});
   EXPECT_NE(r.violations[0].description.find("BFLOAT16"), std::string::npos);
   EXPECT_NE(r.violations[0].description.find("PER_TOKEN"), std::string::npos);
+  c.kv_dtype = static_cast<DType>(5);  // a dtype this server does not know: named by number
+  r = ValidateCacheConfig(c, Ctx());
+  bool named = false;
+  for (const FieldViolation& v : r.violations) {
+    if (v.field == "kv_scaling") named = v.description.find("with kv_dtype 5)") != std::string::npos;
+  }
+  EXPECT_TRUE(named) << ValidationStatus(r);
+  c.kv_dtype = DType::kBFloat16;
   c.kv_scaling = static_cast<KvScaling>(7);
   EXPECT_EQ(Fields(ValidateCacheConfig(c, Ctx())), std::vector<std::string>{"kv_scaling"});
 }

@@ -1360,6 +1360,45 @@ std::unique_ptr<Cache> MakeCacheOn(Backend& backend, CacheGeometry g) {
   return std::make_unique<Cache>("test", "", "", g, *std::move(pool), &backend, 0);
 }
 
+// A Forward whose scratch the GPU cannot hold is RESOURCE_EXHAUSTED, saying how much it needs
+// and what is free (not INTERNAL), and leaves the cache as it was; with the memory back, the
+// same Forward runs.
+TEST_F(CudaKernelTest, ScratchBeyondTheFreeMemoryIsResourceExhausted) {
+  const CacheGeometry g = testing::MakeGeometry(1, 32, 8, 128, 16, DType::kBFloat16, 1100);
+  std::unique_ptr<Cache> cache = MakeCacheOn(*backend_, g);
+  ASSERT_TRUE(cache);
+  testing::ForwardModel model(g, DType::kFloat32, 91u);
+  ASSERT_TRUE(model.Run(*cache, 0, {{1, 0, 16, 16}}).status.ok());
+  const int64_t used = cache->Stats().used_pages;
+  // All but 16 MiB of the GPU taken: 8192 new rows of float K and V are 64 MiB of scratch.
+  std::vector<void*> hog;
+  for (size_t chunk = size_t{1} << 32; chunk >= (size_t{1} << 20);) {
+    size_t free_bytes = 0, total = 0;
+    ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+    if (free_bytes < (size_t{16} << 20) + chunk) {
+      chunk /= 2;
+      continue;
+    }
+    void* p = nullptr;
+    if (cudaMalloc(&p, chunk) != cudaSuccess) {
+      cudaGetLastError();
+      chunk /= 2;
+      continue;
+    }
+    hog.push_back(p);
+  }
+  const testing::ForwardModel::Outcome refused = model.Run(*cache, 0, {{2, 0, 8192, 1}});
+  EXPECT_EQ(refused.status.code(), absl::StatusCode::kResourceExhausted) << refused.status;
+  EXPECT_NE(refused.status.message().find("bytes of GPU scratch"), std::string::npos)
+      << refused.status;
+  EXPECT_EQ(cache->Stats().used_pages, used);
+  for (void* p : hog) cudaFree(p);
+  const testing::ForwardModel::Outcome ran = model.Run(*cache, 0, {{2, 0, 8192, 1}});
+  ASSERT_TRUE(ran.status.ok()) << ran.status;
+  EXPECT_LE(ran.max_rel_error, 2e-2);
+  EXPECT_EQ(cache->Stats().used_pages, used + 8192 / 16);
+}
+
 // The FP8 sweep (tests/fp8_sweep.h) on the CUDA tiles: both scalings, pages {1, 7, 16, 128}, GQA
 // {1, 4, 5, 8}, every CUDA head_dim in turn; its prefill and chunked spans run the prefill tiles
 // on the pages' bfloat16 copy, its decode spans the FP8 decode tiles.

@@ -485,6 +485,12 @@ def test_cli_info_validate_smoke(target, backend):
     # line and exit 2, never a traceback.
     r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--head_dim=64", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    # STATIC scales reach the smoke's cache: they run, and a bad scaling is the server's refusal.
+    r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--kv_scaling=static",
+             "--kv_scales=0.02,0.01", "smoke")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    r = _cli(f"--target={target}", "--kv_scaling=static", "--kv_scales=0.02,0.01", "smoke")
+    assert r.returncode == 1 and "kv_scaling applies to FLOAT8_E4M3" in r.stderr, r.stderr
     # Page size 1 (the smoke's cache has the pages its steps need at any page size).
     r = _cli(f"--target={target}", "--page_size=1", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
@@ -492,7 +498,10 @@ def test_cli_info_validate_smoke(target, backend):
                        (["--tls_ca=/nonexistent/ca.pem", "info"], "/nonexistent/ca.pem"),
                        (["--tls_key=/x.key", "info"], "--tls_key needs --tls_cert"),
                        (["--tls_server_name=x", "info"], "--tls_server_name applies to TLS"),
-                       (["--tls_ca=/etc/hostname", "info"], "holds no PEM")):
+                       (["--tls_ca=/etc/hostname", "info"], "holds no PEM"),
+                       (["--kv_scales=a,1", "validate"], "--kv_scales must be numbers"),
+                       (["--kv_dtype=float8_e4m3", "--kv_scaling=static", "--kv_scales=1e-50,1",
+                         "validate"], "kv_scales[0] is 1e-50, outside float32's range")):
         r = _cli(f"--target={target}", *args)
         assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 

@@ -173,6 +173,8 @@ def test_scalar_arguments_are_named_before_sending(kwargs, message):
     ("num_pages", 5.0, "CacheConfig.num_pages must be an int (got float 5.0)"),
     ("num_layers", 2**31, "CacheConfig.num_layers must be in -2147483648..2147483647"),
     ("kv_scales", ["1"], "CacheConfig.kv_scales[0] must be a number (got str '1')"),
+    ("kv_scales", [1.0, 1e39], "CacheConfig.kv_scales[1] is 1e+39, outside float32's range"),
+    ("kv_scales", [1e-50, 1.0], "CacheConfig.kv_scales[0] is 1e-50, outside float32's range"),
 ])
 def test_config_fields_are_named_before_sending(field, value, message):
     import pagedattn

@@ -175,6 +175,9 @@ rc=0; out=$("$cli" $t --kv_dtype=float8_e4m3 --kv_scaling=static --num_pages=16 
 [ $rc -eq 1 ] && grep -q '"field": "kv_scales"' <<<"$out" || fail "FP8 STATIC without scales: exit $rc $out"
 rc=0; out=$("$cli" $t --kv_scaling=bogus validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "PER_TOKEN or STATIC" <<<"$out" || fail "bad --kv_scaling: exit $rc $out"
+# A scale float cannot carry is refused as typed (it would reach the server as 0 or inf).
+rc=0; out=$("$cli" $t --kv_dtype=float8_e4m3 --kv_scaling=static --kv_scales=1e-50,1 validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "'1e-50' is outside float's range" <<<"$out" || fail "--kv_scales=1e-50: exit $rc $out"
 
 id=$("$cli" $t --num_layers=2 --num_pages=16 --name=cli-test create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
 [ -n "$id" ] || fail "create-cache printed no cacheId"
@@ -189,6 +192,12 @@ grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
 "$cli" $t --head_dim=64 --page_size=7 --num_q_heads=8 --num_kv_heads=2 --kv_dtype=FLOAT16 smoke \
   > "$log.smoke" || fail "smoke with flags: $(cat "$log.smoke")"
 grep -q "head_dim 64, page_size 7" "$log.smoke" || fail "smoke ignores its flags: $(cat "$log.smoke")"
+# An FP8 STATIC smoke runs STATIC (not PER_TOKEN), and flags it cannot use are refused.
+"$cli" $t --head_dim=64 --kv_dtype=FLOAT8_E4M3 --kv_scaling=STATIC --kv_scales=0.02,0.01 smoke \
+  > "$log.smoke" || fail "FP8 STATIC smoke: $(cat "$log.smoke")"
+grep -q "kv_dtype FLOAT8_E4M3 (STATIC)" "$log.smoke" || fail "smoke ignores --kv_scaling: $(cat "$log.smoke")"
+rc=0; "$cli" $t --kv_scaling=STATIC --kv_scales=-1 smoke > "$log.smoke" 2>&1 || rc=$?
+[ $rc -eq 1 ] && grep -q "kv_scaling applies to FLOAT8_E4M3" "$log.smoke" || fail "smoke of a bad scaling: exit $rc $(cat "$log.smoke")"
 rm -f "$log.smoke"
 [ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "smoke left a cache behind"
 
@@ -196,7 +205,8 @@ mport=$(log_port "$log" metrics)
 hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
-grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 8' <<<"$stats" || fail "stats: $stats"
+# Three smokes of four Forwards each.
+grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 12' <<<"$stats" || fail "stats: $stats"
 
 if [ -n "$py" ]; then
   # /metrics must parse with the reference Prometheus parser.

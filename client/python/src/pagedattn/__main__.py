@@ -52,19 +52,34 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls_cert", default="", help="client certificate PEM (mTLS)")
     p.add_argument("--tls_key", default="", help="client private key PEM (mTLS)")
     p.add_argument("--tls_server_name", default="", help="name to expect in the server certificate")
-    g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, kv_dtype)")
+    g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, "
+                             "kv_dtype and its scaling)")
     g.add_argument("--num_layers", type=int, default=32)
     g.add_argument("--num_q_heads", type=int, default=None, help="default 32 (smoke: 8)")
     g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
     g.add_argument("--head_dim", type=int, default=128)
     g.add_argument("--page_size", type=int, default=16)
     g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32 (CPU) or FLOAT8_E4M3")
+    g.add_argument("--kv_scaling", default=None,
+                   help="FLOAT8_E4M3 only: PER_TOKEN (the default: a scale per row, computed at "
+                   "append) or STATIC (with --kv_scales)")
+    g.add_argument("--kv_scales", default="",
+                   help="--kv_scaling=STATIC: K's and V's scale, comma-separated, for every layer "
+                   "(2 values) or per layer (2 x num_layers)")
     g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
     g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
     g.add_argument("--device", type=int, default=0)
     g.add_argument("--q_dtype", default="FLOAT32", help="smoke: dtype of q on the wire")
     g.add_argument("--seed", type=int, default=1, help="smoke: random seed")
     return p
+
+
+def _scales(text: str) -> tuple[float, ...]:
+    """--kv_scales' numbers; a word that is none is a usage error (ValueError)."""
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--kv_scales must be numbers, comma-separated (got {text!r})") from None
 
 
 def _tls(a: argparse.Namespace) -> Any:
@@ -99,6 +114,8 @@ def run(a: argparse.Namespace) -> int:
                 num_pages=a.num_pages or None,
                 max_bytes=a.max_bytes or None,
                 device=a.device,
+                kv_scaling=a.kv_scaling,
+                kv_scales=_scales(a.kv_scales),
             )
             r = c.validate(config)
             print(to_json(r))
@@ -114,6 +131,8 @@ def run(a: argparse.Namespace) -> int:
                 kv_dtype=a.kv_dtype,
                 q_dtype=a.q_dtype,
                 seed=a.seed,
+                kv_scaling=a.kv_scaling,
+                kv_scales=_scales(a.kv_scales),
             )
             print(f"smoke against {a.target} (backend {info.backend}, {info.device_name}), "
                   f"cache {r.cache_id}:")

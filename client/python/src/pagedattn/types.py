@@ -3,6 +3,7 @@ to and from the pagedattn.v1 protos; every call also takes the raw protos)."""
 
 from __future__ import annotations
 
+import math
 import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
@@ -167,10 +168,18 @@ def checked_bool(name: str, value: Any) -> bool:
 
 
 def checked_float(name: str, value: Any) -> float:
-    """value as a float for the field `name` (any real number but a bool), else a TypeError."""
+    """value as a float for the field `name` (any real number but a bool), else a TypeError.
+    The wire's type is float32: a finite value that would arrive as 0 or inf is a ValueError
+    naming it as given, not a server error naming the 0 or inf it became."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a number (got {type(value).__name__} {value!r})")
-    return float(value)
+    x = float(value)
+    if math.isfinite(x) and x != 0:
+        with np.errstate(over="ignore", under="ignore"):
+            narrowed = np.float32(x)
+        if narrowed == 0 or not np.isfinite(narrowed):
+            raise ValueError(f"{name} is {value!r}, outside float32's range (the field's type)")
+    return x
 
 
 def seq_id_list(seq_ids: Iterable[int]) -> list[int]:

@@ -3,7 +3,9 @@
 #include "server/core/cache.h"
 
 #include <cmath>
+#include <exception>
 #include <limits>
+#include <new>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
@@ -284,7 +286,18 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
   io.timings = timings;
   if (timings != nullptr) timings->validate_us = MicrosSince(start);
 
-  absl::Status s = backend_->Forward(*pool_, g, plan, io);
+  // An exception from the backend (memory it could not have) fails the Forward like any error:
+  // the reservation rolled back, not left behind by the unwinding.
+  absl::Status s;
+  try {
+    s = backend_->Forward(*pool_, g, plan, io);
+  } catch (const std::bad_alloc&) {
+    s = absl::ResourceExhaustedError(
+        "the server could not allocate this Forward's working memory: send fewer tokens a "
+        "Forward, or leave memory beside the caches' pools");
+  } catch (const std::exception& e) {
+    s = absl::InternalError(absl::StrCat("the Forward failed: ", e.what()));
+  }
   const absl::Time commit_start = absl::Now();
   {
     absl::MutexLock meta(&meta_mu_);

@@ -146,8 +146,15 @@ class OverwrittenRows {
   OverwrittenRows(const CacheGeometry& g, const ForwardPlan& plan, const LayerStore& store)
       : g_(g), plan_(plan), store_(store) {}
 
-  void Save() { Move(/*save=*/true); }
-  void Restore() { Move(/*save=*/false); }
+  // Throws std::bad_alloc where the rows' copy cannot be had: nothing is overwritten yet then.
+  void Save() {
+    Move(/*save=*/true);
+    saved_all_ = true;
+  }
+  // Puts back what Save kept; nothing where Save did not finish (nothing was written then).
+  void Restore() {
+    if (saved_all_) Move(/*save=*/false);
+  }
 
  private:
   void Move(bool save) {
@@ -180,6 +187,7 @@ class OverwrittenRows {
   const ForwardPlan& plan_;
   const LayerStore& store_;
   std::vector<char> saved_;
+  bool saved_all_ = false;
 };
 
 }  // namespace
@@ -228,6 +236,12 @@ absl::StatusOr<std::unique_ptr<KvPool>> CpuBackend::AllocatePool(const CacheGeom
   return pool;
 }
 
+namespace {
+// 1. and 2. of a Forward (below): its K/V rows stored, its queries answered into io.
+void AppendAndAttend(ThreadPool& threads, const CacheGeometry& g, const ForwardPlan& plan,
+                     const ForwardIO& io, const LayerStore& store);
+}  // namespace
+
 absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, const ForwardPlan& plan,
                                  const ForwardIO& io_in) {
   auto& pool = static_cast<CpuPool&>(pool_base);
@@ -240,26 +254,53 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     io.out = heap->mutable_out();
     io.lse = plan.return_lse ? heap->mutable_lse() : nullptr;
   }
-  const int D = g.head_dim;
-  const int Hq = g.num_q_heads;
-  const int Hkv = g.num_kv_heads;
-  const int group = Hq / Hkv;
-  const int esize = DTypeSize(g.kv_dtype);
   const LayerStore store(pool, g, plan.layer);
-  char* k_layer = store.k;
-  char* v_layer = store.v;
-  const bool fp8 = g.kv_dtype == DType::kFloat8E4M3;
   if (absl::Status s = plan.stop.Check(); !s.ok()) return s;
   const absl::Time start = absl::Now();
 
   // 0. A rewind overwrites committed rows: keep them until the Forward is sure to commit.
   OverwrittenRows overwritten(g, plan, store);
-  overwritten.Save();
+  // Memory this Forward cannot have (its working copies below, of up to a sequence's K and V
+  // in float an item) is RESOURCE_EXHAUSTED, the overwritten rows put back: never a crash.
+  try {
+    overwritten.Save();
+    AppendAndAttend(*threads_, g, plan, io, store);
+  } catch (const std::bad_alloc&) {
+    overwritten.Restore();
+    return absl::ResourceExhaustedError(
+        "the CPU backend could not allocate this Forward's working memory (about 8 x head_dim "
+        "bytes a visible position, for each of --cpu_threads items at once): send fewer or "
+        "shorter spans, or leave memory beside the caches' pools");
+  }
+  // 3. Commit point: a stop seen now puts the overwritten rows back (new rows past the
+  // committed length are invisible once the cache rolls its lengths back).
+  if (absl::Status s = plan.stop.Check(); !s.ok()) {
+    overwritten.Restore();
+    return s;
+  }
+  if (io.timings != nullptr) {
+    io.timings->kernel_us = absl::ToDoubleMicroseconds(absl::Now() - start);
+  }
+  return absl::OkStatus();
+}
+
+namespace {
+
+void AppendAndAttend(ThreadPool& threads, const CacheGeometry& g, const ForwardPlan& plan,
+                     const ForwardIO& io, const LayerStore& store) {
+  const int D = g.head_dim;
+  const int Hq = g.num_q_heads;
+  const int Hkv = g.num_kv_heads;
+  const int group = Hq / Hkv;
+  const int esize = DTypeSize(g.kv_dtype);
+  char* k_layer = store.k;
+  char* v_layer = store.v;
+  const bool fp8 = g.kv_dtype == DType::kFloat8E4M3;
 
   // 1. Append: convert each new row to the cache dtype (its values as AttentionValue gives them:
   // NaN as 0, past 2^48 saturated, as the GPU stores them) and store it in its page.
   if (plan.total_new_tokens > 0) {
-    threads_->ParallelFor(static_cast<int64_t>(plan.spans.size()), [&](int64_t si) {
+    threads.ParallelFor(static_cast<int64_t>(plan.spans.size()), [&](int64_t si) {
       const SpanPlan& sp = plan.spans[si];
       const int in_size = DTypeSize(io.kv_dtype);
       for (int32_t t = 0; t < sp.num_new_tokens; ++t) {
@@ -297,7 +338,7 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
     }
   }
   std::atomic<bool> stopped{false};  // A worker saw the stop: the others skip their items.
-  threads_->ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t ii) {
+  threads.ParallelFor(static_cast<int64_t>(items.size()), [&](int64_t ii) {
     if (stopped.load(std::memory_order_relaxed)) return;
     if (!plan.stop.Check().ok()) {
       stopped.store(true, std::memory_order_relaxed);
@@ -361,16 +402,8 @@ absl::Status CpuBackend::Forward(KvPool& pool_base, const CacheGeometry& g, cons
       }
     }
   });
-  // 3. Commit point: a stop seen now puts the overwritten rows back (new rows past the
-  // committed length are invisible once the cache rolls its lengths back).
-  if (absl::Status s = plan.stop.Check(); !s.ok()) {
-    overwritten.Restore();
-    return s;
-  }
-  if (io.timings != nullptr) {
-    io.timings->kernel_us = absl::ToDoubleMicroseconds(absl::Now() - start);
-  }
-  return absl::OkStatus();
 }
+
+}  // namespace
 
 }  // namespace pagedattn

@@ -20,7 +20,13 @@ ThreadPool::~ThreadPool() {
 
 void ThreadPool::RunItems(Job& job) {
   for (int64_t i = job.next.fetch_add(1); i < job.n; i = job.next.fetch_add(1)) {
-    (*job.fn)(i);
+    if (!job.failed.load(std::memory_order_relaxed)) {
+      try {
+        (*job.fn)(i);
+      } catch (...) {  // not past a worker (std::terminate) nor the caller (the job's frame)
+        if (!job.failed.exchange(true)) job.error = std::current_exception();
+      }
+    }
     job.done.fetch_add(1, std::memory_order_release);
   }
 }
@@ -28,7 +34,7 @@ void ThreadPool::RunItems(Job& job) {
 void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) {
   if (n <= 0) return;
   if (n == 1 || workers_.empty()) {
-    for (int64_t i = 0; i < n; ++i) fn(i);
+    for (int64_t i = 0; i < n; ++i) fn(i);  // an exception leaves from here as it is
     return;
   }
   Job job;
@@ -39,12 +45,15 @@ void ThreadPool::ParallelFor(int64_t n, const std::function<void(int64_t)>& fn) 
     jobs_.push_back(&job);
   }
   RunItems(job);
-  // Wait until every claimed item has finished, then unpublish the job.
-  absl::MutexLock lock(&mu_);
-  mu_.Await(absl::Condition(
-      +[](Job* j) { return j->done.load(std::memory_order_acquire) == j->n && j->workers == 0; },
-      &job));
-  jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));
+  {
+    // Wait until every claimed item has finished, then unpublish the job.
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](Job* j) { return j->done.load(std::memory_order_acquire) == j->n && j->workers == 0; },
+        &job));
+    jobs_.erase(std::find(jobs_.begin(), jobs_.end(), &job));
+  }
+  if (job.error) std::rethrow_exception(job.error);
 }
 
 void ThreadPool::WorkerLoop() {

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <memory>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -334,6 +336,52 @@ TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   EXPECT_EQ(m.total_pool_bytes(), 0);
   b = m.Create(c, "b", "");
   EXPECT_TRUE(b.ok()) << b.status();
+}
+
+// The CPU backend, whose Forward throws std::bad_alloc while `throws` is set (memory the
+// backend could not have).
+class ThrowingBackend final : public Backend {
+ public:
+  bool throws = false;
+  BackendKind kind() const override { return cpu_.kind(); }
+  std::string name() const override { return cpu_.name(); }
+  std::string device_name() const override { return cpu_.device_name(); }
+  int device_count() const override { return cpu_.device_count(); }
+  absl::StatusOr<MemoryInfo> memory(int device) const override { return cpu_.memory(device); }
+  absl::StatusOr<std::unique_ptr<KvPool>> AllocatePool(const CacheGeometry& g,
+                                                       const StopToken& stop) override {
+    return cpu_.AllocatePool(g, stop);
+  }
+  absl::Status Forward(KvPool& pool, const CacheGeometry& g, const ForwardPlan& plan,
+                       const ForwardIO& io) override {
+    if (throws) throw std::bad_alloc();
+    return cpu_.Forward(pool, g, plan, io);
+  }
+
+ private:
+  CpuBackend cpu_;
+};
+
+// A backend's exception is the Forward's error (RESOURCE_EXHAUSTED for memory), and the cache
+// is as it was: the reservation rolled back (a rewind's length too), not left by the unwinding.
+TEST(CacheExceptionTest, ABackendsExceptionFailsTheForwardAndRollsBack) {
+  ThrowingBackend backend;
+  const CacheGeometry g = MakeGeometry(2, 4, 2, 64, 8, DType::kFloat32, 20);
+  Cache cache("c", "", "", g, *backend.AllocatePool(g, StopToken()), &backend, 0);
+  ForwardModel model(g, DType::kFloat32, 17);
+  ASSERT_TRUE(model.Run(cache, 0, {{1, 0, 20, 20}}).status.ok());
+  const CacheStats before = cache.Stats();
+  backend.throws = true;
+  const ForwardModel::Outcome failed = model.Run(cache, 0, {{1, 12, 3, 3}, {2, 0, 9, 9}});
+  EXPECT_EQ(failed.status.code(), absl::StatusCode::kResourceExhausted) << failed.status;
+  EXPECT_EQ(cache.Stats().used_pages, before.used_pages);
+  EXPECT_EQ(cache.Stats().live_sequences, before.live_sequences);
+  backend.throws = false;
+  // Sequence 1 still has its 20 tokens (the rewind to 12 undone): its decode at 20 runs and
+  // reads them; sequence 2 starts afresh.
+  const ForwardModel::Outcome next = model.Run(cache, 0, {{1, 20, 1, 1}, {2, 0, 9, 9}});
+  ASSERT_TRUE(next.status.ok()) << next.status;
+  EXPECT_LE(next.max_rel_error, 1e-5);
 }
 
 // A listing gives caches in the order they were made, also those made within one millisecond

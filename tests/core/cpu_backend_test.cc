@@ -5,7 +5,12 @@
 
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <limits>
 #include <tuple>
 
@@ -100,6 +105,59 @@ TEST(CpuAttentionTest, LongSequenceDecode) {
   ForwardModel model(g, DType::kFloat32, 11);
   ExpectClose(model.Run(*cache, 0, {{1, 0, 10000, 0}}), DType::kFloat32, "10k append");
   ExpectClose(model.Run(*cache, 0, {{1, 10000, 1, 1}}), DType::kFloat32, "10k decode");
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;  // their shadow memory does not run under RLIMIT_AS
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// The process's address space now (/proc/self/statm's first field, in pages).
+int64_t AddressSpaceBytes() {
+  FILE* f = std::fopen("/proc/self/statm", "r");
+  long pages = 0;
+  if (f != nullptr) {
+    if (std::fscanf(f, "%ld", &pages) != 1) pages = 0;
+    std::fclose(f);
+  }
+  return int64_t{pages} * sysconf(_SC_PAGESIZE);
+}
+
+// A decode whose working copies (a 32k-token sequence's K and V in float: 128 MiB) the process
+// cannot have is RESOURCE_EXHAUSTED, the cache unchanged, the server's process alive (it
+// aborted: std::bad_alloc on a worker thread); with the memory back, the same decode runs.
+// Run in a child process (its address space limited by RLIMIT_AS).
+TEST(CpuAttentionTest, AForwardWithoutMemoryIsResourceExhausted) {
+  if (kSanitized) GTEST_SKIP() << "RLIMIT_AS and a sanitizer's shadow memory do not mix";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        CpuBackendOptions options;
+        options.num_threads = 2;
+        CpuBackend backend(options);
+        const CacheGeometry g = MakeGeometry(1, 8, 1, 512, 64, DType::kFloat32, 520);
+        Cache cache("c", "", "", g, *backend.AllocatePool(g, StopToken()), &backend, 0);
+        ForwardModel model(g, DType::kFloat32, 3);
+        if (!model.Run(cache, 0, {{1, 0, 32768, 0}}).status.ok()) std::_Exit(2);
+        const int64_t used = cache.Stats().used_pages;
+        rlimit old{};
+        getrlimit(RLIMIT_AS, &old);
+        rlimit tight = old;
+        tight.rlim_cur = static_cast<rlim_t>(AddressSpaceBytes() + (48 << 20));
+        setrlimit(RLIMIT_AS, &tight);
+        const ForwardModel::Outcome refused = model.Run(cache, 0, {{1, 32768, 1, 1}});
+        setrlimit(RLIMIT_AS, &old);
+        if (refused.status.code() != absl::StatusCode::kResourceExhausted) {
+          std::fprintf(stderr, "got %s\n", refused.status.ToString().c_str());
+          std::_Exit(3);
+        }
+        if (cache.Stats().used_pages != used) std::_Exit(4);
+        const ForwardModel::Outcome ran = model.Run(cache, 0, {{1, 32768, 1, 1}});
+        if (!ran.status.ok() || ran.max_rel_error > 1e-5) std::_Exit(5);
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
 }
 
 // Layer attention variants (CacheConfig.layers) against the reference: each option alone and

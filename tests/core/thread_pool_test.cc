@@ -1,10 +1,13 @@
-// ThreadPool: every index runs exactly once, also with concurrent callers.
+// ThreadPool: every index runs exactly once, also with concurrent callers; an item's exception
+// reaches the caller.
 #include "server/core/thread_pool.h"
 
 #include <gtest/gtest.h>
 
 #include <atomic>
+#include <new>
 #include <thread>
+#include <vector>
 
 namespace pagedattn {
 namespace {
@@ -29,6 +32,35 @@ TEST(ThreadPoolTest, ConcurrentCallersEachGetTheirOwnItems) {
   }
   for (auto& t : callers) t.join();
   for (int64_t s : sums) EXPECT_EQ(s, 50 * 4950);
+}
+
+// An item that throws (std::bad_alloc where memory ran out) neither ends the process (on a
+// worker) nor leaves the job's frame while workers use it (on the caller): the caller gets the
+// exception once the items under way have finished, and the pool works on.
+TEST(ThreadPoolTest, AnItemsExceptionReachesTheCaller) {
+  ThreadPool pool(4);
+  for (int64_t bad : {0, 1, 500, 999}) {
+    std::atomic<int> running{0}, max_after{0};
+    std::atomic<bool> thrown{false};
+    EXPECT_THROW(pool.ParallelFor(1000,
+                                  [&](int64_t i) {
+                                    running.fetch_add(1);
+                                    if (i == bad) {
+                                      thrown = true;
+                                      running.fetch_sub(1);
+                                      throw std::bad_alloc();
+                                    }
+                                    std::this_thread::yield();
+                                    running.fetch_sub(1);
+                                  }),
+                 std::bad_alloc)
+        << bad;
+    EXPECT_TRUE(thrown);
+    EXPECT_EQ(running.load(), 0) << "an item still ran after ParallelFor returned";
+  }
+  std::vector<std::atomic<int>> hits(100);
+  pool.ParallelFor(100, [&](int64_t i) { hits[i].fetch_add(1); });
+  for (auto& h : hits) EXPECT_EQ(h.load(), 1);
 }
 
 }  // namespace

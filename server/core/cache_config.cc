@@ -25,13 +25,16 @@ std::vector<int> HeadDims(BackendKind backend) {
 
 std::string HeadDimList(BackendKind backend) { return absl::StrJoin(HeadDims(backend), ", "); }
 
-int NearestHeadDim(BackendKind backend, int head_dim) {
+// The supported head dims nearest head_dim: one, or the two equally near ("128 or 192").
+std::string NearestHeadDims(BackendKind backend, int head_dim) {
   const std::vector<int> dims = HeadDims(backend);
-  int best = dims[0];
+  int64_t best = std::numeric_limits<int64_t>::max();
+  for (int d : dims) best = std::min(best, std::abs(int64_t{d} - head_dim));
+  std::vector<int> nearest;
   for (int d : dims) {
-    if (std::abs(d - head_dim) < std::abs(best - head_dim)) best = d;
+    if (std::abs(int64_t{d} - head_dim) == best) nearest.push_back(d);
   }
-  return best;
+  return absl::StrJoin(nearest, " or ");
 }
 
 std::string KvDTypeList(BackendKind backend) {
@@ -237,7 +240,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
     violate("head_dim", absl::StrCat("head_dim must be one of ", HeadDimList(ctx.backend),
                                      " on the ", ctx.backend == BackendKind::kCuda ? "cuda" : "cpu",
                                      " backend (got ", c.head_dim, "; nearest valid: ",
-                                     NearestHeadDim(ctx.backend, c.head_dim), ")"));
+                                     NearestHeadDims(ctx.backend, c.head_dim), ")"));
   }
   if (!IsSupportedPageSize(c.page_size)) {
     const int nearest = c.page_size < kMinPageSize ? kMinPageSize : kMaxPageSize;

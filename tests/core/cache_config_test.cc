@@ -76,6 +76,11 @@ TEST(CacheConfigTest, HeadDimNamesNearestValid) {
   EXPECT_NE(r.violations[0].description.find("nearest valid: 512"), std::string::npos);
   r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
   EXPECT_NE(r.violations[0].description.find("nearest valid: 512"), std::string::npos);
+  // Halfway between two: both named.
+  c.head_dim = 160;
+  r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda));
+  EXPECT_NE(r.violations[0].description.find("nearest valid: 128 or 192)"), std::string::npos)
+      << r.violations[0].description;
   EXPECT_NE(r.violations[0].description.find("64, 80, 96, 128, 192, 256, 512 on the cuda backend"),
             std::string::npos)
       << r.violations[0].description;

@@ -72,6 +72,10 @@ inline constexpr int kMaxPageSize = 1024;
 inline constexpr int kMaxGqaRatio = 32;
 inline constexpr int kMaxNumLayers = 4096;
 inline constexpr int kMaxNumHeads = 1024;
+// One layer's K rows (num_pages x num_kv_heads x page_size), which the kernels index (and a
+// sequence's positions, which they hold) in 32 bits: a default capacity stops there, a larger
+// num_pages is refused.
+inline constexpr int64_t kMaxPoolRows = (int64_t{1} << 31) - 1;
 // Sinks values of a config, every layer's together (gpt-oss-120b: 36 layers x 64 q heads = 2304).
 // A cache's config travels in every CreateCache, GetCache and ListCaches answer: 4096 layers x
 // 1024 heads (16 MiB) would not fit the smallest --max_message_mb.

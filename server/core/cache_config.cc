@@ -314,13 +314,22 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   }
   // Every factor is bounded above, so this product cannot overflow; the pool size can.
   const int64_t bytes_per_page = g.BytesPerPage();
+  const int64_t max_pages = kMaxPoolRows / (int64_t{g.num_kv_heads} * g.page_size);
   if (c.num_pages.has_value()) {
     g.num_pages = *c.num_pages;
+    if (g.num_pages > max_pages) {
+      violate("num_pages",
+              absl::StrCat("num_pages x num_kv_heads x page_size (one layer's K rows) must be "
+                           "below 2^31, which the kernels index in 32 bits (got ",
+                           g.num_pages, " x ", g.num_kv_heads, " x ", g.page_size,
+                           "); nearest valid: ", max_pages));
+      return r;
+    }
   } else {
     const int64_t budget = c.max_bytes.has_value()
                                ? *c.max_bytes
                                : static_cast<int64_t>(ctx.free_bytes * kDefaultPoolFraction);
-    g.num_pages = std::min<int64_t>(budget / bytes_per_page, std::numeric_limits<int32_t>::max());
+    g.num_pages = std::min<int64_t>(budget / bytes_per_page, max_pages);
     if (g.num_pages < 1) {
       violate(c.max_bytes.has_value() ? "max_bytes" : "capacity",
               absl::StrCat(c.max_bytes.has_value() ? "max_bytes" : "free memory", " (", budget,

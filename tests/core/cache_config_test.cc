@@ -62,6 +62,31 @@ TEST(CacheConfigTest, PageSizeOutOfRange) {
   }
 }
 
+// One layer's K rows stay below 2^31 (the kernels' 32-bit row and position indices): a larger
+// num_pages is refused with the largest that fits; a default capacity stops there.
+TEST(CacheConfigTest, PoolRowsStayBelowTwoToThe31) {
+  CacheConfigRequest c = Valid();
+  c.num_layers = 1;
+  c.num_kv_heads = 8;
+  c.num_q_heads = 8;
+  c.head_dim = 64;
+  c.page_size = 1024;
+  c.kv_dtype = DType::kFloat8E4M3;
+  const int64_t max_pages = ((int64_t{1} << 31) - 1) / (8 * 1024);  // 262143
+  c.num_pages = max_pages + 1;
+  ValidationResult r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda, int64_t{1} << 50));
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"num_pages"});
+  EXPECT_NE(r.violations[0].description.find(absl::StrCat("nearest valid: ", max_pages)),
+            std::string::npos)
+      << r.violations[0].description;
+  c.num_pages = max_pages;
+  EXPECT_TRUE(ValidateCacheConfig(c, Ctx(BackendKind::kCuda, int64_t{1} << 50)).valid());
+  c.num_pages.reset();  // the default capacity of a (hypothetical) 1 PiB device
+  r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda, int64_t{1} << 50));
+  ASSERT_TRUE(r.valid());
+  EXPECT_EQ(r.geometry.num_pages, max_pages);
+}
+
 TEST(CacheConfigTest, HeadDimNamesNearestValid) {
   CacheConfigRequest c = Valid();
   c.head_dim = 100;
@@ -189,7 +214,8 @@ TEST(CacheConfigTest, SizeOverflowIsAViolation) {
   c.num_pages = std::numeric_limits<int32_t>::max();
   ValidationResult r = ValidateCacheConfig(c, Ctx());
   ASSERT_EQ(Fields(r), std::vector<std::string>{"num_pages"});
-  EXPECT_NE(r.violations[0].description.find("overflows"), std::string::npos);
+  // The 2^31 rows' bound comes first (and keeps every pool under 2^56 bytes).
+  EXPECT_NE(r.violations[0].description.find("below 2^31"), std::string::npos);
 }
 
 TEST(CacheConfigTest, TooLargeForMemoryIsResourceExhaustedWithNumbers) {

@@ -169,7 +169,7 @@ TEST_F(E2ETest, OversizedCacheIsResourceExhaustedWithNumbers) {
   c.set_num_q_heads(64);
   c.set_head_dim(256);
   c.set_page_size(1024);
-  c.set_num_pages(100000);
+  c.set_num_pages(30000);  // 1.97e9 rows of a layer, under 2^31; 2^53 bytes
   absl::StatusOr<v1::CacheInfo> r = client_->CreateCache(c);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(r.status().message().find("bytes are free"), std::string::npos) << r.status();

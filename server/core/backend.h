@@ -205,6 +205,12 @@ class Backend {
   // Compute capability of a device as "major.minor" ("9.0"); empty on the CPU backend.
   virtual std::string compute_capability(int /*device*/) const { return ""; }
 
+  // Whether `device` runs a cache of this kv_dtype and head_dim (one its table lists): OK, or why
+  // not (the device's shared memory a block, say). The default: every one.
+  virtual absl::Status RunsHeadDim(int /*device*/, DType /*kv_dtype*/, int /*head_dim*/) const {
+    return absl::OkStatus();
+  }
+
   // Host memory for one Forward on `device` with inputs of these sizes (bytes of q, and of k and
   // of v each) and an answer of out_bytes (+ lse_bytes). The default: HeapForwardBuffers.
   virtual absl::StatusOr<std::unique_ptr<ForwardBuffers>> AcquireForwardBuffers(

@@ -291,6 +291,21 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
                            "the heads over several caches or raise --max_message_mb"));
     }
   }
+  // The device's own limits, for a config the tables accept: a head_dim its kernels cannot run
+  // there is refused now, with the head dims it does run, not at the pool's allocation.
+  if (r.violations.empty() && ctx.device_runs) {
+    if (absl::Status s = ctx.device_runs(c.kv_dtype, c.head_dim); !s.ok()) {
+      std::vector<int> runs;
+      for (int d : HeadDims(ctx.backend)) {
+        if (ctx.device_runs(c.kv_dtype, d).ok()) runs.push_back(d);
+      }
+      violate("head_dim",
+              absl::StrCat("head_dim ", c.head_dim, " with kv_dtype ", DTypeName(c.kv_dtype),
+                           " does not run on device ", c.device, " (", s.message(),
+                           "); head dims it runs: ",
+                           runs.empty() ? "none" : absl::StrJoin(runs, ", ")));
+    }
+  }
   if (!r.violations.empty()) return r;
 
   CacheGeometry g;

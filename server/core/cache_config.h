@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -50,6 +51,10 @@ struct ValidationContext {
   // The server's largest message (--max_message_mb), which one query's answer (and its row of
   // q) must fit; 0: no bound.
   int64_t max_message_bytes = 0;
+  // Whether the requested device runs a head_dim for a kv_dtype (its kernels' shared memory:
+  // an A10's 99 KB a block does not hold head_dim 96's portable prefill tile); unset: every
+  // head_dim of the backend's table. Asked only of a config valid otherwise.
+  std::function<absl::Status(DType kv_dtype, int head_dim)> device_runs;
 };
 
 struct ValidationResult {

@@ -91,7 +91,11 @@ ValidationContext CacheManager::ContextFor(int32_t device) const {
 }
 
 ValidationResult CacheManager::Validate(const CacheConfigRequest& config) const {
-  return ValidateCacheConfig(config, ContextFor(config.device));
+  ValidationContext ctx = ContextFor(config.device);
+  ctx.device_runs = [this, device = config.device](DType kv_dtype, int head_dim) {
+    return backend_->RunsHeadDim(device, kv_dtype, head_dim);
+  };
+  return ValidateCacheConfig(config, ctx);
 }
 
 absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigRequest& config,

@@ -343,6 +343,17 @@ class CudaBackend final : public Backend {
   int device_count() const override { return device_count_; }
   std::string compute_capability(int device) const override { return ComputeCapability(device); }
 
+  // The kernels' limits on this device (QueryPlanLimits: each tile's shared memory a block):
+  // what AllocatePool would otherwise fail on, asked at validation.
+  absl::Status RunsHeadDim(int device, DType kv_dtype, int head_dim) const override {
+    if (absl::Status st = SetDevice(device); !st.ok()) return st;
+    k::AttentionPlanLimits limits;
+    const k::LaunchStatus st = k::QueryPlanLimits(kv_dtype, head_dim, prefill_path(), &limits);
+    if (st.ok()) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("compute capability ", ComputeCapability(device), ": ", st.message()));
+  }
+
   absl::StatusOr<MemoryInfo> memory(int device) const override {
     if (absl::Status st = SetDevice(device); !st.ok()) return st;
     size_t free_bytes = 0, total_bytes = 0;

@@ -24,7 +24,11 @@ CacheConfigRequest Valid() {
 }
 
 ValidationContext Ctx(BackendKind b = BackendKind::kCpu, int64_t free = int64_t{1} << 34) {
-  return {b, 1, free};
+  ValidationContext ctx;
+  ctx.backend = b;
+  ctx.device_count = 1;
+  ctx.free_bytes = free;
+  return ctx;
 }
 
 std::vector<std::string> Fields(const ValidationResult& r) {
@@ -85,6 +89,35 @@ TEST(CacheConfigTest, PoolRowsStayBelowTwoToThe31) {
   r = ValidateCacheConfig(c, Ctx(BackendKind::kCuda, int64_t{1} << 50));
   ASSERT_TRUE(r.valid());
   EXPECT_EQ(r.geometry.num_pages, max_pages);
+}
+
+// A head_dim the backend's table lists but the requested device cannot run (its shared memory
+// a block) is refused at validation, naming why and the head dims that device runs.
+TEST(CacheConfigTest, AHeadDimTheDeviceCannotRunIsRefused) {
+  CacheConfigRequest c = Valid();
+  c.head_dim = 256;
+  ValidationContext ctx = Ctx(BackendKind::kCuda);
+  int asked = 0;
+  ctx.device_runs = [&](DType, int head_dim) {
+    ++asked;
+    return head_dim >= 192 ? absl::FailedPreconditionError("too little shared memory")
+                           : absl::OkStatus();
+  };
+  ValidationResult r = ValidateCacheConfig(c, ctx);
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"head_dim"});
+  EXPECT_NE(r.violations[0].description.find(
+                "head_dim 256 with kv_dtype BFLOAT16 does not run on device 0 (too little shared "
+                "memory); head dims it runs: 64, 80, 96, 128"),
+            std::string::npos)
+      << r.violations[0].description;
+  c.head_dim = 128;
+  asked = 0;
+  EXPECT_TRUE(ValidateCacheConfig(c, ctx).valid());
+  EXPECT_EQ(asked, 1);
+  c.page_size = 0;  // a config the tables refuse is not asked about
+  asked = 0;
+  EXPECT_FALSE(ValidateCacheConfig(c, ctx).valid());
+  EXPECT_EQ(asked, 0);
 }
 
 TEST(CacheConfigTest, HeadDimNamesNearestValid) {

@@ -538,6 +538,9 @@ def test_layer_attention_variants_round_trip(client):
         assert pagedattn.CacheConfig.from_proto(cache.config).layers == layers
         caps = client.server_info().capabilities
         assert caps.supports_sliding_window and caps.supports_logit_softcap and caps.supports_sinks
+    # Sinks given as an array are kept as a tuple: the entry hashes and compares as a value.
+    as_array = pagedattn.LayerAttention(logit_softcap=30.0, sinks=np.full(4, 0.5, np.float32))
+    assert as_array == layers[1] and hash(as_array) == hash(layers[1])
     bad = dataclasses.replace(config, layers=(pagedattn.LayerAttention(sliding_window=0),) * 2)
     with pytest.raises(pagedattn.CacheConfigError, match=r"layers\[0\]\.sliding_window"):
         client.create_cache(bad)

@@ -108,6 +108,12 @@ class LayerAttention:
     logit_softcap: Optional[float] = None
     sinks: Sequence[float] = ()
 
+    def __post_init__(self) -> None:
+        # Kept as a tuple: a frozen value that hashes and compares (a numpy array given as the
+        # sinks did neither).
+        if not isinstance(self.sinks, tuple):
+            object.__setattr__(self, "sinks", tuple(self.sinks))
+
     def to_proto(self) -> pb.LayerAttention:
         msg = pb.LayerAttention(
             sinks=[checked_float(f"LayerAttention.sinks[{i}]", x) for i, x in enumerate(self.sinks)])

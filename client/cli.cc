@@ -50,6 +50,10 @@ ABSL_FLAG(std::vector<std::string>, kv_scales, {},
 ABSL_FLAG(int64_t, num_pages, 0, "cache config: pages (0: use --max_bytes or the server default)");
 ABSL_FLAG(int64_t, max_bytes, 0, "cache config: byte budget (0: unset)");
 ABSL_FLAG(int32_t, device, 0, "cache config: device index");
+ABSL_FLAG(std::string, layers, "",
+          "cache config: the layers' attention variants as JSON, one entry for every layer or "
+          "one per layer, e.g. '[{\"slidingWindow\": 4096, \"logitSoftcap\": 50}, "
+          "{\"logitSoftcap\": 50}]' (fields as pagedattn.v1.LayerAttention's)");
 ABSL_FLAG(std::string, name, "", "create-cache: a label for the cache");
 ABSL_FLAG(std::string, service, "", "health: service name to check (\"\" = whole server)");
 ABSL_FLAG(std::string, metrics_target, "localhost:9464",
@@ -150,6 +154,17 @@ absl::StatusOr<CacheConfig> ConfigFromFlags() {
   if (absl::GetFlag(FLAGS_num_pages) != 0) c.set_num_pages(absl::GetFlag(FLAGS_num_pages));
   if (absl::GetFlag(FLAGS_max_bytes) != 0) c.set_max_bytes(absl::GetFlag(FLAGS_max_bytes));
   c.set_device(absl::GetFlag(FLAGS_device));
+  if (const std::string layers = absl::GetFlag(FLAGS_layers); !layers.empty()) {
+    CacheConfig parsed;
+    const auto st = google::protobuf::util::JsonStringToMessage(
+        absl::StrCat("{\"layers\": ", layers, "}"), &parsed);
+    if (!st.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--layers must be a JSON array of LayerAttention objects, e.g. "
+                       "'[{\"slidingWindow\": 4096}, {}]' (", st.message().as_string(), ")"));
+    }
+    *c.mutable_layers() = parsed.layers();
+  }
   return c;
 }
 

@@ -485,6 +485,13 @@ def test_cli_info_validate_smoke(target, backend):
     # line and exit 2, never a traceback.
     r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--head_dim=64", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    # --layers sends the layers' variants (a window of 0 is the server's refusal, by field).
+    r = _cli(f"--target={target}", "--num_layers=2", "--num_pages=16",
+             '--layers=[{"sliding_window": 8, "logit_softcap": 30}, {}]', "validate")
+    assert r.returncode == 0 and '"slidingWindow": 8' in r.stdout, r.stdout + r.stderr
+    r = _cli(f"--target={target}", "--num_layers=2", "--num_pages=16",
+             '--layers=[{"sliding_window": 0}]', "validate")
+    assert r.returncode == 1 and "layers[0].sliding_window" in r.stdout, r.stdout + r.stderr
     # STATIC scales reach the smoke's cache: they run, and a bad scaling is the server's refusal.
     r = _cli(f"--target={target}", "--kv_dtype=float8_e4m3", "--kv_scaling=static",
              "--kv_scales=0.02,0.01", "smoke")
@@ -500,6 +507,7 @@ def test_cli_info_validate_smoke(target, backend):
                        (["--tls_server_name=x", "info"], "--tls_server_name applies to TLS"),
                        (["--tls_ca=/etc/hostname", "info"], "holds no PEM"),
                        (["--kv_scales=a,1", "validate"], "--kv_scales must be numbers"),
+                       (["--layers=[{\"window\": 1}]", "validate"], "--layers must be a JSON array"),
                        (["--kv_dtype=float8_e4m3", "--kv_scaling=static", "--kv_scales=1e-50,1",
                          "validate"], "kv_scales[0] is 1e-50, outside float32's range")):
         r = _cli(f"--target={target}", *args)

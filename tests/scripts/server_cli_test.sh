@@ -175,6 +175,15 @@ rc=0; out=$("$cli" $t --kv_dtype=float8_e4m3 --kv_scaling=static --num_pages=16 
 [ $rc -eq 1 ] && grep -q '"field": "kv_scales"' <<<"$out" || fail "FP8 STATIC without scales: exit $rc $out"
 rc=0; out=$("$cli" $t --kv_scaling=bogus validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "PER_TOKEN or STATIC" <<<"$out" || fail "bad --kv_scaling: exit $rc $out"
+# --layers: a Gemma-style table (windowed and global layers, soft-capped) validates and is echoed;
+# a bad entry is the server's field violation, JSON that is not one a usage error.
+out=$("$cli" $t --num_layers=2 --num_pages=16 \
+  --layers='[{"slidingWindow": 4096, "logitSoftcap": 50}, {"logitSoftcap": 50}]' validate) || fail "--layers: $out"
+grep -q '"slidingWindow": 4096' <<<"$out" && grep -q '"valid": true' <<<"$out" || fail "--layers not sent: $out"
+rc=0; out=$("$cli" $t --num_layers=2 --num_pages=16 --layers='[{"slidingWindow": 0}]' validate 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q '"field": "layers\[0\].sliding_window"' <<<"$out" || fail "--layers window 0: exit $rc $out"
+rc=0; out=$("$cli" $t --layers='[{"window": 1}]' validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "JSON array of LayerAttention" <<<"$out" || fail "--layers bad JSON: exit $rc $out"
 # A scale float cannot carry is refused as typed (it would reach the server as 0 or inf).
 rc=0; out=$("$cli" $t --kv_dtype=float8_e4m3 --kv_scaling=static --kv_scales=1e-50,1 validate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "'1e-50' is outside float's range" <<<"$out" || fail "--kv_scales=1e-50: exit $rc $out"

@@ -6,6 +6,7 @@ negative answer (NOT_SERVING, invalid config, FAIL), 2 bad usage."""
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Any, Optional, Sequence
@@ -16,7 +17,7 @@ from . import errors
 from ._common import TLS
 from .client import Client
 from .smoke import run_smoke
-from .types import CacheConfig
+from .types import CacheConfig, LayerAttention
 from .v1 import attention_pb2 as pb
 
 COMMANDS = {
@@ -66,6 +67,10 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--kv_scales", default="",
                    help="--kv_scaling=STATIC: K's and V's scale, comma-separated, for every layer "
                    "(2 values) or per layer (2 x num_layers)")
+    g.add_argument("--layers", default="",
+                   help="the layers' attention variants as JSON, one entry for every layer or one "
+                   "per layer, e.g. '[{\"sliding_window\": 4096, \"logit_softcap\": 50}, "
+                   "{\"logit_softcap\": 50}]' (LayerAttention's fields)")
     g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
     g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
     g.add_argument("--device", type=int, default=0)
@@ -80,6 +85,20 @@ def _scales(text: str) -> tuple[float, ...]:
         return tuple(float(x) for x in text.split(",") if x.strip())
     except ValueError:
         raise ValueError(f"--kv_scales must be numbers, comma-separated (got {text!r})") from None
+
+
+def _layers(text: str) -> tuple[LayerAttention, ...]:
+    """--layers' JSON array of LayerAttention fields; anything else is a usage error."""
+    if not text:
+        return ()
+    try:
+        entries = json.loads(text)
+        if not isinstance(entries, list) or not all(isinstance(e, dict) for e in entries):
+            raise ValueError("not an array of objects")
+        return tuple(LayerAttention(**e) for e in entries)
+    except (ValueError, TypeError) as e:
+        raise ValueError("--layers must be a JSON array of LayerAttention objects, e.g. "
+                         f"'[{{\"sliding_window\": 4096}}, {{}}]' ({e})") from None
 
 
 def _tls(a: argparse.Namespace) -> Any:
@@ -116,6 +135,7 @@ def run(a: argparse.Namespace) -> int:
                 device=a.device,
                 kv_scaling=a.kv_scaling,
                 kv_scales=_scales(a.kv_scales),
+                layers=_layers(a.layers),
             )
             r = c.validate(config)
             print(to_json(r))

@@ -140,11 +140,11 @@ def test_create_cache_invalid_raises_cache_config_error_with_violations(client):
 
 def test_oversized_cache_is_resource_exhausted_with_numbers(client):
     with pytest.raises(errors.ResourceExhausted) as e:
-        client.create_cache(small_config(num_pages=10**9))
+        client.create_cache(small_config(num_pages=2 * 10**8))
     err = e.value
     assert not isinstance(err, errors.OutOfPages)
     assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert err.num_pages == 10**9
+    assert err.num_pages == 2 * 10**8  # under 2^31 rows of a layer; 819 GB
     assert err.bytes_per_page == 2 * 2 * 2 * 4 * 64 * 2
     assert err.bytes_needed == err.num_pages * err.bytes_per_page
     assert 0 < err.free_bytes < err.bytes_needed

@@ -31,12 +31,14 @@ class StopToken {
           "the server is shutting down and stopped the call before it finished; nothing was "
           "changed: retry (on another replica)");
     }
-    if (cancelled_ && cancelled_()) {
-      return absl::CancelledError("the call was cancelled by its caller; nothing was changed");
-    }
+    // The deadline first: gRPC cancels a call whose deadline passed too, and that call is
+    // DEADLINE_EXCEEDED (logged and counted so: the server too slow, not a caller giving up).
     if (deadline_ != absl::InfiniteFuture() && absl::Now() > deadline_) {
       return absl::DeadlineExceededError(
           "the call's deadline passed before it finished; nothing was changed");
+    }
+    if (cancelled_ && cancelled_()) {
+      return absl::CancelledError("the call was cancelled by its caller; nothing was changed");
     }
     return absl::OkStatus();
   }

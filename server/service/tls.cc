@@ -90,8 +90,11 @@ absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
         absl::StrCat("--tls_cert ", files.cert_file, ": the certificate is not valid yet"));
   }
   auto key_bio = Bio(m.key_pem);
+  // An encrypted key is refused, never asked for: OpenSSL's default callback would prompt for a
+  // pass phrase on the terminal and block startup where one is attached (docker run -it).
+  pem_password_cb* no_pass_phrase = [](char*, int, int, void*) { return -1; };
   std::unique_ptr<EVP_PKEY, KeyFree> key(
-      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, nullptr, nullptr));
+      PEM_read_bio_PrivateKey(key_bio.get(), nullptr, no_pass_phrase, nullptr));
   if (key == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat("--tls_key ", files.key_file,
                                                    ": not an unencrypted PEM private key (",

@@ -338,6 +338,16 @@ TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   EXPECT_TRUE(b.ok()) << b.status();
 }
 
+// A call gRPC cancelled because its deadline passed is DEADLINE_EXCEEDED, not CANCELLED (the
+// server's logs and metrics would blame the caller); one cancelled before it is CANCELLED.
+TEST(StopTokenTest, APassedDeadlineIsDeadlineExceededThoughCancelled) {
+  const StopToken late([] { return true; }, absl::Now() - absl::Milliseconds(1));
+  EXPECT_EQ(late.Check().code(), absl::StatusCode::kDeadlineExceeded);
+  const StopToken early([] { return true; }, absl::Now() + absl::Hours(1));
+  EXPECT_EQ(early.Check().code(), absl::StatusCode::kCancelled);
+  EXPECT_TRUE(StopToken([] { return false; }, absl::Now() + absl::Hours(1)).Check().ok());
+}
+
 // The CPU backend, whose Forward throws std::bad_alloc while `throws` is set (memory the
 // backend could not have).
 class ThrowingBackend final : public Backend {

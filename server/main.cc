@@ -25,6 +25,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
@@ -524,12 +525,16 @@ int main(int argc, char** argv) {
   const std::string bound = absl::StrJoin((*server)->listening(), ", ");
   spdlog::info(
       "pagedattn-server {} listening on {} ({}; --listen={}); backend {} on {} ({} device{}, "
-      "{:.1f} of {:.1f} GiB free for pools); build has CUDA: {}; health SERVING",
+      "{:.1f} of {:.1f} GiB free for pools{}); build has CUDA: {}; health SERVING",
       PAGEDATTN_VERSION,
       (*server)->port() != 0 ? absl::StrCat("port ", (*server)->port()) : std::string("a socket"),
       bound, options.listen, backend.name(), backend.device_name(), backend.device_count(),
       backend.device_count() == 1 ? "" : "s", mem.ok() ? mem->free_bytes / double(1 << 30) : 0.0,
       mem.ok() ? mem->total_bytes / double(1 << 30) : 0.0,
+      options.limits.max_total_pool_bytes > 0
+          ? absl::StrFormat(", at most %.1f GiB of them by --max_total_pool_gb",
+                            options.limits.max_total_pool_bytes / double(1 << 30))
+          : std::string(),
       pagedattn::BuiltWithCuda() ? "yes" : "no");
   if (backend.kind() == pagedattn::BackendKind::kCuda) {
     std::vector<std::string> ccs;

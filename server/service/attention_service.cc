@@ -183,8 +183,15 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
     if (!cache.ok()) return cache.status();
     rpc.set_cache((*cache)->id());
     ToProto(**cache, resp);
-    spdlog::info("created cache {} '{}': {} pages x {} tokens, {} bytes", (*cache)->id(),
-                 (*cache)->name(), resp->num_pages(), resp->config().page_size(), resp->bytes());
+    const CacheGeometry& g = (*cache)->geometry();
+    spdlog::info(
+        "created cache {} '{}'{} peer={}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
+        "{} bytes",
+        (*cache)->id(), ForLog((*cache)->name()),
+        rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
+        ForLog(rpc.context()->peer()), g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
+        DTypeName(g.kv_dtype), g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
+        resp->config().page_size(), resp->bytes());
     return absl::OkStatus();
   });
 }
@@ -246,7 +253,9 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
     if (!freed.ok()) return freed.status();
     regions_->ReleaseCache(req->cache_id());
     resp->set_freed_bytes(*freed);
-    spdlog::info("deleted cache {} ({} bytes)", rpc.cache(), *freed);
+    spdlog::info("deleted cache {}{} peer={} ({} bytes)", rpc.cache(),
+                 rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
+                 ForLog(rpc.context()->peer()), *freed);
     return absl::OkStatus();
   });
 }

@@ -2,7 +2,10 @@
 // checks them as a call's headers arrive.
 #include "server/service/auth.h"
 
+#include <algorithm>
+
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -146,7 +149,7 @@ bool PathNeedsToken(absl::string_view path) {
          !absl::StartsWith(path, "/grpc.reflection.");
 }
 
-grpc::Status TokenAuthProcessor::Process(const InputMetadata& metadata, grpc::AuthContext*,
+grpc::Status TokenAuthProcessor::Process(const InputMetadata& metadata, grpc::AuthContext* context,
                                          OutputMetadata*, OutputMetadata*) {
   const auto path = metadata.find(":path");
   // gRPC always sends the path; without one the handlers decide.
@@ -158,7 +161,23 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& metadata, grpc::Au
   for (auto it = first; it != last; ++it) values.emplace_back(it->second.data(), it->second.size());
   const absl::StatusOr<std::string> tenant = auth_->AuthenticateValues(values);
   if (tenant.ok()) return grpc::Status::OK;
-  if (refused_) refused_(p, tenant.status());
+  if (refused_) {
+    std::string who;
+    if (context != nullptr) {
+      for (const grpc::string_ref& cn : context->FindPropertyValues("x509_common_name")) {
+        absl::StrAppend(&who, "client certificate CN=",
+                        absl::CHexEscape(absl::string_view(cn.data(), std::min<size_t>(cn.size(), 64))),
+                        " ");
+      }
+    }
+    const auto agent = metadata.find("user-agent");
+    if (agent != metadata.end()) {
+      absl::StrAppend(&who, "user-agent=",
+                      absl::CHexEscape(absl::string_view(agent->second.data(),
+                                                         std::min<size_t>(agent->second.size(), 64))));
+    }
+    refused_(p, tenant.status(), who);
+  }
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED, std::string(tenant.status().message()));
 }
 

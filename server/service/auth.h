@@ -53,11 +53,13 @@ bool PathNeedsToken(absl::string_view path);
 // Refuses a call that needs a token and has no valid one when its headers arrive, before gRPC
 // reads its request: a caller without a token cannot hold request memory (--request_memory_mb)
 // with a large message the handler would refuse only once it had arrived. gRPC runs it on TLS
-// ports only; the handlers authenticate every call again. `refused(path, status)` counts and
-// logs each refusal, which the handlers never see.
+// ports only; the handlers authenticate every call again. `refused(path, status, who)` counts
+// and logs each refusal, which the handlers never see; `who` tells what is known of the caller
+// here (its certificate's common name under mTLS, its user-agent; gRPC gives no address).
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
-  using Refused = std::function<void(absl::string_view path, const absl::Status& status)>;
+  using Refused = std::function<void(absl::string_view path, const absl::Status& status,
+                                     absl::string_view who)>;
   TokenAuthProcessor(const TokenAuthenticator* auth, Refused refused)
       : auth_(auth), refused_(std::move(refused)) {}
   bool IsBlocking() const override { return false; }  // a hash lookup

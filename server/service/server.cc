@@ -183,7 +183,8 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   if (s->tls_ && s->auth_ != nullptr) {
     (*creds)->SetAuthMetadataProcessor(std::make_shared<TokenAuthProcessor>(
         s->auth_.get(),
-        [metrics = s->metrics_.get()](absl::string_view path, const absl::Status& status) {
+        [metrics = s->metrics_.get()](absl::string_view path, const absl::Status& status,
+                                      absl::string_view who) {
           // Counted under the method's name where it is one of AttentionService's (an unknown
           // path's name is the caller's to choose: no series for it).
           const absl::string_view method = MethodOfPath(path);
@@ -195,7 +196,8 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
               absl::StrCat("refused at headers ", method.empty() ? "?" : method, " ",
                            status.message()),
               absl::StrCat("rpc ", method.empty() ? absl::CHexEscape(path.substr(0, 64)) : method,
-                           " refused as its headers arrived: UNAUTHENTICATED: ", status.message()));
+                           " refused as its headers arrived", who.empty() ? "" : " (", who,
+                           who.empty() ? "" : ")", ": UNAUTHENTICATED: ", status.message()));
         }));
   }
   s->gate_ = std::make_unique<RpcGate>();

@@ -10,11 +10,14 @@
 #include <sstream>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_format.h"
 #include "common/dtype.h"
+#include "common/host_port.h"
 #include "common/transport.h"
 #include "google/rpc/status.pb.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -42,6 +45,21 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 }
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
+  // gRPC takes an empty target to a channel that fails every call, and a port past 65535
+  // modulo 65536 (another port, perhaps another server's).
+  if (options.target.empty()) {
+    return absl::InvalidArgumentError("target is required: host:port, unix:PATH or a gRPC URI");
+  }
+  if (options.target.find('/') == std::string::npos &&
+      options.target.find(':') != std::string::npos &&
+      !absl::StartsWith(options.target, "unix:") && !absl::StartsWith(options.target, "ipv4:") &&
+      !absl::StartsWith(options.target, "ipv6:") && !absl::StartsWith(options.target, "dns:")) {
+    HostPort hp;
+    if (const std::string why = ParseHostPort(options.target, &hp); !why.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("target '", absl::CHexEscape(options.target), "': ", why));
+    }
+  }
   if (!(options.timeout > absl::ZeroDuration())) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout must be positive (absl::InfiniteDuration() for none; got ",
@@ -112,6 +130,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   args.SetMaxReceiveMessageSize(max_bytes);
   args.SetMaxSendMessageSize(max_bytes);
   args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, kInitialReconnectBackoffMs);
+  args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, kMinReconnectBackoffMs);
   args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, kMaxReconnectBackoffMs);
   if (!options.tls_server_name.empty()) {
     args.SetSslTargetNameOverride(options.tls_server_name);
@@ -242,6 +261,23 @@ constexpr char kForwardMethod[] = "/pagedattn.v1.AttentionService/Forward";
 constexpr char kStepMethod[] = "/pagedattn.v1.AttentionService/Step";
 
 // The call's message as slices: small headers copied, tensor data referenced where it lies.
+// Host tensors whose bytes have no data: sent, they would fail the connection in the kernel's
+// writev (EFAULT), and with it every other call on the channel.
+absl::Status CheckTensorData(const ForwardCall& call) {
+  for (const auto& [name, t] : {std::pair{"q", &call.q},
+                                {"k", &call.k},
+                                {"v", &call.v},
+                                {"out", &call.out},
+                                {"lse", &call.lse}}) {
+    if (t->dtype != v1::DTYPE_UNSPECIFIED && t->region_id.empty() && t->bytes > 0 &&
+        t->data == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name, " has ", t->bytes, " bytes but no data (data is null)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
 grpc::ByteBuffer EncodeCall(const ForwardCall& call) {
   std::vector<grpc::Slice> slices;
   slices.emplace_back(
@@ -264,11 +300,17 @@ grpc::ByteBuffer EncodeCall(const ForwardCall& call) {
   return grpc::ByteBuffer(slices.data(), slices.size());
 }
 
+// A buffer of the wrong size, found once the answer is here: the layer ran and was committed,
+// so not INVALID_ARGUMENT (which says nothing was written: ShardedClient rolls back by it) but
+// DATA_LOSS: the answer is lost to the caller.
 absl::Status CopyTensor(const wire::TensorRef& t, void* dst, size_t dst_bytes, const char* name) {
   if (dst == nullptr) return absl::OkStatus();
   if (t.data_size != dst_bytes) {
-    return absl::InvalidArgumentError(absl::StrCat("the answer's ", name, " holds ", t.data_size,
-                                                   " bytes; the buffer given has ", dst_bytes));
+    return absl::DataLossError(absl::StrCat(
+        "the layer ran and was committed, but the answer's ", name, " holds ", t.data_size,
+        " bytes and the buffer given has ", dst_bytes,
+        ": the answer is lost (give buffers of the answer's size; sending the layer again at "
+        "the same start rewrites the same rows)"));
   }
   t.CopyTo(static_cast<char*>(dst));
   return absl::OkStatus();
@@ -349,6 +391,7 @@ int64_t TrailerMicros(const grpc::ClientContext& ctx, const char* key) {
 
 absl::StatusOr<ForwardReply> Client::ForwardTensors(const ForwardCall& call,
                                                     const ForwardOutput& output) {
+  if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   if (absl::Status s = CheckOutput(call, output); !s.ok()) return s;
   grpc::ClientContext ctx;
   Prepare(&ctx);
@@ -385,6 +428,9 @@ StepStream::~StepStream() {
 }
 
 absl::Status StepStream::Send(const ForwardCall& call) {
+  absl::MutexLock lock(&write_mu_);
+  if (closed_) return absl::UnavailableError("the Step stream is closed (Close())");
+  if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   if (!rw_->Write(EncodeCall(call))) {
     return absl::UnavailableError("the Step stream is closed (see Close() for why)");
   }
@@ -393,6 +439,7 @@ absl::Status StepStream::Send(const ForwardCall& call) {
 
 absl::StatusOr<ForwardReply> StepStream::Receive(const ForwardOutput& output) {
   grpc::ByteBuffer buffer;
+  absl::MutexLock lock(&read_mu_);
   if (!rw_->Read(&buffer)) {
     return absl::UnavailableError("the Step stream ended (see Close() for why)");
   }
@@ -400,9 +447,12 @@ absl::StatusOr<ForwardReply> StepStream::Receive(const ForwardOutput& output) {
 }
 
 absl::Status StepStream::Close() {
-  if (closed_) return absl::OkStatus();
-  closed_ = true;
-  rw_->WritesDone();
+  {
+    absl::MutexLock lock(&write_mu_);
+    if (closed_.exchange(true)) return absl::OkStatus();
+    rw_->WritesDone();
+  }
+  absl::MutexLock lock(&read_mu_);  // a Receive under way on another thread ends first
   grpc::ByteBuffer rest;
   while (rw_->Read(&rest)) {
   }
@@ -437,14 +487,20 @@ v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape,
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
   const DType dt = static_cast<DType>(t.dtype());
   if (DTypeSize(dt) == 0) return absl::InvalidArgumentError("tensor has no valid dtype");
-  int64_t n = 1;
+  // The elements the data holds, then the shape's product checked against it: a product past
+  // 64 bits never wraps to a size that matches.
+  const int64_t n = static_cast<int64_t>(t.data().size() / DTypeSize(dt));
+  int64_t product = 1;
   for (int64_t d : t.shape()) {
     if (d < 0) return absl::InvalidArgumentError("tensor has a negative dimension");
-    n *= d;
+    if (d != 0 && product > n / d) product = n + 1;  // more than the data holds, and no overflow
+    else product *= d;
   }
-  if (static_cast<int64_t>(t.data().size()) != n * DTypeSize(dt)) {
-    return absl::InvalidArgumentError(absl::StrCat("tensor holds ", t.data().size(),
-                                                   " bytes, its shape needs ", n * DTypeSize(dt)));
+  if (t.data().size() % DTypeSize(dt) != 0 || product != n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor holds ", t.data().size(), " bytes, which its shape [",
+                     absl::StrJoin(t.shape(), ", "), "] of ", DTypeSize(dt),
+                     "-byte values does not match"));
   }
   std::vector<float> out(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) out[i] = LoadAsFloat(dt, t.data().data(), i);

@@ -7,12 +7,14 @@
 #include <grpcpp/support/byte_buffer.h>
 #include <grpcpp/support/sync_stream.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/wire.h"
 #include "pagedattn/v1/attention.grpc.pb.h"
@@ -139,6 +141,7 @@ class Client {
   absl::StatusOr<bool> CheckHealth(const std::string& service = "");
 
   grpc::Channel* channel() const { return channel_.get(); }
+  const ClientOptions& options() const { return options_; }
 
  private:
   void Prepare(grpc::ClientContext* ctx) const;
@@ -150,7 +153,8 @@ class Client {
 
 // One Step stream. Send() and Receive() may run on two threads (one each); Receive() returns
 // the answers in the order of the messages sent. A layer's error is Receive()'s status; the
-// stream goes on.
+// stream goes on. Close() may be called from either thread: it waits for a Send() or Receive()
+// under way on the other, then reads what answers are left.
 class StepStream {
  public:
   StepStream(std::unique_ptr<grpc::ClientContext> ctx,
@@ -167,12 +171,17 @@ class StepStream {
  private:
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw_;
-  bool closed_ = false;
+  // gRPC allows one read and one write at a time on a stream (a second aborts the process):
+  // Send and Close's WritesDone take write_mu_, Receive and Close's reads read_mu_.
+  absl::Mutex write_mu_;
+  absl::Mutex read_mu_;
+  std::atomic<bool> closed_{false};
 };
 
 // GET http://target/metrics (target "host:port" or "[ipv6]:port" of the server's
 // --metrics_listen; a host name tries each of its addresses): the Prometheus text; UNAVAILABLE
-// when no address answers (up to 5 s, at most `timeout`, to connect; `timeout` a wait after) or
+// when no address answers (up to 5 s, at most `timeout`, to connect; `timeout` for the whole
+// answer after) or
 // the answer is not HTTP 200, INVALID_ARGUMENT for a target that is not host:port.
 absl::StatusOr<std::string> FetchMetrics(const std::string& target,
                                          absl::Duration timeout = absl::Seconds(10));

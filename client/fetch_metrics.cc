@@ -15,6 +15,8 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "client/client.h"
 #include "common/host_port.h"
 
@@ -113,9 +115,16 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target, absl::Durati
       return unavailable(late);
     }
   }
+  // The whole answer within `timeout` of the request, not each wait: a server trickling bytes
+  // cannot hold the caller past it.
+  const absl::Time answer_deadline = absl::Now() + timeout;
   std::string response;
   char buf[16384];
   for (;;) {
+    const int64_t left_ms = absl::ToInt64Milliseconds(answer_deadline - absl::Now());
+    if (left_ms <= 0) {
+      return unavailable(absl::StrCat("no whole answer within ", absl::FormatDuration(timeout)));
+    }
     const ssize_t n = recv(fd, buf, sizeof(buf), 0);
     if (n == 0) break;  // HTTP/1.0: the server closes after the body
     if (n > 0) {
@@ -125,7 +134,9 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target, absl::Durati
       }
     } else if (errno != EAGAIN && errno != EINTR) {
       return unavailable(std::strerror(errno));
-    } else if (std::string late = Await(fd, POLLIN, io_ms); !late.empty()) {
+    } else if (std::string late =
+                   Await(fd, POLLIN, static_cast<int>(std::min<int64_t>(left_ms, io_ms)));
+               !late.empty()) {
       return unavailable(late);
     }
   }

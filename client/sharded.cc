@@ -4,10 +4,12 @@
 #include <netdb.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <thread>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -51,11 +53,26 @@ struct HeadSlice {
   }
 };
 
+// The limit B of gRPC's "Received message larger than max (A vs. B)", or -1.
+int64_t ReceiveLimitOf(absl::string_view message) {
+  const size_t vs = message.find(" vs. ");
+  if (!absl::StrContains(message, "Received message larger than max") ||
+      vs == absl::string_view::npos) {
+    return -1;
+  }
+  absl::string_view rest = message.substr(vs + 5);
+  rest = rest.substr(0, rest.find(')'));
+  int64_t limit = -1;
+  return absl::SimpleAtoi(rest, &limit) ? limit : -1;
+}
+
 // True when a shard's failed Forward certainly wrote nothing: refused for what the request is
 // (a Forward is all or nothing), refused by the server for room with its details (ErrorInfo),
-// or never sent (over this client's own message limit). Other failures (UNAVAILABLE,
-// DEADLINE_EXCEEDED, CANCELLED, INTERNAL) may come after the shard committed.
-bool NothingWritten(const absl::Status& s) {
+// or never sent (over this client's own message limit), or refused by the server's message
+// limit (a receive limit not this client's: its own refuses an answer, sent after the commit).
+// Other failures (UNAVAILABLE, DEADLINE_EXCEEDED, CANCELLED, INTERNAL, an answer over this
+// client's limit) may come after the shard committed.
+bool NothingWritten(const absl::Status& s, int64_t own_receive_limit) {
   switch (s.code()) {
     case absl::StatusCode::kInvalidArgument:
     case absl::StatusCode::kNotFound:
@@ -67,7 +84,9 @@ bool NothingWritten(const absl::Status& s) {
       return true;
     case absl::StatusCode::kResourceExhausted:
       return s.GetPayload(kStatusDetailsPayload).has_value() ||
-             absl::StrContains(s.message(), "Sent message larger than max");
+             absl::StrContains(s.message(), "Sent message larger than max") ||
+             (ReceiveLimitOf(s.message()) >= 0 &&
+              ReceiveLimitOf(s.message()) != own_receive_limit);
     default:
       return false;
   }
@@ -166,6 +185,10 @@ absl::Status ShardedClient::Named(int shard, const absl::Status& status) const {
 absl::StatusOr<v1::CacheConfig> ShardedClient::ShardConfig(const v1::CacheConfig& config,
                                                            int shard) const {
   const int n = num_shards();
+  if (shard < 0 || shard >= n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shard must be in 0..", n - 1, " (got ", shard, ")"));
+  }
   const int kv = config.num_kv_heads(), q = config.num_q_heads();
   if (kv <= 0 || kv % n != 0) {
     std::vector<int> valid;
@@ -395,7 +418,11 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
     std::vector<std::pair<uint64_t, int64_t>> lengths;
     if (static_cast<int>(failed.size()) < n ||
         !std::all_of(failed.begin(), failed.end(),
-                     [&](int i) { return NothingWritten(parts[i].reply.status()); })) {
+                     [&](int i) {
+                       return NothingWritten(
+                           parts[i].reply.status(),
+                           std::min<int64_t>(shards_[i]->options().max_message_bytes, INT32_MAX));
+                     })) {
       for (const wire::SpanRef& s : call.spans) {
         if (s.num_new_tokens > 0) lengths.emplace_back(s.seq_id, s.start);
       }

@@ -319,6 +319,67 @@ TEST_P(DataPlaneTest, StreamsCancelledWhileTheirLayerRunsLeaveTheServerUp) {
   EXPECT_TRUE(client_->ForwardTensors(CallOf(cache, check, t), {out.data(), out.size()}).ok());
 }
 
+// The client's Step stream used as its header allows: Close() from the sending thread while
+// another thread waits in Receive() (two reads at once aborted the process in gRPC); a buffer
+// of the wrong size for a layer that ran is DATA_LOSS (the layer committed), not
+// INVALID_ARGUMENT; a tensor of bytes without data is refused before sending, the channel and
+// the other calls on it unharmed.
+TEST_P(DataPlaneTest, StepStreamEdgesOfTheClient) {
+  const std::string cache = NewCache();
+  const Case c0 = {0, {{1, 0, 10, 10}}};
+  const Tensors t0 = MakeTensors(c0, 11);
+  auto stream = *client_->OpenStep();
+  std::string out(OutBytes(t0), '\0');
+  absl::Status received[2];
+  std::thread receiver([&] {
+    for (absl::Status& r : received) r = stream->Receive({out.data(), out.size()}).status();
+  });
+  ASSERT_TRUE(stream->Send(CallOf(cache, c0, t0)).ok());
+  absl::SleepFor(absl::Milliseconds(100));  // the receiver waits in its second Receive
+  EXPECT_TRUE(stream->Close().ok());
+  receiver.join();
+  EXPECT_TRUE(received[0].ok()) << received[0];
+  EXPECT_EQ(received[1].code(), absl::StatusCode::kUnavailable) << received[1];
+  EXPECT_EQ(stream->Send(CallOf(cache, c0, t0)).code(), absl::StatusCode::kUnavailable);
+
+  auto second = *client_->OpenStep();
+  const Case c1 = {1, {{1, 0, 10, 10}}};
+  const Tensors t1 = MakeTensors(c1, 12);
+  ASSERT_TRUE(second->Send(CallOf(cache, c1, t1)).ok());
+  std::string small(8, '\0');
+  const absl::Status lost = second->Receive({small.data(), small.size()}).status();
+  EXPECT_EQ(lost.code(), absl::StatusCode::kDataLoss) << lost;
+  EXPECT_NE(lost.message().find("committed"), std::string::npos) << lost;
+  EXPECT_TRUE(second->Close().ok());
+  // Layer 1 of sequence 1 holds its 10 tokens: attending at 10 works.
+  const Case next = {1, {{1, 10, 1, 1}}};
+  const Tensors tn = MakeTensors(next, 13);
+  std::string next_out(OutBytes(tn), '\0');
+  EXPECT_TRUE(client_->ForwardTensors(CallOf(cache, next, tn), {next_out.data(), next_out.size()})
+                  .ok());
+
+  ForwardCall nulled = CallOf(cache, {0, {{2, 0, 10, 10}}}, t0);
+  nulled.k.data = nullptr;
+  std::vector<std::thread> others;
+  std::atomic<int> others_ok{0};
+  for (int i = 0; i < 4; ++i) {
+    others.emplace_back([&, i] {
+      const Case c = {0, {{static_cast<uint64_t>(10 + i), 0, 10, 10}}};
+      const Tensors t = MakeTensors(c, 20 + i);
+      std::string o(OutBytes(t), '\0');
+      if (client_->ForwardTensors(CallOf(cache, c, t), {o.data(), o.size()}).ok()) ++others_ok;
+    });
+  }
+  const absl::Status refused = client_->ForwardTensors(nulled, {out.data(), out.size()}).status();
+  for (std::thread& t : others) t.join();
+  EXPECT_EQ(refused.code(), absl::StatusCode::kInvalidArgument) << refused;
+  EXPECT_NE(refused.message().find("k has"), std::string::npos) << refused;
+  EXPECT_EQ(others_ok.load(), 4);
+  auto third = *client_->OpenStep();
+  EXPECT_EQ(third->Send(nulled).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(third->Close().ok());
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, DataPlaneTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? std::string("Uds") : std::string("Tcp");

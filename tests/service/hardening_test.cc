@@ -461,6 +461,38 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
   EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos) << named.status();
 }
 
+// A metrics endpoint that trickles its answer (a byte each 100 ms, for 5 s) cannot hold
+// FetchMetrics past its timeout: the timeout bounds the whole answer, not each wait.
+TEST(FetchMetricsTest, ATricklingAnswerEndsAtTheTimeout) {
+  const int listener = socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(listen(listener, 1), 0);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  std::atomic<bool> done{false};
+  std::thread drip([&] {
+    const int conn = accept(listener, nullptr, nullptr);
+    for (int i = 0; i < 50 && !done && conn >= 0; ++i) {
+      if (send(conn, "H", 1, MSG_NOSIGNAL) != 1) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    if (conn >= 0) close(conn);
+  });
+  const absl::Time start = absl::Now();
+  const absl::StatusOr<std::string> r =
+      FetchMetrics(absl::StrCat("127.0.0.1:", ntohs(addr.sin_port)), absl::Milliseconds(700));
+  const absl::Duration took = absl::Now() - start;
+  done = true;
+  drip.join();
+  close(listener);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kUnavailable) << r.status();
+  EXPECT_LT(took, absl::Seconds(2)) << "the fetch waited for the trickle";
+}
+
 // Every --listen address is reported as bound (the log line names them all), and the
 // metrics fetch of pagedattn-cli and the load generator reaches an IPv6 listener and says why
 // when it cannot.

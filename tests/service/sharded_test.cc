@@ -373,6 +373,84 @@ TEST_F(ShardedTest, ACallNoShardWroteIsNotRolledBack) {
   EXPECT_TRUE(sharded->shard(0).ListCaches()->empty());
 }
 
+// A shard index out of range is refused, not read past the sinks (ShardConfig's split).
+TEST_F(ShardedTest, ShardConfigRefusesAShardOutOfRange) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  v1::CacheConfig config = Config(v1::BFLOAT16);
+  v1::LayerAttention* layer = config.add_layers();
+  for (int h = 0; h < kQHeads; ++h) layer->add_sinks(0.5f * h);
+  EXPECT_TRUE(sharded->ShardConfig(config, 1).ok());
+  for (int shard : {-1, 2, 5}) {
+    EXPECT_EQ(sharded->ShardConfig(config, shard).status().code(),
+              absl::StatusCode::kInvalidArgument)
+        << shard;
+  }
+}
+
+// A tensor whose shape's product passes 64 bits is refused, not read (TensorToFloats).
+TEST(TensorToFloatsTest, AShapeWhoseProductOverflowsIsRefused) {
+  v1::Tensor t;
+  t.set_dtype(v1::FLOAT32);
+  for (int64_t d : {int64_t{1} << 62, int64_t{2}}) t.add_shape(d);
+  EXPECT_EQ(TensorToFloats(t).status().code(), absl::StatusCode::kInvalidArgument);
+  t.clear_shape();
+  for (int64_t d : {(int64_t{1} << 62) + 1, int64_t{4}}) t.add_shape(d);
+  t.set_data(std::string(16, '\0'));  // 4 floats: the product wraps to 4 in 64 bits
+  EXPECT_EQ(TensorToFloats(t).status().code(), absl::StatusCode::kInvalidArgument);
+  t.clear_shape();
+  for (int64_t d : {2, 2}) t.add_shape(d);
+  EXPECT_EQ(TensorToFloats(t)->size(), 4u);
+  t.add_shape(0);
+  EXPECT_EQ(TensorToFloats(t).status().code(), absl::StatusCode::kInvalidArgument);
+  t.set_data("");
+  EXPECT_TRUE(TensorToFloats(t)->empty());
+}
+
+// Targets gRPC would take to a channel that fails every call (empty) or to another port
+// (99999 is 34463 modulo 65536) are refused at Connect; URIs and sockets pass as they are.
+TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
+  ClientOptions o = Options();
+  for (const char* bad : {"", "127.0.0.1:99999", "localhost:-1"}) {
+    o.target = bad;
+    EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  for (const char* good : {"127.0.0.1:1", "[::1]:1", "localhost:50051", "unix:/tmp/none.sock",
+                           "dns:///localhost:1", "ipv4:127.0.0.1:1", "localhost"}) {
+    o.target = good;
+    EXPECT_TRUE(Client::Connect(o).ok()) << good;
+  }
+}
+
+// A rewind every shard's server refused for its size (gRPC's receive limit, no details: the
+// server's --max_message_mb, not this client's limit, which refuses an answer sent after the
+// commit) wrote nothing: the sequences keep their rows, none truncated.
+TEST_F(ShardedTest, ARewindOverTheServersMessageLimitIsNotRolledBack) {
+  std::vector<std::unique_ptr<PagedAttnServer>> servers;
+  std::vector<std::string> targets;
+  for (int i = 0; i < 2; ++i) {
+    ServerOptions o;
+    o.listen = "127.0.0.1:0";
+    o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda,
+                 .cpu_threads = 1};
+    o.max_message_bytes = 1 << 20;
+    servers.push_back(*PagedAttnServer::Start(o));
+    targets.push_back(absl::StrCat("127.0.0.1:", servers.back()->port()));
+  }
+  std::unique_ptr<ShardedClient> sharded = *ShardedClient::Connect(targets, Options());
+  v1::CacheConfig config = Config(v1::BFLOAT16);
+  config.set_num_pages(512);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 41)).ok());
+  // 1500 new rows and queries: about 1.5 MiB a shard, over its server's 1 MiB.
+  const absl::StatusOr<Answer> big =
+      Run(*sharded, *cache, Step(0, {{1, 10, 1500, 1500}}, v1::BFLOAT16, 42));
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_EQ(big.status().message().find("rewound"), std::string::npos) << big.status();
+  // Still 20 tokens on both shards: appending at 20 leaves no gap.
+  EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 43)).ok());
+}
+
 // max_bytes is the whole cache's budget: each shard gets its share, as many pages as one
 // server holding every head would.
 TEST_F(ShardedTest, MaxBytesIsSplitOverTheShards) {

@@ -61,6 +61,7 @@ def channel_setup(
         # A restarted server is called again within about 2 s (gRPC's default backoff grows to
         # 120 s); common/transport.h has the C++ client's same values.
         ("grpc.initial_reconnect_backoff_ms", 250),
+        ("grpc.min_reconnect_backoff_ms", 250),
         ("grpc.max_reconnect_backoff_ms", 2000),
     ]
     creds = None

@@ -306,15 +306,31 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
     if (shut_down_ || server_ == nullptr) return;
     shut_down_ = true;
   }
-  const absl::Time deadline = absl::Now() + std::max(grace, absl::ZeroDuration());
+  const absl::Time start = absl::Now();
+  const absl::Time deadline = start + std::max(grace, absl::ZeroDuration());
   health_->SetServing(false);
   gate_->StartDraining();
+  const std::vector<std::shared_ptr<Cache>> caches = manager_->ListAll();
+  int64_t pool_bytes = 0;
+  for (const auto& cache : caches) pool_bytes += cache->geometry().TotalBytes();
+  spdlog::info("draining: {} call{} in flight; {} cache{} ({} bytes of pools) go with the process",
+               gate_->in_flight(), gate_->in_flight() == 1 ? "" : "s", caches.size(),
+               caches.size() == 1 ? "" : "s", pool_bytes);
   // Calls in flight get the grace period less a margin; then they are told to stop and get the
   // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
   const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
   if (!gate_->WaitIdle(deadline - margin)) {
+    const int64_t left = gate_->in_flight();
+    spdlog::warn("the grace period ran out with {} call{} in flight: stopping them (a stopped "
+                 "call commits nothing and answers UNAVAILABLE)",
+                 left, left == 1 ? "" : "s");
     gate_->StopAll();
-    gate_->WaitIdle(deadline);
+    if (!gate_->WaitIdle(deadline)) {
+      spdlog::warn("{} call{} did not stop in time: cancelled with the connections",
+                   gate_->in_flight(), gate_->in_flight() == 1 ? "" : "s");
+    }
+  } else {
+    spdlog::info("drained in {}", absl::FormatDuration(absl::Now() - start));
   }
   // Whatever is still open (Watch streams, idle connections, a call that did not stop) is
   // cancelled now rather than at the end of another wait.

@@ -584,6 +584,26 @@ TEST(ThrottledLogTest, ManyKindsAreCappedTogether) {
       << log;
 }
 
+// Shutdown says what it drains and how it ends: the calls in flight and the caches that go
+// with the process, then the grace period running out and the calls it stops.
+TEST(ShutdownLogTest, ShutdownSaysWhatItDrainsAndStops) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(512))->cache_id();
+  testing::LogCapture captured(spdlog::level::info);
+  std::thread slow([&] {  // seconds of CPU attention: still running when the grace runs out
+    (void)client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1));
+  });
+  WaitForCalls(*server, 1);
+  server->Shutdown(absl::Milliseconds(400));
+  slow.join();
+  const std::string log = captured.str();
+  EXPECT_NE(log.find("draining: 1 call in flight; 1 cache ("), std::string::npos) << log;
+  EXPECT_NE(log.find("the grace period ran out with 1 call in flight: stopping them"),
+            std::string::npos)
+      << log;
+}
+
 // A CreateCache whose caller gives up while the pool is faulted in leaves no cache behind.
 TEST(CreateCacheTest, CallerThatGivesUpLeavesNoCache) {
   auto server = *PagedAttnServer::Start(CpuOptions());

@@ -378,10 +378,16 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
       queries, cache.config.num_q_heads(),
       static_cast<size_t>(cache.config.head_dim()) * ElementSize(call.q.dtype), n};
   const HeadSlice lse_slice{queries, cache.config.num_q_heads(), sizeof(float), n};
-  if (output.out_bytes != static_cast<size_t>(queries) * out_slice.heads * out_slice.row_bytes ||
-      (output.lse != nullptr &&
-       output.lse_bytes != static_cast<size_t>(queries) * lse_slice.heads * sizeof(float))) {
-    return absl::InvalidArgumentError("output buffers must be exactly out's and lse's size");
+  const size_t out_bytes = static_cast<size_t>(queries) * out_slice.heads * out_slice.row_bytes;
+  const size_t lse_bytes = static_cast<size_t>(queries) * lse_slice.heads * sizeof(float);
+  if (output.out_bytes != out_bytes || (output.lse != nullptr && output.lse_bytes != lse_bytes)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the output buffers must be the answer's size: out ", out_bytes, " bytes (got ",
+        output.out_bytes, ")", output.lse != nullptr ? absl::StrCat(", lse ", lse_bytes,
+                                                                     " bytes (got ",
+                                                                     output.lse_bytes, ")")
+                                                     : std::string(),
+        "; the sharded client gathers the shards' answers into them, so out is required"));
   }
 
   struct Part {

@@ -373,6 +373,21 @@ TEST_F(ShardedTest, ACallNoShardWroteIsNotRolledBack) {
   EXPECT_TRUE(sharded->shard(0).ListCaches()->empty());
 }
 
+// The sharded Forward gathers into the caller's out: none, or one of another size, is refused
+// naming the sizes the answer takes.
+TEST_F(ShardedTest, OutputBuffersNameTheAnswersSize) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const Step step(0, {{1, 0, 6, 6}}, v1::BFLOAT16, 51);
+  const absl::Status none = sharded->Forward(*cache, step.Call(""), {}).status();
+  EXPECT_EQ(none.code(), absl::StatusCode::kInvalidArgument) << none;
+  EXPECT_NE(none.message().find(absl::StrCat("out ", step.out_bytes(), " bytes (got 0)")),
+            std::string::npos)
+      << none;
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+}
+
 // A shard index out of range is refused, not read past the sinks (ShardConfig's split).
 TEST_F(ShardedTest, ShardConfigRefusesAShardOutOfRange) {
   std::unique_ptr<ShardedClient> sharded = Sharded(2);

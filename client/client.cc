@@ -60,6 +60,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
           absl::StrCat("target '", absl::CHexEscape(options.target), "': ", why));
     }
   }
+  if (options.max_message_bytes < 1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "max_message_bytes must be positive (the largest message sent or received; got ",
+        options.max_message_bytes, ")"));
+  }
   if (!(options.timeout > absl::ZeroDuration())) {
     return absl::InvalidArgumentError(
         absl::StrCat("timeout must be positive (absl::InfiniteDuration() for none; got ",

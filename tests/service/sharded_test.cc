@@ -429,6 +429,10 @@ TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
     o.target = bad;
     EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
+  o.target = "127.0.0.1:1";
+  o.max_message_bytes = 0;  // every answer would be refused
+  EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
+  o.max_message_bytes = Options().max_message_bytes;
   for (const char* good : {"127.0.0.1:1", "[::1]:1", "localhost:50051", "unix:/tmp/none.sock",
                            "dns:///localhost:1", "ipv4:127.0.0.1:1", "localhost"}) {
     o.target = good;

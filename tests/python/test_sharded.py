@@ -236,6 +236,22 @@ def test_a_call_refused_by_the_client_rolls_nothing_back(shard_targets):
         assert [s.forward_calls for s in sh.stats()] == [2, 2]
 
 
+def test_a_call_refused_by_the_servers_message_limit_rolls_nothing_back(start_servers):
+    # Every shard's server refuses the rewriting span's request for its size (gRPC's receive
+    # limit, "Received message larger than max" with the server's limit, not this client's):
+    # nothing was written, so nothing is truncated (tokens 10..99 stay on every shard).
+    servers = start_servers(2, "--max_message_mb=1")
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         num_pages=256)
+    rng = np.random.default_rng(6)
+    with pagedattn.ShardedClient([s.target for s in servers]) as sc, sc.create_cache(config) as sh:
+        sh.forward(0, [Span.prefill(1, 100)], *qkv(rng, 100, 100, 4, 2))
+        with pytest.raises(errors.ResourceExhausted) as e:
+            sh.forward(0, [Span.prefill(1, 1500, start=10)], *qkv(rng, 1500, 1500, 4, 2))
+        assert e.value.rolled_back == [], e.value
+        sh.forward(0, [Span(1, 100, 0, 1)], randn(rng, 1, 4, 64))  # still 100 tokens: no gap
+
+
 def test_a_shard_whose_cache_is_gone_counts_as_deleted(shard_targets):
     config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
                          num_pages=8)

@@ -51,6 +51,15 @@ def _pem_of(what: str, x: Union[str, bytes, None], kind: str) -> Optional[bytes]
     return data
 
 
+def receive_limit(opts: Sequence[tuple[str, Any]]) -> Optional[int]:
+    """The channel's receive limit among its options (the last one given wins, as in gRPC)."""
+    limit = None
+    for name, value in opts:
+        if name == "grpc.max_receive_message_length":
+            limit = value
+    return limit
+
+
 def channel_setup(
     tls: Union[bool, TLS, None], max_message_bytes: int, options: Sequence[tuple[str, Any]]
 ) -> tuple[Optional[grpc.ChannelCredentials], list[tuple[str, Any]]]:

@@ -61,6 +61,9 @@ class Client:
         self.timeout = timeout
         self._metadata = _common.auth_metadata(token)
         creds, opts = _common.channel_setup(tls, max_message_bytes, options)
+        # What this channel takes in: gRPC's "Received message larger than max (A vs. B)" with
+        # another B was a server's refusal of the request (ShardedClient rolls nothing back).
+        self.receive_limit: Optional[int] = _common.receive_limit(opts)
         if creds is None:
             self.channel = grpc.insecure_channel(target, options=opts)
         else:

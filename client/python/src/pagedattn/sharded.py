@@ -18,6 +18,7 @@ OutOfPages) with the shard named; see ShardedCache.forward. pagedattn.aio has th
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
 from typing import Any, Optional, Sequence, Union
 
@@ -269,8 +270,13 @@ _NOTHING_WRITTEN = {
 }
 
 
-def nothing_written(error: BaseException) -> bool:
-    """True when a shard's failed Forward certainly wrote nothing."""
+_RECEIVE_LIMIT = re.compile(r"Received message larger than max \(\d+ vs\. (\d+)\)")
+
+
+def nothing_written(error: BaseException, receive_limit: Optional[int] = None) -> bool:
+    """True when a shard's failed Forward certainly wrote nothing. receive_limit: the shard's
+    client's own (gRPC's "Received message larger than max" with another limit is the
+    server's refusal of the request; with this one, an answer the client refused: committed)."""
     if isinstance(error, ClientClosed) or isinstance(error, (TypeError, ValueError)):
         return True  # refused by the client before a call began
     if not isinstance(error, PagedAttnError):
@@ -280,6 +286,10 @@ def nothing_written(error: BaseException) -> bool:
     # gRPC's own limit on a message that this client would send: it never left.
     if (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
             and "Sent message larger than max" in error.message):
+        return True
+    received = _RECEIVE_LIMIT.search(error.message or "")
+    if (error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and received is not None
+            and receive_limit is not None and int(received.group(1)) != receive_limit):
         return True
     # The server's RESOURCE_EXHAUSTED (out of pages, busy, ...) carries a google.rpc.ErrorInfo.
     return error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and bool(getattr(error, "reason", None))
@@ -566,8 +576,10 @@ class _ShardedCacheBase:
         """Every shard's TruncateSequences undoing a forward that failed somewhere, or None
         when nothing needs undoing (no span writes, or every shard failed before writing)."""
         lengths = sequence_lengths(rollback_lengths(spans))
-        if not lengths or all(isinstance(o, BaseException) and nothing_written(o)
-                              for o in outcomes):
+        if not lengths or all(
+                isinstance(o, BaseException)
+                and nothing_written(o, getattr(c, "receive_limit", None))
+                for o, c in zip(outcomes, self.client.clients)):
             return None
         return [pb.TruncateSequencesRequest(cache_id=s.cache_id, layer=checked_int32("layer", layer), lengths=lengths)
                 for s in self.shards]

@@ -9,8 +9,10 @@
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/container/flat_hash_set.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "server/core/backend_factory.h"
 #include "server/core/error_info.h"
 #include "server/service/convert.h"
@@ -21,12 +23,43 @@
 namespace pagedattn {
 namespace {
 
+// s with its control characters escaped (\n, \r, \t, \xNN), nothing else: one line of a log
+// that greps for what the caller was told (CHexEscape's \' did not match the client's message).
+std::string EscapeControl(absl::string_view s) {
+  std::string out;
+  out.reserve(s.size());
+  for (const char c : s) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (u < 0x20 || u == 0x7f) {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
 // The request's text for a log line: escaped (a newline cannot forge a line) and cut.
 std::string ForLog(absl::string_view s) {
   constexpr size_t kShown = 64;
-  std::string out = absl::CHexEscape(s.substr(0, kShown));
+  std::string out = EscapeControl(s.substr(0, kShown));
   if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
   return out;
+}
+
+// What kind of error a message tells, for throttling: its words before the first digit (at most
+// 40 bytes), so that "out of KV pages: needs 5" and "... needs 7" are one kind and a capacity
+// error another, each with its own count of lines held back.
+absl::string_view MessageKind(absl::string_view message) {
+  size_t end = 0;
+  while (end < message.size() && end < 40 && !absl::ascii_isdigit(message[end])) ++end;
+  return message.substr(0, end);
 }
 
 StopToken StopFor(grpc::ServerContextBase* ctx, const RpcGate* gate) {
@@ -100,18 +133,22 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
   if (s.ok()) {
     spdlog::debug("rpc {} {} ok {:.3f} ms", rpc.method(), who, ms);
   } else if (server_error) {
-    spdlog::error("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
-                  absl::StatusCodeToString(s.code()), ms, ForLog(s.message()));
+    // Throttled too: a device stuck in an error fails every call, and each would be a line.
+    LogThrottled(spdlog::level::err,
+                 absl::StrCat("server error ", rpc.method(), " ",
+                              absl::StatusCodeToString(s.code()), " ", MessageKind(s.message())),
+                 absl::StrFormat("rpc %s %s %s %.3f ms: %s", rpc.method(), who,
+                                 absl::StatusCodeToString(s.code()), ms, ForLog(s.message())));
   } else if (limit) {
     LogThrottled(
         spdlog::level::info,
         absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
-                     absl::StatusCodeToString(s.code())),
+                     absl::StatusCodeToString(s.code()), " ", MessageKind(s.message())),
         absl::StrCat("rpc ", rpc.method(), " ", who, " ", absl::StatusCodeToString(s.code()), ": ",
-                     absl::CHexEscape(s.message())));
+                     EscapeControl(s.message())));
   } else {
     spdlog::debug("rpc {} {} {} {:.3f} ms: {}", rpc.method(), who,
-                  absl::StatusCodeToString(s.code()), ms, absl::CHexEscape(s.message()));
+                  absl::StatusCodeToString(s.code()), ms, EscapeControl(s.message()));
   }
   return ToGrpcStatus(s);
 }

@@ -584,6 +584,24 @@ TEST(ThrottledLogTest, ManyKindsAreCappedTogether) {
       << log;
 }
 
+// A client's refusals of two kinds in one second are both logged: the throttle's kinds tell the
+// errors apart by their words (out of pages, over the capacity), not only by their code.
+TEST(ThrottledLogTest, RefusalsOfTwoKindsAreBothLogged) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(4))->cache_id();  // 64 tokens
+  ASSERT_TRUE(client->Forward(Request(cache, 1, 0, 48, 1, 1)).ok());
+  absl::SleepFor(absl::Seconds(1.1));  // a second of its own
+  testing::LogCapture captured(spdlog::level::info);
+  const absl::Status pages = client->Forward(Request(cache, 2, 0, 32, 1, 2)).status();
+  const absl::Status capacity = client->Forward(Request(cache, 3, 0, 80, 1, 3)).status();
+  EXPECT_EQ(pages.code(), absl::StatusCode::kResourceExhausted) << pages;
+  EXPECT_EQ(capacity.code(), absl::StatusCode::kResourceExhausted) << capacity;
+  const std::string log = captured.str();
+  EXPECT_NE(log.find(std::string(pages.message().substr(0, 20))), std::string::npos) << log;
+  EXPECT_NE(log.find(std::string(capacity.message().substr(0, 20))), std::string::npos) << log;
+}
+
 // Shutdown says what it drains and how it ends: the calls in flight and the caches that go
 // with the process, then the grace period running out and the calls it stops.
 TEST(ShutdownLogTest, ShutdownSaysWhatItDrainsAndStops) {

@@ -25,6 +25,7 @@ template <typename T>
 LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const char* what,
                   size_t keep = 0) {
   if (want <= *bytes) return LaunchStatus::Ok();
+  const size_t grown = std::max(want, 2 * *bytes);
   if (where == kDevice && *buffer != nullptr) {
     if (const cudaError_t err = cudaFree(*buffer); err != cudaSuccess) {
       return CudaError(std::string("freeing the ") + what, err);
@@ -34,7 +35,7 @@ LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const ch
   }
   void* p = nullptr;
   cudaError_t err = cudaErrorMemoryAllocation;
-  for (const size_t n : {std::max(want, 2 * *bytes), want}) {
+  for (const size_t n : {grown, want}) {
     err = where == kPinned ? cudaMallocHost(&p, n) : cudaMalloc(&p, n);
     if (err == cudaSuccess) {
       if (*buffer != nullptr) {  // pinned: its kept bytes, then the old buffer goes

@@ -17,43 +17,24 @@ LaunchStatus CudaError(const std::string& what, cudaError_t err) {
 enum Memory { kPinned, kDevice };
 
 // Grows *buffer (*bytes of it) to hold `want` bytes, at least doubling so that growth is
-// amortized; of its contents the first `keep` bytes are kept (pinned memory only). Device memory
-// keeps nothing: the old buffer goes before the new one is allocated (a peak of the new size,
-// not both), and where the doubled size does not fit, `want` alone is tried. Memory that is not
-// there is OutOfMemory, with what was asked and what the device has free.
+// amortized (or `want` alone where the doubled size does not fit); of its contents the first
+// `keep` bytes are kept (pinned memory only). Memory that is not there is OutOfMemory, with what
+// was asked and, for the device, what it has free.
 template <typename T>
 LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const char* what,
                   size_t keep = 0) {
   if (want <= *bytes) return LaunchStatus::Ok();
-  const size_t grown = std::max(want, 2 * *bytes);
-  if (where == kDevice && *buffer != nullptr) {
-    if (const cudaError_t err = cudaFree(*buffer); err != cudaSuccess) {
-      return CudaError(std::string("freeing the ") + what, err);
-    }
-    *buffer = nullptr;
-    *bytes = 0;
-  }
   void* p = nullptr;
   cudaError_t err = cudaErrorMemoryAllocation;
-  for (const size_t n : {grown, want}) {
+  size_t n = std::max(want, 2 * *bytes);
+  for (;;) {
     err = where == kPinned ? cudaMallocHost(&p, n) : cudaMalloc(&p, n);
-    if (err == cudaSuccess) {
-      if (*buffer != nullptr) {  // pinned: its kept bytes, then the old buffer goes
-        if (keep > 0) std::memcpy(p, *buffer, std::min(keep, *bytes));
-        if (const cudaError_t free_err = cudaFreeHost(*buffer); free_err != cudaSuccess) {
-          cudaFreeHost(p);
-          return CudaError(std::string("freeing the ") + what, free_err);
-        }
-      }
-      *buffer = static_cast<T*>(p);
-      *bytes = n;
-      return LaunchStatus::Ok();
-    }
-    if (err != cudaErrorMemoryAllocation) break;
+    if (err != cudaErrorMemoryAllocation || n == want) break;
     cudaGetLastError();  // not sticky: clear it
-    if (n == want) break;
+    n = want;
   }
   if (err == cudaErrorMemoryAllocation) {
+    cudaGetLastError();
     size_t free_bytes = 0, total_bytes = 0;
     if (where == kDevice) cudaMemGetInfo(&free_bytes, &total_bytes);
     return LaunchStatus::OutOfMemory(
@@ -65,9 +46,25 @@ LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const ch
                   " bytes free: send fewer tokens a Forward, or leave memory beside the "
                   "caches' pools (a pool of default capacity takes 90% of what is free)");
   }
-  return CudaError(std::string(where == kPinned ? "cudaMallocHost(" : "cudaMalloc(") +
-                       std::to_string(want) + " bytes of " + what + ")",
-                   err);
+  if (err != cudaSuccess) {
+    return CudaError(std::string(where == kPinned ? "cudaMallocHost(" : "cudaMalloc(") +
+                         std::to_string(n) + " bytes of " + what + ")",
+                     err);
+  }
+  if (*buffer != nullptr) {
+    if (where == kPinned && keep > 0) std::memcpy(p, *buffer, std::min(keep, *bytes));
+    const cudaError_t free_err = where == kPinned ? cudaFreeHost(*buffer) : cudaFree(*buffer);
+    if (free_err != cudaSuccess) {
+      if (where == kPinned)
+        cudaFreeHost(p);
+      else
+        cudaFree(p);
+      return CudaError(std::string("freeing the ") + what, free_err);
+    }
+  }
+  *buffer = static_cast<T*>(p);
+  *bytes = n;
+  return LaunchStatus::Ok();
 }
 
 }  // namespace

@@ -305,19 +305,25 @@ TEST_F(CacheTest, ReleaseCountsAnIdGivenTwiceOnce) {
   EXPECT_EQ(cache_->Stats().used_pages, 0);
 }
 
+// A CacheManager's request for a bfloat16 cache of head_dim 64 in pages of 16 tokens.
+CacheConfigRequest Bf16Request(int32_t layers, int32_t q_heads, int32_t kv_heads, int64_t pages) {
+  CacheConfigRequest c;
+  c.num_layers = layers;
+  c.num_q_heads = q_heads;
+  c.num_kv_heads = kv_heads;
+  c.head_dim = 64;
+  c.page_size = 16;
+  c.kv_dtype = DType::kBFloat16;
+  c.num_pages = pages;
+  return c;
+}
+
 // A deleted cache's pool counts against --max_total_pool_gb until the last Forward holding it
 // lets go (its memory is mapped until then): a cache created meanwhile is refused, as the
 // pool budget's message says, and admitted once it is gone.
 TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   CpuBackend backend;
-  CacheConfigRequest c;
-  c.num_layers = 2;
-  c.num_q_heads = 4;
-  c.num_kv_heads = 2;
-  c.head_dim = 64;
-  c.page_size = 16;
-  c.kv_dtype = DType::kBFloat16;
-  c.num_pages = 32;
+  const CacheConfigRequest c = Bf16Request(2, 4, 2, 32);
   const int64_t bytes = 2 * 2 * 2 * 16 * 64 * 2 * 32;  // K and V, 2 layers x 2 heads x 32 pages
   CacheManagerLimits limits;
   limits.max_total_pool_bytes = bytes + bytes / 2;  // one such pool, not two
@@ -399,14 +405,7 @@ TEST(CacheExceptionTest, ABackendsExceptionFailsTheForwardAndRollsBack) {
 // random ids would order them otherwise), and a page token goes on exactly after its cache.
 TEST(CacheManagerTest, ListsInTheOrderCachesWereMade) {
   CpuBackend backend;
-  CacheConfigRequest c;
-  c.num_layers = 1;
-  c.num_q_heads = 2;
-  c.num_kv_heads = 1;
-  c.head_dim = 64;
-  c.page_size = 16;
-  c.kv_dtype = DType::kBFloat16;
-  c.num_pages = 2;
+  const CacheConfigRequest c = Bf16Request(1, 2, 1, 2);
   CacheManager m(&backend);
   std::vector<std::string> made;
   for (int i = 0; i < 16; ++i) {

@@ -78,11 +78,12 @@ void Submission::Kernel(const KernelLaunch& kernel, const void* params, size_t p
   Op op;
   op.kind = OpKind::kKernel;
   op.kernel = kernel;
-  op.params_at = params_.size();
+  op.params_at = params_.size() * sizeof(ParamBlock);
   op.params_bytes = params_bytes;
   op.programmatic = programmatic && !ops_.empty() && ops_.back().kind == OpKind::kKernel;
-  const auto* bytes = static_cast<const unsigned char*>(params);
-  params_.insert(params_.end(), bytes, bytes + params_bytes);
+  params_.resize(params_.size() + (params_bytes + sizeof(ParamBlock) - 1) / sizeof(ParamBlock));
+  std::memcpy(reinterpret_cast<unsigned char*>(params_.data()) + op.params_at, params,
+              params_bytes);
   ops_.push_back(op);
 }
 

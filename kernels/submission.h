@@ -54,7 +54,9 @@ class Submission {
   void Wait(cudaEvent_t event) { AddEvent(OpKind::kWait, event); }
 
   const std::vector<Op>& ops() const { return ops_; }
-  const unsigned char* params(const Op& op) const { return params_.data() + op.params_at; }
+  const unsigned char* params(const Op& op) const {
+    return reinterpret_cast<const unsigned char*>(params_.data()) + op.params_at;
+  }
 
  private:
   void AddEvent(OpKind kind, cudaEvent_t event) {
@@ -64,8 +66,14 @@ class Submission {
     ops_.push_back(op);
   }
 
+  // Each kernel's parameter at a 64-byte boundary, as the kernel's own type would lie
+  // (PagedAttentionParams holds tensor maps, alignas(64)): a copy through the type may use
+  // aligned loads.
+  struct alignas(64) ParamBlock {
+    unsigned char bytes[64];
+  };
   std::vector<Op> ops_;
-  std::vector<unsigned char> params_;
+  std::vector<ParamBlock> params_;
 };
 
 // Each operation as its own runtime call on stream; kernels through launcher (a kernel and the

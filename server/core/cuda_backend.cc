@@ -390,8 +390,13 @@ class CudaBackend final : public Backend {
     }
     // Every row of the pool finite from the start (writes are AttentionValue's): the prefill
     // kernel reads a range's last page whole, rows past the range's end weighing zero, and a
-    // NaN there would not (0 * NaN). Once per cache, at the memory's speed.
-    if (cudaError_t err = cudaMemset(base, 0, want); err != cudaSuccess) {
+    // NaN there would not (0 * NaN). Once per cache, at the memory's speed, and finished before
+    // the cache is answered: a memset of device memory returns before it is done, and the
+    // Forwards' streams (non-blocking) do not wait for the default stream, so a first append
+    // could land before the zeros (a pool of 70 GB takes some 25 ms).
+    cudaError_t err = cudaMemsetAsync(base, 0, want, cudaStreamLegacy);
+    if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
+    if (err != cudaSuccess) {
       cudaFree(base);
       return CudaStatus(err, "cudaMemset(K/V pool)");
     }

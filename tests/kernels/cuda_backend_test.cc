@@ -1360,6 +1360,35 @@ std::unique_ptr<Cache> MakeCacheOn(Backend& backend, CacheGeometry g) {
   return std::make_unique<Cache>("test", "", "", g, *std::move(pool), &backend, 0);
 }
 
+// A new pool is zeroed before CreateCache answers: the zeros go out on the default stream and the
+// Forwards' streams do not wait for it, so a first append into a large pool's last layer (the
+// memset's last bytes) was overwritten once the memset got there, and the next Forward read zeros
+// for the rows appended. The workspace is warmed first so that nothing in between allocates.
+TEST_F(CudaKernelTest, NewPoolIsZeroedBeforeItsFirstForward) {
+  const CacheGeometry small = testing::MakeGeometry(1, 32, 8, 128, 16, DType::kBFloat16, 64);
+  std::unique_ptr<Cache> warm = MakeCacheOn(*backend_, small);
+  ASSERT_TRUE(warm);
+  testing::ForwardModel warm_model(small, DType::kFloat32, 5u);
+  ASSERT_TRUE(warm_model.Run(*warm, 0, {{1, 0, 16, 16}}).status.ok());
+  ASSERT_TRUE(warm_model.Run(*warm, 0, {{1, 16, 1, 1}}).status.ok());
+  size_t free_bytes = 0, total = 0;
+  ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total), cudaSuccess);
+  // A quarter of what is free over 8 layers (some 20 GB on an 80 GB GPU: milliseconds to zero).
+  CacheGeometry g = small;
+  g.num_layers = 8;
+  g.num_pages = static_cast<int64_t>(free_bytes / 4) / g.BytesPerPage();
+  ASSERT_GT(g.num_pages, 1000);
+  std::unique_ptr<Cache> cache = MakeCacheOn(*backend_, g);
+  ASSERT_TRUE(cache);
+  testing::ForwardModel model(g, DType::kFloat32, 6u);
+  const testing::ForwardModel::Outcome prefill = model.Run(*cache, 7, {{1, 0, 16, 16}});
+  ASSERT_TRUE(prefill.status.ok()) << prefill.status;
+  EXPECT_LE(prefill.max_rel_error, 2e-2);
+  const testing::ForwardModel::Outcome decode = model.Run(*cache, 7, {{1, 16, 1, 1}});
+  ASSERT_TRUE(decode.status.ok()) << decode.status;
+  EXPECT_LE(decode.max_rel_error, 2e-2) << "the prefill's rows read back as the pool's zeros";
+}
+
 // A Forward whose scratch the GPU cannot hold is RESOURCE_EXHAUSTED, saying how much it needs
 // and what is free (not INTERNAL), and leaves the cache as it was; with the memory back, the
 // same Forward runs.

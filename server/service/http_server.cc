@@ -2,6 +2,7 @@
 // the connections whose request is still arriving.
 #include "server/service/http_server.h"
 
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -11,6 +12,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -26,28 +28,38 @@ constexpr size_t kMaxRequestBytes = 8192;
 // For the whole request, not each read: a client that trickles a byte at a time gives up its
 // slot after this long.
 constexpr int kRequestTimeoutMs = 2000;
-// Requests read side by side; past it the oldest is dropped for a new connection, so that
-// connections that send nothing cannot keep a scrape out (6 of them held one for 12 s when
-// connections were read one at a time).
+// Connections served side by side (reading a request, writing an answer, or closing); past it
+// the oldest connection of the client address holding the most gives way for a new one, so
+// that one client opening connections cannot push out another's scrape.
 constexpr size_t kMaxPending = 64;
-// Answers are written blocking (they fit a socket's buffer but for the largest /metrics): a
-// client that reads nothing holds the loop this long at most.
-constexpr int kAnswerTimeoutMs = 500;
+// For the whole answer: a client that reads nothing (or a byte at a time) gives up its slot
+// after this long. Answers are written without blocking: such a client holds only its own slot.
+constexpr int kAnswerTimeoutMs = 5000;
+// After the answer: the client's remaining bytes are read and dropped for at most this long
+// before the socket is closed, so that closing on unread bytes (a POST body, a pipelined
+// request) does not reset the connection and destroy the answer in flight.
+constexpr int kLingerMs = 1000;
+// accept() failing for want of descriptors (EMFILE, ENFILE) leaves the connection queued and
+// the socket readable: the loop stops polling it this long instead of spinning on it.
+constexpr int kAcceptBackoffMs = 100;
 
-void WriteAll(int fd, absl::string_view data) {
-  while (!data.empty()) {
-    const ssize_t n = send(fd, data.data(), data.size(), MSG_NOSIGNAL);
-    if (n <= 0) return;
-    data.remove_prefix(static_cast<size_t>(n));
-  }
+std::string Response(absl::string_view status, absl::string_view content_type,
+                     absl::string_view body, absl::string_view extra_headers = "",
+                     bool with_body = true) {
+  return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
+                      "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
+                      "Connection: close\r\n\r\n", with_body ? body : "");
 }
 
-void Respond(int fd, absl::string_view status, absl::string_view content_type,
-             absl::string_view body, absl::string_view extra_headers = "") {
-  WriteAll(fd, absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
-                            "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
-                            "Connection: close\r\n\r\n"));
-  WriteAll(fd, body);
+// The address (no port) of a connection's peer: the unit that kMaxPending is shared between.
+std::string PeerOf(const sockaddr_storage& a) {
+  char text[INET6_ADDRSTRLEN] = "?";
+  if (a.ss_family == AF_INET6) {
+    inet_ntop(AF_INET6, &reinterpret_cast<const sockaddr_in6*>(&a)->sin6_addr, text, sizeof(text));
+  } else if (a.ss_family == AF_INET) {
+    inet_ntop(AF_INET, &reinterpret_cast<const sockaddr_in*>(&a)->sin_addr, text, sizeof(text));
+  }
+  return text;
 }
 
 }  // namespace
@@ -71,9 +83,19 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
     return absl::InvalidArgumentError(
         absl::StrCat("--metrics_listen ", listen, ": ", gai_strerror(err)));
   }
+  // "Every interface": IPv6's wildcard first (with IPV6_V6ONLY off it takes IPv4 too, as the
+  // gRPC ports do); IPv4's alone only where the host has no IPv6. getaddrinfo lists 0.0.0.0
+  // first, which left /metrics unreachable over IPv6 while gRPC answered on it.
+  std::vector<addrinfo*> candidates;
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) candidates.push_back(a);
+  if (host.empty()) {
+    std::stable_partition(candidates.begin(), candidates.end(),
+                          [](const addrinfo* a) { return a->ai_family == AF_INET6; });
+  }
   std::unique_ptr<HttpServer> s(new HttpServer());
   std::string last_error = "no address";
-  for (addrinfo* a = found; a != nullptr && s->listen_fd_ < 0; a = a->ai_next) {
+  for (addrinfo* a : candidates) {
+    if (s->listen_fd_ >= 0) break;
     const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
     if (fd < 0) continue;
     const int one = 1;
@@ -83,7 +105,7 @@ absl::StatusOr<std::unique_ptr<HttpServer>> HttpServer::Start(const std::string&
       const int zero = 0;  // "every interface" means IPv4 too
       setsockopt(fd, IPPROTO_IPV6, IPV6_V6ONLY, &zero, sizeof(zero));
     }
-    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, 16) == 0) {
+    if (bind(fd, a->ai_addr, a->ai_addrlen) == 0 && ::listen(fd, SOMAXCONN) == 0) {
       s->listen_fd_ = fd;
     } else {
       last_error = std::strerror(errno);
@@ -119,100 +141,155 @@ HttpServer::~HttpServer() {
 }
 
 void HttpServer::Loop() {
-  // Connections whose request is still arriving, read side by side: a client that trickles
-  // bytes (or sends none) holds only its own slot, for at most kRequestTimeoutMs.
-  struct Pending {
-    int fd;
+  // Every open connection: reading its request, writing its answer, or reading what is left
+  // before closing. Nothing blocks: each holds only its own slot, until its deadline.
+  enum class State { kReading, kWriting, kLingering };
+  struct Conn {
+    int fd = -1;
+    std::string peer;
     absl::Time deadline;
+    State state = State::kReading;
     std::string request;
+    std::string answer;
+    size_t sent = 0;
   };
-  std::vector<Pending> pending;
+  std::vector<Conn> conns;
   auto drop = [&](size_t i) {
-    close(pending[i].fd);
-    pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    close(conns[i].fd);
+    conns.erase(conns.begin() + static_cast<std::ptrdiff_t>(i));
   };
+  // The answer is written; what the client still sends is read and dropped until it closes.
+  auto linger = [](Conn& c, absl::Time now) {
+    shutdown(c.fd, SHUT_WR);
+    c.state = State::kLingering;
+    c.deadline = now + absl::Milliseconds(kLingerMs);
+  };
+  // Writes what the socket takes now; true when the connection is done with (an error).
+  auto write_some = [&](Conn& c, absl::Time now) {
+    while (c.sent < c.answer.size()) {
+      const ssize_t n = send(c.fd, c.answer.data() + c.sent, c.answer.size() - c.sent,
+                             MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) return false;
+      if (n <= 0) return true;
+      c.sent += static_cast<size_t>(n);
+    }
+    linger(c, now);
+    return false;
+  };
+  auto start_answer = [&](Conn& c, std::string answer, absl::Time now) {
+    c.answer = std::move(answer);
+    c.request.clear();
+    c.state = State::kWriting;
+    c.deadline = now + absl::Milliseconds(kAnswerTimeoutMs);
+    return write_some(c, now);
+  };
+  absl::Time accept_paused_until = absl::InfinitePast();
   std::vector<pollfd> fds;
   while (true) {
-    fds.assign({{listen_fd_, POLLIN, 0}, {wake_fd_, POLLIN, 0}});
-    absl::Time next = absl::InfiniteFuture();
-    for (const Pending& p : pending) {
-      fds.push_back({p.fd, POLLIN, 0});
-      next = std::min(next, p.deadline);
+    const absl::Time before = absl::Now();
+    const bool accepting = before >= accept_paused_until;
+    fds.assign(
+        {{listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0}, {wake_fd_, POLLIN, 0}});
+    absl::Time next = accepting ? absl::InfiniteFuture() : accept_paused_until;
+    for (const Conn& c : conns) {
+      fds.push_back({c.fd, static_cast<short>(c.state == State::kWriting ? POLLOUT : POLLIN), 0});
+      next = std::min(next, c.deadline);
     }
-    const int timeout_ms = next == absl::InfiniteFuture()
-                               ? -1
-                               : static_cast<int>(std::max<int64_t>(
-                                     0, absl::ToInt64Milliseconds(next - absl::Now()) + 1));
+    const int timeout_ms =
+        next == absl::InfiniteFuture()
+            ? -1
+            : static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(next - before) + 1));
     if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
       if (errno == EINTR) continue;
       break;
     }
     if (fds[1].revents != 0) break;
-    // Reads what each pending connection has; answers those whose request is complete.
-    for (size_t i = pending.size(); i-- > 0;) {
-      if (fds[2 + i].revents == 0) continue;
-      Pending& p = pending[i];
-      char buf[1024];
-      const ssize_t n = recv(p.fd, buf, sizeof(buf), MSG_DONTWAIT);
-      if (n == 0 || (n < 0 && errno != EAGAIN && errno != EINTR)) {
-        drop(i);  // closed
+    const absl::Time now = absl::Now();
+    for (size_t i = conns.size(); i-- > 0;) {
+      const short revents = fds[2 + i].revents;
+      if (revents == 0) continue;
+      Conn& c = conns[i];
+      if (c.state == State::kWriting) {
+        if (write_some(c, now)) drop(i);
         continue;
       }
-      if (n > 0) p.request.append(buf, static_cast<size_t>(n));
-      if (p.request.find("\r\n\r\n") != std::string::npos ||
-          p.request.find("\n\n") != std::string::npos) {
-        Answer(p.fd, p.request);
+      char buf[4096];
+      const ssize_t n = recv(c.fd, buf, sizeof(buf), MSG_DONTWAIT);
+      if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+      if (n <= 0) {  // closed (or reset)
         drop(i);
-      } else if (p.request.size() >= kMaxRequestBytes) {
-        Respond(p.fd, "431 Request Header Fields Too Large", "text/plain", "request too large\n");
-        drop(i);
+        continue;
       }
+      if (c.state == State::kLingering) continue;  // dropped unread
+      c.request.append(buf, static_cast<size_t>(n));
+      bool done = false;
+      if (c.request.find("\r\n\r\n") != std::string::npos ||
+          c.request.find("\n\n") != std::string::npos) {
+        done = start_answer(c, Answer(c.request), now);
+      } else if (c.request.size() >= kMaxRequestBytes) {
+        done = start_answer(
+            c, Response("431 Request Header Fields Too Large", "text/plain", "request too large\n"),
+            now);
+      }
+      if (done) drop(i);
     }
-    const absl::Time now = absl::Now();
-    for (size_t i = pending.size(); i-- > 0;) {
-      if (pending[i].deadline <= now) drop(i);  // too slow
+    for (size_t i = conns.size(); i-- > 0;) {
+      if (conns[i].deadline <= now) drop(i);  // too slow
     }
-    if ((fds[0].revents & POLLIN) != 0) {
-      const int fd = accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (accepting && (fds[0].revents & POLLIN) != 0) {
+      sockaddr_storage peer = {};
+      socklen_t peer_len = sizeof(peer);
+      const int fd = accept4(listen_fd_, reinterpret_cast<sockaddr*>(&peer), &peer_len,
+                             SOCK_CLOEXEC | SOCK_NONBLOCK);
       if (fd >= 0) {
-        if (pending.size() >= kMaxPending) drop(0);  // the oldest gives way
-        // A client that does not read its answer must not hold the loop either.
-        const timeval timeout = {kAnswerTimeoutMs / 1000, (kAnswerTimeoutMs % 1000) * 1000};
-        setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &timeout, sizeof(timeout));
-        pending.push_back({fd, now + absl::Milliseconds(kRequestTimeoutMs), {}});
+        std::string who = PeerOf(peer);
+        if (conns.size() >= kMaxPending) {
+          // The oldest connection of the address holding the most (the newcomer's included)
+          // gives way: one client opening connections pushes out only its own.
+          std::map<std::string, size_t> held;
+          for (const Conn& c : conns) ++held[c.peer];
+          ++held[who];
+          size_t most = 0;
+          std::string greediest;
+          for (const auto& [address, count] : held) {
+            if (count > most) most = count, greediest = address;
+          }
+          size_t victim = 0;  // everyone holds one: the oldest
+          if (most > 1) {
+            while (conns[victim].peer != greediest) ++victim;
+          }
+          drop(victim);
+        }
+        Conn c;
+        c.fd = fd;
+        c.peer = std::move(who);
+        c.deadline = now + absl::Milliseconds(kRequestTimeoutMs);
+        conns.push_back(std::move(c));
+      } else if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        accept_paused_until = now + absl::Milliseconds(kAcceptBackoffMs);
       }
     }
   }
-  for (const Pending& p : pending) close(p.fd);
+  for (const Conn& c : conns) close(c.fd);
 }
 
-void HttpServer::Answer(int fd, const std::string& request) {
+std::string HttpServer::Answer(const std::string& request) {
   // Request line: METHOD SP target SP version.
   const size_t sp1 = request.find(' ');
   const size_t sp2 = sp1 == std::string::npos ? sp1 : request.find(' ', sp1 + 1);
   if (sp2 == std::string::npos) {
-    Respond(fd, "400 Bad Request", "text/plain", "bad request line\n");
-    return;
+    return Response("400 Bad Request", "text/plain", "bad request line\n");
   }
   const std::string method = request.substr(0, sp1);
   std::string target = request.substr(sp1 + 1, sp2 - sp1 - 1);
   if (const size_t q = target.find('?'); q != std::string::npos) target.resize(q);
   if (target != path_) {
-    Respond(fd, "404 Not Found", "text/plain", absl::StrCat("only ", path_, " is served\n"));
-    return;
+    return Response("404 Not Found", "text/plain", absl::StrCat("only ", path_, " is served\n"));
   }
   if (method != "GET" && method != "HEAD") {
-    Respond(fd, "405 Method Not Allowed", "text/plain", "GET only\n", "Allow: GET, HEAD\r\n");
-    return;
+    return Response("405 Method Not Allowed", "text/plain", "GET only\n", "Allow: GET, HEAD\r\n");
   }
-  const std::string body = body_();
-  if (method == "HEAD") {
-    WriteAll(fd,
-             absl::StrCat("HTTP/1.1 200 OK\r\nContent-Type: ", content_type_,
-                          "\r\nContent-Length: ", body.size(), "\r\nConnection: close\r\n\r\n"));
-    return;
-  }
-  Respond(fd, "200 OK", content_type_, body);
+  return Response("200 OK", content_type_, body_(), "", method == "GET");
 }
 
 }  // namespace pagedattn

@@ -1,7 +1,8 @@
 // HttpServer: a minimal HTTP/1.1 server answering GET on one path (Prometheus /metrics), IPv4
-// and IPv6. One thread reads up to 64 requests side by side, each with a timeout and a size
-// bound, and answers each once complete (Connection: close): slow or hostile clients hold only
-// their own connections, a scrape is answered as soon as its request is in.
+// and IPv6. One thread serves up to 64 connections side by side, reading each request and
+// writing each answer without blocking (Connection: close), each with a deadline and a size
+// bound: slow or hostile clients (sending nothing, or reading nothing) hold only their own
+// connections, and when all slots are taken the client holding the most gives one up.
 #pragma once
 
 #include <atomic>
@@ -30,7 +31,7 @@ class HttpServer {
  private:
   HttpServer() = default;
   void Loop();
-  void Answer(int fd, const std::string& request);  // a complete request's
+  std::string Answer(const std::string& request);  // a complete request's whole response
 
   std::string path_;
   std::string content_type_;

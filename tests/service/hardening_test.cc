@@ -7,6 +7,7 @@
 #include <grpcpp/support/channel_arguments.h>
 #include <gtest/gtest.h>
 #include <netinet/in.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
@@ -24,6 +25,7 @@
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "pagedattn/v1/attention.grpc.pb.h"
+#include "server/service/http_server.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
@@ -560,6 +562,189 @@ TEST(MetricsTest, IdleConnectionsDoNotHoldAScrape) {
   EXPECT_LT(took, absl::Milliseconds(1000)) << took;
   EXPECT_NE(text->find("pagedattn_forward_latency_seconds_count 0"), std::string::npos);
   for (int fd : idle) close(fd);
+}
+
+// ---- The /metrics HTTP server ----------------------------------------------------------------
+
+// A TCP connection to port on `to` (IPv4 or IPv6 text), from `from` when given; -1 if it fails.
+// rcvbuf > 0 shrinks the receive buffer first (a client that reads nothing fills it at once).
+int ConnectTcp(const std::string& to, int port, const std::string& from = "", int rcvbuf = 0) {
+  const bool v6 = to.find(':') != std::string::npos;
+  const int fd = socket(v6 ? AF_INET6 : AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return -1;
+  if (rcvbuf > 0) setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, sizeof(rcvbuf));
+  sockaddr_storage a = {};
+  socklen_t len = 0;
+  auto fill = [&](const std::string& ip, int p) {
+    a = {};
+    if (v6) {
+      auto* a6 = reinterpret_cast<sockaddr_in6*>(&a);
+      a6->sin6_family = AF_INET6;
+      a6->sin6_port = htons(static_cast<uint16_t>(p));
+      len = sizeof(*a6);
+      return inet_pton(AF_INET6, ip.c_str(), &a6->sin6_addr) == 1;
+    }
+    auto* a4 = reinterpret_cast<sockaddr_in*>(&a);
+    a4->sin_family = AF_INET;
+    a4->sin_port = htons(static_cast<uint16_t>(p));
+    len = sizeof(*a4);
+    return inet_pton(AF_INET, ip.c_str(), &a4->sin_addr) == 1;
+  };
+  if (!from.empty() && (!fill(from, 0) || bind(fd, reinterpret_cast<sockaddr*>(&a), len) != 0)) {
+    close(fd);
+    return -1;
+  }
+  if (!fill(to, port) || connect(fd, reinterpret_cast<sockaddr*>(&a), len) != 0) {
+    close(fd);
+    return -1;
+  }
+  return fd;
+}
+
+// Sends a GET of path on fd and reads until the server closes (or `limit` passes).
+std::string Get(int fd, const std::string& path, absl::Duration limit = absl::Seconds(10)) {
+  const std::string request = absl::StrCat("GET ", path, " HTTP/1.1\r\nHost: x\r\n\r\n");
+  if (send(fd, request.data(), request.size(), MSG_NOSIGNAL) !=
+      static_cast<ssize_t>(request.size())) {
+    return "";
+  }
+  const timeval tv = {1, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  std::string got;
+  const absl::Time end = absl::Now() + limit;
+  char buf[65536];
+  while (absl::Now() < end) {
+    const ssize_t n = recv(fd, buf, sizeof(buf), 0);
+    if (n == 0) break;
+    if (n < 0) {
+      if (errno == EAGAIN || errno == EINTR) continue;
+      break;
+    }
+    got.append(buf, static_cast<size_t>(n));
+  }
+  return got;
+}
+
+std::unique_ptr<HttpServer> StartHttp(const std::string& listen, size_t body_bytes) {
+  absl::StatusOr<std::unique_ptr<HttpServer>> s = HttpServer::Start(
+      listen, "/metrics", "text/plain", [body_bytes] { return std::string(body_bytes, 'm'); });
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *std::move(s) : nullptr;
+}
+
+// Clients that ask for a large answer and read none of it hold only their own connections: a
+// scrape beside four of them is answered whole at once. Written blocking, each such answer held
+// the loop for seconds (its socket's 500 ms send timeout restarting at each partial write).
+TEST(HttpServerTest, ClientsThatReadNothingDoNotHoldAScrape) {
+  constexpr size_t kBody = size_t{8} << 20;
+  std::unique_ptr<HttpServer> http = StartHttp("127.0.0.1:0", kBody);
+  ASSERT_TRUE(http);
+  std::vector<int> stuck;
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ConnectTcp("127.0.0.1", http->port(), "", /*rcvbuf=*/1);
+    ASSERT_GE(fd, 0);
+    const std::string request = "GET /metrics HTTP/1.1\r\n\r\n";
+    ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+    stuck.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(300));
+  const absl::Time start = absl::Now();
+  const int fd = ConnectTcp("127.0.0.1", http->port());
+  ASSERT_GE(fd, 0);
+  const std::string answer = Get(fd, "/metrics");
+  const absl::Duration took = absl::Now() - start;
+  close(fd);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200 OK", 0), 0u) << answer.substr(0, 100);
+  EXPECT_GE(answer.size(), kBody);
+  EXPECT_LT(took, absl::Milliseconds(1500)) << took;
+  for (int s : stuck) close(s);
+}
+
+// When every slot is taken, the address holding the most connections gives one up: a flood of
+// idle connections from 127.0.0.2 does not push out a scrape from 127.0.0.1 that connected
+// before it (the oldest connection gave way, whoever held it).
+TEST(HttpServerTest, OneAddressFloodingDoesNotPushOutAnother) {
+  std::unique_ptr<HttpServer> http = StartHttp("127.0.0.1:0", 100);
+  ASSERT_TRUE(http);
+  const int probe = ConnectTcp("127.0.0.1", http->port(), "127.0.0.2");
+  if (probe < 0) GTEST_SKIP() << "cannot connect from 127.0.0.2 here";
+  close(probe);
+  absl::SleepFor(absl::Milliseconds(50));
+  const int scrape = ConnectTcp("127.0.0.1", http->port(), "127.0.0.1");
+  ASSERT_GE(scrape, 0);
+  absl::SleepFor(absl::Milliseconds(50));  // accepted first
+  std::vector<int> flood;
+  for (int i = 0; i < 80; ++i) {
+    const int fd = ConnectTcp("127.0.0.1", http->port(), "127.0.0.2");
+    ASSERT_GE(fd, 0);
+    flood.push_back(fd);
+  }
+  absl::SleepFor(absl::Milliseconds(200));  // all accepted (well within the 2 s request timeout)
+  const std::string answer = Get(scrape, "/metrics", absl::Seconds(3));
+  close(scrape);
+  EXPECT_EQ(answer.rfind("HTTP/1.1 200 OK", 0), 0u) << "[" << answer << "]";
+  for (int fd : flood) close(fd);
+}
+
+// "0.0.0.0" (every interface, as the deployment files say) listens on IPv6 too where the host
+// has it, as the gRPC ports do: getaddrinfo listed 0.0.0.0 first and IPv6 clients were refused.
+TEST(HttpServerTest, EveryInterfaceIncludesIpv6) {
+  const int v6 = socket(AF_INET6, SOCK_STREAM, 0);
+  sockaddr_in6 loop6 = {};
+  loop6.sin6_family = AF_INET6;
+  loop6.sin6_addr = in6addr_loopback;
+  const bool has_v6 = v6 >= 0 && bind(v6, reinterpret_cast<sockaddr*>(&loop6), sizeof(loop6)) == 0;
+  if (v6 >= 0) close(v6);
+  if (!has_v6) GTEST_SKIP() << "no IPv6 loopback here";
+  std::unique_ptr<HttpServer> http = StartHttp("0.0.0.0:0", 100);
+  ASSERT_TRUE(http);
+  for (const std::string to : {"::1", "127.0.0.1"}) {
+    const int fd = ConnectTcp(to, http->port());
+    ASSERT_GE(fd, 0) << "connect to " << to << ": " << std::strerror(errno);
+    const std::string answer = Get(fd, "/metrics");
+    close(fd);
+    EXPECT_EQ(answer.rfind("HTTP/1.1 200 OK", 0), 0u) << to << ": " << answer;
+  }
+}
+
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitizedHttp = true;  // their runtimes open descriptors of their own
+#else
+constexpr bool kSanitizedHttp = false;
+#endif
+
+// The child of OutOfDescriptorsDoesNotSpin: exits 0 when the loop stayed idle.
+[[noreturn]] void OutOfDescriptorsChild() {
+  std::unique_ptr<HttpServer> http = StartHttp("127.0.0.1:0", 100);
+  const int client = socket(AF_INET, SOCK_STREAM, 0);  // made while there are descriptors
+  if (!http || client < 0) _exit(3);
+  const rlimit tight = {64, 64};  // then every descriptor up to it taken
+  if (setrlimit(RLIMIT_NOFILE, &tight) != 0) _exit(4);
+  std::vector<int> hog;
+  for (int fd; (fd = dup(0)) >= 0;) hog.push_back(fd);
+  if (errno != EMFILE) _exit(5);
+  sockaddr_in to = {};
+  to.sin_family = AF_INET;
+  to.sin_port = htons(static_cast<uint16_t>(http->port()));
+  to.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  if (connect(client, reinterpret_cast<sockaddr*>(&to), sizeof(to)) != 0) _exit(6);
+  absl::SleepFor(absl::Milliseconds(100));  // the loop sees it, fails to accept it
+  timespec a = {}, b = {};
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+  absl::SleepFor(absl::Seconds(1));
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+  const double cpu_s = (b.tv_sec - a.tv_sec) + 1e-9 * (b.tv_nsec - a.tv_nsec);
+  fprintf(stderr, "cpu %.3f s\n", cpu_s);
+  _exit(cpu_s < 0.3 ? 0 : 1);
+}
+
+// Out of descriptors, accept() fails and leaves the connection queued, the listener readable:
+// the loop pauses accepting instead of spinning on it (a core at 100% for as long as it lasts).
+// Run in a child process: its descriptor limit lowered, its CPU time over one second measured.
+TEST(HttpServerTest, OutOfDescriptorsDoesNotSpin) {
+  if (kSanitizedHttp) GTEST_SKIP() << "a sanitizer's runtime needs descriptors of its own";
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(OutOfDescriptorsChild(), ::testing::ExitedWithCode(0), "cpu");
 }
 
 // Throttled lines of many kinds (a kind per client connection) are capped together: a client

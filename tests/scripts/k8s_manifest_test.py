@@ -2,7 +2,8 @@
 """Checks deploy/k8s and docker/compose.yaml against the server they run: every
 PAGEDATTN_* variable is a real pagedattn-server flag, probes hit the plaintext health port,
 secret paths match mounted keys, one GPU per pod, a StatefulSet (stable replica names) behind
-a headless Service, no service-link variables.
+a headless Service, no service-link variables, a preStop pause and a drain that fit the grace
+period.
 
   python3 tests/scripts/k8s_manifest_test.py build/server/pagedattn-server
 """
@@ -51,6 +52,14 @@ ports = {p["name"]: p["containerPort"] for p in c["ports"]}
 assert ports["health"] == health_port
 assert ports["grpc"] == int(env["PAGEDATTN_LISTEN"].rsplit(":", 1)[1])
 assert ports["metrics"] == int(env["PAGEDATTN_METRICS_LISTEN"].rsplit(":", 1)[1])
+
+# SIGTERM comes after preStop's pause (endpoints drop the terminating pod meanwhile); the
+# pause and the server's drain must end before the kubelet's SIGKILL.
+pause = c["lifecycle"]["preStop"]["exec"]["command"]
+assert pause[0] == "sleep", "preStop pauses with sleep (the server closes its ports at SIGTERM)"
+drain = int(env["PAGEDATTN_SHUTDOWN_GRACE_S"])
+assert int(pause[1]) + drain < pod["terminationGracePeriodSeconds"], \
+    "preStop's pause plus the shutdown grace must fit terminationGracePeriodSeconds"
 
 mount = next(m for m in c["volumeMounts"] if m["name"] == "secret")["mountPath"]
 keys = set(docs["Secret"]["stringData"])

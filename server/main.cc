@@ -29,6 +29,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/synchronization/notification.h"
 #include "common/cmdline.h"
 #include "common/transport.h"
 #include "server/core/backend_factory.h"
@@ -349,10 +350,18 @@ std::string LineKind(absl::string_view library, absl::string_view message) {
   return absl::StrCat(library, ": ", head);
 }
 
+// Set by gRPC's line "Failed accept4: ...": gRPC has given up on a listener (before 1.56 it
+// stops accepting on any accept error but EINTR and EAGAIN, out-of-files included) and the port
+// answers no one until a restart, while the health port may still say SERVING. Acted on by a
+// thread in main, not here: this runs inside gRPC, where the health service's Watch streams
+// must not be called back into.
+std::atomic<bool> grpc_listener_failed{false};
+
 // gRPC's own log lines. Errors a caller causes (a failed TLS handshake, a TLS server name the
 // certificate does not have, a reset connection) are debug lines.
 void GrpcLogToSpdlog(gpr_log_func_args* args) {
   const std::string message = absl::CHexEscape(args->message ? args->message : "");
+  if (absl::StrContains(message, "Failed accept4")) grpc_listener_failed.store(true);
   spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
                                     : args->severity == GPR_LOG_SEVERITY_INFO
                                         ? spdlog::level::debug
@@ -571,6 +580,19 @@ int main(int argc, char** argv) {
       (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
                                 : std::string("off"));
 
+  // A listener gRPC gave up on does not come back: health says NOT_SERVING for good, so that
+  // the liveness probe (on the health port, which may still accept) restarts the process.
+  absl::Notification stopped;
+  std::thread listener_watch([&] {
+    while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
+      if (grpc_listener_failed.load()) {
+        (*server)->MarkBroken(
+            "gRPC stopped accepting connections on a listener (\"Failed accept4\" above; out of "
+            "open files: raise the nofile limit)");
+        return;
+      }
+    }
+  });
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -600,6 +622,8 @@ int main(int argc, char** argv) {
   });
   (*server)->Wait();
   signal_thread.join();
+  stopped.Notify();
+  listener_watch.join();
   spdlog::info("pagedattn-server stopped");
   return 0;
 }

@@ -341,6 +341,11 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
 
 void PagedAttnServer::StopCallsNow() { gate_->StopAll(); }
 
+void PagedAttnServer::MarkBroken(const std::string& why) {
+  spdlog::error("health NOT_SERVING for good: {}; restart the process", why);
+  health_->SetServing(false);
+}
+
 void PagedAttnServer::Wait() {
   if (server_ != nullptr) server_->Wait();
   if (health_server_ != nullptr) health_server_->Wait();

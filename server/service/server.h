@@ -84,6 +84,9 @@ class PagedAttnServer {
   void StopCallsNow();
   // Blocks until the server has shut down.
   void Wait();
+  // Health NOT_SERVING for good, on every port: the process can no longer serve (gRPC stopped
+  // accepting on a listener) and must be restarted. Not from inside gRPC's own callbacks.
+  void MarkBroken(const std::string& why);
 
  private:
   PagedAttnServer() = default;

@@ -10,9 +10,8 @@ namespace {
 
 LaunchStatus Error(const char* step, cudaError_t err) {
   (void)cudaGetLastError();
-  return LaunchStatus::CudaError(std::string("submitting a Forward (") + step +
-                                 "): " + cudaGetErrorName(err) + " (" + cudaGetErrorString(err) +
-                                 ")");
+  return LaunchStatus::CudaError(std::string("submitting a Forward (") + step + "): " +
+                                 cudaGetErrorName(err) + " (" + cudaGetErrorString(err) + ")");
 }
 
 bool SameDim(dim3 a, dim3 b) { return a.x == b.x && a.y == b.y && a.z == b.z; }
@@ -105,13 +104,13 @@ LaunchStatus SubmitOps(const Submission& s, cudaStream_t stream, Launcher* launc
     switch (op.kind) {
       case OpKind::kKernel: {
         if (launcher == nullptr) return LaunchStatus::CudaError("a kernel to submit, no launcher");
-        const bool pair = i + 1 < ops.size() && ops[i + 1].kind == OpKind::kKernel &&
-                          ops[i + 1].programmatic;
+        const bool pair =
+            i + 1 < ops.size() && ops[i + 1].kind == OpKind::kKernel && ops[i + 1].programmatic;
         // A pair takes one parameter (LaunchPair), recorded twice.
-        LaunchStatus st = pair ? launcher->LaunchPair(op.kernel, ops[i + 1].kernel, stream,
-                                                      s.params(op), op.params_bytes, "Forward")
-                               : launcher->Launch(op.kernel, stream, s.params(op),
-                                                  op.params_bytes, "Forward");
+        LaunchStatus st =
+            pair ? launcher->LaunchPair(op.kernel, ops[i + 1].kernel, stream, s.params(op),
+                                        op.params_bytes, "Forward")
+                 : launcher->Launch(op.kernel, stream, s.params(op), op.params_bytes, "Forward");
         if (!st.ok()) return st;
         if (pair) ++i;
         break;
@@ -172,11 +171,11 @@ struct SubmissionGraphs::Graph {
       cudaError_t err = cudaSuccess;
       switch (op.kind) {
         case OpKind::kKernel: {
-          const bool same =
-              SameDim(op.kernel.grid, old.kernel.grid) &&
-              SameDim(op.kernel.block, old.kernel.block) && op.kernel.smem == old.kernel.smem &&
-              op.params_bytes == old.params_bytes &&
-              std::memcmp(s.params(op), held.params(old), op.params_bytes) == 0;
+          const bool same = SameDim(op.kernel.grid, old.kernel.grid) &&
+                            SameDim(op.kernel.block, old.kernel.block) &&
+                            op.kernel.smem == old.kernel.smem &&
+                            op.params_bytes == old.params_bytes &&
+                            std::memcmp(s.params(op), held.params(old), op.params_bytes) == 0;
           if (same) break;
           void* args[] = {const_cast<unsigned char*>(s.params(op))};
           const cudaKernelNodeParams node = NodeParams(op, args);
@@ -246,6 +245,8 @@ struct SubmissionGraphs::Graph {
 SubmissionGraphs::SubmissionGraphs() = default;
 SubmissionGraphs::~SubmissionGraphs() = default;
 
+void SubmissionGraphs::Clear() { graphs_.clear(); }
+
 LaunchStatus SubmissionGraphs::Launch(const Submission& s, cudaStream_t stream) {
   if (s.ops().empty()) return LaunchStatus::Ok();
   const uint64_t key = ShapeKey(s);
@@ -265,9 +266,9 @@ LaunchStatus SubmissionGraphs::Launch(const Submission& s, cudaStream_t stream) 
     if (cudaError_t err = g->Build(s); err != cudaSuccess) return Error("building its graph", err);
     ++builds_;
     if (graphs_.size() >= kMaxGraphs) {
-      graphs_.erase(std::min_element(
-          graphs_.begin(), graphs_.end(),
-          [](const auto& a, const auto& b) { return a->last_use < b->last_use; }));
+      graphs_.erase(
+          std::min_element(graphs_.begin(), graphs_.end(),
+                           [](const auto& a, const auto& b) { return a->last_use < b->last_use; }));
     }
     graphs_.push_back(std::move(g));
     hit = graphs_.back().get();

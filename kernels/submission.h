@@ -98,6 +98,11 @@ class SubmissionGraphs {
   SubmissionGraphs& operator=(const SubmissionGraphs&) = delete;
 
   LaunchStatus Launch(const Submission& submission, cudaStream_t stream);
+  // Drops every graph (work in flight finishes): for when a buffer their nodes name has been
+  // reallocated. A copy node keeps the driver's state of the allocation it was given, and a
+  // node handed the same address again is not updated, so a buffer freed and reallocated at
+  // its old address left nodes on the freed allocation (a segfault inside the driver).
+  void Clear();
 
   // Graph launches so far, and how many of them needed a new graph.
   int64_t launches() const { return launches_; }

@@ -22,7 +22,7 @@ enum Memory { kPinned, kDevice };
 // was asked and, for the device, what it has free.
 template <typename T>
 LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const char* what,
-                  size_t keep = 0) {
+                  uint64_t* generation, size_t keep = 0) {
   if (want <= *bytes) return LaunchStatus::Ok();
   void* p = nullptr;
   cudaError_t err = cudaErrorMemoryAllocation;
@@ -64,6 +64,7 @@ LaunchStatus Grow(Memory where, T** buffer, size_t* bytes, size_t want, const ch
   }
   *buffer = static_cast<T*>(p);
   *bytes = n;
+  ++*generation;
   return LaunchStatus::Ok();
 }
 
@@ -80,7 +81,8 @@ ForwardWorkspace::~ForwardWorkspace() {
 
 LaunchStatus ForwardWorkspace::ReserveInputs(const InputsLayout& inputs) {
   inputs_bytes_ = 0;
-  if (LaunchStatus s = Grow(kPinned, &host_, &host_bytes_, inputs.end, "pinned Forward image");
+  if (LaunchStatus s =
+          Grow(kPinned, &host_, &host_bytes_, inputs.end, "pinned Forward image", &generation_);
       !s.ok()) {
     return s;
   }
@@ -92,19 +94,20 @@ LaunchStatus ForwardWorkspace::Reserve(const AttentionPlan& plan, cudaStream_t s
   const ForwardStaging& st = plan.staging();
   const size_t keep = inputs_bytes_;
   inputs_bytes_ = 0;  // one Forward's: the next starts afresh
-  if (LaunchStatus s =
-          Grow(kPinned, &host_, &host_bytes_, st.results_end, "pinned Forward image", keep);
+  if (LaunchStatus s = Grow(kPinned, &host_, &host_bytes_, st.results_end, "pinned Forward image",
+                            &generation_, keep);
       !s.ok()) {
     return s;
   }
-  if (LaunchStatus s = Grow(kDevice, &device_, &device_bytes_, st.device_bytes, "Forward scratch");
+  if (LaunchStatus s =
+          Grow(kDevice, &device_, &device_bytes_, st.device_bytes, "Forward scratch", &generation_);
       !s.ok()) {
     return s;
   }
   const size_t counter_bytes = st.merge_counters * sizeof(int32_t);
   if (counter_bytes > counter_bytes_) {
-    if (LaunchStatus s =
-            Grow(kDevice, &counters_, &counter_bytes_, counter_bytes, "split-KV counters");
+    if (LaunchStatus s = Grow(kDevice, &counters_, &counter_bytes_, counter_bytes,
+                              "split-KV counters", &generation_);
         !s.ok()) {
       return s;
     }

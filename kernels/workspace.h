@@ -68,6 +68,10 @@ class ForwardWorkspace {
   LaunchStatus Mark(MarkPoint point, Submission& s);
   float Elapsed(MarkPoint from, MarkPoint to) const;
 
+  // Counts the buffers' reallocations: what names one of them (a graph's copy node) is stale
+  // once it moves on, even where the new buffer lies at the old address.
+  uint64_t generation() const { return generation_; }
+
   char* host() const { return host_; }
   void* device() const { return device_; }
   int32_t* merge_counters() const { return counters_; }
@@ -80,6 +84,7 @@ class ForwardWorkspace {
   int32_t* counters_ = nullptr;
   size_t counter_bytes_ = 0;
   size_t inputs_bytes_ = 0;  // the image's prefix the caller wrote (kept when it grows)
+  uint64_t generation_ = 0;
   cudaEvent_t marks_[kNumMarks] = {};
 };
 

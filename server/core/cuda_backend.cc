@@ -205,6 +205,9 @@ struct Workspace {
   // Recorded after the upload of a Forward answered before its work was done: until it has
   // passed, the pinned image is still to be read and the workspace is not handed out.
   cudaEvent_t uploaded = nullptr;
+  // buffers.generation() when the graphs above were last checked: a reallocated buffer drops
+  // them (SubmissionGraphs::Clear).
+  uint64_t graphs_generation = 0;
 
   bool Busy() const {
     if (uploaded == nullptr) return false;
@@ -564,6 +567,11 @@ class CudaBackend final : public Backend {
                                        pool.scales(plan.layer), spans),
                                pool.limits());
     PAGEDATTN_LAUNCH_RETURN(ws.buffers.Reserve(attention, ws.stream));
+    if (ws.graphs_generation != ws.buffers.generation()) {
+      ws.upload_graphs.Clear();
+      ws.work_graphs.Clear();
+      ws.graphs_generation = ws.buffers.generation();
+    }
     if (io.device_tensors) {
       ws.buffers.StageInputs(attention, nullptr, nullptr, nullptr);  // the metadata only
     } else if (buffers != nullptr) {
@@ -646,8 +654,7 @@ class CudaBackend final : public Backend {
 
   // Recorded work to a stream: as a cached graph (one runtime call), or each operation by
   // itself, kernels through the launcher (--forward_graph=false).
-  absl::Status Submit(k::SubmissionGraphs& graphs, const k::Submission& work,
-                      cudaStream_t stream) {
+  absl::Status Submit(k::SubmissionGraphs& graphs, const k::Submission& work, cudaStream_t stream) {
     return FromLaunch(forward_graph_ ? graphs.Launch(work, stream)
                                      : k::SubmitOps(work, stream, &launcher_));
   }
@@ -677,9 +684,9 @@ int CudaDeviceCount(std::string* why) {
     count = 0;
   }
   if (count == 0 && why != nullptr) {
-    *why = absl::StrCat("no CUDA GPU is visible to this process (",
-                        err != cudaSuccess ? cudaGetErrorString(err) : "the driver lists none",
-                        ")");
+    *why =
+        absl::StrCat("no CUDA GPU is visible to this process (",
+                     err != cudaSuccess ? cudaGetErrorString(err) : "the driver lists none", ")");
     if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES"); visible != nullptr) {
       absl::StrAppend(why, "; CUDA_VISIBLE_DEVICES=\"", visible, "\"");
     }

@@ -32,6 +32,17 @@ def check(port):
             return None
 
 
+def wait_for(port, want):
+    """Checks port every 0.2 s for up to 6 s until it answers `want`; the last answer."""
+    status = None
+    for _ in range(30):
+        status = check(port)
+        if status == want:
+            break
+        time.sleep(0.2)
+    return status
+
+
 def main():
     server_bin = sys.argv[1]
     log = tempfile.NamedTemporaryFile("w+", prefix="pagedattn-listener-", suffix=".log")
@@ -73,12 +84,7 @@ def main():
         time.sleep(1)  # the server closes its ends
 
         if failed:
-            status = None
-            for _ in range(30):
-                status = check(health_port)
-                if status == NOT_SERVING:
-                    break
-                time.sleep(0.2)
+            status = wait_for(health_port, NOT_SERVING)
             assert status == NOT_SERVING, \
                 f"gRPC gave up on its port but health says {status!r}:\n" + text()[-3000:]
             assert "health NOT_SERVING for good" in text(), text()[-3000:]
@@ -86,12 +92,7 @@ def main():
         else:
             assert "File descriptor limit" in text(), \
                 "neither a failed nor a retried accept was logged:\n" + text()[-3000:]
-            status = None
-            for _ in range(30):
-                status = check(port)
-                if status == SERVING:
-                    break
-                time.sleep(0.2)
+            status = wait_for(port, SERVING)
             assert status == SERVING, "gRPC retried its accepts but the port did not come back"
             print("listener_failure_test: gRPC retried; the port came back")
         server.send_signal(signal.SIGTERM)

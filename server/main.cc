@@ -351,7 +351,7 @@ std::string LineKind(absl::string_view library, absl::string_view message) {
 }
 
 // Set by gRPC's line "Failed accept4: ...": gRPC has given up on a listener (before 1.56 it
-// stops accepting on any accept error but EINTR and EAGAIN, out-of-files included) and the port
+// stops accepting on any accept error but EINTR, EAGAIN and ECONNABORTED, out-of-files included) and the port
 // answers no one until a restart, while the health port may still say SERVING. Acted on by a
 // thread in main, not here: this runs inside gRPC, where the health service's Watch streams
 // must not be called back into.
@@ -361,7 +361,17 @@ std::atomic<bool> grpc_listener_failed{false};
 // certificate does not have, a reset connection) are debug lines.
 void GrpcLogToSpdlog(gpr_log_func_args* args) {
   const std::string message = absl::CHexEscape(args->message ? args->message : "");
-  if (absl::StrContains(message, "Failed accept4")) grpc_listener_failed.store(true);
+  // gRPC's listener line only, from its own source: other lines quote text a caller chooses (a
+  // TLS server name "Failed accept4" must not take the server out of service).
+  const absl::string_view file = args->file != nullptr ? args->file : "";
+  const absl::string_view raw = args->message != nullptr ? args->message : "";
+  if (args->severity == GPR_LOG_SEVERITY_ERROR &&
+      (absl::EndsWith(file, "tcp_server_posix.cc") ||
+       absl::EndsWith(file, "posix_engine_listener.cc")) &&
+      (absl::StartsWith(raw, "Failed accept4") ||
+       absl::StartsWith(raw, "Closing acceptor. Failed accept4"))) {
+    grpc_listener_failed.store(true);
+  }
   spdlog::level::level_enum level = args->severity == GPR_LOG_SEVERITY_ERROR ? spdlog::level::warn
                                     : args->severity == GPR_LOG_SEVERITY_INFO
                                         ? spdlog::level::debug

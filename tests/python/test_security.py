@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import grpc
@@ -183,6 +184,19 @@ def test_tls_server_names_a_caller_chooses_do_not_fill_the_log(secure_server, pk
                 pass
     lines = [line for line in secure_server.lines[before:] if "server name" in line]
     assert not lines, "".join(lines[:5])  # debug lines, under --log_level=info
+    # A server name that reads as gRPC's "listener gave up" line must not take the server out
+    # of service (health NOT_SERVING for good is for gRPC's own listener line only).
+    options = [("grpc.ssl_target_name_override", "Failed accept4: Too many open files")]
+    with grpc.secure_channel(secure_server.target, grpc.ssl_channel_credentials(ca),
+                             options=options) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2)
+        except grpc.FutureTimeoutError:
+            pass
+    time.sleep(0.6)  # the server's watch looks every 200 ms
+    with pagedattn.Client(secure_server.target, tls=pagedattn.TLS(ca=ca)) as anonymous:
+        assert anonymous.health()
+    assert not [line for line in secure_server.lines if "NOT_SERVING for good" in line]
 
 
 def test_tokens_file_separator_mistake_stops_the_server(server_binary, tmp_path):

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -20,6 +21,7 @@
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "server/service/address.h"
+#include "spdlog/spdlog.h"
 
 namespace pagedattn {
 namespace {
@@ -49,6 +51,11 @@ std::string Response(absl::string_view status, absl::string_view content_type,
   return absl::StrCat("HTTP/1.1 ", status, "\r\nContent-Type: ", content_type,
                       "\r\nContent-Length: ", body.size(), "\r\n", extra_headers,
                       "Connection: close\r\n\r\n", with_body ? body : "");
+}
+
+// Deadlines on a clock that does not step with the wall clock's corrections.
+absl::Time Monotonic() {
+  return absl::UnixEpoch() + absl::FromChrono(std::chrono::steady_clock::now().time_since_epoch());
 }
 
 // The address (no port) of a connection's peer: the unit that kMaxPending is shared between.
@@ -186,7 +193,7 @@ void HttpServer::Loop() {
   absl::Time accept_paused_until = absl::InfinitePast();
   std::vector<pollfd> fds;
   while (true) {
-    const absl::Time before = absl::Now();
+    const absl::Time before = Monotonic();
     const bool accepting = before >= accept_paused_until;
     fds.assign(
         {{listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0}, {wake_fd_, POLLIN, 0}});
@@ -200,11 +207,14 @@ void HttpServer::Loop() {
             ? -1
             : static_cast<int>(std::max<int64_t>(0, absl::ToInt64Milliseconds(next - before) + 1));
     if (poll(fds.data(), fds.size(), timeout_ms) < 0) {
-      if (errno == EINTR) continue;
-      break;
+      if (errno != EINTR) {  // ENOMEM: try again shortly rather than end /metrics for good
+        spdlog::warn("/metrics: poll failed ({}); retrying", std::strerror(errno));
+        absl::SleepFor(absl::Milliseconds(100));
+      }
+      continue;
     }
     if (fds[1].revents != 0) break;
-    const absl::Time now = absl::Now();
+    const absl::Time now = Monotonic();
     for (size_t i = conns.size(); i-- > 0;) {
       const short revents = fds[2 + i].revents;
       if (revents == 0) continue;
@@ -274,22 +284,24 @@ void HttpServer::Loop() {
 }
 
 std::string HttpServer::Answer(const std::string& request) {
-  // Request line: METHOD SP target SP version.
+  // Request line: METHOD SP target SP version. An answer to HEAD has no body, whatever it says.
+  const bool with_body = !absl::StartsWith(request, "HEAD ");
   const size_t sp1 = request.find(' ');
   const size_t sp2 = sp1 == std::string::npos ? sp1 : request.find(' ', sp1 + 1);
   if (sp2 == std::string::npos) {
-    return Response("400 Bad Request", "text/plain", "bad request line\n");
+    return Response("400 Bad Request", "text/plain", "bad request line\n", "", with_body);
   }
   const std::string method = request.substr(0, sp1);
   std::string target = request.substr(sp1 + 1, sp2 - sp1 - 1);
   if (const size_t q = target.find('?'); q != std::string::npos) target.resize(q);
   if (target != path_) {
-    return Response("404 Not Found", "text/plain", absl::StrCat("only ", path_, " is served\n"));
+    return Response("404 Not Found", "text/plain", absl::StrCat("only ", path_, " is served\n"), "",
+                    with_body);
   }
   if (method != "GET" && method != "HEAD") {
     return Response("405 Method Not Allowed", "text/plain", "GET only\n", "Allow: GET, HEAD\r\n");
   }
-  return Response("200 OK", content_type_, body_(), "", method == "GET");
+  return Response("200 OK", content_type_, body_(), "", with_body);
 }
 
 }  // namespace pagedattn

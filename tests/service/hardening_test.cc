@@ -707,6 +707,24 @@ TEST(HttpServerTest, EveryInterfaceIncludesIpv6) {
   }
 }
 
+// An answer to HEAD carries its headers only, whatever its status (RFC 9110 9.3.2).
+TEST(HttpServerTest, HeadAnswersCarryNoBody) {
+  std::unique_ptr<HttpServer> http = StartHttp("127.0.0.1:0", 100);
+  ASSERT_TRUE(http);
+  for (const std::string path : {"/metrics", "/elsewhere"}) {
+    const int fd = ConnectTcp("127.0.0.1", http->port());
+    ASSERT_GE(fd, 0);
+    const std::string request = absl::StrCat("HEAD ", path, " HTTP/1.1\r\n\r\n");
+    ASSERT_EQ(send(fd, request.data(), request.size(), 0), static_cast<ssize_t>(request.size()));
+    std::string answer;
+    char buf[4096];
+    for (ssize_t n; (n = recv(fd, buf, sizeof(buf), 0)) > 0;) answer.append(buf, n);
+    close(fd);
+    EXPECT_EQ(answer.find("\r\n\r\n"), answer.size() - 4) << path << ": " << answer;
+    EXPECT_NE(answer.find("Content-Length: "), std::string::npos) << answer;
+  }
+}
+
 #if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
 constexpr bool kSanitizedHttp = true;  // their runtimes open descriptors of their own
 #else
@@ -721,7 +739,7 @@ constexpr bool kSanitizedHttp = false;
   const rlimit tight = {64, 64};  // then every descriptor up to it taken
   if (setrlimit(RLIMIT_NOFILE, &tight) != 0) _exit(4);
   std::vector<int> hog;
-  for (int fd; (fd = dup(0)) >= 0;) hog.push_back(fd);
+  for (int fd; (fd = dup(client)) >= 0;) hog.push_back(fd);
   if (errno != EMFILE) _exit(5);
   sockaddr_in to = {};
   to.sin_family = AF_INET;

@@ -313,9 +313,12 @@ absl::StatusOr<float*> UploadSinks(const CacheGeometry& g) {
   float* sinks = nullptr;
   PAGEDATTN_CUDA_RETURN(cudaMalloc(reinterpret_cast<void**>(&sinks), host.size() * sizeof(float)),
                         "cudaMalloc(sinks)");
-  if (cudaError_t err =
-          cudaMemcpy(sinks, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
-      err != cudaSuccess) {
+  cudaError_t err =
+      cudaMemcpy(sinks, host.data(), host.size() * sizeof(float), cudaMemcpyHostToDevice);
+  // From pageable memory the copy returns once staged, not landed, and the Forwards'
+  // (non-blocking) streams do not wait for the default stream: landed before the cache answers.
+  if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
+  if (err != cudaSuccess) {
     cudaFree(sinks);
     return CudaStatus(err, "cudaMemcpy(sinks)");
   }
@@ -401,7 +404,7 @@ class CudaBackend final : public Backend {
     if (err == cudaSuccess) err = cudaStreamSynchronize(cudaStreamLegacy);
     if (err != cudaSuccess) {
       cudaFree(base);
-      return CudaStatus(err, "cudaMemset(K/V pool)");
+      return CudaStatus(err, "zeroing the K/V pool");
     }
     const int64_t layer_bytes = g.num_pages * g.PageElems() * DTypeSize(g.kv_dtype);
     absl::StatusOr<float*> sinks = UploadSinks(g);

@@ -1363,10 +1363,9 @@ std::unique_ptr<Cache> MakeCacheOn(Backend& backend, CacheGeometry g) {
 // A new pool is zeroed before CreateCache answers: the zeros go out on the default stream, which
 // the Forwards' (non-blocking) streams do not wait for, so a first append into a large pool's
 // last layer (the memset's last bytes) could be overwritten when the memset got there. The
-// workspace is warmed first so that nothing in between allocates. (On an H100 the build that
-// left the memset unsynchronized passed this too, three runs of three: the race follows from
-// the streams' semantics, and this checks that a large pool's first Forwards read back what
-// they appended.)
+// workspace is warmed first so that nothing in between allocates. (On an H100 the reads back
+// passed also on the build that left the memset unsynchronized, three runs of three; the
+// default stream's state right after creation is what tells the two apart.)
 TEST_F(CudaKernelTest, NewPoolIsZeroedBeforeItsFirstForward) {
   const CacheGeometry small = testing::MakeGeometry(1, 32, 8, 128, 16, DType::kBFloat16, 64);
   std::unique_ptr<Cache> warm = MakeCacheOn(*backend_, small);
@@ -1383,6 +1382,11 @@ TEST_F(CudaKernelTest, NewPoolIsZeroedBeforeItsFirstForward) {
   ASSERT_GT(g.num_pages, 1000);
   std::unique_ptr<Cache> cache = MakeCacheOn(*backend_, g);
   ASSERT_TRUE(cache);
+  // The claim itself: nothing of the zeroing is left on the default stream once the pool is
+  // made (unsynchronized, a memset of gigabytes is still running here).
+  const cudaError_t pending = cudaStreamQuery(cudaStreamLegacy);
+  (void)cudaGetLastError();
+  EXPECT_EQ(pending, cudaSuccess) << "the pool's memset was still running";
   testing::ForwardModel model(g, DType::kFloat32, 6u);
   const testing::ForwardModel::Outcome prefill = model.Run(*cache, 7, {{1, 0, 16, 16}});
   ASSERT_TRUE(prefill.status.ok()) << prefill.status;
@@ -1390,6 +1394,39 @@ TEST_F(CudaKernelTest, NewPoolIsZeroedBeforeItsFirstForward) {
   const testing::ForwardModel::Outcome decode = model.Run(*cache, 7, {{1, 16, 1, 1}});
   ASSERT_TRUE(decode.status.ok()) << decode.status;
   EXPECT_LE(decode.max_rel_error, 2e-2) << "the prefill's rows read back as the pool's zeros";
+}
+
+// A workspace counts its buffers' reallocations (a cached graph naming one is stale afterwards,
+// even where the new buffer lies at the old address), and SubmissionGraphs::Clear makes the next
+// launch build its graph anew.
+TEST_F(CudaKernelTest, ReallocationsAreCountedAndGraphsCleared) {
+  kernels::ForwardWorkspace ws;
+  EXPECT_EQ(ws.generation(), 0u);
+  ASSERT_TRUE(ws.ReserveInputs(kernels::InputsLayout::Of(4096, 4096)).ok());
+  const uint64_t first = ws.generation();
+  EXPECT_GE(first, 1u);
+  ASSERT_TRUE(ws.ReserveInputs(kernels::InputsLayout::Of(1024, 1024)).ok());
+  EXPECT_EQ(ws.generation(), first) << "a smaller layout reallocated";
+  ASSERT_TRUE(ws.ReserveInputs(kernels::InputsLayout::Of(1 << 20, 1 << 20)).ok());
+  EXPECT_GT(ws.generation(), first);
+
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), cudaSuccess);
+  void* dev = nullptr;
+  ASSERT_EQ(cudaMalloc(&dev, 4096), cudaSuccess);
+  kernels::Submission s;
+  s.Copy(dev, ws.host(), 4096, cudaMemcpyHostToDevice);
+  kernels::SubmissionGraphs graphs;
+  ASSERT_TRUE(graphs.Launch(s, stream).ok());
+  ASSERT_TRUE(graphs.Launch(s, stream).ok());
+  EXPECT_EQ(graphs.builds(), 1);
+  graphs.Clear();
+  ASSERT_TRUE(graphs.Launch(s, stream).ok());
+  EXPECT_EQ(graphs.builds(), 2);
+  EXPECT_EQ(graphs.launches(), 3);
+  ASSERT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  cudaFree(dev);
+  cudaStreamDestroy(stream);
 }
 
 // A Forward whose scratch the GPU cannot hold is RESOURCE_EXHAUSTED, saying how much it needs

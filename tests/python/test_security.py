@@ -169,30 +169,28 @@ def test_a_token_with_a_line_end_is_refused_by_the_client(secure_server):
         pagedattn.aio.Client(secure_server.target, ALPHA + "\n")
 
 
+def _handshake_naming(target: str, ca: bytes, server_name: str):
+    """A TLS connection that names server_name (which the certificate does not have)."""
+    options = [("grpc.ssl_target_name_override", server_name)]
+    with grpc.secure_channel(target, grpc.ssl_channel_credentials(ca), options=options) as channel:
+        try:
+            grpc.channel_ready_future(channel).result(timeout=2)
+        except grpc.FutureTimeoutError:
+            pass
+
+
 def test_tls_server_names_a_caller_chooses_do_not_fill_the_log(secure_server, pki):
     """A client naming a TLS server the certificate does not have made gRPC log a warning, and
     each different name was a kind of line of its own to the throttle."""
     before = len(secure_server.lines)
     ca = (pki / "ca.pem").read_bytes()
     for i in range(30):
-        options = [("grpc.ssl_target_name_override", f"attacker-{i}-example.invalid")]
-        with grpc.secure_channel(secure_server.target, grpc.ssl_channel_credentials(ca),
-                                 options=options) as channel:
-            try:
-                grpc.channel_ready_future(channel).result(timeout=2)
-            except grpc.FutureTimeoutError:
-                pass
+        _handshake_naming(secure_server.target, ca, f"attacker-{i}-example.invalid")
     lines = [line for line in secure_server.lines[before:] if "server name" in line]
     assert not lines, "".join(lines[:5])  # debug lines, under --log_level=info
     # A server name that reads as gRPC's "listener gave up" line must not take the server out
     # of service (health NOT_SERVING for good is for gRPC's own listener line only).
-    options = [("grpc.ssl_target_name_override", "Failed accept4: Too many open files")]
-    with grpc.secure_channel(secure_server.target, grpc.ssl_channel_credentials(ca),
-                             options=options) as channel:
-        try:
-            grpc.channel_ready_future(channel).result(timeout=2)
-        except grpc.FutureTimeoutError:
-            pass
+    _handshake_naming(secure_server.target, ca, "Failed accept4: Too many open files")
     time.sleep(0.6)  # the server's watch looks every 200 ms
     with pagedattn.Client(secure_server.target, tls=pagedattn.TLS(ca=ca)) as anonymous:
         assert anonymous.health()

@@ -81,6 +81,16 @@ Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
 
 void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id); }
 
+std::string Rpc::Caller() const {
+  std::string out = tenant_.empty() ? "" : absl::StrCat("tenant=", tenant_, " ");
+  absl::StrAppend(&out, "peer=", ForLog(ctx_->peer()));
+  const auto& metadata = ctx_->client_metadata();
+  if (const auto id = metadata.find(kRequestIdKey); id != metadata.end()) {
+    absl::StrAppend(&out, " req=", ForLog(absl::string_view(id->second.data(), id->second.size())));
+  }
+  return out;
+}
+
 double Rpc::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }
@@ -127,9 +137,7 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
   // Nothing of the line is built unless it is logged: a Forward's answer is waiting.
   if (!spdlog::should_log(level)) return ToGrpcStatus(s);
   const double ms = rpc.seconds() * 1e3;
-  const std::string who = absl::StrCat(
-      "cache=", rpc.cache(), rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
-      " peer=", ForLog(rpc.context()->peer()));
+  const std::string who = absl::StrCat("cache=", rpc.cache(), " ", rpc.Caller());
   if (s.ok()) {
     spdlog::debug("rpc {} {} ok {:.3f} ms", rpc.method(), who, ms);
   } else if (server_error) {
@@ -222,11 +230,9 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
     ToProto(**cache, resp);
     const CacheGeometry& g = (*cache)->geometry();
     spdlog::info(
-        "created cache {} '{}'{} peer={}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
+        "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
         "{} bytes",
-        (*cache)->id(), ForLog((*cache)->name()),
-        rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
-        ForLog(rpc.context()->peer()), g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
+        (*cache)->id(), ForLog((*cache)->name()), rpc.Caller(), g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
         DTypeName(g.kv_dtype), g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
         resp->config().page_size(), resp->bytes());
     return absl::OkStatus();
@@ -290,9 +296,7 @@ grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
     if (!freed.ok()) return freed.status();
     regions_->ReleaseCache(req->cache_id());
     resp->set_freed_bytes(*freed);
-    spdlog::info("deleted cache {}{} peer={} ({} bytes)", rpc.cache(),
-                 rpc.tenant().empty() ? "" : absl::StrCat(" tenant=", rpc.tenant()),
-                 ForLog(rpc.context()->peer()), *freed);
+    spdlog::info("deleted cache {} {} ({} bytes)", rpc.cache(), rpc.Caller(), *freed);
     return absl::OkStatus();
   });
 }

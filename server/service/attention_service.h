@@ -22,6 +22,9 @@
 
 namespace pagedattn {
 
+// The metadata key whose value a call's log lines carry (Rpc::Caller).
+inline constexpr char kRequestIdKey[] = "x-request-id";
+
 // What a handler body knows of its call.
 class Rpc {
  public:
@@ -34,6 +37,10 @@ class Rpc {
   // The cache the call names, for the log line (escaped and shortened: it is request data).
   void set_cache(absl::string_view cache_id);
   const std::string& cache() const { return cache_; }
+  // Who called, for a log line: "[tenant=T ]peer=P[ req=R]". R is the call's x-request-id
+  // metadata, escaped and shortened like all request text: the one metadata key ever logged, so
+  // that an orchestrator's failed call can be found in this server's log.
+  std::string Caller() const;
   grpc::ServerContextBase* context() const { return ctx_; }
   double seconds() const;
 

@@ -218,6 +218,9 @@ def readme_block(grpcurl, commands, server, socket, proto_rpcs):
                       f"{what}: bytes_per_token {per_token} (one byte a value, STATIC scales)")
         elif rpc == "GetCache":
             check(json.loads(out).get("cache_id") == cache_id, f"{what}: the cache asked for")
+        elif rpc == "ListCaches":
+            listed = [c.get("cache_id") for c in json.loads(out).get("caches", [])]
+            check(cache_id in listed, f"{what}: lists the cache made for GetCache's <id>")
         else:
             check(False, f"{what}: this test does not know what README expects of it")
     return ran

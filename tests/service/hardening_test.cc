@@ -463,6 +463,56 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
   EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos) << named.status();
 }
 
+// A call's x-request-id metadata is on its log lines (cut, like all request text), so that
+// an orchestrator's failed call can be found in the server's log; a call without one has none.
+TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
+  testing::LogCapture captured(spdlog::level::debug);
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  auto get = [&](const std::string& cache_id, const std::string& request_id) {
+    grpc::ClientContext ctx;
+    if (!request_id.empty()) ctx.AddMetadata(std::string(kRequestIdKey), request_id);
+    v1::GetCacheRequest req;
+    req.set_cache_id(cache_id);
+    v1::CacheInfo resp;
+    return stub->GetCache(&ctx, req, &resp);
+  };
+  EXPECT_TRUE(get(cache_, "step-41-layer-7").ok());
+  const std::string long_id(100, 'r');
+  EXPECT_EQ(get("no-such-cache", long_id).error_code(), grpc::StatusCode::NOT_FOUND);
+  EXPECT_EQ(get("unnamed-call", "").error_code(), grpc::StatusCode::NOT_FOUND);
+  grpc::ClientContext ctx;
+  ctx.AddMetadata(std::string(kRequestIdKey), "create-1");
+  v1::CreateCacheRequest create;
+  *create.mutable_config() = Config(4);
+  v1::CacheInfo created;
+  ASSERT_TRUE(stub->CreateCache(&ctx, create, &created).ok());
+
+  const std::string log = captured.str();
+  auto line_of = [&](const std::string& needle) {
+    std::istringstream lines(log);
+    std::string line;
+    while (std::getline(lines, line)) {
+      if (line.find(needle) != std::string::npos) return line;
+    }
+    return std::string();
+  };
+  EXPECT_NE(line_of("rpc GetCache cache=" + cache_).find(" req=step-41-layer-7 ok"),
+            std::string::npos)
+      << log;
+  // Cut as all request text is (gRPC itself refuses control characters in metadata values).
+  EXPECT_NE(line_of("cache=no-such-cache")
+                .find(absl::StrCat(" req=", long_id.substr(0, 64), "...(100 bytes) NOT_FOUND")),
+            std::string::npos)
+      << log;
+  const std::string unnamed = line_of("cache=unnamed-call");
+  ASSERT_FALSE(unnamed.empty()) << log;
+  EXPECT_EQ(unnamed.find("req="), std::string::npos) << unnamed;
+  EXPECT_NE(line_of("created cache " + created.cache_id()).find(" req=create-1:"),
+            std::string::npos)
+      << log;
+}
+
 // A metrics endpoint that trickles its answer (a byte each 100 ms, for 5 s) cannot hold
 // FetchMetrics past its timeout: the timeout bounds the whole answer, not each wait.
 TEST(FetchMetricsTest, ATricklingAnswerEndsAtTheTimeout) {

@@ -232,8 +232,9 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
     spdlog::info(
         "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
         "{} bytes",
-        (*cache)->id(), ForLog((*cache)->name()), rpc.Caller(), g.num_layers, g.num_q_heads, g.num_kv_heads, g.head_dim,
-        DTypeName(g.kv_dtype), g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
+        (*cache)->id(), ForLog((*cache)->name()), rpc.Caller(), g.num_layers, g.num_q_heads,
+        g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
+        g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
         resp->config().page_size(), resp->bytes());
     return absl::OkStatus();
   });
@@ -256,9 +257,8 @@ grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx,
                                               v1::ListCachesResponse* resp) {
   return Handle("ListCaches", ctx, [&](Rpc& rpc) -> absl::Status {
     if (req->page_size() < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("page_size must be >= 0 (0: as many as fit a message; got ",
-                       req->page_size(), ")"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "page_size must be >= 0 (0: as many as fit a message; got ", req->page_size(), ")"));
     }
     absl::StatusOr<std::vector<std::shared_ptr<Cache>>> caches =
         manager_->ListAfter(rpc.tenant(), req->page_token());

@@ -657,3 +657,57 @@ def test_limits_are_logged_at_info_and_throttled(start_servers):
     assert all(" info " in line and f"rpc Forward cache={cache_id}" in line and
                "out of KV pages" in line for line in lines), lines
     assert lines[1].endswith("(and 2 more like it)"), lines
+
+
+def test_request_id_reaches_the_server_log(start_servers):
+    """pagedattn.request_id(...): each call made in it, sync, asyncio, a Step stream and each
+    shard of a sharded cache, carries the id, and the server's log line for the call shows it;
+    calls outside it carry none. Bad ids are refused before any call."""
+    import asyncio
+
+    import pagedattn.aio
+
+    servers = start_servers(2, "--log_level=debug")
+    config = CacheConfig(num_layers=1, num_q_heads=4, num_kv_heads=2, head_dim=64, page_size=16,
+                         kv_dtype="bfloat16", num_pages=16)
+    q = np.random.randn(1, 4, 64).astype(np.float32)
+    k = v = np.random.randn(1, 2, 64).astype(np.float32)
+    with pagedattn.Client(servers[0].target) as c, c.create_cache(config) as cache:
+        with pagedattn.request_id("sync-1"):
+            cache.forward(0, [Span.prefill(seq_id=1, num_tokens=1)], q, k, v)
+            with pagedattn.request_id("inner-2"):  # nests
+                c.get_cache(cache)
+            with cache.step([Span.decode(seq_id=1, position=1)]) as step:
+                step.forward(0, q, k, v)
+        c.list_caches()  # none
+
+        async def aio_call() -> None:
+            async with pagedattn.aio.Client(servers[0].target) as ac:
+                with pagedattn.request_id("aio-3"):
+                    await ac.get_cache(cache.cache_id)
+
+        asyncio.run(aio_call())
+    with pagedattn.ShardedClient([s.target for s in servers]) as sc:
+        with sc.create_cache(config) as sharded, pagedattn.request_id("shard-4"):
+            sharded.forward(0, [Span.prefill(seq_id=1, num_tokens=1)], q, k, v)
+
+    def lines(log: str, needle: str) -> list[str]:
+        return [line for line in log.splitlines() if needle in line]
+
+    deadline = time.monotonic() + 10  # the log is read by a thread
+    want = [(0, "rpc Forward ", "req=sync-1"), (0, "rpc GetCache ", "req=inner-2"),
+            (0, "rpc Step ", "req=sync-1"), (0, "rpc GetCache ", "req=aio-3"),
+            (0, "rpc Forward ", "req=shard-4"), (1, "rpc Forward ", "req=shard-4")]
+    while time.monotonic() < deadline and not all(
+            any(rid in line for line in lines(servers[i].log, what)) for i, what, rid in want):
+        time.sleep(0.05)
+    for i, what, rid in want:
+        assert any(rid in line for line in lines(servers[i].log, what)), (
+            f"no {what!r} line with {rid!r} on server {i}:\n{servers[i].log}")
+    listed = lines(servers[0].log, "rpc ListCaches ")
+    assert listed and all("req=" not in line for line in listed), listed
+
+    for bad in ("", "a\nb", "caf\u00e9", 7):
+        with pytest.raises(ValueError, match="request_id"):
+            with pagedattn.request_id(bad):
+                pass

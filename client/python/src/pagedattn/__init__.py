@@ -18,7 +18,7 @@ exceptions; pagedattn.v1 the generated protos (attention_pb2) and stub (attentio
 """
 
 from . import errors
-from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS, Timing
+from ._common import DEFAULT_MAX_MESSAGE_BYTES, TLS, Timing, request_id
 from .client import Cache, Client, LayerFuture, Step
 from .device import DeviceMemory
 from .errors import (
@@ -50,5 +50,5 @@ __all__ = [
     "LayerAttention", "LayerFuture", "NotFound", "OutOfPages", "PagedAttnError", "PermissionDenied",
     "ResourceExhausted", "ShardedCache", "ShardedClient", "Span", "Step", "TLS", "Timing",
     "Unauthenticated", "Unavailable", "errors", "from_tensor", "pb", "reference_attention",
-    "relative_error", "targets_from_dns", "to_numpy", "to_tensor", "to_torch",
+    "relative_error", "request_id", "targets_from_dns", "to_numpy", "to_tensor", "to_torch",
 ]

@@ -3,10 +3,12 @@ building a ForwardRequest / reading a ForwardResponse, and the messages of a Ste
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
 import warnings
 from dataclasses import dataclass
-from typing import Any, NamedTuple, Optional, Sequence, Union
+from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import grpc
 
@@ -124,6 +126,35 @@ def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:
             raise ValueError(f"token: character {ord(ch):#04x} at position {i} of {len(token)} "
                              f"is not printable ASCII{hint}")
     return (("authorization", f"Bearer {token}"),)
+
+
+_REQUEST_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
+    "pagedattn_request_id", default=None)
+
+
+@contextlib.contextmanager
+def request_id(value: str) -> Iterator[None]:
+    """`with pagedattn.request_id("step-41"):` every call made inside (any client, sync or
+    asyncio, sharded ones on each shard, and a Step stream opened there) carries `value` as its
+    x-request-id metadata; the server puts it on the call's log lines as `req=` (cut to 64 bytes),
+    so a failed call can be found in its log. Nests; printable ASCII (gRPC refuses the rest)."""
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"request_id must be a non-empty str (got {value!r})")
+    for i, ch in enumerate(value):
+        if not (" " <= ch <= "~"):
+            raise ValueError(f"request_id: character {ord(ch):#04x} at position {i} is not "
+                             "printable ASCII")
+    token = _REQUEST_ID.set(value)
+    try:
+        yield
+    finally:
+        _REQUEST_ID.reset(token)
+
+
+def call_metadata(base: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """A call's metadata: the client's (its token) and the request id in force, if any."""
+    rid = _REQUEST_ID.get()
+    return base if rid is None else base + (("x-request-id", rid),)
 
 
 def forward_request(

@@ -110,7 +110,7 @@ class Client:
             return await method(
                 request,
                 timeout=self.timeout if timeout is None else timeout,
-                metadata=self._metadata,
+                metadata=_common.call_metadata(self._metadata),
             )
         except grpc.aio.AioRpcError as e:
             raise from_rpc_error(e) from e
@@ -336,7 +336,7 @@ class Step:
         if self._call is None:
             self.client._check_open()
             self._call = self.client.stub.Step(timeout=self._timeout,
-                                               metadata=self.client._metadata)
+                                               metadata=_common.call_metadata(self.client._metadata))
             self._writer = _keep_until_done(
                 asyncio.get_running_loop().create_task(_write_all(self._outbox, self._call)))
         return self._call

@@ -86,7 +86,7 @@ class Client:
             return method(
                 request,
                 timeout=self.timeout if timeout is None else timeout,
-                metadata=self._metadata,
+                metadata=_common.call_metadata(self._metadata),
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e) from e
@@ -355,7 +355,8 @@ class Step:
         self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
         client._check_open()
         self._call = client.stub.Step(
-            iter(self._requests.get, _END), timeout=timeout, metadata=client._metadata
+            iter(self._requests.get, _END), timeout=timeout,
+            metadata=_common.call_metadata(client._metadata),
         )
 
     # -- sending -------------------------------------------------------------------------------

@@ -679,7 +679,7 @@ class ShardedClient(_ShardedClientBase):
                 client._check_open()
                 calls.append((getattr(client.stub, method).future(
                     request, timeout=client.timeout if timeout is None else timeout,
-                    metadata=client._metadata), None))
+                    metadata=_common.call_metadata(client._metadata)), None))
             except Exception as e:  # e.g. a closed client (ClientClosed)
                 calls.append((None, e))
         out: list[Any] = []

@@ -121,8 +121,8 @@ grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBa
 // Counts the call in the metrics and logs one line: debug for success and the caller's
 // mistakes, info for limits and authentication (RESOURCE_EXHAUSTED, UNAUTHENTICATED,
 // PERMISSION_DENIED: what an operator may have to act on; at most one a second for each client
-// connection, method and code), error for the server's own failures (e.g. a CUDA error). Never
-// logs request metadata, so tokens stay out of logs.
+// connection, method and code), error for the server's own failures (e.g. a CUDA error). Of the
+// request's metadata only x-request-id is logged (Rpc::Caller), so tokens stay out of logs.
 grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s) {
   if (metrics_ != nullptr) metrics_->RecordRpc(rpc.method(), s.code());
   const bool server_error = s.code() == absl::StatusCode::kInternal ||

@@ -53,6 +53,31 @@ std::string ForLog(absl::string_view s) {
   return out;
 }
 
+// A request's value as one field of a log line (a cache id, a request id): escaped as
+// EscapeControl does, and spaces, backslashes and bytes past ASCII too (\xNN), so that a value
+// can neither end the field and write others ("x tenant=acme") nor carry terminal controls past
+// ASCII; cut as ForLog.
+std::string ForLogField(absl::string_view s) {
+  constexpr size_t kShown = 64;
+  std::string out;
+  for (const char c : s.substr(0, kShown)) {
+    const unsigned char u = static_cast<unsigned char>(c);
+    if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (u <= 0x20 || u >= 0x7f || c == '\\') {
+      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
+    } else {
+      out += c;
+    }
+  }
+  if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
+  return out;
+}
+
 // What kind of error a message tells, for throttling: its words before the first digit (at most
 // 40 bytes), so that "out of KV pages: needs 5" and "... needs 7" are one kind and a capacity
 // error another, each with its own count of lines held back.
@@ -79,14 +104,15 @@ Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
       stop_(StopFor(ctx, gate)),
       start_(std::chrono::steady_clock::now()) {}
 
-void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id); }
+void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLogField(cache_id); }
 
 std::string Rpc::Caller() const {
   std::string out = tenant_.empty() ? "" : absl::StrCat("tenant=", tenant_, " ");
   absl::StrAppend(&out, "peer=", ForLog(ctx_->peer()));
   const auto& metadata = ctx_->client_metadata();
   if (const auto id = metadata.find(kRequestIdKey); id != metadata.end()) {
-    absl::StrAppend(&out, " req=", ForLog(absl::string_view(id->second.data(), id->second.size())));
+    absl::StrAppend(&out,
+                    " req=", ForLogField(absl::string_view(id->second.data(), id->second.size())));
   }
   return out;
 }

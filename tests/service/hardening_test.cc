@@ -463,7 +463,7 @@ TEST_F(HardeningTest, LogLinesCannotBeForged) {
   EXPECT_NE(named.status().message().find("printable ASCII"), std::string::npos) << named.status();
 }
 
-// A call's x-request-id metadata is on its log lines (cut, like all request text), so that
+// A call's x-request-id metadata is on its log lines (escaped as one field, and cut), so that
 // an orchestrator's failed call can be found in the server's log; a call without one has none.
 TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
   testing::LogCapture captured(spdlog::level::debug);
@@ -481,6 +481,10 @@ TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
   const std::string long_id(100, 'r');
   EXPECT_EQ(get("no-such-cache", long_id).error_code(), grpc::StatusCode::NOT_FOUND);
   EXPECT_EQ(get("unnamed-call", "").error_code(), grpc::StatusCode::NOT_FOUND);
+  // Values that would write fields of their own into the line.
+  EXPECT_EQ(
+      get("forged x tenant=acme", "x tenant=acme peer=ipv4:10.1.2.3:443 req=\\y").error_code(),
+      grpc::StatusCode::NOT_FOUND);
   grpc::ClientContext ctx;
   ctx.AddMetadata(std::string(kRequestIdKey), "create-1");
   v1::CreateCacheRequest create;
@@ -505,6 +509,13 @@ TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
                 .find(absl::StrCat(" req=", long_id.substr(0, 64), "...(100 bytes) NOT_FOUND")),
             std::string::npos)
       << log;
+  const std::string forged = line_of("cache=forged");
+  EXPECT_NE(forged.find("cache=forged\\x20x\\x20tenant=acme peer="), std::string::npos) << log;
+  EXPECT_NE(forged.find(" req=x\\x20tenant=acme\\x20peer=ipv4:10.1.2.3:443\\x20req=\\x5cy "),
+            std::string::npos)
+      << log;
+  // The fields end where the message (free text, quoting the id as the caller was told) starts.
+  EXPECT_EQ(forged.substr(0, forged.find(" ms: ")).find(" tenant="), std::string::npos) << forged;
   const std::string unnamed = line_of("cache=unnamed-call");
   ASSERT_FALSE(unnamed.empty()) << log;
   EXPECT_EQ(unnamed.find("req="), std::string::npos) << unnamed;

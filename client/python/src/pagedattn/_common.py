@@ -137,7 +137,9 @@ def request_id(value: str) -> Iterator[None]:
     """`with pagedattn.request_id("step-41"):` every call made inside (any client, sync or
     asyncio, sharded ones on each shard, and a Step stream opened there) carries `value` as its
     x-request-id metadata; the server puts it on the call's log lines as `req=` (cut to 64 bytes),
-    so a failed call can be found in its log. Nests; printable ASCII (gRPC refuses the rest)."""
+    so a failed call can be found in its log. Nests; printable ASCII (gRPC refuses the rest).
+    A context variable: asyncio tasks created inside inherit it, other threads (an executor's)
+    do not."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"request_id must be a non-empty str (got {value!r})")
     for i, ch in enumerate(value):

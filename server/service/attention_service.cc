@@ -25,7 +25,9 @@ namespace {
 
 // s with its control characters escaped (\n, \r, \t, \xNN), nothing else: one line of a log
 // that greps for what the caller was told (CHexEscape's \' did not match the client's message).
-std::string EscapeControl(absl::string_view s) {
+// `field`: spaces, backslashes and bytes past ASCII too (\xNN), for a value that is one field of
+// a line (ForLog's).
+std::string EscapeControl(absl::string_view s, bool field = false) {
   std::string out;
   out.reserve(s.size());
   for (const char c : s) {
@@ -36,7 +38,7 @@ std::string EscapeControl(absl::string_view s) {
       out += "\\r";
     } else if (c == '\t') {
       out += "\\t";
-    } else if (u < 0x20 || u == 0x7f) {
+    } else if (u < 0x20 || u == 0x7f || (field && (u == 0x20 || u > 0x7f || c == '\\'))) {
       absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
     } else {
       out += c;
@@ -45,35 +47,12 @@ std::string EscapeControl(absl::string_view s) {
   return out;
 }
 
-// The request's text for a log line: escaped (a newline cannot forge a line) and cut.
-std::string ForLog(absl::string_view s) {
+// The request's text for a log line: escaped (a newline cannot forge a line) and cut. `field`: a
+// value that is one field of the line (a cache id, a request id), escaped so that it can neither
+// end the field and write others ("x tenant=acme") nor carry terminal controls past ASCII.
+std::string ForLog(absl::string_view s, bool field = false) {
   constexpr size_t kShown = 64;
-  std::string out = EscapeControl(s.substr(0, kShown));
-  if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
-  return out;
-}
-
-// A request's value as one field of a log line (a cache id, a request id): escaped as
-// EscapeControl does, and spaces, backslashes and bytes past ASCII too (\xNN), so that a value
-// can neither end the field and write others ("x tenant=acme") nor carry terminal controls past
-// ASCII; cut as ForLog.
-std::string ForLogField(absl::string_view s) {
-  constexpr size_t kShown = 64;
-  std::string out;
-  for (const char c : s.substr(0, kShown)) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (u <= 0x20 || u >= 0x7f || c == '\\') {
-      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
-    } else {
-      out += c;
-    }
-  }
+  std::string out = EscapeControl(s.substr(0, kShown), field);
   if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
   return out;
 }
@@ -104,15 +83,16 @@ Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
       stop_(StopFor(ctx, gate)),
       start_(std::chrono::steady_clock::now()) {}
 
-void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLogField(cache_id); }
+void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id, /*field=*/true); }
 
 std::string Rpc::Caller() const {
   std::string out = tenant_.empty() ? "" : absl::StrCat("tenant=", tenant_, " ");
   absl::StrAppend(&out, "peer=", ForLog(ctx_->peer()));
   const auto& metadata = ctx_->client_metadata();
   if (const auto id = metadata.find(kRequestIdKey); id != metadata.end()) {
-    absl::StrAppend(&out,
-                    " req=", ForLogField(absl::string_view(id->second.data(), id->second.size())));
+    absl::StrAppend(
+        &out,
+        " req=", ForLog(absl::string_view(id->second.data(), id->second.size()), /*field=*/true));
   }
   return out;
 }

@@ -38,6 +38,13 @@ using grpc::health::v1::HealthCheckRequest;
 using grpc::health::v1::HealthCheckResponse;
 
 constexpr int kHeads = 8, kKvHeads = 2, kHeadDim = 128;
+// Built with ASan or TSan (scripts/test-sanitizers.sh): slower, and their runtimes hold
+// descriptors of their own.
+#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
 
 ServerOptions CpuOptions() {
   ServerOptions o;
@@ -216,6 +223,24 @@ TEST_F(HardeningTest, TimedOutForwardCommitsNothing) {
   EXPECT_EQ(OnlyCacheStats(*server_).live_sequences, 0);
   EXPECT_EQ(OnlyCacheStats(*server_).forward_calls, 0);
   EXPECT_TRUE(client_->Forward(Request(cache_, 1, 0, 64, 64, 1)).ok());
+}
+
+// A CPU Forward whose one work item is long (64 queries over 65536 positions: seconds) stops
+// within a query's time of its deadline, not at the item's end, and commits nothing.
+TEST_F(HardeningTest, LongWorkItemStopsWithinAQuery) {
+  constexpr int kContext = 65536;
+  const std::string cache = client_->CreateCache(Config(kContext / 16))->cache_id();
+  ASSERT_TRUE(client_->Forward(Request(cache, 1, 0, kContext, 0, 1)).ok());
+  auto hurried = ConnectTo(*server_, absl::Milliseconds(300));
+  const absl::Time start = absl::Now();
+  absl::StatusOr<v1::ForwardResponse> r = hurried->Forward(Request(cache, 1, kContext, 0, 64, 4));
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
+  WaitIdle();
+  // The whole Forward takes 3.3 s on two cores (about ten times that under a sanitizer).
+  EXPECT_LT(absl::Now() - start, absl::Seconds(kSanitized ? 8 : 1.5))
+      << "the server did not stop the Forward";
+  // The sequence is as it was: kContext positions, queried again without appending.
+  EXPECT_TRUE(client_->Forward(Request(cache, 1, kContext, 0, 1, 5)).ok());
 }
 
 // A rewinding Forward that is stopped puts back the committed rows it overwrote (and, in an FP8
@@ -786,12 +811,6 @@ TEST(HttpServerTest, HeadAnswersCarryNoBody) {
   }
 }
 
-#if defined(__SANITIZE_ADDRESS__) || defined(__SANITIZE_THREAD__)
-constexpr bool kSanitizedHttp = true;  // their runtimes open descriptors of their own
-#else
-constexpr bool kSanitizedHttp = false;
-#endif
-
 // The child of OutOfDescriptorsDoesNotSpin: exits 0 when the loop stayed idle.
 [[noreturn]] void OutOfDescriptorsChild() {
   std::unique_ptr<HttpServer> http = StartHttp("127.0.0.1:0", 100);
@@ -821,7 +840,8 @@ constexpr bool kSanitizedHttp = false;
 // the loop pauses accepting instead of spinning on it (a core at 100% for as long as it lasts).
 // Run in a child process: its descriptor limit lowered, its CPU time over one second measured.
 TEST(HttpServerTest, OutOfDescriptorsDoesNotSpin) {
-  if (kSanitizedHttp) GTEST_SKIP() << "a sanitizer's runtime needs descriptors of its own";
+  // A sanitizer's runtime opens descriptors of its own.
+  if (kSanitized) GTEST_SKIP() << "a sanitizer's runtime needs descriptors of its own";
   GTEST_FLAG_SET(death_test_style, "threadsafe");
   EXPECT_EXIT(OutOfDescriptorsChild(), ::testing::ExitedWithCode(0), "cpu");
 }

@@ -124,7 +124,8 @@ ABSL_FLAG(bool, forward_graph, true,
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, calls in flight "
           "get this many seconds (0..3600) and are then stopped (at once on a second signal); the "
-          "process exits within it");
+          "process exits within it (at most 3 s later, forced, where gRPC cannot end a call: an "
+          "answer its client does not read)");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
           "CreateCache beyond this many caches per tenant fails with RESOURCE_EXHAUSTED "
           "(0: no limit)");
@@ -418,6 +419,15 @@ rlim_t RaiseOpenFilesLimit() {
 constexpr rlim_t kFewOpenFiles = 65536;
 
 int main(int argc, char** argv) {
+  // Block the shutdown signals first, in every thread to come; one thread waits for them with
+  // sigwait once the server runs. A signal during start-up waits for it (it used to kill the
+  // process unlogged in its first milliseconds).
+  sigset_t signals;
+  sigemptyset(&signals);
+  sigaddset(&signals, SIGTERM);
+  sigaddset(&signals, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
+
   switch (pagedattn::FindInfoFlag(argc, argv)) {
     case pagedattn::InfoFlag::kHelp:
       PrintHelp();
@@ -491,13 +501,6 @@ int main(int argc, char** argv) {
     spdlog::info("environment: {} ignored (no such flag; see --help)",
                  absl::StrJoin(unrelated, ", "));
   }
-
-  // Block the shutdown signals in every thread; one thread waits for them with sigwait.
-  sigset_t signals;
-  sigemptyset(&signals);
-  sigaddset(&signals, SIGTERM);
-  sigaddset(&signals, SIGINT);
-  pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   pagedattn::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
@@ -603,6 +606,11 @@ int main(int argc, char** argv) {
       }
     }
   });
+  // The exit is bounded even where gRPC cannot end a call: an answer its client does not read
+  // held grpc::Server::Shutdown 13-15 s past the grace. kForcedExitAfter past the grace, the
+  // process says why and exits (0: the shutdown was asked for; what it held goes with it).
+  constexpr absl::Duration kForcedExitAfter = absl::Seconds(3);
+  std::thread force_exit;
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -611,6 +619,15 @@ int main(int argc, char** argv) {
         "received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
         "(a second signal stops them now)",
         sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+    force_exit = std::thread([&stopped, grace, kForcedExitAfter] {
+      if (stopped.WaitForNotificationWithTimeout(absl::Seconds(grace) + kForcedExitAfter)) return;
+      spdlog::error(
+          "shutdown not done {} after the grace period: a call gRPC could not end holds it (an "
+          "answer its client does not read); exiting now",
+          absl::FormatDuration(kForcedExitAfter));
+      spdlog::default_logger()->flush();
+      std::_Exit(0);
+    });
     // A second signal during the grace period (Ctrl-C again) cuts it short.
     std::atomic<bool> shut_down{false};
     std::thread again([&] {
@@ -633,6 +650,7 @@ int main(int argc, char** argv) {
   (*server)->Wait();
   signal_thread.join();
   stopped.Notify();
+  if (force_exit.joinable()) force_exit.join();
   listener_watch.join();
   spdlog::info("pagedattn-server stopped");
   return 0;

@@ -58,8 +58,9 @@ assert ports["metrics"] == int(env["PAGEDATTN_METRICS_LISTEN"].rsplit(":", 1)[1]
 pause = c["lifecycle"]["preStop"]["exec"]["command"]
 assert pause[0] == "sleep", "preStop pauses with sleep (the server closes its ports at SIGTERM)"
 drain = int(env["PAGEDATTN_SHUTDOWN_GRACE_S"])
-assert int(pause[1]) + drain < pod["terminationGracePeriodSeconds"], \
-    "preStop's pause plus the shutdown grace must fit terminationGracePeriodSeconds"
+FORCED_EXIT_AFTER_S = 3  # server/main.cc's kForcedExitAfter: the exit is forced by then
+assert int(pause[1]) + drain + FORCED_EXIT_AFTER_S < pod["terminationGracePeriodSeconds"], \
+    "preStop's pause, the shutdown grace and the forced exit must fit terminationGracePeriodSeconds"
 
 mount = next(m for m in c["volumeMounts"] if m["name"] == "secret")["mountPath"]
 keys = set(docs["Secret"]["stringData"])

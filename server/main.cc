@@ -352,9 +352,9 @@ std::string LineKind(absl::string_view library, absl::string_view message) {
 }
 
 // Set by gRPC's line "Failed accept4: ...": gRPC has given up on a listener (before 1.56 it
-// stops accepting on any accept error but EINTR, EAGAIN and ECONNABORTED, out-of-files included) and the port
-// answers no one until a restart, while the health port may still say SERVING. Acted on by a
-// thread in main, not here: this runs inside gRPC, where the health service's Watch streams
+// stops accepting on any accept error but EINTR, EAGAIN and ECONNABORTED, out-of-files included)
+// and the port answers no one until a restart, while the health port may still say SERVING. Acted
+// on by a thread in main, not here: this runs inside gRPC, where the health service's Watch streams
 // must not be called back into.
 std::atomic<bool> grpc_listener_failed{false};
 

@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <iostream>
 #include <map>
@@ -30,6 +31,8 @@
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/synchronization/notification.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "common/cmdline.h"
 #include "common/transport.h"
 #include "server/core/backend_factory.h"
@@ -418,6 +421,29 @@ rlim_t RaiseOpenFilesLimit() {
 // Below this many open files a client can exhaust them with connections alone.
 constexpr rlim_t kFewOpenFiles = 65536;
 
+// How long past the grace period the process may take to exit before it is made to (BoundTheExit).
+constexpr absl::Duration kForcedExitAfter = absl::Seconds(3);
+
+// Bounds the exit even where gRPC cannot end a call: an answer its client does not read held
+// grpc::Server::Shutdown 13-15 s past the grace, or the server's destructor after main 8 s. A
+// detached thread, so that it also outlives main: `after` from now it writes one error line in
+// the log's format to stdout (not through spdlog, which may be going away by then) and exits 0
+// (the shutdown was asked for; what the process held goes with it).
+void BoundTheExit(absl::Duration after) {
+  std::thread([after] {
+    absl::SleepFor(after);
+    const std::string line = absl::StrCat(
+        absl::FormatTime("%Y-%m-%dT%H:%M:%E3S%Ez", absl::Now(), absl::UTCTimeZone()),
+        " error shutdown not done ", absl::FormatDuration(kForcedExitAfter),
+        " after the grace period: a call gRPC could not end holds it (an answer its client "
+        "does not read); exiting now\n");
+    std::fflush(stdout);
+    std::fwrite(line.data(), 1, line.size(), stdout);
+    std::fflush(stdout);
+    std::_Exit(0);
+  }).detach();
+}
+
 int main(int argc, char** argv) {
   // Block the shutdown signals first, in every thread to come; one thread waits for them with
   // sigwait once the server runs. A signal during start-up waits for it (it used to kill the
@@ -606,11 +632,6 @@ int main(int argc, char** argv) {
       }
     }
   });
-  // The exit is bounded even where gRPC cannot end a call: an answer its client does not read
-  // held grpc::Server::Shutdown 13-15 s past the grace. kForcedExitAfter past the grace, the
-  // process says why and exits (0: the shutdown was asked for; what it held goes with it).
-  constexpr absl::Duration kForcedExitAfter = absl::Seconds(3);
-  std::thread force_exit;
   std::thread signal_thread([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -619,15 +640,7 @@ int main(int argc, char** argv) {
         "received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
         "(a second signal stops them now)",
         sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
-    force_exit = std::thread([&stopped, grace, kForcedExitAfter] {
-      if (stopped.WaitForNotificationWithTimeout(absl::Seconds(grace) + kForcedExitAfter)) return;
-      spdlog::error(
-          "shutdown not done {} after the grace period: a call gRPC could not end holds it (an "
-          "answer its client does not read); exiting now",
-          absl::FormatDuration(kForcedExitAfter));
-      spdlog::default_logger()->flush();
-      std::_Exit(0);
-    });
+    BoundTheExit(absl::Seconds(grace) + kForcedExitAfter);
     // A second signal during the grace period (Ctrl-C again) cuts it short.
     std::atomic<bool> shut_down{false};
     std::thread again([&] {
@@ -650,7 +663,6 @@ int main(int argc, char** argv) {
   (*server)->Wait();
   signal_thread.join();
   stopped.Notify();
-  if (force_exit.joinable()) force_exit.join();
   listener_watch.join();
   spdlog::info("pagedattn-server stopped");
   return 0;

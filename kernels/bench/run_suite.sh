@@ -21,8 +21,9 @@
 #                    shapes, bf16 and FP8, into OUT_DIR/profile/ (the summaries in its logs)
 #
 # Outputs: OUT_DIR/logs/*.log (one per test, sanitizer, bench and peers run), OUT_DIR/ours/*.json
-# (bench rows, one file per run, its name the row's "variant" in compare.py) and
-# OUT_DIR/peers/*.json (peers.py rows). The last lines printed are compare.py's tables.
+# (bench rows, one file per run, its name the row's "variant" in compare.py),
+# OUT_DIR/peers/*.json (peers.py rows) and OUT_DIR/pipe_probe.json (pagedattn-pipe-probe's row).
+# The last lines printed are compare.py's tables.
 set -uo pipefail
 [ $# -eq 2 ] || { echo "usage: $0 BUILD_DIR OUT_DIR" >&2; exit 2; }
 build=$(cd "$1" && pwd)
@@ -205,6 +206,16 @@ else
   bench decode_fp8_static --dtype float8_e4m3 --kv-scaling static --reps 30
   bench prefill_fp8 --suite prefill --dtype float8_e4m3 --reps 10
   peers decode_fp8 --no-limits --prefill none --kv-dtype float8_e4m3
+fi
+
+# What the SM allows a tile (docs/PERFORMANCE.md#known-gaps): wgmma beside the special function
+# unit's ex2, into OUT_DIR/pipe_probe.json.
+probe_bin=$build/kernels/bench/pagedattn-pipe-probe
+if [ ! -x "$probe_bin" ]; then
+  echo "pipe probe: not built ($probe_bin: a build with sm_90a)"
+else
+  timeout "$timeout_s" "$probe_bin" --json "$out/pipe_probe.json" > "$out/logs/pipe_probe.log" 2>&1 ||
+    echo "pipe probe failed rc=$? (logs/pipe_probe.log)"
 fi
 
 # The phase timelines of a profile build (kernels/README.md#tests-and-benchmark).

@@ -23,22 +23,31 @@
 namespace pagedattn {
 namespace {
 
-// s with its control characters escaped (\n, \r, \t, \xNN), nothing else: one line of a log
-// that greps for what the caller was told (CHexEscape's \' did not match the client's message).
-// `field`: spaces, backslashes and bytes past ASCII too (\xNN), for a value that is one field of
-// a line (ForLog's).
-std::string EscapeControl(absl::string_view s, bool field = false) {
+// How much of a request's text a log line escapes (each as \xNN, beyond the controls \n, \r, \t
+// and \xNN that every kind escapes: one line of a log that greps for what the caller was told;
+// CHexEscape's \' did not match the client's message).
+enum class LogText {
+  kFree,    // free text after the fields (an error message): nothing else
+  kQuoted,  // a value between single quotes (a cache's name): the quote and the backslash
+  kField,   // one field of the line (a cache id, a request id): spaces, backslashes, quotes and
+            // bytes past ASCII, so that it cannot end the field and write others
+            // ("x tenant=acme") nor carry terminal controls past ASCII
+};
+
+std::string EscapeControl(absl::string_view s, LogText kind = LogText::kFree) {
   std::string out;
   out.reserve(s.size());
   for (const char c : s) {
     const unsigned char u = static_cast<unsigned char>(c);
+    const bool quoting = c == '\\' || c == '\'' || (kind == LogText::kField && c == '"');
     if (c == '\n') {
       out += "\\n";
     } else if (c == '\r') {
       out += "\\r";
     } else if (c == '\t') {
       out += "\\t";
-    } else if (u < 0x20 || u == 0x7f || (field && (u == 0x20 || u > 0x7f || c == '\\'))) {
+    } else if (u < 0x20 || u == 0x7f || (kind != LogText::kFree && quoting) ||
+               (kind == LogText::kField && (u == 0x20 || u > 0x7f))) {
       absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
     } else {
       out += c;
@@ -47,12 +56,10 @@ std::string EscapeControl(absl::string_view s, bool field = false) {
   return out;
 }
 
-// The request's text for a log line: escaped (a newline cannot forge a line) and cut. `field`: a
-// value that is one field of the line (a cache id, a request id), escaped so that it can neither
-// end the field and write others ("x tenant=acme") nor carry terminal controls past ASCII.
-std::string ForLog(absl::string_view s, bool field = false) {
+// The request's text for a log line: escaped as `kind` says and cut.
+std::string ForLog(absl::string_view s, LogText kind = LogText::kFree) {
   constexpr size_t kShown = 64;
-  std::string out = EscapeControl(s.substr(0, kShown), field);
+  std::string out = EscapeControl(s.substr(0, kShown), kind);
   if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
   return out;
 }
@@ -83,7 +90,7 @@ Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
       stop_(StopFor(ctx, gate)),
       start_(std::chrono::steady_clock::now()) {}
 
-void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id, /*field=*/true); }
+void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id, LogText::kField); }
 
 std::string Rpc::Caller() const {
   std::string out = tenant_.empty() ? "" : absl::StrCat("tenant=", tenant_, " ");
@@ -92,7 +99,7 @@ std::string Rpc::Caller() const {
   if (const auto id = metadata.find(kRequestIdKey); id != metadata.end()) {
     absl::StrAppend(
         &out,
-        " req=", ForLog(absl::string_view(id->second.data(), id->second.size()), /*field=*/true));
+        " req=", ForLog(absl::string_view(id->second.data(), id->second.size()), LogText::kField));
   }
   return out;
 }
@@ -238,8 +245,8 @@ grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
     spdlog::info(
         "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
         "{} bytes",
-        (*cache)->id(), ForLog((*cache)->name()), rpc.Caller(), g.num_layers, g.num_q_heads,
-        g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
+        (*cache)->id(), ForLog((*cache)->name(), LogText::kQuoted), rpc.Caller(), g.num_layers,
+        g.num_q_heads, g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
         g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
         resp->config().page_size(), resp->bytes());
     return absl::OkStatus();
@@ -846,8 +853,8 @@ grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
     resp->set_device(region->device);
     resp->set_lease_seconds(static_cast<int32_t>(absl::ToInt64Seconds(region->lease)));
     resp->set_num_events(region->num_events);
-    spdlog::info("registered memory region {} for cache {}: {} bytes on GPU {}, lease {} s",
-                 region->id, region->cache_id, region->size_bytes, region->device,
+    spdlog::info("registered memory region {} for cache {} {}: {} bytes on GPU {}, lease {} s",
+                 region->id, region->cache_id, rpc.Caller(), region->size_bytes, region->device,
                  resp->lease_seconds());
     return absl::OkStatus();
   });

@@ -514,6 +514,7 @@ TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
   ctx.AddMetadata(std::string(kRequestIdKey), "create-1");
   v1::CreateCacheRequest create;
   *create.mutable_config() = Config(4);
+  create.set_name("x' req=forged \\");  // a quote that would end the name's quotes
   v1::CacheInfo created;
   ASSERT_TRUE(stub->CreateCache(&ctx, create, &created).ok());
 
@@ -544,9 +545,9 @@ TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
   const std::string unnamed = line_of("cache=unnamed-call");
   ASSERT_FALSE(unnamed.empty()) << log;
   EXPECT_EQ(unnamed.find("req="), std::string::npos) << unnamed;
-  EXPECT_NE(line_of("created cache " + created.cache_id()).find(" req=create-1:"),
-            std::string::npos)
-      << log;
+  const std::string created_line = line_of("created cache " + created.cache_id());
+  EXPECT_NE(created_line.find(" 'x\\x27 req=forged \\x5c' peer="), std::string::npos) << log;
+  EXPECT_NE(created_line.find(" req=create-1:"), std::string::npos) << log;
 }
 
 // A metrics endpoint that trickles its answer (a byte each 100 ms, for 5 s) cannot hold

@@ -125,8 +125,9 @@ ABSL_FLAG(bool, forward_graph, true,
           "one cached CUDA graph (one runtime call instead of about a dozen). false submits them "
           "one by one, the kernels through --graph_launch's per-kernel graphs");
 ABSL_FLAG(double, shutdown_grace_s, 10,
-          "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls are refused, calls in flight "
-          "get this many seconds (0..3600) and are then stopped (at once on a second signal); the "
+          "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls and new steps on open Step "
+          "streams are refused, calls in flight (a Step stream's open step) get this many seconds "
+          "(0..3600) and are then stopped (at once on a second signal); the "
           "process exits within it (at most 3 s later, forced, where gRPC cannot end a call: an "
           "answer its client does not read)");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64,

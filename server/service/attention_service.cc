@@ -641,6 +641,14 @@ class AttentionServiceImpl::StepReactor final
       spans_.clear();
       cache_id_.clear();
       closed_by_garbled_ = true;
+    } else if (!r.spans.empty() && service_->gate_->draining()) {
+      // A step opened before the drain runs to its end (its layers still come); a new one
+      // would start work the drain then has to wait for or cut: the stream ends here, as a
+      // new call would be refused.
+      s = absl::UnavailableError(
+          "the server is shutting down: no new step opens on this stream; open it on another "
+          "replica");
+      closing_ = true;
     } else if (!r.spans.empty()) {  // opens a step
       if (!r.cache_id.empty()) cache_id_ = r.cache_id;
       spans_ = r.spans;
@@ -676,7 +684,7 @@ class AttentionServiceImpl::StepReactor final
 
   void ReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // Read ahead at most twice the layers that run at once.
-    if (reading_ || reads_done_ || cancelled_ || finished_ ||
+    if (reading_ || reads_done_ || cancelled_ || finished_ || closing_ ||
         jobs_.size() >= 2 * static_cast<size_t>(kStepLayersInFlight)) {
       return;
     }
@@ -756,9 +764,12 @@ class AttentionServiceImpl::StepReactor final
       finished_ = true;
       return grpc::Status(grpc::StatusCode::CANCELLED, "the Step stream was cancelled");
     }
-    if (reads_done_ && jobs_.empty()) {
+    if ((reads_done_ || closing_) && jobs_.empty()) {
       finished_ = true;
-      return grpc::Status::OK;
+      return closing_ ? grpc::Status(grpc::StatusCode::UNAVAILABLE,
+                                     "the server is shutting down; the Step stream ended before a "
+                                     "new step (open it on another replica)")
+                      : grpc::Status::OK;
     }
     return std::nullopt;
   }
@@ -776,6 +787,7 @@ class AttentionServiceImpl::StepReactor final
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool closing_ ABSL_GUARDED_BY(mu_) = false;  // a new step refused in a drain: no more reads
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   // The open step: what messages without spans run with.
   bool opened_ ABSL_GUARDED_BY(mu_) = false;

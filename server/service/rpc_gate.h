@@ -29,6 +29,10 @@ class RpcGate {
     absl::MutexLock lock(&mu_);
     draining_ = true;
   }
+  bool draining() const {
+    absl::MutexLock lock(&mu_);
+    return draining_;
+  }
   // Waits until no call is in flight or the deadline passes; true when none is.
   bool WaitIdle(absl::Time deadline) {
     absl::MutexLock lock(&mu_);

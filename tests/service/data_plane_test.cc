@@ -199,6 +199,50 @@ TEST_P(DataPlaneTest, LayerMessagesContinueTheOpenStep) {
   EXPECT_TRUE(fresh->Close().ok());
 }
 
+// A drain lets a Step stream finish the step it opened (its next layer still runs) but opens no
+// new one: that message is answered UNAVAILABLE and the stream ends, so a stream kept open from
+// step to step does not hold the drain for its whole grace period.
+TEST_P(DataPlaneTest, ADrainEndsTheOpenStepAndRefusesTheNext) {
+  const Case layer0 = {0, {{1, 0, 20, 20}}};
+  Case layer1 = layer0;
+  layer1.layer = 1;
+  const Case next_step = {0, {{1, 20, 1, 1}}};
+  const Tensors t0 = MakeTensors(layer0, 3), t1 = MakeTensors(layer1, 4),
+                t2 = MakeTensors(next_step, 5);
+  const std::string cache = NewCache();
+  auto stream = *client_->OpenStep();
+  std::string out(OutBytes(t0), '\0');
+  ASSERT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
+  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+
+  const absl::Time start = absl::Now();
+  std::thread stop([&] { server_->Shutdown(absl::Seconds(20)); });
+  absl::StatusOr<bool> serving = true;
+  for (int i = 0; i < 500 && serving.ok() && *serving; ++i) {
+    serving = client_->CheckHealth();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(serving.ok() && !*serving) << "the drain did not start";
+
+  ForwardCall next = CallOf(cache, layer1, t1);
+  next.cache_id.clear();
+  next.spans.clear();
+  next.options = {};
+  ASSERT_TRUE(stream->Send(next).ok());
+  EXPECT_TRUE(stream->Receive({out.data(), out.size()}).ok()) << "the open step's layer";
+  ASSERT_TRUE(stream->Send(CallOf(cache, next_step, t2)).ok());
+  std::string out2(OutBytes(t2), '\0');
+  const absl::StatusOr<ForwardReply> refused = stream->Receive({out2.data(), out2.size()});
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kUnavailable) << refused.status();
+  EXPECT_NE(refused.status().message().find("shutting down"), std::string::npos)
+      << refused.status();
+  const absl::Status closed = stream->Close();
+  EXPECT_EQ(closed.code(), absl::StatusCode::kUnavailable) << closed;
+  stop.join();
+  server_->Wait();
+  EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the drain waited for the stream";
+}
+
 // Cancelled mid-stream: the layers answered before are committed, the one running is stopped
 // and commits nothing.
 TEST_P(DataPlaneTest, CancelledStreamCommitsCompletedLayersOnly) {
@@ -355,8 +399,8 @@ TEST_P(DataPlaneTest, StepStreamEdgesOfTheClient) {
   const Case next = {1, {{1, 10, 1, 1}}};
   const Tensors tn = MakeTensors(next, 13);
   std::string next_out(OutBytes(tn), '\0');
-  EXPECT_TRUE(client_->ForwardTensors(CallOf(cache, next, tn), {next_out.data(), next_out.size()})
-                  .ok());
+  EXPECT_TRUE(
+      client_->ForwardTensors(CallOf(cache, next, tn), {next_out.data(), next_out.size()}).ok());
 
   ForwardCall nulled = CallOf(cache, {0, {{2, 0, 10, 10}}}, t0);
   nulled.k.data = nullptr;

@@ -555,6 +555,7 @@ class AttentionServiceImpl::StepReactor final
     }
     absl::MutexLock lock(&mu_);
     ReadLocked();
+    NoteWaitingLocked();
   }
 
   void OnReadDone(bool ok) override {
@@ -574,6 +575,7 @@ class AttentionServiceImpl::StepReactor final
         WriteLocked();  // a message answered with an error at once may be next in line
         ReadLocked();
       }
+      NoteWaitingLocked();
     }
     if (done) Finish(*done);
   }
@@ -590,6 +592,7 @@ class AttentionServiceImpl::StepReactor final
       WriteLocked();
       ReadLocked();
       done = DoneLocked();
+      NoteWaitingLocked();
     }
     if (done) Finish(*done);
   }
@@ -600,11 +603,16 @@ class AttentionServiceImpl::StepReactor final
       absl::MutexLock lock(&mu_);
       cancelled_ = true;
       done = DoneLocked();
+      NoteWaitingLocked();
     }
     if (done) Finish(*done);
   }
 
   void OnDone() override {
+    {
+      absl::MutexLock lock(&mu_);
+      if (waiting_) service_->gate_->SetWaiting(false);
+    }
     if (entered_) service_->gate_->Leave();
     delete this;
   }
@@ -740,6 +748,7 @@ class AttentionServiceImpl::StepReactor final
       ScheduleLocked();
       WriteLocked();
       done = DoneLocked();
+      NoteWaitingLocked();
     }
     // After mu_ and as the last use of this reactor: this thread is not one of gRPC's reactions,
     // so gRPC may run OnDone, which deletes the reactor, as soon as Finish is called (a Finish
@@ -751,6 +760,15 @@ class AttentionServiceImpl::StepReactor final
     if (writing_ || cancelled_ || finished_ || jobs_.empty() || !jobs_.front()->done) return;
     writing_ = true;
     StartWrite(&jobs_.front()->answer);
+  }
+
+  // Counts the stream in the gate's waiting streams while it waits for a message: nothing of
+  // its own queued, running or being written.
+  void NoteWaitingLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    const bool waiting = entered_ && !finished_ && !cancelled_ && jobs_.empty() && running_ == 0;
+    if (waiting == waiting_) return;
+    waiting_ = waiting;
+    service_->gate_->SetWaiting(waiting);
   }
 
   // Whether the stream is done, with the status to Finish it with (finished_ then set): the
@@ -788,6 +806,7 @@ class AttentionServiceImpl::StepReactor final
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
   bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
   bool closing_ ABSL_GUARDED_BY(mu_) = false;  // a new step refused in a drain: no more reads
+  bool waiting_ ABSL_GUARDED_BY(mu_) = false;  // counted in the gate's (NoteWaitingLocked)
   bool finished_ ABSL_GUARDED_BY(mu_) = false;
   // The open step: what messages without spans run with.
   bool opened_ ABSL_GUARDED_BY(mu_) = false;

@@ -33,11 +33,30 @@ class RpcGate {
     absl::MutexLock lock(&mu_);
     return draining_;
   }
-  // Waits until no call is in flight or the deadline passes; true when none is.
-  bool WaitIdle(absl::Time deadline) {
+  // Waits until no call is in flight (but_waiting: none but Step streams waiting for a message)
+  // or the deadline passes; true when none is.
+  bool WaitIdle(absl::Time deadline, bool but_waiting = false) {
     absl::MutexLock lock(&mu_);
-    auto idle = [this]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return in_flight_ == 0; };
+    auto idle = [this, but_waiting]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+      return in_flight_ - (but_waiting ? waiting_ : 0) == 0;
+    };
     return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  }
+  // A Step stream in flight that waits for its next message (nothing of its own running or
+  // unwritten) or no longer does: a drain's log names these apart from calls that did not stop,
+  // and once the grace period is over they end at once.
+  void SetWaiting(bool waiting) {
+    absl::MutexLock lock(&mu_);
+    waiting_ += waiting ? 1 : -1;
+  }
+  int64_t waiting() const {
+    absl::MutexLock lock(&mu_);
+    return waiting_;
+  }
+  // The calls in flight that are not waiting Step streams.
+  int64_t busy() const {
+    absl::MutexLock lock(&mu_);
+    return in_flight_ - waiting_;
   }
   // Calls still in flight should stop now (read by their StopTokens).
   void StopAll() {
@@ -56,6 +75,7 @@ class RpcGate {
  private:
   mutable absl::Mutex mu_;
   int64_t in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t waiting_ ABSL_GUARDED_BY(mu_) = 0;  // of in_flight_
   bool draining_ ABSL_GUARDED_BY(mu_) = false;
   bool stop_all_ ABSL_GUARDED_BY(mu_) = false;
 };

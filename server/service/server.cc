@@ -319,15 +319,28 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
   // Calls in flight get the grace period less a margin; then they are told to stop and get the
   // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
   const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
+  // Step streams waiting for the next message of their open step (an orchestrator between two
+  // layers) are named apart: they hold the grace period, as a call does, but have nothing to
+  // stop, and end with the connections as soon as the calls that do have stopped.
+  auto waiting_streams = [](int64_t n) {
+    return absl::StrCat(n, " Step stream", n == 1 ? "" : "s", " waiting for ",
+                        n == 1 ? "its" : "their", " next message");
+  };
   if (!gate_->WaitIdle(deadline - margin)) {
-    const int64_t left = gate_->in_flight();
-    spdlog::warn("the grace period ran out with {} call{} in flight: stopping them (a stopped "
-                 "call commits nothing and answers UNAVAILABLE)",
-                 left, left == 1 ? "" : "s");
+    const int64_t left = gate_->in_flight(), waiting = gate_->waiting();
+    spdlog::warn(
+        "the grace period ran out with {} call{} in flight{}: stopping them (a stopped "
+        "call commits nothing and answers UNAVAILABLE)",
+        left, left == 1 ? "" : "s",
+        waiting > 0 ? absl::StrCat(" (", waiting_streams(waiting), ")") : "");
     gate_->StopAll();
-    if (!gate_->WaitIdle(deadline)) {
-      spdlog::warn("{} call{} did not stop in time: cancelled with the connections",
-                   gate_->in_flight(), gate_->in_flight() == 1 ? "" : "s");
+    if (!gate_->WaitIdle(deadline, /*but_waiting=*/true)) {
+      const int64_t stuck = gate_->busy();
+      spdlog::warn("{} call{} did not stop in time: cancelled with the connections", stuck,
+                   stuck == 1 ? "" : "s");
+    }
+    if (const int64_t waiting = gate_->waiting(); waiting > 0) {
+      spdlog::info("{}: ended with the connections", waiting_streams(waiting));
     }
   } else {
     spdlog::info("drained in {}", absl::FormatDuration(absl::Now() - start));

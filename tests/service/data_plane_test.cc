@@ -16,7 +16,9 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "server/service/server.h"
+#include "spdlog/spdlog.h"
 #include "tests/service/forward_script.h"
+#include "tests/service/log_capture.h"
 
 namespace pagedattn {
 namespace {
@@ -241,6 +243,36 @@ TEST_P(DataPlaneTest, ADrainEndsTheOpenStepAndRefusesTheNext) {
   stop.join();
   server_->Wait();
   EXPECT_LT(absl::Now() - start, absl::Seconds(5)) << "the drain waited for the stream";
+}
+
+// A Step stream waiting for the next layer of its open step when the grace period runs out has
+// nothing to stop: the log names it as such, not as a call that did not stop, and it ends with
+// the connections as soon as the calls that do have stopped (not at the grace period's end).
+TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
+  const Case layer0 = {0, {{1, 0, 20, 20}}};
+  const Tensors t0 = MakeTensors(layer0, 3);
+  const std::string cache = NewCache();
+  auto stream = *client_->OpenStep();
+  std::string out(OutBytes(t0), '\0');
+  ASSERT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
+  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  testing::LogCapture captured(spdlog::level::info);
+  const absl::Time start = absl::Now();
+  server_->Shutdown(absl::Seconds(2));  // 1.5 s for the calls, 0.5 s to stop them
+  const absl::Duration took = absl::Now() - start;
+  server_->Wait();
+  const std::string log = captured.str();
+  EXPECT_NE(log.find("the grace period ran out with 1 call in flight (1 Step stream waiting for "
+                     "its next message): stopping them"),
+            std::string::npos)
+      << log;
+  EXPECT_NE(log.find("1 Step stream waiting for its next message: ended with the connections"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("did not stop in time"), std::string::npos) << log;
+  EXPECT_LT(took, absl::Milliseconds(1900)) << "the stream held the margin to stop calls";
+  EXPECT_FALSE(stream->Receive({out.data(), out.size()}).ok());
+  EXPECT_FALSE(stream->Close().ok());
 }
 
 // Cancelled mid-stream: the layers answered before are committed, the one running is stopped

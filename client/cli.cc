@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,6 +33,9 @@ ABSL_FLAG(std::string, tls_ca, "", "PEM file of CA roots: connect with TLS");
 ABSL_FLAG(std::string, tls_cert, "", "client certificate PEM (mTLS)");
 ABSL_FLAG(std::string, tls_key, "", "client private key PEM (mTLS)");
 ABSL_FLAG(std::string, tls_server_name, "", "name to expect in the server certificate");
+ABSL_FLAG(std::string, request_id, "",
+          "an id every call of the command carries as x-request-id metadata, shown as req= on "
+          "the server's log lines for them (printable ASCII; empty: none)");
 // CacheConfig for validate / create-cache / smoke.
 ABSL_FLAG(int32_t, num_layers, 32, "cache config: layers");
 ABSL_FLAG(int32_t, num_q_heads, 32, "cache config: query heads");
@@ -77,7 +81,9 @@ constexpr char kUsage[] =
     "  release CACHE_ID SEQ...  free sequences' pages\n"
     "  stats                    the server's Prometheus metrics (--metrics_target)\n"
     "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
-    "                           Forward, compared with a float64 reference; prints PASS/FAIL\n";
+    "                           Forward, compared with a float64 reference; prints PASS/FAIL\n\n"
+    "--request_id=ID makes every call of the command carry ID, which the server's log lines\n"
+    "for them show as req= (stats excepted: it is no gRPC call).\n";
 
 void PrintJson(const google::protobuf::Message& m) {
   std::string json;
@@ -232,6 +238,15 @@ int main(int argc, char** argv) {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  // Every call below, on this thread, carries the id.
+  const std::string request_id = absl::GetFlag(FLAGS_request_id);
+  std::optional<pagedattn::RequestId> request_id_scope;
+  if (!request_id.empty()) {
+    if (absl::Status s = pagedattn::RequestId::Check(request_id); !s.ok()) {
+      return Usage(absl::InvalidArgumentError(absl::StrCat("--request_id: ", s.message())));
+    }
+    request_id_scope.emplace(request_id);
+  }
   absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
   if (!client.ok()) return Fail(client.status());
   pagedattn::Client& c = **client;

@@ -147,16 +147,52 @@ Client::Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
       options_(std::move(options)),
       stub_(v1::AttentionService::NewStub(channel_)) {}
 
-void Client::Prepare(grpc::ClientContext* ctx) const {
+namespace {
+// The innermost RequestId of this thread (each links to the one it hides).
+thread_local const RequestId* current_request_id = nullptr;
+}  // namespace
+
+RequestId::RequestId(std::string id) : id_(std::move(id)), outer_(current_request_id) {
+  current_request_id = this;
+}
+
+RequestId::~RequestId() { current_request_id = outer_; }
+
+const std::string* RequestId::Current() {
+  return current_request_id == nullptr ? nullptr : &current_request_id->id_;
+}
+
+absl::Status RequestId::Check(absl::string_view id) {
+  if (id.empty()) {
+    return absl::InvalidArgumentError("the request id is empty: give one, or make no RequestId");
+  }
+  for (size_t i = 0; i < id.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(id[i]);
+    if (c < 0x20 || c > 0x7e) {
+      return absl::InvalidArgumentError(
+          absl::StrFormat("byte 0x%02x at position %d of %d of the request id is not printable "
+                          "ASCII (gRPC cannot send it as metadata)",
+                          c, i, id.size()));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Client::Prepare(grpc::ClientContext* ctx) const {
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   if (!options_.bearer_token.empty()) {
     ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));
   }
+  if (const std::string* id = RequestId::Current(); id != nullptr) {
+    if (absl::Status s = RequestId::Check(*id); !s.ok()) return s;
+    ctx->AddMetadata(RequestId::kMetadataKey, *id);
+  }
+  return absl::OkStatus();
 }
 
 #define PAGEDATTN_UNARY(Method, request, Response)          \
   grpc::ClientContext ctx;                                  \
-  Prepare(&ctx);                                            \
+  if (absl::Status p = Prepare(&ctx); !p.ok()) return p;    \
   Response response;                                        \
   grpc::Status s = stub_->Method(&ctx, request, &response); \
   if (!s.ok()) return FromGrpcStatus(s);
@@ -398,7 +434,7 @@ absl::StatusOr<ForwardReply> Client::ForwardTensors(const ForwardCall& call,
   if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   if (absl::Status s = CheckOutput(call, output); !s.ok()) return s;
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  if (absl::Status p = Prepare(&ctx); !p.ok()) return p;
   const grpc::ByteBuffer request = EncodeCall(call);
   grpc::ByteBuffer response;
   const grpc::internal::RpcMethod method(kForwardMethod, grpc::internal::RpcMethod::NORMAL_RPC,
@@ -415,7 +451,8 @@ absl::StatusOr<ForwardReply> Client::ForwardTensors(const ForwardCall& call,
 
 absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStep() {
   auto ctx = std::make_unique<grpc::ClientContext>();
-  Prepare(ctx.get());
+  // The stream's metadata, the request id with it, is sent once: every message carries this id.
+  if (absl::Status p = Prepare(ctx.get()); !p.ok()) return p;
   const grpc::internal::RpcMethod method(kStepMethod, grpc::internal::RpcMethod::BIDI_STREAMING,
                                          channel_);
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw(
@@ -466,7 +503,7 @@ absl::Status StepStream::Close() {
 absl::StatusOr<bool> Client::CheckHealth(const std::string& service) {
   auto stub = grpc::health::v1::Health::NewStub(channel_);
   grpc::ClientContext ctx;
-  Prepare(&ctx);
+  if (absl::Status p = Prepare(&ctx); !p.ok()) return p;
   grpc::health::v1::HealthCheckRequest request;
   request.set_service(service);
   grpc::health::v1::HealthCheckResponse response;

@@ -13,7 +13,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "common/wire.h"
@@ -99,6 +101,36 @@ struct ForwardReply {
   int64_t kernel_micros = 0;
 };
 
+// A request id for the calls of one thread: while a RequestId lives, every call the thread that
+// made it sends through a Client (or a ShardedClient, on every shard) carries `id` as its
+// x-request-id metadata. The server puts it on the call's log lines as req= (cut to 64 bytes),
+// so that a failed call can be found in its log. A Step stream carries the id in force when it
+// was opened. They nest: the innermost is in force, and the one outside it is again when it
+// ends. Other threads do not inherit it (ShardedClient hands it to its own). An id must be
+// printable ASCII and not empty (gRPC refuses the rest, and would abort the process): a call
+// made under one that is not fails with INVALID_ARGUMENT, unsent. Made and ended on the same
+// thread, innermost first, as a local variable is. Python's pagedattn.request_id is the same.
+class RequestId {
+ public:
+  explicit RequestId(std::string id);
+  ~RequestId();
+  RequestId(const RequestId&) = delete;
+  RequestId& operator=(const RequestId&) = delete;
+
+  // The metadata key the id is sent as (the server's kRequestIdKey).
+  static constexpr char kMetadataKey[] = "x-request-id";
+
+  const std::string& id() const { return id_; }
+  // The id in force on this thread: the innermost RequestId's, or null outside any.
+  static const std::string* Current();
+  // OK, or INVALID_ARGUMENT saying why `id` cannot be sent.
+  static absl::Status Check(absl::string_view id);
+
+ private:
+  std::string id_;
+  const RequestId* outer_;  // the one in force before this one, restored when this one ends
+};
+
 class StepStream;
 
 class Client {
@@ -135,7 +167,8 @@ class Client {
                                                   int32_t device = 0, int32_t lease_seconds = 0,
                                                   const std::vector<std::string>& ipc_events = {});
   absl::Status UnregisterMemory(const std::string& region_id);
-  // A Step stream (one Forward per message, answered in order); the deadline covers the stream.
+  // A Step stream (one Forward per message, answered in order); the deadline covers the stream,
+  // and every message carries the RequestId in force here (not the one in force at Send).
   absl::StatusOr<std::unique_ptr<StepStream>> OpenStep();
   // grpc.health.v1 Check: true when SERVING.
   absl::StatusOr<bool> CheckHealth(const std::string& service = "");
@@ -144,7 +177,9 @@ class Client {
   const ClientOptions& options() const { return options_; }
 
  private:
-  void Prepare(grpc::ClientContext* ctx) const;
+  // The call's deadline and metadata: the token, and the RequestId in force (INVALID_ARGUMENT,
+  // nothing to send, when its id cannot be sent).
+  absl::Status Prepare(grpc::ClientContext* ctx) const;
 
   std::shared_ptr<grpc::Channel> channel_;
   ClientOptions options_;

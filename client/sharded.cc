@@ -6,6 +6,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <thread>
 
 #include "absl/strings/match.h"
@@ -127,11 +129,22 @@ absl::Status WithNotes(const absl::Status& status, const std::vector<std::string
 }
 
 // fn(i) for every shard at once (shard 0 on the calling thread), so that a shard that hangs
-// costs one timeout, not one for each shard behind it.
+// costs one timeout, not one for each shard behind it. Each thread carries the caller's
+// RequestId, if one is in force (a thread does not inherit it), so that every shard's calls
+// carry the id.
 template <typename Fn>
 void OnEveryShard(int n, Fn&& fn) {
+  const std::string* current = RequestId::Current();
+  const std::optional<std::string> request_id =
+      current == nullptr ? std::nullopt : std::optional<std::string>(*current);
   std::vector<std::thread> threads;
-  for (int i = 1; i < n; ++i) threads.emplace_back(fn, i);
+  for (int i = 1; i < n; ++i) {
+    threads.emplace_back([fn, &request_id, i] {
+      std::optional<RequestId> scope;
+      if (request_id.has_value()) scope.emplace(*request_id);
+      fn(i);
+    });
+  }
   if (n > 0) fn(0);
   for (std::thread& t : threads) t.join();
 }

@@ -101,6 +101,10 @@ for cmd in "health extra" "describe id extra"; do
   rc=0; out=$("$cli" --target=127.0.0.1:1 $cmd 2>&1) || rc=$?
   [ $rc -eq 2 ] && grep -q "unexpected argument 'extra'" <<<"$out" || fail "$cmd: exit $rc: $out"
 done
+# A request id gRPC cannot send (it would abort the process) is a usage error, nothing sent.
+rc=0; out=$("$cli" --target=127.0.0.1:1 --request_id=$'step\nforged' info 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--request_id: byte 0x0a at position 4 of 11" <<<"$out" ||
+  fail "bad --request_id: exit $rc: $out"
 # Two of the server's own listeners on one port are named as such (not "in use by another
 # process", which it is not).
 rc=0; out=$("$server" --backend=cpu --listen=0.0.0.0:50551 --health_listen=127.0.0.1:50551 2>&1) || rc=$?
@@ -117,7 +121,8 @@ rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.
 # value: --token's is a secret), no path of the build machine; --version its version.
 out=$("$cli" --token=s3cret-help-value --help) || fail "cli --help exit code $?"
 grep -q -- "--num_pages (default: 0)" <<<"$out" && grep -q "cache config: pages" <<<"$out" &&
-  grep -q "release CACHE_ID SEQ" <<<"$out" || fail "cli --help: $out"
+  grep -q "release CACHE_ID SEQ" <<<"$out" && grep -q -- "--request_id (default: )" <<<"$out" ||
+  fail "cli --help: $out"
 ! grep -q "cli.cc\|/work/\|/src/" <<<"$out" || fail "cli --help shows a build path: $out"
 ! grep -q "s3cret-help-value" <<<"$out" || fail "cli --help shows --token's value"
 out=$("$cli" --version) || fail "cli --version exit code $?"
@@ -195,6 +200,10 @@ id=$("$cli" $t --num_layers=2 --num_pages=16 --name=cli-test create-cache | sed 
 "$cli" $t delete "$id" | grep -q "deleted $id" || fail "delete"
 out=$("$cli" $t describe "$id" 2>&1) && fail "describe after delete succeeded"
 grep -q NOT_FOUND <<<"$out" || fail "describe after delete: $out"
+# --request_id: every call of the command carries it (the server's lines, checked at the end).
+out=$("$cli" $t --request_id=cli-req-7 describe "$id" 2>&1) && fail "describe of a deleted cache succeeded"
+grep -q NOT_FOUND <<<"$out" || fail "describe with --request_id: $out"
+"$cli" $t --request_id=cli-req-8 list >/dev/null || fail "list with --request_id"
 
 "$cli" $t smoke | tee /dev/stderr | tail -1 | grep -qx PASS || fail "smoke"
 # smoke runs the config the flags give, and deletes its cache whatever happens.
@@ -234,4 +243,8 @@ rc=0; wait $pid || rc=$?
 [ $rc -eq 0 ] || fail "server exit code $rc after SIGTERM"
 grep -q "received SIGTERM" "$log" || fail "no shutdown log line"
 grep -q "rpc Forward cache=" "$log" || fail "no per-RPC debug line"
+grep -q "rpc GetCache cache=$id peer=[^ ]* req=cli-req-7 NOT_FOUND" "$log" ||
+  fail "no req=cli-req-7 on describe's line: $(grep "rpc GetCache" "$log")"
+grep -q "rpc ListCaches cache=- peer=[^ ]* req=cli-req-8 ok" "$log" ||
+  fail "no req=cli-req-8 on list's line: $(grep "rpc ListCaches" "$log")"
 echo "server_cli_test: all checks passed"

@@ -18,6 +18,7 @@
 #include <fstream>
 #include <random>
 #include <sstream>
+#include <string_view>
 #include <thread>
 
 #include "absl/synchronization/notification.h"
@@ -548,6 +549,121 @@ TEST_F(HardeningTest, LogLinesCarryTheRequestId) {
   const std::string created_line = line_of("created cache " + created.cache_id());
   EXPECT_NE(created_line.find(" 'x\\x27 req=forged \\x5c' peer="), std::string::npos) << log;
   EXPECT_NE(created_line.find(" req=create-1:"), std::string::npos) << log;
+}
+
+// The lines of `log` that contain `needle`.
+std::vector<std::string> LinesWith(const std::string& log, const std::string& needle) {
+  std::vector<std::string> found;
+  std::istringstream lines(log);
+  std::string line;
+  while (std::getline(lines, line)) {
+    if (line.find(needle) != std::string::npos) found.push_back(line);
+  }
+  return found;
+}
+
+// One decode token of a new sequence of the fixture's cache (zeros), and the buffer its answer
+// needs.
+struct DecodeToken {
+  std::vector<uint16_t> q = std::vector<uint16_t>(kHeads * kHeadDim);
+  std::vector<uint16_t> kv = std::vector<uint16_t>(kKvHeads * kHeadDim);
+  std::vector<uint16_t> out = std::vector<uint16_t>(kHeads * kHeadDim);
+
+  ForwardCall Call(const std::string& cache, uint64_t seq) const {
+    ForwardCall call;
+    call.cache_id = cache;
+    call.spans = {{seq, 0, 1, 1}};
+    call.q = TensorArg::Host(v1::BFLOAT16, {1, kHeads, kHeadDim}, q.data(), q.size() * 2);
+    call.k = TensorArg::Host(v1::BFLOAT16, {1, kKvHeads, kHeadDim}, kv.data(), kv.size() * 2);
+    call.v = call.k;
+    return call;
+  }
+  ForwardOutput Output() { return {out.data(), out.size() * 2}; }
+};
+
+// pagedattn::RequestId: every call its thread makes while it lives carries its id (unary calls,
+// ForwardTensors, the messages of a Step stream opened then), the innermost of nested ones
+// wins, and calls outside any carry none: the server's line for each call says which.
+TEST_F(HardeningTest, ClientRequestIdReachesTheServersLog) {
+  static_assert(std::string_view(RequestId::kMetadataKey) == std::string_view(kRequestIdKey));
+  testing::LogCapture captured(spdlog::level::debug);
+  DecodeToken token;
+  EXPECT_EQ(RequestId::Current(), nullptr);
+  ASSERT_TRUE(client_->GetServerInfo().ok());  // outside any
+  {
+    RequestId outer("step-41");
+    ASSERT_NE(RequestId::Current(), nullptr);
+    EXPECT_EQ(*RequestId::Current(), "step-41");
+    ASSERT_TRUE(client_->GetCache(cache_).ok());
+    ASSERT_TRUE(client_->ForwardTensors(token.Call(cache_, 1), token.Output()).ok());
+    std::unique_ptr<StepStream> step;
+    {
+      RequestId inner("step-41-layer-7");
+      EXPECT_EQ(*RequestId::Current(), "step-41-layer-7");
+      EXPECT_EQ(client_->GetCache("in-inner").status().code(), absl::StatusCode::kNotFound);
+      // Another thread has its own (none).
+      std::thread([] { EXPECT_EQ(RequestId::Current(), nullptr); }).join();
+      absl::StatusOr<std::unique_ptr<StepStream>> opened = client_->OpenStep();
+      ASSERT_TRUE(opened.ok()) << opened.status();
+      step = *std::move(opened);
+    }
+    EXPECT_EQ(*RequestId::Current(), "step-41");
+    EXPECT_EQ(client_->GetCache("outer-again").status().code(), absl::StatusCode::kNotFound);
+    // Sent under the outer id: the stream carries the one in force when it was opened.
+    ASSERT_TRUE(step->Send(token.Call(cache_, 2)).ok());
+    absl::StatusOr<ForwardReply> reply = step->Receive(token.Output());
+    ASSERT_TRUE(reply.ok()) << reply.status();
+    ASSERT_TRUE(step->Close().ok());
+  }
+  EXPECT_EQ(RequestId::Current(), nullptr);
+  EXPECT_EQ(client_->GetCache("after-all").status().code(), absl::StatusCode::kNotFound);
+  WaitIdle();
+
+  const std::string log = captured.str();
+  auto only_line = [&](const std::string& needle) {
+    const std::vector<std::string> lines = LinesWith(log, needle);
+    EXPECT_EQ(lines.size(), 1u) << needle << " in:\n" << log;
+    return lines.empty() ? std::string() : lines[0];
+  };
+  const std::string info = only_line("rpc GetServerInfo ");
+  EXPECT_EQ(info.find("req="), std::string::npos) << info;
+  EXPECT_NE(only_line("rpc GetCache cache=" + cache_).find(" req=step-41 ok"), std::string::npos)
+      << log;
+  EXPECT_NE(only_line("rpc Forward cache=" + cache_).find(" req=step-41 ok"), std::string::npos)
+      << log;
+  EXPECT_NE(only_line("cache=in-inner ").find(" req=step-41-layer-7 NOT_FOUND"), std::string::npos)
+      << log;
+  EXPECT_NE(only_line("cache=outer-again ").find(" req=step-41 NOT_FOUND"), std::string::npos)
+      << log;
+  EXPECT_NE(only_line("rpc Step cache=" + cache_).find(" req=step-41-layer-7 ok"),
+            std::string::npos)
+      << log;
+  const std::string after = only_line("cache=after-all ");
+  EXPECT_EQ(after.find("req="), std::string::npos) << after;
+}
+
+// An id gRPC cannot send (it would abort the process on a line end) fails each call made under
+// it with INVALID_ARGUMENT, unsent; so does an empty one.
+TEST_F(HardeningTest, AClientRequestIdThatCannotBeSentFailsTheCallsUnsent) {
+  testing::LogCapture captured(spdlog::level::debug);
+  DecodeToken token;
+  {
+    RequestId bad("step-41\nforged");
+    const absl::Status s = client_->GetCache(cache_).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("byte 0x0a at position 7 of 14 of the request id"),
+              std::string::npos)
+        << s;
+    EXPECT_EQ(client_->ForwardTensors(token.Call(cache_, 1), token.Output()).status().code(),
+              absl::StatusCode::kInvalidArgument);
+    EXPECT_EQ(client_->OpenStep().status().code(), absl::StatusCode::kInvalidArgument);
+    RequestId empty("");
+    EXPECT_EQ(client_->GetCache(cache_).status().code(), absl::StatusCode::kInvalidArgument);
+  }
+  ASSERT_TRUE(client_->GetCache(cache_).ok());
+  WaitIdle();
+  // Only the last call reached the server.
+  EXPECT_EQ(LinesWith(captured.str(), "rpc ").size(), 1u) << captured.str();
 }
 
 // A metrics endpoint that trickles its answer (a byte each 100 ms, for 5 s) cannot hold

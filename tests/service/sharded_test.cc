@@ -12,7 +12,10 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
 #include "server/service/server.h"
+#include "spdlog/spdlog.h"
+#include "tests/service/log_capture.h"
 
 namespace pagedattn {
 namespace {
@@ -552,6 +555,68 @@ TEST(ShardedKillTest, KilledShardIsNamedAndTheOthersAreRewound) {
   EXPECT_NE(deleted.message().find("shard 1 (" + targets[1] + ")"), std::string::npos) << deleted;
   EXPECT_EQ(sharded->shard(0).GetCache(cache->cache_ids[0]).status().code(),
             absl::StatusCode::kNotFound);
+}
+
+// A RequestId in force on the calling thread reaches every shard's server, though each shard
+// past the first is called from a thread of its own: validation, creation, Forward, the rewind
+// of a failed Forward, ReleaseSequences and DeleteCache. Calls outside it carry none.
+TEST_F(ShardedTest, EveryShardsCallsCarryTheRequestId) {
+  testing::LogCapture captured(spdlog::level::debug);
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  absl::StatusOr<ShardedCache> cache;
+  {
+    RequestId id("sharded-7");
+    // Shard 1 holds 10 pages (70 tokens): the second Forward fails there and is rewound.
+    cache = sharded->CreateCache(Config(v1::BFLOAT16), "", {64, 10});
+    ASSERT_TRUE(cache.ok()) << cache.status();
+    ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 40, 40}}, v1::BFLOAT16, 21)).ok());
+    EXPECT_EQ(Run(*sharded, *cache, Step(0, {{2, 0, 40, 40}}, v1::BFLOAT16, 22)).status().code(),
+              absl::StatusCode::kResourceExhausted);
+  }
+  ASSERT_TRUE(sharded->ReleaseSequences(*cache, {1}).ok());
+  {
+    RequestId id("sharded-8");
+    ASSERT_TRUE(sharded->DeleteCache(*cache).ok());
+  }
+
+  const std::string log = captured.str();
+  auto lines_with = [&](const std::string& needle) {
+    std::vector<std::string> found;
+    for (absl::string_view line : absl::StrSplit(log, '\n')) {
+      if (absl::StrContains(line, needle)) found.emplace_back(line);
+    }
+    return found;
+  };
+  // Validation names no cache: one line from each shard's server.
+  const std::vector<std::string> validated = lines_with("rpc ValidateCacheConfig ");
+  EXPECT_EQ(validated.size(), 2u) << log;
+  for (const std::string& line : validated) {
+    EXPECT_TRUE(absl::StrContains(line, " req=sharded-7 ")) << line;
+  }
+  for (int i = 0; i < 2; ++i) {
+    SCOPED_TRACE(absl::StrCat("shard ", i));
+    const std::string cache_id = cache->cache_ids[i];
+    struct Want {
+      std::string needle, id;  // id empty: none
+    };
+    // Shard 1's refusal is a throttled line (perhaps held back): its first Forward's line is
+    // enough.
+    for (const Want& want : {Want{"rpc CreateCache cache=" + cache_id, "sharded-7"},
+                             Want{"rpc Forward cache=" + cache_id, "sharded-7"},
+                             Want{"rpc TruncateSequences cache=" + cache_id, "sharded-7"},
+                             Want{"rpc ReleaseSequences cache=" + cache_id, ""},
+                             Want{"rpc DeleteCache cache=" + cache_id, "sharded-8"}}) {
+      const std::vector<std::string> lines = lines_with(want.needle);
+      EXPECT_FALSE(lines.empty()) << want.needle << " in:\n" << log;
+      for (const std::string& line : lines) {
+        if (want.id.empty()) {
+          EXPECT_FALSE(absl::StrContains(line, "req=")) << line;
+        } else {
+          EXPECT_TRUE(absl::StrContains(line, absl::StrCat(" req=", want.id, " "))) << line;
+        }
+      }
+    }
+  }
 }
 
 // The same server given twice would hold two shards' heads in two caches of one server.

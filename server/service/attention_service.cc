@@ -16,53 +16,13 @@
 #include "server/core/backend_factory.h"
 #include "server/core/error_info.h"
 #include "server/service/convert.h"
+#include "server/service/log_text.h"
 #include "server/service/status.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
 
 namespace pagedattn {
 namespace {
-
-// How much of a request's text a log line escapes (each as \xNN, beyond the controls \n, \r, \t
-// and \xNN that every kind escapes: one line of a log that greps for what the caller was told;
-// CHexEscape's \' did not match the client's message).
-enum class LogText {
-  kFree,    // free text after the fields (an error message): nothing else
-  kQuoted,  // a value between single quotes (a cache's name): the quote and the backslash
-  kField,   // one field of the line (a cache id, a request id): spaces, backslashes, quotes and
-            // bytes past ASCII, so that it cannot end the field and write others
-            // ("x tenant=acme") nor carry terminal controls past ASCII
-};
-
-std::string EscapeControl(absl::string_view s, LogText kind = LogText::kFree) {
-  std::string out;
-  out.reserve(s.size());
-  for (const char c : s) {
-    const unsigned char u = static_cast<unsigned char>(c);
-    const bool quoting = c == '\\' || c == '\'' || (kind == LogText::kField && c == '"');
-    if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (u < 0x20 || u == 0x7f || (kind != LogText::kFree && quoting) ||
-               (kind == LogText::kField && (u == 0x20 || u > 0x7f))) {
-      absl::StrAppend(&out, "\\x", absl::Hex(u, absl::kZeroPad2));
-    } else {
-      out += c;
-    }
-  }
-  return out;
-}
-
-// The request's text for a log line: escaped as `kind` says and cut.
-std::string ForLog(absl::string_view s, LogText kind = LogText::kFree) {
-  constexpr size_t kShown = 64;
-  std::string out = EscapeControl(s.substr(0, kShown), kind);
-  if (s.size() > kShown) absl::StrAppend(&out, "...(", s.size(), " bytes)");
-  return out;
-}
 
 // What kind of error a message tells, for throttling: its words before the first digit (at most
 // 40 bytes), so that "out of KV pages: needs 5" and "... needs 7" are one kind and a capacity

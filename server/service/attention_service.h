@@ -17,13 +17,11 @@
 #include "server/service/auth.h"
 #include "server/service/executor.h"
 #include "server/service/forward_wire.h"
+#include "server/service/log_text.h"
 #include "server/service/metrics.h"
 #include "server/service/rpc_gate.h"
 
 namespace pagedattn {
-
-// The metadata key whose value a call's log lines carry (Rpc::Caller).
-inline constexpr char kRequestIdKey[] = "x-request-id";
 
 // What a handler body knows of its call.
 class Rpc {

@@ -5,13 +5,14 @@
 #include <algorithm>
 
 #include "absl/container/flat_hash_set.h"
-#include "absl/strings/escaping.h"
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "server/service/flag_file.h"
+#include "server/service/log_text.h"
 
 namespace pagedattn {
 
@@ -165,16 +166,23 @@ grpc::Status TokenAuthProcessor::Process(const InputMetadata& metadata, grpc::Au
     std::string who;
     if (context != nullptr) {
       for (const grpc::string_ref& cn : context->FindPropertyValues("x509_common_name")) {
-        absl::StrAppend(&who, "client certificate CN=",
-                        absl::CHexEscape(absl::string_view(cn.data(), std::min<size_t>(cn.size(), 64))),
-                        " ");
+        absl::StrAppend(
+            &who, "client certificate CN=",
+            absl::CHexEscape(absl::string_view(cn.data(), std::min<size_t>(cn.size(), 64))), " ");
       }
     }
     const auto agent = metadata.find("user-agent");
     if (agent != metadata.end()) {
       absl::StrAppend(&who, "user-agent=",
-                      absl::CHexEscape(absl::string_view(agent->second.data(),
-                                                         std::min<size_t>(agent->second.size(), 64))));
+                      absl::CHexEscape(absl::string_view(
+                          agent->second.data(), std::min<size_t>(agent->second.size(), 64))));
+    }
+    // The call's request id (x-request-id, as the handlers' lines carry it: req=).
+    const auto id = metadata.find(kRequestIdKey);
+    if (id != metadata.end()) {
+      absl::StrAppend(
+          &who, who.empty() ? "" : " ",
+          "req=", ForLog(absl::string_view(id->second.data(), id->second.size()), LogText::kField));
     }
     refused_(p, tenant.status(), who);
   }

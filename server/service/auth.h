@@ -55,7 +55,8 @@ bool PathNeedsToken(absl::string_view path);
 // with a large message the handler would refuse only once it had arrived. gRPC runs it on TLS
 // ports only; the handlers authenticate every call again. `refused(path, status, who)` counts
 // and logs each refusal, which the handlers never see; `who` tells what is known of the caller
-// here (its certificate's common name under mTLS, its user-agent; gRPC gives no address).
+// here (its certificate's common name under mTLS, its user-agent, its x-request-id as req=;
+// gRPC gives no address).
 class TokenAuthProcessor final : public grpc::AuthMetadataProcessor {
  public:
   using Refused = std::function<void(absl::string_view path, const absl::Status& status,

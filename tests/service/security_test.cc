@@ -182,7 +182,11 @@ TEST_F(SecurityTest, CallWithoutTokenIsRefusedBeforeItsRequestIsRead) {
   const absl::Status no_token = Connect("")->Forward(big).status();
   EXPECT_EQ(no_token.code(), absl::StatusCode::kUnauthenticated) << no_token;
   EXPECT_NE(no_token.message().find("missing 'authorization"), std::string::npos) << no_token;
-  const absl::Status bad_token = Connect("nope-not-a-token-at-all")->GetCache("x").status();
+  absl::Status bad_token;
+  {
+    RequestId id("step-9 layer-2");  // its line carries it, escaped as a field
+    bad_token = Connect("nope-not-a-token-at-all")->GetCache("x").status();
+  }
   EXPECT_EQ(bad_token.code(), absl::StatusCode::kUnauthenticated) << bad_token;
   // With a token the same message is refused for its size, as before.
   EXPECT_EQ(Connect(kAlpha)->Forward(big).status().code(), absl::StatusCode::kResourceExhausted);
@@ -195,6 +199,7 @@ TEST_F(SecurityTest, CallWithoutTokenIsRefusedBeforeItsRequestIsRead) {
             std::string::npos)
       << log;
   EXPECT_NE(log.find("): UNAUTHENTICATED: missing"), std::string::npos) << log;
+  EXPECT_NE(log.find(" req=step-9\\x20layer-2): UNAUTHENTICATED: "), std::string::npos) << log;
   EXPECT_EQ(log.find("nope-not-a-token"), std::string::npos);
 }
 

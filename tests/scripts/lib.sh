@@ -1,7 +1,9 @@
 # Shared by the script tests: wait for a started pagedattn-server and read its ports from
 # its startup log lines. Callers define fail().
 
-# wait_started LOG PID: returns once the server has logged its full startup summary.
+# wait_started LOG PID: returns once the server has logged its full startup summary. Empty LOG
+# before starting the server (`: >"$log"`): the server's own `>"$log"` truncates it only once
+# its process runs, after this may have read an earlier server's summary there.
 wait_started() {
   local log=$1 pid=$2
   for _ in $(seq 200); do

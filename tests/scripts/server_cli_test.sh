@@ -50,6 +50,7 @@ rc=0; out=$(PAGEDATTN_TOKEN=$'s3cret-line-token\n' timeout 10 "$cli" --target=12
 [ $rc -ne 0 ] && [ $rc -lt 128 ] && grep -q "byte 0x0a at position 17 of 18.*strip it" <<<"$out" &&
   ! grep -q s3cret <<<"$out" || fail "token with a newline: exit $rc: $out"
 sockdir=$(mktemp -d)
+: >"$log"  # wait_started must not read the last server's lines (lib.sh)
 "$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
@@ -62,6 +63,7 @@ rm -rf "$sockdir"
 
 # A misspelled flag variable is a warning naming the variable it is likely a typo of (here the
 # operator meant to turn auth on); an unrelated PAGEDATTN_ variable stays an info line.
+: >"$log"
 PAGEDATTN_AUTH_TOKEN_FILE=/nonexistent PAGEDATTN_SOMETHING_ELSE=1 \
   "$server" --listen=127.0.0.1:0 --backend=cpu >"$log" 2>&1 &
 pid=$!
@@ -74,6 +76,7 @@ kill -TERM $pid; wait $pid || fail "server exit code $?"
 
 # --backend=auto with no GPU visible (CUDA_VISIBLE_DEVICES= hides every one): the CPU backend and,
 # in a build with CUDA, a warning that says why; --backend=cuda refuses to start, saying why.
+: >"$log"
 CUDA_VISIBLE_DEVICES= "$server" --listen=127.0.0.1:0 --backend=auto >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
@@ -128,6 +131,7 @@ grep -q -- "--num_pages (default: 0)" <<<"$out" && grep -q "cache config: pages"
 out=$("$cli" --version) || fail "cli --version exit code $?"
 grep -q "^pagedattn-cli [0-9]" <<<"$out" || fail "cli --version: $out"
 
+: >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
   --health_listen=127.0.0.1:0 >"$log" 2>&1 &
 pid=$!

@@ -120,7 +120,6 @@ class RequestId {
   // The metadata key the id is sent as (the server's kRequestIdKey).
   static constexpr char kMetadataKey[] = "x-request-id";
 
-  const std::string& id() const { return id_; }
   // The id in force on this thread: the innermost RequestId's, or null outside any.
   static const std::string* Current();
   // OK, or INVALID_ARGUMENT saying why `id` cannot be sent.

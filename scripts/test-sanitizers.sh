@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
-# The CPU-side tests (core, service end to end, hardening, security, data plane, sharding, IPC)
-# under AddressSanitizer with UndefinedBehaviorSanitizer, then under ThreadSanitizer: two more
-# builds (CPU backend only), in build-asan/ and build-tsan/. CI runs it after scripts/test.sh.
+# The CPU-side tests (core, service end to end, hardening, security, data plane, sharding, IPC,
+# random configs) under AddressSanitizer with UndefinedBehaviorSanitizer, then under
+# ThreadSanitizer: two more builds (CPU backend only), in build-asan/ and build-tsan/. CI runs it
+# after scripts/test.sh.
 #   scripts/test-sanitizers.sh [asan|tsan]...        (default: both)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/install-deps.sh > /dev/null
 kinds=("$@")
 [ ${#kinds[@]} -gt 0 ] || kinds=(asan tsan)
-tests=(core_test e2e_test hardening_test security_test data_plane_test sharded_test ipc_test)
+tests=(core_test e2e_test hardening_test security_test data_plane_test sharded_test ipc_test
+  config_fuzz_test)
 supp=$PWD/tests/sanitizers
 for kind in "${kinds[@]}"; do
   case $kind in

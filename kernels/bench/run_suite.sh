@@ -15,6 +15,7 @@
 #                    filter (default: every test), SANITIZER_SHARDS their processes (default 5)
 #   PEERS=0          no peers.py (FlashInfer rows only when `import flashinfer` works)
 #   QUICK=1          the default decode and prefill shapes only, with fewer repetitions
+#   FUZZ_CONFIGS=N   random cache configs config_fuzz_test runs on each backend (default 200)
 #   BENCH_TIMEOUT=N  seconds per bench or peers run (default 300)
 #   PROFILE_BUILD=DIR  a second build, configured with -DPAGEDATTN_PROFILE=ON: its bench also
 #                    writes the phase timelines (--profile) of the default decode and prefill
@@ -108,6 +109,7 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     "$t/cuda_backend_test" --gtest_filter='*Prefill*:*Mixed*:*Odd*:*OwnDtype*'
   PAGEDATTN_E2E_BACKEND=cuda test_run e2e_test_cuda 600 "$t/e2e_test"
   test_run backend_parity_test 600 "$t/backend_parity_test"
+  PAGEDATTN_FUZZ_CONFIGS=${FUZZ_CONFIGS:-200} test_run config_fuzz_test 900 "$t/config_fuzz_test"
   server_smoke
   if [ "${SANITIZER:-1}" != 0 ] && command -v compute-sanitizer > /dev/null; then
     sanitize memcheck

@@ -1,0 +1,443 @@
+// Random cache configs, in the capability table and out of it, and random scripts of Forwards on
+// each config a server accepts: the promise that a config CreateCache accepts never fails a
+// Forward for a configuration reason, checked over the table rather than over chosen cases. A
+// config's line names the seed that rebuilds it (PAGEDATTN_FUZZ_SEED, PAGEDATTN_FUZZ_CONFIGS
+// widen a run; Serve names the CUDA server's options); GPU cases skip without one.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "client/client.h"
+#include "common/capabilities.h"
+#include "common/dtype.h"
+#include "common/reference.h"
+#include "server/core/backend_factory.h"
+#include "server/service/server.h"
+
+namespace pagedattn {
+namespace {
+
+int EnvInt(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+// How large a script may grow: the CPU backend computes every answer, so its cost is bounded by
+// the queries a Forward holds and the positions they see.
+struct ScriptLimits {
+  int max_len = 1200;          // positions a sequence may reach in a layer
+  int max_new = 400;           // new tokens a span appends
+  int max_step_queries = 160;  // queries a Forward holds
+  int max_heads_x_dim = 4096;  // num_q_heads * head_dim
+  int steps = 5;               // Forwards a config runs
+};
+
+template <typename T>
+T Choose(std::mt19937& rng, std::initializer_list<T> xs) {
+  return *(xs.begin() + rng() % xs.size());
+}
+
+bool Percent(std::mt19937& rng, int p) { return static_cast<int>(rng() % 100) < p; }
+
+// A config mostly inside the capability table; about a fifth of them carry some field past it.
+v1::CacheConfig RandomConfig(std::mt19937& rng, const ScriptLimits& limits) {
+  v1::CacheConfig c;
+  c.set_num_layers(1 + static_cast<int>(rng() % 3));
+  int kv_heads = Choose(rng, {1, 2, 3, 4, 8});
+  int gqa = Choose(rng, {1, 2, 3, 4, 5, 7, 8});
+  int head_dim = Percent(rng, 92) ? kCudaHeadDims[rng() % kCudaHeadDims.size()]
+                                  : Choose(rng, {32, 100, 160, 1024});
+  while (kv_heads * gqa * head_dim > limits.max_heads_x_dim && kv_heads * gqa > 1) {
+    if (gqa > 1) {
+      gqa = std::max(1, gqa / 2);
+    } else {
+      kv_heads = std::max(1, kv_heads / 2);
+    }
+  }
+  c.set_num_kv_heads(kv_heads);
+  c.set_num_q_heads(Percent(rng, 4) ? kv_heads * gqa + 1 : kv_heads * gqa);
+  c.set_head_dim(head_dim);
+  // Pages 1..1024, log-uniform (small and odd ones as often as large ones), a few out of range.
+  const int page = static_cast<int>(std::exp2(std::uniform_real_distribution<double>(0, 10)(rng)));
+  c.set_page_size(Percent(rng, 4) ? Choose(rng, {0, 1025}) : std::clamp(page, 1, 1024));
+  const int dtype_pick = static_cast<int>(rng() % 100);
+  c.set_kv_dtype(dtype_pick < 35   ? v1::BFLOAT16
+                 : dtype_pick < 60 ? v1::FLOAT16
+                 : dtype_pick < 90 ? v1::FLOAT8_E4M3
+                                   : v1::FLOAT32);
+  if (c.kv_dtype() == v1::FLOAT8_E4M3) {
+    const int scaling = static_cast<int>(rng() % 3);
+    if (scaling == 1) c.set_kv_scaling(v1::PER_TOKEN);
+    if (scaling == 2) {
+      c.set_kv_scaling(v1::STATIC);
+      // The data are N(0, 1): 4-5 sigma at most, E4M3's 448 at 1/100 of it.
+      const int n = Percent(rng, 50) ? 2 : 2 * c.num_layers();
+      for (int i = 0; i < n; ++i) {
+        c.add_kv_scales(std::uniform_real_distribution<float>(0.008f, 0.03f)(rng));
+      }
+      if (Percent(rng, 5)) c.set_kv_scales(0, -1.f);
+    }
+  }
+  const int layer_entries = Choose(rng, {0, 0, 1, c.num_layers()});
+  for (int l = 0; l < layer_entries; ++l) {
+    v1::LayerAttention* a = c.add_layers();
+    if (Percent(rng, 40)) a->set_sliding_window(Percent(rng, 3) ? 0 : 1 + rng() % 1500);
+    if (Percent(rng, 30)) {
+      a->set_logit_softcap(Percent(rng, 3) ? -1.f
+                                           : std::uniform_real_distribution<float>(2, 60)(rng));
+    }
+    if (Percent(rng, 25)) {
+      const int n = Percent(rng, 4) ? c.num_q_heads() + 1 : c.num_q_heads();
+      for (int h = 0; h < n; ++h) a->add_sinks(std::normal_distribution<float>(1.f, 1.f)(rng));
+    }
+  }
+  // Room for four sequences of max_len positions (a page holds every layer's rows).
+  const int ps = std::max(1, c.page_size());
+  c.set_num_pages(4 * ((limits.max_len + ps - 1) / ps + 1) + 2);
+  return c;
+}
+
+std::string Describe(const v1::CacheConfig& c) {
+  std::string s =
+      absl::StrCat("layers=", c.num_layers(), " q/kv=", c.num_q_heads(), "/", c.num_kv_heads(),
+                   " d=", c.head_dim(), " page=", c.page_size(), " ", v1::DType_Name(c.kv_dtype()));
+  if (c.kv_dtype() == v1::FLOAT8_E4M3) {
+    absl::StrAppend(&s, " ", v1::KvScaling_Name(c.kv_scaling()), "(", c.kv_scales_size(), ")");
+  }
+  for (int l = 0; l < c.layers_size(); ++l) {
+    const v1::LayerAttention& a = c.layers(l);
+    absl::StrAppend(&s, " [", l, ":");
+    if (a.has_sliding_window()) absl::StrAppend(&s, " w=", a.sliding_window());
+    if (a.has_logit_softcap()) absl::StrAppend(&s, " cap=", a.logit_softcap());
+    if (a.sinks_size() > 0) absl::StrAppend(&s, " sinks=", a.sinks_size());
+    absl::StrAppend(&s, "]");
+  }
+  return s;
+}
+
+// A script's Forward: spans over up to three of four sequences, each an append at the
+// sequence's length (prefill, chunked prefill, decode, speculative tokens), a rewind, an
+// attend-only span or an append-only one, in one layer, with random tensors and options.
+class ScriptWriter {
+ public:
+  ScriptWriter(const v1::CacheConfig& config, const ScriptLimits& limits, std::mt19937& rng)
+      : config_(config),
+        limits_(limits),
+        rng_(rng),
+        len_(5, std::vector<int64_t>(config.num_layers(), 0)) {}
+
+  v1::ForwardRequest Next() {
+    v1::ForwardRequest req;
+    const int layer = static_cast<int>(rng_() % config_.num_layers());
+    req.set_layer(layer);
+    std::vector<int> seqs = {1, 2, 3, 4};
+    std::shuffle(seqs.begin(), seqs.end(), rng_);
+    seqs.resize(1 + rng_() % 3);
+    int64_t total_q = 0, total_new = 0;
+    for (int seq : seqs) {
+      int64_t& len = len_[seq][layer];
+      const int64_t q_room = limits_.max_step_queries - total_q;
+      if (q_room <= 0) break;
+      int64_t start = len, add = 0, queries = 0;
+      const int kind = len == 0 ? 0 : static_cast<int>(rng_() % 6);
+      switch (kind) {
+        case 0:  // prefill or chunked prefill: queries over the new tokens (some, all, none)
+          add = 1 + rng_() % limits_.max_new;
+          queries = Percent(rng_, 60) ? add : rng_() % (add + 1);
+          break;
+        case 1:  // decode
+          add = queries = 1;
+          break;
+        case 2:  // speculative tokens
+          add = queries = 2 + rng_() % 3;
+          break;
+        case 3:  // attend-only
+          queries = 1 + rng_() % std::min<int64_t>(len, 8);
+          break;
+        case 4:  // rewind, then append
+          start = rng_() % len;
+          add = 1 + rng_() % 100;
+          queries = 1 + rng_() % add;
+          break;
+        default:  // append-only
+          add = 1 + rng_() % 64;
+          break;
+      }
+      add = std::min<int64_t>(add, limits_.max_len - start);
+      if (add <= 0 && kind != 3) continue;
+      queries = std::min({queries, start + add, q_room});
+      v1::Span* sp = req.add_spans();
+      sp->set_seq_id(seq);
+      sp->set_start(start);
+      sp->set_num_new_tokens(static_cast<int32_t>(add));
+      sp->set_num_queries(static_cast<int32_t>(queries));
+      len = start + add;
+      total_q += queries;
+      total_new += add;
+    }
+    if (req.spans_size() == 0) {  // every sequence full: attend the first one's last position
+      v1::Span* sp = req.add_spans();
+      sp->set_seq_id(seqs[0]);
+      sp->set_start(len_[seqs[0]][layer]);
+      sp->set_num_queries(len_[seqs[0]][layer] > 0 ? 1 : 0);
+      sp->set_num_new_tokens(len_[seqs[0]][layer] > 0 ? 0 : 1);
+      len_[seqs[0]][layer] += sp->num_new_tokens();
+      total_q += sp->num_queries();
+      total_new += sp->num_new_tokens();
+    }
+    const v1::DType q_dtype = Choose(rng_, {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16});
+    const v1::DType kv_dtype = Choose(rng_, {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16});
+    const int64_t d = config_.head_dim();
+    // q's values exact in bfloat16 (and so in float16): the tiles compute S in the cache's
+    // 16-bit type, so a float32 q rounds there, which the CPU backend does not do; that rounding
+    // is cuda_backend_test's QAndOutInTheirOwnDtypeMatchTheFloatPath. Here it would only widen
+    // the tolerance (0.01-0.05 of an LSE at sm_scale 0.2, head_dim 512).
+    std::vector<float> q = Values(total_q * config_.num_q_heads() * d);
+    for (float& x : q) x = ExactInBf16(x);
+    *req.mutable_q() = MakeTensor(q_dtype, {total_q, config_.num_q_heads(), d}, q);
+    if (total_new > 0) {
+      const std::vector<int64_t> shape = {total_new, config_.num_kv_heads(), d};
+      *req.mutable_k() =
+          MakeTensor(kv_dtype, shape, Values(total_new * config_.num_kv_heads() * d));
+      *req.mutable_v() =
+          MakeTensor(kv_dtype, shape, Values(total_new * config_.num_kv_heads() * d));
+    }
+    if (Percent(rng_, 10)) req.mutable_options()->set_causal(false);
+    if (Percent(rng_, 15)) {
+      req.mutable_options()->set_sm_scale(std::uniform_real_distribution<float>(0.02f, 0.2f)(rng_));
+    }
+    req.mutable_options()->set_return_lse(Percent(rng_, 70));
+    return req;
+  }
+
+ private:
+  static float ExactInBf16(float x) {
+    char buf[2];
+    StoreFromFloat(DType::kBFloat16, buf, 0, x);
+    return LoadAsFloat(DType::kBFloat16, buf, 0);
+  }
+
+  std::vector<float> Values(int64_t n) {
+    std::vector<float> v(static_cast<size_t>(n));
+    std::normal_distribution<float> dist;
+    for (float& x : v) x = dist(rng_);
+    return v;
+  }
+
+  const v1::CacheConfig& config_;
+  const ScriptLimits& limits_;
+  std::mt19937& rng_;
+  std::vector<std::vector<int64_t>> len_;  // [seq][layer]
+};
+
+std::string SpansOf(const v1::ForwardRequest& r) {
+  std::string s = absl::StrCat(
+      "layer ", r.layer(), r.options().has_causal() ? " non-causal" : "",
+      r.options().has_sm_scale() ? absl::StrCat(" sm_scale=", r.options().sm_scale()) : "", ":");
+  for (const v1::Span& sp : r.spans()) {
+    absl::StrAppend(&s, " {", sp.seq_id(), ",", sp.start(), ",", sp.num_new_tokens(), ",",
+                    sp.num_queries(), "}");
+  }
+  return s;
+}
+
+// How far two backends' LSEs may be apart: 0.01 where the scores have unit spread (the default
+// sm_scale on unit q and K), growing with it (sm_scale * sqrt(head_dim) on this data). An FP8
+// cache twice that: its prefill tiles take K and V times their scales in bfloat16 (2^-9
+// relative; tests/fp8_sweep.h), which the CPU backend keeps in float. Over 2000 configs on an
+// H100, LSEs were up to 0.043 apart (FP8, head_dim 512, a custom sm_scale).
+double LseTolerance(const v1::CacheConfig& config, const v1::ForwardRequest& req) {
+  const double d = config.head_dim();
+  const double scale = req.options().has_sm_scale() ? req.options().sm_scale() : 1 / std::sqrt(d);
+  const double spread = std::max(1.0, scale * std::sqrt(d));
+  return (config.kv_dtype() == v1::FLOAT8_E4M3 ? 2e-2 : 1e-2) * spread;
+}
+
+struct Served {
+  std::unique_ptr<PagedAttnServer> server;
+  std::unique_ptr<Client> client;
+};
+
+// PAGEDATTN_PREFILL_KERNEL=portable: the CUDA server's prefill on the portable kernel (the
+// server's --prefill_kernel=portable); PAGEDATTN_FUZZ_PLAIN_LAUNCH=1: its kernels launched
+// plainly, not through graphs (--graph_launch=false --forward_graph=false).
+Served Serve(BackendChoice backend) {
+  ServerOptions o;
+  o.listen = "127.0.0.1:0";
+  o.backend.backend = backend;
+  if (const char* k = std::getenv("PAGEDATTN_PREFILL_KERNEL"); k && std::string(k) == "portable") {
+    o.backend.prefill_kernel = PrefillKernel::kPortable;
+  }
+  if (EnvInt("PAGEDATTN_FUZZ_PLAIN_LAUNCH", 0) != 0) {
+    o.backend.graph_launch = false;
+    o.backend.forward_graph = false;
+  }
+  Served s;
+  absl::StatusOr<std::unique_ptr<PagedAttnServer>> server = PagedAttnServer::Start(o);
+  EXPECT_TRUE(server.ok()) << server.status();
+  if (!server.ok()) return s;
+  s.server = *std::move(server);
+  ClientOptions c;
+  c.target = absl::StrCat("127.0.0.1:", s.server->port());
+  s.client = *Client::Connect(c);
+  return s;
+}
+
+// What the servers did with one random config: every server's CreateCache must agree with its
+// own ValidateCacheConfig, a refusal is INVALID_ARGUMENT, and every Forward of the script on a
+// server that accepted it is answered, finite; with a second server, alike within tolerance.
+struct FuzzTally {
+  int accepted = 0, refused = 0, forwards = 0;
+  // Against the first server's answers: out's relative error, LSEs apart (16-bit caches, FP8).
+  double worst_out = 0, worst_lse = 0, worst_fp8_lse = 0;
+  std::map<std::string, int> refused_fields;
+};
+
+void RunConfig(std::vector<Served*> servers, const v1::CacheConfig& config,
+               const ScriptLimits& limits, uint32_t seed, FuzzTally& tally) {
+  const std::string what = absl::StrCat("seed ", seed, ": ", Describe(config));
+  std::vector<std::string> caches;
+  for (size_t i = 0; i < servers.size(); ++i) {
+    Client& client = *servers[i]->client;
+    absl::StatusOr<v1::ValidateCacheConfigResponse> dry = client.ValidateCacheConfig(config);
+    ASSERT_TRUE(dry.ok()) << what << ": " << dry.status();
+    if (dry->valid()) {
+      // A byte budget of what the dry run says num_pages take buys num_pages again.
+      v1::CacheConfig budget = config;
+      budget.set_max_bytes(dry->bytes());
+      absl::StatusOr<v1::ValidateCacheConfigResponse> b = client.ValidateCacheConfig(budget);
+      ASSERT_TRUE(b.ok()) << what << ": " << b.status();
+      EXPECT_TRUE(b->valid()) << what;
+      EXPECT_EQ(b->num_pages(), dry->num_pages()) << what << ": max_bytes " << dry->bytes();
+      EXPECT_EQ(b->bytes(), dry->bytes()) << what;
+    }
+    absl::StatusOr<v1::CacheInfo> info = client.CreateCache(config);
+    // The dry run's verdict is CreateCache's (the pools here are small: they always fit).
+    ASSERT_EQ(dry->valid(), info.ok())
+        << what << ": " << (info.ok() ? "" : info.status().ToString());
+    if (!info.ok()) {
+      EXPECT_EQ(info.status().code(), absl::StatusCode::kInvalidArgument) << what;
+      EXPECT_FALSE(dry->violations().empty()) << what;
+      if (i == 0) {
+        for (const v1::ConfigViolation& v : dry->violations()) ++tally.refused_fields[v.field()];
+      }
+    }
+    caches.push_back(info.ok() ? info->cache_id() : "");
+  }
+  // The CPU server (the first) is the reference and implements every option: a config another
+  // backend accepts, it accepts too; only FLOAT32 caches are the CPU's alone.
+  const bool reference_accepts = !caches[0].empty();
+  for (size_t i = 1; i < caches.size(); ++i) {
+    if (config.kv_dtype() == v1::FLOAT32) {
+      EXPECT_TRUE(caches[i].empty()) << what << ": FLOAT32 caches are the CPU backend's alone";
+    } else {
+      EXPECT_EQ(!caches[i].empty(), reference_accepts) << what;
+    }
+  }
+  std::printf("%s %s\n", reference_accepts ? "accepted" : "refused ", what.c_str());
+  if (!reference_accepts) {
+    ++tally.refused;
+    return;
+  }
+  ++tally.accepted;
+  std::mt19937 rng(seed ^ 0x9e3779b9u);
+  ScriptWriter script(config, limits, rng);
+  for (int step = 0; step < limits.steps; ++step) {
+    v1::ForwardRequest req = script.Next();
+    const std::string at = absl::StrCat(what, "; step ", step, " ", SpansOf(req));
+    std::vector<std::vector<float>> outs, lses;
+    for (size_t i = 0; i < servers.size(); ++i) {
+      if (caches[i].empty()) continue;
+      req.set_cache_id(caches[i]);
+      absl::StatusOr<v1::ForwardResponse> r = servers[i]->client->Forward(req);
+      ASSERT_TRUE(r.ok()) << "server " << i << ", " << at << ": " << r.status();
+      ++tally.forwards;
+      absl::StatusOr<std::vector<float>> out = TensorToFloats(r->out());
+      ASSERT_TRUE(out.ok()) << at << ": " << out.status();
+      for (float x : *out) ASSERT_TRUE(std::isfinite(x)) << "server " << i << ", " << at;
+      outs.push_back(*std::move(out));
+      lses.push_back(req.options().return_lse() ? *TensorToFloats(r->lse()) : std::vector<float>{});
+    }
+    for (size_t i = 1; i < outs.size(); ++i) {
+      ASSERT_EQ(outs[i].size(), outs[0].size()) << at;
+      std::vector<double> ref(outs[0].begin(), outs[0].end()), got(outs[i].begin(), outs[i].end());
+      const double err =
+          testing::RelativeError(got.data(), ref.data(), static_cast<int64_t>(ref.size()));
+      EXPECT_LE(err, 1e-2) << "server " << i << ", " << at;
+      tally.worst_out = std::max(tally.worst_out, err);
+      ASSERT_EQ(lses[i].size(), lses[0].size()) << at;
+      double lse_diff = 0;
+      for (size_t j = 0; j < lses[0].size(); ++j) {
+        lse_diff = std::max(lse_diff, double{std::abs(lses[i][j] - lses[0][j])});
+      }
+      EXPECT_LE(lse_diff, LseTolerance(config, req)) << "server " << i << ", " << at;
+      double& worst = config.kv_dtype() == v1::FLOAT8_E4M3 ? tally.worst_fp8_lse : tally.worst_lse;
+      worst = std::max(worst, lse_diff);
+    }
+  }
+  for (size_t i = 0; i < servers.size(); ++i) {
+    if (!caches[i].empty()) {
+      EXPECT_TRUE(servers[i]->client->DeleteCache(caches[i]).ok()) << what;
+    }
+  }
+}
+
+void RunFuzz(std::vector<Served*> servers, int default_configs, const ScriptLimits& limits) {
+  const uint32_t base = static_cast<uint32_t>(EnvInt("PAGEDATTN_FUZZ_SEED", 20261206));
+  const int configs = EnvInt("PAGEDATTN_FUZZ_CONFIGS", default_configs);
+  FuzzTally tally;
+  for (int n = 0; n < configs && !::testing::Test::HasFatalFailure(); ++n) {
+    const uint32_t seed = base + static_cast<uint32_t>(n);
+    std::mt19937 rng(seed);
+    RunConfig(servers, RandomConfig(rng, limits), limits, seed, tally);
+  }
+  std::string fields;
+  for (const auto& [field, count] : tally.refused_fields)
+    absl::StrAppend(&fields, " ", field, "=", count);
+  std::printf("%d configs accepted (%d Forwards), %d refused:%s\n", tally.accepted, tally.forwards,
+              tally.refused, fields.c_str());
+  if (servers.size() > 1) {
+    std::printf(
+        "against the CPU: out's relative error at most %.3g, LSE at most %.3g apart (FP8 %.3g)\n",
+        tally.worst_out, tally.worst_lse, tally.worst_fp8_lse);
+  }
+  // The generator keeps most configs in the table: a run that accepts none tests nothing.
+  EXPECT_GT(tally.accepted, configs / 2);
+}
+
+// Every config the CPU backend accepts runs its script: each Forward answered, every value finite.
+TEST(ConfigFuzzTest, EveryAcceptedConfigRunsItsForwardsOnTheCpu) {
+  Served cpu = Serve(BackendChoice::kCpu);
+  ASSERT_TRUE(cpu.client);
+  ScriptLimits limits;
+  limits.max_len = 600;
+  limits.max_step_queries = 64;
+  limits.max_new = 200;
+  RunFuzz({&cpu}, 12, limits);
+}
+
+// A CUDA server beside the CPU server: it accepts the same configs (FLOAT32 caches aside), answers
+// every Forward of each script, and agrees with the CPU's answers.
+TEST(ConfigFuzzTest, CudaAcceptsAndAnswersAsTheCpu) {
+  if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
+  if (absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
+      !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
+  }
+  Served cpu = Serve(BackendChoice::kCpu), cuda = Serve(BackendChoice::kCuda);
+  ASSERT_TRUE(cpu.client && cuda.client);
+  RunFuzz({&cpu, &cuda}, 48, ScriptLimits{});
+}
+
+}  // namespace
+}  // namespace pagedattn

@@ -136,6 +136,21 @@ class ScriptWriter {
         rng_(rng),
         len_(5, std::vector<int64_t>(config.num_layers(), 0)) {}
 
+  // A sequence released (ReleaseSequences): every layer's length back to 0.
+  void Release(int seq) { std::fill(len_[seq].begin(), len_[seq].end(), 0); }
+  int RandomSequence() { return 1 + static_cast<int>(rng_() % 4); }
+
+  // Pages the live sequences hold: a page holds page_size positions of every layer, so a
+  // sequence holds its longest layer's.
+  int64_t PagesHeld() const {
+    int64_t pages = 0;
+    for (const std::vector<int64_t>& layers : len_) {
+      const int64_t longest = *std::max_element(layers.begin(), layers.end());
+      pages += (longest + config_.page_size() - 1) / config_.page_size();
+    }
+    return pages;
+  }
+
   v1::ForwardRequest Next() {
     v1::ForwardRequest req;
     const int layer = static_cast<int>(rng_() % config_.num_layers());
@@ -353,6 +368,17 @@ void RunConfig(std::vector<Served*> servers, const v1::CacheConfig& config,
   std::mt19937 rng(seed ^ 0x9e3779b9u);
   ScriptWriter script(config, limits, rng);
   for (int step = 0; step < limits.steps; ++step) {
+    if (step > 0 && Percent(rng, 15)) {  // a finished sequence's pages back to the pool
+      const uint64_t seq = static_cast<uint64_t>(script.RandomSequence());
+      for (size_t i = 0; i < servers.size(); ++i) {
+        if (caches[i].empty()) continue;
+        absl::StatusOr<v1::ReleaseSequencesResponse> r =
+            servers[i]->client->ReleaseSequences(caches[i], {seq});
+        ASSERT_TRUE(r.ok()) << "server " << i << ", " << what << ": release " << seq << ": "
+                            << r.status();
+      }
+      script.Release(static_cast<int>(seq));
+    }
     v1::ForwardRequest req = script.Next();
     const std::string at = absl::StrCat(what, "; step ", step, " ", SpansOf(req));
     std::vector<std::vector<float>> outs, lses;
@@ -386,9 +412,12 @@ void RunConfig(std::vector<Served*> servers, const v1::CacheConfig& config,
     }
   }
   for (size_t i = 0; i < servers.size(); ++i) {
-    if (!caches[i].empty()) {
-      EXPECT_TRUE(servers[i]->client->DeleteCache(caches[i]).ok()) << what;
-    }
+    if (caches[i].empty()) continue;
+    absl::StatusOr<v1::CacheInfo> info = servers[i]->client->GetCache(caches[i]);
+    ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+    EXPECT_EQ(info->stats().used_pages(), script.PagesHeld()) << "server " << i << ", " << what;
+    EXPECT_EQ(info->stats().forward_calls(), limits.steps) << "server " << i << ", " << what;
+    EXPECT_TRUE(servers[i]->client->DeleteCache(caches[i]).ok()) << what;
   }
 }
 

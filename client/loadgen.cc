@@ -922,9 +922,32 @@ int Main() {
 }  // namespace pagedattn
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  constexpr char kUsage[] =
       "model-shaped load against a pagedattn server, beside a bare gRPC echo of the same bytes.\n"
-      "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]");
+      "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]\n"
+      "The rows, one per (mode, shape), go to stderr as they are measured and at the end as one\n"
+      "JSON list to stdout (or --json).\n";
+  // Answered here: absl's own --help lists only the flags of a file named like the program
+  // (loadgen.cc is not), and exits 1.
+  switch (pagedattn::FindInfoFlag(argc, argv)) {
+    case pagedattn::InfoFlag::kHelp: {
+      std::cout << "pagedattn-loadgen: " << kUsage << "\nflags:\n";
+      std::map<std::string, absl::CommandLineFlag*> flags;
+      for (const auto& [name, flag] : absl::GetAllFlags()) {
+        if (absl::StrContains(flag->Filename(), "client/loadgen.cc")) {
+          flags[std::string(name)] = flag;
+        }
+      }
+      pagedattn::PrintFlagsHelp(std::cout, flags);
+      return 0;
+    }
+    case pagedattn::InfoFlag::kVersion:
+      std::cout << "pagedattn-loadgen " << PAGEDATTN_VERSION << "\n";
+      return 0;
+    case pagedattn::InfoFlag::kNone:
+      break;
+  }
+  absl::SetProgramUsageMessage(kUsage);
   absl::ParseCommandLine(argc, argv);
   if (!pagedattn::NoRepeatedFlags("pagedattn-loadgen", argc, argv,
                                   pagedattn::FlagKinds(absl::GetAllFlags(), "client/loadgen.cc"),

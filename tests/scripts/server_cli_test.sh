@@ -130,6 +130,13 @@ grep -q -- "--num_pages (default: 0)" <<<"$out" && grep -q "cache config: pages"
 ! grep -q "s3cret-help-value" <<<"$out" || fail "cli --help shows --token's value"
 out=$("$cli" --version) || fail "cli --version exit code $?"
 grep -q "^pagedattn-cli [0-9]" <<<"$out" || fail "cli --version: $out"
+# The load generator's too (it is installed beside the CLI).
+loadgen=$(dirname "$cli")/pagedattn-loadgen
+out=$("$loadgen" --help) || fail "loadgen --help exit code $?: $out"
+grep -q -- "--cases (default: 64x4096,16x4096,1x4096)" <<<"$out" &&
+  grep -q -- "--shard_targets (default: )" <<<"$out" || fail "loadgen --help: $out"
+! grep -q "loadgen.cc\|/work/\|/src/" <<<"$out" || fail "loadgen --help shows a build path: $out"
+"$loadgen" --version | grep -q "^pagedattn-loadgen [0-9]" || fail "loadgen --version"
 
 : >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \

@@ -225,6 +225,9 @@ grep -q "head_dim 64, page_size 7" "$log.smoke" || fail "smoke ignores its flags
 "$cli" $t --head_dim=64 --kv_dtype=FLOAT8_E4M3 --kv_scaling=STATIC --kv_scales=0.02,0.01 smoke \
   > "$log.smoke" || fail "FP8 STATIC smoke: $(cat "$log.smoke")"
 grep -q "kv_dtype FLOAT8_E4M3 (STATIC)" "$log.smoke" || fail "smoke ignores --kv_scaling: $(cat "$log.smoke")"
+# --device reaches the smoke's cache (the CPU backend has device 0 only).
+rc=0; out=$("$cli" $t --device=1 smoke 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "device must be in 0..0 (got 1)" <<<"$out" || fail "smoke --device=1: exit $rc $out"
 rc=0; "$cli" $t --kv_scaling=STATIC --kv_scales=-1 smoke > "$log.smoke" 2>&1 || rc=$?
 [ $rc -eq 1 ] && grep -q "kv_scaling applies to FLOAT8_E4M3" "$log.smoke" || fail "smoke of a bad scaling: exit $rc $(cat "$log.smoke")"
 rm -f "$log.smoke"

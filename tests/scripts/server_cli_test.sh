@@ -156,6 +156,12 @@ grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" || fail
 rc=0; out=$("$server" --listen=127.0.0.1:0 --health_listen=127.0.0.1:$hport --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 1 ] || fail "second server on busy health port: exit $rc: $out"
 grep -q "could not listen on --health_listen" <<<"$out" || fail "busy health port: $out"
+# The metrics port too; a server that never served logs no drain before its error.
+mport=$(log_port "$log" metrics)
+rc=0; out=$("$server" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:$mport --backend=cpu 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q -- "--metrics_listen 127.0.0.1:$mport: cannot listen" <<<"$out" ||
+  fail "second server on busy metrics port: exit $rc: $out"
+! grep -q "drain" <<<"$out" || fail "a server that did not start logs a drain: $out"
 
 [ "$("$cli" $t health)" = "SERVING" ] || fail "health is not SERVING"
 "$cli" $t info | grep -q '"backend": "cpu"' || fail "info does not say backend cpu"
@@ -233,7 +239,6 @@ rc=0; "$cli" $t --kv_scaling=STATIC --kv_scales=-1 smoke > "$log.smoke" 2>&1 || 
 rm -f "$log.smoke"
 [ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "smoke left a cache behind"
 
-mport=$(log_port "$log" metrics)
 hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"

@@ -26,7 +26,8 @@
 #include "client/smoke.h"
 #include "common/cmdline.h"
 
-ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "server address: host:port, [ipv6]:port or unix:/path/to.sock");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each RPC, seconds");
 ABSL_FLAG(std::string, token, "", "bearer token (or set PAGEDATTN_TOKEN)");
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of CA roots: connect with TLS");

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
         + "; ".join(f"{k}: {v}" for k, v in COMMANDS.items()),
     )
     p.add_argument("command", choices=sorted(COMMANDS))
-    p.add_argument("--target", default="localhost:50051", help="server address, host:port")
+    p.add_argument("--target", default="localhost:50051",
+                   help="server address: host:port, [ipv6]:port or unix:/path/to.sock")
     p.add_argument("--timeout_s", type=float, default=60, help="deadline of each RPC, seconds")
     p.add_argument("--token", default=os.environ.get("PAGEDATTN_TOKEN", ""),
                    help="bearer token (default: $PAGEDATTN_TOKEN)")

@@ -770,12 +770,22 @@ int Main() {
   if (options.bearer_token.empty() && std::getenv("PAGEDATTN_TOKEN") != nullptr) {
     options.bearer_token = std::getenv("PAGEDATTN_TOKEN");
   }
-  std::unique_ptr<Client> tcp = *Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(options);
+  if (!connected.ok()) {
+    std::cerr << "pagedattn-loadgen: --target: " << connected.status() << "\n";
+    return 2;
+  }
+  std::unique_ptr<Client> tcp = *std::move(connected);
   std::unique_ptr<Client> unix_client;
   if (!uds.empty()) {
     ClientOptions u = options;
     u.target = uds;
-    unix_client = *Client::Connect(u);
+    connected = Client::Connect(u);
+    if (!connected.ok()) {
+      std::cerr << "pagedattn-loadgen: --uds_target: " << connected.status() << "\n";
+      return 2;
+    }
+    unix_client = *std::move(connected);
   }
   std::unique_ptr<EchoServer> echo = StartEcho(/*tuned=*/true);
   std::unique_ptr<EchoServer> echo_default = StartEcho(/*tuned=*/false);

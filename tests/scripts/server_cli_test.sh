@@ -137,6 +137,10 @@ grep -q -- "--cases (default: 64x4096,16x4096,1x4096)" <<<"$out" &&
   grep -q -- "--shard_targets (default: )" <<<"$out" || fail "loadgen --help: $out"
 ! grep -q "loadgen.cc\|/work/\|/src/" <<<"$out" || fail "loadgen --help shows a build path: $out"
 "$loadgen" --version | grep -q "^pagedattn-loadgen [0-9]" || fail "loadgen --version"
+# A target the client refuses is a usage error naming the flag, not an abort.
+rc=0; out=$("$loadgen" --target=127.0.0.1:99999 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--target: INVALID_ARGUMENT: target '127.0.0.1:99999'" <<<"$out" ||
+  fail "loadgen --target=127.0.0.1:99999: exit $rc: $out"
 
 : >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \

@@ -22,6 +22,8 @@
 #include <random>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -762,6 +764,21 @@ int Main() {
   }
   std::vector<std::string> modes =
       absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty());
+  // Checked before anything runs: a mode refused halfway would have cost a prefill.
+  static const absl::flat_hash_set<std::string> kModes = {
+      "unary_tcp",   "unary_uds",      "unary_proto_tcp", "stream_tcp",         "stream_uds",
+      "sharded_tcp", "echo_tcp",       "echo_uds",        "echo_proto_default", "ipc_tcp",
+      "ipc_uds",     "ipc_events_tcp", "ipc_events_uds",  "ipc_stream_uds"};
+  for (const std::string& mode : modes) {
+    if (!kModes.contains(mode)) {
+      std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "' in --modes (see --help)\n";
+      return 2;
+    }
+    if (mode == "sharded_tcp" && absl::GetFlag(FLAGS_shard_targets).empty()) {
+      std::cerr << "pagedattn-loadgen: mode sharded_tcp needs --shard_targets\n";
+      return 2;
+    }
+  }
   const std::string uds = absl::GetFlag(FLAGS_uds_target);
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
@@ -810,6 +827,8 @@ int Main() {
       std::cerr << "pagedattn-loadgen: CreateCache: " << cache.status() << "\n";
       return 1;
     }
+    // However this shape's run ends (a mode that fails returns at once), its pool is freed.
+    absl::Cleanup delete_cache = [&] { (void)tcp->DeleteCache(cache->cache_id()); };
     std::cerr << absl::StrFormat("[%dx%d] prefill %d layers...\n", shape.batch, shape.context,
                                  w.layers);
     if (absl::Status s = Prefill(Unary(*tcp), w, cache->cache_id()); !s.ok()) {
@@ -843,10 +862,6 @@ int Main() {
       const bool over_uds = mode.find("uds") != std::string::npos;
       Client* client = over_uds ? unix_client.get() : tcp.get();
       if (client == nullptr) continue;  // no --uds_target
-      if (mode == "sharded_tcp" && absl::GetFlag(FLAGS_shard_targets).empty()) {
-        std::cerr << "pagedattn-loadgen: mode sharded_tcp needs --shard_targets\n";
-        return 2;
-      }
       std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
       const std::string metrics = absl::GetFlag(FLAGS_metrics_target);
       absl::StatusOr<Phases> phases_before = absl::NotFoundError("not read");
@@ -871,8 +886,7 @@ int Main() {
         s = absl::FailedPreconditionError("this pagedattn-loadgen was built without CUDA");
 #endif
       } else {
-        std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "'\n";
-        return 2;
+        s = absl::InternalError(absl::StrCat("mode '", mode, "' has no runner"));
       }
       if (!s.ok()) {
         std::cerr << "pagedattn-loadgen: " << mode << ": " << s.status() << "\n";
@@ -896,7 +910,6 @@ int Main() {
         kernel_from = mode;
       }
     }
-    (void)tcp->DeleteCache(cache->cache_id());
   }
   if (const int mib = absl::GetFlag(FLAGS_echo_mib); mib > 0) {
     for (const auto& [name, channel, proto] : {std::tuple{"echo_tcp", echo_tcp, false},

@@ -249,6 +249,16 @@ stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
 # Three smokes of four Forwards each.
 grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 12' <<<"$stats" || fail "stats: $stats"
 
+# The load generator: a mode that fails (ipc_tcp: the CPU backend takes no device tensors) ends
+# the run, and its cache goes with it; an unknown mode is refused before anything runs.
+small="--cases=1x16 --layers=1 --steps=1 --warmup=0 --echo_mib=0 --head_dim=64 --q_heads=2 --kv_heads=1"
+rc=0; out=$("$loadgen" --target=127.0.0.1:$port --modes=ipc_tcp $small 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "pagedattn-loadgen: ipc_tcp: " <<<"$out" || fail "loadgen ipc_tcp: exit $rc: $out"
+[ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "loadgen left its cache behind: $("$cli" $t list)"
+rc=0; out=$("$loadgen" --target=127.0.0.1:$port --modes=unary_tcp,unray_uds $small 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "unknown mode 'unray_uds' in --modes" <<<"$out" && ! grep -q prefill <<<"$out" ||
+  fail "loadgen with an unknown mode: exit $rc: $out"
+
 if [ -n "$py" ]; then
   # /metrics must parse with the reference Prometheus parser.
   "$py" - "127.0.0.1:$mport" <<'PY' || fail "metrics do not parse as Prometheus text"

@@ -26,7 +26,8 @@
 #include "client/smoke.h"
 #include "common/cmdline.h"
 
-ABSL_FLAG(std::string, target, "localhost:50051", "server address, host:port");
+ABSL_FLAG(std::string, target, "localhost:50051",
+          "server address: host:port, [ipv6]:port or unix:/path/to.sock");
 ABSL_FLAG(double, timeout_s, 60, "deadline of each RPC, seconds");
 ABSL_FLAG(std::string, token, "", "bearer token (or set PAGEDATTN_TOKEN)");
 ABSL_FLAG(std::string, tls_ca, "", "PEM file of CA roots: connect with TLS");
@@ -81,7 +82,9 @@ constexpr char kUsage[] =
     "  release CACHE_ID SEQ...  free sequences' pages\n"
     "  stats                    the server's Prometheus metrics (--metrics_target)\n"
     "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
-    "                           Forward, compared with a float64 reference; prints PASS/FAIL\n\n"
+    "                           Forward, compared with a float64 reference; prints PASS/FAIL\n"
+    "                           (a 2-layer cache of its own: --head_dim, --page_size, the heads,\n"
+    "                           --kv_dtype and its scaling, --device)\n\n"
     "--request_id=ID makes every call of the command carry ID, which the server's log lines\n"
     "for them show as req= (stats excepted: it is no gRPC call).\n";
 
@@ -342,6 +345,7 @@ int main(int argc, char** argv) {
     so.kv_dtype = config->kv_dtype();
     so.kv_scaling = config->kv_scaling();
     so.kv_scales.assign(config->kv_scales().begin(), config->kv_scales().end());
+    so.device = config->device();
     auto info = c.GetServerInfo();
     if (!info.ok()) return Fail(info.status());
     auto r = pagedattn::RunSmoke(c, so);

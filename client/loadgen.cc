@@ -22,6 +22,8 @@
 #include <random>
 #include <thread>
 
+#include "absl/cleanup/cleanup.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/reflection.h"
@@ -762,6 +764,21 @@ int Main() {
   }
   std::vector<std::string> modes =
       absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty());
+  // Checked before anything runs: a mode refused halfway would have cost a prefill.
+  static const absl::flat_hash_set<std::string> kModes = {
+      "unary_tcp",   "unary_uds",      "unary_proto_tcp", "stream_tcp",         "stream_uds",
+      "sharded_tcp", "echo_tcp",       "echo_uds",        "echo_proto_default", "ipc_tcp",
+      "ipc_uds",     "ipc_events_tcp", "ipc_events_uds",  "ipc_stream_uds"};
+  for (const std::string& mode : modes) {
+    if (!kModes.contains(mode)) {
+      std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "' in --modes (see --help)\n";
+      return 2;
+    }
+    if (mode == "sharded_tcp" && absl::GetFlag(FLAGS_shard_targets).empty()) {
+      std::cerr << "pagedattn-loadgen: mode sharded_tcp needs --shard_targets\n";
+      return 2;
+    }
+  }
   const std::string uds = absl::GetFlag(FLAGS_uds_target);
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
@@ -770,12 +787,22 @@ int Main() {
   if (options.bearer_token.empty() && std::getenv("PAGEDATTN_TOKEN") != nullptr) {
     options.bearer_token = std::getenv("PAGEDATTN_TOKEN");
   }
-  std::unique_ptr<Client> tcp = *Client::Connect(options);
+  absl::StatusOr<std::unique_ptr<Client>> connected = Client::Connect(options);
+  if (!connected.ok()) {
+    std::cerr << "pagedattn-loadgen: --target: " << connected.status() << "\n";
+    return 2;
+  }
+  std::unique_ptr<Client> tcp = *std::move(connected);
   std::unique_ptr<Client> unix_client;
   if (!uds.empty()) {
     ClientOptions u = options;
     u.target = uds;
-    unix_client = *Client::Connect(u);
+    connected = Client::Connect(u);
+    if (!connected.ok()) {
+      std::cerr << "pagedattn-loadgen: --uds_target: " << connected.status() << "\n";
+      return 2;
+    }
+    unix_client = *std::move(connected);
   }
   std::unique_ptr<EchoServer> echo = StartEcho(/*tuned=*/true);
   std::unique_ptr<EchoServer> echo_default = StartEcho(/*tuned=*/false);
@@ -800,6 +827,8 @@ int Main() {
       std::cerr << "pagedattn-loadgen: CreateCache: " << cache.status() << "\n";
       return 1;
     }
+    // However this shape's run ends (a mode that fails returns at once), its pool is freed.
+    absl::Cleanup delete_cache = [&] { (void)tcp->DeleteCache(cache->cache_id()); };
     std::cerr << absl::StrFormat("[%dx%d] prefill %d layers...\n", shape.batch, shape.context,
                                  w.layers);
     if (absl::Status s = Prefill(Unary(*tcp), w, cache->cache_id()); !s.ok()) {
@@ -833,10 +862,6 @@ int Main() {
       const bool over_uds = mode.find("uds") != std::string::npos;
       Client* client = over_uds ? unix_client.get() : tcp.get();
       if (client == nullptr) continue;  // no --uds_target
-      if (mode == "sharded_tcp" && absl::GetFlag(FLAGS_shard_targets).empty()) {
-        std::cerr << "pagedattn-loadgen: mode sharded_tcp needs --shard_targets\n";
-        return 2;
-      }
       std::cerr << absl::StrFormat("[%dx%d] %s...\n", shape.batch, shape.context, mode);
       const std::string metrics = absl::GetFlag(FLAGS_metrics_target);
       absl::StatusOr<Phases> phases_before = absl::NotFoundError("not read");
@@ -861,8 +886,7 @@ int Main() {
         s = absl::FailedPreconditionError("this pagedattn-loadgen was built without CUDA");
 #endif
       } else {
-        std::cerr << "pagedattn-loadgen: unknown mode '" << mode << "'\n";
-        return 2;
+        s = absl::InternalError(absl::StrCat("mode '", mode, "' has no runner"));
       }
       if (!s.ok()) {
         std::cerr << "pagedattn-loadgen: " << mode << ": " << s.status() << "\n";
@@ -886,7 +910,6 @@ int Main() {
         kernel_from = mode;
       }
     }
-    (void)tcp->DeleteCache(cache->cache_id());
   }
   if (const int mib = absl::GetFlag(FLAGS_echo_mib); mib > 0) {
     for (const auto& [name, channel, proto] : {std::tuple{"echo_tcp", echo_tcp, false},
@@ -922,9 +945,32 @@ int Main() {
 }  // namespace pagedattn
 
 int main(int argc, char** argv) {
-  absl::SetProgramUsageMessage(
+  constexpr char kUsage[] =
       "model-shaped load against a pagedattn server, beside a bare gRPC echo of the same bytes.\n"
-      "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]");
+      "  pagedattn-loadgen --target=HOST:PORT [--uds_target=unix:/path] [--cases=64x4096,...]\n"
+      "The rows, one per (mode, shape), go to stderr as they are measured and at the end as one\n"
+      "JSON list to stdout (or --json).\n";
+  // Answered here: absl's own --help lists only the flags of a file named like the program
+  // (loadgen.cc is not), and exits 1.
+  switch (pagedattn::FindInfoFlag(argc, argv)) {
+    case pagedattn::InfoFlag::kHelp: {
+      std::cout << "pagedattn-loadgen: " << kUsage << "\nflags:\n";
+      std::map<std::string, absl::CommandLineFlag*> flags;
+      for (const auto& [name, flag] : absl::GetAllFlags()) {
+        if (absl::StrContains(flag->Filename(), "client/loadgen.cc")) {
+          flags[std::string(name)] = flag;
+        }
+      }
+      pagedattn::PrintFlagsHelp(std::cout, flags);
+      return 0;
+    }
+    case pagedattn::InfoFlag::kVersion:
+      std::cout << "pagedattn-loadgen " << PAGEDATTN_VERSION << "\n";
+      return 0;
+    case pagedattn::InfoFlag::kNone:
+      break;
+  }
+  absl::SetProgramUsageMessage(kUsage);
   absl::ParseCommandLine(argc, argv);
   if (!pagedattn::NoRepeatedFlags("pagedattn-loadgen", argc, argv,
                                   pagedattn::FlagKinds(absl::GetAllFlags(), "client/loadgen.cc"),

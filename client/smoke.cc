@@ -49,6 +49,7 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   config.set_page_size(o.page_size);
   config.set_kv_dtype(o.kv_dtype);
   config.set_kv_scaling(o.kv_scaling);
+  config.set_device(o.device);
   const size_t num_scales = o.kv_scales.size() > 4 ? 4 : o.kv_scales.size();  // two layers'
   for (size_t i = 0; i < num_scales; ++i) config.add_kv_scales(o.kv_scales[i]);
   // Room for the steps' three sequences of up to 64 tokens at any page size (page_size 1
@@ -58,11 +59,13 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   if (!cache.ok()) return cache.status();
   report.cache_id = cache->cache_id();
   absl::StrAppendFormat(
-      &report.summary, "  config: head_dim %d, page_size %d, %d q / %d kv heads, kv_dtype %s%s\n",
+      &report.summary,
+      "  config: head_dim %d, page_size %d, %d q / %d kv heads, kv_dtype %s%s, device %d\n",
       o.head_dim, o.page_size, o.num_q_heads, o.num_kv_heads, v1::DType_Name(o.kv_dtype),
       o.kv_scaling == v1::KV_SCALING_UNSPECIFIED
           ? ""
-          : absl::StrCat(" (", v1::KvScaling_Name(o.kv_scaling), ")").c_str());
+          : absl::StrCat(" (", v1::KvScaling_Name(o.kv_scaling), ")").c_str(),
+      o.device);
   // Whatever goes wrong below, the cache goes (best effort: the error that ended the run is
   // the one reported).
   bool deleted_cache = false;

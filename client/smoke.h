@@ -23,6 +23,7 @@ struct SmokeOptions {
   v1::KvScaling kv_scaling = v1::KV_SCALING_UNSPECIFIED;
   std::vector<float> kv_scales;
   v1::DType q_dtype = v1::FLOAT32;
+  int32_t device = 0;  // The GPU (or CPU device) the smoke's cache lives on.
   uint64_t seed = 1;
 };
 

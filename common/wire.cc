@@ -335,7 +335,10 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
       return 1;
     }
     if (number == 3 && type == kLength) {
-      if (!p.Room(out->spans.size(), limits.max_spans, "spans per Forward")) return -1;
+      if (!p.Room(out->spans.size(), limits.max_spans,
+                  "spans per Forward (the server's --max_forward_spans)")) {
+        return -1;
+      }
       if (!p.LengthEnd(&end)) return -1;
       SpanRef s;
       const bool ok = p.Fields(end, [&](uint32_t n, uint32_t t) -> int {

@@ -5,4 +5,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/build.sh build pagedattn-server pagedattn-cli
+# The build's variable, no flag of the server's: it would log it as an ignored PAGEDATTN_*.
+unset PAGEDATTN_CMAKE_ARGS
 exec build/server/pagedattn-server "$@"

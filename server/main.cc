@@ -121,9 +121,9 @@ ABSL_FLAG(bool, graph_launch, true,
           "launch instead of 4-5, which an idle GPU waits for). false launches them plainly (an "
           "escape hatch; it also turns --forward_graph off)");
 ABSL_FLAG(bool, forward_graph, true,
-          "CUDA backend: submit each Forward's upload, kernels, download and event records as "
-          "one cached CUDA graph (one runtime call instead of about a dozen). false submits them "
-          "one by one, the kernels through --graph_launch's per-kernel graphs");
+          "CUDA backend: submit each Forward's upload, and then its kernels, download and event "
+          "records, as cached CUDA graphs (two runtime calls instead of about a dozen). false "
+          "submits them one by one, the kernels through --graph_launch's per-kernel graphs");
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls and new steps on open Step "
           "streams are refused, calls in flight (a Step stream's open step) get this many seconds "
@@ -589,7 +589,7 @@ int main(int argc, char** argv) {
     std::vector<std::string> ccs;
     for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
     const char* launches = !options.backend.graph_launch   ? "plain"
-                           : options.backend.forward_graph ? "a Forward as one cached graph"
+                           : options.backend.forward_graph ? "a Forward as two cached graphs"
                                                            : "each kernel through a cached graph";
     spdlog::info("CUDA: compute capability {}; kernels built as {}; prefill {}, launches {}",
                  absl::StrJoin(ccs, ", "), absl::StrJoin(pagedattn::BuiltCudaArchitectures(), " "),

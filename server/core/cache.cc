@@ -44,8 +44,9 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   }
   if (a.spans.empty()) return absl::InvalidArgumentError("spans must not be empty");
   if (static_cast<int64_t>(a.spans.size()) > limits_.max_spans) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "at most ", limits_.max_spans, " spans per Forward (got ", a.spans.size(), ")"));
+    return absl::InvalidArgumentError(absl::StrCat("at most ", limits_.max_spans,
+                                                   " spans per Forward (got ", a.spans.size(),
+                                                   "; the server's --max_forward_spans)"));
   }
   int64_t total_q = 0;
   int64_t total_new = 0;
@@ -77,9 +78,9 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
     total_new += s.num_new_tokens;
   }
   if (total_q + total_new > limits_.max_tokens) {
-    return absl::InvalidArgumentError(absl::StrCat("at most ", limits_.max_tokens,
-                                                   " queries plus new tokens per Forward (got ",
-                                                   total_q + total_new, ")"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("at most ", limits_.max_tokens, " queries plus new tokens per Forward (got ",
+                     total_q + total_new, "; the server's --max_forward_tokens)"));
   }
   absl::Status s;
   if (total_q == 0 && a.q.empty()) {

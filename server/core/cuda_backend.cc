@@ -672,7 +672,7 @@ class CudaBackend final : public Backend {
   }
 
   const bool portable_prefill_;  // --prefill_kernel=portable
-  const bool forward_graph_;     // --forward_graph: a Forward's work as one cached graph
+  const bool forward_graph_;     // --forward_graph: a Forward's upload and work as cached graphs
   k::Launcher launcher_;         // --graph_launch: the kernels through cached graphs
   std::atomic<int64_t> forward_graphs_{0};
   absl::Mutex mu_;

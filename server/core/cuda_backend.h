@@ -26,8 +26,8 @@ struct CudaBackendOptions {
   // (kernels/launch.h), and no Forward as one graph. Each backend has its own kernels::Launcher
   // with this setting.
   bool graph_launch = true;
-  // A Forward's upload, kernels, download and event records as one cached CUDA graph
-  // (kernels/submission.h), not a runtime call each. Needs graph_launch.
+  // A Forward's upload, and then its kernels, download and event records, as two cached CUDA
+  // graphs (kernels/submission.h), not a runtime call each. Needs graph_launch.
   bool forward_graph = true;
 };
 

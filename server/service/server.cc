@@ -292,6 +292,7 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     s->metrics_http_ = *std::move(http);
   }
   s->health_->SetServing(true);
+  s->started_ = true;
   return s;
 }
 
@@ -305,6 +306,14 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
     absl::MutexLock lock(&shutdown_mu_);
     if (shut_down_ || server_ == nullptr) return;
     shut_down_ = true;
+  }
+  if (!started_) {
+    // Start failed part-way (a port in use): nothing was served, so there is nothing to drain
+    // or to log before its error.
+    const auto now = absl::ToChronoTime(absl::Now());
+    server_->Shutdown(now);
+    if (health_server_) health_server_->Shutdown(now);
+    return;
   }
   const absl::Time start = absl::Now();
   const absl::Time deadline = start + std::max(grace, absl::ZeroDuration());

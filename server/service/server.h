@@ -111,6 +111,7 @@ class PagedAttnServer {
   std::vector<std::string> listening_;
   int health_port_ = 0;
   bool tls_ = false;
+  bool started_ = false;  // Start returned the server: it has served, and drains at shutdown
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
 };

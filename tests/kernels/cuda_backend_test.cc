@@ -763,7 +763,7 @@ TEST_F(CudaKernelTest, ConcurrentForwards) {
   for (double e : errs) EXPECT_LE(e, 1e-2);
 }
 
-// A Forward goes to the GPU as one cached graph (kernels/submission.h), or op by op with its
+// A Forward goes to the GPU as two cached graphs (kernels/submission.h), or op by op with its
 // kernels through cached one- or two-node graphs (kernels/launch.h): Forward after Forward,
 // with grids and parameters that change from one to the next (split decode, prefill, chunked
 // prefill, then a decode-only step), both must give exactly what plain launches give (a backend

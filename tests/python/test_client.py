@@ -467,7 +467,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-def test_cli_info_validate_smoke(target, backend):
+def test_cli_info_validate_smoke(target, backend, server_info):
     r = _cli(f"--target={target}", "info")
     assert r.returncode == 0 and f'"backend": "{backend}"' in r.stdout
     r = _cli(f"--target={target}", "health")
@@ -498,6 +498,10 @@ def test_cli_info_validate_smoke(target, backend):
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
     r = _cli(f"--target={target}", "--kv_scaling=static", "--kv_scales=0.02,0.01", "smoke")
     assert r.returncode == 1 and "kv_scaling applies to FLOAT8_E4M3" in r.stderr, r.stderr
+    # --device reaches the smoke's cache: one past the server's last device is refused by name.
+    n = server_info.device_count
+    r = _cli(f"--target={target}", f"--device={n}", "smoke")
+    assert r.returncode == 1 and f"device must be in 0..{n - 1} (got {n})" in r.stderr, r.stderr
     # Page size 1 (the smoke's cache has the pages its steps need at any page size).
     r = _cli(f"--target={target}", "--page_size=1", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr

@@ -4,6 +4,8 @@ values the client checks by name before sending (spans, sequence ids)."""
 
 from __future__ import annotations
 
+import re
+
 import grpc
 import numpy as np
 import pytest
@@ -103,6 +105,37 @@ def test_misused_arguments_name_what_is_wrong():
     for bad in ("5", 0, -1.0, True):
         with pytest.raises(ValueError, match="timeout must be a positive number of seconds"):
             pagedattn.Client("127.0.0.1:1", timeout=bad)
+
+
+@pytest.mark.parametrize("target,message", [
+    # grpc connected to 127.0.0.1:34463 (99999 modulo 65536).
+    ("127.0.0.1:99999", "target '127.0.0.1:99999': the port is out of range"),
+    ("[::1]:70000", "target '[::1]:70000': the port is out of range"),
+    ("localhost:http", "target 'localhost:http': the port is not a number"),
+    ("::1:50051", "target '::1:50051': an IPv6 address needs [brackets]"),
+    ("", "target is required: host:port, unix:PATH or a gRPC URI"),
+])
+def test_a_target_grpc_would_misread_is_refused(target, message):
+    import asyncio
+
+    import pagedattn
+    from pagedattn import aio
+
+    with pytest.raises(ValueError) as e:
+        pagedattn.Client(target)
+    assert str(e.value) == message
+    with pytest.raises(ValueError, match=re.escape(message)):
+        pagedattn.ShardedClient([target, "127.0.0.1:1"])
+
+    async def make():
+        aio.Client(target)
+
+    with pytest.raises(ValueError, match=re.escape(message)):
+        asyncio.run(make())
+    # What grpc reads as the caller meant stays accepted.
+    for fine in ("localhost:50051", "[::1]:50051", ":50051", "unix:/run/pa.sock", "dns:///h:1",
+                 "ipv4:127.0.0.1:1", "localhost"):
+        pagedattn.Client(fine).close()
 
 
 def test_a_closed_client_raises_client_closed_before_sending():

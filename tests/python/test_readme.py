@@ -1,5 +1,6 @@
 """README's runnable Python examples, run as written with the test servers' addresses swapped in:
-the quick start and the sharded cache print what README's comments say they print."""
+the quick start and the sharded cache print what README's comments say they print. And README's
+table of server flags against the server's --help."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import contextlib
 import io
 import pathlib
 import re
+import subprocess
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -75,3 +77,24 @@ def test_asyncio_example_prints_what_readme_says(target):
     documented = documented_prints(code)
     assert documented, "README's asyncio example documents no print"
     assert run_block(code.replace('"localhost:50051"', repr(target)), namespace) == documented
+
+
+def test_server_flag_table_matches_help(server_binary):
+    # Every flag --help lists is in README's table of server flags, with --help's default.
+    help_text = subprocess.run([server_binary, "--help"], capture_output=True, text=True,
+                               check=True).stdout
+    defaults = dict(re.findall(r"^  --(\w+) \(default: (.*)\)$", help_text, re.M))
+    assert "listen" in defaults and "unix_socket_mode" in defaults, help_text
+    section = README.read_text().split("\n## pagedattn-server flags\n", 1)[1].split("\n## ", 1)[0]
+    table: dict[str, str] = {}
+    for row in re.findall(r"^\| (`--.*?) \| (.*?) \|", section, re.M):
+        flags = re.findall(r"`--(\w+)`", row[0])
+        # One default for every flag of the row, or one each; "unset" is an empty value.
+        values = [re.sub(r" \(.*\)$", "", v.strip("` ")) for v in row[1].split(", ")]
+        values = ["" if v == "unset" else v for v in values]
+        assert len(values) in (1, len(flags)), row
+        for flag, value in zip(flags, values * len(flags) if len(values) == 1 else values):
+            table[flag] = value
+    missing, extra = sorted(set(defaults) - set(table)), sorted(set(table) - set(defaults))
+    assert (missing, extra) == ([], []), "flags of --help not in README's table, and the reverse"
+    assert table == defaults

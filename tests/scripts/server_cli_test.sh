@@ -130,6 +130,17 @@ grep -q -- "--num_pages (default: 0)" <<<"$out" && grep -q "cache config: pages"
 ! grep -q "s3cret-help-value" <<<"$out" || fail "cli --help shows --token's value"
 out=$("$cli" --version) || fail "cli --version exit code $?"
 grep -q "^pagedattn-cli [0-9]" <<<"$out" || fail "cli --version: $out"
+# The load generator's too (it is installed beside the CLI).
+loadgen=$(dirname "$cli")/pagedattn-loadgen
+out=$("$loadgen" --help) || fail "loadgen --help exit code $?: $out"
+grep -q -- "--cases (default: 64x4096,16x4096,1x4096)" <<<"$out" &&
+  grep -q -- "--shard_targets (default: )" <<<"$out" || fail "loadgen --help: $out"
+! grep -q "loadgen.cc\|/work/\|/src/" <<<"$out" || fail "loadgen --help shows a build path: $out"
+"$loadgen" --version | grep -q "^pagedattn-loadgen [0-9]" || fail "loadgen --version"
+# A target the client refuses is a usage error naming the flag, not an abort.
+rc=0; out=$("$loadgen" --target=127.0.0.1:99999 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--target: INVALID_ARGUMENT: target '127.0.0.1:99999'" <<<"$out" ||
+  fail "loadgen --target=127.0.0.1:99999: exit $rc: $out"
 
 : >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \
@@ -149,6 +160,12 @@ grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" || fail
 rc=0; out=$("$server" --listen=127.0.0.1:0 --health_listen=127.0.0.1:$hport --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 1 ] || fail "second server on busy health port: exit $rc: $out"
 grep -q "could not listen on --health_listen" <<<"$out" || fail "busy health port: $out"
+# The metrics port too; a server that never served logs no drain before its error.
+mport=$(log_port "$log" metrics)
+rc=0; out=$("$server" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:$mport --backend=cpu 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q -- "--metrics_listen 127.0.0.1:$mport: cannot listen" <<<"$out" ||
+  fail "second server on busy metrics port: exit $rc: $out"
+! grep -q "drain" <<<"$out" || fail "a server that did not start logs a drain: $out"
 
 [ "$("$cli" $t health)" = "SERVING" ] || fail "health is not SERVING"
 "$cli" $t info | grep -q '"backend": "cpu"' || fail "info does not say backend cpu"
@@ -218,17 +235,29 @@ grep -q "head_dim 64, page_size 7" "$log.smoke" || fail "smoke ignores its flags
 "$cli" $t --head_dim=64 --kv_dtype=FLOAT8_E4M3 --kv_scaling=STATIC --kv_scales=0.02,0.01 smoke \
   > "$log.smoke" || fail "FP8 STATIC smoke: $(cat "$log.smoke")"
 grep -q "kv_dtype FLOAT8_E4M3 (STATIC)" "$log.smoke" || fail "smoke ignores --kv_scaling: $(cat "$log.smoke")"
+# --device reaches the smoke's cache (the CPU backend has device 0 only).
+rc=0; out=$("$cli" $t --device=1 smoke 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "device must be in 0..0 (got 1)" <<<"$out" || fail "smoke --device=1: exit $rc $out"
 rc=0; "$cli" $t --kv_scaling=STATIC --kv_scales=-1 smoke > "$log.smoke" 2>&1 || rc=$?
 [ $rc -eq 1 ] && grep -q "kv_scaling applies to FLOAT8_E4M3" "$log.smoke" || fail "smoke of a bad scaling: exit $rc $(cat "$log.smoke")"
 rm -f "$log.smoke"
 [ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "smoke left a cache behind"
 
-mport=$(log_port "$log" metrics)
 hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
 # Three smokes of four Forwards each.
 grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 12' <<<"$stats" || fail "stats: $stats"
+
+# The load generator: a mode that fails (ipc_tcp: the CPU backend takes no device tensors) ends
+# the run, and its cache goes with it; an unknown mode is refused before anything runs.
+small="--cases=1x16 --layers=1 --steps=1 --warmup=0 --echo_mib=0 --head_dim=64 --q_heads=2 --kv_heads=1"
+rc=0; out=$("$loadgen" --target=127.0.0.1:$port --modes=ipc_tcp $small 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "pagedattn-loadgen: ipc_tcp: " <<<"$out" || fail "loadgen ipc_tcp: exit $rc: $out"
+[ "$("$cli" $t list | grep -c cacheId)" = 0 ] || fail "loadgen left its cache behind: $("$cli" $t list)"
+rc=0; out=$("$loadgen" --target=127.0.0.1:$port --modes=unary_tcp,unray_uds $small 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "unknown mode 'unray_uds' in --modes" <<<"$out" && ! grep -q prefill <<<"$out" ||
+  fail "loadgen with an unknown mode: exit $rc: $out"
 
 if [ -n "$py" ]; then
   # /metrics must parse with the reference Prometheus parser.

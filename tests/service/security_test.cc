@@ -362,7 +362,10 @@ TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {
   v1::ForwardRequest big = Prefill(ids[0], 1, 60);
   absl::StatusOr<v1::ForwardResponse> r = alpha->Forward(big);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("at most 100"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("at most 100 queries plus new tokens per Forward (got 120; "
+                                      "the server's --max_forward_tokens)"),
+            std::string::npos)
+      << r.status();
   // Spans per Forward (limit 3).
   v1::ForwardRequest spans = Prefill(ids[0], 1, 1);
   for (uint64_t s = 2; s <= 4; ++s) {
@@ -371,7 +374,10 @@ TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {
   }
   r = alpha->Forward(spans);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("at most 3 spans"), std::string::npos) << r.status();
+  EXPECT_NE(r.status().message().find("at most 3 spans per Forward"), std::string::npos)
+      << r.status();
+  EXPECT_NE(r.status().message().find("the server's --max_forward_spans"), std::string::npos)
+      << r.status();
   // Message size (256 KiB).
   v1::ForwardRequest huge = Prefill(ids[0], 1, 1);
   huge.mutable_q()->mutable_data()->append(300 << 10, 'x');

@@ -44,7 +44,8 @@ def parser() -> argparse.ArgumentParser:
         + "; ".join(f"{k}: {v}" for k, v in COMMANDS.items()),
     )
     p.add_argument("command", choices=sorted(COMMANDS))
-    p.add_argument("--target", default="localhost:50051", help="server address, host:port")
+    p.add_argument("--target", default="localhost:50051",
+                   help="server address: host:port, [ipv6]:port or unix:/path/to.sock")
     p.add_argument("--timeout_s", type=float, default=60, help="deadline of each RPC, seconds")
     p.add_argument("--token", default=os.environ.get("PAGEDATTN_TOKEN", ""),
                    help="bearer token (default: $PAGEDATTN_TOKEN)")
@@ -54,7 +55,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls_key", default="", help="client private key PEM (mTLS)")
     p.add_argument("--tls_server_name", default="", help="name to expect in the server certificate")
     g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, "
-                             "kv_dtype and its scaling)")
+                             "kv_dtype and its scaling, device)")
     g.add_argument("--num_layers", type=int, default=32)
     g.add_argument("--num_q_heads", type=int, default=None, help="default 32 (smoke: 8)")
     g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
@@ -153,6 +154,7 @@ def run(a: argparse.Namespace) -> int:
                 seed=a.seed,
                 kv_scaling=a.kv_scaling,
                 kv_scales=_scales(a.kv_scales),
+                device=a.device,
             )
             print(f"smoke against {a.target} (backend {info.backend}, {info.device_name}), "
                   f"cache {r.cache_id}:")

@@ -104,6 +104,43 @@ def cleanup_failed_during(error: Optional[BaseException], cleanup: BaseException
         warnings.warn(note, ResourceWarning, stacklevel=3)
 
 
+def _host_port_error(address: str) -> str:
+    """Why address is not host:port, [ipv6]:port or :port with a port in 0..65535 ("" when it
+    is), as common/host_port.cc's ParseHostPort says it."""
+    if address.startswith("["):
+        close = address.find("]")
+        if close < 0:
+            return "no closing ']'"
+        host = address[1:close]
+        if address[close + 1:close + 2] != ":":
+            return "no :port"
+        port = address[close + 2:]
+    else:
+        host, _, port = address.rpartition(":")
+        if ":" in host:
+            return "an IPv6 address needs [brackets]"
+    if any(c == " " or ord(c) < 32 or ord(c) == 127 for c in host):
+        return "the host has a space or a control character"
+    if not (0 < len(port) <= 5 and port.isascii() and port.isdigit()):
+        return "the port is not a number"
+    return "" if int(port) <= 65535 else "the port is out of range"
+
+
+def check_target(target: Any) -> None:
+    """A target grpc would take wrongly, refused when the client is made, as the C++ client
+    refuses it: an empty one (a channel that fails every call, UNKNOWN) and a port past 65535
+    (grpc connects to it modulo 65536: another port, perhaps another server's)."""
+    if not isinstance(target, str):
+        raise TypeError(f"target must be a str (got {type(target).__name__})")
+    if not target:
+        raise ValueError("target is required: host:port, unix:PATH or a gRPC URI")
+    if "/" in target or ":" not in target or target.startswith(("unix:", "ipv4:", "ipv6:", "dns:")):
+        return
+    why = _host_port_error(target)
+    if why:
+        raise ValueError(f"target {target!r}: {why}")
+
+
 def check_timeout(timeout: Any) -> None:
     """A client's default timeout: seconds > 0, or None for none (checked when the client is
     made, not at its first call, deep inside grpc)."""

@@ -81,6 +81,7 @@ class Client:
         max_message_bytes: int = _common.DEFAULT_MAX_MESSAGE_BYTES,
         options: Sequence[tuple[str, Any]] = (),
     ) -> None:
+        _common.check_target(target)
         self.target = target
         _common.check_timeout(timeout)
         self.timeout = timeout

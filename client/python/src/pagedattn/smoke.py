@@ -61,11 +61,13 @@ def run_smoke(
     seed: int = 1,
     kv_scaling: Optional[str] = None,
     kv_scales: Sequence[float] = (),
+    device: int = 0,
 ) -> SmokeReport:
     """Creates a cache, runs the STEPS, checks every output and LSE, releases, deletes.
     RPC failures raise; a wrong answer is a report with passed=False. kv_scaling and kv_scales
     as CacheConfig's (a per-layer list: the cache's two layers take its first 4 values); the
-    K/V are standard normal, which STATIC scales near 4.5 / 448 = 0.01 fit."""
+    K/V are standard normal, which STATIC scales near 4.5 / 448 = 0.01 fit. device: the GPU
+    the cache lives on."""
     kv_t, q_t = dtype_enum(kv_dtype), dtype_enum(q_dtype)
     if kv_t not in TOLERANCE:
         raise ValueError("kv_dtype must be float32, float16, bfloat16 or float8_e4m3 "
@@ -77,8 +79,9 @@ def run_smoke(
     # Room for the steps' three sequences of up to 64 tokens at any page size (page_size 1
     # needs 80 pages; 64 left it out of pages).
     num_pages = max(64, 3 * -(-64 // max(page_size, 1)))
-    config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t, num_pages=num_pages,
-                         kv_scaling=kv_scaling, kv_scales=tuple(kv_scales)[:4])
+    config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t,
+                         num_pages=num_pages, kv_scaling=kv_scaling,
+                         kv_scales=tuple(kv_scales)[:4], device=device)
     rng = np.random.default_rng(seed)
     # Host copy of each (layer, sequence)'s K and V rows, rounded to kv_dtype.
     kv: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}

@@ -244,6 +244,7 @@ ForwardLaunch AttentionPlan::Bind(void* device_base, int32_t* merge_counters, vo
   p.separate_merge = w.separate_merge;
   p.decode_blocks_per_sm = w.decode_blocks_per_sm;
   p.narrow_decode = w.narrow_decode;
+  p.pair_merge = w.pair_merge;
   p.merge_rows = w.merge_rows;
   p.partial_out = reinterpret_cast<float*>(d + st.partial_out);
   p.partial_lse = reinterpret_cast<float*>(d + st.partial_lse);

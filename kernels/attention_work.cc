@@ -110,6 +110,7 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->separate_merge = false;
   work->decode_blocks_per_sm = 0;
   work->narrow_decode = false;
+  work->pair_merge = false;
   work->merge_rows = 0;
   const int group = num_q_heads / num_kv_heads;
 
@@ -235,6 +236,13 @@ void PlanAttentionWork(const AttentionSpan* spans, int num_spans, int num_q_head
   work->narrow_decode = std::all_of(tiles.begin(), tiles.end(), [](const Tile& t) {
     return t.tile_rows != kDecodeTileRows || t.num_rows <= kDecodeNarrowRows;
   });
+  const auto splits_of = [&](const Tile& t) { return CeilDiv(t.length(), chunk); };
+  work->pair_merge = limits.cluster_launch && work->narrow_decode && !work->separate_merge &&
+                     std::any_of(tiles.begin(), tiles.end(),
+                                 [](const Tile& t) { return t.tile_rows == kDecodeTileRows; }) &&
+                     std::all_of(tiles.begin(), tiles.end(), [&](const Tile& t) {
+                       return t.tile_rows != kDecodeTileRows || splits_of(t) == 2;
+                     });
 
   // Items of one span are emitted split-major so that tiles reading the same KV chunk (the
   // tiles of a GQA group wider than 16 rows) run side by side and share it through L2.

@@ -126,6 +126,11 @@ struct AttentionWork {
   // Every 16-row decode tile holds at most kDecodeNarrowRows rows (decode at GQA up to 8): an FP8
   // cache's tiles may then run the narrow kernel (eight warps, the transposed step alone).
   bool narrow_decode = false;
+  // Every 16-row decode tile is cut in exactly two splits, merged in the tiles (not apart): where
+  // the narrow tile runs, its two blocks then run as a cluster and merge through each other's
+  // shared memory (DecodeTileKernelNarrowPair), and decode_items holds each tile's two splits
+  // side by side (as it does under narrow_decode: one tile a span, its splits in order).
+  bool pair_merge = false;
   // The persistent Hopper prefill kernel's schedule (SchedulePrefillJobs): block b runs
   // prefill_jobs[prefill_job_start[b] .. prefill_job_start[b + 1]) in that order. Empty when
   // no schedule was asked for (the portable prefill kernel runs one block per item and head).
@@ -178,6 +183,9 @@ struct AttentionPlanLimits {
   // false: every span runs on prefill tiles (no decode tiles for this cache dtype and head_dim
   // on this device: HasDecodeTiles, or a 512 decode tile over the device's shared memory).
   bool decode_tiles = true;
+  // The device launches thread block clusters (compute capability 9.0 on): a plan may then merge
+  // two-split tiles by pairs (AttentionWork::pair_merge).
+  bool cluster_launch = false;
 };
 
 // Splits the batch into tiles and, where batch * kv_heads cannot fill the GPU, each tile's KV

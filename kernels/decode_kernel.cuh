@@ -89,7 +89,11 @@ __device__ __forceinline__ void StoreDecodeRows(DecodeState<Cfg::kDv>& st, float
 
 // store_rows(red_o, red_max, red_sum, row_offset, live_rows): the warp's rows into the shared
 // arrays (StoreDecodeRows, DecodeFp8NarrowMath::StoreRows).
-template <typename TIO, typename Cfg, int D, int kKvWarps, typename StoreRows>
+// kPairMerge (DecodeTileKernelNarrowPair): the block and the other of its cluster are a tile's
+// two splits; each combines half the tile's (row, 4 dims) of both blocks' warps, the other's
+// read from its shared memory, and writes them finished: no partials, no merge after.
+template <typename TIO, typename Cfg, int D, int kKvWarps, bool kPairMerge = false,
+          typename StoreRows>
 __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,
                                                        const AttentionWorkItem& item, int kv_head,
                                                        int group, StoreRows&& store_rows,
@@ -103,36 +107,64 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
   float* red_sum = red_max + kKvWarps * Cfg::kRows;                  // [kKvWarps][kRows]
   const int live_rows = min(Cfg::kRows, span_rows - item.row_start);
   store_rows(red_o, red_max, red_sum, kv_warp * Cfg::kRows, live_rows);
-  __syncthreads();
+  // The warps' states of each source block: this block's, and with kPairMerge the other's.
+  constexpr int kSources = kPairMerge ? 2 : 1;
+  const float* src_o[kSources];
+  const float* src_max[kSources];
+  const float* src_sum[kSources];
+  int first_e = tid, e_step = Cfg::kThreads;
+  if constexpr (kPairMerge) {
+    // Both blocks' states stored and visible cluster-wide; the other's read in place.
+    const unsigned rank = ClusterRank();
+    ClusterSync();
+    first_e += static_cast<int>(rank) * Cfg::kThreads;
+    e_step *= 2;
+    for (int b = 0; b < 2; ++b) {
+      const unsigned from = rank ^ static_cast<unsigned>(b);
+      src_o[b] = ClusterPeerPointer(red_o, from);
+      src_max[b] = ClusterPeerPointer(red_max, from);
+      src_sum[b] = ClusterPeerPointer(red_sum, from);
+    }
+  } else {
+    __syncthreads();
+    src_o[0] = red_o;
+    src_max[0] = red_max;
+    src_sum[0] = red_sum;
+  }
+  // Rows finished here: an unsplit tile's, or a pair's.
+  const bool finished = kPairMerge || item.partial_row < 0;
   constexpr int kQuads = DV / 4;
-  for (int e = tid; e < live_rows * kQuads; e += Cfg::kThreads) {
+  for (int e = first_e; e < live_rows * kQuads; e += e_step) {
     const int r = e / kQuads, c = (e % kQuads) * 4;
     float m = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < kKvWarps; ++w) m = fmaxf(m, red_max[w * Cfg::kRows + r]);
+    for (int b = 0; b < kSources; ++b)
+#pragma unroll
+      for (int w = 0; w < kKvWarps; ++w) m = fmaxf(m, src_max[b][w * Cfg::kRows + r]);
     const float base = m == -INFINITY ? 0.f : m;
     float sum = 0.f;
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-    for (int w = 0; w < kKvWarps; ++w) {
-      const float f = exp2f(red_max[w * Cfg::kRows + r] - base);
-      sum += red_sum[w * Cfg::kRows + r] * f;
-      const float4 v =
-          *reinterpret_cast<const float4*>(red_o + (w * Cfg::kRows + r) * Cfg::kRedStride + c);
-      acc.x += v.x * f;
-      acc.y += v.y * f;
-      acc.z += v.z * f;
-      acc.w += v.w * f;
-    }
-    // A sink joins the row's softmax once, where the row is finished: here for an unsplit tile,
-    // in the merge for a split one.
-    const float sink =
-        item.partial_row < 0 ? SinkLog2(p, kv_head, group, item.row_start + r) : -INFINITY;
+    for (int b = 0; b < kSources; ++b)
+#pragma unroll
+      for (int w = 0; w < kKvWarps; ++w) {
+        const float f = exp2f(src_max[b][w * Cfg::kRows + r] - base);
+        sum += src_sum[b][w * Cfg::kRows + r] * f;
+        const float4 v =
+            *reinterpret_cast<const float4*>(src_o[b] + (w * Cfg::kRows + r) * Cfg::kRedStride + c);
+        acc.x += v.x * f;
+        acc.y += v.y * f;
+        acc.z += v.z * f;
+        acc.w += v.w * f;
+      }
+    // A sink joins the row's softmax once, where the row is finished: here for an unsplit tile
+    // or a pair, in the merge for a split one.
+    const float sink = finished ? SinkLog2(p, kv_head, group, item.row_start + r) : -INFINITY;
     const RowNorm norm = NormalizeRow(sum, base, sink);
     const float inv = norm.inv, lse = norm.lse;
     const bool writes_lse = c == 0 && col0 == 0;
     if constexpr (!std::is_same_v<TIO, float>) {  // out in the cache's type: 4 values, 8 bytes
-      if (item.partial_row < 0) {
+      if (finished) {
         const int64_t out_row =
             OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
         *reinterpret_cast<uint2*>(static_cast<TIO*>(p.out) + out_row * D + col0 + c) =
@@ -144,21 +176,33 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
     }
     float* dst;  // out in float, or the split's partial buffers
     float* lse_dst;
-    TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
-                          lse_dst);
+    if constexpr (kPairMerge) {
+      const int64_t out_row =
+          OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
+      dst = static_cast<float*>(p.out) + out_row * D;
+      lse_dst = p.lse ? p.lse + out_row : nullptr;
+    } else {
+      TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
+                            lse_dst);
+    }
     *reinterpret_cast<float4*>(dst + col0 + c) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (lse_dst && writes_lse) *lse_dst = lse;
   }
+  // The other block's states stay until this block has read them.
+  if constexpr (kPairMerge) ClusterSync();
 }
 
 // ---- Device body --------------------------------------------------------------------------
 
-template <typename S, typename TIO, int D, int kRowWarps, int kKvWarps>
+// kPairMerge: DecodeTileKernelNarrowPair's, a tile's two splits a cluster
+// (AttentionWork::pair_merge).
+template <typename S, typename TIO, int D, int kRowWarps, int kKvWarps, bool kPairMerge = false>
 __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
                                                const AttentionWorkItem* items,
                                                const ItemFirstPages* first_pages) {
   using Cfg = DecodeTileConfig<S, D, kRowWarps, kKvWarps>;
+  static_assert(!kPairMerge || Cfg::kNarrowTile, "pairs merge in the narrow tile");
   using T = typename Cfg::T;
   using Math = DecodeTileMath<T, D, Cfg::kDv>;
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -179,7 +223,10 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
   // launch order, so the blocks that run at once read whole pages (a page holds every kv head's
   // rows, one after another) rather than one kv head's part of many pages
   // (docs/PERFORMANCE.md#design-decisions). The blocks of one tile (kColSplit) are neighbours too.
-  const ItemMajorBlock block = ItemMajorAt(p, blockIdx.x / Cfg::kColSplit);
+  // A pair launch's blocks 2u and 2u + 1 are items 2i and 2i + 1 (a tile's two splits) of one kv
+  // head, the pairs in item-major order.
+  const ItemMajorBlock block =
+      kPairMerge ? PairMajorAt(p, blockIdx.x) : ItemMajorAt(p, blockIdx.x / Cfg::kColSplit);
   const int col0 = static_cast<int>(blockIdx.x % Cfg::kColSplit) * Cfg::kDv;  // of V and O
   const uint32_t item_index = block.item;
   const AttentionWorkItem item = items[item_index];
@@ -486,7 +533,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
             Narrow::AccumulatePV(s, stage + Cfg::kTileKv * D, row0, lane, state);  // O^T += V^T.P^T
           });
       v_scales.Finish(state.o);
-      CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps>(
+      CombineKvWarpsAndWrite<TIO, Cfg, D, kKvWarps, kPairMerge>(
           p, item, kv_head, group,
           [&](float* red_o, float* red_max, float* red_sum, int row_offset, int live_rows) {
             Narrow::StoreRows(state, red_o, red_max, red_sum, Cfg::kRedStride, row_offset,
@@ -578,7 +625,7 @@ __device__ __forceinline__ void DecodeTileBody(const PagedAttentionParams& p,
         smem_raw, kv_warp, tid, col0);
   }
   // A tile of several blocks merges in the separate merge kernel (AttentionPlanLimits::wide_head).
-  if constexpr (Cfg::kColSplit == 1) {
+  if constexpr (Cfg::kColSplit == 1 && !kPairMerge) {
     MergeIfLastSplit<TIO, D, DecodeMergeBatch(D, Cfg::kThreads)>(p, item, span, kv_head, group);
   }
   PAGEDATTN_TILE_STAMP(kTileExit);
@@ -645,6 +692,15 @@ __global__ void __launch_bounds__(32 * kDecodeNarrowKvWarps, 2)
   DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps>(params, DecodeItems<kRowWarps>(params),
                                                  DecodeFirstPages<kRowWarps>(params));
 }
+// The narrow tile of a pair-merge plan (AttentionWork::pair_merge): a tile's two splits as a
+// cluster of two, merged through each other's shared memory at the end (CombineKvWarpsAndWrite)
+// rather than through partials in L2, a fence, a count and the last split's reads.
+template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
+__global__ void __launch_bounds__(32 * kDecodeNarrowKvWarps, 2) __cluster_dims__(2, 1, 1)
+    DecodeTileKernelNarrowPair(const __grid_constant__ PagedAttentionParams params) {
+  DecodeTileBody<T, TIO, D, kRowWarps, kKvWarps, true>(params, DecodeItems<kRowWarps>(params),
+                                                       DecodeFirstPages<kRowWarps>(params));
+}
 template <typename T, typename TIO, int D, int kRowWarps, int kKvWarps>
 constexpr auto DecodeKernel() {
   if constexpr (kKvWarps == kDecodeNarrowKvWarps) {
@@ -674,9 +730,17 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
                                      ": split decode tiles merge in the separate merge kernel");
   }
   auto kernel = DecodeKernel<T, TIO, D, kRowWarps, kKvWarps>();
+  // A pair-merge plan's narrow tiles: each tile's two splits a cluster (AttentionWork::pair_merge;
+  // the items come in pairs). Each kernel raises its own shared-memory limits.
+  bool pairs = false;
+  if constexpr (Cfg::kNarrowTile) {
+    pairs = params.pair_merge && !params.separate_merge && num_items % 2 == 0;
+    if (pairs) kernel = DecodeTileKernelNarrowPair<T, TIO, D, kRowWarps, kKvWarps>;
+  }
   size_t smem = Cfg::SmemBytes();
-  static SmemLimitFlags smem_raised;
-  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, smem_raised, "paged attention");
+  static SmemLimitFlags smem_raised, pair_smem_raised;
+  if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, pairs ? pair_smem_raised : smem_raised,
+                                           "paged attention");
       !st.ok()) {
     return st;
   }
@@ -686,8 +750,9 @@ LaunchStatus LaunchDecodeTiles(const PagedAttentionParams& params, cudaStream_t 
     if (LaunchStatus st = SmemForBlocksPerSm(smem, params.decode_blocks_per_sm, &smem); !st.ok()) {
       return st;
     }
-    static SmemLimitFlags fewer_raised;
-    if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, fewer_raised, "paged attention");
+    static SmemLimitFlags fewer_raised, pair_fewer_raised;
+    if (LaunchStatus st = RaiseSmemLimitOnce(kernel, smem, pairs ? pair_fewer_raised : fewer_raised,
+                                             "paged attention");
         !st.ok()) {
       return st;
     }

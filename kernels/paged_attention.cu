@@ -61,6 +61,13 @@ LaunchStatus TileBlockLimits(DType kv_dtype, int head_dim, AttentionPlanLimits* 
   }
   limits->wide_head = SplitsColumns(head_dim);
   limits->decode_tiles = resident > 0;
+  int device = 0, major = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess) {
+    return LaunchStatus::CudaError("compute capability: " +
+                                   std::string(cudaGetErrorString(cudaGetLastError())));
+  }
+  limits->cluster_launch = major >= 9;
   int unit = DecodeTileBlocks(head_dim);
   if (!limits->decode_tiles) {
     resident = beside_merge = prefill_per_sm;

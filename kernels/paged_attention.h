@@ -144,6 +144,7 @@ struct PagedAttentionParams {
   // AttentionWork::decode_blocks_per_sm (host side: the decode launches' shared memory).
   int32_t decode_blocks_per_sm = 0;
   bool narrow_decode = false;  // AttentionWork::narrow_decode
+  bool pair_merge = false;     // AttentionWork::pair_merge
   int32_t merge_rows = 0;      // AttentionWork::merge_rows
   // AttentionWork's prefill schedule; the Hopper prefill kernel needs it (one block each of
   // num_prefill_blocks).

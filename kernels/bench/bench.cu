@@ -156,6 +156,7 @@ constexpr const char* kUsage =
     "  --launch graph|plain                   how kernels are submitted (kernels/launch.h)\n"
     "  --merge planned|separate|in-kernel     where split-KV tiles are merged: the plan's choice,\n"
     "                                         the merge kernel, or the tile kernel's last split\n"
+    "                                         (not by pairs of blocks: AttentionWork::pair_merge)\n"
     "  --profile FILE                         a profile build's (cmake -DPAGEDATTN_PROFILE=ON)\n"
     "                                         phase stamps of each case's last back-to-back\n"
     "                                         launch: each decode tile, merge block and prefill\n"
@@ -525,7 +526,10 @@ std::unique_ptr<BenchCase> MakeCase(const Config& cfg, const std::vector<int>& c
   c->ws.StageInputs(c->plan, q_wire.data(), nullptr, nullptr);
   CheckLaunch(c->ws.Upload(c->plan, c->stream), "upload");
   c->launch = c->ws.Bind(c->plan, c->k_pools[0], c->v_pools[0]);
-  if (cfg.merge != "planned") c->launch.attention.separate_merge = cfg.merge == "separate";
+  if (cfg.merge != "planned") {
+    c->launch.attention.separate_merge = cfg.merge == "separate";
+    c->launch.attention.pair_merge = false;  // in-kernel: the last split's merge
+  }
   BENCH_CHECK_CUDA(cudaStreamSynchronize(c->stream));
   return c;
 }
@@ -764,8 +768,10 @@ std::string Row(const Config& cfg, const BenchCase& c, const Timing& t, const Ro
   const bool uniform =
       std::all_of(c.ctx.begin(), c.ctx.end(), [&](int x) { return x == c.ctx[0]; });
   const std::string ctx = uniform ? std::to_string(c.ctx[0]) : "\"ragged\"";
-  const char* merge =
-      work.merge_tasks.empty() ? "none" : (p.separate_merge ? "separate" : "in-kernel");
+  const char* merge = work.merge_tasks.empty()              ? "none"
+                      : p.separate_merge                    ? "separate"
+                      : p.pair_merge && RunsNarrowDecode(p) ? "pairs"
+                                                            : "in-kernel";
   std::snprintf(
       row, sizeof(row),
       "{\"suite\": \"decode\", \"batch\": %d, \"ctx\": %s, \"q_heads\": %d, \"kv_heads\": %d, "

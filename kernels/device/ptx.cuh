@@ -1,5 +1,5 @@
 // PTX wrappers the tile kernels are built from: mma.sync, ldmatrix, cp.async (with an L2
-// policy), ex2, and griddepcontrol for programmatically dependent launches.
+// policy), ex2, griddepcontrol for programmatically dependent launches, and cluster barriers.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -146,6 +146,36 @@ __device__ __forceinline__ void AllowDependentLaunch() {
 __device__ __forceinline__ void WaitForPrerequisiteGrids() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Thread block clusters (sm_90+; launched only where the device has them): the block's rank in
+// its cluster, a barrier of every thread of the cluster whose shared-memory writes before it
+// are visible to every block after it, and where an address of this block's shared memory lies
+// in block `rank`'s (a generic pointer, read with ordinary loads).
+__device__ __forceinline__ unsigned ClusterRank() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return __clusterRelativeBlockRank();
+#else
+  return 0;
+#endif
+}
+
+__device__ __forceinline__ void ClusterSync() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __cluster_barrier_arrive();
+  __cluster_barrier_wait();
+#else
+  __trap();
+#endif
+}
+
+template <typename T>
+__device__ __forceinline__ const T* ClusterPeerPointer(const T* p, unsigned rank) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  return static_cast<const T*>(__cluster_map_shared_rank(p, rank));
+#else
+  return rank == 0 ? p : nullptr;
 #endif
 }
 

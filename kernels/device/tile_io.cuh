@@ -100,6 +100,13 @@ __device__ __forceinline__ ItemMajorBlock ItemMajorAt(const PagedAttentionParams
 __device__ __forceinline__ ItemMajorBlock ItemMajor(const PagedAttentionParams& p) {
   return ItemMajorAt(p, blockIdx.x);
 }
+// A pair-merge grid's (AttentionWork::pair_merge): units 2u and 2u + 1 take items 2i and 2i + 1
+// (a tile's two splits) of one kv head, the pairs item-major.
+__device__ __forceinline__ ItemMajorBlock PairMajorAt(const PagedAttentionParams& p,
+                                                      uint32_t unit) {
+  const ItemMajorBlock pair = ItemMajorAt(p, unit >> 1);
+  return {2 * pair.item + (unit & 1), pair.kv_head};
+}
 
 // The (prefill item, kv head) of a one-block-a-job prefill kernel's unit (blockIdx.x, or its
 // quotient where a tile takes several neighbouring blocks): PrefillJobOf's order, the planner's

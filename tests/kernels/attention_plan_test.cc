@@ -233,6 +233,37 @@ TEST(AttentionPlan, NarrowDecodeWhereEverySixteenRowTileHoldsAtMostEight) {
   EXPECT_FALSE(kernels::RunsNarrowDecode(p)) << "16-bit caches have no narrow tile";
 }
 
+// Pairs (AttentionWork::pair_merge): every 16-row tile in exactly two splits merged in the tiles,
+// each tile's items side by side in split order, on a device that launches clusters.
+TEST(AttentionPlan, PairMergeWhereEveryTileSplitsInTwo) {
+  auto plan = [](std::vector<kernels::AttentionSpan> spans, bool clusters) {
+    kernels::AttentionWork work;
+    kernels::AttentionPlanLimits limits = {.target_blocks = 264};
+    limits.cluster_launch = clusters;
+    kernels::PlanAttentionWork(spans.data(), static_cast<int>(spans.size()), 32, 8,
+                               /*causal=*/true, /*window=*/0, limits, &work);
+    return work;
+  };
+  std::vector<kernels::AttentionSpan> sixteen;  // 16 x 4096 on 8 kv heads: 128 tile units
+  for (int i = 0; i < 16; ++i) sixteen.push_back({i, i, 1, 4097});
+  const kernels::AttentionWork pairs = plan(sixteen, true);
+  ASSERT_TRUE(pairs.pair_merge);
+  ASSERT_EQ(pairs.decode_items.size(), 32u);
+  for (size_t i = 0; i < pairs.decode_items.size(); i += 2) {
+    const kernels::AttentionWorkItem &a = pairs.decode_items[i], &b = pairs.decode_items[i + 1];
+    EXPECT_EQ(a.span, b.span) << "items " << i << ", " << i + 1;
+    EXPECT_EQ(a.merge_task, b.merge_task);
+    EXPECT_EQ(a.kv_end, b.kv_start) << "a tile's first split, then its second";
+  }
+  EXPECT_FALSE(plan(sixteen, false).pair_merge) << "no clusters on the device";
+  std::vector<kernels::AttentionSpan> mixed = sixteen;
+  mixed.back().kv_len = 100;  // one tile left whole
+  EXPECT_FALSE(plan(mixed, true).pair_merge) << "a tile in one split";
+  EXPECT_FALSE(plan({{0, 0, 1, 32768}}, true).pair_merge) << "1 x 32768: 33 splits a tile";
+  EXPECT_FALSE(plan({{0, 0, 1, 4097}, {1, 1, 3, 4099}}, true).pair_merge)
+      << "a 12-row tile: not narrow";
+}
+
 // A plan of prefill tiles alone is estimated against the prefill tiles that run at once, with no
 // wave boundary (blocks start as others end). 1 x 16384 on 8 kv heads is 4096 tile blocks: in
 // whole waves of head_dim 64's 396 decode blocks a split in two looked 1.6% better; against its

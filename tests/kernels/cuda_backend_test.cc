@@ -1655,6 +1655,67 @@ TEST_F(CudaKernelTest, Fp8DecodeOneBlockAnSmFewer) {
   testing::ExpectFp8Close(model.Run(*cache, 0, decode), "decode, one block an SM fewer", &worst);
 }
 
+// FP8 decode whose tiles each split in two (AttentionWork::pair_merge): each tile's two blocks
+// run as a cluster and merge through each other's shared memory. As many sequences as take two
+// splits a tile on this GPU, 1024 positions each; GQA 4 and 8, PER_TOKEN and STATIC, q and out in
+// bfloat16 and in float, in turn; a plain layer and one with sinks (which join the rows where
+// the pair finishes them): every answer against the float64 reference.
+TEST_F(CudaKernelTest, Fp8TwoSplitTilesMergeByPairs) {
+  constexpr int kDim = 128, kKvHeads = 8, kPage = 16, kContext = 1024;
+  kernels::AttentionPlanLimits limits;
+  ASSERT_TRUE(
+      kernels::QueryPlanLimits(DType::kFloat8E4M3, kDim, kernels::PrefillPath::kAuto, &limits)
+          .ok());
+  const int seqs = std::max(1, limits.target_blocks / (2 * kKvHeads));
+  struct Variant {
+    int gqa;
+    KvScaling scaling;
+    DType io;
+  };
+  const Variant variants[] = {{4, KvScaling::kPerToken, DType::kBFloat16},
+                              {8, KvScaling::kStatic, DType::kFloat32},
+                              {4, KvScaling::kStatic, DType::kFloat32},
+                              {8, KvScaling::kPerToken, DType::kBFloat16}};
+  int index = 0;
+  for (const Variant& v : variants) {
+    std::vector<kernels::AttentionSpan> spans;
+    for (int i = 0; i < seqs; ++i) spans.push_back({i, i, 1, kContext + 1});
+    kernels::AttentionWork work;
+    kernels::PlanAttentionWork(spans.data(), seqs, v.gqa * kKvHeads, kKvHeads, /*causal=*/true,
+                               /*window=*/0, limits, &work);
+    ASSERT_FALSE(work.merge_tasks.empty()) << "the case no longer splits its tiles";
+    EXPECT_EQ(work.pair_merge, limits.cluster_launch)
+        << "the case no longer pairs: " << work.decode_items.size() << " items of " << seqs
+        << " tiles, chunk " << work.kv_chunk;
+    CacheGeometry g = testing::MakeGeometry(2, v.gqa * kKvHeads, kKvHeads, kDim, kPage,
+                                            DType::kFloat8E4M3,
+                                            seqs * ((kContext + 1) / kPage + 1) + 8);
+    g.kv_scaling = v.scaling;
+    // A geometry holds each layer's K and V scales (CacheConfig's two for all, expanded).
+    if (v.scaling == KvScaling::kStatic) g.kv_scales.assign(2 * g.num_layers, 4.f / 448.f);
+    LayerAttention with_sinks;
+    for (int h = 0; h < v.gqa * kKvHeads; ++h) with_sinks.sinks.push_back(0.5f + 0.25f * h);
+    g.layers = {LayerAttention{}, with_sinks};
+    std::unique_ptr<Cache> cache = MakeCacheOn(*backend_, g);
+    ASSERT_TRUE(cache);
+    testing::ForwardModel model(g, v.io, 300u + index++);
+    for (int layer = 0; layer < 2; ++layer) {
+      std::vector<testing::SpanCase> prefill, decode;
+      for (int i = 0; i < seqs; ++i) {
+        prefill.push_back({static_cast<uint64_t>(i + 1), 0, kContext, 1});
+        decode.push_back({static_cast<uint64_t>(i + 1), kContext, 1, 1});
+      }
+      const std::string what =
+          absl::StrCat("gqa ", v.gqa, v.scaling == KvScaling::kStatic ? " static" : " per-token",
+                       " q ", DTypeName(v.io), " layer ", layer);
+      testing::Fp8Worst worst;
+      testing::ExpectFp8Close(model.Run(*cache, layer, prefill), what + ", prefill", &worst);
+      testing::ExpectFp8Close(model.Run(*cache, layer, decode), what + ", decode by pairs",
+                              &worst);
+    }
+  }
+}
+
 // Which launches the unclamped Hopper prefill kernels may take (host-side: no GPU needed): the
 // scale in log2 units up to 2^21, an FP8 STATIC K scale up to 2^48 / 448; PER_TOKEN always.
 TEST(ExponentsStayFiniteTest, BoundsTheScaleAndAStaticKScale) {

@@ -90,8 +90,10 @@ __device__ __forceinline__ void StoreDecodeRows(DecodeState<Cfg::kDv>& st, float
 // store_rows(red_o, red_max, red_sum, row_offset, live_rows): the warp's rows into the shared
 // arrays (StoreDecodeRows, DecodeFp8NarrowMath::StoreRows).
 // kPairMerge (DecodeTileKernelNarrowPair): the block and the other of its cluster are a tile's
-// two splits; each combines half the tile's (row, 4 dims) of both blocks' warps, the other's
-// read from its shared memory, and writes them finished: no partials, no merge after.
+// two splits; the (row, 4 dims) elements of the tile are dealt over both blocks' threads, first
+// block first (a narrow tile's 8 rows of up to 128 dims fill its 256 threads, so the other only
+// waits), each combining both blocks' warps, the other's read from its shared memory, and
+// writing them finished: no partials, no merge after.
 template <typename TIO, typename Cfg, int D, int kKvWarps, bool kPairMerge = false,
           typename StoreRows>
 __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParams& p,

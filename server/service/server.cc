@@ -4,6 +4,7 @@
 
 #include <google/protobuf/descriptor.h>
 #include <grpcpp/ext/proto_server_reflection_plugin.h>
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
@@ -21,6 +22,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
 #include "common/transport.h"
 #include "server/core/host_memory.h"
@@ -114,6 +116,30 @@ class UnparsedRequestInterceptorFactory final
 void CommonArguments(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
 }
+
+// The --health_listen port's answer to any method but health's: UNIMPLEMENTED, saying where the
+// service is (gRPC's own answer has an empty message).
+class HealthPortOthers final : public grpc::CallbackGenericService {
+ public:
+  explicit HealthPortOthers(std::string listening) : listening_(std::move(listening)) {}
+
+  grpc::ServerGenericBidiReactor* CreateReactor(grpc::GenericCallbackServerContext* ctx) override {
+    class Refuse final : public grpc::ServerGenericBidiReactor {
+     public:
+      explicit Refuse(grpc::Status status) { Finish(std::move(status)); }
+      void OnDone() override { delete this; }
+    };
+    return new Refuse(
+        grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
+                     absl::StrCat(ctx->method(),
+                                  ": this port (--health_listen) serves grpc.health.v1 only; "
+                                  "the service listens on ",
+                                  listening_)));
+  }
+
+ private:
+  const std::string listening_;
+};
 
 }  // namespace
 
@@ -270,6 +296,8 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     CommonArguments(hb);
     hb.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &s->health_port_);
     hb.RegisterService(s->health_.get());
+    s->health_port_others_ = std::make_unique<HealthPortOthers>(absl::StrJoin(s->listening_, ", "));
+    hb.RegisterCallbackGenericService(s->health_port_others_.get());
     s->health_server_ = hb.BuildAndStart();
     if (s->health_server_ == nullptr || s->health_port_ == 0) {
       s->server_->Shutdown();

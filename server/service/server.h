@@ -2,6 +2,7 @@
 // reflection) from a plain options struct, and shuts it down within a bounded grace period.
 #pragma once
 
+#include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/server.h>
 
 #include <memory>
@@ -12,12 +13,12 @@
 #include "absl/time/time.h"
 #include "server/core/backend_factory.h"
 #include "server/core/cache_manager.h"
+#include "server/core/memory_registry.h"
 #include "server/service/attention_service.h"
 #include "server/service/auth.h"
 #include "server/service/health.h"
 #include "server/service/http_server.h"
 #include "server/service/metrics.h"
-#include "server/core/memory_registry.h"
 #include "server/service/rpc_gate.h"
 
 namespace pagedattn {
@@ -103,6 +104,7 @@ class PagedAttnServer {
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<grpc::CallbackGenericService> health_port_others_;  // its other methods' answer
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<HttpServer> metrics_http_;
   std::string backend_fallback_reason_;

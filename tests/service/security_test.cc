@@ -212,8 +212,13 @@ TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
   absl::StatusOr<bool> h = plain->CheckHealth();
   ASSERT_TRUE(h.ok()) << h.status();
   EXPECT_TRUE(*h);
-  // The health port serves nothing else.
-  EXPECT_EQ(plain->ListCaches().status().code(), absl::StatusCode::kUnimplemented);
+  // The health port serves nothing else, and says where the service is.
+  const absl::Status other = plain->ListCaches().status();
+  EXPECT_EQ(other.code(), absl::StatusCode::kUnimplemented);
+  EXPECT_EQ(other.message(),
+            absl::StrCat("/pagedattn.v1.AttentionService/ListCaches: this port (--health_listen) "
+                         "serves grpc.health.v1 only; the service listens on 127.0.0.1:",
+                         server_->port()));
 }
 
 TEST_F(SecurityTest, TenantsCannotSeeEachOthersCaches) {

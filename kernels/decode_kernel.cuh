@@ -178,15 +178,8 @@ __device__ __forceinline__ void CombineKvWarpsAndWrite(const PagedAttentionParam
     }
     float* dst;  // out in float, or the split's partial buffers
     float* lse_dst;
-    if constexpr (kPairMerge) {
-      const int64_t out_row =
-          OutputRow(p, item.span_info.q_offset, item.row_start + r, kv_head, group);
-      dst = static_cast<float*>(p.out) + out_row * D;
-      lse_dst = p.lse ? p.lse + out_row : nullptr;
-    } else {
-      TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
-                            lse_dst);
-    }
+    TileRowDestination<D>(p, item, item.span_info, kv_head, group, r, item.row_start + r, dst,
+                          lse_dst, finished);
     *reinterpret_cast<float4*>(dst + col0 + c) =
         make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
     if (lse_dst && writes_lse) *lse_dst = lse;

@@ -129,14 +129,15 @@ __device__ __forceinline__ int64_t OutputRow(const PagedAttentionParams& p, int6
 }
 
 // Where row tile_row (span row span_row) of a work item's tile goes: out / lse (lse null when
-// not asked for) for an unsplit tile, the partial buffers of its split otherwise.
+// not asked for) for a finished row (an unsplit tile's, or a pair's: DecodeTileKernelNarrowPair),
+// the partial buffers of its split otherwise.
 template <int D>
 __device__ __forceinline__ void TileRowDestination(const PagedAttentionParams& p,
                                                    const AttentionWorkItem& item,
                                                    const AttentionSpan& span, int kv_head,
                                                    int group, int tile_row, int span_row,
-                                                   float*& dst, float*& lse_dst) {
-  if (item.partial_row < 0) {
+                                                   float*& dst, float*& lse_dst, bool finished) {
+  if (finished) {
     const int64_t out_row = OutputRow(p, span.q_offset, span_row, kv_head, group);
     dst = static_cast<float*>(p.out) + out_row * D;
     lse_dst = p.lse ? p.lse + out_row : nullptr;
@@ -173,7 +174,8 @@ __device__ __forceinline__ void WriteTileRow(const PagedAttentionParams& p,
   if constexpr (std::is_same_v<TIO, float>) {  // out and the partials alike: one store loop
     float* dst;
     float* lse_dst;
-    TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst);
+    TileRowDestination<D>(p, item, span, kv_head, group, tile_row, span_row, dst, lse_dst,
+                          item.partial_row < 0);
     dst += col0;
 #pragma unroll
     for (int dt = 0; dt < kCols / 8; ++dt) {

@@ -1,6 +1,8 @@
 // Random cache configs, in the capability table and out of it, and random scripts of Forwards on
 // each config a server accepts: the promise that a config CreateCache accepts never fails a
-// Forward for a configuration reason, checked over the table rather than over chosen cases. A
+// Forward for a configuration reason, checked over the table rather than over chosen cases, on
+// unary Forwards and on Step streams (a model's steps, every layer of each, the answers bit for
+// bit the unary ones'). A
 // config's line names the seed that rebuilds it (PAGEDATTN_FUZZ_SEED, PAGEDATTN_FUZZ_CONFIGS
 // widen a run; Serve names the CUDA server's options); GPU cases skip without one.
 #include <gtest/gtest.h>
@@ -14,6 +16,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -151,9 +154,10 @@ class ScriptWriter {
     return pages;
   }
 
-  v1::ForwardRequest Next() {
+  // One Forward on `layer` (-1: a random one).
+  v1::ForwardRequest Next(int layer = -1) {
     v1::ForwardRequest req;
-    const int layer = static_cast<int>(rng_() % config_.num_layers());
+    if (layer < 0) layer = static_cast<int>(rng_() % config_.num_layers());
     req.set_layer(layer);
     std::vector<int> seqs = {1, 2, 3, 4};
     std::shuffle(seqs.begin(), seqs.end(), rng_);
@@ -210,6 +214,40 @@ class ScriptWriter {
       total_q += sp->num_queries();
       total_new += sp->num_new_tokens();
     }
+    SetTensors(req, total_q, total_new);
+    if (Percent(rng_, 10)) req.mutable_options()->set_causal(false);
+    if (Percent(rng_, 15)) {
+      req.mutable_options()->set_sm_scale(std::uniform_real_distribution<float>(0.02f, 0.2f)(rng_));
+    }
+    req.mutable_options()->set_return_lse(Percent(rng_, 70));
+    return req;
+  }
+
+  // A step of a model: layer 0's Forward, then every other layer's over the same spans and
+  // options, each with tensors of its own (a Step stream's messages, in order). Every layer's
+  // lengths then follow layer 0's.
+  std::vector<v1::ForwardRequest> NextStep() {
+    std::vector<v1::ForwardRequest> step = {Next(0)};
+    for (std::vector<int64_t>& layers : len_) std::fill(layers.begin(), layers.end(), layers[0]);
+    int64_t total_q = 0, total_new = 0;
+    for (const v1::Span& sp : step[0].spans()) {
+      total_q += sp.num_queries();
+      total_new += sp.num_new_tokens();
+    }
+    for (int layer = 1; layer < config_.num_layers(); ++layer) {
+      v1::ForwardRequest req;
+      req.set_layer(layer);
+      *req.mutable_spans() = step[0].spans();
+      *req.mutable_options() = step[0].options();
+      SetTensors(req, total_q, total_new);
+      step.push_back(std::move(req));
+    }
+    return step;
+  }
+
+ private:
+  // q for total_q queries, k and v for total_new tokens, each in a random wire dtype.
+  void SetTensors(v1::ForwardRequest& req, int64_t total_q, int64_t total_new) {
     const v1::DType q_dtype = Choose(rng_, {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16});
     const v1::DType kv_dtype = Choose(rng_, {v1::FLOAT32, v1::BFLOAT16, v1::FLOAT16});
     const int64_t d = config_.head_dim();
@@ -227,15 +265,8 @@ class ScriptWriter {
       *req.mutable_v() =
           MakeTensor(kv_dtype, shape, Values(total_new * config_.num_kv_heads() * d));
     }
-    if (Percent(rng_, 10)) req.mutable_options()->set_causal(false);
-    if (Percent(rng_, 15)) {
-      req.mutable_options()->set_sm_scale(std::uniform_real_distribution<float>(0.02f, 0.2f)(rng_));
-    }
-    req.mutable_options()->set_return_lse(Percent(rng_, 70));
-    return req;
   }
 
- private:
   static float ExactInBf16(float x) {
     char buf[2];
     StoreFromFloat(DType::kBFloat16, buf, 0, x);
@@ -318,7 +349,7 @@ struct FuzzTally {
   std::map<std::string, int> refused_fields;
 };
 
-void RunConfig(std::vector<Served*> servers, const v1::CacheConfig& config,
+void RunConfig(const std::vector<Served*>& servers, const v1::CacheConfig& config,
                const ScriptLimits& limits, uint32_t seed, FuzzTally& tally) {
   const std::string what = absl::StrCat("seed ", seed, ": ", Describe(config));
   std::vector<std::string> caches;
@@ -421,21 +452,176 @@ void RunConfig(std::vector<Served*> servers, const v1::CacheConfig& config,
   }
 }
 
-void RunFuzz(std::vector<Served*> servers, int default_configs, const ScriptLimits& limits) {
+// A Step stream's message for one of the script's Forwards: the step's first message names the
+// cache, spans and options; the others carry only a layer and its tensors (the server runs them
+// with the open step's).
+ForwardCall StepMessage(const v1::ForwardRequest& r, const std::string& cache, bool opens) {
+  ForwardCall call;
+  call.layer = r.layer();
+  if (opens) {
+    call.cache_id = cache;
+    for (const v1::Span& sp : r.spans()) {
+      call.spans.push_back({sp.seq_id(), sp.start(), sp.num_new_tokens(), sp.num_queries()});
+    }
+    if (r.options().has_causal()) call.options.causal = r.options().causal();
+    if (r.options().has_sm_scale()) call.options.sm_scale = r.options().sm_scale();
+    call.options.return_lse = r.options().return_lse();
+  }
+  auto arg = [](const v1::Tensor& t) {
+    return TensorArg::Host(t.dtype(), {t.shape().begin(), t.shape().end()}, t.data().data(),
+                           t.data().size());
+  };
+  call.q = arg(r.q());
+  if (r.has_k()) {
+    call.k = arg(r.k());
+    call.v = arg(r.v());
+  }
+  return call;
+}
+
+// A Forward's answer as bytes: out's (in q's dtype and shape) and lse's.
+struct AnswerBytes {
+  std::string out, lse;
+};
+
+// The script as steps (every layer of each, in order), random sequences released between some,
+// through unary Forwards on one cache and one Step stream on another of the same server. The
+// steps between two releases go on the stream at once, so the server runs layers of one step and
+// of the next together (kStepLayersInFlight; one layer's messages in order). Every answer must
+// be the unary one's, bit for bit, and both caches must hold the script's pages at the end.
+void RunStepsOn(Served& server, const v1::CacheConfig& config, const ScriptLimits& limits,
+                uint32_t seed, FuzzTally& tally) {
+  const std::string what = absl::StrCat("seed ", seed, ": ", Describe(config));
+  Client& client = *server.client;
+  absl::StatusOr<v1::CacheInfo> unary_cache = client.CreateCache(config);
+  std::printf("%s %s\n", unary_cache.ok() ? "accepted" : "refused ", what.c_str());
+  if (!unary_cache.ok()) {
+    EXPECT_EQ(unary_cache.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    absl::StatusOr<v1::ValidateCacheConfigResponse> dry = client.ValidateCacheConfig(config);
+    ASSERT_TRUE(dry.ok()) << what << ": " << dry.status();
+    EXPECT_FALSE(dry->valid()) << what;
+    for (const v1::ConfigViolation& v : dry->violations()) ++tally.refused_fields[v.field()];
+    ++tally.refused;
+    return;
+  }
+  ++tally.accepted;
+  absl::StatusOr<v1::CacheInfo> step_cache = client.CreateCache(config);
+  ASSERT_TRUE(step_cache.ok()) << what << ": " << step_cache.status();
+  const std::string unary_id = unary_cache->cache_id(), step_id = step_cache->cache_id();
+
+  // The script: a release (seq > 0) or a step's Forwards.
+  struct Event {
+    uint64_t release = 0;
+    std::vector<v1::ForwardRequest> step;
+  };
+  std::mt19937 rng(seed ^ 0x9e3779b9u);
+  ScriptWriter script(config, limits, rng);
+  std::vector<Event> events;
+  int messages = 0;
+  for (int n = 0; n < limits.steps; ++n) {
+    if (n > 0 && Percent(rng, 15)) {
+      const int seq = script.RandomSequence();
+      events.push_back({static_cast<uint64_t>(seq), {}});
+      script.Release(seq);
+    }
+    events.push_back({0, script.NextStep()});
+    messages += static_cast<int>(events.back().step.size());
+  }
+  auto release = [&](const std::string& cache, uint64_t seq) {
+    absl::StatusOr<v1::ReleaseSequencesResponse> r = client.ReleaseSequences(cache, {seq});
+    EXPECT_TRUE(r.ok()) << what << ": release " << seq << ": " << r.status();
+  };
+
+  std::vector<AnswerBytes> unary;
+  for (Event& e : events) {
+    if (e.release > 0) release(unary_id, e.release);
+    for (v1::ForwardRequest& req : e.step) {
+      req.set_cache_id(unary_id);
+      absl::StatusOr<v1::ForwardResponse> r = client.Forward(req);
+      ASSERT_TRUE(r.ok()) << what << "; unary " << SpansOf(req) << ": " << r.status();
+      unary.push_back({r->out().data(), r->lse().data()});
+    }
+  }
+
+  absl::StatusOr<std::unique_ptr<StepStream>> stream = client.OpenStep();
+  ASSERT_TRUE(stream.ok()) << what << ": " << stream.status();
+  std::vector<const v1::ForwardRequest*> batch;  // sent at once
+  size_t answered = 0;
+  auto run_batch = [&] {
+    std::thread sender([&] {
+      for (const v1::ForwardRequest* req : batch) {
+        const absl::Status s = (*stream)->Send(StepMessage(*req, step_id, req->layer() == 0));
+        EXPECT_TRUE(s.ok()) << what << ": send: " << s;
+        if (!s.ok()) return;
+      }
+    });
+    for (const v1::ForwardRequest* req : batch) {
+      const std::string at = absl::StrCat(what, "; Forward ", answered, " ", SpansOf(*req));
+      const AnswerBytes& want = unary[answered++];
+      const size_t lse_bytes =
+          req->options().return_lse() ? req->q().shape(0) * req->q().shape(1) * sizeof(float) : 0;
+      AnswerBytes got{std::string(req->q().data().size(), '\0'), std::string(lse_bytes, '\0')};
+      absl::StatusOr<ForwardReply> r =
+          (*stream)->Receive({got.out.data(), got.out.size(),
+                              reinterpret_cast<float*>(got.lse.data()), got.lse.size()});
+      EXPECT_TRUE(r.ok()) << at << ": " << r.status();
+      if (!r.ok()) break;
+      ++tally.forwards;
+      EXPECT_EQ(r->layer, req->layer()) << at;
+      EXPECT_EQ(r->out_dtype, req->q().dtype()) << at;
+      EXPECT_EQ(got.out.size(), want.out.size()) << at;
+      EXPECT_TRUE(got.out == want.out) << at << ": out differs from unary Forward's";
+      EXPECT_TRUE(got.lse == want.lse) << at << ": lse differs from unary Forward's";
+    }
+    sender.join();
+    batch.clear();
+  };
+  for (const Event& e : events) {
+    if (e.release > 0) {
+      run_batch();
+      release(step_id, e.release);
+    }
+    for (const v1::ForwardRequest& req : e.step) batch.push_back(&req);
+  }
+  run_batch();
+  EXPECT_TRUE((*stream)->Close().ok()) << what;
+  EXPECT_EQ(answered, unary.size()) << what;
+
+  for (const std::string& cache : {unary_id, step_id}) {
+    absl::StatusOr<v1::CacheInfo> info = client.GetCache(cache);
+    ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+    EXPECT_EQ(info->stats().used_pages(), script.PagesHeld()) << what;
+    EXPECT_EQ(info->stats().forward_calls(), messages) << what;
+    EXPECT_TRUE(client.DeleteCache(cache).ok()) << what;
+  }
+}
+
+// RunStepsOn on each server in turn (each against its own unary answers).
+void RunSteps(const std::vector<Served*>& servers, const v1::CacheConfig& config,
+              const ScriptLimits& limits, uint32_t seed, FuzzTally& tally) {
+  for (Served* served : servers) RunStepsOn(*served, config, limits, seed, tally);
+}
+
+using ConfigRun = void (*)(const std::vector<Served*>&, const v1::CacheConfig&, const ScriptLimits&,
+                           uint32_t, FuzzTally&);
+
+// `run` over random configs (RunConfig or RunSteps), their count and seeds from the environment.
+void RunFuzz(ConfigRun run, const std::vector<Served*>& servers, int default_configs,
+             const ScriptLimits& limits) {
   const uint32_t base = static_cast<uint32_t>(EnvInt("PAGEDATTN_FUZZ_SEED", 20261206));
   const int configs = EnvInt("PAGEDATTN_FUZZ_CONFIGS", default_configs);
   FuzzTally tally;
   for (int n = 0; n < configs && !::testing::Test::HasFatalFailure(); ++n) {
     const uint32_t seed = base + static_cast<uint32_t>(n);
     std::mt19937 rng(seed);
-    RunConfig(servers, RandomConfig(rng, limits), limits, seed, tally);
+    run(servers, RandomConfig(rng, limits), limits, seed, tally);
   }
   std::string fields;
   for (const auto& [field, count] : tally.refused_fields)
     absl::StrAppend(&fields, " ", field, "=", count);
   std::printf("%d configs accepted (%d Forwards), %d refused:%s\n", tally.accepted, tally.forwards,
               tally.refused, fields.c_str());
-  if (servers.size() > 1) {
+  if (run == &RunConfig && servers.size() > 1) {
     std::printf(
         "against the CPU: out's relative error at most %.3g, LSE at most %.3g apart (FP8 %.3g)\n",
         tally.worst_out, tally.worst_lse, tally.worst_fp8_lse);
@@ -452,7 +638,19 @@ TEST(ConfigFuzzTest, EveryAcceptedConfigRunsItsForwardsOnTheCpu) {
   limits.max_len = 600;
   limits.max_step_queries = 64;
   limits.max_new = 200;
-  RunFuzz({&cpu}, 12, limits);
+  RunFuzz(RunConfig, {&cpu}, 12, limits);
+}
+
+// The Step stream over random configs on the CPU: every layer of each step, the steps between
+// releases sent at once, answered as unary Forwards answer them, bit for bit.
+TEST(ConfigFuzzTest, StepStreamsAnswerAsUnaryForwardsOnTheCpu) {
+  Served cpu = Serve(BackendChoice::kCpu);
+  ASSERT_TRUE(cpu.client);
+  ScriptLimits limits;
+  limits.max_len = 600;
+  limits.max_step_queries = 64;
+  limits.max_new = 200;
+  RunFuzz(RunSteps, {&cpu}, 12, limits);
 }
 
 // A CUDA server beside the CPU server: it accepts the same configs (FLOAT32 caches aside), answers
@@ -465,7 +663,20 @@ TEST(ConfigFuzzTest, CudaAcceptsAndAnswersAsTheCpu) {
   }
   Served cpu = Serve(BackendChoice::kCpu), cuda = Serve(BackendChoice::kCuda);
   ASSERT_TRUE(cpu.client && cuda.client);
-  RunFuzz({&cpu, &cuda}, 48, ScriptLimits{});
+  RunFuzz(RunConfig, {&cpu, &cuda}, 48, ScriptLimits{});
+}
+
+// The same on a CUDA server, whose concurrent Forwards (a Step stream's layers) each run on a
+// stream and workspace of their own.
+TEST(ConfigFuzzTest, StepStreamsAnswerAsUnaryForwardsOnCuda) {
+  if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
+  if (absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
+      !cuda.ok()) {
+    GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
+  }
+  Served cuda = Serve(BackendChoice::kCuda);
+  ASSERT_TRUE(cuda.client);
+  RunFuzz(RunSteps, {&cuda}, 48, ScriptLimits{});
 }
 
 }  // namespace

@@ -1,8 +1,8 @@
 // Random cache configs, in the capability table and out of it, and random scripts of Forwards on
 // each config a server accepts: the promise that a config CreateCache accepts never fails a
-// Forward for a configuration reason, checked over the table rather than over chosen cases, on
-// unary Forwards and on Step streams (a model's steps, every layer of each, the answers bit for
-// bit the unary ones'). A
+// Forward for a configuration reason, checked over the table rather than over chosen cases: on
+// unary Forwards, on Step streams (a model's steps, every layer of each, the answers bit for bit
+// the unary ones') and on caches split over servers by ShardedClient (one server's answers). A
 // config's line names the seed that rebuilds it (PAGEDATTN_FUZZ_SEED, PAGEDATTN_FUZZ_CONFIGS
 // widen a run; Serve names the CUDA server's options); GPU cases skip without one.
 #include <gtest/gtest.h>
@@ -19,8 +19,10 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/client.h"
+#include "client/sharded.h"
 #include "common/capabilities.h"
 #include "common/dtype.h"
 #include "common/reference.h"
@@ -452,10 +454,10 @@ void RunConfig(const std::vector<Served*>& servers, const v1::CacheConfig& confi
   }
 }
 
-// A Step stream's message for one of the script's Forwards: the step's first message names the
-// cache, spans and options; the others carry only a layer and its tensors (the server runs them
-// with the open step's).
-ForwardCall StepMessage(const v1::ForwardRequest& r, const std::string& cache, bool opens) {
+// One of the script's Forwards as a ForwardCall (its tensors the request's bytes). A Step
+// stream's first message of a step opens it: the cache, spans and options; the others carry only
+// a layer and its tensors (the server runs them with the open step's).
+ForwardCall CallOf(const v1::ForwardRequest& r, const std::string& cache, bool opens = true) {
   ForwardCall call;
   call.layer = r.layer();
   if (opens) {
@@ -482,6 +484,16 @@ ForwardCall StepMessage(const v1::ForwardRequest& r, const std::string& cache, b
 // A Forward's answer as bytes: out's (in q's dtype and shape) and lse's.
 struct AnswerBytes {
   std::string out, lse;
+  // Room for the answer to `r`.
+  static AnswerBytes For(const v1::ForwardRequest& r) {
+    const size_t lse_floats = r.options().return_lse() ? r.q().shape(0) * r.q().shape(1) : 0;
+    return {std::string(r.q().data().size(), '\0'), std::string(lse_floats * sizeof(float), '\0')};
+  }
+  // Where a client writes the answer: no lse buffer where none was asked for.
+  ForwardOutput Output() {
+    return {out.data(), out.size(), lse.empty() ? nullptr : reinterpret_cast<float*>(lse.data()),
+            lse.size()};
+  }
 };
 
 // The script as steps (every layer of each, in order), random sequences released between some,
@@ -550,7 +562,7 @@ void RunStepsOn(Served& server, const v1::CacheConfig& config, const ScriptLimit
   auto run_batch = [&] {
     std::thread sender([&] {
       for (const v1::ForwardRequest* req : batch) {
-        const absl::Status s = (*stream)->Send(StepMessage(*req, step_id, req->layer() == 0));
+        const absl::Status s = (*stream)->Send(CallOf(*req, step_id, req->layer() == 0));
         EXPECT_TRUE(s.ok()) << what << ": send: " << s;
         if (!s.ok()) return;
       }
@@ -558,12 +570,8 @@ void RunStepsOn(Served& server, const v1::CacheConfig& config, const ScriptLimit
     for (const v1::ForwardRequest* req : batch) {
       const std::string at = absl::StrCat(what, "; Forward ", answered, " ", SpansOf(*req));
       const AnswerBytes& want = unary[answered++];
-      const size_t lse_bytes =
-          req->options().return_lse() ? req->q().shape(0) * req->q().shape(1) * sizeof(float) : 0;
-      AnswerBytes got{std::string(req->q().data().size(), '\0'), std::string(lse_bytes, '\0')};
-      absl::StatusOr<ForwardReply> r =
-          (*stream)->Receive({got.out.data(), got.out.size(),
-                              reinterpret_cast<float*>(got.lse.data()), got.lse.size()});
+      AnswerBytes got = AnswerBytes::For(*req);
+      absl::StatusOr<ForwardReply> r = (*stream)->Receive(got.Output());
       EXPECT_TRUE(r.ok()) << at << ": " << r.status();
       if (!r.ok()) break;
       ++tally.forwards;
@@ -594,6 +602,89 @@ void RunStepsOn(Served& server, const v1::CacheConfig& config, const ScriptLimit
     EXPECT_EQ(info->stats().forward_calls(), messages) << what;
     EXPECT_TRUE(client.DeleteCache(cache).ok()) << what;
   }
+}
+
+// The config split by kv head over 2-4 servers (ShardedClient), against one server: where the
+// one server accepts it and the shard count divides its kv heads, the sharded cache is accepted
+// (a byte budget buys each shard the whole's pages); elsewhere it is refused, INVALID_ARGUMENT.
+// The script's Forwards on both must give the same answers, bit for bit (servers[0] the one
+// server, servers[1..4] the shards; the CPU backend, whose heads are computed apart).
+void RunSharded(const std::vector<Served*>& servers, const v1::CacheConfig& whole_config,
+                const ScriptLimits& limits, uint32_t seed, FuzzTally& tally) {
+  std::mt19937 rng(seed ^ 0x5bd1e995u);
+  // Mostly a shard count that divides the kv heads; a fifth any of 2-4.
+  std::vector<int> divisors;
+  for (int d = 2; d <= 4; ++d) {
+    if (whole_config.num_kv_heads() % d == 0) divisors.push_back(d);
+  }
+  const int n = divisors.empty() || Percent(rng, 20) ? Choose(rng, {2, 3, 4})
+                                                     : divisors[rng() % divisors.size()];
+  std::vector<std::string> targets;
+  for (int i = 1; i <= n; ++i)
+    targets.push_back(absl::StrCat("127.0.0.1:", servers[i]->server->port()));
+  absl::StatusOr<std::unique_ptr<ShardedClient>> sharded = ShardedClient::Connect(targets, {});
+  ASSERT_TRUE(sharded.ok()) << sharded.status();
+  Client& one = *servers[0]->client;
+  v1::CacheConfig config = whole_config;
+  const std::string what = absl::StrCat("seed ", seed, ": ", n, " shards of ", Describe(config));
+  absl::StatusOr<v1::ValidateCacheConfigResponse> dry = one.ValidateCacheConfig(config);
+  ASSERT_TRUE(dry.ok()) << what << ": " << dry.status();
+  if (dry->valid() && Percent(rng, 30)) config.set_max_bytes(dry->bytes());  // the same pages
+  absl::StatusOr<v1::CacheInfo> one_cache = one.CreateCache(config);
+  absl::StatusOr<ShardedCache> cache = (*sharded)->CreateCache(config, "fuzz");
+  const bool divides = config.num_kv_heads() % n == 0;
+  std::printf("%s %s\n", cache.ok() ? "accepted" : "refused ", what.c_str());
+  EXPECT_EQ(cache.ok(), one_cache.ok() && divides)
+      << what << ": one server " << one_cache.status() << "; sharded " << cache.status();
+  if (!cache.ok()) {
+    EXPECT_EQ(cache.status().code(), absl::StatusCode::kInvalidArgument) << what;
+    if (!divides) {
+      EXPECT_TRUE(absl::StrContains(cache.status().message(), "num_kv_heads")) << cache.status();
+    }
+    ++tally.refused;
+    ++tally.refused_fields[divides ? "(one server's)" : "num_kv_heads % shards"];
+    if (one_cache.ok()) {
+      EXPECT_TRUE(one.DeleteCache(one_cache->cache_id()).ok());
+    }
+    return;
+  }
+  ++tally.accepted;
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<v1::CacheInfo> part = (*sharded)->shard(i).GetCache(cache->cache_ids[i]);
+    ASSERT_TRUE(part.ok()) << what << ": " << part.status();
+    EXPECT_EQ(part->num_pages(), one_cache->num_pages()) << what << ": shard " << i;
+  }
+
+  std::mt19937 script_rng(seed ^ 0x9e3779b9u);
+  ScriptWriter script(config, limits, script_rng);
+  for (int step = 0; step < limits.steps; ++step) {
+    if (step > 0 && Percent(script_rng, 15)) {
+      const int seq = script.RandomSequence();
+      EXPECT_TRUE(one.ReleaseSequences(one_cache->cache_id(), {static_cast<uint64_t>(seq)}).ok());
+      const absl::Status released =
+          (*sharded)->ReleaseSequences(*cache, {static_cast<uint64_t>(seq)});
+      EXPECT_TRUE(released.ok()) << what << ": release " << seq << ": " << released;
+      script.Release(seq);
+    }
+    v1::ForwardRequest req = script.Next();
+    const std::string at = absl::StrCat(what, "; step ", step, " ", SpansOf(req));
+    req.set_cache_id(one_cache->cache_id());
+    absl::StatusOr<v1::ForwardResponse> want = one.Forward(req);
+    ASSERT_TRUE(want.ok()) << at << ": one server: " << want.status();
+    AnswerBytes got = AnswerBytes::For(req);
+    absl::StatusOr<ForwardReply> r = (*sharded)->Forward(*cache, CallOf(req, ""), got.Output());
+    ASSERT_TRUE(r.ok()) << at << ": sharded: " << r.status();
+    ++tally.forwards;
+    EXPECT_TRUE(got.out == want->out().data()) << at << ": out differs from one server's";
+    EXPECT_TRUE(got.lse == want->lse().data()) << at << ": lse differs from one server's";
+  }
+  for (int i = 0; i < n; ++i) {
+    absl::StatusOr<v1::CacheInfo> part = (*sharded)->shard(i).GetCache(cache->cache_ids[i]);
+    ASSERT_TRUE(part.ok()) << what << ": " << part.status();
+    EXPECT_EQ(part->stats().used_pages(), script.PagesHeld()) << what << ": shard " << i;
+  }
+  EXPECT_TRUE((*sharded)->DeleteCache(*cache).ok()) << what;
+  EXPECT_TRUE(one.DeleteCache(one_cache->cache_id()).ok()) << what;
 }
 
 // RunStepsOn on each server in turn (each against its own unary answers).
@@ -664,6 +755,23 @@ TEST(ConfigFuzzTest, CudaAcceptsAndAnswersAsTheCpu) {
   Served cpu = Serve(BackendChoice::kCpu), cuda = Serve(BackendChoice::kCuda);
   ASSERT_TRUE(cpu.client && cuda.client);
   RunFuzz(RunConfig, {&cpu, &cuda}, 48, ScriptLimits{});
+}
+
+// Random configs split by kv head over 2-4 CPU servers, against one server: accepted where it is
+// and the shards divide the kv heads, answered bit for bit as one server answers.
+TEST(ConfigFuzzTest, ShardedCachesAnswerAsOneServer) {
+  std::vector<Served> served;
+  for (int i = 0; i < 5; ++i) served.push_back(Serve(BackendChoice::kCpu));
+  std::vector<Served*> servers;
+  for (Served& s : served) {
+    ASSERT_TRUE(s.client);
+    servers.push_back(&s);
+  }
+  ScriptLimits limits;
+  limits.max_len = 600;
+  limits.max_step_queries = 64;
+  limits.max_new = 200;
+  RunFuzz(RunSharded, servers, 12, limits);
 }
 
 // The same on a CUDA server, whose concurrent Forwards (a Step stream's layers) each run on a

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -24,6 +25,7 @@
 #include "client/client.h"
 #include "server/service/server.h"
 #include "tests/service/forward_script.h"
+#include "tests/service/random_script.h"
 #if PAGEDATTN_WITH_CUDA
 #include <cuda_runtime_api.h>
 
@@ -237,9 +239,10 @@ class IpcTest : public ::testing::Test {
     ASSERT_TRUE(region_->Write(p.v, t.v.data(), t.v.size()).ok());
     ASSERT_TRUE(region_->Fill(p.out, 0xff, p.end - p.out).ok());
   }
-  std::string ReadBack(size_t at, size_t n) {
+  std::string ReadBack(size_t at, size_t n) { return ReadBack(*region_, at, n); }
+  static std::string ReadBack(const DeviceRegion& region, size_t at, size_t n) {
     std::string s(n, '\0');
-    EXPECT_TRUE(region_->Read(at, s.data(), n).ok());
+    EXPECT_TRUE(region.Read(at, s.data(), n).ok());
     return s;
   }
   // Still poisoned: nothing was written to out or lse.
@@ -319,6 +322,113 @@ TEST_F(IpcTest, StepStreamAnswersAreBitIdenticalToTheBytePath) {
     EXPECT_EQ(ReadBack(p.lse, want.lse.size()), want.lse);
   }
   EXPECT_TRUE((*stream)->Close().ok());
+}
+
+// Random configs of the capability table and random scripts on them (random_script.h, as
+// config_fuzz_test runs them), through device tensors in a region of their own: every Forward of
+// an accepted config answered as the byte path answers it, bit for bit, in the script's wire
+// dtypes (q, k, v and out each float32, float16 or bfloat16), and the two caches left holding the
+// same pages. PAGEDATTN_FUZZ_SEED and PAGEDATTN_FUZZ_CONFIGS widen a run.
+TEST_F(IpcTest, RandomConfigsAnswerAsTheBytePath) {
+  using random_script::EnvInt;
+  constexpr size_t kFuzzRegionBytes = size_t{64} << 20;
+  absl::StatusOr<std::unique_ptr<DeviceRegion>> memory =
+      DeviceRegion::Allocate(0, kFuzzRegionBytes);
+  ASSERT_TRUE(memory.ok()) << memory.status();
+  DeviceRegion& mem = **memory;
+  random_script::ScriptLimits limits;
+  limits.max_new = 200;  // k and v of a Forward within the region: 3 spans x 200 x 4096 floats
+  limits.max_step_queries = 64;
+  const uint32_t base = static_cast<uint32_t>(EnvInt("PAGEDATTN_FUZZ_SEED", 20261206));
+  const int configs = EnvInt("PAGEDATTN_FUZZ_CONFIGS", 24);
+  int accepted = 0, forwards = 0;
+  for (int n = 0; n < configs && !HasFatalFailure(); ++n) {
+    const uint32_t seed = base + static_cast<uint32_t>(n);
+    std::mt19937 rng(seed);
+    const v1::CacheConfig config = random_script::RandomConfig(rng, limits);
+    const std::string what = absl::StrCat("seed ", seed, ": ", random_script::Describe(config));
+    absl::StatusOr<v1::CacheInfo> bytes_cache = client_->CreateCache(config);
+    std::printf("%s %s\n", bytes_cache.ok() ? "accepted" : "refused ", what.c_str());
+    if (!bytes_cache.ok()) {
+      EXPECT_EQ(bytes_cache.status().code(), absl::StatusCode::kInvalidArgument) << what;
+      continue;
+    }
+    ++accepted;
+    absl::StatusOr<v1::CacheInfo> ipc_cache = client_->CreateCache(config);
+    ASSERT_TRUE(ipc_cache.ok()) << what << ": " << ipc_cache.status();
+    absl::StatusOr<v1::MemoryRegion> region = client_->RegisterMemory(
+        ipc_cache->cache_id(), mem.ipc_handle(), static_cast<int64_t>(kFuzzRegionBytes));
+    ASSERT_TRUE(region.ok()) << what << ": " << region.status();
+
+    std::mt19937 script_rng(seed ^ 0x9e3779b9u);
+    random_script::ScriptWriter script(config, limits, script_rng);
+    for (int step = 0; step < limits.steps; ++step) {
+      if (step > 0 && random_script::Percent(script_rng, 15)) {
+        const uint64_t seq = static_cast<uint64_t>(script.RandomSequence());
+        for (const v1::CacheInfo* c : {&*bytes_cache, &*ipc_cache}) {
+          EXPECT_TRUE(client_->ReleaseSequences(c->cache_id(), {seq}).ok()) << what;
+        }
+        script.Release(static_cast<int>(seq));
+      }
+      v1::ForwardRequest req = script.Next();
+      const std::string at = absl::StrCat(what, "; step ", step, " ", random_script::SpansOf(req));
+      req.set_cache_id(bytes_cache->cache_id());
+      absl::StatusOr<v1::ForwardResponse> want = client_->Forward(req);
+      ASSERT_TRUE(want.ok()) << at << ": bytes: " << want.status();
+
+      // q, k, v, out, lse one after another, each at a multiple of 16 (not of 256).
+      size_t end = 16;
+      auto place = [&](size_t bytes) {
+        const size_t at = end;
+        end = Align(end + bytes) + 16;
+        return at;
+      };
+      const v1::Tensor& q = req.q();
+      const size_t q_at = place(q.data().size()), k_at = place(req.k().data().size()),
+                   v_at = place(req.v().data().size()), out_at = place(q.data().size()),
+                   lse_at = place(static_cast<size_t>(q.shape(0) * q.shape(1)) * sizeof(float));
+      ASSERT_LE(end, kFuzzRegionBytes) << at;
+      ASSERT_TRUE(mem.Write(q_at, q.data().data(), q.data().size()).ok());
+      ASSERT_TRUE(mem.Write(k_at, req.k().data().data(), req.k().data().size()).ok());
+      ASSERT_TRUE(mem.Write(v_at, req.v().data().data(), req.v().data().size()).ok());
+      ASSERT_TRUE(mem.Fill(out_at, 0xff, end - out_at).ok());  // NaN in every dtype
+
+      ForwardCall call = random_script::CallOf(req, ipc_cache->cache_id());
+      auto device = [&](const v1::Tensor& t, size_t offset) {
+        return TensorArg::Device(t.dtype(), {t.shape().begin(), t.shape().end()},
+                                 region->region_id(), static_cast<int64_t>(offset));
+      };
+      call.q = device(q, q_at);
+      if (req.has_k()) {
+        call.k = device(req.k(), k_at);
+        call.v = device(req.v(), v_at);
+      }
+      call.out = device(q, out_at);  // out: q's dtype and shape
+      if (req.options().return_lse()) {
+        call.lse = TensorArg::Device(v1::FLOAT32, {q.shape(0), q.shape(1)}, region->region_id(),
+                                     static_cast<int64_t>(lse_at));
+      }
+      absl::StatusOr<ForwardReply> got = client_->ForwardTensors(call, {});
+      ASSERT_TRUE(got.ok()) << at << ": device tensors: " << got.status();
+      ++forwards;
+      EXPECT_EQ(got->out_dtype, q.dtype()) << at;
+      EXPECT_TRUE(ReadBack(mem, out_at, want->out().data().size()) == want->out().data())
+          << at << ": out differs from the byte path's";
+      EXPECT_TRUE(ReadBack(mem, lse_at, want->lse().data().size()) == want->lse().data())
+          << at << ": lse differs from the byte path's";
+    }
+    for (const v1::CacheInfo* c : {&*bytes_cache, &*ipc_cache}) {
+      absl::StatusOr<v1::CacheInfo> info = client_->GetCache(c->cache_id());
+      ASSERT_TRUE(info.ok()) << what << ": " << info.status();
+      EXPECT_EQ(info->stats().used_pages(), script.PagesHeld()) << what;
+    }
+    EXPECT_TRUE(client_->UnregisterMemory(region->region_id()).ok()) << what;
+    EXPECT_TRUE(client_->DeleteCache(ipc_cache->cache_id()).ok()) << what;
+    EXPECT_TRUE(client_->DeleteCache(bytes_cache->cache_id()).ok()) << what;
+  }
+  std::printf("%d of %d configs accepted, %d Forwards through device tensors\n", accepted, configs,
+              forwards);
+  EXPECT_GT(accepted, configs / 2);  // a run that accepts none tests nothing
 }
 
 // Keeps the client's stream busy for a while (memsets of a scratch buffer), so that what is

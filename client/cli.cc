@@ -84,7 +84,8 @@ constexpr char kUsage[] =
     "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
     "                           Forward, compared with a float64 reference; prints PASS/FAIL\n"
     "                           (a 2-layer cache of its own: --head_dim, --page_size, the heads,\n"
-    "                           --kv_dtype and its scaling, --device)\n\n"
+    "                           --kv_dtype and its scaling, --device, and --layers: 1 entry for\n"
+    "                           both layers or 2)\n\n"
     "--request_id=ID makes every call of the command carry ID, which the server's log lines\n"
     "for them show as req= (stats excepted: it is no gRPC call).\n";
 
@@ -335,6 +336,18 @@ int main(int argc, char** argv) {
       if (line[0] != '#') std::cout << line << "\n";
     }
   } else if (command == "smoke") {
+    // The smoke makes its own cache of 2 layers and the pages its steps need: a capacity or a
+    // layer count given for it is a mistake to report, not a value to drop.
+    for (const absl::CommandLineFlag* f :
+         {&absl::GetFlagReflectionHandle(FLAGS_num_layers),
+          &absl::GetFlagReflectionHandle(FLAGS_num_pages),
+          &absl::GetFlagReflectionHandle(FLAGS_max_bytes)}) {
+      if (f->CurrentValue() != f->DefaultValue()) {
+        return Usage(absl::InvalidArgumentError(
+            absl::StrCat("smoke makes its own cache (2 layers, the pages its steps need): --",
+                         f->Name(), " is validate's and create-cache's")));
+      }
+    }
     absl::StatusOr<CacheConfig> config = ConfigFromFlags();
     if (!config.ok()) return Usage(config.status());
     pagedattn::SmokeOptions so;
@@ -346,6 +359,12 @@ int main(int argc, char** argv) {
     so.kv_scaling = config->kv_scaling();
     so.kv_scales.assign(config->kv_scales().begin(), config->kv_scales().end());
     so.device = config->device();
+    so.layers.assign(config->layers().begin(), config->layers().end());
+    if (so.layers.size() > 2) {
+      return Usage(absl::InvalidArgumentError(
+          absl::StrCat("--layers: the smoke cache has 2 layers; give 1 entry (both) or 2, not ",
+                       so.layers.size())));
+    }
     auto info = c.GetServerInfo();
     if (!info.ok()) return Fail(info.status());
     auto r = pagedattn::RunSmoke(c, so);

@@ -6,15 +6,21 @@
 #include <cmath>
 #include <map>
 #include <random>
+#include <string>
+#include <vector>
 
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
 #include "common/dtype.h"
 #include "common/reference.h"
 
 namespace pagedattn {
 namespace {
+
+// The steps' longest sequence, in positions (a window at least this long hides nothing).
+constexpr int kLongestSequence = 38;
 
 struct SpanSpec {
   uint64_t seq_id;
@@ -43,6 +49,7 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
                                                  : 1e-2;
   v1::CacheConfig config;
   config.set_num_layers(2);
+  for (const v1::LayerAttention& l : o.layers) *config.add_layers() = l;
   config.set_num_q_heads(o.num_q_heads);
   config.set_num_kv_heads(o.num_kv_heads);
   config.set_head_dim(o.head_dim);
@@ -66,6 +73,28 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
           ? ""
           : absl::StrCat(" (", v1::KvScaling_Name(o.kv_scaling), ")").c_str(),
       o.device);
+  // Each layer's variant for the reference, and in the summary.
+  testing::ReferenceVariant variants[2];
+  // (More entries than layers: CreateCache refused the config above.)
+  for (int layer = 0; layer < 2 && !o.layers.empty(); ++layer) {
+    const v1::LayerAttention& l = o.layers[o.layers.size() == 1 ? 0 : layer];
+    testing::ReferenceVariant& r = variants[layer];
+    r.window = l.has_sliding_window() ? l.sliding_window() : 0;
+    r.softcap = l.has_logit_softcap() ? l.logit_softcap() : 0;
+    r.sinks.assign(l.sinks().begin(), l.sinks().end());
+    std::vector<std::string> parts;
+    if (r.window > 0) {
+      parts.push_back(absl::StrCat("window ", r.window));
+      if (r.window >= kLongestSequence) {
+        absl::StrAppend(&parts.back(), " (past the smoke's ", kLongestSequence,
+                        " positions: every one visible)");
+      }
+    }
+    if (r.softcap > 0) parts.push_back(absl::StrCat("soft-cap ", r.softcap));
+    if (!r.sinks.empty()) parts.push_back(absl::StrCat(r.sinks.size(), " sinks"));
+    absl::StrAppend(&report.summary, "  layer ", layer, ": ",
+                    parts.empty() ? "plain" : absl::StrJoin(parts, ", "), "\n");
+  }
   // Whatever goes wrong below, the cache goes (best effort: the error that ended the run is
   // the one reported).
   bool deleted_cache = false;
@@ -142,7 +171,7 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
           ref_lse(static_cast<size_t>(s.num_queries) * Hq);
       testing::ReferenceAttention(&q[q_row * Hq * D], kh.data(), vh.data(), s.num_queries, kv_len,
                                   Hq, Hkv, D, /*causal=*/true, 1.0 / std::sqrt(double(D)),
-                                  ref.data(), ref_lse.data());
+                                  ref.data(), ref_lse.data(), variants[layer]);
       std::vector<double> got(out->begin() + q_row * Hq * D,
                               out->begin() + (q_row + s.num_queries) * Hq * D);
       const double err =

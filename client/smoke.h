@@ -22,6 +22,9 @@ struct SmokeOptions {
   // scales near 4.5 / 448 = 0.01 fit them.
   v1::KvScaling kv_scaling = v1::KV_SCALING_UNSPECIFIED;
   std::vector<float> kv_scales;
+  // The layers' attention variants (pagedattn.v1.LayerAttention): none, one for both of the
+  // smoke cache's layers, or one each; checked against the reference like plain attention.
+  std::vector<v1::LayerAttention> layers;
   v1::DType q_dtype = v1::FLOAT32;
   int32_t device = 0;  // The GPU (or CPU device) the smoke's cache lives on.
   uint64_t seed = 1;

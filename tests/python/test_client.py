@@ -502,10 +502,19 @@ def test_cli_info_validate_smoke(target, backend, server_info):
     n = server_info.device_count
     r = _cli(f"--target={target}", f"--device={n}", "smoke")
     assert r.returncode == 1 and f"device must be in 0..{n - 1} (got {n})" in r.stderr, r.stderr
+    # --layers' variants reach the smoke's cache and its reference (a window shorter than its
+    # sequences, a soft-cap, sinks); a layer count or a capacity for smoke is refused below.
+    r = _cli(f"--target={target}", "--head_dim=64", '--layers=[{"sliding_window": 7, '
+             '"logit_softcap": 5, "sinks": [0, 1, 2, 3, -1, -2, 0.5, 1.5]}, {}]', "smoke")
+    assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
+    assert "layer 0: window 7, soft-cap 5, 8 sinks" in r.stdout and "layer 1: plain" in r.stdout
     # Page size 1 (the smoke's cache has the pages its steps need at any page size).
     r = _cli(f"--target={target}", "--page_size=1", "smoke")
     assert r.returncode == 0 and r.stdout.strip().splitlines()[-1] == "PASS", r.stdout + r.stderr
     for args, says in ((["--q_dtype=fp8", "smoke"], "q_dtype must be float32, float16 or bfloat16"),
+                       (["--num_layers=4", "smoke"], "--num_layers is validate's"),
+                       (["--max_bytes=9999", "smoke"], "--max_bytes is validate's"),
+                       (["--layers=[{}, {}, {}]", "smoke"], "the smoke cache has 2 layers"),
                        (["--tls_ca=/nonexistent/ca.pem", "info"], "/nonexistent/ca.pem"),
                        (["--tls_key=/x.key", "info"], "--tls_key needs --tls_cert"),
                        (["--tls_server_name=x", "info"], "--tls_server_name applies to TLS"),

@@ -235,6 +235,20 @@ grep -q "head_dim 64, page_size 7" "$log.smoke" || fail "smoke ignores its flags
 "$cli" $t --head_dim=64 --kv_dtype=FLOAT8_E4M3 --kv_scaling=STATIC --kv_scales=0.02,0.01 smoke \
   > "$log.smoke" || fail "FP8 STATIC smoke: $(cat "$log.smoke")"
 grep -q "kv_dtype FLOAT8_E4M3 (STATIC)" "$log.smoke" || fail "smoke ignores --kv_scaling: $(cat "$log.smoke")"
+# --layers' variants reach the smoke's cache and its reference (a window shorter than its
+# sequences, a soft-cap, sinks); a layer count or capacity for smoke is refused, not dropped.
+"$cli" $t --head_dim=64 --num_q_heads=8 --num_kv_heads=2 \
+  --layers='[{"slidingWindow": 7, "logitSoftcap": 5, "sinks": [0,1,2,3,-1,-2,0.5,1.5]}, {}]' \
+  smoke > "$log.smoke" || fail "smoke with --layers: $(cat "$log.smoke")"
+grep -q "layer 0: window 7, soft-cap 5, 8 sinks" "$log.smoke" && grep -q "layer 1: plain" "$log.smoke" ||
+  fail "smoke ignores --layers: $(cat "$log.smoke")"
+for bad in --num_layers=4 --num_pages=99 --max_bytes=1000000; do
+  rc=0; out=$("$cli" $t "$bad" smoke 2>&1) || rc=$?
+  [ $rc -eq 2 ] && grep -q "smoke makes its own cache.*${bad%%=*} is validate's" <<<"$out" ||
+    fail "smoke $bad: exit $rc $out"
+done
+rc=0; out=$("$cli" $t --layers='[{}, {}, {}]' smoke 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "the smoke cache has 2 layers" <<<"$out" || fail "smoke of 3 layers: exit $rc $out"
 # --device reaches the smoke's cache (the CPU backend has device 0 only).
 rc=0; out=$("$cli" $t --device=1 smoke 2>&1) || rc=$?
 [ $rc -eq 1 ] && grep -q "device must be in 0..0 (got 1)" <<<"$out" || fail "smoke --device=1: exit $rc $out"
@@ -246,8 +260,8 @@ rm -f "$log.smoke"
 hport=$(log_port "$log" health)
 [ "$("$cli" --target=127.0.0.1:$hport health)" = "SERVING" ] || fail "health port"
 stats=$("$cli" --metrics_target=127.0.0.1:$mport stats) || fail "stats"
-# Three smokes of four Forwards each.
-grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 12' <<<"$stats" || fail "stats: $stats"
+# Four smokes of four Forwards each.
+grep -q 'pagedattn_rpcs_total{method="Forward",code="OK"} 16' <<<"$stats" || fail "stats: $stats"
 
 # The load generator: a mode that fails (ipc_tcp: the CPU backend takes no device tensors) ends
 # the run, and its cache goes with it; an unknown mode is refused before anything runs.

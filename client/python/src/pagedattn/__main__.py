@@ -55,7 +55,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tls_key", default="", help="client private key PEM (mTLS)")
     p.add_argument("--tls_server_name", default="", help="name to expect in the server certificate")
     g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, "
-                             "kv_dtype and its scaling, device)")
+                             "kv_dtype and its scaling, device, and layers: 1 entry for both of "
+                             "its layers or 2)")
     g.add_argument("--num_layers", type=int, default=32)
     g.add_argument("--num_q_heads", type=int, default=None, help="default 32 (smoke: 8)")
     g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
@@ -142,6 +143,13 @@ def run(a: argparse.Namespace) -> int:
             print(to_json(r))
             return 0 if r.valid else 1
         elif a.command == "smoke":
+            # The smoke makes its own cache: a layer count or capacity for it is a mistake to
+            # report, not a value to drop.
+            defaults = parser()
+            for flag in ("num_layers", "num_pages", "max_bytes"):
+                if getattr(a, flag) != defaults.get_default(flag):
+                    raise ValueError(f"smoke makes its own cache (2 layers, the pages its steps "
+                                     f"need): --{flag} is validate's")
             info = c.server_info()
             r = run_smoke(
                 c,
@@ -155,6 +163,7 @@ def run(a: argparse.Namespace) -> int:
                 kv_scaling=a.kv_scaling,
                 kv_scales=_scales(a.kv_scales),
                 device=a.device,
+                layers=_layers(a.layers),
             )
             print(f"smoke against {a.target} (backend {info.backend}, {info.device_name}), "
                   f"cache {r.cache_id}:")

@@ -3,7 +3,7 @@ relative error the smoke check and the tests compare with."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -15,6 +15,9 @@ def reference_attention(
     *,
     causal: bool = True,
     sm_scale: Optional[float] = None,
+    sliding_window: Optional[int] = None,
+    logit_softcap: Optional[float] = None,
+    sinks: Sequence[float] = (),
 ) -> tuple[np.ndarray, np.ndarray]:
     """Attention of one sequence in float64.
 
@@ -25,6 +28,9 @@ def reference_attention(
             num_kv_heads: GQA maps q head h to kv head h // (num_q_heads // num_kv_heads)).
         causal: query at position p attends positions <= p.
         sm_scale: softmax scale, default 1/sqrt(head_dim).
+        sliding_window, logit_softcap, sinks: a layer's variant (LayerAttention's fields): the
+            query at p sees p - sliding_window + 1 .. only; scores become
+            cap * tanh(score / cap); one logit per q head joins each row's denominator.
 
     Returns:
         (out [num_queries, num_q_heads, head_dim] float64,
@@ -39,12 +45,24 @@ def reference_attention(
     vh = np.repeat(v64, group, axis=1)
     # [hq, nq, nk] through BLAS matmuls (einsum without BLAS is slow for long prefills)
     scores = np.matmul(q64.transpose(1, 0, 2), kh.transpose(1, 2, 0)) * scale
+    if logit_softcap:
+        scores = logit_softcap * np.tanh(scores / logit_softcap)
+    q_pos = np.arange(nk - nq, nk)[:, None]
+    k_pos = np.arange(nk)[None, :]
+    visible = np.ones((nq, nk), dtype=bool)
     if causal:
-        q_pos = np.arange(nk - nq, nk)[:, None]
-        scores = np.where(np.arange(nk)[None, :] <= q_pos, scores, -np.inf)
-    m = scores.max(axis=-1, keepdims=True)
+        visible &= k_pos <= q_pos
+    if sliding_window:
+        visible &= k_pos > q_pos - sliding_window
+    scores = np.where(visible, scores, -np.inf)
+    m = scores.max(axis=-1, keepdims=True)  # [hq, nq, 1]
+    sink = np.asarray(sinks, dtype=np.float64).reshape(hq, 1, 1) if len(sinks) else None
+    if sink is not None:
+        m = np.maximum(m, sink)
     p = np.exp(scores - m)
     s = p.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        s = s + np.exp(sink - m)
     out = np.matmul(p / s, vh.transpose(1, 0, 2)).transpose(1, 0, 2)  # [nq, hq, d]
     lse = (m + np.log(s))[..., 0].T  # [nq, hq]
     return out, lse

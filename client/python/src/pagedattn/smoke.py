@@ -14,7 +14,7 @@ from .reference import reference_attention, relative_error
 from .tensors import (
     BFLOAT16, FLOAT16, FLOAT32, FLOAT8_E4M3, DTypeLike, dtype_enum, dtype_name, round_to_bfloat16,
 )
-from .types import CacheConfig, Span
+from .types import CacheConfig, LayerAttention, Span
 
 # (layer, spans): prefills, a decode, a chunked prefill, an attend-only span, a rewind.
 STEPS = [
@@ -23,6 +23,8 @@ STEPS = [
     (1, [Span(1, 0, 38, 38), Span(3, 0, 5, 2)]),
     (0, [Span(1, 30, 3, 3), Span(2, 0, 0, 0), Span(3, 5, 0, 4)]),
 ]
+# The steps' longest sequence, in positions (a window at least this long hides nothing).
+LONGEST_SEQUENCE = 38
 # An FP8 cache is checked against the unquantized K/V, within its documented bound (README, FP8
 # caches), as pagedattn-cli smoke does.
 TOLERANCE = {FLOAT32: 1e-5, FLOAT16: 2e-3, BFLOAT16: 1e-2, FLOAT8_E4M3: 0.15}
@@ -62,18 +64,24 @@ def run_smoke(
     kv_scaling: Optional[str] = None,
     kv_scales: Sequence[float] = (),
     device: int = 0,
+    layers: Sequence[LayerAttention] = (),
 ) -> SmokeReport:
     """Creates a cache, runs the STEPS, checks every output and LSE, releases, deletes.
     RPC failures raise; a wrong answer is a report with passed=False. kv_scaling and kv_scales
     as CacheConfig's (a per-layer list: the cache's two layers take its first 4 values); the
     K/V are standard normal, which STATIC scales near 4.5 / 448 = 0.01 fit. device: the GPU
-    the cache lives on."""
+    the cache lives on. layers: the two layers' variants (one entry for both, or two), checked
+    against the reference as plain attention is."""
     kv_t, q_t = dtype_enum(kv_dtype), dtype_enum(q_dtype)
     if kv_t not in TOLERANCE:
         raise ValueError("kv_dtype must be float32, float16, bfloat16 or float8_e4m3 "
                          f"(got {dtype_name(kv_t)})")
     if q_t not in (FLOAT32, FLOAT16, BFLOAT16):
         raise ValueError(f"q_dtype must be float32, float16 or bfloat16 (got {dtype_name(q_t)})")
+    layers = tuple(layers)
+    if len(layers) > 2:
+        raise ValueError("the smoke cache has 2 layers: give its variants (layers) 1 entry for "
+                         f"both or 2, not {len(layers)}")
     # The output comes back in q's dtype: its rounding counts too.
     report = SmokeReport(tolerance=max(TOLERANCE[kv_t], TOLERANCE[q_t]))
     # Room for the steps' three sequences of up to 64 tokens at any page size (page_size 1
@@ -81,7 +89,21 @@ def run_smoke(
     num_pages = max(64, 3 * -(-64 // max(page_size, 1)))
     config = CacheConfig(2, num_q_heads, num_kv_heads, head_dim, page_size, kv_t,
                          num_pages=num_pages, kv_scaling=kv_scaling,
-                         kv_scales=tuple(kv_scales)[:4], device=device)
+                         kv_scales=tuple(kv_scales)[:4], device=device, layers=layers)
+    # Each layer's variant, for the reference and the report.
+    variants = [layers[0 if len(layers) == 1 else i] if layers else LayerAttention() for i in (0, 1)]
+    if layers:
+        for i, l in enumerate(variants):
+            parts = []
+            if l.sliding_window:
+                parts.append(f"window {l.sliding_window}" + (
+                    f" (past the smoke's {LONGEST_SEQUENCE} positions: every one visible)"
+                    if l.sliding_window >= LONGEST_SEQUENCE else ""))
+            if l.logit_softcap:
+                parts.append(f"soft-cap {l.logit_softcap:g}")
+            if l.sinks:
+                parts.append(f"{len(l.sinks)} sinks")
+            report.lines.append(f"  layer {i}: " + (", ".join(parts) or "plain"))
     rng = np.random.default_rng(seed)
     # Host copy of each (layer, sequence)'s K and V rows, rounded to kv_dtype.
     kv: dict[tuple[int, int], tuple[np.ndarray, np.ndarray]] = {}
@@ -113,7 +135,9 @@ def run_smoke(
                 if s.num_queries == 0:
                     continue
                 kh, vh = kv[(layer, s.seq_id)]
-                ref, ref_lse = reference_attention(qi, kh, vh)
+                l = variants[layer]
+                ref, ref_lse = reference_attention(qi, kh, vh, sliding_window=l.sliding_window,
+                                                   logit_softcap=l.logit_softcap, sinks=l.sinks)
                 step_err = max(step_err, relative_error(out[row : row + s.num_queries], ref))
                 lse_err = np.abs(np.asarray(lse[row : row + s.num_queries], np.float64) - ref_lse)
                 report.max_lse_error = max(report.max_lse_error, float(np.nan_to_num(lse_err, nan=np.inf).max()))

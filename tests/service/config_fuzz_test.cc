@@ -422,15 +422,14 @@ void RunFuzz(ConfigRun run, const std::vector<Served*>& servers, int default_con
   EXPECT_GT(tally.accepted, configs / 2);
 }
 
+// The scripts of the CPU-only runs, which CI runs: shorter, so that a config takes milliseconds.
+constexpr ScriptLimits kCpuLimits = {.max_len = 600, .max_new = 200, .max_step_queries = 64};
+
 // Every config the CPU backend accepts runs its script: each Forward answered, every value finite.
 TEST(ConfigFuzzTest, EveryAcceptedConfigRunsItsForwardsOnTheCpu) {
   Served cpu = Serve(BackendChoice::kCpu);
   ASSERT_TRUE(cpu.client);
-  ScriptLimits limits;
-  limits.max_len = 600;
-  limits.max_step_queries = 64;
-  limits.max_new = 200;
-  RunFuzz(RunConfig, {&cpu}, 12, limits);
+  RunFuzz(RunConfig, {&cpu}, 12, kCpuLimits);
 }
 
 // The Step stream over random configs on the CPU: every layer of each step, the steps between
@@ -438,21 +437,20 @@ TEST(ConfigFuzzTest, EveryAcceptedConfigRunsItsForwardsOnTheCpu) {
 TEST(ConfigFuzzTest, StepStreamsAnswerAsUnaryForwardsOnTheCpu) {
   Served cpu = Serve(BackendChoice::kCpu);
   ASSERT_TRUE(cpu.client);
-  ScriptLimits limits;
-  limits.max_len = 600;
-  limits.max_step_queries = 64;
-  limits.max_new = 200;
-  RunFuzz(RunSteps, {&cpu}, 12, limits);
+  RunFuzz(RunSteps, {&cpu}, 12, kCpuLimits);
+}
+
+// Why the CUDA tests cannot run here, or "" where they can.
+std::string NoCuda() {
+  if (!BuiltWithCuda()) return "built without CUDA (no nvcc at build time)";
+  absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
+  return cuda.ok() ? "" : absl::StrCat("no CUDA GPU visible: ", cuda.status().ToString());
 }
 
 // A CUDA server beside the CPU server: it accepts the same configs (FLOAT32 caches aside), answers
 // every Forward of each script, and agrees with the CPU's answers.
 TEST(ConfigFuzzTest, CudaAcceptsAndAnswersAsTheCpu) {
-  if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
-  if (absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
-      !cuda.ok()) {
-    GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
-  }
+  if (const std::string why = NoCuda(); !why.empty()) GTEST_SKIP() << why;
   Served cpu = Serve(BackendChoice::kCpu), cuda = Serve(BackendChoice::kCuda);
   ASSERT_TRUE(cpu.client && cuda.client);
   RunFuzz(RunConfig, {&cpu, &cuda}, 48, ScriptLimits{});
@@ -468,21 +466,13 @@ TEST(ConfigFuzzTest, ShardedCachesAnswerAsOneServer) {
     ASSERT_TRUE(s.client);
     servers.push_back(&s);
   }
-  ScriptLimits limits;
-  limits.max_len = 600;
-  limits.max_step_queries = 64;
-  limits.max_new = 200;
-  RunFuzz(RunSharded, servers, 12, limits);
+  RunFuzz(RunSharded, servers, 12, kCpuLimits);
 }
 
 // The same on a CUDA server, whose concurrent Forwards (a Step stream's layers) each run on a
 // stream and workspace of their own.
 TEST(ConfigFuzzTest, StepStreamsAnswerAsUnaryForwardsOnCuda) {
-  if (!BuiltWithCuda()) GTEST_SKIP() << "built without CUDA (no nvcc at build time)";
-  if (absl::StatusOr<CreatedBackend> cuda = CreateBackend({.backend = BackendChoice::kCuda});
-      !cuda.ok()) {
-    GTEST_SKIP() << "no CUDA GPU visible: " << cuda.status();
-  }
+  if (const std::string why = NoCuda(); !why.empty()) GTEST_SKIP() << why;
   Served cuda = Serve(BackendChoice::kCuda);
   ASSERT_TRUE(cuda.client);
   RunFuzz(RunSteps, {&cuda}, 48, ScriptLimits{});

@@ -15,7 +15,8 @@
 #                    filter (default: every test), SANITIZER_SHARDS their processes (default 5)
 #   PEERS=0          no peers.py (FlashInfer rows only when `import flashinfer` works)
 #   QUICK=1          the default decode and prefill shapes only, with fewer repetitions
-#   FUZZ_CONFIGS=N   random cache configs config_fuzz_test runs on each backend (default 200)
+#   FUZZ_CONFIGS=N   random cache configs config_fuzz_test runs on each backend, and ipc_test
+#                    through device tensors (default 200)
 #   BENCH_TIMEOUT=N  seconds per bench or peers run (default 300)
 #   PROFILE_BUILD=DIR  a second build, configured with -DPAGEDATTN_PROFILE=ON: its bench also
 #                    writes the phase timelines (--profile) of the default decode and prefill
@@ -108,6 +109,10 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
   PAGEDATTN_PREFILL_KERNEL=portable test_run cuda_backend_test_portable_prefill 600 \
     "$t/cuda_backend_test" --gtest_filter='*Prefill*:*Mixed*:*Odd*:*OwnDtype*'
   PAGEDATTN_E2E_BACKEND=cuda test_run e2e_test_cuda 600 "$t/e2e_test"
+  PAGEDATTN_E2E_BACKEND=cuda test_run data_plane_test_cuda 600 "$t/data_plane_test"
+  PAGEDATTN_E2E_BACKEND=cuda test_run sharded_test_cuda 600 "$t/sharded_test"
+  PAGEDATTN_SERVER_BIN=$build/server/pagedattn-server \
+    PAGEDATTN_FUZZ_CONFIGS=${FUZZ_CONFIGS:-200} test_run ipc_test 900 "$t/ipc_test"
   test_run backend_parity_test 600 "$t/backend_parity_test"
   PAGEDATTN_FUZZ_CONFIGS=${FUZZ_CONFIGS:-200} test_run config_fuzz_test 900 "$t/config_fuzz_test"
   server_smoke

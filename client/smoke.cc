@@ -19,9 +19,6 @@
 namespace pagedattn {
 namespace {
 
-// The steps' longest sequence, in positions (a window at least this long hides nothing).
-constexpr int kLongestSequence = 38;
-
 struct SpanSpec {
   uint64_t seq_id;
   int64_t start;
@@ -73,6 +70,18 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
           ? ""
           : absl::StrCat(" (", v1::KvScaling_Name(o.kv_scaling), ")").c_str(),
       o.device);
+  // Mixed batches: prefills, a decode, a chunked prefill, an attend-only span, a rewind.
+  const std::vector<std::pair<int, std::vector<SpanSpec>>> steps = {
+      {0, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
+      {0, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
+      {1, {{1, 0, 38, 38}, {3, 0, 5, 2}}},
+      {0, {{1, 30, 3, 3}, {2, 0, 0, 0}, {3, 5, 0, 4}}},
+  };
+  // The longest sequence the steps make: a window at least this long hides no position.
+  int64_t longest = 0;
+  for (const auto& [layer, spans] : steps) {
+    for (const SpanSpec& s : spans) longest = std::max(longest, s.start + s.num_new);
+  }
   // Each layer's variant for the reference, and in the summary.
   testing::ReferenceVariant variants[2];
   // (More entries than layers: CreateCache refused the config above.)
@@ -85,8 +94,8 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
     std::vector<std::string> parts;
     if (r.window > 0) {
       parts.push_back(absl::StrCat("window ", r.window));
-      if (r.window >= kLongestSequence) {
-        absl::StrAppend(&parts.back(), " (past the smoke's ", kLongestSequence,
+      if (r.window >= longest) {
+        absl::StrAppend(&parts.back(), " (past the smoke's ", longest,
                         " positions: every one visible)");
       }
     }
@@ -108,13 +117,6 @@ absl::StatusOr<SmokeReport> RunSmoke(Client& client, const SmokeOptions& o) {
   // Host copy of each (layer, sequence)'s K and V rows: [pos][Hkv][D], rounded to kv_dtype.
   std::map<std::pair<int, uint64_t>, std::pair<std::vector<float>, std::vector<float>>> kv;
 
-  // Mixed batches: prefills, a decode, a chunked prefill, an attend-only span, a rewind.
-  const std::vector<std::pair<int, std::vector<SpanSpec>>> steps = {
-      {0, {{1, 0, 37, 37}, {2, 0, 19, 19}}},
-      {0, {{1, 37, 1, 1}, {2, 19, 13, 13}, {3, 0, 5, 5}}},
-      {1, {{1, 0, 38, 38}, {3, 0, 5, 2}}},
-      {0, {{1, 30, 3, 3}, {2, 0, 0, 0}, {3, 5, 0, 4}}},
-  };
   for (const auto& [layer, spans] : steps) {
     v1::ForwardRequest req;
     req.set_cache_id(report.cache_id);

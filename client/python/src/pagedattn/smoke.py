@@ -23,8 +23,8 @@ STEPS = [
     (1, [Span(1, 0, 38, 38), Span(3, 0, 5, 2)]),
     (0, [Span(1, 30, 3, 3), Span(2, 0, 0, 0), Span(3, 5, 0, 4)]),
 ]
-# The steps' longest sequence, in positions (a window at least this long hides nothing).
-LONGEST_SEQUENCE = 38
+# The longest sequence the steps make: a window at least this long hides no position.
+LONGEST_SEQUENCE = max(s.start + s.num_new_tokens for _, spans in STEPS for s in spans)
 # An FP8 cache is checked against the unquantized K/V, within its documented bound (README, FP8
 # caches), as pagedattn-cli smoke does.
 TOLERANCE = {FLOAT32: 1e-5, FLOAT16: 2e-3, BFLOAT16: 1e-2, FLOAT8_E4M3: 0.15}

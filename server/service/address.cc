@@ -18,6 +18,10 @@ absl::StatusOr<HostPort> ParseHostPort(absl::string_view flag, absl::string_view
   return hp;
 }
 
+std::string GrpcListenAddress(const HostPort& hp) {
+  return FormatHostPort({hp.host.empty() ? "0.0.0.0" : hp.host, hp.port});
+}
+
 absl::StatusOr<std::vector<ListenAddress>> ParseListenAddresses(absl::string_view flag,
                                                                 absl::string_view list) {
   std::vector<ListenAddress> out;

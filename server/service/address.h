@@ -16,6 +16,10 @@ namespace pagedattn {
 // 0..65535 (common/host_port.h's parser).
 absl::StatusOr<HostPort> ParseHostPort(absl::string_view flag, absl::string_view address);
 
+// The address gRPC binds for a TCP listener: ":port" (every interface) as "0.0.0.0:port", which
+// gRPC takes for IPv6's wildcard too where the host has IPv6; gRPC cannot parse an empty host.
+std::string GrpcListenAddress(const HostPort& hp);
+
 // One address of --listen: a TCP host:port, or a Unix socket "unix:/path/to.sock".
 struct ListenAddress {
   std::string text;  // As given.

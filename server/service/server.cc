@@ -251,7 +251,7 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
       if (absl::Status st = ClearStaleSocket(a.path); !st.ok()) return st;
       builder.AddListeningPort("unix:" + a.path, *creds, &bound[i]);
     } else {
-      builder.AddListeningPort(a.text, *creds, &bound[i]);
+      builder.AddListeningPort(GrpcListenAddress(a.tcp), *creds, &bound[i]);
     }
   }
   builder.RegisterService(s->service_.get());
@@ -292,9 +292,15 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   }
   if (!options.health_listen.empty()) {
     // Kubernetes gRPC probes cannot speak TLS: health alone, in plaintext.
+    absl::StatusOr<HostPort> health = ParseHostPort("--health_listen", options.health_listen);
+    if (!health.ok()) {
+      s->server_->Shutdown();
+      return health.status();
+    }
     grpc::ServerBuilder hb;
     CommonArguments(hb);
-    hb.AddListeningPort(options.health_listen, grpc::InsecureServerCredentials(), &s->health_port_);
+    hb.AddListeningPort(GrpcListenAddress(*health), grpc::InsecureServerCredentials(),
+                        &s->health_port_);
     hb.RegisterService(s->health_.get());
     s->health_port_others_ = std::make_unique<HealthPortOthers>(absl::StrJoin(s->listening_, ", "));
     hb.RegisterCallbackGenericService(s->health_port_others_.get());

@@ -61,6 +61,18 @@ grep -q -- "--listen=127.0.0.1:0,unix:$sockdir/pa.sock" "$log" || fail "--listen
 kill -TERM $pid; wait $pid || fail "server with two --listen exit code $?"
 rm -rf "$sockdir"
 
+# ":port" (every interface), as --help offers it, on each gRPC listener: gRPC cannot parse an
+# empty host itself.
+: >"$log"
+"$server" --listen=:0 --health_listen=:0 --backend=cpu >"$log" 2>&1 &
+pid=$!
+wait_started "$log" $pid
+[ "$("$cli" --target="127.0.0.1:$(log_port "$log" main)" health)" = "SERVING" ] ||
+  fail "--listen=:0: main port"
+[ "$("$cli" --target="127.0.0.1:$(log_port "$log" health)" health)" = "SERVING" ] ||
+  fail "--health_listen=:0: health port"
+kill -TERM $pid; wait $pid || fail "server on :0 exit code $?"
+
 # A misspelled flag variable is a warning naming the variable it is likely a typo of (here the
 # operator meant to turn auth on); an unrelated PAGEDATTN_ variable stays an info line.
 : >"$log"

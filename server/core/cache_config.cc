@@ -57,6 +57,23 @@ std::optional<int64_t> CheckedMul(int64_t a, int64_t b) {
   return r;
 }
 
+// The entries of `values` that `ok` refuses, named as "field[i] is x" (the first 8, then how
+// many more), or "" when there are none: a violation names every bad entry, not the first alone.
+template <typename Ok>
+std::string BadEntries(absl::string_view field, const std::vector<float>& values, Ok&& ok) {
+  constexpr int kShown = 8;
+  std::string bad;
+  int num_bad = 0;
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (ok(values[i])) continue;
+    if (num_bad++ < kShown) {
+      absl::StrAppend(&bad, bad.empty() ? "" : ", ", field, "[", i, "] is ", values[i]);
+    }
+  }
+  if (num_bad > kShown) absl::StrAppend(&bad, " and ", num_bad - kShown, " more");
+  return bad;
+}
+
 const char* BackendName(BackendKind backend) {
   return backend == BackendKind::kCuda ? "cuda" : "cpu";
 }
@@ -109,14 +126,11 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
       if (static_cast<int64_t>(l.sinks.size()) != c.num_q_heads) {
         violate(at + "sinks", absl::StrCat("sinks must have num_q_heads=", c.num_q_heads,
                                            " values, one per q head (got ", l.sinks.size(), ")"));
-      } else {
-        for (size_t h = 0; h < l.sinks.size(); ++h) {
-          if (!(std::fabs(l.sinks[h]) <= kMaxSinkMagnitude)) {
-            violate(at + "sinks", absl::StrCat("sinks must be finite, within +-", kMaxSinkMagnitude,
-                                               " (2^64) (sinks[", h, "] is ", l.sinks[h], ")"));
-            break;
-          }
-        }
+      } else if (const std::string bad = BadEntries(
+                     "sinks", l.sinks, [](float x) { return std::fabs(x) <= kMaxSinkMagnitude; });
+                 !bad.empty()) {
+        violate(at + "sinks", absl::StrCat("sinks must be finite, within +-", kMaxSinkMagnitude,
+                                           " (2^64) (", bad, ")"));
       }
     }
   }
@@ -145,31 +159,20 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
   }
   if (c.kv_scaling == KvScaling::kStatic) {
     const size_t n = c.kv_scales.size();
+    // Each scale float's smallest normal and up: an inverse (what values are stored times) that
+    // overflows made 0 * inf = NaN of a zero.
     if (n != 2 && n != 2 * static_cast<size_t>(std::max(c.num_layers, 0))) {
       violate("kv_scales",
               absl::StrCat("kv_scaling STATIC needs kv_scales: K's and V's scale for every layer "
                            "(2 values) or per layer (2 x num_layers = ",
                            2 * int64_t{c.num_layers}, ") (got ", n, "); PER_TOKEN needs none"));
-    } else {
-      // Every bad scale named (the first kShown of them), in one violation of the field.
-      constexpr int kShown = 8;
-      std::string bad;
-      int num_bad = 0;
-      for (size_t i = 0; i < n; ++i) {
-        // Float's smallest normal and up: an inverse (what values are stored times) that
-        // overflows made 0 * inf = NaN of a zero.
-        if (std::isfinite(c.kv_scales[i]) && c.kv_scales[i] >= kFp8MinStaticScale) continue;
-        if (num_bad++ < kShown) {
-          absl::StrAppend(&bad, bad.empty() ? "" : ", ", "kv_scales[", i, "] is ",
-                          c.kv_scales[i]);
-        }
-      }
-      if (num_bad > 0) {
-        if (num_bad > kShown) absl::StrAppend(&bad, " and ", num_bad - kShown, " more");
-        violate("kv_scales", absl::StrCat("kv_scales must be finite and at least ",
-                                          kFp8MinStaticScale,
-                                          " (float's smallest normal value) (", bad, ")"));
-      }
+    } else if (const std::string bad =
+                   BadEntries("kv_scales", c.kv_scales,
+                              [](float x) { return std::isfinite(x) && x >= kFp8MinStaticScale; });
+               !bad.empty()) {
+      violate("kv_scales",
+              absl::StrCat("kv_scales must be finite and at least ", kFp8MinStaticScale,
+                           " (float's smallest normal value) (", bad, ")"));
     }
   } else if (!c.kv_scales.empty()) {
     violate("kv_scales",

@@ -364,6 +364,18 @@ TEST(CacheConfigTest, VariantValuesStayWithinFloatsRange) {
   }
   c.layers[0].sinks[7] = -kMaxSinkMagnitude;
   EXPECT_TRUE(ValidateCacheConfig(c, Ctx()).valid());
+  // Every bad sink is named, not the first alone (the first 8, then how many more).
+  c.layers[0].sinks[3] = std::numeric_limits<float>::quiet_NaN();
+  c.layers[0].sinks[7] = std::numeric_limits<float>::infinity();
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"layers[0].sinks"});
+  EXPECT_NE(r.violations[0].description.find("sinks[3] is nan, sinks[7] is inf"), std::string::npos)
+      << r.violations[0].description;
+  c.layers[0].sinks.assign(32, 1e30f);
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"layers[0].sinks"});
+  EXPECT_NE(r.violations[0].description.find("sinks[7] is 1e+30 and 24 more"), std::string::npos)
+      << r.violations[0].description;
 }
 
 TEST(CacheConfigTest, LayerVariantsRunOnEveryBackend) {

@@ -229,8 +229,13 @@ def test_bad_shapes_and_fields_are_invalid_argument(client, kv_dtypes):
         assert "layer" in e.value.message
         with pytest.raises(ValueError):  # caught before sending: k without v
             cache.forward(0, [Span.prefill(1, 2)], randn(rng, 2, 4, 64), randn(rng, 2, 2, 64))
-        with pytest.raises(TypeError):
+        # Caught before sending, naming the argument: which of q, k and v is wrong.
+        with pytest.raises(TypeError, match=r"^q dtype must be float32, float16 or bfloat16 "
+                           r"\(got int32\)"):
             cache.forward(0, [Span.prefill(1, 2)], np.zeros((2, 4, 64), np.int32))
+        with pytest.raises(TypeError, match=r"^v dtype must be .* \(got int64\)"):
+            cache.forward(0, [Span.prefill(1, 2)], randn(rng, 2, 4, 64), randn(rng, 2, 2, 64),
+                          np.zeros((2, 2, 64), np.int64))
         assert cache.stats().used_pages == 0
 
 

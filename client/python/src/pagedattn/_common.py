@@ -224,10 +224,10 @@ def _fill_qkv(
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither, when no span appends tokens)")
     if q is not None:  # None: no span has queries (an append-only call)
-        fill_tensor(req.q, q, dtype)
+        fill_tensor(req.q, q, dtype, "q")
     if k is not None:
-        fill_tensor(req.k, k, dtype)
-        fill_tensor(req.v, v, dtype)
+        fill_tensor(req.k, k, dtype, "k")
+        fill_tensor(req.v, v, dtype, "v")
 
 
 def _fill_options(

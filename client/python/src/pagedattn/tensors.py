@@ -97,7 +97,7 @@ def _is_torch(x: Any) -> bool:
     return torch is not None and isinstance(x, torch.Tensor)
 
 
-def _numpy_raw(x: Any, want: Optional[int]) -> tuple[int, np.ndarray]:
+def _numpy_raw(x: Any, want: Optional[int], name: str) -> tuple[int, np.ndarray]:
     """(DType, a C-contiguous little-endian array whose bytes are the wire data)."""
     arr = np.asarray(x)
     if BFLOAT16_NUMPY is not None and arr.dtype == BFLOAT16_NUMPY:
@@ -108,7 +108,7 @@ def _numpy_raw(x: Any, want: Optional[int]) -> tuple[int, np.ndarray]:
     elif arr.dtype.kind == "f" and arr.dtype.itemsize == 2:
         have = FLOAT16
     else:
-        raise TypeError(f"tensor dtype must be float32, float16 or bfloat16 (got {arr.dtype})")
+        raise TypeError(f"{name} dtype must be float32, float16 or bfloat16 (got {arr.dtype})")
     if want is not None and want != have:
         if want == BFLOAT16:
             if BFLOAT16_NUMPY is not None:
@@ -124,7 +124,7 @@ def _numpy_raw(x: Any, want: Optional[int]) -> tuple[int, np.ndarray]:
     return have, np.ascontiguousarray(arr)
 
 
-def _torch_raw(t: Any, want: Optional[int]) -> tuple[int, np.ndarray]:
+def _torch_raw(t: Any, want: Optional[int], name: str) -> tuple[int, np.ndarray]:
     import torch
 
     t = t.detach()
@@ -141,7 +141,7 @@ def _torch_raw(t: Any, want: Optional[int]) -> tuple[int, np.ndarray]:
         return FLOAT32, t.numpy()
     if t.dtype == torch.float16:
         return FLOAT16, t.numpy()
-    raise TypeError(f"tensor dtype must be float32, float16 or bfloat16 (got {t.dtype})")
+    raise TypeError(f"{name} dtype must be float32, float16 or bfloat16 (got {t.dtype})")
 
 
 def to_tensor(x: ArrayLike, dtype: Optional[DTypeLike] = None) -> pb.Tensor:
@@ -153,13 +153,15 @@ def to_tensor(x: ArrayLike, dtype: Optional[DTypeLike] = None) -> pb.Tensor:
     return t
 
 
-def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None) -> None:
-    """Sets the Tensor message `t` (e.g. request.q) in place: no copy of a whole message."""
+def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None,
+                name: str = "tensor") -> None:
+    """Sets the Tensor message `t` (e.g. request.q) in place: no copy of a whole message.
+    `name` (e.g. "q") names the argument in errors."""
     want = None if dtype is None else dtype_enum(dtype)
     if want == FLOAT8_E4M3:
         raise TypeError("float8_e4m3 is a cache's kv_dtype; tensors travel as float32, float16 or "
                         "bfloat16 (an FP8 cache converts them when it appends)")
-    enum, raw = _torch_raw(x, want) if _is_torch(x) else _numpy_raw(x, want)
+    enum, raw = _torch_raw(x, want, name) if _is_torch(x) else _numpy_raw(x, want, name)
     t.dtype = enum
     t.shape[:] = raw.shape
     t.data = raw.tobytes()

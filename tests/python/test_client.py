@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import re
 import signal
 import subprocess
 import sys
@@ -594,6 +595,14 @@ def test_fp8_cache_config(client, kv_dtypes):
         assert cache.info.bytes_per_token == 2 * 2 * 2 * 64
     with pytest.raises(TypeError, match="float8_e4m3 is a cache's kv_dtype"):
         pagedattn.tensors.to_tensor(np.zeros((1, 4, 64), np.float32), "float8_e4m3")
+    # kv_scaling as a name (any case) or the proto's enum value, like kv_dtype; anything else
+    # is an error naming the field.
+    assert dataclasses.replace(static, kv_scaling="STATIC").to_proto().kv_scaling == pb.STATIC
+    assert dataclasses.replace(static, kv_scaling=pb.STATIC).to_proto().kv_scaling == pb.STATIC
+    for bad, error in ((2.0, TypeError), (True, TypeError), (7, ValueError), ("fixed", ValueError)):
+        with pytest.raises(error, match=r"^CacheConfig.kv_scaling must be 'per_token' or "
+                           r"'static'.*\(got " + re.escape(repr(bad)) + r"\)"):
+            dataclasses.replace(static, kv_scaling=bad).to_proto()
 
 
 @contextlib.contextmanager

@@ -66,11 +66,7 @@ class CacheConfig:
                 raise TypeError(f"layers[{i}] must be a pagedattn.LayerAttention (got {layer!r})")
             msg.layers.append(layer.to_proto())
         if self.kv_scaling is not None:
-            try:
-                msg.kv_scaling = pb.KvScaling.Value(self.kv_scaling.upper())
-            except ValueError:
-                raise ValueError(f"CacheConfig: kv_scaling must be 'per_token' or 'static' "
-                                 f"(got {self.kv_scaling!r})") from None
+            msg.kv_scaling = _kv_scaling_enum(self.kv_scaling)
         msg.kv_scales.extend(checked_float(f"CacheConfig.kv_scales[{i}]", x)
                              for i, x in enumerate(self.kv_scales))
         return msg
@@ -93,6 +89,21 @@ class CacheConfig:
                         if msg.kv_scaling != pb.KV_SCALING_UNSPECIFIED else None),
             kv_scales=tuple(msg.kv_scales),
         )
+
+
+def _kv_scaling_enum(scaling: Any) -> int:
+    """CacheConfig.kv_scaling's KvScaling value: a name in any case, or the enum's value."""
+    why = (f"CacheConfig.kv_scaling must be 'per_token' or 'static' (or pagedattn.pb.PER_TOKEN, "
+           f"pagedattn.pb.STATIC), or None for the default (got {scaling!r})")
+    if isinstance(scaling, str):
+        if scaling.upper() in pb.KvScaling.keys():
+            return pb.KvScaling.Value(scaling.upper())
+        raise ValueError(why)
+    if isinstance(scaling, bool) or not isinstance(scaling, numbers.Integral):
+        raise TypeError(why)
+    if int(scaling) not in pb.KvScaling.values():
+        raise ValueError(why)
+    return int(scaling)
 
 
 @dataclass(frozen=True)

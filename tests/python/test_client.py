@@ -526,6 +526,12 @@ def test_cli_info_validate_smoke(target, backend, server_info):
                        (["--tls_server_name=x", "info"], "--tls_server_name applies to TLS"),
                        (["--tls_ca=/etc/hostname", "info"], "holds no PEM"),
                        (["--kv_scales=a,1", "validate"], "--kv_scales must be numbers"),
+                       (["--kv_dtype=fp9", "validate"], "--kv_dtype must be float32, float16, "
+                        "bfloat16 or float8_e4m3 (got 'fp9')"),
+                       (["--q_dtype=int8", "smoke"], "--q_dtype must be float32, float16 or "
+                        "bfloat16 (got 'int8')"),
+                       (["--kv_scaling=per-token", "validate"], "--kv_scaling must be PER_TOKEN "
+                        "or STATIC (got 'per-token')"),
                        (["--layers=[{\"window\": 1}]", "validate"], "--layers must be a JSON array"),
                        (["--kv_dtype=float8_e4m3", "--kv_scaling=static", "--kv_scales=1e-50,1",
                          "validate"], "kv_scales[0] is 1e-50, outside float32's range")):

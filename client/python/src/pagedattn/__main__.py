@@ -17,6 +17,7 @@ from . import errors
 from ._common import TLS
 from .client import Client
 from .smoke import run_smoke
+from .tensors import dtype_name
 from .types import CacheConfig, LayerAttention
 from .v1 import attention_pb2 as pb
 
@@ -103,6 +104,22 @@ def _layers(text: str) -> tuple[LayerAttention, ...]:
                          f"'[{{\"sliding_window\": 4096}}, {{}}]' ({e})") from None
 
 
+def _check_names(a: argparse.Namespace) -> None:
+    """The flags that name a dtype or a scaling, each checked by its flag's name (ValueError)."""
+    for flag, valid in (("kv_dtype", ("float32", "float16", "bfloat16", "float8_e4m3")),
+                        ("q_dtype", ("float32", "float16", "bfloat16"))):
+        text = getattr(a, flag)
+        try:
+            ok = dtype_name(text) in valid
+        except (ValueError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"--{flag} must be {', '.join(valid[:-1])} or {valid[-1]} "
+                             f"(got {text!r})")
+    if a.kv_scaling is not None and a.kv_scaling.upper() not in ("PER_TOKEN", "STATIC"):
+        raise ValueError(f"--kv_scaling must be PER_TOKEN or STATIC (got {a.kv_scaling!r})")
+
+
 def _tls(a: argparse.Namespace) -> Any:
     if a.tls_key and not a.tls_cert:
         raise ValueError("--tls_key needs --tls_cert (a client certificate and its key)")
@@ -115,6 +132,8 @@ def _tls(a: argparse.Namespace) -> Any:
 
 
 def run(a: argparse.Namespace) -> int:
+    if a.command in ("validate", "smoke"):
+        _check_names(a)
     with Client(a.target, a.token or None, tls=_tls(a), timeout=a.timeout_s) as c:
         if a.command == "info":
             print(to_json(c.server_info()))

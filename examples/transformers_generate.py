@@ -22,10 +22,15 @@ import argparse
 import sys
 import time
 
-import torch
+try:
+    import torch
 
-import pagedattn
-from pagedattn import hf
+    import pagedattn
+    from pagedattn import hf
+except ImportError as e:  # one line saying what to install, not a traceback
+    sys.stderr.write(f"transformers_generate.py: {e}; this example needs torch and transformers: "
+                     "pip install ./client/python torch transformers\n")
+    sys.exit(2)
 
 
 def main() -> int:

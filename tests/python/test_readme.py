@@ -9,6 +9,7 @@ import io
 import pathlib
 import re
 import subprocess
+import sys
 
 README = pathlib.Path(__file__).resolve().parents[2] / "README.md"
 
@@ -98,3 +99,16 @@ def test_server_flag_table_matches_help(server_binary):
     missing, extra = sorted(set(defaults) - set(table)), sorted(set(table) - set(defaults))
     assert (missing, extra) == ([], []), "flags of --help not in README's table, and the reverse"
     assert table == defaults
+
+
+def test_example_without_torch_says_what_to_install():
+    """README's transformers example on a Python without torch: one line saying what to install,
+    not a traceback (torch hidden here: sys.modules["torch"] = None fails its import)."""
+    example = README.parent / "examples" / "transformers_generate.py"
+    hide_torch = ("import runpy, sys; sys.modules['torch'] = None; sys.argv = [sys.argv[1]]; "
+                  "runpy.run_path(sys.argv[0], run_name='__main__')")
+    r = subprocess.run([sys.executable, "-c", hide_torch, str(example)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "needs torch and transformers: pip install ./client/python torch transformers" in r.stderr

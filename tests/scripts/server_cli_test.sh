@@ -27,6 +27,20 @@ for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got
          "--backend is given 2 times"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
+# A value that does not parse and a name that is no flag are usage errors too (exit 2), all at
+# once beside the values out of range (the flags library alone exits 1 on the first).
+rc=0; out=$("$server" --listen=127.0.0.1:0 --max_message_mb=abc --graph_launch=maybe --backend gpu \
+  --max_mesage_mb=5 --cpu_threads=-3 2>&1) || rc=$?
+[ $rc -eq 2 ] || fail "unparsable flags: exit $rc: $out"
+for f in "--max_message_mb must be an integer (got 'abc')" \
+         "--graph_launch must be true or false (got 'maybe')" \
+         "--backend must be one of auto, cuda, cpu (got 'gpu')" \
+         "unknown flag --max_mesage_mb (see --help)" \
+         "--cpu_threads must be in 0..4096 (got -3)"; do
+  grep -q -- "$f" <<<"$out" || fail "unparsable flags: no '$f' in: $out"
+done
+rc=0; out=$("$server" --listen=127.0.0.1:0 --backend 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--backend needs a value" <<<"$out" || fail "--backend alone: exit $rc: $out"
 # A flag given twice is an error naming both values (absl alone keeps the last without a word);
 # --listen given twice listens on both addresses, as its comma-separated list does.
 rc=0; out=$(timeout 10 "$server" --listen=127.0.0.1:0 --backend=cpu --cpu_threads=1 --cpu_threads 2 2>&1) || rc=$?

@@ -473,6 +473,19 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def test_cli_help_explains_every_flag():
+    """python -m pagedattn --help: every flag with a line of help that gives its default."""
+    from pagedattn.__main__ import parser
+
+    p = parser()
+    for action in p._actions:
+        if not action.option_strings or action.dest == "help":
+            continue
+        assert action.help, f"{action.option_strings[0]} has no help text"
+        if action.default not in (None, False, ""):
+            assert "default" in action.help, f"{action.option_strings[0]}: no default in its help"
+
+
 def test_cli_info_validate_smoke(target, backend, server_info):
     r = _cli(f"--target={target}", "info")
     assert r.returncode == 0 and f'"backend": "{backend}"' in r.stdout

@@ -46,8 +46,10 @@ def parser() -> argparse.ArgumentParser:
     )
     p.add_argument("command", choices=sorted(COMMANDS))
     p.add_argument("--target", default="localhost:50051",
-                   help="server address: host:port, [ipv6]:port or unix:/path/to.sock")
-    p.add_argument("--timeout_s", type=float, default=60, help="deadline of each RPC, seconds")
+                   help="server address: host:port, [ipv6]:port or unix:/path/to.sock "
+                   "(default %(default)s)")
+    p.add_argument("--timeout_s", type=float, default=60,
+                   help="deadline of each RPC, seconds (default %(default)g)")
     p.add_argument("--token", default=os.environ.get("PAGEDATTN_TOKEN", ""),
                    help="bearer token (default: $PAGEDATTN_TOKEN)")
     p.add_argument("--tls", action="store_true", help="TLS with the system roots")
@@ -58,12 +60,17 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("cache config (validate; smoke takes head_dim, page_size, heads, "
                              "kv_dtype and its scaling, device, and layers: 1 entry for both of "
                              "its layers or 2)")
-    g.add_argument("--num_layers", type=int, default=32)
-    g.add_argument("--num_q_heads", type=int, default=None, help="default 32 (smoke: 8)")
-    g.add_argument("--num_kv_heads", type=int, default=None, help="default 8 (smoke: 2)")
-    g.add_argument("--head_dim", type=int, default=128)
-    g.add_argument("--page_size", type=int, default=16)
-    g.add_argument("--kv_dtype", default="BFLOAT16", help="FLOAT16, BFLOAT16, FLOAT32 (CPU) or FLOAT8_E4M3")
+    g.add_argument("--num_layers", type=int, default=32, help="layers (default %(default)s)")
+    g.add_argument("--num_q_heads", type=int, default=None,
+                   help="query heads (default 32; smoke: 8)")
+    g.add_argument("--num_kv_heads", type=int, default=None, help="KV heads (default 8; smoke: 2)")
+    g.add_argument("--head_dim", type=int, default=128,
+                   help="elements per head, one of the server's (info); default %(default)s")
+    g.add_argument("--page_size", type=int, default=16,
+                   help="tokens per page, 1..1024 (default %(default)s)")
+    g.add_argument("--kv_dtype", default="BFLOAT16",
+                   help="FLOAT16, BFLOAT16, FLOAT32 (CPU) or FLOAT8_E4M3, any case "
+                   "(default %(default)s)")
     g.add_argument("--kv_scaling", default=None,
                    help="FLOAT8_E4M3 only: PER_TOKEN (the default: a scale per row, computed at "
                    "append) or STATIC (with --kv_scales)")
@@ -74,11 +81,15 @@ def parser() -> argparse.ArgumentParser:
                    help="the layers' attention variants as JSON, one entry for every layer or one "
                    "per layer, e.g. '[{\"sliding_window\": 4096, \"logit_softcap\": 50}, "
                    "{\"logit_softcap\": 50}]' (LayerAttention's fields)")
-    g.add_argument("--num_pages", type=int, default=0, help="0: --max_bytes or the server default")
-    g.add_argument("--max_bytes", type=int, default=0, help="0: unset")
-    g.add_argument("--device", type=int, default=0)
-    g.add_argument("--q_dtype", default="FLOAT32", help="smoke: dtype of q on the wire")
-    g.add_argument("--seed", type=int, default=1, help="smoke: random seed")
+    g.add_argument("--num_pages", type=int, default=0,
+                   help="pages in the pool (default 0: --max_bytes, else 90%% of the free memory)")
+    g.add_argument("--max_bytes", type=int, default=0,
+                   help="byte budget of the pool, whole pages (default 0: unset)")
+    g.add_argument("--device", type=int, default=0,
+                   help="device index (CUDA backend; default %(default)s)")
+    g.add_argument("--q_dtype", default="FLOAT32",
+                   help="smoke: dtype of q on the wire (default %(default)s)")
+    g.add_argument("--seed", type=int, default=1, help="smoke: random seed (default %(default)s)")
     return p
 
 

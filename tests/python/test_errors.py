@@ -208,6 +208,12 @@ def test_scalar_arguments_are_named_before_sending(kwargs, message):
     ("kv_scales", ["1"], "CacheConfig.kv_scales[0] must be a number (got str '1')"),
     ("kv_scales", [1.0, 1e39], "CacheConfig.kv_scales[1] is 1e+39, outside float32's range"),
     ("kv_scales", [1e-50, 1.0], "CacheConfig.kv_scales[0] is 1e-50, outside float32's range"),
+    ("kv_scales", 0.5, "CacheConfig.kv_scales must be a sequence of numbers (got float 0.5)"),
+    ("kv_scales", "0.5,1", "CacheConfig.kv_scales must be a sequence of numbers (got str '0.5,1')"),
+    ("kv_dtype", None, "CacheConfig.kv_dtype must be float16, bfloat16, float32 or float8_e4m3 "
+     "(got None)"),
+    ("kv_dtype", "int8", "CacheConfig.kv_dtype must be float16, bfloat16, float32 or "
+     "float8_e4m3 (got 'int8')"),
 ])
 def test_config_fields_are_named_before_sending(field, value, message):
     import pagedattn
@@ -221,3 +227,6 @@ def test_config_fields_are_named_before_sending(field, value, message):
     window = pagedattn.LayerAttention(sliding_window=4.5)
     with pytest.raises(TypeError, match="LayerAttention.sliding_window must be an int"):
         window.to_proto()
+    with pytest.raises(TypeError, match=r"^LayerAttention.sinks must be a sequence of numbers "
+                       r"\(got float 1.0\)"):
+        pagedattn.LayerAttention(sinks=1.0)

@@ -50,7 +50,7 @@ class CacheConfig:
             num_kv_heads=checked_int32("CacheConfig.num_kv_heads", self.num_kv_heads),
             head_dim=checked_int32("CacheConfig.head_dim", self.head_dim),
             page_size=checked_int32("CacheConfig.page_size", self.page_size),
-            kv_dtype=dtype_enum(self.kv_dtype),
+            kv_dtype=_kv_dtype_enum(self.kv_dtype),
             device=checked_int32("CacheConfig.device", self.device),
         )
         if self.num_pages is not None and self.max_bytes is not None:
@@ -68,7 +68,8 @@ class CacheConfig:
         if self.kv_scaling is not None:
             msg.kv_scaling = _kv_scaling_enum(self.kv_scaling)
         msg.kv_scales.extend(checked_float(f"CacheConfig.kv_scales[{i}]", x)
-                             for i, x in enumerate(self.kv_scales))
+                             for i, x in enumerate(checked_sequence("CacheConfig.kv_scales",
+                                                                    self.kv_scales)))
         return msg
 
     @classmethod
@@ -89,6 +90,18 @@ class CacheConfig:
                         if msg.kv_scaling != pb.KV_SCALING_UNSPECIFIED else None),
             kv_scales=tuple(msg.kv_scales),
         )
+
+
+def _kv_dtype_enum(dtype: Any) -> int:
+    """CacheConfig.kv_dtype's DType value, or an error naming the field: dtype_enum's own speak of
+    tensors, and np.dtype(None) would be float64."""
+    try:
+        if dtype is not None:
+            return dtype_enum(dtype)
+    except (TypeError, ValueError):
+        pass
+    raise (TypeError if dtype is None or not isinstance(dtype, str) else ValueError)(
+        f"CacheConfig.kv_dtype must be float16, bfloat16, float32 or float8_e4m3 (got {dtype!r})")
 
 
 def _kv_scaling_enum(scaling: Any) -> int:
@@ -123,7 +136,8 @@ class LayerAttention:
         # Kept as a tuple: a frozen value that hashes and compares (a numpy array given as the
         # sinks did neither).
         if not isinstance(self.sinks, tuple):
-            object.__setattr__(self, "sinks", tuple(self.sinks))
+            object.__setattr__(self, "sinks",
+                               tuple(checked_sequence("LayerAttention.sinks", self.sinks)))
 
     def to_proto(self) -> pb.LayerAttention:
         msg = pb.LayerAttention(
@@ -197,6 +211,15 @@ def checked_float(name: str, value: Any) -> float:
         if narrowed == 0 or not np.isfinite(narrowed):
             raise ValueError(f"{name} is {value!r}, outside float32's range (the field's type)")
     return x
+
+
+def checked_sequence(name: str, value: Any) -> Any:
+    """value, when it is a sequence of values for the field `name` (a list, a tuple, a numpy
+    array...), else a TypeError naming it: a number or a string is none."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        raise TypeError(f"{name} must be a sequence of numbers (got {type(value).__name__} "
+                        f"{value!r})")
+    return value
 
 
 def seq_id_list(seq_ids: Iterable[int]) -> list[int]:

@@ -214,6 +214,15 @@ int main(int argc, char** argv) {
     return path == "pagedattn-cli" || absl::StrContains(path, "client/cli.cc");
   };
   absl::SetFlagsUsageConfig(usage_config);
+  // A name that is no flag or a value that does not parse: usage errors, each named (absl's
+  // parser exits 1 on the first).
+  if (const std::vector<std::string> bad = pagedattn::UnparsableFlags(
+          argc, argv, pagedattn::ProgramFlags(absl::GetAllFlags(), "pagedattn-cli"),
+          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
+      !bad.empty()) {
+    for (const std::string& line : bad) std::cerr << "pagedattn-cli: " << line << "\n";
+    return 2;
+  }
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);
   if (!pagedattn::NoRepeatedFlags("pagedattn-cli", argc, argv,
                                   pagedattn::FlagKinds(absl::GetAllFlags(), "pagedattn-cli"),

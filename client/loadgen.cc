@@ -971,6 +971,15 @@ int main(int argc, char** argv) {
       break;
   }
   absl::SetProgramUsageMessage(kUsage);
+  // A name that is no flag or a value that does not parse: usage errors, each named (absl's
+  // parser exits 1 on the first).
+  if (const std::vector<std::string> bad = pagedattn::UnparsableFlags(
+          argc, argv, pagedattn::ProgramFlags(absl::GetAllFlags(), "client/loadgen.cc"),
+          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
+      !bad.empty()) {
+    for (const std::string& line : bad) std::cerr << "pagedattn-loadgen: " << line << "\n";
+    return 2;
+  }
   absl::ParseCommandLine(argc, argv);
   if (!pagedattn::NoRepeatedFlags("pagedattn-loadgen", argc, argv,
                                   pagedattn::FlagKinds(absl::GetAllFlags(), "client/loadgen.cc"),

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cstdint>
 #include <iostream>
 #include <map>
 #include <string>
@@ -110,6 +111,77 @@ inline std::vector<std::string> RepeatedFlagErrors(
     lines.push_back(line + "; give it once");
   }
   return lines;
+}
+
+// A program's flags by name, as PrintFlagsHelp and UnparsableFlags take them: those of `all`
+// (absl::GetAllFlags()) defined in a file whose path contains `file`.
+template <typename AllFlags>
+auto ProgramFlags(const AllFlags& all, std::string_view file) {
+  std::map<std::string, typename AllFlags::mapped_type> out;
+  for (const auto& [name, flag] : all) {
+    if (std::string_view(flag->Filename()).find(file) != std::string_view::npos) {
+      out[std::string(name)] = flag;
+    }
+  }
+  return out;
+}
+
+// The names in argv[1..argc) that are no flag and the values that do not parse as their flag's
+// type, a line each ("--max_message_mb must be an integer (got 'abc')"): usage errors a program
+// reports beside its others (exit 2), where absl's parser exits 1 on the first. Reads argv as
+// RepeatedFlags does. `flags`: the program's (ProgramFlags); `known(name)`: whether absl has a
+// flag of that name at all (its own, such as --flagfile, are left to it). A value that parses
+// sets its flag, as absl's parser would after this.
+template <typename Flags, typename Known>
+std::vector<std::string> UnparsableFlags(int argc, char** argv, const Flags& flags, Known&& known) {
+  std::vector<std::string> bad;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a(argv[i]);
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    a.remove_prefix(a[1] == '-' ? 2 : 1);
+    const size_t eq = a.find('=');
+    const std::string name(a.substr(0, eq));
+    auto it = flags.find(name);
+    if (it == flags.end()) {
+      auto no = name.rfind("no", 0) == 0 ? flags.find(name.substr(2)) : flags.end();
+      if (no != flags.end() && no->second->template IsOfType<bool>()) {
+        if (eq != std::string_view::npos) {
+          bad.push_back("--" + name + " takes no value (--" + no->first + "=false)");
+        }
+      } else if (!known(name)) {
+        bad.push_back("unknown flag --" + name + " (see --help)");
+      }
+      continue;
+    }
+    const auto& flag = it->second;
+    std::string value;
+    if (eq != std::string_view::npos) {
+      value = std::string(a.substr(eq + 1));
+    } else if (flag->template IsOfType<bool>()) {
+      continue;
+    } else if (i + 1 < argc) {
+      value = argv[++i];
+    } else {
+      bad.push_back("--" + name + " needs a value (--" + name + "=VALUE)");
+      continue;
+    }
+    std::string error;
+    if (flag->ParseFrom(value, &error)) continue;
+    std::string want;
+    if (flag->template IsOfType<bool>()) {
+      want = "must be true or false";
+    } else if (flag->template IsOfType<int64_t>() || flag->template IsOfType<int32_t>()) {
+      want = "must be an integer";
+    } else if (flag->template IsOfType<double>()) {
+      want = "must be a number";
+    } else {  // an enum's own words follow absl's: "Illegal value ...; must be one of ..."
+      const size_t own = error.rfind("; ");
+      want = own != std::string::npos ? error.substr(own + 2) : error;
+    }
+    bad.push_back("--" + name + " " + want + " (got '" + value + "')");
+  }
+  return bad;
 }
 
 // For a program whose every repeated flag is an error: writes "PROGRAM: <line>" to stderr for

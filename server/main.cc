@@ -256,63 +256,6 @@ std::vector<IgnoredVariable> FlagsFromEnvironment(std::set<std::string>* from_en
   return ignored;
 }
 
-// The command line's names that are no flag and values that do not parse as their flag's type,
-// each named: usage errors (exit 2) reported with the rest, where absl's parser exits 1 on the
-// first. Reads argv as absl does (cmdline.h's RepeatedFlags); leaves absl's own flags to it.
-std::vector<std::string> UnparsableFlags(int argc, char** argv) {
-  const std::map<std::string, absl::CommandLineFlag*> flags = ServerFlags();
-  std::vector<std::string> bad;
-  for (int i = 1; i < argc; ++i) {
-    absl::string_view a(argv[i]);
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    a.remove_prefix(a[1] == '-' ? 2 : 1);
-    const size_t eq = a.find('=');
-    const std::string name(a.substr(0, eq));
-    auto it = flags.find(name);
-    if (it == flags.end()) {
-      if (auto no = absl::StartsWith(name, "no") ? flags.find(name.substr(2)) : flags.end();
-          no != flags.end() && no->second->IsOfType<bool>()) {
-        if (eq != absl::string_view::npos) {
-          bad.push_back(absl::StrCat("--", name, " takes no value (--", no->first, "=false)"));
-        }
-        continue;
-      }
-      if (absl::FindCommandLineFlag(name) == nullptr) {
-        bad.push_back(absl::StrCat("unknown flag --", name, " (see --help)"));
-      }
-      continue;
-    }
-    absl::CommandLineFlag* flag = it->second;
-    std::string value;
-    if (eq != absl::string_view::npos) {
-      value = std::string(a.substr(eq + 1));
-    } else if (flag->IsOfType<bool>()) {
-      continue;
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
-      bad.push_back(absl::StrCat("--", name, " needs a value (--", name, "=VALUE)"));
-      continue;
-    }
-    // Sets the flag as absl::ParseCommandLine would after this: a value given last still wins.
-    std::string error;
-    if (flag->ParseFrom(value, &error)) continue;
-    const char* want = flag->IsOfType<bool>()                                   ? "true or false"
-                       : flag->IsOfType<int64_t>() || flag->IsOfType<int32_t>() ? "an integer"
-                       : flag->IsOfType<double>()                               ? "a number"
-                                                                                : nullptr;
-    // absl's words for an enum flag end in its own: "Illegal value ...; must be one of ...".
-    const size_t own = error.rfind("; ");
-    bad.push_back(absl::StrCat("--", name, " ",
-                               want != nullptr            ? absl::StrCat("must be ", want)
-                               : own != std::string::npos ? error.substr(own + 2)
-                                                          : error,
-                               " (got '", value, "')"));
-  }
-  return bad;
-}
-
 bool ParseSocketMode(const std::string& text, int* mode) {
   if (text.empty() || text.size() > 4) return false;
   *mode = 0;
@@ -536,7 +479,9 @@ int main(int argc, char** argv) {
       pagedattn::RepeatedFlags(argc, argv, pagedattn::FlagKinds(ServerFlags(), "server/main.cc"));
   // A value that does not parse is reported below with every other bad value; absl's parser
   // would exit 1 on it alone. Without one, absl parses the command line (its own flags too).
-  const std::vector<std::string> unparsable = UnparsableFlags(argc, argv);
+  const std::vector<std::string> unparsable = pagedattn::UnparsableFlags(
+      argc, argv, ServerFlags(),
+      [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
   std::vector<char*> rest;
   if (unparsable.empty()) rest = absl::ParseCommandLine(argc, argv);
   if (rest.size() > 1) {

@@ -13,6 +13,7 @@
 
 ABSL_FLAG(std::string, cmdline_test_target, "", "a string flag of this test");
 ABSL_FLAG(bool, cmdline_test_verbose, false, "a boolean flag of this test");
+ABSL_FLAG(int64_t, cmdline_test_count, 0, "an integer flag of this test");
 
 namespace pagedattn {
 namespace {
@@ -57,8 +58,35 @@ TEST(RepeatedFlags, ErrorsNameTheFlagAndHideSecretValues) {
 
 TEST(RepeatedFlags, FlagKindsAreTheFileOwnFlags) {
   const std::map<std::string, bool> kinds = FlagKinds(absl::GetAllFlags(), "cmdline_test.cc");
-  EXPECT_THAT(kinds, ElementsAre(Pair("cmdline_test_target", false),
-                                 Pair("cmdline_test_verbose", true)));
+  EXPECT_THAT(kinds,
+              ElementsAre(Pair("cmdline_test_count", false), Pair("cmdline_test_target", false),
+                          Pair("cmdline_test_verbose", true)));
+}
+
+std::vector<std::string> Unparsable(std::vector<std::string> args) {
+  args.insert(args.begin(), "program");
+  std::vector<char*> argv;
+  for (std::string& a : args) argv.push_back(a.data());
+  return UnparsableFlags(
+      static_cast<int>(argv.size()), argv.data(),
+      ProgramFlags(absl::GetAllFlags(), "cmdline_test.cc"),
+      [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
+}
+
+TEST(UnparsableFlags, EachBadNameAndValueIsNamed) {
+  EXPECT_THAT(
+      Unparsable({"--cmdline_test_count=x", "--cmdline_test_verbose=maybe",
+                  "--cmdline_test_cuont=1", "--nocmdline_test_verbose=1", "--cmdline_test_count"}),
+      ElementsAre("--cmdline_test_count must be an integer (got 'x')",
+                  "--cmdline_test_verbose must be true or false (got 'maybe')",
+                  "unknown flag --cmdline_test_cuont (see --help)",
+                  "--nocmdline_test_verbose takes no value (--cmdline_test_verbose=false)",
+                  "--cmdline_test_count needs a value (--cmdline_test_count=VALUE)"));
+  // Every form absl takes; after "--" nothing is a flag.
+  EXPECT_THAT(Unparsable({"--cmdline_test_count", "3", "-cmdline_test_target=a",
+                          "--nocmdline_test_verbose", "cmd", "--", "--nonsense"}),
+              IsEmpty());
+  EXPECT_EQ(absl::GetFlag(FLAGS_cmdline_test_count), 3);  // set as absl would set it
 }
 
 }  // namespace

@@ -41,6 +41,10 @@ for f in "--max_message_mb must be an integer (got 'abc')" \
 done
 rc=0; out=$("$server" --listen=127.0.0.1:0 --backend 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--backend needs a value" <<<"$out" || fail "--backend alone: exit $rc: $out"
+# The CLI alike: a value that does not parse or a name that is no flag is a usage error.
+rc=0; out=$(timeout 10 "$cli" --target=127.0.0.1:1 --num_layers=abc --nmu_pages=4 validate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--num_layers must be an integer (got 'abc')" <<<"$out" &&
+  grep -q -- "unknown flag --nmu_pages (see --help)" <<<"$out" || fail "CLI bad flags: exit $rc: $out"
 # A flag given twice is an error naming both values (absl alone keeps the last without a word);
 # --listen given twice listens on both addresses, as its comma-separated list does.
 rc=0; out=$(timeout 10 "$server" --listen=127.0.0.1:0 --backend=cpu --cpu_threads=1 --cpu_threads 2 2>&1) || rc=$?
@@ -167,6 +171,9 @@ grep -q -- "--cases (default: 64x4096,16x4096,1x4096)" <<<"$out" &&
 rc=0; out=$("$loadgen" --target=127.0.0.1:99999 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--target: INVALID_ARGUMENT: target '127.0.0.1:99999'" <<<"$out" ||
   fail "loadgen --target=127.0.0.1:99999: exit $rc: $out"
+rc=0; out=$("$loadgen" --layers=x --modez=unary 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--layers must be an integer (got 'x')" <<<"$out" &&
+  grep -q -- "unknown flag --modez (see --help)" <<<"$out" || fail "loadgen bad flags: exit $rc: $out"
 
 : >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \

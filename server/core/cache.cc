@@ -85,6 +85,10 @@ absl::Status Cache::ValidateForward(const ForwardArgs& a) const {
   absl::Status s;
   if (total_q == 0 && a.q.empty()) {
     // Append-only: q may be left unset.
+  } else if (a.q.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("q is required: the spans' num_queries total ", total_q,
+                     " (a span that only appends sets num_queries to 0)"));
   } else if (s = CheckTensor("q", a.q, {total_q, g.num_q_heads, g.head_dim},
                              "total_queries, num_q_heads, head_dim");
              !s.ok()) {

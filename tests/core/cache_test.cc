@@ -78,6 +78,8 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
        absl::StatusCode::kInvalidArgument, "k.dtype"},
       {"no v to append", [](ForwardArgs& a) { a.v = {}; }, absl::StatusCode::kInvalidArgument,
        "v is required: the spans append 5 new tokens"},
+      {"no q to attend", [](ForwardArgs& a) { a.q = {}; }, absl::StatusCode::kInvalidArgument,
+       "q is required: the spans' num_queries total 5"},
       {"negative dim", [](ForwardArgs& a) { a.q.shape[0] = -3; },
        absl::StatusCode::kInvalidArgument, "q.shape"},
       {"huge dim",

@@ -345,6 +345,9 @@ def test_append_only_forward_takes_no_q(client, kv_dtypes):
         out = cache.forward(0, [Span(1, 0, 10, 0)], None, k, v)
         assert out.shape == (0, 4, 64)
         q = randn(rng, 1, 4, 64)
+        with pytest.raises(errors.InvalidArgument,
+                           match=r"q is required: the spans' num_queries total 1 "):
+            cache.forward(0, [Span(1, 10, 0, 1)], None)  # a query, but no q
         out = cache.forward(0, [Span(1, 10, 0, 1)], q)
         stored = lambda x: round_to(dtype_enum(kv_dtypes[0]), x)  # noqa: E731
         ref, _ = reference_attention(q, stored(k), stored(v))

@@ -365,6 +365,9 @@ def test_release_gives_pages_back(client, kv_dtypes):
         stats = cache.stats()
         assert (stats.used_pages, stats.free_pages, stats.live_sequences) == (0, 16, 0)
         assert stats.forward_calls == 1
+        with pytest.raises(TypeError, match=r"^seq_ids is a list of sequence ids \(got int 1: "
+                           r"\[1\] would do\)"):
+            cache.release(1)
 
 
 def test_truncate_rewinds_one_layer(client, kv_dtypes):

@@ -224,6 +224,10 @@ def checked_sequence(name: str, value: Any) -> Any:
 
 def seq_id_list(seq_ids: Iterable[int]) -> list[int]:
     """Sequence ids for a request, each checked (uint64)."""
+    if isinstance(seq_ids, (str, bytes)) or not isinstance(seq_ids, Iterable):
+        one = isinstance(seq_ids, numbers.Integral) and not isinstance(seq_ids, bool)
+        raise TypeError(f"seq_ids is a list of sequence ids (got {type(seq_ids).__name__} "
+                        f"{seq_ids!r}" + (f": [{seq_ids!r}] would do)" if one else ")"))
     return [checked_int(f"seq_ids[{i}]", s, 0, _SEQ_ID_MAX) for i, s in enumerate(seq_ids)]
 
 

@@ -520,3 +520,28 @@ def test_async_a_dropped_step_ends_its_call(target, kv_dtypes):
     finally:
         logging.getLogger("asyncio").removeHandler(errors)
     assert errors.messages == []
+
+
+def test_async_a_server_gone_mid_stream_is_unavailable(start_servers, kv_dtypes):
+    """A server killed under an open stream: the layers sent after it raise Unavailable, as the
+    blocking Step does, not grpc.aio's INTERNAL for a write to an ended stream (which replaces
+    the stream's status). Several rounds: which comes first is a race."""
+
+    async def round_(rng: np.random.Generator) -> None:
+        (server,) = start_servers(1)
+        async with pagedattn.aio.Client(server.target, timeout=30) as client:
+            cache = await client.create_cache(config(kv_dtypes[0]))
+            for layer in range(4):
+                await cache.forward(layer, [Span.prefill(1, 4)], *qkv(rng, 4))
+            step = cache.step([Span.decode(1, 4)])
+            await step.forward(0, *qkv(rng, 1))
+            server.proc.kill()
+            server.proc.wait(timeout=30)
+            futures = [await step.submit(layer, *qkv(rng, 1)) for layer in range(1, 4)]
+            with pytest.raises(errors.Unavailable):
+                await futures[0]
+            await step.close()  # raised already: not again
+
+    rng = np.random.default_rng(11)
+    for _ in range(4):
+        asyncio.run(round_(rng))

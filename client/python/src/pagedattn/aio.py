@@ -15,7 +15,7 @@ import grpc.aio
 from . import _common, device, sharded
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import ClientClosed, PagedAttnError, from_rpc_error
+from .errors import ClientClosed, DeadlineExceeded, PagedAttnError, Unavailable, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
     ConfigLike, LengthsLike, SpanLike, cache_id_of, checked_int32, config_proto, seq_id_list,
@@ -39,6 +39,10 @@ def _closed_in_flight() -> PagedAttnError:
                           grpc.StatusCode.CANCELLED)
 
 _END = object()  # the end of a Step's outbox: half-closes the stream
+
+# grpc.aio's status of a stream whose message could not be written because the stream had
+# ended: it replaces the status the stream ended with (grpc/grpc#36066).
+_WRITE_FAILED = (grpc.StatusCode.INTERNAL, "Internal error from Core")
 
 # Tasks the loop must finish though nothing else holds them: a Step's writer, which refers to
 # its outbox and call but not to the Step, so that a Step dropped open is collected (its
@@ -400,7 +404,7 @@ class Step:
             try:
                 extra = await self._call.read() if not self._finished else grpc.aio.EOF
             except grpc.aio.AioRpcError as e:
-                self._fail(from_rpc_error(e))
+                self._fail(self._stream_error(e))
             else:
                 if extra is grpc.aio.EOF:
                     self._finished = True
@@ -470,7 +474,7 @@ class Step:
         try:
             resp = await self._call.read()
         except grpc.aio.AioRpcError as e:
-            self._fail(from_rpc_error(e))
+            self._fail(self._stream_error(e))
             return
         except asyncio.CancelledError:
             if self.client._closed and not self._cancelled and not _being_cancelled():
@@ -490,6 +494,25 @@ class Step:
             return
         future._answer(resp)
         self.last_timing = future.timing
+
+    def _stream_error(self, e: grpc.aio.AioRpcError) -> PagedAttnError:
+        """The exception for the stream's end. Where grpc.aio lost the status (_WRITE_FAILED),
+        what the call still tells: its deadline passed, or the connection is gone (Unavailable,
+        as the blocking Step raises), else the server ended the stream."""
+        if (e.code(), e.details()) != _WRITE_FAILED:
+            return from_rpc_error(e)
+        where = f"the Step stream to {self.client.target}"
+        remaining = self._call.time_remaining()
+        if remaining is not None and remaining <= 0:
+            return DeadlineExceeded(f"{where} ran past its deadline ({self._timeout} s)",
+                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+        if self.client.channel.get_state() != grpc.ChannelConnectivity.READY:
+            return Unavailable(f"{where} broke: the connection to the server was lost",
+                               grpc.StatusCode.UNAVAILABLE)
+        return PagedAttnError(
+            f"the server ended {where} while layers were still being sent, and gRPC lost the "
+            "status it ended it with (it says only \"Internal error from Core\"); a unary "
+            "forward() of the layer says why", grpc.StatusCode.INTERNAL)
 
     def _fail(self, error: PagedAttnError) -> None:
         if self._failure is None:

@@ -52,6 +52,9 @@ def test_every_method(target, kv_dtypes):
             with pytest.raises(errors.NotFound) as e:
                 await client.get_cache(cache.cache_id)
             assert e.value.code == grpc.StatusCode.NOT_FOUND
+            async with await client.create_cache(config) as gone:  # gone before the end
+                await client.delete_cache(gone.cache_id)
+            assert gone.deleted
 
     asyncio.run(main())
 

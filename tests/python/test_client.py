@@ -93,6 +93,12 @@ def test_cache_lifecycle(client, kv_dtypes):
     assert e.value.code == grpc.StatusCode.NOT_FOUND
     assert cache.cache_id in e.value.message
 
+    # Gone already when the block ends (its server restarted, another handle deleted it): the
+    # block's end has nothing to delete, as a ShardedCache's has not.
+    with client.create_cache(config) as gone:
+        client.delete_cache(gone.cache_id)
+    assert gone.deleted
+
     kept = client.create_cache(config, delete_on_exit=False)
     with kept:
         pass

@@ -15,7 +15,9 @@ import grpc.aio
 from . import _common, device, sharded
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import ClientClosed, DeadlineExceeded, PagedAttnError, Unavailable, from_rpc_error
+from .errors import (
+    ClientClosed, DeadlineExceeded, NotFound, PagedAttnError, Unavailable, from_rpc_error,
+)
 from .tensors import ArrayLike, DTypeLike
 from .types import (
     ConfigLike, LengthsLike, SpanLike, cache_id_of, checked_int32, config_proto, seq_id_list,
@@ -572,6 +574,8 @@ class Cache:
         if self.delete_on_exit and not self.deleted:
             try:
                 await self.delete()
+            except NotFound:  # gone already (its server restarted, say): nothing is left behind
+                self.deleted = True
             except (Exception, asyncio.CancelledError) as e:  # a second cancel lands here too
                 if exc_type is None:
                     raise

@@ -14,7 +14,7 @@ import grpc
 from . import _common, device
 from ._common import TLS, Timing
 from ._vendor.grpc.health.v1 import health_pb2, health_pb2_grpc
-from .errors import ClientClosed, PagedAttnError, from_rpc_error
+from .errors import ClientClosed, NotFound, PagedAttnError, from_rpc_error
 from .tensors import ArrayLike, DTypeLike
 from .types import (
     ConfigLike,
@@ -519,7 +519,8 @@ class Step:
 class Cache:
     """A handle on one server-side cache: its `cache_id`, the CacheInfo from creation (`info`),
     and forward/release/refresh/delete bound to it. A context manager: deletes the cache on
-    exit when created with delete_on_exit=True (the default)."""
+    exit when created with delete_on_exit=True (the default); one gone already (NOT_FOUND: its
+    server restarted, say) counts as deleted."""
 
     def __init__(self, client: Client, info: pb.CacheInfo, *, delete_on_exit: bool = True) -> None:
         self.client = client
@@ -573,6 +574,8 @@ class Cache:
         if self.delete_on_exit and not self.deleted:
             try:
                 self.delete()
+            except NotFound:  # gone already: nothing is left behind
+                self.deleted = True
             except Exception as e:
                 if exc_type is None:
                     raise

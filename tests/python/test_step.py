@@ -7,6 +7,7 @@ stream goes on, closing and cancelling mid-step, the asyncio twin, and the messa
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import numpy as np
@@ -523,9 +524,9 @@ def test_async_a_dropped_step_ends_its_call(target, kv_dtypes):
 
 
 def test_async_a_server_gone_mid_stream_is_unavailable(start_servers, kv_dtypes):
-    """A server killed under an open stream: the layers sent after it raise Unavailable, as the
-    blocking Step does, not grpc.aio's INTERNAL for a write to an ended stream (which replaces
-    the stream's status). Several rounds: which comes first is a race."""
+    """A server killed under an open stream: the layers sent after it raise Unavailable naming
+    the target, as the blocking Step does, not grpc.aio's INTERNAL for a write to an ended
+    stream (which replaces the stream's status). Several rounds: which comes first is a race."""
 
     async def round_(rng: np.random.Generator) -> None:
         (server,) = start_servers(1)
@@ -538,10 +539,47 @@ def test_async_a_server_gone_mid_stream_is_unavailable(start_servers, kv_dtypes)
             server.proc.kill()
             server.proc.wait(timeout=30)
             futures = [await step.submit(layer, *qkv(rng, 1)) for layer in range(1, 4)]
-            with pytest.raises(errors.Unavailable):
+            with pytest.raises(errors.Unavailable, match=f"Step stream to {server.target}"):
                 await futures[0]
             await step.close()  # raised already: not again
 
     rng = np.random.default_rng(11)
     for _ in range(4):
         asyncio.run(round_(rng))
+
+
+def test_a_streams_end_names_its_server_and_deadline(start_servers, kv_dtypes):
+    """The stream's own failures (not a layer's) say which server, and a deadline that the
+    stream's timeout covers the whole stream: each layer was quick, the stream was not."""
+    rng = np.random.default_rng(12)
+    (server,) = start_servers(1)
+    with pagedattn.Client(server.target, timeout=30) as client:
+        # Not deleted at the end: its server is gone by then.
+        with client.create_cache(config(kv_dtypes[0]), delete_on_exit=False) as cache:
+            for layer in range(4):
+                cache.forward(layer, [Span.prefill(1, 4)], *qkv(rng, 4))
+            with cache.step([Span.decode(1, 4)], timeout=0.5) as step:
+                step.forward(0, *qkv(rng, 1))
+                time.sleep(0.6)
+                with pytest.raises(errors.DeadlineExceeded,
+                                   match=rf"Step stream to {server.target}: its deadline, 0\.5 s, "
+                                   "covers the whole stream"):
+                    step.forward(1, *qkv(rng, 1))
+
+            async def late() -> None:
+                async with pagedattn.aio.Client(server.target, timeout=30) as aio_client:
+                    async with aio_client.step(cache.cache_id, [Span.decode(1, 4)],
+                                               timeout=0.5) as step:
+                        await step.forward(0, *qkv(rng, 1))
+                        await asyncio.sleep(0.6)
+                        with pytest.raises(errors.DeadlineExceeded, match=r"0\.5 s, covers the "
+                                           "whole stream"):
+                            await step.forward(1, *qkv(rng, 1))
+
+            asyncio.run(late())
+            step = cache.step([Span.decode(1, 4)])
+            step.forward(0, *qkv(rng, 1))
+            server.proc.kill()
+            server.proc.wait(timeout=30)
+            with pytest.raises(errors.Unavailable, match=f"Step stream to {server.target}"):
+                step.forward(1, *qkv(rng, 1))

@@ -12,7 +12,7 @@ from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
 import grpc
 
-from .errors import from_status
+from .errors import PagedAttnError, from_status
 from .tensors import ArrayLike, DTypeLike, fill_tensor, from_tensor
 from .types import (
     SpanLike, cache_id_of, checked_bool, checked_float, checked_int32, span_protos,
@@ -255,6 +255,20 @@ class Timing(NamedTuple):
 
     server_micros: int  # from the layer starting to run (after its parse and turn) to its encoding
     kernel_micros: int  # time of the layer's kernels (GPU time on the CUDA backend)
+
+
+def stream_error(error: PagedAttnError, target: str, timeout: Optional[float]) -> PagedAttnError:
+    """A Step stream's end (not a layer's error) naming the stream's server, and for a
+    deadline, that the stream's timeout covers the whole stream, not each layer."""
+    if error.code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None:
+        error.message += (f" (the Step stream to {target}: its deadline, {timeout:g} s, covers the "
+                          "whole stream; pass step(timeout=...) or open a new stream)")
+    elif error.code == grpc.StatusCode.UNAVAILABLE:
+        error.message += f" (the Step stream to {target})"
+    else:
+        return error
+    error.args = (error.message,)
+    return error
 
 
 class StepMessages:

@@ -502,15 +502,17 @@ class Step:
         what the call still tells: its deadline passed, or the connection is gone (Unavailable,
         as the blocking Step raises), else the server ended the stream."""
         if (e.code(), e.details()) != _WRITE_FAILED:
-            return from_rpc_error(e)
-        where = f"the Step stream to {self.client.target}"
+            return _common.stream_error(from_rpc_error(e), self.client.target, self._timeout)
         remaining = self._call.time_remaining()
         if remaining is not None and remaining <= 0:
-            return DeadlineExceeded(f"{where} ran past its deadline ({self._timeout} s)",
-                                    grpc.StatusCode.DEADLINE_EXCEEDED)
+            return _common.stream_error(DeadlineExceeded(
+                "Deadline Exceeded", grpc.StatusCode.DEADLINE_EXCEEDED), self.client.target,
+                self._timeout)
         if self.client.channel.get_state() != grpc.ChannelConnectivity.READY:
-            return Unavailable(f"{where} broke: the connection to the server was lost",
-                               grpc.StatusCode.UNAVAILABLE)
+            return _common.stream_error(Unavailable(
+                "the connection to the server was lost", grpc.StatusCode.UNAVAILABLE),
+                self.client.target, self._timeout)
+        where = f"the Step stream to {self.client.target}"
         return PagedAttnError(
             f"the server ended {where} while layers were still being sent, and gRPC lost the "
             "status it ended it with (it says only \"Internal error from Core\"); a unary "

@@ -354,6 +354,7 @@ class Step:
         self._failure: Optional[PagedAttnError] = None  # what ended the stream otherwise
         self._error_seen = False  # the failure was raised to the caller
         self._requests: "queue.SimpleQueue[Any]" = queue.SimpleQueue()
+        self._timeout = timeout
         client._check_open()
         self._call = client.stub.Step(
             iter(self._requests.get, _END), timeout=timeout,
@@ -431,7 +432,7 @@ class Step:
                 except StopIteration:
                     self._finished = True
                 except grpc.RpcError as e:
-                    self._fail(from_rpc_error(e))
+                    self._fail(self._stream_error(e))
                 else:
                     self._fail(PagedAttnError("the Step stream answered a message never sent",
                                               grpc.StatusCode.INTERNAL))
@@ -492,7 +493,7 @@ class Step:
                                       grpc.StatusCode.INTERNAL))
             return
         except grpc.RpcError as e:
-            self._fail(from_rpc_error(e))
+            self._fail(self._stream_error(e))
             return
         with self._lock:
             future = self._pending.popleft() if self._pending else None
@@ -502,6 +503,9 @@ class Step:
             return
         future._answer(resp)
         self.last_timing = future.timing
+
+    def _stream_error(self, e: grpc.RpcError) -> PagedAttnError:
+        return _common.stream_error(from_rpc_error(e), self.client.target, self._timeout)
 
     def _fail(self, error: PagedAttnError) -> None:
         """The stream is over: every pending future gets `error` (the first failure wins)."""

@@ -216,11 +216,10 @@ int main(int argc, char** argv) {
   absl::SetFlagsUsageConfig(usage_config);
   // A name that is no flag or a value that does not parse: usage errors, each named (absl's
   // parser exits 1 on the first).
-  if (const std::vector<std::string> bad = pagedattn::UnparsableFlags(
-          argc, argv, pagedattn::ProgramFlags(absl::GetAllFlags(), "pagedattn-cli"),
-          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
-      !bad.empty()) {
-    for (const std::string& line : bad) std::cerr << "pagedattn-cli: " << line << "\n";
+  if (!pagedattn::NoUnparsableFlags(
+          "pagedattn-cli", argc, argv,
+          pagedattn::ProgramFlags(absl::GetAllFlags(), "pagedattn-cli"),
+          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; })) {
     return 2;
   }
   std::vector<char*> args = absl::ParseCommandLine(argc, argv);

@@ -973,11 +973,10 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   // A name that is no flag or a value that does not parse: usage errors, each named (absl's
   // parser exits 1 on the first).
-  if (const std::vector<std::string> bad = pagedattn::UnparsableFlags(
-          argc, argv, pagedattn::ProgramFlags(absl::GetAllFlags(), "client/loadgen.cc"),
-          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; });
-      !bad.empty()) {
-    for (const std::string& line : bad) std::cerr << "pagedattn-loadgen: " << line << "\n";
+  if (!pagedattn::NoUnparsableFlags(
+          "pagedattn-loadgen", argc, argv,
+          pagedattn::ProgramFlags(absl::GetAllFlags(), "client/loadgen.cc"),
+          [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; })) {
     return 2;
   }
   absl::ParseCommandLine(argc, argv);

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <iostream>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -65,6 +66,33 @@ void PrintFlagsHelp(std::ostream& out, const Flags& flags) {
   }
 }
 
+// One argument of argv[1..argc) that names a flag, as absl reads it: --name=value or
+// -name=value (value set), --name or -name (value unset: a non-boolean flag takes the next
+// argument). "--" ends the flags; other arguments are not flags.
+struct FlagArgument {
+  std::string name;
+  std::optional<std::string> value;
+};
+
+// Calls fn(arg, take_next) for each FlagArgument in order; take_next() consumes and returns the
+// argument after it (nullopt at the end).
+template <typename Fn>
+void ForEachFlagArgument(int argc, char** argv, Fn&& fn) {
+  for (int i = 1; i < argc; ++i) {
+    std::string_view a(argv[i]);
+    if (a == "--") break;
+    if (a.size() < 2 || a[0] != '-') continue;
+    a.remove_prefix(a[1] == '-' ? 2 : 1);
+    const size_t eq = a.find('=');
+    FlagArgument arg{std::string(a.substr(0, eq)), std::nullopt};
+    if (eq != std::string_view::npos) arg.value = std::string(a.substr(eq + 1));
+    fn(arg, [&]() -> std::optional<std::string> {
+      if (i + 1 >= argc) return std::nullopt;
+      return std::string(argv[++i]);
+    });
+  }
+}
+
 // The flags of argv[1..argc) that appear more than once, each with its values in order. `flags`:
 // the program's flags by name, true for a boolean one. Reads argv as absl parses it:
 // --name=value or -name=value, --name value (not for a boolean: --name and --noname take none),
@@ -72,23 +100,17 @@ void PrintFlagsHelp(std::ostream& out, const Flags& flags) {
 inline std::map<std::string, std::vector<std::string>> RepeatedFlags(
     int argc, char** argv, const std::map<std::string, bool>& flags) {
   std::map<std::string, std::vector<std::string>> seen;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view a(argv[i]);
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    a.remove_prefix(a[1] == '-' ? 2 : 1);
-    const size_t eq = a.find('=');
-    const std::string name(a.substr(0, eq));
-    auto it = flags.find(name);
-    if (it == flags.end() && name.rfind("no", 0) == 0) {
-      it = flags.find(name.substr(2));
+  ForEachFlagArgument(argc, argv, [&](const FlagArgument& arg, auto&& take_next) {
+    auto it = flags.find(arg.name);
+    if (it == flags.end() && arg.name.rfind("no", 0) == 0) {
+      it = flags.find(arg.name.substr(2));
       if (it != flags.end() && !it->second) it = flags.end();  // --noX is for booleans only
     }
-    if (it == flags.end()) continue;
-    std::string value = eq == std::string_view::npos ? "" : std::string(a.substr(eq + 1));
-    if (eq == std::string_view::npos && !it->second && i + 1 < argc) value = argv[++i];
+    if (it == flags.end()) return;
+    std::string value = arg.value.value_or("");
+    if (!arg.value && !it->second) value = take_next().value_or("");
     seen[it->first].push_back(std::move(value));
-  }
+  });
   std::erase_if(seen, [](const auto& entry) { return entry.second.size() < 2; });
   return seen;
 }
@@ -135,39 +157,27 @@ auto ProgramFlags(const AllFlags& all, std::string_view file) {
 template <typename Flags, typename Known>
 std::vector<std::string> UnparsableFlags(int argc, char** argv, const Flags& flags, Known&& known) {
   std::vector<std::string> bad;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view a(argv[i]);
-    if (a == "--") break;
-    if (a.size() < 2 || a[0] != '-') continue;
-    a.remove_prefix(a[1] == '-' ? 2 : 1);
-    const size_t eq = a.find('=');
-    const std::string name(a.substr(0, eq));
+  ForEachFlagArgument(argc, argv, [&](const FlagArgument& arg, auto&& take_next) {
+    const std::string& name = arg.name;
     auto it = flags.find(name);
     if (it == flags.end()) {
       auto no = name.rfind("no", 0) == 0 ? flags.find(name.substr(2)) : flags.end();
       if (no != flags.end() && no->second->template IsOfType<bool>()) {
-        if (eq != std::string_view::npos) {
-          bad.push_back("--" + name + " takes no value (--" + no->first + "=false)");
-        }
+        if (arg.value) bad.push_back("--" + name + " takes no value (--" + no->first + "=false)");
       } else if (!known(name)) {
         bad.push_back("unknown flag --" + name + " (see --help)");
       }
-      continue;
+      return;
     }
     const auto& flag = it->second;
-    std::string value;
-    if (eq != std::string_view::npos) {
-      value = std::string(a.substr(eq + 1));
-    } else if (flag->template IsOfType<bool>()) {
-      continue;
-    } else if (i + 1 < argc) {
-      value = argv[++i];
-    } else {
+    if (!arg.value && flag->template IsOfType<bool>()) return;
+    const std::optional<std::string> value = arg.value ? arg.value : take_next();
+    if (!value) {
       bad.push_back("--" + name + " needs a value (--" + name + "=VALUE)");
-      continue;
+      return;
     }
     std::string error;
-    if (flag->ParseFrom(value, &error)) continue;
+    if (flag->ParseFrom(*value, &error)) return;
     std::string want;
     if (flag->template IsOfType<bool>()) {
       want = "must be true or false";
@@ -179,9 +189,19 @@ std::vector<std::string> UnparsableFlags(int argc, char** argv, const Flags& fla
       const size_t own = error.rfind("; ");
       want = own != std::string::npos ? error.substr(own + 2) : error;
     }
-    bad.push_back("--" + name + " " + want + " (got '" + value + "')");
-  }
+    bad.push_back("--" + name + " " + want + " (got '" + *value + "')");
+  });
   return bad;
+}
+
+// For a program that stops on any of them: writes "PROGRAM: <line>" to stderr for each of
+// UnparsableFlags' lines and returns false when there was any.
+template <typename Flags, typename Known>
+bool NoUnparsableFlags(const char* program, int argc, char** argv, const Flags& flags,
+                       Known&& known) {
+  const std::vector<std::string> lines = UnparsableFlags(argc, argv, flags, known);
+  for (const std::string& line : lines) std::cerr << program << ": " << line << "\n";
+  return lines.empty();
 }
 
 // For a program whose every repeated flag is an error: writes "PROGRAM: <line>" to stderr for

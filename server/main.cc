@@ -1,5 +1,6 @@
 // pagedattn-server: flags (from the command line or PAGEDATTN_<FLAG> variables), logging, and
-// signal handling around PagedAttnServer. SIGTERM/SIGINT: a bounded graceful shutdown, exit 0.
+// signal handling around PagedAttnServer. SIGTERM/SIGINT: a bounded graceful shutdown, exit 0;
+// SIGHUP: a warning, nothing else.
 #include <google/protobuf/stubs/logging.h>
 #include <grpc/support/log.h>
 #include <sys/resource.h>
@@ -445,14 +446,24 @@ void BoundTheExit(absl::Duration after) {
   }).detach();
 }
 
+// SIGHUP's default action ends the process at once, unlogged, with every cache and the calls in
+// flight (`kill -HUP` from habit, a log rotator, a closed terminal). There is nothing to reload:
+// it is logged and ignored.
+void LogHangupIgnored() {
+  spdlog::warn(
+      "received SIGHUP: ignored (pagedattn-server reloads nothing: restart it for new flags, "
+      "TLS files or tokens; SIGTERM or SIGINT shuts it down)");
+}
+
 int main(int argc, char** argv) {
-  // Block the shutdown signals first, in every thread to come; one thread waits for them with
-  // sigwait once the server runs. A signal during start-up waits for it (it used to kill the
-  // process unlogged in its first milliseconds).
+  // Block the shutdown signals (and SIGHUP) first, in every thread to come; one thread waits for
+  // them with sigwait once the server runs. A signal during start-up waits for it (it used to
+  // kill the process unlogged in its first milliseconds).
   sigset_t signals;
   sigemptyset(&signals);
   sigaddset(&signals, SIGTERM);
   sigaddset(&signals, SIGINT);
+  sigaddset(&signals, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
   switch (pagedattn::FindInfoFlag(argc, argv)) {
@@ -642,7 +653,10 @@ int main(int argc, char** argv) {
   });
   std::thread signal_thread([&] {
     int sig = 0;
-    sigwait(&signals, &sig);
+    while (sigwait(&signals, &sig) != 0 || sig == SIGHUP) {
+      if (sig == SIGHUP) LogHangupIgnored();
+      sig = 0;
+    }
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
     spdlog::info(
         "received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
@@ -654,7 +668,9 @@ int main(int argc, char** argv) {
     std::thread again([&] {
       const timespec tick{0, 100'000'000};
       while (!shut_down.load()) {
-        if (const int s = sigtimedwait(&signals, nullptr, &tick); s > 0) {
+        if (const int s = sigtimedwait(&signals, nullptr, &tick); s == SIGHUP) {
+          LogHangupIgnored();
+        } else if (s > 0) {
           spdlog::warn(
               "received {} again: calls in flight are stopped now (a stopped call "
               "commits nothing)",

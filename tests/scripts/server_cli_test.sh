@@ -318,6 +318,13 @@ print("metrics parse: OK,", len(names), "families")
 PY
 fi
 
+# SIGHUP (`kill -HUP` from habit, a log rotator, a closed terminal) is logged and ignored: the
+# server goes on serving (its default action ended the process at once, without a line).
+kill -HUP $pid
+for _ in $(seq 100); do grep -q "received SIGHUP" "$log" && break; sleep 0.05; done
+grep -q "warning received SIGHUP: ignored" "$log" || fail "SIGHUP: no line saying it is ignored"
+[ "$("$cli" $t health)" = "SERVING" ] || fail "not SERVING after SIGHUP"
+
 kill -TERM $pid
 rc=0; wait $pid || rc=$?
 [ $rc -eq 0 ] || fail "server exit code $rc after SIGTERM"

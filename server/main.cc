@@ -257,6 +257,26 @@ std::vector<IgnoredVariable> FlagsFromEnvironment(std::set<std::string>* from_en
   return ignored;
 }
 
+// " (set by PAGEDATTN_<FLAG>, ...)" for the flags a message names whose values came from the
+// environment (empty if none): a container sets variables, not flags, and its operator looks
+// for the variable.
+std::string SetByEnvironment(absl::string_view message, const std::set<std::string>& from_env) {
+  std::vector<std::string> variables;
+  for (const std::string& name : from_env) {
+    const std::string flag = absl::StrCat("--", name);
+    for (size_t at = message.find(flag); at != absl::string_view::npos;
+         at = message.find(flag, at + 1)) {
+      const size_t end = at + flag.size();
+      if (end == message.size() || !(absl::ascii_isalnum(message[end]) || message[end] == '_')) {
+        variables.push_back(absl::StrCat(kEnvPrefix, absl::AsciiStrToUpper(name)));
+        break;
+      }
+    }
+  }
+  if (variables.empty()) return "";
+  return absl::StrCat(" (set by ", absl::StrJoin(variables, ", "), ")");
+}
+
 bool ParseSocketMode(const std::string& text, int* mode) {
   if (text.empty() || text.size() > 4) return false;
   *mode = 0;
@@ -511,13 +531,7 @@ int main(int argc, char** argv) {
   for (std::string& e : pagedattn::RepeatedFlagErrors(repeated)) bad.push_back(std::move(e));
   for (std::string& e : InvalidFlags()) bad.push_back(std::move(e));
   // A value from the environment is named by its variable too: a container sets no flags.
-  for (std::string& e : bad) {
-    for (const std::string& name : from_env) {
-      if (absl::StartsWith(e, absl::StrCat("--", name, " "))) {
-        absl::StrAppend(&e, " (set by ", kEnvPrefix, absl::AsciiStrToUpper(name), ")");
-      }
-    }
-  }
+  for (std::string& e : bad) absl::StrAppend(&e, SetByEnvironment(e, from_env));
   if (!bad.empty()) {
     std::cerr << "pagedattn-server: " << absl::StrJoin(bad, "\npagedattn-server: ") << "\n";
     return 2;
@@ -576,7 +590,8 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);
   if (!server.ok()) {
-    spdlog::critical("cannot start: {}", server.status().ToString());
+    spdlog::critical("cannot start: {}{}", server.status().ToString(),
+                     SetByEnvironment(server.status().message(), from_env));
     return 1;
   }
   pagedattn::Backend& backend = (*server)->backend();

@@ -150,6 +150,14 @@ rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.
   fail "env range error: exit $rc: $out"
 rc=0; out=$(PAGEDATTN_MAX_MESSAGE_MB=0 "$server" --backend=cpu --listen=127.0.0.1:0 --max_message_mb=0 2>&1) || rc=$?
 [ $rc -eq 2 ] && ! grep -q "set by" <<<"$out" || fail "command-line range error: exit $rc: $out"
+# So is one the server cannot start with (a file it cannot read, a port it cannot take).
+rc=0; out=$(PAGEDATTN_AUTH_TOKENS_FILE=/nonexistent/tokens PAGEDATTN_TLS_KEY= "$server" --backend=cpu \
+  --listen=127.0.0.1:0 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q -- "--auth_tokens_file /nonexistent/tokens: cannot read the file .* (set by PAGEDATTN_AUTH_TOKENS_FILE)$" <<<"$out" ||
+  fail "env start error: exit $rc: $out"
+rc=0; out=$(PAGEDATTN_TLS_CERT=/nonexistent/server.pem "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q -- "--tls_cert and --tls_key must be given together (set by PAGEDATTN_TLS_CERT)$" <<<"$out" ||
+  fail "env TLS start error: exit $rc: $out"
 # The CLI's --help too: exit 0, its commands and every flag with its default (never a flag's
 # value: --token's is a secret), no path of the build machine; --version its version.
 out=$("$cli" --token=s3cret-help-value --help) || fail "cli --help exit code $?"

@@ -30,7 +30,8 @@ struct ReceivedForward {
 };
 
 // INVALID_ARGUMENT naming what is wrong when the bytes are not a ForwardRequest, or hold more
-// than max_spans spans (refused as they are read: see wire::ParseLimits).
+// than max_spans spans (refused as they are read: see wire::ParseLimits); RESOURCE_EXHAUSTED when
+// there is no message (gRPC reset the stream before it arrived).
 absl::Status ParseForward(const grpc::ByteBuffer& buffer, int64_t max_spans,
                           ReceivedForward* out);
 

@@ -26,6 +26,7 @@
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
 #include "pagedattn/v1/attention.grpc.pb.h"
+#include "server/service/forward_wire.h"
 #include "server/service/http_server.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
@@ -368,6 +369,17 @@ TEST(RequestMemoryTest, UnreadAnswersHoldTheBudgetUntilTheirCallEnds) {
   call.reset();
   cq.Shutdown();
   poller.join();
+}
+
+// gRPC runs a unary handler with no request at all when it reset the call's stream before its
+// message arrived whole, as it does when the requests in flight pass --request_memory_mb (its
+// client gets RESOURCE_EXHAUSTED). Counted and logged as the caller's INVALID_ARGUMENT, that
+// pressure showed only as bad requests in the metrics and nowhere in the log at info.
+TEST(RequestMemoryTest, ARequestThatNeverArrivedIsTheTransportsRefusal) {
+  ReceivedForward received;
+  const absl::Status s = ParseForward(grpc::ByteBuffer(), 65536, &received);
+  EXPECT_EQ(s.code(), absl::StatusCode::kResourceExhausted) << s;
+  EXPECT_NE(s.message().find("--request_memory_mb"), std::string::npos) << s;
 }
 
 // Caches whose configs hold many sinks make a long listing: ListCaches answers in pages that fit

@@ -628,9 +628,14 @@ int main(int argc, char** argv) {
                  absl::StrJoin(ccs, ", "), absl::StrJoin(pagedattn::BuiltCudaArchitectures(), " "),
                  AbslUnparseFlag(options.backend.prefill_kernel), launches);
   }
-  spdlog::info("limits: messages up to {} MiB; {} MiB for requests in flight; {} open files",
-               options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20,
-               open_files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(open_files));
+  spdlog::info(
+      "limits: messages up to {} MiB; {} MiB for requests in flight; {} caches per tenant; a "
+      "Forward of up to {} tokens and {} spans; {} open files",
+      options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20,
+      options.limits.max_caches_per_tenant > 0 ? absl::StrCat(options.limits.max_caches_per_tenant)
+                                               : std::string("any number of"),
+      options.limits.forward.max_tokens, options.limits.forward.max_spans,
+      open_files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(open_files));
   if (open_files != 0 && open_files != RLIM_INFINITY && open_files < kFewOpenFiles) {
     spdlog::warn(
         "only {} open files (the hard limit): every connection takes one, and once they run out "

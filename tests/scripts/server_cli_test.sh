@@ -92,12 +92,16 @@ wait_started "$log" $pid
 kill -TERM $pid; wait $pid || fail "server on :0 exit code $?"
 
 # A misspelled flag variable is a warning naming the variable it is likely a typo of (here the
-# operator meant to turn auth on); an unrelated PAGEDATTN_ variable stays an info line.
+# operator meant to turn auth on); an unrelated PAGEDATTN_ variable stays an info line. The limits
+# in force, from a ConfigMap's variables as from flags, are in the start-up log.
 : >"$log"
-PAGEDATTN_AUTH_TOKEN_FILE=/nonexistent PAGEDATTN_SOMETHING_ELSE=1 \
-  "$server" --listen=127.0.0.1:0 --backend=cpu >"$log" 2>&1 &
+PAGEDATTN_AUTH_TOKEN_FILE=/nonexistent PAGEDATTN_SOMETHING_ELSE=1 PAGEDATTN_MAX_CACHES_PER_TENANT=7 \
+  PAGEDATTN_MAX_FORWARD_TOKENS=4096 "$server" --listen=127.0.0.1:0 --backend=cpu \
+  --max_forward_spans=33 >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
+grep -q "info limits: .*; 7 caches per tenant; a Forward of up to 4096 tokens and 33 spans;" "$log" ||
+  fail "the limits line: $(grep limits "$log")"
 grep -q "warning environment: PAGEDATTN_AUTH_TOKEN_FILE ignored (no such flag): did you mean PAGEDATTN_AUTH_TOKENS_FILE?" "$log" ||
   fail "a misspelled variable: $(grep environment "$log")"
 grep -q "info environment: PAGEDATTN_SOMETHING_ELSE ignored" "$log" ||

@@ -33,12 +33,12 @@ class RpcGate {
     absl::MutexLock lock(&mu_);
     return draining_;
   }
-  // Waits until no call is in flight (but_waiting: none but Step streams waiting for a message)
-  // or the deadline passes; true when none is.
+  // Waits until no call is in flight (but_waiting, or once StopAll: none but Step streams
+  // waiting for a message, which have nothing to stop) or the deadline passes; true when none is.
   bool WaitIdle(absl::Time deadline, bool but_waiting = false) {
     absl::MutexLock lock(&mu_);
     auto idle = [this, but_waiting]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-      return in_flight_ - (but_waiting ? waiting_ : 0) == 0;
+      return in_flight_ - (but_waiting || stop_all_ ? waiting_ : 0) == 0;
     };
     return mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
   }

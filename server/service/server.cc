@@ -356,12 +356,6 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
   const std::vector<std::shared_ptr<Cache>> caches = manager_->ListAll();
   int64_t pool_bytes = 0;
   for (const auto& cache : caches) pool_bytes += cache->geometry().TotalBytes();
-  spdlog::info("draining: {} call{} in flight; {} cache{} ({} bytes of pools) go with the process",
-               gate_->in_flight(), gate_->in_flight() == 1 ? "" : "s", caches.size(),
-               caches.size() == 1 ? "" : "s", pool_bytes);
-  // Calls in flight get the grace period less a margin; then they are told to stop and get the
-  // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
-  const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
   // Step streams waiting for the next message of their open step (an orchestrator between two
   // layers) are named apart: they hold the grace period, as a call does, but have nothing to
   // stop, and end with the connections as soon as the calls that do have stopped.
@@ -369,13 +363,30 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
     return absl::StrCat(n, " Step stream", n == 1 ? "" : "s", " waiting for ",
                         n == 1 ? "its" : "their", " next message");
   };
-  if (!gate_->WaitIdle(deadline - margin)) {
+  auto of_them_waiting = [&](int64_t waiting) {
+    return waiting > 0 ? absl::StrCat(" (", waiting_streams(waiting), ")") : std::string();
+  };
+  const int64_t in_flight = gate_->in_flight();
+  spdlog::info(
+      "draining: {} call{} in flight{}; {} cache{} ({} bytes of pools) go with the process",
+      in_flight, in_flight == 1 ? "" : "s", of_them_waiting(gate_->waiting()), caches.size(),
+      caches.size() == 1 ? "" : "s", pool_bytes);
+  // Calls in flight get the grace period less a margin; then they are told to stop and get the
+  // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
+  // StopCallsNow (a second signal) ends the wait at once.
+  const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
+  const bool drained = gate_->WaitIdle(deadline - margin);
+  if (!drained || gate_->stopping()) {
     const int64_t left = gate_->in_flight(), waiting = gate_->waiting();
-    spdlog::warn(
-        "the grace period ran out with {} call{} in flight{}: stopping them (a stopped "
-        "call commits nothing and answers UNAVAILABLE)",
-        left, left == 1 ? "" : "s",
-        waiting > 0 ? absl::StrCat(" (", waiting_streams(waiting), ")") : "");
+    if (gate_->stopping()) {
+      spdlog::info("calls in flight stopped (a second signal) {} into the grace period",
+                   absl::FormatDuration(absl::Now() - start));
+    } else {
+      spdlog::warn(
+          "the grace period ran out with {} call{} in flight{}: stopping them (a stopped "
+          "call commits nothing and answers UNAVAILABLE)",
+          left, left == 1 ? "" : "s", of_them_waiting(waiting));
+    }
     gate_->StopAll();
     if (!gate_->WaitIdle(deadline, /*but_waiting=*/true)) {
       const int64_t stuck = gate_->busy();

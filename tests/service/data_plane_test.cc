@@ -275,6 +275,43 @@ TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
   EXPECT_FALSE(stream->Close().ok());
 }
 
+// A second signal (StopCallsNow) during the drain stops the calls in flight at once: a Step
+// stream waiting for its next message ends then too, rather than holding the process for the
+// rest of a grace period of 20 s, and the log says the calls were stopped, not drained.
+TEST_P(DataPlaneTest, ASecondSignalEndsAWaitingStreamAtOnce) {
+  const Case layer0 = {0, {{1, 0, 20, 20}}};
+  const Tensors t0 = MakeTensors(layer0, 3);
+  const std::string cache = NewCache();
+  auto stream = *client_->OpenStep();
+  std::string out(OutBytes(t0), '\0');
+  ASSERT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
+  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  testing::LogCapture captured(spdlog::level::info);
+  std::thread stop([&] { server_->Shutdown(absl::Seconds(20)); });
+  absl::StatusOr<bool> serving = true;
+  for (int i = 0; i < 500 && serving.ok() && *serving; ++i) {
+    serving = client_->CheckHealth();
+    absl::SleepFor(absl::Milliseconds(10));
+  }
+  ASSERT_TRUE(serving.ok() && !*serving) << "the drain did not start";
+  const absl::Time start = absl::Now();
+  server_->StopCallsNow();
+  stop.join();
+  const absl::Duration took = absl::Now() - start;
+  server_->Wait();
+  const std::string log = captured.str();
+  EXPECT_LT(took, absl::Seconds(3)) << "the waiting stream held the second signal's stop";
+  // (The stream counts as waiting a moment after its answer reached the client: the drain's first
+  // line may or may not say so yet.)
+  EXPECT_NE(log.find("draining: 1 call in flight"), std::string::npos) << log;
+  EXPECT_NE(log.find("1 Step stream waiting for its next message: ended with the connections"),
+            std::string::npos)
+      << log;
+  EXPECT_EQ(log.find("drained in"), std::string::npos) << log;
+  EXPECT_FALSE(stream->Receive({out.data(), out.size()}).ok());
+  EXPECT_FALSE(stream->Close().ok());
+}
+
 // Cancelled mid-stream: the layers answered before are committed, the one running is stopped
 // and commits nothing.
 TEST_P(DataPlaneTest, CancelledStreamCommitsCompletedLayersOnly) {

@@ -21,7 +21,10 @@ absl::StatusOr<std::unique_ptr<TokenAuthenticator>> TokenAuthenticator::FromFile
   absl::StatusOr<std::string> contents = ReadFlagFile("--auth_tokens_file", path);
   if (!contents.ok()) return contents.status();
   absl::StatusOr<std::unique_ptr<TokenAuthenticator>> a = FromString(*contents);
-  if (!a.ok()) return absl::InvalidArgumentError(absl::StrCat(path, ": ", a.status().message()));
+  if (!a.ok()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--auth_tokens_file ", path, ": ", a.status().message()));
+  }
   return a;
 }
 

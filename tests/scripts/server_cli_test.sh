@@ -159,6 +159,11 @@ rc=0; out=$(PAGEDATTN_AUTH_TOKENS_FILE=/nonexistent/tokens PAGEDATTN_TLS_KEY= "$
   --listen=127.0.0.1:0 2>&1) || rc=$?
 [ $rc -eq 1 ] && grep -q -- "--auth_tokens_file /nonexistent/tokens: cannot read the file .* (set by PAGEDATTN_AUTH_TOKENS_FILE)$" <<<"$out" ||
   fail "env start error: exit $rc: $out"
+printf 'short-token tenant\n' >"$log.tokens"
+rc=0; out=$(PAGEDATTN_AUTH_TOKENS_FILE="$log.tokens" "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
+rm -f "$log.tokens"
+[ $rc -eq 1 ] && grep -q -- "--auth_tokens_file $log.tokens: line 1: a token must be at least 16 characters .* (set by PAGEDATTN_AUTH_TOKENS_FILE)$" <<<"$out" ||
+  fail "env tokens file error: exit $rc: $out"
 rc=0; out=$(PAGEDATTN_TLS_CERT=/nonexistent/server.pem "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
 [ $rc -eq 1 ] && grep -q -- "--tls_cert and --tls_key must be given together (set by PAGEDATTN_TLS_CERT)$" <<<"$out" ||
   fail "env TLS start error: exit $rc: $out"

@@ -590,8 +590,13 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<pagedattn::PagedAttnServer>> server =
       pagedattn::PagedAttnServer::Start(options);
   if (!server.ok()) {
-    spdlog::critical("cannot start: {}{}", server.status().ToString(),
-                     SetByEnvironment(server.status().message(), from_env));
+    const std::string why = absl::StrCat(server.status().ToString(),
+                                         SetByEnvironment(server.status().message(), from_env));
+    if (spdlog::should_log(spdlog::level::critical)) {
+      spdlog::critical("cannot start: {}", why);
+    } else {  // --log_level=off: the reason the process exits is still told
+      std::cerr << "pagedattn-server: cannot start: " << why << "\n";
+    }
     return 1;
   }
   pagedattn::Backend& backend = (*server)->backend();

@@ -159,6 +159,11 @@ rc=0; out=$(PAGEDATTN_AUTH_TOKENS_FILE=/nonexistent/tokens PAGEDATTN_TLS_KEY= "$
   --listen=127.0.0.1:0 2>&1) || rc=$?
 [ $rc -eq 1 ] && grep -q -- "--auth_tokens_file /nonexistent/tokens: cannot read the file .* (set by PAGEDATTN_AUTH_TOKENS_FILE)$" <<<"$out" ||
   fail "env start error: exit $rc: $out"
+# --log_level=off silences the log, not the reason the process exits at once.
+rc=0; out=$("$server" --backend=cpu --listen=127.0.0.1:0 --log_level=off \
+  --auth_tokens_file=/nonexistent/tokens 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q -- "cannot start: .*--auth_tokens_file /nonexistent/tokens: cannot read" <<<"$out" ||
+  fail "start error at --log_level=off: exit $rc: $out"
 printf 'short-token tenant\n' >"$log.tokens"
 rc=0; out=$(PAGEDATTN_AUTH_TOKENS_FILE="$log.tokens" "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
 rm -f "$log.tokens"

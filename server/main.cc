@@ -40,6 +40,7 @@
 #include "server/service/address.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
+#include "server/service/tls.h"
 #include "spdlog/sinks/stdout_color_sinks.h"
 #include "spdlog/spdlog.h"
 
@@ -443,6 +444,9 @@ rlim_t RaiseOpenFilesLimit() {
 // Below this many open files a client can exhaust them with connections alone.
 constexpr rlim_t kFewOpenFiles = 65536;
 
+// A TLS certificate that expires sooner than this is a start-up warning.
+constexpr absl::Duration kCertificateWarning = absl::Hours(14 * 24);
+
 // How long past the grace period the process may take to exit before it is made to (BoundTheExit).
 constexpr absl::Duration kForcedExitAfter = absl::Seconds(3);
 
@@ -653,9 +657,22 @@ int main(int argc, char** argv) {
         "bearer tokens travel in plaintext on this port: serve TLS (--tls_cert, "
         "--tls_key) unless the network path is private");
   }
+  // The certificate is read at start only: once it expires every handshake fails, and those
+  // failures are the callers' debug lines. Its date is in the log, and a warning comes early.
+  const absl::Time cert_not_after = (*server)->tls_cert_not_after();
+  if ((*server)->tls() && cert_not_after - absl::Now() < kCertificateWarning) {
+    spdlog::warn(
+        "the TLS certificate --tls_cert={} expires at {}, in {:.1f} days; it is read only at "
+        "start: renew it and restart the server before then, or every handshake fails",
+        options.tls_cert_file, pagedattn::TlsTimeText(cert_not_after),
+        absl::ToDoubleHours(cert_not_after - absl::Now()) / 24);
+  }
   spdlog::info(
       "security: {}; auth: {}; health port: {}; metrics: {}",
-      (*server)->tls() ? (options.tls_client_ca_file.empty() ? "TLS" : "mTLS") : "plaintext",
+      (*server)->tls()
+          ? absl::StrCat(options.tls_client_ca_file.empty() ? "TLS" : "mTLS",
+                         " (certificate valid until ", pagedattn::TlsTimeText(cert_not_after), ")")
+          : std::string("plaintext"),
       (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",
                                        (*server)->auth()->num_tenants(), " tenants")
                         : std::string("off"),

@@ -53,7 +53,9 @@ absl::string_view MethodOfPath(absl::string_view path) {
   return method;
 }
 
-absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const ServerOptions& o) {
+// The main ports' credentials; with TLS, *cert_not_after is when the certificate expires.
+absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(
+    const ServerOptions& o, absl::Time* cert_not_after) {
   if (o.tls_cert_file.empty() != o.tls_key_file.empty()) {
     return absl::InvalidArgumentError("--tls_cert and --tls_key must be given together");
   }
@@ -66,6 +68,7 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(const S
   absl::StatusOr<TlsMaterial> tls =
       LoadTlsMaterial({o.tls_cert_file, o.tls_key_file, o.tls_client_ca_file});
   if (!tls.ok()) return tls.status();
+  *cert_not_after = tls->cert_not_after;
   grpc::SslServerCredentialsOptions ssl;
   ssl.pem_key_cert_pairs.push_back({tls->key_pem, tls->cert_pem});
   if (!o.tls_client_ca_file.empty()) {
@@ -178,7 +181,8 @@ int64_t RequestMemoryDefault(int64_t max_message_bytes) {
 absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     const ServerOptions& options) {
   std::unique_ptr<PagedAttnServer> s(new PagedAttnServer());
-  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds = MainCredentials(options);
+  absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> creds =
+      MainCredentials(options, &s->tls_cert_not_after_);
   if (!creds.ok()) return creds.status();
   s->tls_ = !options.tls_cert_file.empty();
   if (!options.auth_tokens_file.empty()) {

@@ -65,6 +65,8 @@ class PagedAttnServer {
   int health_port() const { return health_port_; }
   int metrics_port() const { return metrics_http_ ? metrics_http_->port() : 0; }
   bool tls() const { return tls_; }
+  // When the TLS certificate expires (read at start only); InfiniteFuture without TLS.
+  absl::Time tls_cert_not_after() const { return tls_cert_not_after_; }
   const TokenAuthenticator* auth() const { return auth_.get(); }
   Backend& backend() const { return *backend_; }
   CacheManager& manager() const { return *manager_; }
@@ -113,6 +115,7 @@ class PagedAttnServer {
   std::vector<std::string> listening_;
   int health_port_ = 0;
   bool tls_ = false;
+  absl::Time tls_cert_not_after_ = absl::InfiniteFuture();
   bool started_ = false;  // Start returned the server: it has served, and drains at shutdown
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;

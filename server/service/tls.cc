@@ -7,12 +7,14 @@
 #include <openssl/pem.h>
 #include <openssl/x509.h>
 
+#include <ctime>
 #include <memory>
 #include <utility>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/service/flag_file.h"
 
 namespace pagedattn {
@@ -67,7 +69,26 @@ absl::StatusOr<std::unique_ptr<X509, X509Free>> ParseCert(const char* flag, cons
   return cert;
 }
 
+// A certificate's notBefore or notAfter (InfinitePast where OpenSSL cannot read it).
+absl::Time TimeOf(const ASN1_TIME* t) {
+  std::tm tm{};
+  if (t == nullptr || ASN1_TIME_to_tm(t, &tm) != 1) return absl::InfinitePast();
+  return absl::FromTimeT(timegm(&tm));
+}
+
+// " (valid from A until B; this host's clock says C)": a certificate refused for its dates is
+// either stale or the node's clock is wrong, and the message must tell which.
+std::string ValidityText(const X509* cert) {
+  return absl::StrCat(" (valid from ", TlsTimeText(TimeOf(X509_get0_notBefore(cert))), " until ",
+                      TlsTimeText(TimeOf(X509_get0_notAfter(cert))), "; this host's clock says ",
+                      TlsTimeText(absl::Now()), ")");
+}
+
 }  // namespace
+
+std::string TlsTimeText(absl::Time t) {
+  return absl::FormatTime("%Y-%m-%d %H:%M:%S UTC", t, absl::UTCTimeZone());
+}
 
 absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
   TlsMaterial m;
@@ -82,13 +103,16 @@ absl::StatusOr<TlsMaterial> LoadTlsMaterial(const TlsFiles& files) {
       ParseCert("--tls_cert", files.cert_file, m.cert_pem);
   if (!cert.ok()) return cert.status();
   if (X509_cmp_current_time(X509_get0_notAfter(cert->get())) < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert ", files.cert_file, ": the certificate has expired"));
+    return absl::InvalidArgumentError(absl::StrCat("--tls_cert ", files.cert_file,
+                                                   ": the certificate has expired",
+                                                   ValidityText(cert->get())));
   }
   if (X509_cmp_current_time(X509_get0_notBefore(cert->get())) > 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--tls_cert ", files.cert_file, ": the certificate is not valid yet"));
+    return absl::InvalidArgumentError(absl::StrCat("--tls_cert ", files.cert_file,
+                                                   ": the certificate is not valid yet",
+                                                   ValidityText(cert->get())));
   }
+  m.cert_not_after = TimeOf(X509_get0_notAfter(cert->get()));
   auto key_bio = Bio(m.key_pem);
   // An encrypted key is refused, never asked for: OpenSSL's default callback would prompt for a
   // pass phrase on the terminal and block startup where one is attached (docker run -it).

@@ -3,6 +3,7 @@ made here with openssl): Unauthenticated with its code, tenants that cannot see 
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import time
@@ -229,6 +230,18 @@ def _expired_ca(d: Path) -> Path:
     return d / "expired.pem"
 
 
+def test_the_certificates_expiry_is_in_the_start_up_log(secure_server):
+    """The certificate is read at start only, and once it expires every handshake fails as the
+    callers' debug lines: the log says until when it is valid, and warns 14 days ahead (the test
+    certificate lasts 2)."""
+    security = [line for line in secure_server.lines if " security: " in line]
+    assert security and re.search(r"security: TLS \(certificate valid until 20\d\d-\d\d-\d\d ",
+                                  security[0]), secure_server.log
+    warning = [line for line in secure_server.lines if "warning the TLS certificate" in line]
+    assert warning and re.search(r"expires at 20\d\d-.* UTC, in [12]\.\d days; .* restart",
+                                 warning[0]), secure_server.log
+
+
 def test_expired_certificates_stop_the_server(server_binary, pki, tmp_path):
     """An expired --tls_client_ca started an mTLS server no client certificate could pass."""
     expired = _expired_ca(tmp_path)
@@ -237,7 +250,8 @@ def test_expired_certificates_stop_the_server(server_binary, pki, tmp_path):
         ([f"--tls_client_ca={expired}"], "--tls_client_ca", "expired or is not valid yet"),
         ([f"--tls_client_ca={expired.parent / 'bundle.pem'}"], None, None),
         ([f"--tls_cert={expired}", f"--tls_key={tmp_path / 'expired.key'}"], "--tls_cert",
-         "the certificate has expired"),
+         "the certificate has expired (valid from 2020-01-01 00:00:00 UTC until 2021-01-01 "
+         "00:00:00 UTC; this host's clock says 20"),
         ([f"--tls_client_ca={tmp_path}"], "--tls_client_ca", "is a directory"),
     )
     # A bundle of the expired CA and a valid one (a rotation) is accepted.

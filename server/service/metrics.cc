@@ -54,8 +54,9 @@ void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const For
 
 std::string Metrics::Render(const CacheManager& manager) const {
   std::string out;
-  Header(&out, "pagedattn_rpcs_total", "counter", "RPCs served, by method and status code (a Step stream's layers "
-         "each count as one, as a Forward).");
+  Header(&out, "pagedattn_rpcs_total", "counter",
+         "RPCs served, by method and status code (a Step stream's layers "
+         "each count as one, under method Step).");
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [key, n] : rpcs_) {

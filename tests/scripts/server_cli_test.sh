@@ -338,6 +338,24 @@ names = [f.name for f in text_string_to_metric_families(text)]
 assert "pagedattn_rpcs" in names and "pagedattn_forward_latency_seconds" in names, names
 print("metrics parse: OK,", len(names), "families")
 PY
+  # README's Metrics paragraph names what /metrics serves: no family served that it does not
+  # name, none it names missing (the per-cache ones need --metrics_per_cache).
+  "$py" - "127.0.0.1:$mport" "$(dirname "$0")/../../README.md" <<'PY' || fail "README's metrics"
+import re, sys, urllib.request
+text = urllib.request.urlopen(f"http://{sys.argv[1]}/metrics", timeout=10).read().decode()
+served = set(re.findall(r"^# TYPE (\S+) ", text, re.M))
+readme = open(sys.argv[2]).read()
+section = readme[readme.index("**Metrics**"):readme.index("**Limits**")]
+named = set()
+for name, alt in re.findall(r"`(pagedattn_[a-z_]+)(?:\|([a-z]+))?", section):
+    named.add(name)
+    if alt:
+        named.add(name[:name.rindex("_") + 1] + alt)
+assert served - named == set(), f"served, not in README: {sorted(served - named)}"
+missing = {n for n in named - served if not n.startswith("pagedattn_cache_")}
+assert missing == set(), f"in README, not served: {sorted(missing)}"
+print("README names every metric:", len(served))
+PY
 fi
 
 # SIGHUP (`kill -HUP` from habit, a log rotator, a closed terminal) is logged and ignored: the

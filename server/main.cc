@@ -682,15 +682,18 @@ int main(int argc, char** argv) {
 
   // A listener gRPC gave up on does not come back: health says NOT_SERVING for good, so that
   // the liveness probe (on the health port, which may still accept) restarts the process.
+  // The same thread tells the counts of throttled lines whose kind has gone quiet.
   absl::Notification stopped;
   std::thread listener_watch([&] {
+    bool broken = false;
     while (!stopped.WaitForNotificationWithTimeout(absl::Milliseconds(200))) {
-      if (grpc_listener_failed.load()) {
+      if (!broken && grpc_listener_failed.load()) {
+        broken = true;
         (*server)->MarkBroken(
             "gRPC stopped accepting connections on a listener (\"Failed accept4\" above; out of "
             "open files: raise the nofile limit)");
-        return;
       }
+      pagedattn::FlushThrottledLog();
     }
   });
   std::thread signal_thread([&] {

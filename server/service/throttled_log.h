@@ -18,4 +18,10 @@ inline constexpr int kMaxThrottledLinesPerSecond = 20;
 void LogThrottled(spdlog::level::level_enum level, const std::string& kind,
                   const std::string& line);
 
+// Counts held back that no later line of their kind has told, a second or more after their
+// kind's last line: "N more held back in the last 1.2s like it: <that line>" (and the lines of
+// all kinds held back past the cap). Called periodically (the server's main), so that a burst
+// that ends is counted in the log, not only in the metrics.
+void FlushThrottledLog();
+
 }  // namespace pagedattn

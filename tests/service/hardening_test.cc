@@ -997,6 +997,25 @@ TEST(ThrottledLogTest, ManyKindsAreCappedTogether) {
       << log;
 }
 
+// Counts no later line told are told a second on by FlushThrottledLog (the server's main calls
+// it): a burst of one kind, and the lines of all kinds held back past the cap.
+TEST(ThrottledLogTest, AFlushTellsTheCountsOfBurstsThatEnded) {
+  absl::SleepFor(absl::Seconds(1.1));  // a second of its own (earlier tests' lines count too)
+  testing::LogCapture captured(spdlog::level::info);
+  for (int i = 0; i < 5; ++i) LogThrottled(spdlog::level::info, "burst", "a burst's line.");
+  for (int i = 0; i < 40; ++i) {
+    LogThrottled(spdlog::level::info, absl::StrCat("peer-", i), absl::StrCat("line-of-", i, "."));
+  }
+  FlushThrottledLog();  // too early: nothing yet
+  EXPECT_EQ(captured.str().find("held back"), std::string::npos) << captured.str();
+  absl::SleepFor(absl::Seconds(1.1));
+  FlushThrottledLog();
+  const std::string log = captured.str();
+  EXPECT_NE(log.find("4 more held back in the last 1."), std::string::npos) << log;
+  EXPECT_NE(log.find("s like it: a burst's line."), std::string::npos) << log;
+  EXPECT_NE(log.find("] 21 throttled lines of all kinds held back"), std::string::npos) << log;
+}
+
 // A client's refusals of two kinds in one second are both logged: the throttle's kinds tell the
 // errors apart by their words (out of pages, over the capacity), not only by their code.
 TEST(ThrottledLogTest, RefusalsOfTwoKindsAreBothLogged) {

@@ -680,8 +680,9 @@ int main(int argc, char** argv) {
       (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
                                 : std::string("off"));
 
-  // A listener gRPC gave up on does not come back: health says NOT_SERVING for good, so that
-  // the liveness probe (on the health port, which may still accept) restarts the process.
+  // A listener gRPC gave up on does not come back, nor does a GPU whose context a CUDA error
+  // left unusable (every Forward would fail): health says NOT_SERVING for good, so that the
+  // liveness probe (on the health port, which may still accept) restarts the process.
   // The same thread tells the counts of throttled lines whose kind has gone quiet.
   absl::Notification stopped;
   std::thread listener_watch([&] {
@@ -692,6 +693,12 @@ int main(int argc, char** argv) {
         (*server)->MarkBroken(
             "gRPC stopped accepting connections on a listener (\"Failed accept4\" above; out of "
             "open files: raise the nofile limit)");
+      }
+      if (!broken) {
+        if (const std::string why = (*server)->backend().Unrecoverable(); !why.empty()) {
+          broken = true;
+          (*server)->MarkBroken(why);
+        }
       }
       pagedattn::FlushThrottledLog();
     }

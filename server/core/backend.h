@@ -205,6 +205,11 @@ class Backend {
   // Compute capability of a device as "major.minor" ("9.0"); empty on the CPU backend.
   virtual std::string compute_capability(int /*device*/) const { return ""; }
 
+  // Why the backend can serve nothing more until the process restarts (a CUDA error that leaves
+  // a device's context unusable: every later call fails with it); empty while it can. Cheap
+  // enough to poll: the server's health goes NOT_SERVING for good when it is not empty.
+  virtual std::string Unrecoverable() const { return ""; }
+
   // Whether `device` runs a cache of this kv_dtype and head_dim (one its table lists): OK, or why
   // not (the device's shared memory a block, say). The default: every one.
   virtual absl::Status RunsHeadDim(int /*device*/, DType /*kv_dtype*/, int /*head_dim*/) const {

@@ -38,6 +38,26 @@ absl::Status CudaStatus(cudaError_t err, const std::string& what) {
       absl::StrCat(what, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err), ")"));
 }
 
+// The errors CUDA documents as leaving the process's context unusable: "any further CUDA work
+// will return the same error" until the process restarts.
+bool ContextLost(cudaError_t err) {
+  switch (err) {
+    case cudaErrorIllegalAddress:
+    case cudaErrorLaunchFailure:
+    case cudaErrorIllegalInstruction:
+    case cudaErrorMisalignedAddress:
+    case cudaErrorInvalidAddressSpace:
+    case cudaErrorInvalidPc:
+    case cudaErrorHardwareStackError:
+    case cudaErrorAssert:
+    case cudaErrorLaunchTimeout:
+    case cudaErrorECCUncorrectable:
+      return true;
+    default:
+      return false;
+  }
+}
+
 absl::Status FromLaunch(const k::LaunchStatus& st) {
   switch (st.code()) {
     case k::LaunchStatus::Code::kOk:
@@ -353,6 +373,22 @@ class CudaBackend final : public Backend {
   int device_count() const override { return device_count_; }
   std::string compute_capability(int device) const override { return ComputeCapability(device); }
 
+  // Asks each device the backend has used (never one it has not: that would make a context
+  // there) whether its context still works; a lost one answers every call with its error.
+  std::string Unrecoverable() const override {
+    const uint64_t used = used_devices_.load();
+    for (int d = 0; d < 64 && d < device_count_; ++d) {
+      if ((used >> d & 1) == 0) continue;
+      cudaError_t err = cudaSetDevice(d);
+      if (err == cudaSuccess) err = cudaStreamQuery(nullptr);
+      if (ContextLost(err)) {
+        return absl::StrCat("GPU ", d, ": ", cudaGetErrorName(err), " (", cudaGetErrorString(err),
+                            "), which leaves the GPU unusable until the process restarts");
+      }
+    }
+    return "";
+  }
+
   // The kernels' limits on this device (QueryPlanLimits: each tile's shared memory a block):
   // what AllocatePool would otherwise fail on, asked at validation.
   absl::Status RunsHeadDim(int device, DType kv_dtype, int head_dim) const override {
@@ -539,7 +575,8 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  static absl::Status SetDevice(int device) {
+  absl::Status SetDevice(int device) const {
+    if (device >= 0 && device < 64) used_devices_.fetch_or(uint64_t{1} << device);
     return CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
   }
 
@@ -675,6 +712,7 @@ class CudaBackend final : public Backend {
   const bool forward_graph_;     // --forward_graph: a Forward's upload and work as cached graphs
   k::Launcher launcher_;         // --graph_launch: the kernels through cached graphs
   std::atomic<int64_t> forward_graphs_{0};
+  mutable std::atomic<uint64_t> used_devices_{0};  // bit d: SetDevice(d) was called (Unrecoverable)
   absl::Mutex mu_;
   std::vector<std::unique_ptr<Workspace>> free_;
 };

@@ -101,6 +101,19 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
     return client_->CreateCache(c)->cache_id();
   }
 
+  // A Step stream of a new cache whose first layer has been answered, waiting for its next
+  // message; out holds room for a layer's answer.
+  std::unique_ptr<StepStream> WaitingStream(std::string* out) {
+    const Case layer0 = {0, {{1, 0, 20, 20}}};
+    const Tensors t0 = MakeTensors(layer0, 3);
+    const std::string cache = NewCache();
+    std::unique_ptr<StepStream> stream = *client_->OpenStep();
+    out->assign(OutBytes(t0), '\0');
+    EXPECT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
+    EXPECT_TRUE(stream->Receive({out->data(), out->size()}).ok());
+    return stream;
+  }
+
   std::string socket_;
   std::unique_ptr<PagedAttnServer> server_;
   std::unique_ptr<Client> client_;
@@ -249,13 +262,8 @@ TEST_P(DataPlaneTest, ADrainEndsTheOpenStepAndRefusesTheNext) {
 // nothing to stop: the log names it as such, not as a call that did not stop, and it ends with
 // the connections as soon as the calls that do have stopped (not at the grace period's end).
 TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
-  const Case layer0 = {0, {{1, 0, 20, 20}}};
-  const Tensors t0 = MakeTensors(layer0, 3);
-  const std::string cache = NewCache();
-  auto stream = *client_->OpenStep();
-  std::string out(OutBytes(t0), '\0');
-  ASSERT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
-  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  std::string out;
+  std::unique_ptr<StepStream> stream = WaitingStream(&out);
   testing::LogCapture captured(spdlog::level::info);
   const absl::Time start = absl::Now();
   server_->Shutdown(absl::Seconds(2));  // 1.5 s for the calls, 0.5 s to stop them
@@ -279,13 +287,8 @@ TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
 // stream waiting for its next message ends then too, rather than holding the process for the
 // rest of a grace period of 20 s, and the log says the calls were stopped, not drained.
 TEST_P(DataPlaneTest, ASecondSignalEndsAWaitingStreamAtOnce) {
-  const Case layer0 = {0, {{1, 0, 20, 20}}};
-  const Tensors t0 = MakeTensors(layer0, 3);
-  const std::string cache = NewCache();
-  auto stream = *client_->OpenStep();
-  std::string out(OutBytes(t0), '\0');
-  ASSERT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
-  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  std::string out;
+  std::unique_ptr<StepStream> stream = WaitingStream(&out);
   testing::LogCapture captured(spdlog::level::info);
   std::thread stop([&] { server_->Shutdown(absl::Seconds(20)); });
   absl::StatusOr<bool> serving = true;

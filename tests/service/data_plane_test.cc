@@ -114,6 +114,19 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
     return stream;
   }
 
+  // Shutdown(grace) on a thread of its own, returned once health says NOT_SERVING (the drain
+  // has started).
+  std::thread StartDrain(absl::Duration grace) {
+    std::thread stop([this, grace] { server_->Shutdown(grace); });
+    absl::StatusOr<bool> serving = true;
+    for (int i = 0; i < 500 && serving.ok() && *serving; ++i) {
+      serving = client_->CheckHealth();
+      absl::SleepFor(absl::Milliseconds(10));
+    }
+    EXPECT_TRUE(serving.ok() && !*serving) << "the drain did not start";
+    return stop;
+  }
+
   std::string socket_;
   std::unique_ptr<PagedAttnServer> server_;
   std::unique_ptr<Client> client_;
@@ -231,13 +244,7 @@ TEST_P(DataPlaneTest, ADrainEndsTheOpenStepAndRefusesTheNext) {
   ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
 
   const absl::Time start = absl::Now();
-  std::thread stop([&] { server_->Shutdown(absl::Seconds(20)); });
-  absl::StatusOr<bool> serving = true;
-  for (int i = 0; i < 500 && serving.ok() && *serving; ++i) {
-    serving = client_->CheckHealth();
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_TRUE(serving.ok() && !*serving) << "the drain did not start";
+  std::thread stop = StartDrain(absl::Seconds(20));
 
   ForwardCall next = CallOf(cache, layer1, t1);
   next.cache_id.clear();
@@ -290,13 +297,7 @@ TEST_P(DataPlaneTest, ASecondSignalEndsAWaitingStreamAtOnce) {
   std::string out;
   std::unique_ptr<StepStream> stream = WaitingStream(&out);
   testing::LogCapture captured(spdlog::level::info);
-  std::thread stop([&] { server_->Shutdown(absl::Seconds(20)); });
-  absl::StatusOr<bool> serving = true;
-  for (int i = 0; i < 500 && serving.ok() && *serving; ++i) {
-    serving = client_->CheckHealth();
-    absl::SleepFor(absl::Milliseconds(10));
-  }
-  ASSERT_TRUE(serving.ok() && !*serving) << "the drain did not start";
+  std::thread stop = StartDrain(absl::Seconds(20));
   const absl::Time start = absl::Now();
   server_->StopCallsNow();
   stop.join();

@@ -576,7 +576,9 @@ class CudaBackend final : public Backend {
 
  private:
   absl::Status SetDevice(int device) const {
-    if (device >= 0 && device < 64) used_devices_.fetch_or(uint64_t{1} << device);
+    // Written once a device (a load otherwise): SetDevice is on every Forward's path.
+    const uint64_t bit = device >= 0 && device < 64 ? uint64_t{1} << device : 0;
+    if ((used_devices_.load(std::memory_order_relaxed) & bit) != bit) used_devices_.fetch_or(bit);
     return CudaStatus(cudaSetDevice(device), absl::StrCat("cudaSetDevice(", device, ")"));
   }
 

@@ -136,7 +136,8 @@ ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
           "CreateCache beyond this many caches per tenant fails with RESOURCE_EXHAUSTED "
           "(0: no limit)");
 ABSL_FLAG(double, max_total_pool_gb, 0,
-          "upper bound on the bytes of all pools together, GiB (0: only device memory limits)");
+          "upper bound on the bytes of all pools together, GiB (0: only device memory limits; "
+          "else at least 1/1024, a MiB)");
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
           "largest number of queries plus new tokens in one Forward (>= 1)");
 ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward (>= 1)");
@@ -349,6 +350,13 @@ std::vector<std::string> InvalidFlags() {
   range("--shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), 0, 3600);
   range("--max_caches_per_tenant", absl::GetFlag(FLAGS_max_caches_per_tenant), 0, 1e9);
   range("--max_total_pool_gb", absl::GetFlag(FLAGS_max_total_pool_gb), 0, 1e7);
+  // A budget under a MiB would be 0 bytes or hold no pool: 0 means no limit, so a tiny value
+  // meant as "almost nothing" must not turn into "everything".
+  if (const double gb = absl::GetFlag(FLAGS_max_total_pool_gb); gb > 0 && gb < 1.0 / 1024) {
+    bad.push_back(absl::StrCat("--max_total_pool_gb must be 0 (no limit) or at least 1/1024 "
+                               "(1 MiB; got ",
+                               gb, ")"));
+  }
   range("--max_forward_tokens", absl::GetFlag(FLAGS_max_forward_tokens), 1, 1e12);
   range("--max_forward_spans", absl::GetFlag(FLAGS_max_forward_spans), 1, 1e9);
   range("--max_memory_regions", absl::GetFlag(FLAGS_max_memory_regions), 0, 1e6);

@@ -27,6 +27,10 @@ for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got
          "--backend is given 2 times"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
+# A pool budget too small to hold a page is refused, not rounded to 0 bytes (which means no limit).
+rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --max_total_pool_gb=1e-12 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--max_total_pool_gb must be 0 (no limit) or at least 1/1024 (1 MiB; got 1e-12)" <<<"$out" ||
+  fail "tiny --max_total_pool_gb: exit $rc: $out"
 # A value that does not parse and a name that is no flag are usage errors too (exit 2), all at
 # once beside the values out of range (the flags library alone exits 1 on the first).
 rc=0; out=$("$server" --listen=127.0.0.1:0 --max_message_mb=abc --graph_launch=maybe --backend gpu \

@@ -6,6 +6,8 @@
 #include <grpcpp/security/credentials.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 
@@ -27,7 +29,10 @@ namespace {
 
 absl::StatusOr<std::string> ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
-  if (!in) return absl::NotFoundError(absl::StrCat("cannot read ", path));
+  if (!in) {
+    return absl::NotFoundError(
+        absl::StrCat(path, ": cannot read the file (", std::strerror(errno), ")"));
+  }
   std::stringstream ss;
   ss << in.rdbuf();
   return ss.str();
@@ -103,7 +108,11 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
     auto pem = [](const std::string& path, const char* what,
                   absl::string_view marker) -> absl::StatusOr<std::string> {
       absl::StatusOr<std::string> data = ReadFile(path);
-      if (data.ok() && !absl::StrContains(*data, marker)) {
+      if (!data.ok()) {
+        return absl::Status(data.status().code(),
+                            absl::StrCat("TLS ", what, " ", data.status().message()));
+      }
+      if (!absl::StrContains(*data, marker)) {
         return absl::InvalidArgumentError(
             absl::StrCat("TLS ", what, " ", path, " holds no PEM ", marker, " block"));
       }

@@ -526,6 +526,13 @@ TEST(ClientTlsTest, HalfGivenSettingsAreRefusedAtConnect) {
   ASSERT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << c.status();
   EXPECT_NE(c.status().message().find("holds no PEM CERTIFICATE block"), std::string::npos)
       << c.status();
+  o.tls_ca_file = "/nonexistent/ca.pem";  // named with what it is for, and why it is unread
+  c = Client::Connect(o);
+  ASSERT_EQ(c.status().code(), absl::StatusCode::kNotFound) << c.status();
+  EXPECT_NE(c.status().message().find(
+                "TLS CA file /nonexistent/ca.pem: cannot read the file (No such file"),
+            std::string::npos)
+      << c.status();
   o.tls_ca_file = pki.path("ca.pem");
   EXPECT_TRUE(Client::Connect(o).ok());
 }

@@ -136,6 +136,10 @@ def _tls(a: argparse.Namespace) -> Any:
         raise ValueError("--tls_key needs --tls_cert (a client certificate and its key)")
     if a.tls_server_name and not (a.tls or a.tls_ca or a.tls_cert):
         raise ValueError("--tls_server_name applies to TLS: add --tls or --tls_ca")
+    for flag, path in (("--tls_ca", a.tls_ca), ("--tls_cert", a.tls_cert), ("--tls_key", a.tls_key)):
+        if path and not os.access(path, os.R_OK):
+            why = "no such file" if not os.path.exists(path) else "not readable"
+            raise ValueError(f"{flag} {path}: cannot read the file ({why})")
     if a.tls_ca or a.tls_cert:
         return TLS(ca=a.tls_ca or None, cert=a.tls_cert or None, key=a.tls_key or None,
                    server_name=a.tls_server_name or None)

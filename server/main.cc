@@ -138,6 +138,10 @@ ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
 ABSL_FLAG(double, max_total_pool_gb, 0,
           "upper bound on the bytes of all pools together, GiB (0: only device memory limits; "
           "else at least 1/1024, a MiB)");
+ABSL_FLAG(int64_t, cache_idle_timeout_s, 0,
+          "delete a cache that no Forward (or Step layer), release or truncate has come to for "
+          "this many seconds, as DeleteCache would: the caches of an orchestrator that died "
+          "(0: never; 1..31536000)");
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
           "largest number of queries plus new tokens in one Forward (>= 1)");
 ABSL_FLAG(int64_t, max_forward_spans, 65536, "largest number of spans in one Forward (>= 1)");
@@ -353,10 +357,12 @@ std::vector<std::string> InvalidFlags() {
   // A budget under a MiB would be 0 bytes or hold no pool: 0 means no limit, so a tiny value
   // meant as "almost nothing" must not turn into "everything".
   if (const double gb = absl::GetFlag(FLAGS_max_total_pool_gb); gb > 0 && gb < 1.0 / 1024) {
-    bad.push_back(absl::StrCat("--max_total_pool_gb must be 0 (no limit) or at least 1/1024 "
-                               "(1 MiB; got ",
-                               gb, ")"));
+    bad.push_back(
+        absl::StrCat("--max_total_pool_gb must be 0 (no limit) or at least 1/1024 "
+                     "(1 MiB; got ",
+                     gb, ")"));
   }
+  range("--cache_idle_timeout_s", absl::GetFlag(FLAGS_cache_idle_timeout_s), 0, 31536000);
   range("--max_forward_tokens", absl::GetFlag(FLAGS_max_forward_tokens), 1, 1e12);
   range("--max_forward_spans", absl::GetFlag(FLAGS_max_forward_spans), 1, 1e9);
   range("--max_memory_regions", absl::GetFlag(FLAGS_max_memory_regions), 0, 1e6);
@@ -586,6 +592,7 @@ int main(int argc, char** argv) {
   options.limits.max_caches_per_tenant = absl::GetFlag(FLAGS_max_caches_per_tenant);
   options.limits.max_total_pool_bytes =
       static_cast<int64_t>(absl::GetFlag(FLAGS_max_total_pool_gb) * (1ull << 30));
+  options.cache_idle_timeout = absl::Seconds(absl::GetFlag(FLAGS_cache_idle_timeout_s));
   options.limits.forward.max_tokens = absl::GetFlag(FLAGS_max_forward_tokens);
   options.limits.forward.max_spans = absl::GetFlag(FLAGS_max_forward_spans);
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
@@ -646,11 +653,16 @@ int main(int argc, char** argv) {
                  AbslUnparseFlag(options.backend.prefill_kernel), launches);
   }
   spdlog::info(
-      "limits: messages up to {} MiB; {} MiB for requests in flight; {} caches per tenant; a "
+      "limits: messages up to {} MiB; {} MiB for requests in flight; {} caches per tenant, {}; a "
       "Forward of up to {} tokens and {} spans; {} open files",
       options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20,
       options.limits.max_caches_per_tenant > 0 ? absl::StrCat(options.limits.max_caches_per_tenant)
                                                : std::string("any number of"),
+      options.cache_idle_timeout > absl::ZeroDuration()
+          ? absl::StrCat("deleted once unused for ",
+                         absl::ToInt64Seconds(options.cache_idle_timeout),
+                         " s (--cache_idle_timeout_s)")
+          : std::string("kept until deleted"),
       options.limits.forward.max_tokens, options.limits.forward.max_spans,
       open_files == RLIM_INFINITY ? std::string("unlimited") : absl::StrCat(open_files));
   if (open_files != 0 && open_files != RLIM_INFINITY && open_files < kFewOpenFiles) {

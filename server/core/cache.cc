@@ -2,6 +2,7 @@
 // (under the layer lock only), then commit or roll back.
 #include "server/core/cache.h"
 
+#include <algorithm>
 #include <cmath>
 #include <exception>
 #include <limits>
@@ -236,6 +237,7 @@ double MicrosSince(absl::Time start) { return absl::ToDoubleMicroseconds(absl::N
 absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopToken& stop,
                                              ForwardTimings* timings) {
   const absl::Time start = absl::Now();
+  MarkUsed();
   if (absl::Status s = ValidateForward(a); !s.ok()) return s;
   const CacheGeometry& g = geometry_;
 
@@ -320,6 +322,7 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
 
 absl::StatusOr<TruncateResult> Cache::Truncate(
     int32_t layer, absl::Span<const std::pair<uint64_t, int64_t>> lengths) {
+  MarkUsed();
   if (layer < 0 || layer >= geometry_.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer must be in 0..", geometry_.num_layers - 1, " (got ", layer, ")"));
@@ -353,6 +356,7 @@ absl::StatusOr<TruncateResult> Cache::Truncate(
 }
 
 ReleaseResult Cache::Release(absl::Span<const uint64_t> seq_ids) {
+  MarkUsed();
   absl::MutexLock structure(&structure_mu_);
   absl::MutexLock meta(&meta_mu_);
   ReleaseResult r;
@@ -378,6 +382,9 @@ CacheStats Cache::Stats() const {
   s.used_pages = table_.pool().num_used();
   s.live_sequences = table_.num_sequences();
   s.forward_calls = forward_calls_.load(std::memory_order_relaxed);
+  s.idle_ms = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                       std::chrono::steady_clock::now() - last_used())
+                                       .count());
   return s;
 }
 

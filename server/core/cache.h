@@ -3,6 +3,7 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -74,6 +75,9 @@ struct CacheStats {
   int64_t used_pages = 0;
   int64_t live_sequences = 0;
   int64_t forward_calls = 0;
+  // Since the last Forward, release or truncate (its creation before any): how long the cache
+  // has gone unused.
+  int64_t idle_ms = 0;
 };
 
 struct TruncateResult {
@@ -140,7 +144,20 @@ class Cache {
                                           absl::Span<const std::pair<uint64_t, int64_t>> lengths);
   CacheStats Stats() const;
 
+  // When a Forward, release or truncate last came to the cache (its creation before any), on
+  // the monotonic clock: what an idle timeout measures from. Failed calls count: their caller
+  // is alive.
+  std::chrono::steady_clock::time_point last_used() const {
+    return std::chrono::steady_clock::time_point(
+        std::chrono::steady_clock::duration(last_used_.load(std::memory_order_relaxed)));
+  }
+
  private:
+  void MarkUsed() {
+    last_used_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
+                     std::memory_order_relaxed);
+  }
+
   // Checks a request against the geometry and limits without touching the cache.
   absl::Status ValidateForward(const ForwardArgs& args) const;
 
@@ -166,6 +183,8 @@ class Cache {
   mutable absl::Mutex meta_mu_;
   SequenceTable table_ ABSL_GUARDED_BY(meta_mu_);
   std::atomic<int64_t> forward_calls_{0};
+  std::atomic<std::chrono::steady_clock::rep> last_used_{
+      std::chrono::steady_clock::now().time_since_epoch().count()};
 };
 
 }  // namespace pagedattn

@@ -207,6 +207,33 @@ absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
   return bytes;
 }
 
+std::vector<IdleCache> CacheManager::DeleteIdle(std::chrono::steady_clock::time_point now,
+                                                absl::Duration idle) {
+  std::vector<std::shared_ptr<Cache>> gone;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto it = caches_.begin(); it != caches_.end();) {
+      if (absl::FromChrono(now - it->second->last_used()) >= idle) {
+        gone.push_back(std::move(it->second));
+        caches_.erase(it++);
+      } else {
+        ++it;
+      }
+    }
+  }
+  if (gone.empty()) return {};
+  std::sort(gone.begin(), gone.end(),
+            [](const auto& a, const auto& b) { return a->serial() < b->serial(); });
+  std::vector<IdleCache> out;
+  for (std::shared_ptr<Cache>& c : gone) {
+    out.push_back({c->id(), c->name(), c->owner(), c->geometry().TotalBytes(),
+                   absl::FromChrono(now - c->last_used())});
+    c.reset();
+  }
+  malloc_trim(0);  // as Delete
+  return out;
+}
+
 int64_t CacheManager::total_pool_bytes() const {
   absl::MutexLock lock(&mu_);
   return total_pool_bytes_;

@@ -2,6 +2,7 @@
 // Caches are owned by a tenant ("" when auth is off): other tenants see NOT_FOUND.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -10,6 +11,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "server/core/backend.h"
 #include "server/core/cache.h"
 #include "server/core/cache_config.h"
@@ -20,6 +22,15 @@ struct CacheManagerLimits {
   int64_t max_caches_per_tenant = 64;
   int64_t max_total_pool_bytes = 0;  // 0: no limit beyond the device's free memory.
   ForwardLimits forward;
+};
+
+// A cache DeleteIdle took, for the server's log.
+struct IdleCache {
+  std::string id;
+  std::string name;
+  std::string owner;
+  int64_t bytes = 0;    // Its pool's bytes.
+  absl::Duration idle;  // How long it had gone unused.
 };
 
 class CacheManager {
@@ -53,6 +64,9 @@ class CacheManager {
   // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference,
   // and counts in total_pool_bytes() until then.
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
+  // Deletes every tenant's caches unused for `idle` or longer at `now` (Cache::last_used), as
+  // Delete does; returns them, oldest first.
+  std::vector<IdleCache> DeleteIdle(std::chrono::steady_clock::time_point now, absl::Duration idle);
 
   // The pools of live caches and of deleted ones that a Forward still holds.
   int64_t total_pool_bytes() const;

@@ -58,6 +58,7 @@ void ToProto(const Cache& cache, v1::CacheInfo* out) {
   out->mutable_stats()->set_used_pages(s.used_pages);
   out->mutable_stats()->set_live_sequences(s.live_sequences);
   out->mutable_stats()->set_forward_calls(s.forward_calls);
+  out->mutable_stats()->set_idle_ms(s.idle_ms);
   out->set_created_unix_ms(cache.created_unix_ms());
 }
 

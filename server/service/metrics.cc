@@ -107,6 +107,9 @@ std::string Metrics::Render(const CacheManager& manager) const {
   const std::vector<std::shared_ptr<Cache>> caches = manager.ListAll();
   Header(&out, "pagedattn_caches", "gauge", "Live caches.");
   absl::StrAppend(&out, "pagedattn_caches ", caches.size(), "\n");
+  Header(&out, "pagedattn_idle_caches_deleted_total", "counter",
+         "Caches deleted for going unused past --cache_idle_timeout_s.");
+  absl::StrAppend(&out, "pagedattn_idle_caches_deleted_total ", idle_caches_deleted_.load(), "\n");
   // Totals over every cache; per cache (labelled with its id, name and tenant) only when asked.
   CacheStats total;
   std::string free, used, seqs;

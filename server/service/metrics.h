@@ -30,6 +30,8 @@ class Metrics {
   void RecordRpc(const std::string& method, absl::StatusCode code);
   // A successful Forward: its latency, K/V rows appended and queries attended.
   void RecordForward(double seconds, int64_t tokens_appended, int64_t queries);
+  // A cache deleted for going unused past --cache_idle_timeout_s.
+  void RecordIdleCacheDeleted() { idle_caches_deleted_.fetch_add(1, std::memory_order_relaxed); }
 
   // Where a successful Forward's time went (microseconds): receiving and parsing, the core's
   // phases, building the answer; queue_us, a Step layer's wait to run (negative: none, unary).
@@ -58,6 +60,7 @@ class Metrics {
   std::array<std::atomic<int64_t>, kPhases.size()> phase_sum_ns_{};
   std::atomic<int64_t> tokens_appended_{0};
   std::atomic<int64_t> queries_attended_{0};
+  std::atomic<int64_t> idle_caches_deleted_{0};
 };
 
 }  // namespace pagedattn

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <thread>
 
@@ -331,6 +332,14 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   }
   s->health_->SetServing(true);
   s->started_ = true;
+  s->cache_idle_timeout_ = options.cache_idle_timeout;
+  if (options.cache_idle_timeout > absl::ZeroDuration()) {
+    // A cache goes at most a quarter of its timeout (and a second) past it.
+    const absl::Duration every =
+        std::clamp(options.cache_idle_timeout / 4, absl::Milliseconds(10), absl::Seconds(1));
+    s->idle_sweep_ =
+        std::make_unique<PeriodicTask>(every, [server = s.get()] { server->DeleteIdleCaches(); });
+  }
   return s;
 }
 
@@ -415,6 +424,21 @@ void PagedAttnServer::StopCallsNow() { gate_->StopAll(); }
 void PagedAttnServer::MarkBroken(const std::string& why) {
   spdlog::error("health NOT_SERVING for good: {}; restart the process", why);
   health_->SetServing(false);
+}
+
+void PagedAttnServer::DeleteIdleCaches() {
+  if (cache_idle_timeout_ <= absl::ZeroDuration()) return;
+  for (const IdleCache& c :
+       manager_->DeleteIdle(std::chrono::steady_clock::now(), cache_idle_timeout_)) {
+    const int64_t regions = regions_->ReleaseCache(c.id);
+    metrics_->RecordIdleCacheDeleted();
+    spdlog::warn(
+        "deleted cache {} ('{}'{}): unused for {:.0f} s, past --cache_idle_timeout_s={:.0f} (no "
+        "Forward, release or truncate); {} bytes freed{}",
+        c.id, c.name, c.owner.empty() ? "" : absl::StrCat(", tenant ", c.owner),
+        absl::ToDoubleSeconds(c.idle), absl::ToDoubleSeconds(cache_idle_timeout_), c.bytes,
+        regions > 0 ? absl::StrCat(", ", regions, " memory regions released") : "");
+  }
 }
 
 void PagedAttnServer::Wait() {

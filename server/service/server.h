@@ -19,6 +19,7 @@
 #include "server/service/health.h"
 #include "server/service/http_server.h"
 #include "server/service/metrics.h"
+#include "server/service/periodic_task.h"
 #include "server/service/rpc_gate.h"
 
 namespace pagedattn {
@@ -44,6 +45,10 @@ struct ServerOptions {
   std::string metrics_listen;    // Prometheus /metrics over HTTP; empty = none.
   bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
   MemoryRegistryOptions memory;    // RegisterMemory: how many regions, their leases.
+  // A cache that no Forward (or Step layer), release or truncate has come to for this long is
+  // deleted, as DeleteCache would (an orchestrator that died leaves its caches behind); zero:
+  // caches stay until deleted.
+  absl::Duration cache_idle_timeout = absl::ZeroDuration();
 };
 
 // A quarter of the memory this process may use (cgroup limits included), at most twice the
@@ -90,6 +95,9 @@ class PagedAttnServer {
   // Health NOT_SERVING for good, on every port: the process can no longer serve (gRPC stopped
   // accepting on a listener) and must be restarted. Not from inside gRPC's own callbacks.
   void MarkBroken(const std::string& why);
+  // Deletes the caches unused past ServerOptions::cache_idle_timeout (none when it is zero),
+  // with their memory regions, and logs each; a thread of the server's calls it.
+  void DeleteIdleCaches();
 
  private:
   PagedAttnServer() = default;
@@ -119,6 +127,9 @@ class PagedAttnServer {
   bool started_ = false;  // Start returned the server: it has served, and drains at shutdown
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
+  absl::Duration cache_idle_timeout_ = absl::ZeroDuration();
+  // Declared last, stopped first: it deletes through manager_, regions_ and metrics_.
+  std::unique_ptr<PeriodicTask> idle_sweep_;
 };
 
 }  // namespace pagedattn

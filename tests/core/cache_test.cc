@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <chrono>
 #include <memory>
 #include <new>
 #include <string>
@@ -11,6 +13,7 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "server/core/cache_manager.h"
 #include "server/core/cpu_backend.h"
 #include "tests/test_util.h"
@@ -344,6 +347,76 @@ TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   EXPECT_EQ(m.total_pool_bytes(), 0);
   b = m.Create(c, "b", "");
   EXPECT_TRUE(b.ok()) << b.status();
+}
+
+// DeleteIdle takes the caches that no Forward, release or truncate came to for the timeout (a
+// failed Forward counts: its caller is alive), whoever owns them, as Delete would; the others
+// stay. Its clock is the caller's, so the test needs no waiting.
+TEST(CacheManagerTest, DeleteIdleTakesOnlyCachesUnusedForTheTimeout) {
+  CpuBackend backend;
+  const CacheConfigRequest c = Bf16Request(2, 4, 2, 32);
+  CacheManager m(&backend);
+  absl::StatusOr<std::shared_ptr<Cache>> forwarded = m.Create(c, "forwarded", "tenant-b");
+  absl::StatusOr<std::shared_ptr<Cache>> released = m.Create(c, "released", "");
+  absl::StatusOr<std::shared_ptr<Cache>> truncated = m.Create(c, "truncated", "");
+  absl::StatusOr<std::shared_ptr<Cache>> failed = m.Create(c, "failed", "");
+  // Made last: a cache whose use was not marked is older than it, and would go with it.
+  absl::StatusOr<std::shared_ptr<Cache>> left = m.Create(c, "left", "tenant-a");
+  for (const auto* r : {&left, &forwarded, &released, &truncated, &failed}) {
+    ASSERT_TRUE(r->ok()) << r->status();
+  }
+  const std::string left_id = (*left)->id();
+  const int64_t bytes = (*left)->geometry().TotalBytes();
+  // Each use comes after every creation: its time is later than the left cache's creation.
+  while (std::chrono::steady_clock::now() == (*left)->last_used()) {
+  }
+  ForwardArgs append;
+  std::vector<char> kv = testing::Encode(DType::kFloat32, std::vector<float>(2 * 64, 0.25f));
+  append.spans = {{7, 0, 1, 0}};
+  append.k = {DType::kFloat32, {1, 2, 64}, kv.data(), kv.size()};
+  append.v = append.k;
+  ASSERT_TRUE((*forwarded)->Forward(append).ok());
+  (*released)->Release(std::vector<uint64_t>{7});
+  ASSERT_TRUE((*truncated)->Truncate(0, {{7, 0}}).ok());
+  ForwardArgs bad = append;
+  bad.layer = 9;
+  ASSERT_FALSE((*failed)->Forward(bad).ok());
+  const auto first_use = std::min({(*forwarded)->last_used(), (*released)->last_used(),
+                                   (*truncated)->last_used(), (*failed)->last_used()});
+  ASSERT_GT(first_use, (*left)->last_used());
+
+  // Just under an hour after the first use: every cache used since is idle for less than an
+  // hour, the one left alone for longer.
+  left->reset();
+  const auto now = first_use + std::chrono::hours(1) - std::chrono::nanoseconds(1);
+  std::vector<IdleCache> gone = m.DeleteIdle(now, absl::Hours(1));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].id, left_id);
+  EXPECT_EQ(gone[0].name, "left");
+  EXPECT_EQ(gone[0].owner, "tenant-a");
+  EXPECT_EQ(gone[0].bytes, bytes);
+  EXPECT_GE(gone[0].idle, absl::Hours(1));
+  EXPECT_EQ(m.Get(left_id, "tenant-a").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(m.total_pool_bytes(), 4 * bytes);  // its pool went with it
+  EXPECT_EQ(m.ListAll().size(), 4u);
+  EXPECT_TRUE(m.DeleteIdle(now, absl::Hours(1)).empty());
+  // A day on, every one of them (every tenant's), oldest first.
+  gone = m.DeleteIdle(now + std::chrono::hours(24), absl::Hours(1));
+  ASSERT_EQ(gone.size(), 4u);
+  EXPECT_EQ(gone[0].name, "forwarded");
+  EXPECT_EQ(gone[3].name, "failed");
+  EXPECT_TRUE(m.ListAll().empty());
+  EXPECT_EQ(m.total_pool_bytes(), 4 * bytes);  // the test still holds them
+}
+
+// A cache's idle_ms counts from its last use.
+TEST_F(CacheTest, IdleMsCountsFromTheLastUse) {
+  const auto created = cache_->last_used();
+  absl::SleepFor(absl::Milliseconds(300));  // time passing, not a wait for another thread
+  EXPECT_GE(cache_->Stats().idle_ms, 300);
+  ASSERT_TRUE(cache_->Forward(Prefill(1, 0, 3)).ok());
+  EXPECT_GT(cache_->last_used(), created);
+  EXPECT_LT(cache_->Stats().idle_ms, 300);
 }
 
 // A call gRPC cancelled because its deadline passed is DEADLINE_EXCEEDED, not CANCELLED (the

@@ -100,12 +100,27 @@ kill -TERM $pid; wait $pid || fail "server on :0 exit code $?"
 # in force, from a ConfigMap's variables as from flags, are in the start-up log.
 : >"$log"
 PAGEDATTN_AUTH_TOKEN_FILE=/nonexistent PAGEDATTN_SOMETHING_ELSE=1 PAGEDATTN_MAX_CACHES_PER_TENANT=7 \
-  PAGEDATTN_MAX_FORWARD_TOKENS=4096 "$server" --listen=127.0.0.1:0 --backend=cpu \
-  --max_forward_spans=33 >"$log" 2>&1 &
+  PAGEDATTN_MAX_FORWARD_TOKENS=4096 PAGEDATTN_CACHE_IDLE_TIMEOUT_S=1 "$server" \
+  --listen=127.0.0.1:0 --backend=cpu --max_forward_spans=33 >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
-grep -q "info limits: .*; 7 caches per tenant; a Forward of up to 4096 tokens and 33 spans;" "$log" ||
+grep -q "info limits: .*; 7 caches per tenant, deleted once unused for 1 s (--cache_idle_timeout_s); a Forward of up to 4096 tokens and 33 spans;" "$log" ||
   fail "the limits line: $(grep limits "$log")"
+# A cache no call comes to for --cache_idle_timeout_s is deleted, and the log says why.
+t="--target=127.0.0.1:$(log_port "$log" main)"
+id=$("$cli" $t --num_pages=16 --name=left-behind create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
+[ -n "$id" ] || fail "create-cache for the idle timeout"
+sleep 0.3  # time passing: describe tells how long the cache has gone unused
+out=$("$cli" $t describe "$id") || fail "describe: $out"
+idle=$(sed -n 's/.*"idleMs": "\([0-9]*\)".*/\1/p' <<<"$out")
+[ -n "$idle" ] && [ "$idle" -ge 300 ] || fail "describe's idleMs after 0.3 s: $out"
+for _ in $(seq 100); do
+  "$cli" $t list | grep -q "$id" || break
+  sleep 0.1
+done
+! "$cli" $t list | grep -q "$id" || fail "a cache unused past --cache_idle_timeout_s=1 is still listed"
+grep -q "warning deleted cache $id ('left-behind'): unused for [0-9]* s, past --cache_idle_timeout_s=1 (no Forward, release or truncate); [0-9]* bytes freed" "$log" ||
+  fail "the idle cache's line: $(grep "deleted cache" "$log")"
 grep -q "warning environment: PAGEDATTN_AUTH_TOKEN_FILE ignored (no such flag): did you mean PAGEDATTN_AUTH_TOKENS_FILE?" "$log" ||
   fail "a misspelled variable: $(grep environment "$log")"
 grep -q "info environment: PAGEDATTN_SOMETHING_ELSE ignored" "$log" ||

@@ -136,13 +136,25 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
   return cache;
 }
 
+absl::Status CacheManager::UnknownCacheLocked(const std::string& cache_id,
+                                              const std::string& owner) const {
+  if (auto it = idle_deleted_.find(cache_id);
+      it != idle_deleted_.end() && it->second.first == owner) {
+    return absl::NotFoundError(
+        absl::StrCat("cache '", cache_id, "' was deleted by the server after ",
+                     absl::ToInt64Seconds(it->second.second),
+                     " s unused (its --cache_idle_timeout_s): create the cache again"));
+  }
+  return UnknownCache(cache_id);
+}
+
 absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cache_id,
                                                          const std::string& owner) const {
   absl::MutexLock lock(&mu_);
   auto it = caches_.find(cache_id);
   // Another tenant's cache is indistinguishable from a missing one.
   if (it == caches_.end() || it->second->owner() != owner) {
-    return UnknownCache(cache_id);
+    return UnknownCacheLocked(cache_id, owner);
   }
   return it->second;
 }
@@ -194,7 +206,7 @@ absl::StatusOr<int64_t> CacheManager::Delete(const std::string& cache_id,
     absl::MutexLock lock(&mu_);
     auto it = caches_.find(cache_id);
     if (it == caches_.end() || it->second->owner() != owner) {
-      return UnknownCache(cache_id);
+      return UnknownCacheLocked(cache_id, owner);
     }
     gone = std::move(it->second);
     caches_.erase(it);
@@ -214,6 +226,13 @@ std::vector<IdleCache> CacheManager::DeleteIdle(std::chrono::steady_clock::time_
     absl::MutexLock lock(&mu_);
     for (auto it = caches_.begin(); it != caches_.end();) {
       if (absl::FromChrono(now - it->second->last_used()) >= idle) {
+        const Cache& c = *it->second;
+        if (idle_deleted_order_.size() == kIdleDeletedKept) {
+          idle_deleted_.erase(idle_deleted_order_.front());
+          idle_deleted_order_.pop_front();
+        }
+        idle_deleted_[c.id()] = {c.owner(), absl::FromChrono(now - c.last_used())};
+        idle_deleted_order_.push_back(c.id());
         gone.push_back(std::move(it->second));
         caches_.erase(it++);
       } else {

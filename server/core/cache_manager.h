@@ -4,6 +4,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <string>
 #include <vector>
@@ -65,7 +66,8 @@ class CacheManager {
   // and counts in total_pool_bytes() until then.
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
   // Deletes every tenant's caches unused for `idle` or longer at `now` (Cache::last_used), as
-  // Delete does; returns them, oldest first.
+  // Delete does; returns them, oldest first. A later call naming one (of the last 4096) is told
+  // why it is NOT_FOUND.
   std::vector<IdleCache> DeleteIdle(std::chrono::steady_clock::time_point now, absl::Duration idle);
 
   // The pools of live caches and of deleted ones that a Forward still holds.
@@ -74,6 +76,9 @@ class CacheManager {
 
  private:
   ValidationContext ContextFor(int32_t device) const;
+  // NOT_FOUND for an id that names none of the owner's caches; for one DeleteIdle took, saying so.
+  absl::Status UnknownCacheLocked(const std::string& cache_id, const std::string& owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Backend* const backend_;
   const CacheManagerLimits limits_;
@@ -81,6 +86,11 @@ class CacheManager {
   mutable absl::Mutex mu_;
   absl::flat_hash_map<std::string, std::shared_ptr<Cache>> caches_ ABSL_GUARDED_BY(mu_);
   int64_t total_pool_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // The caches DeleteIdle took, the latest kIdleDeletedKept: their owners and idle times.
+  static constexpr size_t kIdleDeletedKept = 4096;
+  absl::flat_hash_map<std::string, std::pair<std::string, absl::Duration>> idle_deleted_
+      ABSL_GUARDED_BY(mu_);
+  std::deque<std::string> idle_deleted_order_ ABSL_GUARDED_BY(mu_);
   uint64_t caches_made_ ABSL_GUARDED_BY(create_mu_) = 0;
 };
 

@@ -396,7 +396,17 @@ TEST(CacheManagerTest, DeleteIdleTakesOnlyCachesUnusedForTheTimeout) {
   EXPECT_EQ(gone[0].owner, "tenant-a");
   EXPECT_EQ(gone[0].bytes, bytes);
   EXPECT_GE(gone[0].idle, absl::Hours(1));
-  EXPECT_EQ(m.Get(left_id, "tenant-a").status().code(), absl::StatusCode::kNotFound);
+  // A call naming it is told why it is gone; another tenant learns nothing of it.
+  for (const absl::Status& s :
+       {m.Get(left_id, "tenant-a").status(), m.Delete(left_id, "tenant-a").status()}) {
+    EXPECT_EQ(s.code(), absl::StatusCode::kNotFound) << s;
+    EXPECT_NE(s.message().find("was deleted by the server after 3600 s unused (its "
+                               "--cache_idle_timeout_s): create the cache again"),
+              std::string::npos)
+        << s;
+  }
+  const absl::Status other = m.Get(left_id, "tenant-b").status();
+  EXPECT_EQ(other.message(), absl::StrCat("cache '", left_id, "' not found")) << other;
   EXPECT_EQ(m.total_pool_bytes(), 4 * bytes);  // its pool went with it
   EXPECT_EQ(m.ListAll().size(), 4u);
   EXPECT_TRUE(m.DeleteIdle(now, absl::Hours(1)).empty());

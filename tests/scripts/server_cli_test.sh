@@ -121,6 +121,9 @@ done
 ! "$cli" $t list | grep -q "$id" || fail "a cache unused past --cache_idle_timeout_s=1 is still listed"
 grep -q "warning deleted cache $id ('left-behind'): unused for [0-9]* s, past --cache_idle_timeout_s=1 (no Forward, release or truncate); [0-9]* bytes freed" "$log" ||
   fail "the idle cache's line: $(grep "deleted cache" "$log")"
+out=$("$cli" $t describe "$id" 2>&1) && fail "describe of an idle-deleted cache: $out"
+grep -q "NOT_FOUND: cache '$id' was deleted by the server after [0-9]* s unused (its --cache_idle_timeout_s): create the cache again" <<<"$out" ||
+  fail "describe of an idle-deleted cache: $out"
 grep -q "warning environment: PAGEDATTN_AUTH_TOKEN_FILE ignored (no such flag): did you mean PAGEDATTN_AUTH_TOKENS_FILE?" "$log" ||
   fail "a misspelled variable: $(grep environment "$log")"
 grep -q "info environment: PAGEDATTN_SOMETHING_ELSE ignored" "$log" ||

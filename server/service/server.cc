@@ -9,6 +9,7 @@
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
 #include <grpcpp/support/server_interceptor.h>
+#include <netdb.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -145,6 +146,31 @@ class HealthPortOthers final : public grpc::CallbackGenericService {
   const std::string listening_;
 };
 
+// Whether a TCP address can be bound now, as gRPC binds it (SO_REUSEADDR): which of several
+// --listen addresses stopped the server, which gRPC's builder does not say.
+bool CanBind(const HostPort& address) {
+  addrinfo hints = {};
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const std::string port = absl::StrCat(address.port);
+  if (getaddrinfo(address.host.empty() ? nullptr : address.host.c_str(), port.c_str(), &hints,
+                  &found) != 0) {
+    return false;
+  }
+  bool bindable = false;
+  for (const addrinfo* a = found; a != nullptr && !bindable; a = a->ai_next) {
+    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
+    bindable = bind(fd, a->ai_addr, a->ai_addrlen) == 0;
+    close(fd);
+  }
+  freeaddrinfo(found);
+  return bindable;
+}
+
 }  // namespace
 
 // A socket file left by a server that is gone is removed; one a live server answers on is in
@@ -271,8 +297,19 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   interceptors.push_back(std::make_unique<UnparsedRequestInterceptorFactory>());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
+  // Without a server no address is marked bound: the one to name is the first that cannot be
+  // bound now, else the first.
+  size_t failed = 0;
+  if (s->server_ == nullptr) {
+    for (size_t i = 0; i < addresses->size(); ++i) {
+      if (!(*addresses)[i].unix_socket && !CanBind((*addresses)[i].tcp)) {
+        failed = i;
+        break;
+      }
+    }
+  }
   for (size_t i = 0; i < addresses->size(); ++i) {
-    const ListenAddress& a = (*addresses)[i];
+    const ListenAddress& a = (*addresses)[s->server_ == nullptr ? failed : i];
     if (s->server_ == nullptr || bound[i] == 0) {
       if (s->server_ != nullptr) s->server_->Shutdown();
       return absl::UnavailableError(absl::StrCat(

@@ -234,6 +234,10 @@ hport=$(log_port "$log" health)
 rc=0; out=$("$server" --listen=127.0.0.1:$port --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 1 ] || fail "second server on busy port $port: exit $rc: $out"
 grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" || fail "busy port: $out"
+# Of several addresses, the busy one is named (not the first).
+rc=0; out=$("$server" --listen=127.0.0.1:0,127.0.0.1:$port --backend=cpu 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" ||
+  fail "busy second address: exit $rc: $out"
 rc=0; out=$("$server" --listen=127.0.0.1:0 --health_listen=127.0.0.1:$hport --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 1 ] || fail "second server on busy health port: exit $rc: $out"
 grep -q "could not listen on --health_listen" <<<"$out" || fail "busy health port: $out"

@@ -73,7 +73,7 @@ def test_bad_request_violations():
 
 def test_span_and_seq_id_values_are_checked_by_name():
     from pagedattn import Span
-    from pagedattn.types import seq_id_list, sequence_lengths
+    from pagedattn.types import seq_id_list, sequence_lengths, span_protos
 
     with pytest.raises(ValueError, match=r"Span.seq_id must be in 0\.\.18446744073709551615 \(got -1\)"):
         Span.decode(-1, 0)
@@ -82,6 +82,13 @@ def test_span_and_seq_id_values_are_checked_by_name():
     with pytest.raises(TypeError, match="Span.start must be an int"):
         Span(1, True, 1, 1)  # a bool is not a position
     assert Span(np.uint64(7), np.int32(0), 1, 1).to_proto().seq_id == 7  # numpy ints are ints
+    # num_new_tokens and num_queries are int32 on the wire, start int64.
+    with pytest.raises(ValueError, match=r"Span.num_new_tokens must be in -2147483648\.\.2147483647 "
+                                         r"\(got 2147483648\)"):
+        Span(1, 0, 2**31, 1)
+    with pytest.raises(ValueError, match=r"Span.num_queries must be in -2147483648\.\."):
+        span_protos([(1, 0, 1, -(2**31) - 1)])
+    assert Span(1, 2**40, 2**31 - 1, 2**31 - 1).to_proto().num_queries == 2**31 - 1
     with pytest.raises(ValueError, match=r"seq_ids\[1\] must be in 0\.\."):
         seq_id_list([3, -5])
     with pytest.raises(ValueError, match="seq_id must be in 0"):

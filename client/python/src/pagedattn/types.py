@@ -260,8 +260,9 @@ class Span:
         # The server checks what the values mean (a gap, too many queries); these are what the
         # wire can carry, named here rather than in protobuf's words.
         checked_int("Span.seq_id", self.seq_id, 0, _SEQ_ID_MAX)
-        for name in ("start", "num_new_tokens", "num_queries"):
-            checked_int(f"Span.{name}", getattr(self, name))
+        checked_int("Span.start", self.start)
+        for name in ("num_new_tokens", "num_queries"):  # int32 fields
+            checked_int32(f"Span.{name}", getattr(self, name))
 
     def to_proto(self) -> pb.Span:
         return pb.Span(

@@ -17,19 +17,21 @@ namespace pagedattn {
 
 namespace {
 
-// A cache id as received, quoted for an error message: escaped (no control characters reach a
-// log or a terminal) and cut to 64 bytes (a hostile id cannot make the status arbitrarily long).
 absl::Status UnknownCache(absl::string_view cache_id) {
   if (cache_id.empty()) {
     return absl::InvalidArgumentError("cache_id is required (CreateCache or ListCaches gives it)");
   }
-  constexpr size_t kShown = 64;
-  std::string shown = absl::CHexEscape(cache_id.substr(0, kShown));
-  if (cache_id.size() > kShown) absl::StrAppend(&shown, "...(", cache_id.size(), " bytes)");
-  return absl::NotFoundError(absl::StrCat("cache '", shown, "' not found"));
+  return absl::NotFoundError(absl::StrCat("cache '", QuotedId(cache_id), "' not found"));
 }
 
 }  // namespace
+
+std::string QuotedId(absl::string_view id) {
+  constexpr size_t kShown = 64;
+  std::string shown = absl::CHexEscape(id.substr(0, kShown));
+  if (id.size() > kShown) absl::StrAppend(&shown, "...(", id.size(), " bytes)");
+  return shown;
+}
 
 absl::Status ValidateCacheName(absl::string_view name) {
   // Characters first: a name of 100 non-ASCII characters is refused for them, not its bytes.

@@ -101,4 +101,9 @@ absl::Status ValidateCacheName(absl::string_view name);
 // 128 random bits from the OS, as 32 hex digits.
 std::string NewCacheId();
 
+// An id as received (a cache's, a memory region's), quoted for an error message: escaped (no
+// control characters reach a log or a terminal, no UTF-8 character is cut in half) and cut to 64
+// bytes with its length (a hostile id cannot make the status arbitrarily long).
+std::string QuotedId(absl::string_view id);
+
 }  // namespace pagedattn

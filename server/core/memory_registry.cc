@@ -17,6 +17,12 @@ absl::Status TooManyRegions(size_t held) {
                    "(--max_memory_regions); unregister regions no longer used"));
 }
 
+// A request that names no region: a missing field, not an unknown region.
+absl::Status MissingRegionId(absl::string_view field_prefix) {
+  return absl::InvalidArgumentError(
+      absl::StrCat(field_prefix, "region_id is required (RegisterMemory gives it)"));
+}
+
 }  // namespace
 
 struct MemoryRegistry::Region {
@@ -125,13 +131,14 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
 }
 
 absl::Status MemoryRegistry::Unregister(const std::string& region_id, const std::string& owner) {
+  if (region_id.empty()) return MissingRegionId("");
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second->owner != owner) {
       return absl::NotFoundError(
-          absl::StrCat("memory region '", region_id.substr(0, 64), "' is not registered"));
+          absl::StrCat("memory region '", QuotedId(region_id), "' is not registered"));
     }
     region = std::move(it->second);
     regions_.erase(it);
@@ -143,13 +150,14 @@ absl::Status MemoryRegistry::Unregister(const std::string& region_id, const std:
 absl::StatusOr<std::shared_ptr<MemoryRegistry::Region>> MemoryRegistry::Use(
     const std::string& region_id, const std::string& cache_id, const std::string& owner,
     const std::string& what) {
+  if (region_id.empty()) return MissingRegionId(absl::StrCat(what, "."));
   std::shared_ptr<Region> region;
   {
     absl::MutexLock lock(&mu_);
     auto it = regions_.find(region_id);
     if (it == regions_.end() || it->second->owner != owner) {
       return absl::NotFoundError(
-          absl::StrCat(what, ".region_id '", region_id.substr(0, 64),
+          absl::StrCat(what, ".region_id '", QuotedId(region_id),
                        "' is not registered (unregistered, released after its lease, or the server "
                        "restarted): register the memory again"));
     }

@@ -7,6 +7,7 @@
 
 #include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/time/clock.h"
 
 namespace pagedattn {
@@ -208,6 +209,27 @@ TEST_F(MemoryRegistryTest, EventsAreNamedByOneBasedIndex) {
                 .status()
                 .code(),
             C::kInvalidArgument);
+}
+
+TEST_F(MemoryRegistryTest, UnknownRegionIdsAreQuotedEscapedAndBounded) {
+  // An id as received: escaped (no control bytes, no UTF-8 cut in half) and cut to 64 bytes with
+  // its length, as a cache id is; an empty one is a missing field, not an unknown region.
+  const std::string hostile = "a\n" + std::string(100, 'x') + "\xc3\xa9";
+  const absl::Status unregister = registry_.Unregister(hostile, "a");
+  EXPECT_EQ(unregister.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(unregister.message(),
+            "memory region 'a\\n" + std::string(62, 'x') + "...(104 bytes)' is not registered");
+  std::vector<MemoryRegistry::Pin> pins;
+  const absl::StatusOr<char*> resolved =
+      registry_.Resolve("\x1b[31m", 0, 16, "c1", "a", "q", &pins);
+  EXPECT_EQ(resolved.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(absl::StrContains(resolved.status().message(), "region_id '\\x1b[31m'"))
+      << resolved.status();
+  const absl::Status empty = registry_.Unregister("", "a");
+  EXPECT_EQ(empty.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(empty.message(), "region_id is required (RegisterMemory gives it)");
+  EXPECT_EQ(registry_.Resolve("", 0, 16, "c1", "a", "q", &pins).status().message(),
+            "q.device_buffer.region_id is required (RegisterMemory gives it)");
 }
 
 }  // namespace

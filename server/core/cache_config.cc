@@ -98,41 +98,65 @@ void ValidateLayers(const CacheConfigRequest& c, BackendKind backend, Violate&& 
                                    "; at most ", kMaxSinkValues,
                                    " (a config travels in every answer that describes its cache)"));
   }
+  // The first kShownEntries bad entries are named, the others counted: a request of millions
+  // of entries (a few bytes each) would otherwise make a violation each, and an answer and
+  // memory many times its size. Messages are built only for the entries named.
+  constexpr int64_t kShownEntries = 8;
+  int64_t bad_entries = 0;
   for (size_t i = 0; i < n; ++i) {
     const LayerAttentionRequest& l = c.layers[i];
-    const std::string at = absl::StrCat("layers[", i, "].");
+    bool entry_bad = false;
+    auto violate_entry = [&](const char* option, auto&& describe) {
+      if (!entry_bad) ++bad_entries;
+      entry_bad = true;
+      if (bad_entries <= kShownEntries) {
+        violate(absl::StrCat("layers[", i, "].", option), describe());
+      }
+    };
     auto unsupported = [&](const char* option, bool supported) {
       if (supported) return false;
-      violate(at + option, absl::StrCat(option, " is not supported by the ", BackendName(backend),
-                                        " backend (see ServerInfo.capabilities)"));
+      violate_entry(option, [&] {
+        return absl::StrCat(option, " is not supported by the ", BackendName(backend),
+                            " backend (see ServerInfo.capabilities)");
+      });
       return true;
     };
     if (l.sliding_window.has_value() &&
         !unsupported("sliding_window", SupportsSlidingWindow(backend)) &&
         (*l.sliding_window < 1 || *l.sliding_window > kMaxSlidingWindow)) {
-      violate(at + "sliding_window",
-              absl::StrCat("sliding_window must be in 1..", kMaxSlidingWindow,
-                           " positions, or unset for none (got ", *l.sliding_window, ")"));
+      violate_entry("sliding_window", [&] {
+        return absl::StrCat("sliding_window must be in 1..", kMaxSlidingWindow,
+                            " positions, or unset for none (got ", *l.sliding_window, ")");
+      });
     }
     if (l.logit_softcap.has_value() &&
         !unsupported("logit_softcap", SupportsLogitSoftcap(backend)) &&
         !(*l.logit_softcap >= kMinLogitSoftcap && *l.logit_softcap <= kMaxLogitSoftcap)) {
-      violate(at + "logit_softcap",
-              absl::StrCat("logit_softcap must be in ", kMinLogitSoftcap, " (2^-20) .. ",
-                           kMaxLogitSoftcap, " (2^64), or unset for none (got ", *l.logit_softcap,
-                           ")"));
+      violate_entry("logit_softcap", [&] {
+        return absl::StrCat("logit_softcap must be in ", kMinLogitSoftcap, " (2^-20) .. ",
+                            kMaxLogitSoftcap, " (2^64), or unset for none (got ", *l.logit_softcap,
+                            ")");
+      });
     }
     if (!l.sinks.empty() && !unsupported("sinks", SupportsSinks(backend))) {
+      auto finite = [](float x) { return std::fabs(x) <= kMaxSinkMagnitude; };
       if (static_cast<int64_t>(l.sinks.size()) != c.num_q_heads) {
-        violate(at + "sinks", absl::StrCat("sinks must have num_q_heads=", c.num_q_heads,
-                                           " values, one per q head (got ", l.sinks.size(), ")"));
-      } else if (const std::string bad = BadEntries(
-                     "sinks", l.sinks, [](float x) { return std::fabs(x) <= kMaxSinkMagnitude; });
-                 !bad.empty()) {
-        violate(at + "sinks", absl::StrCat("sinks must be finite, within +-", kMaxSinkMagnitude,
-                                           " (2^64) (", bad, ")"));
+        violate_entry("sinks", [&] {
+          return absl::StrCat("sinks must have num_q_heads=", c.num_q_heads,
+                              " values, one per q head (got ", l.sinks.size(), ")");
+        });
+      } else if (!std::all_of(l.sinks.begin(), l.sinks.end(), finite)) {
+        violate_entry("sinks", [&] {
+          return absl::StrCat("sinks must be finite, within +-", kMaxSinkMagnitude, " (2^64) (",
+                              BadEntries("sinks", l.sinks, finite), ")");
+        });
       }
     }
+  }
+  if (bad_entries > kShownEntries) {
+    violate("layers", absl::StrCat(bad_entries - kShownEntries,
+                                   " more entries of layers have invalid options (the first ",
+                                   kShownEntries, " bad entries are named)"));
   }
 }
 

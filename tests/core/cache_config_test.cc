@@ -313,6 +313,34 @@ TEST(CacheConfigTest, LayerVariantRulesNameTheFieldAndTheValue) {
   EXPECT_NE(r.violations[3].description.find("sinks[5]"), std::string::npos);
 }
 
+// A request of many bad layer entries (a few bytes each on the wire) would otherwise make a
+// violation each, and an answer and memory many times the request's size: the first 8 are named,
+// the rest counted in one more.
+TEST(CacheConfigTest, BadLayerEntriesAreNamedUpToEightThenCounted) {
+  CacheConfigRequest c = Valid();
+  LayerAttentionRequest bad;
+  bad.sliding_window = -1;
+  bad.logit_softcap = -1.f;
+  c.layers.assign(100000, bad);
+  ValidationResult r = ValidateCacheConfig(c, Ctx());
+  std::vector<std::string> want = {"layers"};  // its count: neither 1 nor num_layers
+  for (int i = 0; i < 8; ++i) {
+    want.push_back("layers[" + std::to_string(i) + "].sliding_window");
+    want.push_back("layers[" + std::to_string(i) + "].logit_softcap");
+  }
+  want.push_back("layers");
+  EXPECT_EQ(Fields(r), want);
+  EXPECT_EQ(r.violations.back().description,
+            "99992 more entries of layers have invalid options (the first 8 bad entries are "
+            "named)");
+  // Eight bad entries are all named, with no count after them.
+  c.num_layers = 8;
+  c.layers.assign(8, bad);
+  c.layers.push_back(LayerAttentionRequest{});
+  r = ValidateCacheConfig(c, Ctx());
+  EXPECT_EQ(r.violations.size(), 1u + 16u);
+}
+
 TEST(CacheConfigTest, SinksOfEveryLayerAreBoundedInAll) {
   CacheConfigRequest c = Valid();
   c.num_layers = 256;

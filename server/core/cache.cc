@@ -329,14 +329,16 @@ absl::StatusOr<TruncateResult> Cache::Truncate(
   }
   absl::flat_hash_set<uint64_t> seen;
   seen.reserve(lengths.size());
-  for (const auto& [seq_id, length] : lengths) {
+  for (size_t i = 0; i < lengths.size(); ++i) {
+    const auto& [seq_id, length] = lengths[i];
     if (length < 0) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("length of sequence ", seq_id, " is ", length, " (must be >= 0)"));
+      return absl::InvalidArgumentError(absl::StrCat("lengths[", i, "].length must be >= 0 (got ",
+                                                     length, ", for sequence ", seq_id, ")"));
     }
     if (!seen.insert(seq_id).second) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("sequence ", seq_id, " appears more than once in lengths (give each once)"));
+      return absl::InvalidArgumentError(absl::StrCat("lengths[", i, "].seq_id: sequence ", seq_id,
+                                                     " appears more than once in lengths (give "
+                                                     "each once)"));
     }
   }
   absl::ReaderMutexLock structure(&structure_mu_);

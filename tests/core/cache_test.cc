@@ -291,13 +291,15 @@ TEST_F(CacheTest, TruncateRejectsBadArgumentsAndChangesNothing) {
   absl::StatusOr<TruncateResult> r = cache_->Truncate(4, {{1, 0}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_NE(r.status().message().find("layer must be in 0..3"), std::string::npos);
-  r = cache_->Truncate(0, {{1, 0}, {1, -1}});
+  r = cache_->Truncate(0, {{1, 0}, {2, -1}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
+  // The entry is named as the request holds it (lengths[i]), with the value received.
+  EXPECT_EQ(r.status().message(), "lengths[1].length must be >= 0 (got -1, for sequence 2)");
   // A sequence given twice (which length would win?) is refused whole, the first not applied.
   r = cache_->Truncate(0, {{1, 3}, {1, 1}});
   EXPECT_EQ(r.status().code(), absl::StatusCode::kInvalidArgument);
-  EXPECT_NE(r.status().message().find("sequence 1 appears more than once"), std::string::npos)
-      << r.status();
+  EXPECT_EQ(r.status().message(),
+            "lengths[1].seq_id: sequence 1 appears more than once in lengths (give each once)");
   ExpectUnchanged(before);
 }
 

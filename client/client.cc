@@ -378,14 +378,20 @@ absl::Status CheckOutput(const ForwardCall& call, const ForwardOutput& output) {
       std::any_of(q.shape.begin(), q.shape.end(), [](int64_t d) { return d < 0; })) {
     return absl::OkStatus();  // the server names what is wrong with q
   }
-  const size_t out_bytes = static_cast<size_t>(q.shape[0] * q.shape[1] * q.shape[2]) * size;
-  if (output.out != nullptr && output.out_bytes != out_bytes) {
+  // A shape whose sizes pass 64 bits is the server's to name (q.shape), not a size made up.
+  int64_t rows = 0, out_bytes = 0, lse_bytes = 0;
+  if (__builtin_mul_overflow(q.shape[0], q.shape[1], &rows) ||
+      __builtin_mul_overflow(rows, q.shape[2], &out_bytes) ||
+      __builtin_mul_overflow(out_bytes, static_cast<int64_t>(size), &out_bytes) ||
+      __builtin_mul_overflow(rows, static_cast<int64_t>(sizeof(float)), &lse_bytes)) {
+    return absl::OkStatus();
+  }
+  if (output.out != nullptr && output.out_bytes != static_cast<size_t>(out_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat("the out buffer has ", output.out_bytes,
                                                    " bytes; q's shape and dtype make the answer's ",
                                                    out_bytes));
   }
-  const size_t lse_bytes = static_cast<size_t>(q.shape[0] * q.shape[1]) * sizeof(float);
-  if (output.lse != nullptr && output.lse_bytes != lse_bytes) {
+  if (output.lse != nullptr && output.lse_bytes != static_cast<size_t>(lse_bytes)) {
     return absl::InvalidArgumentError(absl::StrCat("the lse buffer has ", output.lse_bytes,
                                                    " bytes; the answer's lse has ", lse_bytes));
   }

@@ -497,6 +497,20 @@ TEST_P(DataPlaneTest, StepStreamEdgesOfTheClient) {
   EXPECT_TRUE(third->Close().ok());
 }
 
+// A q shape whose product passes 64 bits (a caller's garbage) is for the server to name, not
+// an answer size the client makes up by wrapping around (undefined behaviour besides).
+TEST_P(DataPlaneTest, AShapePast64BitsIsNamedByTheServer) {
+  const std::string cache = NewCache();
+  const Case c = {0, {{1, 0, 1, 1}}};
+  const Tensors t = MakeTensors(c, 7);
+  ForwardCall call = CallOf(cache, c, t);
+  call.q.shape = {int64_t{1} << 40, int64_t{1} << 20, int64_t{1} << 10};
+  std::string out(OutBytes(t), '\0');
+  const absl::Status s = client_->ForwardTensors(call, {out.data(), out.size()}).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("q.shape must be"), std::string::npos) << s;
+}
+
 INSTANTIATE_TEST_SUITE_P(Transports, DataPlaneTest, ::testing::Values(false, true),
                          [](const ::testing::TestParamInfo<bool>& info) {
                            return info.param ? std::string("Uds") : std::string("Tcp");

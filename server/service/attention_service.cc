@@ -495,6 +495,12 @@ class AttentionServiceImpl::StepReactor final
       : service_(service), ctx_(ctx) {
     if (!service_->gate_->Enter()) {
       Rpc rpc("Step", ctx_, service_->gate_);
+      {
+        // A cancellation that comes after (the client's, or the drain's end) must not Finish
+        // the stream again: gRPC aborts the process on a second Finish.
+        absl::MutexLock lock(&mu_);
+        finished_ = true;
+      }
       Finish(service_->Finish(
           rpc, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
       return;

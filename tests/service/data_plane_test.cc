@@ -316,6 +316,34 @@ TEST_P(DataPlaneTest, ASecondSignalEndsAWaitingStreamAtOnce) {
   EXPECT_FALSE(stream->Close().ok());
 }
 
+// A Step stream opened during a drain is refused at once (UNAVAILABLE); one its client cancels
+// as it is refused is not finished a second time (gRPC aborted the process on the second Finish).
+TEST_P(DataPlaneTest, StreamsOpenedAndCancelledDuringADrainEndOnce) {
+  std::string out;
+  std::unique_ptr<StepStream> held = WaitingStream(&out);  // keeps the drain from ending
+  std::thread stop = StartDrain(absl::Seconds(20));
+  std::atomic<int> ended{0};
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 4; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 100; ++i) {
+        absl::StatusOr<std::unique_ptr<StepStream>> stream = client_->OpenStep();
+        ASSERT_TRUE(stream.ok()) << stream.status();
+        (*stream)->Cancel();
+        const absl::StatusCode code = (*stream)->Close().code();
+        if (code == absl::StatusCode::kUnavailable || code == absl::StatusCode::kCancelled) {
+          ++ended;
+        }
+      }
+    });
+  }
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(ended.load(), 400);
+  server_->StopCallsNow();
+  stop.join();
+  server_->Wait();
+}
+
 // Cancelled mid-stream: the layers answered before are committed, the one running is stopped
 // and commits nothing.
 TEST_P(DataPlaneTest, CancelledStreamCommitsCompletedLayersOnly) {

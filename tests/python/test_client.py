@@ -485,6 +485,16 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def test_cli_output_into_a_closed_pipe_is_quiet(target):
+    """`python -m pagedattn info | head -0`: the reader gone, the command ends without a word
+    (it printed "error: [Errno 32] Broken pipe"), with the status SIGPIPE would give."""
+    p = subprocess.Popen([sys.executable, "-m", "pagedattn", f"--target={target}", "info"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p.stdout.close()  # no reader: the command's first write fails
+    err = p.stderr.read()
+    assert p.wait(timeout=60) == 141 and err == "", err
+
+
 def test_cli_help_explains_every_flag():
     """python -m pagedattn --help: every flag with a line of help that gives its default."""
     from pagedattn.__main__ import parser

@@ -94,6 +94,11 @@ def test_span_and_seq_id_values_are_checked_by_name():
     with pytest.raises(ValueError, match="seq_id must be in 0"):
         sequence_lengths({-1: 2})
     assert [x.length for x in sequence_lengths({4: 2})] == [2]
+    # RegisterMemory's lease is int32 too: named before the buffer is looked at (no GPU needed).
+    from pagedattn.device import register_request
+    with pytest.raises(ValueError, match=r"lease_seconds must be in -2147483648\.\.2147483647 "
+                                         r"\(got 2147483648\)"):
+        register_request("cache", object(), 2**31)
 
 
 def test_misused_arguments_name_what_is_wrong():

@@ -222,6 +222,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `python -m pagedattn ... | head`: the reader has gone
+        # Python flushes stdout again at exit: into /dev/null, not into another error.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # as a process that SIGPIPE ended, by the shell's convention
     except OSError as e:  # a file named by a flag (--tls_ca, ...) that cannot be read
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -113,6 +113,7 @@ def register_request(
 ) -> tuple[pb.RegisterMemoryRequest, int, Any]:
     """RegisterMemory's request for the allocation holding `buffer`, its base address in this
     process, and the storage to keep alive."""
+    lease_seconds = checked_int32("lease_seconds", lease_seconds)  # before the buffer's checks
     handle, dev, size, base, keep = ipc_handle(buffer)
     req = pb.RegisterMemoryRequest(cache_id=cache_id, cuda_ipc_handle=handle, size_bytes=size,
                                    device=dev, lease_seconds=lease_seconds)

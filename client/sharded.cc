@@ -1,3 +1,5 @@
+// ShardedClient: each shard's slice of a cache's heads, its calls made on every shard at once,
+// and the shards' answers joined into one (a Forward's failures say which shard wrote nothing).
 #include "client/sharded.h"
 
 #include <arpa/inet.h>

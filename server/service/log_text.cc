@@ -1,3 +1,5 @@
+// EscapeControl and ForLog: a request's text escaped and cut before it goes into a log line,
+// so that a client's value cannot forge a line or a field of one.
 #include "server/service/log_text.h"
 
 #include "absl/strings/str_cat.h"

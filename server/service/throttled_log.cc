@@ -1,3 +1,5 @@
+// LogThrottled and FlushThrottledLog: per-kind and server-wide caps on lines a second, and the
+// counts of the lines held back, logged with the next line or once their second is over.
 #include "server/service/throttled_log.h"
 
 #include <map>

@@ -1,6 +1,11 @@
 # Shared by the script tests: wait for a started pagedattn-server and read its ports from
 # its startup log lines. Callers define fail().
 
+# The caller's PAGEDATTN_* variables (scripts/test.sh's PAGEDATTN_CMAKE_ARGS and
+# PAGEDATTN_TEST_TORCH) would reach every server started here, as flags or as names it logs as
+# ignored: each case sets the ones it means.
+while read -r variable; do unset "$variable"; done < <(compgen -e | grep '^PAGEDATTN_')
+
 # wait_started LOG PID: returns once the server has logged its full startup summary. Empty LOG
 # before starting the server (`: >"$log"`): the server's own `>"$log"` truncates it only once
 # its process runs, after this may have read an earlier server's summary there.

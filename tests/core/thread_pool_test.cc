@@ -1,5 +1,5 @@
-// ThreadPool: every index runs exactly once, also with concurrent callers; an item's exception
-// reaches the caller.
+// ThreadPool: every index runs exactly once, on several threads at once, also with concurrent
+// callers; an item's exception reaches the caller.
 #include "server/core/thread_pool.h"
 
 #include <gtest/gtest.h>
@@ -9,6 +9,9 @@
 #include <thread>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+
 namespace pagedattn {
 namespace {
 
@@ -17,6 +20,22 @@ TEST(ThreadPoolTest, EachIndexRunsOnce) {
   std::vector<std::atomic<int>> hits(1000);
   pool.ParallelFor(1000, [&](int64_t i) { hits[i].fetch_add(1); });
   for (auto& h : hits) EXPECT_EQ(h.load(), 1);
+}
+
+// The items run at once on the caller and the workers, not one after another: each of four
+// items waits (5 s at most) until all four have started.
+TEST(ThreadPoolTest, ItemsRunAtOnceOnEveryThread) {
+  ThreadPool pool(4);
+  absl::Mutex mu;
+  int started = 0;
+  std::vector<bool> met(4, false);
+  auto all_started = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu) { return started == 4; };
+  pool.ParallelFor(4, [&](int64_t i) {
+    absl::MutexLock lock(&mu);
+    ++started;
+    met[i] = mu.AwaitWithTimeout(absl::Condition(&all_started), absl::Seconds(5));
+  });
+  for (int i = 0; i < 4; ++i) EXPECT_TRUE(met[i]) << "item " << i << " ran alone";
 }
 
 TEST(ThreadPoolTest, ConcurrentCallersEachGetTheirOwnItems) {

@@ -17,13 +17,14 @@ rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --prefill_kernel=fastes
 grep -q "prefill_kernel.*must be one of auto, portable" <<<"$out" || fail "bad --prefill_kernel: $out"
 rc=0; out=$("$server" --listen=127.0.0.1:99999 --cpu_threads=-3 --max_message_mb=0 --request_memory_mb=3 \
   --shutdown_grace_s=-5 --max_total_pool_gb=-1 --metrics_listen=nohost --log_level=loud \
-  --backend=cpu --backend=cpu 2>&1) || rc=$?
+  --unix_socket_mode=0968 --backend=cpu --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 2 ] || fail "bad flags: exit $rc: $out"
 for f in "--listen.*port is out of range" "--cpu_threads must be in 0..4096 (got -3)" \
          "--max_message_mb must be in 1..2047 (got 0)" "--shutdown_grace_s must be in 0..3600" \
          "--max_total_pool_gb must be in 0" "--metrics_listen must be host:port" \
          "--request_memory_mb must be 0 or at least 16 (got 3)" \
          "--log_level must be one of trace, debug, info, warn, error, off (any case; got 'loud')" \
+         "--unix_socket_mode must be an octal file mode like 0660 (got '0968')" \
          "--backend is given 2 times"; do
   grep -q -- "$f" <<<"$out" || fail "bad flags: no '$f' in: $out"
 done
@@ -73,10 +74,13 @@ rc=0; out=$(PAGEDATTN_TOKEN=$'s3cret-line-token\n' timeout 10 "$cli" --target=12
   ! grep -q s3cret <<<"$out" || fail "token with a newline: exit $rc: $out"
 sockdir=$(mktemp -d)
 : >"$log"  # wait_started must not read the last server's lines (lib.sh)
-"$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --backend=cpu >"$log" 2>&1 &
+"$server" --listen=127.0.0.1:0 --listen "unix:$sockdir/pa.sock" --unix_socket_mode=0600 \
+  --backend=cpu >"$log" 2>&1 &
 pid=$!
 wait_started "$log" $pid
 grep -q -- "--listen=127.0.0.1:0,unix:$sockdir/pa.sock" "$log" || fail "--listen twice: $(head -1 "$log")"
+mode=$(stat -c %a "$sockdir/pa.sock")
+[ "$mode" = 600 ] || fail "--unix_socket_mode=0600: the socket's mode is $mode"
 [ "$("$cli" --target="unix:$sockdir/pa.sock" health)" = "SERVING" ] || fail "--listen twice: socket"
 [ "$("$cli" --target="127.0.0.1:$(log_port "$log" main)" health)" = "SERVING" ] ||
   fail "--listen twice: port"

@@ -283,14 +283,14 @@ std::string SetByEnvironment(absl::string_view message, const std::set<std::stri
   return absl::StrCat(" (set by ", absl::StrJoin(variables, ", "), ")");
 }
 
-bool ParseSocketMode(const std::string& text, int* mode) {
-  if (text.empty() || text.size() > 4) return false;
-  *mode = 0;
-  for (char c : text) {
-    if (c < '0' || c > '7') return false;
-    *mode = *mode * 8 + (c - '0');
+absl::StatusOr<int> ParseSocketMode(const std::string& text) {
+  if (text.empty() || text.size() > 4 || text.find_first_not_of("01234567") != std::string::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "--unix_socket_mode must be an octal file mode like 0660 (got '", text, "')"));
   }
-  return true;
+  int mode = 0;
+  for (char c : text) mode = mode * 8 + (c - '0');
+  return mode;
 }
 
 // Every flag value that is out of range, each named (checked before anything starts).
@@ -329,10 +329,9 @@ std::vector<std::string> InvalidFlags() {
       claim(flag, *hp);
     }
   };
-  int mode = 0;
-  if (!ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode), &mode)) {
-    bad.push_back(absl::StrCat("--unix_socket_mode must be an octal file mode like 0660 (got '",
-                               absl::GetFlag(FLAGS_unix_socket_mode), "')"));
+  if (absl::StatusOr<int> mode = ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode));
+      !mode.ok()) {
+    bad.emplace_back(mode.status().message());
   }
   if (const std::string level = absl::AsciiStrToLower(absl::GetFlag(FLAGS_log_level));
       spdlog::level::from_str(level) == spdlog::level::off && level != "off") {
@@ -581,7 +580,7 @@ int main(int argc, char** argv) {
 
   pagedattn::ServerOptions options;
   options.listen = absl::GetFlag(FLAGS_listen);
-  ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode), &options.unix_socket_mode);
+  options.unix_socket_mode = *ParseSocketMode(absl::GetFlag(FLAGS_unix_socket_mode));  // checked
   options.backend = {.backend = absl::GetFlag(FLAGS_backend),
                      .cpu_threads = absl::GetFlag(FLAGS_cpu_threads),
                      .prefill_kernel = absl::GetFlag(FLAGS_prefill_kernel),

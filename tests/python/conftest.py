@@ -43,6 +43,8 @@ class ServerProcess:
         self.lines: list[str] = []
         self.port: Optional[int] = None
         self._started = threading.Event()
+        self._new_line = threading.Condition()  # notified at each line and at EOF
+        self._eof = False
         self.proc = subprocess.Popen(
             self.argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
@@ -56,13 +58,25 @@ class ServerProcess:
     def _read(self) -> None:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
-            self.lines.append(line)
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
             m = re.search(r"listening on port (\d+)", line)
             if m and self.port is None:
                 self.port = int(m.group(1))
             if "security: " in line:
                 self._started.set()
+        with self._new_line:
+            self._eof = True
+            self._new_line.notify_all()
         self._started.set()
+
+    def wait_for_log(self, text: str, timeout_s: float = 30) -> bool:
+        """Whether a line holding `text` is in the log by timeout_s from now (False at once when
+        the server exits without one)."""
+        with self._new_line:
+            self._new_line.wait_for(lambda: self._eof or text in self.log, timeout_s)
+            return text in self.log
 
     @property
     def log(self) -> str:

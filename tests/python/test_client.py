@@ -655,8 +655,6 @@ def _long_forward(server, n: int, seed: int, under_way_s: float = 0.3):
     `server`; yields (q, the future of its answer), once it has been under way for under_way_s
     (its request, 12n KiB, must have reached the server by then: on a loaded host 0.3 s was
     not always enough for 4096 tokens' 48 MiB)."""
-    import time
-
     config = CacheConfig(num_layers=1, num_q_heads=8, num_kv_heads=8, head_dim=128,
                          page_size=16, kv_dtype="float32", num_pages=n // 16)
     q = np.random.default_rng(seed).standard_normal((n, 8, 128), dtype=np.float32)
@@ -688,14 +686,12 @@ def test_a_forward_in_flight_at_sigterm_gets_its_answer(start_servers, backend):
 def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
     """SIGTERM, then SIGINT during the grace period (Ctrl-C twice): the Forward in flight is
     stopped at once and the server exits 0 long before the 60 s grace ends."""
-    import time
-
     if backend != "cpu":
         pytest.skip("timed for the CPU backend's speed")
     (server,) = start_servers(1, "--shutdown_grace_s=60")
     with _long_forward(server, 4096, 4, under_way_s=1.5) as (_, answer):  # several seconds
         server.proc.send_signal(signal.SIGTERM)
-        time.sleep(0.3)
+        assert server.wait_for_log("received SIGTERM: "), server.log  # the second comes second
         t0 = time.monotonic()
         server.proc.send_signal(signal.SIGINT)
         with pytest.raises(errors.Unavailable, match="stopped the call before it finished"):
@@ -708,8 +704,6 @@ def test_a_second_signal_stops_the_calls_in_flight(start_servers, backend):
 def test_limits_are_logged_at_info_and_throttled(start_servers):
     """A refusal an operator may act on (here out of pages) is an info line naming the call and
     the cache, at most one a second for each method and code, with the count held back."""
-    import time
-
     (server,) = start_servers(1)
     config = CacheConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
                          num_pages=4)
@@ -738,8 +732,6 @@ def test_a_burst_of_refusals_is_counted_once_it_ends(start_servers):
     """A burst of refusals shorter than a second (a client retrying in a loop) is one line and
     then, a second later, a line that counts the rest: without it the count waited for the next
     refusal, and a burst that ended left one line for any number of refusals."""
-    import time
-
     (server,) = start_servers(1)
     config = CacheConfig(num_layers=1, num_q_heads=2, num_kv_heads=1, head_dim=64, page_size=4,
                          num_pages=1)
@@ -748,9 +740,7 @@ def test_a_burst_of_refusals_is_counted_once_it_ends(start_servers):
         for _ in range(25):
             with pytest.raises(errors.ResourceExhausted):
                 cache.forward(0, [Span.prefill(1, 8)], q, kv, kv)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and "more held back in the last " not in server.log:
-            time.sleep(0.1)
+        server.wait_for_log("more held back in the last ", timeout_s=10)
     lines = [line for line in server.log.splitlines() if "RESOURCE_EXHAUSTED" in line]
     flushed = [line for line in lines if " more held back in the last " in line]
     assert flushed and f"like it: rpc Forward cache={cache.cache_id}" in flushed[-1], lines

@@ -8,7 +8,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <filesystem>
 #include <random>
 #include <thread>
@@ -17,6 +16,7 @@
 #include "client/client.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/service/backend_under_test.h"
 #include "tests/service/forward_script.h"
 #include "tests/service/log_capture.h"
 
@@ -32,11 +32,8 @@ using forward_script::kLayers;
 using forward_script::MakeTensors;
 using forward_script::Script;
 using forward_script::Tensors;
-
-bool OnCpu() {
-  const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
-  return b == nullptr || *b == '\0' || std::string(b) == "cpu";
-}
+using testing::BackendOptionsUnderTest;
+using testing::OnCpu;
 
 v1::ForwardRequest ProtoOf(const ForwardCall& call) {
   v1::ForwardRequest r;
@@ -81,7 +78,7 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
             .string();
     ServerOptions o;
     o.listen = absl::StrCat("127.0.0.1:0,unix:", socket_);
-    o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 2};
+    o.backend = BackendOptionsUnderTest(2);
     server_ = *PagedAttnServer::Start(o);
     ClientOptions c;
     c.target = GetParam() ? "unix:" + socket_ : absl::StrCat("127.0.0.1:", server_->port());
@@ -383,7 +380,7 @@ TEST(PhaseMetricsTest, UnaryAndStepForwardsAreCountedByPhase) {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
   o.metrics_listen = "127.0.0.1:0";
-  o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 2};
+  o.backend = BackendOptionsUnderTest(2);
   std::unique_ptr<PagedAttnServer> server = *PagedAttnServer::Start(o);
   ClientOptions c;
   c.target = absl::StrCat("127.0.0.1:", server->port());

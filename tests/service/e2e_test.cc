@@ -13,21 +13,16 @@
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
 #include "server/service/server.h"
+#include "tests/service/backend_under_test.h"
 #include "tests/test_util.h"
 
 namespace pagedattn {
 namespace {
 
-// The backend under test: cpu by default; PAGEDATTN_E2E_BACKEND=cuda runs the same suite
-// against the CUDA backend on a GPU machine.
-std::string BackendUnderTest() {
-  const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
-  return b != nullptr && *b != '\0' ? b : "cpu";
-}
-bool OnCpu() { return BackendUnderTest() == "cpu"; }
-BackendOptions BackendOptionsUnderTest() {
-  return {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 2};
-}
+using testing::BackendOptionsUnderTest;
+using testing::BackendUnderTest;
+using testing::OnCpu;
+
 // FLOAT32 caches exist on the CPU backend only.
 v1::DType CacheDType() { return OnCpu() ? v1::FLOAT32 : v1::FLOAT16; }
 
@@ -36,7 +31,7 @@ class E2ETest : public ::testing::Test {
   static void SetUpTestSuite() {
     ServerOptions options;
     options.listen = "127.0.0.1:0";
-    options.backend = BackendOptionsUnderTest();
+    options.backend = BackendOptionsUnderTest(2);
     absl::StatusOr<std::unique_ptr<PagedAttnServer>> s = PagedAttnServer::Start(options);
     ASSERT_TRUE(s.ok()) << s.status();
     server_ = s->release();
@@ -461,7 +456,7 @@ TEST_F(E2ETest, RandomRequestsNeverCrashOrLeak) {
 TEST(E2EShutdownTest, ShutdownRefusesNewRpcs) {
   ServerOptions options;
   options.listen = "127.0.0.1:0";
-  options.backend = BackendOptionsUnderTest();
+  options.backend = BackendOptionsUnderTest(2);
   auto server = PagedAttnServer::Start(options);
   ASSERT_TRUE(server.ok());
   ClientOptions o;

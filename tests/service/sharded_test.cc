@@ -6,7 +6,6 @@
 
 #include <gtest/gtest.h>
 
-#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -15,6 +14,7 @@
 #include "absl/strings/str_split.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
+#include "tests/service/backend_under_test.h"
 #include "tests/service/log_capture.h"
 
 namespace pagedattn {
@@ -22,15 +22,13 @@ namespace {
 
 constexpr int kLayers = 2, kQHeads = 8, kKvHeads = 4, kHeadDim = 64;
 
-bool OnCpu() {
-  const char* b = std::getenv("PAGEDATTN_E2E_BACKEND");
-  return b == nullptr || *b == '\0' || std::string(b) == "cpu";
-}
+using testing::BackendOptionsUnderTest;
+using testing::OnCpu;
 
 std::unique_ptr<PagedAttnServer> StartServer() {
   ServerOptions o;
   o.listen = "127.0.0.1:0";
-  o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda, .cpu_threads = 1};
+  o.backend = BackendOptionsUnderTest(1);
   return *PagedAttnServer::Start(o);
 }
 
@@ -452,8 +450,7 @@ TEST_F(ShardedTest, ARewindOverTheServersMessageLimitIsNotRolledBack) {
   for (int i = 0; i < 2; ++i) {
     ServerOptions o;
     o.listen = "127.0.0.1:0";
-    o.backend = {.backend = OnCpu() ? BackendChoice::kCpu : BackendChoice::kCuda,
-                 .cpu_threads = 1};
+    o.backend = BackendOptionsUnderTest(1);
     o.max_message_bytes = 1 << 20;
     servers.push_back(*PagedAttnServer::Start(o));
     targets.push_back(absl::StrCat("127.0.0.1:", servers.back()->port()));

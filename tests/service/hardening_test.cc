@@ -348,12 +348,13 @@ TEST(RequestMemoryTest, UnreadAnswersHoldTheBudgetUntilTheirCallEnds) {
     while (cq.Next(&tag, &ok)) {
     }
   });
-  // Its K/V are in (every sequence's page taken), then its answer is built and sent.
-  for (int i = 0; i < 2000 && OnlyCacheStats(*server).used_pages < kSeqs; ++i) {
+  // The Forward has run (committed, counted in the cache's forward_calls): from here what holds
+  // the budget is its answer, which is never read.
+  for (int i = 0; i < 2000 && OnlyCacheStats(*server).forward_calls < 1; ++i) {
     absl::SleepFor(absl::Milliseconds(5));
   }
+  ASSERT_EQ(OnlyCacheStats(*server).forward_calls, 1);
   ASSERT_EQ(OnlyCacheStats(*server).used_pages, kSeqs);
-  absl::SleepFor(absl::Milliseconds(500));
   const v1::ForwardRequest small = Request(cache, kSeqs + 1, 0, 1, 1, 4);
   absl::StatusOr<v1::ForwardResponse> r = client->Forward(small);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();

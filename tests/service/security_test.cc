@@ -15,6 +15,8 @@
 
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "server/core/cpu_backend.h"
+#include "server/service/metrics.h"
 #include "server/service/server.h"
 #include "spdlog/spdlog.h"
 #include "tests/service/log_capture.h"
@@ -317,6 +319,27 @@ TEST(MetricsTest, PerCacheSeriesAreOptIn) {
   EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_used" + labels), 2) << *text;
   EXPECT_EQ(Sample(*text, "pagedattn_cache_pages_free" + labels), 14);
   EXPECT_EQ(Sample(*text, "pagedattn_cache_live_sequences" + labels), 1);
+}
+
+// The latency histogram as Prometheus reads it: a Forward counts in every bucket whose bound is
+// at least its latency (a bound is inclusive), the buckets add up to +Inf, and +Inf is the count.
+TEST(MetricsTest, ForwardLatencyBucketsAreCumulativeAndInclusive) {
+  CpuBackend backend({.num_threads = 1});
+  CacheManager manager(&backend);
+  Metrics metrics;
+  for (double seconds : {0.0003, 0.001, 0.002, 10.0}) metrics.RecordForward(seconds, 1, 1);
+  const std::string text = metrics.Render(manager);
+  auto bucket = [&](const std::string& le) {
+    return Sample(text, absl::StrCat("pagedattn_forward_latency_seconds_bucket{le=\"", le, "\"}"));
+  };
+  EXPECT_EQ(bucket("0.00025"), 0) << text;
+  EXPECT_EQ(bucket("0.0005"), 1);
+  EXPECT_EQ(bucket("0.001"), 2) << "0.001 s is in the bucket of bound 0.001";
+  EXPECT_EQ(bucket("0.0025"), 3);
+  EXPECT_EQ(bucket("5"), 3);
+  EXPECT_EQ(bucket("+Inf"), 4);
+  EXPECT_EQ(Sample(text, "pagedattn_forward_latency_seconds_count"), 4);
+  EXPECT_NEAR(Sample(text, "pagedattn_forward_latency_seconds_sum"), 10.0033, 1e-6);
 }
 
 // Connections to the metrics port are answered one at a time: one that sends its request a byte

@@ -83,42 +83,4 @@ void ToProto(const ValidationResult& r, v1::ValidateCacheConfigResponse* out) {
   out->set_fits(r.fits);
 }
 
-TensorView ViewOf(const v1::Tensor& t) {
-  TensorView v;
-  v.dtype = static_cast<DType>(t.dtype());
-  v.shape.assign(t.shape().begin(), t.shape().end());
-  v.data = t.data().data();
-  v.size_bytes = t.data().size();
-  return v;
-}
-
-ForwardArgs FromProto(const v1::ForwardRequest& r) {
-  ForwardArgs a;
-  a.layer = r.layer();
-  a.spans.reserve(r.spans_size());
-  for (const v1::Span& s : r.spans()) {
-    a.spans.push_back({s.seq_id(), s.start(), s.num_new_tokens(), s.num_queries()});
-  }
-  a.q = ViewOf(r.q());
-  a.k = ViewOf(r.k());
-  a.v = ViewOf(r.v());
-  if (r.options().has_causal()) a.causal = r.options().causal();
-  if (r.options().has_sm_scale()) a.sm_scale = r.options().sm_scale();
-  a.return_lse = r.options().return_lse();
-  return a;
-}
-
-void MoveToProto(ForwardResult&& result, v1::ForwardResponse* out) {
-  v1::Tensor* o = out->mutable_out();
-  o->set_dtype(static_cast<v1::DType>(result.out_dtype));
-  for (int64_t d : result.out_shape) o->add_shape(d);
-  o->set_data(std::move(result.out));
-  if (!result.lse_shape.empty()) {
-    v1::Tensor* l = out->mutable_lse();
-    l->set_dtype(v1::FLOAT32);
-    for (int64_t d : result.lse_shape) l->add_shape(d);
-    l->set_data(std::move(result.lse));
-  }
-}
-
 }  // namespace pagedattn

@@ -13,10 +13,4 @@ void ToProto(const CacheGeometry& geometry, v1::CacheConfig* out);
 void ToProto(const Cache& cache, v1::CacheInfo* out);
 void ToProto(const ValidationResult& result, v1::ValidateCacheConfigResponse* out);
 
-// A view into the message's bytes: valid while the message lives.
-TensorView ViewOf(const v1::Tensor& tensor);
-ForwardArgs FromProto(const v1::ForwardRequest& request);
-// Moves the result's buffers into the response.
-void MoveToProto(ForwardResult&& result, v1::ForwardResponse* out);
-
 }  // namespace pagedattn

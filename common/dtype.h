@@ -186,13 +186,4 @@ inline void StoreAttentionValues(DType from, const void* src, DType to, void* ds
   }
 }
 
-// Converts n elements between dtypes (same dtype: a plain copy).
-inline void ConvertElements(DType from, const void* src, DType to, void* dst, int64_t n) {
-  if (from == to) {
-    std::memcpy(dst, src, static_cast<size_t>(n) * DTypeSize(from));
-    return;
-  }
-  for (int64_t i = 0; i < n; ++i) StoreFromFloat(to, dst, i, LoadAsFloat(from, src, i));
-}
-
 }  // namespace pagedattn

@@ -6,7 +6,6 @@
 #include <cstdint>
 #include <map>
 #include <random>
-#include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"

@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <exception>
-#include <limits>
 #include <new>
 
 #include "absl/container/flat_hash_set.h"

@@ -7,7 +7,6 @@
 #include <grpcpp/support/status.h>
 
 #include <memory>
-#include <string>
 #include <vector>
 
 #include "absl/status/status.h"

@@ -5,7 +5,6 @@
 // connections, and when all slots are taken the client holding the most gives one up.
 #pragma once
 
-#include <atomic>
 #include <functional>
 #include <memory>
 #include <string>

@@ -13,7 +13,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -21,7 +20,6 @@
 #include <string_view>
 #include <thread>
 
-#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"

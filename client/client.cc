@@ -542,13 +542,21 @@ v1::Tensor MakeTensor(v1::DType dtype, const std::vector<int64_t>& shape,
 
 absl::StatusOr<std::vector<float>> TensorToFloats(const v1::Tensor& t) {
   const DType dt = static_cast<DType>(t.dtype());
-  if (DTypeSize(dt) == 0) return absl::InvalidArgumentError("tensor has no valid dtype");
+  if (DTypeSize(dt) == 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("tensor.dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got ",
+                     static_cast<int>(t.dtype()), ")"));
+  }
   // The elements the data holds, then the shape's product checked against it: a product past
   // 64 bits never wraps to a size that matches.
   const int64_t n = static_cast<int64_t>(t.data().size() / DTypeSize(dt));
   int64_t product = 1;
   for (int64_t d : t.shape()) {
-    if (d < 0) return absl::InvalidArgumentError("tensor has a negative dimension");
+    if (d < 0) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor.shape must have no negative dimension (got [",
+                       absl::StrJoin(t.shape(), ", "), "])"));
+    }
     if (d != 0 && product > n / d) product = n + 1;  // more than the data holds, and no overflow
     else product *= d;
   }

@@ -422,6 +422,20 @@ TEST(TensorToFloatsTest, AShapeWhoseProductOverflowsIsRefused) {
   EXPECT_TRUE(TensorToFloats(t)->empty());
 }
 
+// A tensor TensorToFloats cannot read is refused naming the field and the value it holds.
+TEST(TensorToFloatsTest, ABadDtypeOrDimensionIsNamed) {
+  v1::Tensor t;
+  t.set_dtype(static_cast<v1::DType>(77));
+  absl::Status s = TensorToFloats(t).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "tensor.dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got 77)");
+  t.set_dtype(v1::FLOAT32);
+  for (int64_t d : {2, -1, 4}) t.add_shape(d);
+  s = TensorToFloats(t).status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(s.message(), "tensor.shape must have no negative dimension (got [2, -1, 4])");
+}
+
 // Targets gRPC would take to a channel that fails every call (empty) or to another port
 // (99999 is 34463 modulo 65536) are refused at Connect; URIs and sockets pass as they are.
 TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {

@@ -1032,6 +1032,29 @@ TEST(ThrottledLogTest, RefusalsOfTwoKindsAreBothLogged) {
   EXPECT_NE(log.find(std::string(capacity.message().substr(0, 20))), std::string::npos) << log;
 }
 
+// Refusals of one kind that differ only in their numbers (this one needs 2 pages, that one 3)
+// are one kind of line: the second is counted, not logged, so that a client retrying with other
+// sizes cannot flood the log.
+TEST(ThrottledLogTest, RefusalsThatDifferInTheirNumbersAreOneKind) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const std::string cache = client->CreateCache(Config(4))->cache_id();  // 4 pages of 16 tokens
+  ASSERT_TRUE(client->Forward(Request(cache, 1, 0, 48, 1, 1)).ok());     // 1 page left
+  absl::SleepFor(absl::Seconds(1.1));                                    // a second of its own
+  testing::LogCapture captured(spdlog::level::info);
+  const absl::Status two = client->Forward(Request(cache, 2, 0, 32, 1, 2)).status();
+  const absl::Status three = client->Forward(Request(cache, 3, 0, 48, 1, 3)).status();
+  ASSERT_NE(two.message().find("needs 2 more pages"), std::string::npos) << two;
+  ASSERT_NE(three.message().find("needs 3 more pages"), std::string::npos) << three;
+  const std::string log = captured.str();
+  int lines = 0;
+  for (size_t at = log.find("out of KV pages"); at != std::string::npos;
+       at = log.find("out of KV pages", at + 1)) {
+    ++lines;
+  }
+  EXPECT_EQ(lines, 1) << log;
+}
+
 // Shutdown says what it drains and how it ends: the calls in flight and the caches that go
 // with the process, then the grace period running out and the calls it stops.
 TEST(ShutdownLogTest, ShutdownSaysWhatItDrainsAndStops) {

@@ -29,6 +29,7 @@
 #include "common/transport.h"
 #include "server/core/host_memory.h"
 #include "server/service/address.h"
+#include "server/service/log_text.h"
 #include "server/service/throttled_log.h"
 #include "server/service/tls.h"
 #include "spdlog/spdlog.h"
@@ -472,8 +473,9 @@ void PagedAttnServer::DeleteIdleCaches() {
     spdlog::warn(
         "deleted cache {} ('{}'{}): unused for {:.0f} s, past --cache_idle_timeout_s={:.0f} (no "
         "Forward, release or truncate); {} bytes freed{}",
-        c.id, c.name, c.owner.empty() ? "" : absl::StrCat(", tenant ", c.owner),
-        absl::ToDoubleSeconds(c.idle), absl::ToDoubleSeconds(cache_idle_timeout_), c.bytes,
+        c.id, ForLog(c.name, LogText::kQuoted),
+        c.owner.empty() ? "" : absl::StrCat(", tenant ", c.owner), absl::ToDoubleSeconds(c.idle),
+        absl::ToDoubleSeconds(cache_idle_timeout_), c.bytes,
         regions > 0 ? absl::StrCat(", ", regions, " memory regions released") : "");
   }
 }

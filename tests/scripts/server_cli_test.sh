@@ -110,9 +110,11 @@ pid=$!
 wait_started "$log" $pid
 grep -q "info limits: .*; 7 caches per tenant, deleted once unused for 1 s (--cache_idle_timeout_s); a Forward of up to 4096 tokens and 33 spans;" "$log" ||
   fail "the limits line: $(grep limits "$log")"
-# A cache no call comes to for --cache_idle_timeout_s is deleted, and the log says why.
+# A cache no call comes to for --cache_idle_timeout_s is deleted, and the log says why (its name
+# escaped, as in the line that created it: a quote in it cannot end the quoted name).
 t="--target=127.0.0.1:$(log_port "$log" main)"
-id=$("$cli" $t --num_pages=16 --name=left-behind create-cache | sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
+id=$("$cli" $t --num_pages=16 --name="left-behind') tenant=(x" create-cache |
+  sed -n 's/.*"cacheId": "\([0-9a-f]*\)".*/\1/p')
 [ -n "$id" ] || fail "create-cache for the idle timeout"
 sleep 0.3  # time passing: describe tells how long the cache has gone unused
 out=$("$cli" $t describe "$id") || fail "describe: $out"
@@ -123,7 +125,7 @@ for _ in $(seq 100); do
   sleep 0.1
 done
 ! "$cli" $t list | grep -q "$id" || fail "a cache unused past --cache_idle_timeout_s=1 is still listed"
-grep -q "warning deleted cache $id ('left-behind'): unused for [0-9]* s, past --cache_idle_timeout_s=1 (no Forward, release or truncate); [0-9]* bytes freed" "$log" ||
+grep -q "warning deleted cache $id ('left-behind\\\\x27) tenant=(x'): unused for [0-9]* s, past --cache_idle_timeout_s=1 (no Forward, release or truncate); [0-9]* bytes freed" "$log" ||
   fail "the idle cache's line: $(grep "deleted cache" "$log")"
 out=$("$cli" $t describe "$id" 2>&1) && fail "describe of an idle-deleted cache: $out"
 grep -q "NOT_FOUND: cache '$id' was deleted by the server after [0-9]* s unused (its --cache_idle_timeout_s): create the cache again" <<<"$out" ||

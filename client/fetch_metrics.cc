@@ -37,8 +37,9 @@ std::string Await(int fd, short events, int timeout_ms) {
   }
 }
 
-// A connected, non-blocking socket to one of host:port's addresses, or -1 and *why.
-int ConnectAny(const HostPort& hp, int timeout_ms, std::string* why) {
+// A connected, non-blocking socket to one of host:port's addresses; else UNAVAILABLE saying why
+// the last address failed.
+absl::StatusOr<int> ConnectAny(const HostPort& hp, int timeout_ms) {
   addrinfo hints = {};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -48,16 +49,16 @@ int ConnectAny(const HostPort& hp, int timeout_ms, std::string* why) {
   if (const int err = getaddrinfo(hp.host.empty() ? "localhost" : hp.host.c_str(), port.c_str(),
                                   &hints, &found);
       err != 0) {
-    *why = absl::StrCat("cannot resolve '", hp.host, "': ", gai_strerror(err));
-    return -1;
+    return absl::UnavailableError(
+        absl::StrCat("cannot resolve '", hp.host, "': ", gai_strerror(err)));
   }
   absl::Cleanup free_found = [found] { freeaddrinfo(found); };
-  *why = "no address";
+  std::string why = "no address";
   for (const addrinfo* a = found; a != nullptr; a = a->ai_next) {
     const int fd =
         socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC | SOCK_NONBLOCK, a->ai_protocol);
     if (fd < 0) {
-      *why = std::strerror(errno);
+      why = std::strerror(errno);
       continue;
     }
     std::string failed;
@@ -75,10 +76,10 @@ int ConnectAny(const HostPort& hp, int timeout_ms, std::string* why) {
     if (failed.empty()) return fd;
     char numeric[NI_MAXHOST] = "?";
     getnameinfo(a->ai_addr, a->ai_addrlen, numeric, sizeof(numeric), nullptr, 0, NI_NUMERICHOST);
-    *why = absl::StrCat("connect to ", FormatHostPort({numeric, hp.port}), ": ", failed);
+    why = absl::StrCat("connect to ", FormatHostPort({numeric, hp.port}), ": ", failed);
     close(fd);
   }
-  return -1;
+  return absl::UnavailableError(why);
 }
 
 }  // namespace
@@ -98,9 +99,9 @@ absl::StatusOr<std::string> FetchMetrics(const std::string& target, absl::Durati
   auto unavailable = [&](absl::string_view why) {
     return absl::UnavailableError(absl::StrCat("cannot fetch ", url, ": ", why));
   };
-  std::string why;
-  const int fd = ConnectAny(hp, io_ms, &why);
-  if (fd < 0) return unavailable(why);
+  const absl::StatusOr<int> connected = ConnectAny(hp, io_ms);
+  if (!connected.ok()) return unavailable(connected.status().message());
+  const int fd = *connected;
   absl::Cleanup close_fd = [fd] { close(fd); };
 
   const std::string request =

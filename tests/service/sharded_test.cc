@@ -484,6 +484,29 @@ TEST_F(ShardedTest, ARewindOverTheServersMessageLimitIsNotRolledBack) {
   EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 43)).ok());
 }
 
+// A rewind over this client's own message limit is refused before it is sent ("Sent message
+// larger than max"): no shard saw it, so none is rolled back and the sequences keep their rows.
+TEST_F(ShardedTest, ARewindOverThisClientsSendLimitIsNotRolledBack) {
+  ClientOptions options = Options();
+  options.max_message_bytes = 1 << 20;
+  std::unique_ptr<ShardedClient> sharded = *ShardedClient::Connect({Target(0), Target(1)}, options);
+  v1::CacheConfig config = Config(v1::BFLOAT16);
+  config.set_num_pages(512);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 44)).ok());
+  // 1500 new rows and queries: about 1.5 MiB a shard, over this client's 1 MiB.
+  const absl::StatusOr<Answer> big =
+      Run(*sharded, *cache, Step(0, {{1, 10, 1500, 1500}}, v1::BFLOAT16, 45));
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_NE(big.status().message().find("Sent message larger than max"), std::string::npos)
+      << big.status();
+  EXPECT_EQ(big.status().message().find("rewound"), std::string::npos) << big.status();
+  // Still 20 tokens on both shards: appending at 20 leaves no gap.
+  EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 46)).ok());
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+}
+
 // max_bytes is the whole cache's budget: each shard gets its share, as many pages as one
 // server holding every head would.
 TEST_F(ShardedTest, MaxBytesIsSplitOverTheShards) {

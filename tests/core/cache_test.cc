@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <memory>
 #include <new>
 #include <string>
@@ -111,6 +112,11 @@ TEST_F(CacheTest, MalformedRequestsAreRejectedWithoutHarm) {
        absl::StatusCode::kInvalidArgument, "num_queries"},
       {"negative start", [](ForwardArgs& a) { a.spans[0].start = -1; },
        absl::StatusCode::kInvalidArgument, "start"},
+      // Before start + num_new_tokens is summed: past 2^63 it would wrap.
+      {"start past every position",
+       [](ForwardArgs& a) { a.spans[0].start = std::numeric_limits<int64_t>::max(); },
+       absl::StatusCode::kInvalidArgument,
+       "start must be in 0..1099511627776 (got 9223372036854775807)"},
       {"negative new", [](ForwardArgs& a) { a.spans[0].num_new_tokens = -1; },
        absl::StatusCode::kInvalidArgument, "num_new_tokens"},
       {"duplicate seq", [](ForwardArgs& a) { a.spans.push_back(a.spans[0]); },

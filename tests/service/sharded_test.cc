@@ -455,9 +455,32 @@ TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
   }
 }
 
-// A rewind every shard's server refused for its size (gRPC's receive limit, no details: the
-// server's --max_message_mb, not this client's limit, which refuses an answer sent after the
-// commit) wrote nothing: the sequences keep their rows, none truncated.
+// A rewind of a 20-token sequence from 10 with 1500 new rows and queries (about 1.5 MiB a
+// shard) over a 1 MiB message limit: refused on every shard with `why` in its message, and
+// rolled back on none, since none wrote it: still 20 tokens, appending at 20 leaves no gap.
+void ExpectRefusedRewindKeepsTheRows(ShardedClient& sharded, const std::string& why) {
+  v1::CacheConfig config = Config(v1::BFLOAT16);
+  config.set_num_pages(512);
+  absl::StatusOr<ShardedCache> cache = sharded.CreateCache(config, "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  auto run = [&](const Step& step) {
+    std::string out(step.out_bytes(), '\0'), lse(step.lse_bytes(), '\0');
+    return sharded
+        .Forward(*cache, step.Call(""),
+                 {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()})
+        .status();
+  };
+  ASSERT_TRUE(run(Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 41)).ok());
+  const absl::Status big = run(Step(0, {{1, 10, 1500, 1500}}, v1::BFLOAT16, 42));
+  EXPECT_EQ(big.code(), absl::StatusCode::kResourceExhausted) << big;
+  EXPECT_NE(big.message().find(why), std::string::npos) << big;
+  EXPECT_EQ(big.message().find("rewound"), std::string::npos) << big;
+  EXPECT_TRUE(run(Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 43)).ok());
+  EXPECT_TRUE(sharded.DeleteCache(*cache).ok());
+}
+
+// Every shard's server refuses it (gRPC's receive limit, no details: the server's
+// --max_message_mb, not this client's limit, which refuses an answer sent after the commit).
 TEST_F(ShardedTest, ARewindOverTheServersMessageLimitIsNotRolledBack) {
   std::vector<std::unique_ptr<PagedAttnServer>> servers;
   std::vector<std::string> targets;
@@ -469,42 +492,16 @@ TEST_F(ShardedTest, ARewindOverTheServersMessageLimitIsNotRolledBack) {
     servers.push_back(*PagedAttnServer::Start(o));
     targets.push_back(absl::StrCat("127.0.0.1:", servers.back()->port()));
   }
-  std::unique_ptr<ShardedClient> sharded = *ShardedClient::Connect(targets, Options());
-  v1::CacheConfig config = Config(v1::BFLOAT16);
-  config.set_num_pages(512);
-  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
-  ASSERT_TRUE(cache.ok()) << cache.status();
-  ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 41)).ok());
-  // 1500 new rows and queries: about 1.5 MiB a shard, over its server's 1 MiB.
-  const absl::StatusOr<Answer> big =
-      Run(*sharded, *cache, Step(0, {{1, 10, 1500, 1500}}, v1::BFLOAT16, 42));
-  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
-  EXPECT_EQ(big.status().message().find("rewound"), std::string::npos) << big.status();
-  // Still 20 tokens on both shards: appending at 20 leaves no gap.
-  EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 43)).ok());
+  ExpectRefusedRewindKeepsTheRows(**ShardedClient::Connect(targets, Options()),
+                                  "Received message larger than max");
 }
 
-// A rewind over this client's own message limit is refused before it is sent ("Sent message
-// larger than max"): no shard saw it, so none is rolled back and the sequences keep their rows.
+// This client's own limit refuses it before it is sent: no shard saw it.
 TEST_F(ShardedTest, ARewindOverThisClientsSendLimitIsNotRolledBack) {
   ClientOptions options = Options();
   options.max_message_bytes = 1 << 20;
-  std::unique_ptr<ShardedClient> sharded = *ShardedClient::Connect({Target(0), Target(1)}, options);
-  v1::CacheConfig config = Config(v1::BFLOAT16);
-  config.set_num_pages(512);
-  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
-  ASSERT_TRUE(cache.ok()) << cache.status();
-  ASSERT_TRUE(Run(*sharded, *cache, Step(0, {{1, 0, 20, 20}}, v1::BFLOAT16, 44)).ok());
-  // 1500 new rows and queries: about 1.5 MiB a shard, over this client's 1 MiB.
-  const absl::StatusOr<Answer> big =
-      Run(*sharded, *cache, Step(0, {{1, 10, 1500, 1500}}, v1::BFLOAT16, 45));
-  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
-  EXPECT_NE(big.status().message().find("Sent message larger than max"), std::string::npos)
-      << big.status();
-  EXPECT_EQ(big.status().message().find("rewound"), std::string::npos) << big.status();
-  // Still 20 tokens on both shards: appending at 20 leaves no gap.
-  EXPECT_TRUE(Run(*sharded, *cache, Step(0, {{1, 20, 1, 1}}, v1::BFLOAT16, 46)).ok());
-  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  ExpectRefusedRewindKeepsTheRows(**ShardedClient::Connect({Target(0), Target(1)}, options),
+                                  "Sent message larger than max");
 }
 
 // max_bytes is the whole cache's budget: each shard gets its share, as many pages as one

@@ -180,14 +180,17 @@ DType ForwardOutDType(const CacheGeometry& g, const ForwardArgs& a) {
   return g.kv_dtype == DType::kFloat8E4M3 ? DType::kBFloat16 : g.kv_dtype;
 }
 
-int64_t ForwardResponseBytes(const CacheGeometry& g, const ForwardArgs& a) {
+ForwardOutputBytes ForwardOutputSizes(const CacheGeometry& g, const ForwardArgs& a) {
   int64_t total_q = 0;
   for (const SpanRequest& s : a.spans) total_q += std::max(0, s.num_queries);
-  const DType out_dtype = ForwardOutDType(g, a);
-  return total_q * g.num_q_heads *
-             (int64_t{g.head_dim} * DTypeSize(out_dtype) +
-              (a.return_lse ? static_cast<int64_t>(sizeof(float)) : 0)) +
-         kResponseFramingBytes;
+  const int64_t rows = total_q * g.num_q_heads;
+  return {.out = rows * g.head_dim * DTypeSize(ForwardOutDType(g, a)),
+          .lse = a.return_lse ? rows * static_cast<int64_t>(sizeof(float)) : 0};
+}
+
+int64_t ForwardResponseBytes(const CacheGeometry& g, const ForwardArgs& a) {
+  const ForwardOutputBytes output = ForwardOutputSizes(g, a);
+  return output.out + output.lse + kResponseFramingBytes;
 }
 
 ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {

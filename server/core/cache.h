@@ -108,8 +108,14 @@ inline constexpr int64_t kResponseFramingBytes = 256;
 // cache's, or bfloat16 for an FP8 cache (FP8 is a cache's storage, never a tensor's dtype).
 DType ForwardOutDType(const CacheGeometry& geometry, const ForwardArgs& args);
 
-// Bytes of a Forward's answer: out (in ForwardOutDType), lse when asked, and
-// kResponseFramingBytes.
+// Bytes of a Forward's out (in ForwardOutDType) and of its lse (float32; 0 unless asked).
+struct ForwardOutputBytes {
+  int64_t out = 0;
+  int64_t lse = 0;
+};
+ForwardOutputBytes ForwardOutputSizes(const CacheGeometry& geometry, const ForwardArgs& args);
+
+// Bytes of a Forward's answer: out, lse when asked, and kResponseFramingBytes.
 int64_t ForwardResponseBytes(const CacheGeometry& geometry, const ForwardArgs& args);
 
 class Cache {

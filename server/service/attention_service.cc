@@ -289,14 +289,9 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
         "(Tensor.device_buffer); otherwise the answer carries out and lse");
   }
   if (absl::Status s = (*cache)->Check(args); !s.ok()) return s;
-  int64_t total_queries = 0;
-  for (const wire::SpanRef& s : request.spans) total_queries += std::max(0, s.num_queries);
-  const DType out_dtype = ForwardOutDType(g, args);
-  const size_t out_bytes = static_cast<size_t>(total_queries) * g.num_q_heads * g.head_dim *
-                           static_cast<size_t>(std::max(0, DTypeSize(out_dtype)));
-  const size_t lse_bytes = request.options.return_lse
-                               ? static_cast<size_t>(total_queries) * g.num_q_heads * sizeof(float)
-                               : 0;
+  const ForwardOutputBytes output = ForwardOutputSizes(g, args);
+  const size_t out_bytes = static_cast<size_t>(output.out);
+  const size_t lse_bytes = static_cast<size_t>(output.lse);
   // What the call holds against the server's budget for data in flight: the request's bytes
   // and the buffers (q, k and v staged, out and lse), until the answer has gone out. The
   // answer's bytes are the buffers' (EncodeResponse), which stay as long as gRPC holds them:

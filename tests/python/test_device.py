@@ -33,6 +33,19 @@ def test_torch_handles_are_unwrapped():
         _cuda_malloc_handle(b"\x02x" + raw)
 
 
+def test_a_tensor_not_on_the_device_is_named():
+    """A device Forward's tensor that is not a contiguous torch CUDA tensor is refused naming
+    the field and what it is (no GPU needed: refused before any call)."""
+    import numpy as np
+    from pagedattn.device import DeviceMemory, device_request
+
+    memory = DeviceMemory(None, pagedattn.pb.MemoryRegion(region_id="r", size_bytes=1 << 20), 0,
+                          None)
+    host = np.zeros((1, 8, 128), np.float32)
+    with pytest.raises(ValueError, match=r"^q must be a torch CUDA tensor \(got numpy\.ndarray"):
+        device_request(memory, "c", 0, [], host, None, None, host, None, None, None)
+
+
 def test_cpu_server_refuses_device_memory(client, backend):
     torch = cuda_torch(backend, "cpu", "the CPU backend's refusal")
     with client.create_cache(CONFIG) as cache:

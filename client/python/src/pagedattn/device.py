@@ -34,22 +34,27 @@ class DeviceMemory:
         self.size = region.size_bytes
         self._keep = keep  # the storage, so the allocation outlives the registration
 
-    def tensor(self, t: Any) -> pb.Tensor:
-        """The pb.Tensor naming torch CUDA tensor `t` (contiguous, inside this allocation)."""
+    def tensor(self, t: Any, name: str = "the tensor") -> pb.Tensor:
+        """The pb.Tensor naming torch CUDA tensor `t` (contiguous, inside this allocation);
+        `name` ("q") names it in errors."""
         if not getattr(t, "is_cuda", False):
-            raise ValueError("device tensors must be torch CUDA tensors")
+            kind = type(t)
+            raise ValueError(f"{name} must be a torch CUDA tensor (got "
+                             f"{kind.__module__}.{kind.__qualname__}"
+                             f"{' on ' + str(t.device) if hasattr(t, 'device') else ''})")
         if not t.is_contiguous():
-            raise ValueError("device tensors must be contiguous")
+            raise ValueError(f"{name} must be contiguous (its strides are {tuple(t.stride())}: "
+                             "pass .contiguous())")
         offset = t.data_ptr() - self.base
         nbytes = t.numel() * t.element_size()
         if offset < 0 or offset + nbytes > self.size:
             raise ValueError(
-                f"the tensor ({nbytes} bytes at address {t.data_ptr():#x}) lies outside region "
+                f"{name} ({nbytes} bytes at address {t.data_ptr():#x}) lies outside region "
                 f"{self.region_id} ({self.size} bytes at {self.base:#x})"
             )
         if offset % ALIGN:
-            raise ValueError(f"device tensors must start at a multiple of {ALIGN} bytes "
-                             f"(this one at offset {offset})")
+            raise ValueError(f"{name} must start at a multiple of {ALIGN} bytes of the region "
+                             f"(got offset {offset})")
         return pb.Tensor(
             dtype=dtype_enum(t.dtype), shape=list(t.shape),
             device_buffer=pb.DeviceBuffer(region_id=self.region_id, offset=offset),
@@ -125,15 +130,15 @@ def device_request(
     out: Any, lse: Any, causal: Optional[bool], sm_scale: Optional[float],
 ) -> pb.ForwardRequest:
     req = pb.ForwardRequest(cache_id=cache_id, layer=checked_int32("layer", layer), spans=spans)
-    req.q.CopyFrom(memory.tensor(q))
+    req.q.CopyFrom(memory.tensor(q, "q"))
     if (k is None) != (v is None):
         raise ValueError("pass k and v together (or neither, when no span appends tokens)")
     if k is not None:
-        req.k.CopyFrom(memory.tensor(k))
-        req.v.CopyFrom(memory.tensor(v))
-    req.out.CopyFrom(memory.tensor(out))
+        req.k.CopyFrom(memory.tensor(k, "k"))
+        req.v.CopyFrom(memory.tensor(v, "v"))
+    req.out.CopyFrom(memory.tensor(out, "out"))
     if lse is not None:
-        req.lse.CopyFrom(memory.tensor(lse))
+        req.lse.CopyFrom(memory.tensor(lse, "lse"))
         req.options.return_lse = True
     if causal is not None:
         req.options.causal = checked_bool("causal", causal)

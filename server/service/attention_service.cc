@@ -1,7 +1,9 @@
 // Handlers: translate, call the core, translate back; Handle() holds what every call shares.
 #include "server/service/attention_service.h"
 
+#include <bit>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <limits>
 #include <memory>
@@ -410,9 +412,13 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
                             const wire::ForwardOptionsRef& step) {
   const wire::ForwardOptionsRef& o = r.options;
   const bool other_cache = !r.cache_id.empty() && r.cache_id != step_cache_id;
-  const bool other_options = (o.causal.has_value() && o.causal != step.causal) ||
-                             (o.sm_scale.has_value() && !(o.sm_scale == step.sm_scale)) ||
-                             (o.return_lse && !step.return_lse);
+  // What the options mean, not how they were sent: causal unset is causal, and a scale repeated
+  // bit for bit is the same (a NaN too: the layer then fails for its scale, as the step's did).
+  const bool same_scale = !o.sm_scale.has_value() || (step.sm_scale.has_value() &&
+                                                      std::bit_cast<uint32_t>(*o.sm_scale) ==
+                                                          std::bit_cast<uint32_t>(*step.sm_scale));
+  const bool other_options = (o.causal.has_value() && *o.causal != step.causal.value_or(true)) ||
+                             !same_scale || (o.return_lse && !step.return_lse);
   if (!other_cache && !other_options) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
       other_cache ? "cache_id" : "options",

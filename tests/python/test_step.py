@@ -275,6 +275,18 @@ def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_d
         scaled.options.sm_scale = 0.5
         codes = _raw_step(client, [m.SerializeToString() for m in (opener, same, other, scaled)])
         assert codes == [OK, OK, INVALID_ARGUMENT, INVALID_ARGUMENT]
+        # What the options mean counts, not how they were sent: causal set to its default on a
+        # layer of a step that left it unset is the same step; so is the step's scale repeated.
+        t2 = qkv(rng, 2)
+        opener = _message(cache, 0, [Span.prefill(2, 2)], *t2)
+        opener.options.sm_scale = 0.25
+        causal = _message(cache, 1, [Span.prefill(2, 2)], *t2, opens=False)
+        causal.options.causal = True
+        causal.options.sm_scale = 0.25
+        anti = _message(cache, 2, [Span.prefill(2, 2)], *t2, opens=False)
+        anti.options.causal = False
+        codes = _raw_step(client, [m.SerializeToString() for m in (opener, causal, anti)])
+        assert codes == [OK, OK, INVALID_ARGUMENT]
 
 
 def test_stream_failure_reaches_every_future_and_close():

@@ -165,7 +165,12 @@ std::vector<std::string> UnparsableFlags(int argc, char** argv, const Flags& fla
       if (no != flags.end() && no->second->template IsOfType<bool>()) {
         if (arg.value) bad.push_back("--" + name + " takes no value (--" + no->first + "=false)");
       } else if (!known(name)) {
-        bad.push_back("unknown flag --" + name + " (see --help)");
+        // "-1" (an argument meant as a negative number) reads as a flag named 1.
+        const bool number = !name.empty() && name.find_first_not_of("0123456789.") == name.npos;
+        bad.push_back(number ? "-" + name +
+                                   ": no argument is negative, and a word that starts with - is "
+                                   "read as a flag (see --help)"
+                             : "unknown flag --" + name + " (see --help)");
       }
       return;
     }

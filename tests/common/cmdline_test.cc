@@ -82,6 +82,12 @@ TEST(UnparsableFlags, EachBadNameAndValueIsNamed) {
                   "unknown flag --cmdline_test_cuont (see --help)",
                   "--nocmdline_test_verbose takes no value (--cmdline_test_verbose=false)",
                   "--cmdline_test_count needs a value (--cmdline_test_count=VALUE)"));
+  // A negative number is taken for a flag by absl's parser: named as what it is.
+  EXPECT_THAT(Unparsable({"-1", "--2.5"}),
+              ElementsAre("-1: no argument is negative, and a word that starts with - is read "
+                          "as a flag (see --help)",
+                          "-2.5: no argument is negative, and a word that starts with - is read "
+                          "as a flag (see --help)"));
   // Every form absl takes; after "--" nothing is a flag.
   EXPECT_THAT(Unparsable({"--cmdline_test_count", "3", "-cmdline_test_target=a",
                           "--nocmdline_test_verbose", "cmd", "--", "--nonsense"}),

@@ -298,26 +298,25 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   interceptors.push_back(std::make_unique<UnparsedRequestInterceptorFactory>());
   builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
-  // Without a server no address is marked bound: the one to name is the first that cannot be
-  // bound now, else the first.
-  size_t failed = 0;
+  auto could_not_listen = [](const ListenAddress& a) {
+    return absl::UnavailableError(absl::StrCat(
+        "could not listen on --listen=", a.text,
+        a.unix_socket ? " (is its directory there and writable?)"
+                      : " (in use by another process? see `ss -ltnp`; or not an address of this "
+                        "host)"));
+  };
   if (s->server_ == nullptr) {
-    for (size_t i = 0; i < addresses->size(); ++i) {
-      if (!(*addresses)[i].unix_socket && !CanBind((*addresses)[i].tcp)) {
-        failed = i;
-        break;
-      }
+    // No address is marked bound then: the one to name is the first that cannot be bound now.
+    for (const ListenAddress& a : *addresses) {
+      if (!a.unix_socket && !CanBind(a.tcp)) return could_not_listen(a);
     }
+    return could_not_listen(addresses->front());
   }
   for (size_t i = 0; i < addresses->size(); ++i) {
-    const ListenAddress& a = (*addresses)[s->server_ == nullptr ? failed : i];
-    if (s->server_ == nullptr || bound[i] == 0) {
-      if (s->server_ != nullptr) s->server_->Shutdown();
-      return absl::UnavailableError(absl::StrCat(
-          "could not listen on --listen=", a.text,
-          a.unix_socket ? " (is its directory there and writable?)"
-                        : " (in use by another process? see `ss -ltnp`; or not an address of this "
-                          "host)"));
+    const ListenAddress& a = (*addresses)[i];
+    if (bound[i] == 0) {
+      s->server_->Shutdown();
+      return could_not_listen(a);
     }
     if (a.unix_socket) {
       // Who may connect is who may open the file: the mode, not the umask, decides it.

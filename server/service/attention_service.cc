@@ -1,4 +1,5 @@
-// Handlers: translate, call the core, translate back; Handle() holds what every call shares.
+// Handlers: translate, call the core, translate back; Unary() holds what every unary call
+// but Forward shares.
 #include "server/service/attention_service.h"
 
 #include <bit>
@@ -18,6 +19,7 @@
 #include "server/core/error_info.h"
 #include "server/service/convert.h"
 #include "server/service/log_text.h"
+#include "server/service/request_parse.h"
 #include "server/service/status.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
@@ -70,18 +72,6 @@ double Rpc::seconds() const {
 }
 
 template <typename Body>
-grpc::Status AttentionServiceImpl::Handle(const char* method, grpc::ServerContextBase* ctx,
-                                          Body&& body) {
-  Rpc rpc(method, ctx, gate_);
-  if (!gate_->Enter()) {
-    return Finish(
-        rpc, absl::UnavailableError("the server is shutting down; retry (on another replica)"));
-  }
-  absl::Cleanup leave = [this] { gate_->Leave(); };
-  return HandleEntered(rpc, ctx, std::forward<Body>(body));
-}
-
-template <typename Body>
 grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx,
                                                  Body&& body) {
   if (auth_ != nullptr) {
@@ -90,6 +80,57 @@ grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBa
     rpc.set_tenant(*std::move(tenant));
   }
   return Finish(rpc, body(rpc));
+}
+
+// A unary call's reactor: in the gate until its answer has gone out (OnDone), not only until
+// the handler returns, so that shutdown's wait for idle covers sending an answer of megabytes.
+class AttentionServiceImpl::UnaryReactor final : public grpc::ServerUnaryReactor {
+ public:
+  explicit UnaryReactor(RpcGate* gate) : gate_(gate), entered_(gate->Enter()) {}
+  bool entered() const { return entered_; }
+  void OnDone() override {
+    if (entered_) gate_->Leave();
+    delete this;
+  }
+
+ private:
+  RpcGate* const gate_;
+  const bool entered_;  // false while draining: the call is refused
+};
+
+template <typename Request, typename Response>
+grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
+    const char* method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
+    grpc::ByteBuffer* resp,
+    absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*)) {
+  // Runs on the callback thread, as Forward does: these calls are short (CreateCache's pool
+  // allocation the longest).
+  UnaryReactor* reactor = new UnaryReactor(gate_);
+  Rpc call(method, ctx, gate_);
+  if (!reactor->entered()) {
+    reactor->Finish(Finish(
+        call, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
+    return reactor;
+  }
+  reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
+    if (absl::Status s = CheckRequestArrived(*req); !s.ok()) return s;
+    // Authenticated by now: a caller without a token gets no parse at all.
+    std::optional<ByteBudget::Hold> hold;
+    if (budget_ != nullptr) {
+      absl::StatusOr<ByteBudget::Hold> held = HoldForParse(*budget_, method, req->Length());
+      if (!held.ok()) return held.status();
+      hold = *std::move(held);
+    }
+    Request request;
+    if (absl::Status s = ParseRequest(*req, method, &request); !s.ok()) return s;
+    Response response;
+    if (absl::Status s = (this->*body)(rpc, request, &response); !s.ok()) return s;
+    absl::StatusOr<grpc::ByteBuffer> bytes = SerializeResponse(response);
+    if (!bytes.ok()) return bytes.status();
+    *resp = *std::move(bytes);
+    return absl::OkStatus();
+  }));
+  return reactor;
 }
 
 // Counts the call in the metrics and logs one line: debug for success and the caller's
@@ -160,119 +201,102 @@ void FillCapabilities(BackendKind backend, v1::Capabilities* out) {
   out->set_supports_sinks(SupportsSinks(backend));
 }
 
-grpc::Status AttentionServiceImpl::GetServerInfo(grpc::ServerContext* ctx,
-                                                 const v1::GetServerInfoRequest*,
-                                                 v1::ServerInfo* resp) {
-  return Handle("GetServerInfo", ctx, [&](Rpc&) {
-    Backend& b = manager_->backend();
-    resp->set_version(PAGEDATTN_VERSION);
-    resp->set_backend(b.name());
-    resp->set_device_name(b.device_name());
-    resp->set_device_count(b.device_count());
-    if (absl::StatusOr<MemoryInfo> mem = b.memory(0); mem.ok()) {
-      resp->set_device_memory_bytes(mem->total_bytes);
-      resp->set_device_free_bytes(mem->free_bytes);
+absl::Status AttentionServiceImpl::RunGetServerInfo(Rpc&, const v1::GetServerInfoRequest&,
+                                                    v1::ServerInfo* resp) {
+  Backend& b = manager_->backend();
+  resp->set_version(PAGEDATTN_VERSION);
+  resp->set_backend(b.name());
+  resp->set_device_name(b.device_name());
+  resp->set_device_count(b.device_count());
+  if (absl::StatusOr<MemoryInfo> mem = b.memory(0); mem.ok()) {
+    resp->set_device_memory_bytes(mem->total_bytes);
+    resp->set_device_free_bytes(mem->free_bytes);
+  }
+  for (int d = 0; d < b.device_count(); ++d) {
+    if (std::string cc = b.compute_capability(d); !cc.empty()) {
+      resp->add_compute_capabilities(cc);
     }
-    for (int d = 0; d < b.device_count(); ++d) {
-      if (std::string cc = b.compute_capability(d); !cc.empty()) {
-        resp->add_compute_capabilities(cc);
-      }
-    }
-    for (const std::string& arch : BuiltCudaArchitectures()) resp->add_cuda_architectures(arch);
-    FillCapabilities(b.kind(), resp->mutable_capabilities());
-    return absl::OkStatus();
-  });
+  }
+  for (const std::string& arch : BuiltCudaArchitectures()) resp->add_cuda_architectures(arch);
+  FillCapabilities(b.kind(), resp->mutable_capabilities());
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::ValidateCacheConfig(grpc::ServerContext* ctx,
-                                                       const v1::CacheConfig* req,
-                                                       v1::ValidateCacheConfigResponse* resp) {
-  return Handle("ValidateCacheConfig", ctx, [&](Rpc&) {
-    ToProto(manager_->Validate(FromProto(*req)), resp);
-    return absl::OkStatus();
-  });
+absl::Status AttentionServiceImpl::RunValidateCacheConfig(Rpc&, const v1::CacheConfig& req,
+                                                          v1::ValidateCacheConfigResponse* resp) {
+  ToProto(manager_->Validate(FromProto(req)), resp);
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::CreateCache(grpc::ServerContext* ctx,
-                                               const v1::CreateCacheRequest* req,
+absl::Status AttentionServiceImpl::RunCreateCache(Rpc& rpc, const v1::CreateCacheRequest& req,
+                                                  v1::CacheInfo* resp) {
+  absl::StatusOr<std::shared_ptr<Cache>> cache =
+      manager_->Create(FromProto(req.config()), req.name(), rpc.tenant(), rpc.stop());
+  if (!cache.ok()) return cache.status();
+  rpc.set_cache((*cache)->id());
+  ToProto(**cache, resp);
+  const CacheGeometry& g = (*cache)->geometry();
+  spdlog::info(
+      "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
+      "{} bytes",
+      (*cache)->id(), ForLog((*cache)->name(), LogText::kQuoted), rpc.Caller(), g.num_layers,
+      g.num_q_heads, g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
+      g.layers.empty() ? "" : " with layer variants", resp->num_pages(), resp->config().page_size(),
+      resp->bytes());
+  return absl::OkStatus();
+}
+
+absl::Status AttentionServiceImpl::RunGetCache(Rpc& rpc, const v1::GetCacheRequest& req,
                                                v1::CacheInfo* resp) {
-  return Handle("CreateCache", ctx, [&](Rpc& rpc) -> absl::Status {
-    absl::StatusOr<std::shared_ptr<Cache>> cache =
-        manager_->Create(FromProto(req->config()), req->name(), rpc.tenant(), rpc.stop());
-    if (!cache.ok()) return cache.status();
-    rpc.set_cache((*cache)->id());
-    ToProto(**cache, resp);
-    const CacheGeometry& g = (*cache)->geometry();
-    spdlog::info(
-        "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
-        "{} bytes",
-        (*cache)->id(), ForLog((*cache)->name(), LogText::kQuoted), rpc.Caller(), g.num_layers,
-        g.num_q_heads, g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
-        g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
-        resp->config().page_size(), resp->bytes());
-    return absl::OkStatus();
-  });
+  rpc.set_cache(req.cache_id());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  if (!cache.ok()) return cache.status();
+  ToProto(**cache, resp);
+  resp->mutable_stats()->set_memory_regions(regions_->CountFor((*cache)->id()));
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::GetCache(grpc::ServerContext* ctx,
-                                            const v1::GetCacheRequest* req, v1::CacheInfo* resp) {
-  return Handle("GetCache", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
-    if (!cache.ok()) return cache.status();
-    ToProto(**cache, resp);
-    resp->mutable_stats()->set_memory_regions(regions_->CountFor((*cache)->id()));
-    return absl::OkStatus();
-  });
-}
-
-grpc::Status AttentionServiceImpl::ListCaches(grpc::ServerContext* ctx,
-                                              const v1::ListCachesRequest* req,
-                                              v1::ListCachesResponse* resp) {
-  return Handle("ListCaches", ctx, [&](Rpc& rpc) -> absl::Status {
-    if (req->page_size() < 0) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "page_size must be >= 0 (0: as many as fit a message; got ", req->page_size(), ")"));
+absl::Status AttentionServiceImpl::RunListCaches(Rpc& rpc, const v1::ListCachesRequest& req,
+                                                 v1::ListCachesResponse* resp) {
+  if (req.page_size() < 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "page_size must be >= 0 (0: as many as fit a message; got ", req.page_size(), ")"));
+  }
+  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> caches =
+      manager_->ListAfter(rpc.tenant(), req.page_token());
+  if (!caches.ok()) return caches.status();
+  // A page ends at page_size caches or where the next would take the answer past the largest
+  // message (a config with many sinks is large); it holds at least one.
+  const int64_t limit = manager_->limits().forward.max_response_bytes;
+  const int64_t max_bytes = limit > 0 ? limit - 1024 : std::numeric_limits<int64_t>::max();
+  int64_t bytes = 0;
+  for (size_t i = 0; i < caches->size(); ++i) {
+    const Cache& cache = *(*caches)[i];
+    v1::CacheInfo info;
+    ToProto(cache, &info);
+    info.mutable_stats()->set_memory_regions(regions_->CountFor(cache.id()));
+    const int64_t size = static_cast<int64_t>(info.ByteSizeLong()) + 8;
+    const bool full = (req.page_size() > 0 && i == static_cast<size_t>(req.page_size())) ||
+                      (i > 0 && bytes + size > max_bytes);
+    if (full) {
+      resp->set_next_page_token(CacheManager::ListToken(*(*caches)[i - 1]));
+      break;
     }
-    absl::StatusOr<std::vector<std::shared_ptr<Cache>>> caches =
-        manager_->ListAfter(rpc.tenant(), req->page_token());
-    if (!caches.ok()) return caches.status();
-    // A page ends at page_size caches or where the next would take the answer past the largest
-    // message (a config with many sinks is large); it holds at least one.
-    const int64_t limit = manager_->limits().forward.max_response_bytes;
-    const int64_t max_bytes = limit > 0 ? limit - 1024 : std::numeric_limits<int64_t>::max();
-    int64_t bytes = 0;
-    for (size_t i = 0; i < caches->size(); ++i) {
-      const Cache& cache = *(*caches)[i];
-      v1::CacheInfo info;
-      ToProto(cache, &info);
-      info.mutable_stats()->set_memory_regions(regions_->CountFor(cache.id()));
-      const int64_t size = static_cast<int64_t>(info.ByteSizeLong()) + 8;
-      const bool full = (req->page_size() > 0 && i == static_cast<size_t>(req->page_size())) ||
-                        (i > 0 && bytes + size > max_bytes);
-      if (full) {
-        resp->set_next_page_token(CacheManager::ListToken(*(*caches)[i - 1]));
-        break;
-      }
-      bytes += size;
-      *resp->add_caches() = std::move(info);
-    }
-    return absl::OkStatus();
-  });
+    bytes += size;
+    *resp->add_caches() = std::move(info);
+  }
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::DeleteCache(grpc::ServerContext* ctx,
-                                               const v1::DeleteCacheRequest* req,
-                                               v1::DeleteCacheResponse* resp) {
-  return Handle("DeleteCache", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<int64_t> freed = manager_->Delete(req->cache_id(), rpc.tenant());
-    if (!freed.ok()) return freed.status();
-    regions_->ReleaseCache(req->cache_id());
-    resp->set_freed_bytes(*freed);
-    spdlog::info("deleted cache {} {} ({} bytes)", rpc.cache(), rpc.Caller(), *freed);
-    return absl::OkStatus();
-  });
+absl::Status AttentionServiceImpl::RunDeleteCache(Rpc& rpc, const v1::DeleteCacheRequest& req,
+                                                  v1::DeleteCacheResponse* resp) {
+  rpc.set_cache(req.cache_id());
+  absl::StatusOr<int64_t> freed = manager_->Delete(req.cache_id(), rpc.tenant());
+  if (!freed.ok()) return freed.status();
+  regions_->ReleaseCache(req.cache_id());
+  resp->set_freed_bytes(*freed);
+  spdlog::info("deleted cache {} {} ({} bytes)", rpc.cache(), rpc.Caller(), *freed);
+  return absl::OkStatus();
 }
 
 absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
@@ -429,28 +453,12 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
 
 }  // namespace
 
-// A unary Forward's reactor: in the gate until its answer has gone out (OnDone), not only until
-// the handler returns, so that shutdown's wait for idle covers sending an answer of megabytes.
-class AttentionServiceImpl::ForwardReactor final : public grpc::ServerUnaryReactor {
- public:
-  explicit ForwardReactor(RpcGate* gate) : gate_(gate), entered_(gate->Enter()) {}
-  bool entered() const { return entered_; }
-  void OnDone() override {
-    if (entered_) gate_->Leave();
-    delete this;
-  }
-
- private:
-  RpcGate* const gate_;
-  const bool entered_;  // false while draining: the call is refused
-};
-
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
   // Runs here, on the callback thread: a hop to another thread would add its wake-up to every
   // Forward's latency. The Step stream, whose layers overlap, uses the executor.
-  ForwardReactor* reactor = new ForwardReactor(gate_);
+  UnaryReactor* reactor = new UnaryReactor(gate_);
   Rpc call("Forward", ctx, gate_);
   if (!reactor->entered()) {
     reactor->Finish(Finish(
@@ -787,81 +795,73 @@ grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* AttentionServiceImp
   return new StepReactor(this, ctx);
 }
 
-grpc::Status AttentionServiceImpl::ReleaseSequences(grpc::ServerContext* ctx,
-                                                    const v1::ReleaseSequencesRequest* req,
-                                                    v1::ReleaseSequencesResponse* resp) {
-  return Handle("ReleaseSequences", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
-    if (!cache.ok()) return cache.status();
-    ReleaseResult r = (*cache)->Release(
-        absl::MakeConstSpan(req->seq_ids().data(), static_cast<size_t>(req->seq_ids_size())));
-    resp->set_released(r.released);
-    resp->set_freed_pages(r.freed_pages);
-    for (uint64_t id : r.unknown_seq_ids) resp->add_unknown_seq_ids(id);
-    return absl::OkStatus();
-  });
+absl::Status AttentionServiceImpl::RunReleaseSequences(Rpc& rpc,
+                                                       const v1::ReleaseSequencesRequest& req,
+                                                       v1::ReleaseSequencesResponse* resp) {
+  rpc.set_cache(req.cache_id());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  if (!cache.ok()) return cache.status();
+  ReleaseResult r = (*cache)->Release(
+      absl::MakeConstSpan(req.seq_ids().data(), static_cast<size_t>(req.seq_ids_size())));
+  resp->set_released(r.released);
+  resp->set_freed_pages(r.freed_pages);
+  for (uint64_t id : r.unknown_seq_ids) resp->add_unknown_seq_ids(id);
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::TruncateSequences(grpc::ServerContext* ctx,
-                                                     const v1::TruncateSequencesRequest* req,
-                                                     v1::TruncateSequencesResponse* resp) {
-  return Handle("TruncateSequences", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
-    if (!cache.ok()) return cache.status();
-    std::vector<std::pair<uint64_t, int64_t>> lengths;
-    lengths.reserve(static_cast<size_t>(req->lengths_size()));
-    for (const v1::SequenceLength& l : req->lengths()) lengths.emplace_back(l.seq_id(), l.length());
-    absl::StatusOr<TruncateResult> r = (*cache)->Truncate(req->layer(), lengths);
-    if (!r.ok()) return r.status();
-    resp->set_truncated(r->truncated);
-    resp->set_freed_pages(r->freed_pages);
-    for (uint64_t id : r->unknown_seq_ids) resp->add_unknown_seq_ids(id);
-    return absl::OkStatus();
-  });
+absl::Status AttentionServiceImpl::RunTruncateSequences(Rpc& rpc,
+                                                        const v1::TruncateSequencesRequest& req,
+                                                        v1::TruncateSequencesResponse* resp) {
+  rpc.set_cache(req.cache_id());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  if (!cache.ok()) return cache.status();
+  std::vector<std::pair<uint64_t, int64_t>> lengths;
+  lengths.reserve(static_cast<size_t>(req.lengths_size()));
+  for (const v1::SequenceLength& l : req.lengths()) lengths.emplace_back(l.seq_id(), l.length());
+  absl::StatusOr<TruncateResult> r = (*cache)->Truncate(req.layer(), lengths);
+  if (!r.ok()) return r.status();
+  resp->set_truncated(r->truncated);
+  resp->set_freed_pages(r->freed_pages);
+  for (uint64_t id : r->unknown_seq_ids) resp->add_unknown_seq_ids(id);
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::RegisterMemory(grpc::ServerContext* ctx,
-                                                  const v1::RegisterMemoryRequest* req,
-                                                  v1::MemoryRegion* resp) {
-  return Handle("RegisterMemory", ctx, [&](Rpc& rpc) -> absl::Status {
-    rpc.set_cache(req->cache_id());
-    absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req->cache_id(), rpc.tenant());
-    if (!cache.ok()) return cache.status();
-    const int32_t device = (*cache)->geometry().device;
-    if (req->device() != device) {
-      return absl::InvalidArgumentError(absl::StrCat("device is ", req->device(), " but cache ",
-                                                     (*cache)->id(), " lives on GPU ", device,
-                                                     ": register memory on the cache's GPU"));
-    }
-    absl::StatusOr<RegionInfo> region = regions_->Register(
-        {.owner = rpc.tenant(),
-         .cache_id = (*cache)->id(),
-         .device = device,
-         .handle = req->cuda_ipc_handle(),
-         .size_bytes = req->size_bytes(),
-         .lease = absl::Seconds(req->lease_seconds()),
-         .event_handles = {req->cuda_ipc_events().begin(), req->cuda_ipc_events().end()}});
-    if (!region.ok()) return region.status();
-    resp->set_region_id(region->id);
-    resp->set_cache_id(region->cache_id);
-    resp->set_size_bytes(region->size_bytes);
-    resp->set_device(region->device);
-    resp->set_lease_seconds(static_cast<int32_t>(absl::ToInt64Seconds(region->lease)));
-    resp->set_num_events(region->num_events);
-    spdlog::info("registered memory region {} for cache {} {}: {} bytes on GPU {}, lease {} s",
-                 region->id, region->cache_id, rpc.Caller(), region->size_bytes, region->device,
-                 resp->lease_seconds());
-    return absl::OkStatus();
-  });
+absl::Status AttentionServiceImpl::RunRegisterMemory(Rpc& rpc, const v1::RegisterMemoryRequest& req,
+                                                     v1::MemoryRegion* resp) {
+  rpc.set_cache(req.cache_id());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  if (!cache.ok()) return cache.status();
+  const int32_t device = (*cache)->geometry().device;
+  if (req.device() != device) {
+    return absl::InvalidArgumentError(absl::StrCat("device is ", req.device(), " but cache ",
+                                                   (*cache)->id(), " lives on GPU ", device,
+                                                   ": register memory on the cache's GPU"));
+  }
+  absl::StatusOr<RegionInfo> region = regions_->Register(
+      {.owner = rpc.tenant(),
+       .cache_id = (*cache)->id(),
+       .device = device,
+       .handle = req.cuda_ipc_handle(),
+       .size_bytes = req.size_bytes(),
+       .lease = absl::Seconds(req.lease_seconds()),
+       .event_handles = {req.cuda_ipc_events().begin(), req.cuda_ipc_events().end()}});
+  if (!region.ok()) return region.status();
+  resp->set_region_id(region->id);
+  resp->set_cache_id(region->cache_id);
+  resp->set_size_bytes(region->size_bytes);
+  resp->set_device(region->device);
+  resp->set_lease_seconds(static_cast<int32_t>(absl::ToInt64Seconds(region->lease)));
+  resp->set_num_events(region->num_events);
+  spdlog::info("registered memory region {} for cache {} {}: {} bytes on GPU {}, lease {} s",
+               region->id, region->cache_id, rpc.Caller(), region->size_bytes, region->device,
+               resp->lease_seconds());
+  return absl::OkStatus();
 }
 
-grpc::Status AttentionServiceImpl::UnregisterMemory(grpc::ServerContext* ctx,
-                                                    const v1::UnregisterMemoryRequest* req,
-                                                    v1::UnregisterMemoryResponse*) {
-  return Handle("UnregisterMemory", ctx,
-                [&](Rpc& rpc) { return regions_->Unregister(req->region_id(), rpc.tenant()); });
+absl::Status AttentionServiceImpl::RunUnregisterMemory(Rpc& rpc,
+                                                       const v1::UnregisterMemoryRequest& req,
+                                                       v1::UnregisterMemoryResponse*) {
+  return regions_->Unregister(req.region_id(), rpc.tenant());
 }
 
 }  // namespace pagedattn

@@ -1,8 +1,9 @@
-// AttentionServiceImpl: thin gRPC handlers over the CacheManager. Each handler is parse ->
-// core -> serialize inside Handle(), which does what every call needs: refuse while shutting
-// down, the caller's tenant from its token, a stop token, metrics, one log line, status mapping.
-// Forward and the Step stream take their messages as raw bytes (common/wire: no protobuf copy
-// of the tensors either way); the other methods are plain protobuf handlers.
+// AttentionServiceImpl: thin gRPC handlers over the CacheManager. Every method takes its
+// messages as bytes. Forward and the Step stream read theirs with common/wire (no protobuf copy
+// of the tensors either way); the others go through Unary(), which does what every such call
+// needs: refuse while shutting down, the caller's tenant from its token, the memory its parse
+// may take held before protobuf parses it (request_parse.h), a stop token, metrics, one log
+// line, status mapping; their bodies (Run*) take and fill parsed messages.
 #pragma once
 
 #include <grpcpp/support/byte_buffer.h>
@@ -62,16 +63,30 @@ struct ForwardAnswer {
   bool device_tensors = false;
 };
 
-class AttentionServiceImpl final
-    : public v1::AttentionService::WithRawCallbackMethod_Forward<
-          v1::AttentionService::WithRawCallbackMethod_Step<v1::AttentionService::Service>> {
+// AttentionService with every method's messages as bytes.
+using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServerInfo<
+    v1::AttentionService::WithRawCallbackMethod_ValidateCacheConfig<
+        v1::AttentionService::WithRawCallbackMethod_CreateCache<
+            v1::AttentionService::WithRawCallbackMethod_GetCache<
+                v1::AttentionService::WithRawCallbackMethod_ListCaches<
+                    v1::AttentionService::WithRawCallbackMethod_DeleteCache<
+                        v1::AttentionService::WithRawCallbackMethod_Forward<
+                            v1::AttentionService::WithRawCallbackMethod_ReleaseSequences<
+                                v1::AttentionService::WithRawCallbackMethod_TruncateSequences<
+                                    v1::AttentionService::WithRawCallbackMethod_Step<
+                                        v1::AttentionService::WithRawCallbackMethod_RegisterMemory<
+                                            v1::AttentionService::
+                                                WithRawCallbackMethod_UnregisterMemory<
+                                                    v1::AttentionService::Service>>>>>>>>>>>>;
+
+class AttentionServiceImpl final : public RawAttentionService {
  public:
   // Layers of one Step stream computed at once (the rest wait, read ahead).
   static constexpr int kStepLayersInFlight = 4;
 
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
-  // gate: the server's calls in flight. budget: bytes of Forward data in flight. executor: runs
-  // the layers of Step streams.
+  // gate: the server's calls in flight. budget: bytes of requests in flight (Forward data, the
+  // other methods' parses). executor: runs the layers of Step streams.
   // regions: the memory clients registered (RegisterMemory).
   AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
                        const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
@@ -84,40 +99,78 @@ class AttentionServiceImpl final
         budget_(budget),
         executor_(executor) {}
 
-  grpc::Status GetServerInfo(grpc::ServerContext* ctx, const v1::GetServerInfoRequest* req,
-                             v1::ServerInfo* resp) override;
-  grpc::Status ValidateCacheConfig(grpc::ServerContext* ctx, const v1::CacheConfig* req,
-                                   v1::ValidateCacheConfigResponse* resp) override;
-  grpc::Status CreateCache(grpc::ServerContext* ctx, const v1::CreateCacheRequest* req,
-                           v1::CacheInfo* resp) override;
-  grpc::Status GetCache(grpc::ServerContext* ctx, const v1::GetCacheRequest* req,
-                        v1::CacheInfo* resp) override;
-  grpc::Status ListCaches(grpc::ServerContext* ctx, const v1::ListCachesRequest* req,
-                          v1::ListCachesResponse* resp) override;
-  grpc::Status DeleteCache(grpc::ServerContext* ctx, const v1::DeleteCacheRequest* req,
-                           v1::DeleteCacheResponse* resp) override;
-  grpc::ServerUnaryReactor* Forward(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
-                                    grpc::ByteBuffer* resp) override;
-  grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>* Step(
-      grpc::CallbackServerContext* ctx) override;
-  grpc::Status ReleaseSequences(grpc::ServerContext* ctx, const v1::ReleaseSequencesRequest* req,
-                                v1::ReleaseSequencesResponse* resp) override;
-  grpc::Status TruncateSequences(grpc::ServerContext* ctx, const v1::TruncateSequencesRequest* req,
-                                 v1::TruncateSequencesResponse* resp) override;
-  grpc::Status RegisterMemory(grpc::ServerContext* ctx, const v1::RegisterMemoryRequest* req,
-                              v1::MemoryRegion* resp) override;
-  grpc::Status UnregisterMemory(grpc::ServerContext* ctx, const v1::UnregisterMemoryRequest* req,
-                                v1::UnregisterMemoryResponse* resp) override;
+  using Reactor = grpc::ServerUnaryReactor;
+  using Bytes = grpc::ByteBuffer;
+  Reactor* GetServerInfo(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
+    return Unary("GetServerInfo", ctx, req, resp, &AttentionServiceImpl::RunGetServerInfo);
+  }
+  Reactor* ValidateCacheConfig(grpc::CallbackServerContext* ctx, const Bytes* req,
+                               Bytes* resp) override {
+    return Unary("ValidateCacheConfig", ctx, req, resp,
+                 &AttentionServiceImpl::RunValidateCacheConfig);
+  }
+  Reactor* CreateCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
+    return Unary("CreateCache", ctx, req, resp, &AttentionServiceImpl::RunCreateCache);
+  }
+  Reactor* GetCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
+    return Unary("GetCache", ctx, req, resp, &AttentionServiceImpl::RunGetCache);
+  }
+  Reactor* ListCaches(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
+    return Unary("ListCaches", ctx, req, resp, &AttentionServiceImpl::RunListCaches);
+  }
+  Reactor* DeleteCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
+    return Unary("DeleteCache", ctx, req, resp, &AttentionServiceImpl::RunDeleteCache);
+  }
+  Reactor* Forward(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  grpc::ServerBidiReactor<Bytes, Bytes>* Step(grpc::CallbackServerContext* ctx) override;
+  Reactor* ReleaseSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
+                            Bytes* resp) override {
+    return Unary("ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences);
+  }
+  Reactor* TruncateSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
+                             Bytes* resp) override {
+    return Unary("TruncateSequences", ctx, req, resp, &AttentionServiceImpl::RunTruncateSequences);
+  }
+  Reactor* RegisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req,
+                          Bytes* resp) override {
+    return Unary("RegisterMemory", ctx, req, resp, &AttentionServiceImpl::RunRegisterMemory);
+  }
+  Reactor* UnregisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req,
+                            Bytes* resp) override {
+    return Unary("UnregisterMemory", ctx, req, resp, &AttentionServiceImpl::RunUnregisterMemory);
+  }
 
  private:
-  class StepReactor;     // attention_service.cc
-  class ForwardReactor;  // attention_service.cc
+  class StepReactor;   // attention_service.cc
+  class UnaryReactor;  // attention_service.cc
 
-  // Runs body(rpc) -> absl::Status as the call named method, with the preamble and epilogue
-  // every call shares.
-  template <typename Body>
-  grpc::Status Handle(const char* method, grpc::ServerContextBase* ctx, Body&& body);
-  // Handle's part after the gate (the caller has entered it): authentication, body, Finish.
+  // A unary method other than Forward: its request parsed (once the caller is authenticated and
+  // the memory the parse may take is held) and given to body, whose answer is sent; with the
+  // preamble and epilogue every call shares.
+  template <typename Request, typename Response>
+  Reactor* Unary(const char* method, grpc::CallbackServerContext* ctx, const Bytes* req,
+                 Bytes* resp,
+                 absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*));
+  // The bodies of those methods.
+  absl::Status RunGetServerInfo(Rpc& rpc, const v1::GetServerInfoRequest& req,
+                                v1::ServerInfo* resp);
+  absl::Status RunValidateCacheConfig(Rpc& rpc, const v1::CacheConfig& req,
+                                      v1::ValidateCacheConfigResponse* resp);
+  absl::Status RunCreateCache(Rpc& rpc, const v1::CreateCacheRequest& req, v1::CacheInfo* resp);
+  absl::Status RunGetCache(Rpc& rpc, const v1::GetCacheRequest& req, v1::CacheInfo* resp);
+  absl::Status RunListCaches(Rpc& rpc, const v1::ListCachesRequest& req,
+                             v1::ListCachesResponse* resp);
+  absl::Status RunDeleteCache(Rpc& rpc, const v1::DeleteCacheRequest& req,
+                              v1::DeleteCacheResponse* resp);
+  absl::Status RunReleaseSequences(Rpc& rpc, const v1::ReleaseSequencesRequest& req,
+                                   v1::ReleaseSequencesResponse* resp);
+  absl::Status RunTruncateSequences(Rpc& rpc, const v1::TruncateSequencesRequest& req,
+                                    v1::TruncateSequencesResponse* resp);
+  absl::Status RunRegisterMemory(Rpc& rpc, const v1::RegisterMemoryRequest& req,
+                                 v1::MemoryRegion* resp);
+  absl::Status RunUnregisterMemory(Rpc& rpc, const v1::UnregisterMemoryRequest& req,
+                                   v1::UnregisterMemoryResponse* resp);
+  // The part of a call after the gate (the caller has entered it): authentication, body, Finish.
   template <typename Body>
   grpc::Status HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx, Body&& body);
   // Counts the call in the metrics, logs one line, maps the status.

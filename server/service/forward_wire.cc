@@ -7,6 +7,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "google/rpc/status.pb.h"
+#include "server/service/request_parse.h"
 
 namespace pagedattn {
 namespace {
@@ -52,14 +53,7 @@ grpc::Slice SliceOf(const char* data, size_t size, const std::shared_ptr<Forward
 
 absl::Status ParseForward(const grpc::ByteBuffer& buffer, int64_t max_spans,
                           ReceivedForward* out) {
-  if (!buffer.Valid()) {
-    // No message at all: gRPC reset the call's stream before its request arrived whole, and
-    // runs the handler anyway. It does so when the requests in flight pass their memory; the
-    // client was told RESOURCE_EXHAUSTED, and the operator needs to see that, not a bad request.
-    return absl::ResourceExhaustedError(
-        "the request did not arrive whole: gRPC reset the call's stream (as it does when the "
-        "requests in flight pass --request_memory_mb); retry");
-  }
+  if (absl::Status s = CheckRequestArrived(buffer); !s.ok()) return s;
   if (!buffer.Dump(&out->chunks).ok()) {
     return absl::InvalidArgumentError("the request's bytes could not be read");
   }

@@ -4,6 +4,10 @@
 
 #include <string>
 
+#include "absl/strings/str_cat.h"
+#include "server/service/request_parse.h"
+#include "server/service/status.h"
+
 namespace pagedattn {
 namespace {
 using grpc::health::v1::HealthCheckRequest;
@@ -16,11 +20,32 @@ bool KnownService(const std::string& s) {
 HealthCheckResponse::ServingStatus StatusOf(bool serving) {
   return serving ? HealthCheckResponse::SERVING : HealthCheckResponse::NOT_SERVING;
 }
+
+// The request of `method`, parsed when it is no larger than a health request needs to be.
+absl::StatusOr<HealthCheckRequest> ParseHealthRequest(const grpc::ByteBuffer& bytes,
+                                                      absl::string_view method) {
+  if (absl::Status s = CheckRequestArrived(bytes); !s.ok()) return s;
+  if (bytes.Length() > HealthServiceImpl::kMaxRequestBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("a ", method, " request names a service: at most ",
+                     HealthServiceImpl::kMaxRequestBytes, " bytes, got ", bytes.Length()));
+  }
+  HealthCheckRequest request;
+  if (absl::Status s = ParseRequest(bytes, method, &request); !s.ok()) return s;
+  return request;
+}
+
+grpc::ByteBuffer Serialized(HealthCheckResponse::ServingStatus status) {
+  HealthCheckResponse response;
+  response.set_status(status);
+  // A message of one enum field: it always serializes.
+  return *SerializeResponse(response);
+}
 }  // namespace
 
 // One Watch stream: at most one write in flight; a change that arrives meanwhile is written
 // when it completes (only the latest status matters).
-class HealthServiceImpl::Watcher final : public grpc::ServerWriteReactor<HealthCheckResponse> {
+class HealthServiceImpl::Watcher final : public grpc::ServerWriteReactor<grpc::ByteBuffer> {
  public:
   explicit Watcher(HealthServiceImpl* service) : service_(service) {}
 
@@ -41,7 +66,7 @@ class HealthServiceImpl::Watcher final : public grpc::ServerWriteReactor<HealthC
   void WriteAndFinish(HealthCheckResponse::ServingStatus status) {
     absl::MutexLock lock(&mu_);
     finished_ = true;
-    response_.set_status(status);
+    response_ = Serialized(status);
     StartWriteAndFinish(&response_, grpc::WriteOptions(), grpc::Status::OK);
   }
 
@@ -66,7 +91,7 @@ class HealthServiceImpl::Watcher final : public grpc::ServerWriteReactor<HealthC
  private:
   void WriteNext() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (!has_pending_ || finished_) return;
-    response_.set_status(pending_);
+    response_ = Serialized(pending_);
     has_pending_ = false;
     writing_ = true;
     StartWrite(&response_);
@@ -79,7 +104,7 @@ class HealthServiceImpl::Watcher final : public grpc::ServerWriteReactor<HealthC
 
   HealthServiceImpl* const service_;
   absl::Mutex mu_;
-  HealthCheckResponse response_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer response_ ABSL_GUARDED_BY(mu_);  // the write in flight
   HealthCheckResponse::ServingStatus pending_ ABSL_GUARDED_BY(mu_) = HealthCheckResponse::UNKNOWN;
   bool has_pending_ ABSL_GUARDED_BY(mu_) = false;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;
@@ -110,24 +135,34 @@ void HealthServiceImpl::Remove(Watcher* w) {
 }
 
 grpc::ServerUnaryReactor* HealthServiceImpl::Check(grpc::CallbackServerContext* ctx,
-                                                   const HealthCheckRequest* req,
-                                                   HealthCheckResponse* resp) {
+                                                   const grpc::ByteBuffer* req,
+                                                   grpc::ByteBuffer* resp) {
   grpc::ServerUnaryReactor* reactor = ctx->DefaultReactor();
-  if (!KnownService(req->service())) {
+  absl::StatusOr<HealthCheckRequest> request = ParseHealthRequest(*req, "Health/Check");
+  if (!request.ok()) {
+    reactor->Finish(ToGrpcStatus(request.status()));
+    return reactor;
+  }
+  if (!KnownService(request->service())) {
     reactor->Finish(
         grpc::Status(grpc::StatusCode::NOT_FOUND,
                      "unknown service (known: \"\" and pagedattn.v1.AttentionService)"));
     return reactor;
   }
-  resp->set_status(StatusOf(serving()));
+  *resp = Serialized(StatusOf(serving()));
   reactor->Finish(grpc::Status::OK);
   return reactor;
 }
 
-grpc::ServerWriteReactor<HealthCheckResponse>* HealthServiceImpl::Watch(
-    grpc::CallbackServerContext*, const HealthCheckRequest* req) {
+grpc::ServerWriteReactor<grpc::ByteBuffer>* HealthServiceImpl::Watch(grpc::CallbackServerContext*,
+                                                                     const grpc::ByteBuffer* req) {
   auto* watcher = new Watcher(this);  // deletes itself in OnDone
-  if (!KnownService(req->service())) {
+  absl::StatusOr<HealthCheckRequest> request = ParseHealthRequest(*req, "Health/Watch");
+  if (!request.ok()) {
+    watcher->FinishNow(ToGrpcStatus(request.status()));
+    return watcher;
+  }
+  if (!KnownService(request->service())) {
     watcher->WriteAndFinish(HealthCheckResponse::SERVICE_UNKNOWN);
     return watcher;
   }

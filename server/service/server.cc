@@ -3,12 +3,10 @@
 #include "server/service/server.h"
 
 #include <google/protobuf/descriptor.h>
-#include <grpcpp/ext/proto_server_reflection_plugin.h>
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
 #include <grpcpp/server_builder.h>
-#include <grpcpp/support/server_interceptor.h>
 #include <netdb.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -22,7 +20,6 @@
 #include <thread>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
@@ -36,10 +33,6 @@
 
 namespace pagedattn {
 namespace {
-
-// Synchronous handlers hold a thread each while they run; past this many the transport refuses
-// new calls (RESOURCE_EXHAUSTED) instead of the process growing without bound.
-constexpr int kMaxServerThreads = 512;
 
 // AttentionService's method of a call's path ("/pagedattn.v1.AttentionService/Forward" ->
 // "Forward", as the handlers count it), or "" for any other path.
@@ -80,42 +73,6 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(
   }
   return grpc::SslServerCredentials(ssl);
 }
-
-// gRPC answers a request whose bytes protobuf cannot parse with INTERNAL and no message (its
-// generated handlers deserialize before ours run). That is the caller's error: INVALID_ARGUMENT,
-// naming the method. Forward and Step parse their own bytes (and say why), so they get none.
-class UnparsedRequestInterceptor final : public grpc::experimental::Interceptor {
- public:
-  explicit UnparsedRequestInterceptor(const char* method) : method_(method) {}
-  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
-    if (methods->QueryInterceptionHookPoint(
-            grpc::experimental::InterceptionHookPoints::PRE_SEND_STATUS)) {
-      const grpc::Status s = methods->GetSendStatus();
-      if (s.error_code() == grpc::StatusCode::INTERNAL && s.error_message().empty()) {
-        methods->ModifySendStatus(grpc::Status(
-            grpc::StatusCode::INVALID_ARGUMENT,
-            absl::StrCat("the request's bytes are not a valid request of ", method_,
-                         " (protobuf could not parse them: a string field that is not UTF-8, a "
-                         "truncated or corrupt message)")));
-      }
-    }
-    methods->Proceed();
-  }
-
- private:
-  const std::string method_;
-};
-
-class UnparsedRequestInterceptorFactory final
-    : public grpc::experimental::ServerInterceptorFactoryInterface {
- public:
-  grpc::experimental::Interceptor* CreateServerInterceptor(
-      grpc::experimental::ServerRpcInfo* info) override {
-    const absl::string_view method = info->method() != nullptr ? info->method() : "";
-    if (absl::EndsWith(method, "/Forward") || absl::EndsWith(method, "/Step")) return nullptr;
-    return new UnparsedRequestInterceptor(info->method() != nullptr ? info->method() : "?");
-  }
-};
 
 // Every gRPC port: one process per port (no SO_REUSEPORT: a second server on a busy port must
 // fail to start, not take half of the first one's connections).
@@ -267,8 +224,12 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
       s->budget_.get(), s->executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
+  const std::string health_name(grpc::health::v1::Health::service_full_name());
+  const std::string reflection_name(
+      grpc::reflection::v1alpha::ServerReflection::service_full_name());
+  s->reflection_ = std::make_unique<ReflectionServiceImpl>(std::vector<std::string>{
+      v1::AttentionService::service_full_name(), health_name, reflection_name});
 
-  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   const int max_bytes = static_cast<int>(std::min<int64_t>(options.max_message_bytes, INT32_MAX));
   absl::StatusOr<std::vector<ListenAddress>> addresses =
       ParseListenAddresses("--listen", options.listen);
@@ -288,15 +249,12 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   }
   builder.RegisterService(s->service_.get());
   builder.RegisterService(s->health_.get());
+  builder.RegisterService(s->reflection_.get());
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
   grpc::ResourceQuota quota("pagedattn");
   quota.Resize(static_cast<size_t>(request_memory));
-  quota.SetMaxThreads(kMaxServerThreads);
   builder.SetResourceQuota(quota);
-  std::vector<std::unique_ptr<grpc::experimental::ServerInterceptorFactoryInterface>> interceptors;
-  interceptors.push_back(std::make_unique<UnparsedRequestInterceptorFactory>());
-  builder.experimental().SetInterceptorCreators(std::move(interceptors));
   s->server_ = builder.BuildAndStart();
   auto could_not_listen = [](const ListenAddress& a) {
     return absl::UnavailableError(absl::StrCat(
@@ -344,6 +302,9 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     hb.AddListeningPort(GrpcListenAddress(*health), grpc::InsecureServerCredentials(),
                         &s->health_port_);
     hb.RegisterService(s->health_.get());
+    s->health_port_reflection_ = std::make_unique<ReflectionServiceImpl>(
+        std::vector<std::string>{health_name, reflection_name});
+    hb.RegisterService(s->health_port_reflection_.get());
     s->health_port_others_ = std::make_unique<HealthPortOthers>(absl::StrJoin(s->listening_, ", "));
     hb.RegisterCallbackGenericService(s->health_port_others_.get());
     s->health_server_ = hb.BuildAndStart();

@@ -20,6 +20,7 @@
 #include "server/service/http_server.h"
 #include "server/service/metrics.h"
 #include "server/service/periodic_task.h"
+#include "server/service/reflection.h"
 #include "server/service/rpc_gate.h"
 
 namespace pagedattn {
@@ -113,7 +114,9 @@ class PagedAttnServer {
   std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
+  std::unique_ptr<ReflectionServiceImpl> reflection_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<ReflectionServiceImpl> health_port_reflection_;
   std::unique_ptr<grpc::CallbackGenericService> health_port_others_;  // its other methods' answer
   std::unique_ptr<grpc::Server> health_server_;
   std::unique_ptr<HttpServer> metrics_http_;

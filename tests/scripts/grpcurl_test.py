@@ -279,6 +279,10 @@ def security_block(grpcurl, commands, binary, workdir):
     rc, out, err = run(grpcurl, ["-cacert", f"{workdir}/ca.pem", target,
                                  "pagedattn.v1.AttentionService/ListCaches"])
     check(rc != 0 and "Code: Unauthenticated" in err, "TLS, no token: Unauthenticated")
+    rc, out, err = run(grpcurl, ["-plaintext", f"127.0.0.1:{server.health_port}", "list"])
+    check(rc == 0 and sorted(out.split()) == ["grpc.health.v1.Health",
+                                              "grpc.reflection.v1alpha.ServerReflection"],
+          f"the plaintext health port lists health and reflection alone: {squeeze(out + err)}")
     rc, out, err = run(grpcurl, ["-plaintext", target, "pagedattn.v1.AttentionService/ListCaches"])
     check(rc != 0, "plaintext against the TLS port: refused")
     server.stop()

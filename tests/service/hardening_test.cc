@@ -2,10 +2,13 @@
 // shutdown during long work, cancelled and timed-out Forwards, answers too large to send,
 // oversized error texts, unauthenticated health streams, forged log lines, orphan caches.
 #include <arpa/inet.h>
+#include <google/protobuf/descriptor.h>
+#include <google/protobuf/dynamic_message.h>
 #include <grpcpp/create_channel.h>
 #include <grpcpp/generic/generic_stub.h>
 #include <grpcpp/support/channel_arguments.h>
 #include <gtest/gtest.h>
+#include <malloc.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -23,9 +26,11 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
+#include "grpc/reflection/v1alpha/reflection.grpc.pb.h"
 #include "pagedattn/v1/attention.grpc.pb.h"
 #include "server/service/forward_wire.h"
 #include "server/service/http_server.h"
+#include "server/service/request_parse.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
@@ -109,7 +114,9 @@ v1::ForwardRequest Request(const std::string& cache, uint64_t seq, int64_t start
 // A prefill that keeps the CPU backend busy for seconds (4096 x 4096 causal, 8 heads).
 constexpr int kLongTokens = 4096;
 
-// Waits until the server runs n AttentionService calls (the long Forward is being computed).
+// Waits until the server runs n AttentionService calls (the long Forward is being computed). A
+// call counts until its answer has gone out: after a CreateCache, wait for 0 before starting the
+// call to count.
 void WaitForCalls(const PagedAttnServer& server, int64_t n) {
   for (int i = 0; i < 2000 && server.calls_in_flight() != n; ++i)
     absl::SleepFor(absl::Milliseconds(5));
@@ -128,6 +135,7 @@ TEST(ShutdownTest, LongForwardIsStoppedWithinTheGracePeriod) {
   auto server = *PagedAttnServer::Start(CpuOptions());
   auto client = ConnectTo(*server, absl::Seconds(60));
   const std::string cache = client->CreateCache(Config(512))->cache_id();
+  WaitForCalls(*server, 0);
   absl::StatusOr<v1::ForwardResponse> result;
   std::thread forward(
       [&] { result = client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)); });
@@ -176,6 +184,7 @@ TEST(ShutdownTest, DrainingServerIsNotServingAndRefusesNewCalls) {
   auto server = *PagedAttnServer::Start(CpuOptions());
   auto client = ConnectTo(*server, absl::Seconds(60));
   const std::string cache = client->CreateCache(Config(512))->cache_id();
+  WaitForCalls(*server, 0);
   std::thread forward(
       [&] { (void)client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)); });
   WaitForCalls(*server, 1);
@@ -202,6 +211,7 @@ class HardeningTest : public ::testing::Test {
     server_ = *PagedAttnServer::Start(CpuOptions());
     client_ = ConnectTo(*server_, absl::Seconds(60));
     cache_ = client_->CreateCache(Config(512))->cache_id();
+    WaitIdle();
   }
   void WaitIdle() { WaitForCalls(*server_, 0); }
 
@@ -1061,6 +1071,7 @@ TEST(ShutdownLogTest, ShutdownSaysWhatItDrainsAndStops) {
   auto server = *PagedAttnServer::Start(CpuOptions());
   auto client = ConnectTo(*server, absl::Seconds(60));
   const std::string cache = client->CreateCache(Config(512))->cache_id();
+  WaitForCalls(*server, 0);
   testing::LogCapture captured(spdlog::level::info);
   std::thread slow([&] {  // seconds of CPU attention: still running when the grace runs out
     (void)client->Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1));
@@ -1085,6 +1096,217 @@ TEST(CreateCacheTest, CallerThatGivesUpLeavesNoCache) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kDeadlineExceeded) << r.status();
   WaitForCalls(*server, 0);
   EXPECT_TRUE(server->manager().ListAll().empty());
+}
+
+// One unary call of raw bytes: its status, and the answer's bytes in *answer.
+grpc::Status RawUnary(const PagedAttnServer& server, const std::string& method,
+                      const std::string& bytes, std::string* answer = nullptr) {
+  grpc::ChannelArguments args;
+  args.SetMaxSendMessageSize(-1);
+  auto channel = grpc::CreateCustomChannel(absl::StrCat("127.0.0.1:", server.port()),
+                                           grpc::InsecureChannelCredentials(), args);
+  grpc::GenericStub stub(channel);
+  grpc::CompletionQueue cq;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  grpc::Slice slice(bytes);
+  grpc::ByteBuffer request(&slice, 1);
+  std::unique_ptr<grpc::GenericClientAsyncResponseReader> call =
+      stub.PrepareUnaryCall(&ctx, method, request, &cq);
+  call->StartCall();
+  grpc::ByteBuffer response;
+  grpc::Status status;
+  call->Finish(&response, &status, reinterpret_cast<void*>(1));
+  void* tag;
+  bool ok;
+  EXPECT_TRUE(cq.Next(&tag, &ok));
+  if (answer != nullptr && status.ok()) {
+    std::vector<grpc::Slice> slices;
+    EXPECT_TRUE(response.Dump(&slices).ok());
+    answer->clear();
+    for (const grpc::Slice& sl : slices) {
+      answer->append(reinterpret_cast<const char*>(sl.begin()), sl.size());
+    }
+  }
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+  return status;
+}
+
+// n copies of a two-byte field: tag (field 15 when `unknown`, else `field`) and a zero length or
+// value, or a group's start and end.
+std::string TwoByteFields(int field, int wire_type, size_t n) {
+  std::string out;
+  out.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    out += static_cast<char>((field << 3) | wire_type);
+    out += static_cast<char>(wire_type == 3 ? (field << 3) | 4 : 0);
+  }
+  return out;
+}
+
+size_t HeapInUse() {
+  const struct mallinfo2 m = mallinfo2();
+  return m.uordblks + m.hblkhd;
+}
+
+// The memory a request's parse is held to (kParsedBytesPerRequestByte a byte) covers what the
+// parse of each request this server reads takes, at its worst: entries of every repeated field
+// with nothing in them, and unknown fields of every kind. Measured as the heap grows (with a
+// sanitizer's allocator, as protobuf counts it, plus a half for the allocator's overhead).
+TEST(ControlRequestTest, ParsedRequestsTakeAtMostTheMemoryHeldForThem) {
+  std::vector<const google::protobuf::Descriptor*> requests;
+  const google::protobuf::ServiceDescriptor* service =
+      google::protobuf::DescriptorPool::generated_pool()->FindServiceByName(
+          "pagedattn.v1.AttentionService");
+  ASSERT_NE(service, nullptr);
+  for (int i = 0; i < service->method_count(); ++i) {
+    const std::string& name = service->method(i)->name();
+    if (name == "Forward" || name == "Step") continue;  // read by common/wire, never parsed
+    requests.push_back(service->method(i)->input_type());
+  }
+  requests.push_back(HealthCheckRequest::descriptor());
+  constexpr size_t kFields = 1 << 18;  // 512 KiB of fields
+  int cases = 0;
+  double worst = 0;
+  for (const google::protobuf::Descriptor* type : requests) {
+    std::vector<std::string> wires = {TwoByteFields(15, 0, kFields), TwoByteFields(15, 2, kFields),
+                                      TwoByteFields(15, 3, kFields)};
+    for (int f = 0; f < type->field_count(); ++f) {
+      const google::protobuf::FieldDescriptor* field = type->field(f);
+      const bool message = field->type() == google::protobuf::FieldDescriptor::TYPE_MESSAGE;
+      if (message || field->is_repeated()) {
+        // Empty messages, or a repeated scalar's values one at a time (zero, unpacked).
+        wires.push_back(TwoByteFields(field->number(), message ? 2 : 0, kFields));
+      }
+      // A repeated message field's entries, each holding empty entries of its own fields.
+      if (message && field->is_repeated()) {
+        for (int g = 0; g < field->message_type()->field_count(); ++g) {
+          const google::protobuf::FieldDescriptor* inner = field->message_type()->field(g);
+          if (!inner->is_repeated()) continue;
+          const std::string entry =
+              TwoByteFields(inner->number(), inner->message_type() ? 2 : 0, 8);
+          std::string wire;
+          for (size_t i = 0; i < kFields / 9; ++i) {
+            wire += static_cast<char>((field->number() << 3) | 2);
+            wire += static_cast<char>(entry.size());
+            wire += entry;
+          }
+          wires.push_back(wire);
+        }
+      }
+    }
+    const google::protobuf::Message* prototype =
+        google::protobuf::MessageFactory::generated_factory()->GetPrototype(type);
+    for (const std::string& wire : wires) {
+      const size_t before = HeapInUse();
+      std::unique_ptr<google::protobuf::Message> parsed(prototype->New());
+      ASSERT_TRUE(parsed->ParseFromString(wire)) << type->full_name();
+      const size_t used = kSanitized ? parsed->SpaceUsedLong() * 3 / 2 : HeapInUse() - before;
+      const double per_byte = static_cast<double>(used) / static_cast<double>(wire.size());
+      worst = std::max(worst, per_byte);
+      EXPECT_LE(per_byte, kParsedBytesPerRequestByte)
+          << type->full_name() << ": a parse of " << wire.size() << " bytes took " << used;
+      ++cases;
+    }
+  }
+  EXPECT_GE(cases, 40);
+  std::cout << "worst: " << worst << " bytes a byte\n";
+  // The bound is not loose by much either: the worst case takes over half of it.
+  EXPECT_GT(worst, kParsedBytesPerRequestByte / 2.0);
+}
+
+// A request of a method other than Forward and Step whose parse could take more than the whole
+// request budget is refused before protobuf reads it (bytes that are no message at all get the
+// same answer, not a parse error); one that fits is parsed and answered; bytes protobuf cannot
+// parse are the caller's error, naming what they should have been.
+TEST(ControlRequestTest, RequestsTooLargeToParseAreRefusedUnread) {
+  ServerOptions o = CpuOptions();
+  o.request_memory_bytes = 64 << 20;  // requests of other methods up to 1 MiB
+  auto server = *PagedAttnServer::Start(o);
+  const std::string validate = "/pagedattn.v1.AttentionService/ValidateCacheConfig";
+  const size_t max_bytes = (64 << 20) / kParsedBytesPerRequestByte;
+  // Empty `layers` entries: over 40 times their bytes, parsed.
+  const std::string layers = TwoByteFields(10, 2, max_bytes / 2 + 1);
+  grpc::Status s = RawUnary(*server, validate, layers);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  EXPECT_NE(s.error_message().find("larger than this server parses"), std::string::npos)
+      << s.error_message();
+  EXPECT_NE(s.error_message().find(absl::StrCat("up to ", max_bytes, " bytes")), std::string::npos)
+      << s.error_message();
+  s = RawUnary(*server, validate, std::string(max_bytes + 1, '\xff'));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED) << s.error_message();
+  // Just under the bound: parsed and validated (every entry is a violation).
+  std::string answer;
+  s = RawUnary(*server, validate, TwoByteFields(10, 2, max_bytes / 2), &answer);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  v1::ValidateCacheConfigResponse validated;
+  ASSERT_TRUE(validated.ParseFromString(answer));
+  EXPECT_FALSE(validated.valid());
+  // Not a message: the caller's error, which names the message expected.
+  s = RawUnary(*server, "/pagedattn.v1.AttentionService/GetCache", std::string(64, '\xff'));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_NE(s.error_message().find("not a valid pagedattn.v1.GetCacheRequest"), std::string::npos)
+      << s.error_message();
+  // Health needs no token: a request longer than a service's name is refused unparsed.
+  s = RawUnary(*server, "/grpc.health.v1.Health/Check",
+               TwoByteFields(15, 2, HealthServiceImpl::kMaxRequestBytes));
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  HealthCheckRequest check;
+  check.set_service("pagedattn.v1.AttentionService");
+  s = RawUnary(*server, "/grpc.health.v1.Health/Check", check.SerializeAsString(), &answer);
+  ASSERT_TRUE(s.ok()) << s.error_message();
+  HealthCheckResponse health;
+  ASSERT_TRUE(health.ParseFromString(answer));
+  EXPECT_EQ(health.status(), HealthCheckResponse::SERVING);
+}
+
+// Reflection (what grpcurl asks) is answered from the binary's descriptors: a file with the
+// files it imports, an unknown symbol as NOT_FOUND inside the stream, the services; a request
+// longer than any name is refused unparsed, which ends the stream.
+TEST(ReflectionTest, AnswersFromTheBinarysDescriptorsAndRefusesLongRequests) {
+  namespace rv = grpc::reflection::v1alpha;
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = rv::ServerReflection::NewStub(channel);
+  grpc::ClientContext ctx;
+  auto stream = stub->ServerReflectionInfo(&ctx);
+  rv::ServerReflectionRequest request;
+  rv::ServerReflectionResponse response;
+  request.set_file_containing_symbol("pagedattn.v1.AttentionService");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> files;
+  for (const std::string& bytes : response.file_descriptor_response().file_descriptor_proto()) {
+    google::protobuf::FileDescriptorProto file;
+    ASSERT_TRUE(file.ParseFromString(bytes));
+    files.push_back(file.name());
+  }
+  // The API's file first, then what it imports (google/rpc/status.proto, and what that imports).
+  ASSERT_FALSE(files.empty());
+  EXPECT_EQ(files[0], "pagedattn/v1/attention.proto");
+  EXPECT_NE(std::find(files.begin(), files.end(), "google/rpc/status.proto"), files.end());
+  EXPECT_EQ(response.original_request().file_containing_symbol(), "pagedattn.v1.AttentionService");
+  request.set_file_containing_symbol("pagedattn.v1.NoSuchThing");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  EXPECT_EQ(response.error_response().error_code(), grpc::StatusCode::NOT_FOUND);
+  request.set_list_services("");
+  ASSERT_TRUE(stream->Write(request));
+  ASSERT_TRUE(stream->Read(&response));
+  std::vector<std::string> services;
+  for (const auto& s : response.list_services_response().service()) services.push_back(s.name());
+  EXPECT_EQ(services,
+            (std::vector<std::string>{"pagedattn.v1.AttentionService", "grpc.health.v1.Health",
+                                      "grpc.reflection.v1alpha.ServerReflection"}));
+  request.set_file_by_filename(std::string(ReflectionServiceImpl::kMaxRequestBytes, 'x'));
+  ASSERT_TRUE(stream->Write(request));
+  EXPECT_FALSE(stream->Read(&response));
+  const grpc::Status status = stream->Finish();
+  EXPECT_EQ(status.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << status.error_message();
+  EXPECT_NE(status.error_message().find("at most"), std::string::npos) << status.error_message();
 }
 
 // Health needs no token; 100 open Watch streams from unauthenticated callers must not starve

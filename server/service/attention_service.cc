@@ -133,6 +133,66 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
   return reactor;
 }
 
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetServerInfo(grpc::CallbackServerContext* ctx,
+                                                              const grpc::ByteBuffer* req,
+                                                              grpc::ByteBuffer* resp) {
+  return Unary("GetServerInfo", ctx, req, resp, &AttentionServiceImpl::RunGetServerInfo);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ValidateCacheConfig(
+    grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req, grpc::ByteBuffer* resp) {
+  return Unary("ValidateCacheConfig", ctx, req, resp,
+               &AttentionServiceImpl::RunValidateCacheConfig);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::CreateCache(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* req,
+                                                            grpc::ByteBuffer* resp) {
+  return Unary("CreateCache", ctx, req, resp, &AttentionServiceImpl::RunCreateCache);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::GetCache(grpc::CallbackServerContext* ctx,
+                                                         const grpc::ByteBuffer* req,
+                                                         grpc::ByteBuffer* resp) {
+  return Unary("GetCache", ctx, req, resp, &AttentionServiceImpl::RunGetCache);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ListCaches(grpc::CallbackServerContext* ctx,
+                                                           const grpc::ByteBuffer* req,
+                                                           grpc::ByteBuffer* resp) {
+  return Unary("ListCaches", ctx, req, resp, &AttentionServiceImpl::RunListCaches);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteCache(grpc::CallbackServerContext* ctx,
+                                                            const grpc::ByteBuffer* req,
+                                                            grpc::ByteBuffer* resp) {
+  return Unary("DeleteCache", ctx, req, resp, &AttentionServiceImpl::RunDeleteCache);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseSequences(grpc::CallbackServerContext* ctx,
+                                                                 const grpc::ByteBuffer* req,
+                                                                 grpc::ByteBuffer* resp) {
+  return Unary("ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSequences(grpc::CallbackServerContext* ctx,
+                                                                  const grpc::ByteBuffer* req,
+                                                                  grpc::ByteBuffer* resp) {
+  return Unary("TruncateSequences", ctx, req, resp, &AttentionServiceImpl::RunTruncateSequences);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterMemory(grpc::CallbackServerContext* ctx,
+                                                               const grpc::ByteBuffer* req,
+                                                               grpc::ByteBuffer* resp) {
+  return Unary("RegisterMemory", ctx, req, resp, &AttentionServiceImpl::RunRegisterMemory);
+}
+
+grpc::ServerUnaryReactor* AttentionServiceImpl::UnregisterMemory(grpc::CallbackServerContext* ctx,
+                                                                 const grpc::ByteBuffer* req,
+                                                                 grpc::ByteBuffer* resp) {
+  return Unary("UnregisterMemory", ctx, req, resp, &AttentionServiceImpl::RunUnregisterMemory);
+}
+
 // Counts the call in the metrics and logs one line: debug for success and the caller's
 // mistakes, info for limits and authentication (RESOURCE_EXHAUSTED, UNAUTHENTICATED,
 // PERMISSION_DENIED: what an operator may have to act on; at most one a second for each client

@@ -101,44 +101,23 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   using Reactor = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
-  Reactor* GetServerInfo(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
-    return Unary("GetServerInfo", ctx, req, resp, &AttentionServiceImpl::RunGetServerInfo);
-  }
+  // The unary methods but Forward: Unary() with their bodies (Run*).
+  Reactor* GetServerInfo(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
   Reactor* ValidateCacheConfig(grpc::CallbackServerContext* ctx, const Bytes* req,
-                               Bytes* resp) override {
-    return Unary("ValidateCacheConfig", ctx, req, resp,
-                 &AttentionServiceImpl::RunValidateCacheConfig);
-  }
-  Reactor* CreateCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
-    return Unary("CreateCache", ctx, req, resp, &AttentionServiceImpl::RunCreateCache);
-  }
-  Reactor* GetCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
-    return Unary("GetCache", ctx, req, resp, &AttentionServiceImpl::RunGetCache);
-  }
-  Reactor* ListCaches(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
-    return Unary("ListCaches", ctx, req, resp, &AttentionServiceImpl::RunListCaches);
-  }
-  Reactor* DeleteCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override {
-    return Unary("DeleteCache", ctx, req, resp, &AttentionServiceImpl::RunDeleteCache);
-  }
+                               Bytes* resp) override;
+  Reactor* CreateCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  Reactor* GetCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  Reactor* ListCaches(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  Reactor* DeleteCache(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  Reactor* ReleaseSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
+                            Bytes* resp) override;
+  Reactor* TruncateSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
+                             Bytes* resp) override;
+  Reactor* RegisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
+  Reactor* UnregisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req,
+                            Bytes* resp) override;
   Reactor* Forward(grpc::CallbackServerContext* ctx, const Bytes* req, Bytes* resp) override;
   grpc::ServerBidiReactor<Bytes, Bytes>* Step(grpc::CallbackServerContext* ctx) override;
-  Reactor* ReleaseSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
-                            Bytes* resp) override {
-    return Unary("ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences);
-  }
-  Reactor* TruncateSequences(grpc::CallbackServerContext* ctx, const Bytes* req,
-                             Bytes* resp) override {
-    return Unary("TruncateSequences", ctx, req, resp, &AttentionServiceImpl::RunTruncateSequences);
-  }
-  Reactor* RegisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req,
-                          Bytes* resp) override {
-    return Unary("RegisterMemory", ctx, req, resp, &AttentionServiceImpl::RunRegisterMemory);
-  }
-  Reactor* UnregisterMemory(grpc::CallbackServerContext* ctx, const Bytes* req,
-                            Bytes* resp) override {
-    return Unary("UnregisterMemory", ctx, req, resp, &AttentionServiceImpl::RunUnregisterMemory);
-  }
 
  private:
   class StepReactor;   // attention_service.cc

@@ -1217,6 +1217,25 @@ TEST(ControlRequestTest, ParsedRequestsTakeAtMostTheMemoryHeldForThem) {
   EXPECT_GT(worst, kParsedBytesPerRequestByte / 2.0);
 }
 
+// The memory held for a parse: refused while other requests hold the budget (retry), refused
+// for good when it is more than the whole budget, and given back when the hold ends.
+TEST(ControlRequestTest, AParseWaitsForRoomAndOneTooLargeNeverRuns) {
+  ByteBudget budget(100 * kParsedBytesPerRequestByte);
+  absl::StatusOr<ByteBudget::Hold> first = HoldForParse(budget, "GetCache", 60);
+  ASSERT_TRUE(first.ok()) << first.status();
+  absl::StatusOr<ByteBudget::Hold> second = HoldForParse(budget, "GetCache", 41);
+  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
+  EXPECT_NE(second.status().message().find("the server is busy"), std::string::npos)
+      << second.status();
+  EXPECT_TRUE(HoldForParse(budget, "GetCache", 40).ok());  // fits beside the first
+  *first = ByteBudget::Hold();                             // the first parse is over
+  EXPECT_TRUE(HoldForParse(budget, "GetCache", 100).ok());
+  absl::StatusOr<ByteBudget::Hold> huge = HoldForParse(budget, "GetCache", 101);
+  EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
+  EXPECT_NE(huge.status().message().find("up to 100 bytes"), std::string::npos) << huge.status();
+  EXPECT_EQ(budget.used(), 0);
+}
+
 // A request of a method other than Forward and Step whose parse could take more than the whole
 // request budget is refused before protobuf reads it (bytes that are no message at all get the
 // same answer, not a parse error); one that fits is parsed and answered; bytes protobuf cannot

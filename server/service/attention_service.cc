@@ -390,8 +390,10 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   if (!hold.has_value()) {
     return WithErrorInfo(
         absl::ResourceExhaustedError(absl::StrCat(
-            "the server is busy: ", budget_->used(), " bytes of Forward data are in flight, this ",
-            "call needs ", held, " more and the budget is ", budget_->limit(),
+            "the server is busy: ", budget_->used(),
+            " bytes of request memory are in use (Forward ",
+            "data and requests being parsed), this call needs ", held, " more and the budget is ",
+            budget_->limit(),
             " (--request_memory_mb; an answer's bytes count until it is sent); retry shortly")),
         {"SERVER_BUSY",
          {{"bytes_in_flight", budget_->used()},

@@ -14,6 +14,7 @@ CacheConfigRequest FromProto(const v1::CacheConfig& c) {
   if (c.capacity_case() == v1::CacheConfig::kNumPages) r.num_pages = c.num_pages();
   if (c.capacity_case() == v1::CacheConfig::kMaxBytes) r.max_bytes = c.max_bytes();
   r.device = c.device();
+  r.layers.reserve(static_cast<size_t>(c.layers_size()));  // no doubling: a hostile count is large
   for (const v1::LayerAttention& l : c.layers()) {
     LayerAttentionRequest& out = r.layers.emplace_back();
     if (l.has_sliding_window()) out.sliding_window = l.sliding_window();

@@ -25,10 +25,10 @@ HealthCheckResponse::ServingStatus StatusOf(bool serving) {
 absl::StatusOr<HealthCheckRequest> ParseHealthRequest(const grpc::ByteBuffer& bytes,
                                                       absl::string_view method) {
   if (absl::Status s = CheckRequestArrived(bytes); !s.ok()) return s;
-  if (bytes.Length() > HealthServiceImpl::kMaxRequestBytes) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("a ", method, " request names a service: at most ",
-                     HealthServiceImpl::kMaxRequestBytes, " bytes, got ", bytes.Length()));
+  if (absl::Status s = CheckRequestSize(bytes, absl::StrCat(method, " request names a service"),
+                                        HealthServiceImpl::kMaxRequestBytes);
+      !s.ok()) {
+    return s;
   }
   HealthCheckRequest request;
   if (absl::Status s = ParseRequest(bytes, method, &request); !s.ok()) return s;

@@ -38,6 +38,7 @@ ServerReflectionResponse AnswerReflection(const ServerReflectionRequest& request
   ServerReflectionResponse response;
   response.set_valid_host(request.host());
   *response.mutable_original_request() = request;
+  response.mutable_original_request()->DiscardUnknownFields();  // echoed as understood
   auto not_found = [&response](absl::string_view what, absl::string_view name) {
     response.mutable_error_response()->set_error_code(grpc::StatusCode::NOT_FOUND);
     response.mutable_error_response()->set_error_message(
@@ -130,10 +131,10 @@ class ReflectionServiceImpl::Stream final
  private:
   absl::StatusOr<grpc::ByteBuffer> Answer() {
     constexpr absl::string_view kMethod = "ServerReflectionInfo";
-    if (request_.Length() > kMaxRequestBytes) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("a reflection request names a file or a symbol: at most ", kMaxRequestBytes,
-                       " bytes, got ", request_.Length()));
+    if (absl::Status s = CheckRequestSize(request_, "reflection request names a file or a symbol",
+                                          kMaxRequestBytes);
+        !s.ok()) {
+      return s;
     }
     ServerReflectionRequest request;
     if (absl::Status s = ParseRequest(request_, kMethod, &request); !s.ok()) return s;

@@ -24,7 +24,7 @@ class ReflectionServiceImpl final : public grpc::reflection::v1alpha::ServerRefl
                                         WithRawCallbackMethod_ServerReflectionInfo<
                                             grpc::reflection::v1alpha::ServerReflection::Service> {
  public:
-  // A request names a file or a symbol: past this it is refused unparsed (INVALID_ARGUMENT,
+  // A request names a file or a symbol: past this it is refused unparsed (RESOURCE_EXHAUSTED,
   // which ends the stream).
   static constexpr size_t kMaxRequestBytes = 16 << 10;
 

@@ -4,6 +4,8 @@
 #include <grpcpp/impl/codegen/proto_utils.h>
 #include <grpcpp/support/proto_buffer_reader.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "server/core/error_info.h"
 
@@ -17,32 +19,46 @@ absl::Status CheckRequestArrived(const grpc::ByteBuffer& request) {
       "requests in flight pass --request_memory_mb); retry");
 }
 
+int64_t MaxParsedRequestBytes(const ByteBudget& budget) {
+  return std::max(kAlwaysParsedRequestBytes, budget.limit() / kParsedBytesPerRequestByte);
+}
+
 absl::StatusOr<ByteBudget::Hold> HoldForParse(ByteBudget& budget, absl::string_view method,
                                               size_t bytes) {
-  const int64_t needed = static_cast<int64_t>(bytes) * kParsedBytesPerRequestByte;
-  std::optional<ByteBudget::Hold> hold = budget.TryHoldWithinLimit(needed);
-  if (hold.has_value()) return *std::move(hold);
-  if (needed > budget.limit()) {
+  const int64_t max_bytes = MaxParsedRequestBytes(budget);
+  if (static_cast<int64_t>(bytes) > max_bytes) {
     return WithErrorInfo(
         absl::ResourceExhaustedError(absl::StrCat(
-            "a ", method, " request of ", bytes,
-            " bytes is larger than this server parses: ", "parsed, a request may take up to ",
-            kParsedBytesPerRequestByte, " times its bytes, and --request_memory_mb (",
-            budget.limit(), " bytes) allows requests of methods other than Forward and Step up to ",
-            budget.limit() / kParsedBytesPerRequestByte, " bytes")),
+            "a ", method, " request of ", bytes, " bytes is larger than this server parses: ",
+            "requests of methods other than Forward and Step are held to ",
+            kParsedBytesPerRequestByte,
+            " times their bytes while they run, and --request_memory_mb (", budget.limit(),
+            " bytes) allows them up to ", max_bytes, " bytes")),
         {"REQUEST_TOO_LARGE",
-         {{"request_bytes", static_cast<int64_t>(bytes)},
-          {"max_request_bytes", budget.limit() / kParsedBytesPerRequestByte}}});
+         {{"request_bytes", static_cast<int64_t>(bytes)}, {"max_request_bytes", max_bytes}}});
   }
+  const int64_t needed = static_cast<int64_t>(bytes) * kParsedBytesPerRequestByte;
+  std::optional<ByteBudget::Hold> hold = budget.TryHold(needed);
+  if (hold.has_value()) return *std::move(hold);
   return WithErrorInfo(
       absl::ResourceExhaustedError(absl::StrCat(
-          "the server is busy: ", budget.used(), " bytes of request memory are in use, parsing ",
-          "this ", method, " request may take ", needed, " more and the budget is ", budget.limit(),
-          " (--request_memory_mb); retry shortly")),
+          "the server is busy: ", budget.used(), " bytes of request memory are in use (Forward ",
+          "data and requests being parsed), this ", method, " request needs ", needed,
+          " more and the budget is ", budget.limit(), " (--request_memory_mb); retry shortly")),
       {"SERVER_BUSY",
        {{"bytes_in_flight", budget.used()},
         {"bytes_needed", needed},
         {"budget_bytes", budget.limit()}}});
+}
+
+absl::Status CheckRequestSize(const grpc::ByteBuffer& request, absl::string_view what,
+                              size_t max_bytes) {
+  if (request.Length() <= max_bytes) return absl::OkStatus();
+  return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
+                           "a ", what, ": at most ", max_bytes, " bytes, got ", request.Length())),
+                       {"REQUEST_TOO_LARGE",
+                        {{"request_bytes", static_cast<int64_t>(request.Length())},
+                         {"max_request_bytes", static_cast<int64_t>(max_bytes)}}});
 }
 
 absl::Status ParseRequest(const grpc::ByteBuffer& request, absl::string_view method,

@@ -19,21 +19,34 @@
 
 namespace pagedattn {
 
-// Memory a parse is held to for each byte of its request: the worst of this server's requests
-// takes 40 (CacheConfig's empty `layers` entries), an unknown field up to 32
-// (tests/service/request_parse_test.cc measures each).
-inline constexpr int64_t kParsedBytesPerRequestByte = 64;
+// Memory a request is held to for each of its bytes while its call runs: half for protobuf's
+// parse (the worst of this server's requests takes 40: CacheConfig's empty `layers` entries; an
+// unknown field up to 33), half for what its handler builds from it (the core's copy of a
+// config's layers, 20 more). tests/service/hardening_test.cc measures each request.
+inline constexpr int64_t kParsedBytesPerRequestByte = 128;
+// Requests up to this size are always parsed, alone if the budget is smaller than their hold
+// (as one Forward always runs): a valid config is a few hundred KiB at most (4096 layers of
+// sinks), and the smallest --request_memory_mb must not refuse it.
+inline constexpr int64_t kAlwaysParsedRequestBytes = 1 << 20;
+
+// The largest request (other than Forward's and Step's) a budget lets the server parse.
+int64_t MaxParsedRequestBytes(const ByteBudget& budget);
 
 // OK when gRPC delivered a request; RESOURCE_EXHAUSTED when it reset the call's stream before
 // the request arrived whole, as it does when the requests in flight pass --request_memory_mb
 // (it runs the handler anyway, with no message).
 absl::Status CheckRequestArrived(const grpc::ByteBuffer& request);
 
-// Holds kParsedBytesPerRequestByte x `bytes` of `budget` for the parse of a request of
-// `method`: RESOURCE_EXHAUSTED when they do not fit now (retry), or never (a request too large
-// for any parse this server allows; the error says how large one may be).
+// Holds kParsedBytesPerRequestByte x `bytes` of `budget` for the call of a request of `method`:
+// RESOURCE_EXHAUSTED when they do not fit now (SERVER_BUSY: retry), or never (REQUEST_TOO_LARGE:
+// past MaxParsedRequestBytes; the error says how large one may be).
 absl::StatusOr<ByteBudget::Hold> HoldForParse(ByteBudget& budget, absl::string_view method,
                                               size_t bytes);
+
+// RESOURCE_EXHAUSTED (REQUEST_TOO_LARGE) when `request` is longer than max_bytes; `what` says
+// what such a request holds ("health request names a service").
+absl::Status CheckRequestSize(const grpc::ByteBuffer& request, absl::string_view what,
+                              size_t max_bytes);
 
 // Parses `request` into *out: INVALID_ARGUMENT naming the method when protobuf cannot.
 absl::Status ParseRequest(const grpc::ByteBuffer& request, absl::string_view method,

@@ -122,14 +122,6 @@ class ByteBudget {
     used_ += n;
     return Hold(this, n);
   }
-  // Takes n bytes only if they fit beside what is held, even when nothing is: for memory a call
-  // may take at once rather than data it must hold to run (a control request's parse).
-  std::optional<Hold> TryHoldWithinLimit(int64_t n) {
-    absl::MutexLock lock(&mu_);
-    if (used_ + n > limit_) return std::nullopt;
-    used_ += n;
-    return Hold(this, n);
-  }
   int64_t used() const {
     absl::MutexLock lock(&mu_);
     return used_;

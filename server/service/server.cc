@@ -76,12 +76,18 @@ absl::StatusOr<std::shared_ptr<grpc::ServerCredentials>> MainCredentials(
 
 // Every gRPC port: one process per port (no SO_REUSEPORT: a second server on a busy port must
 // fail to start, not take half of the first one's connections).
+// No compressed requests either: gRPC inflates one before any handler sees it, so that a 64 KiB
+// gzip request took 69 MiB before its size could be checked (a health check, which needs no
+// token). Refused as its headers arrive (UNIMPLEMENTED, naming the algorithm); the clients send
+// plain bytes.
 void CommonArguments(grpc::ServerBuilder& builder) {
   builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_DEFLATE, false);
+  builder.SetCompressionAlgorithmSupportStatus(GRPC_COMPRESS_GZIP, false);
 }
 
-// The --health_listen port's answer to any method but health's: UNIMPLEMENTED, saying where the
-// service is (gRPC's own answer has an empty message).
+// The --health_listen port's answer to any method but health's and reflection's: UNIMPLEMENTED,
+// saying where the service is (gRPC's own answer has an empty message).
 class HealthPortOthers final : public grpc::CallbackGenericService {
  public:
   explicit HealthPortOthers(std::string listening) : listening_(std::move(listening)) {}
@@ -94,9 +100,9 @@ class HealthPortOthers final : public grpc::CallbackGenericService {
     };
     return new Refuse(
         grpc::Status(grpc::StatusCode::UNIMPLEMENTED,
-                     absl::StrCat(ctx->method(),
-                                  ": this port (--health_listen) serves grpc.health.v1 only; "
-                                  "the service listens on ",
+                     absl::StrCat(ForLog(ctx->method(), LogText::kField),
+                                  ": this port (--health_listen) serves grpc.health.v1 and "
+                                  "reflection only; the service listens on ",
                                   listening_)));
   }
 

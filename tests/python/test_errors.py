@@ -27,6 +27,7 @@ def status_with_info(code: int, message: str, reason: str, numbers: dict[str, in
 @pytest.mark.parametrize("reason,numbers", [
     ("SERVER_BUSY", {"bytes_in_flight": 900, "bytes_needed": 300, "budget_bytes": 1000}),
     ("RESPONSE_TOO_LARGE", {"response_bytes": 6 << 20, "max_message_bytes": 4 << 20}),
+    ("REQUEST_TOO_LARGE", {"request_bytes": (8 << 20) + 1, "max_request_bytes": 8 << 20}),
     ("SEQUENCE_TOO_LONG", {"sequence_length": 13, "capacity_tokens": 12}),
     ("TOO_MANY_CACHES", {"max_caches": 4}),
 ])

@@ -219,7 +219,8 @@ TEST_F(SecurityTest, HealthStaysOpenOnBothPorts) {
   EXPECT_EQ(other.code(), absl::StatusCode::kUnimplemented);
   EXPECT_EQ(other.message(),
             absl::StrCat("/pagedattn.v1.AttentionService/ListCaches: this port (--health_listen) "
-                         "serves grpc.health.v1 only; the service listens on 127.0.0.1:",
+                         "serves grpc.health.v1 and reflection only; the service listens on "
+                         "127.0.0.1:",
                          server_->port()));
 }
 

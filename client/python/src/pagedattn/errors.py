@@ -104,7 +104,9 @@ _NUMBER_PATTERNS = [
     re.compile(r"larger than max \((?P<message_bytes>\d+) vs\. (?P<max_message_bytes>\d+)\)"),
 ]
 # Numbers the server sends only as google.rpc.ErrorInfo metadata (no older message states them).
-_INFO_ONLY_FIELDS = {"budget_bytes", "bytes_in_flight", "response_bytes"}
+_INFO_ONLY_FIELDS = {
+    "budget_bytes", "bytes_in_flight", "max_request_bytes", "request_bytes", "response_bytes"
+}
 _NUMBER_FIELDS = sorted(
     {name for p in _NUMBER_PATTERNS for name in p.groupindex} | _INFO_ONLY_FIELDS
 )
@@ -118,7 +120,9 @@ class ResourceExhausted(PagedAttnError):
     max_pages; sequence too long (SEQUENCE_TOO_LONG): sequence_length, capacity_tokens;
     cache limit (TOO_MANY_CACHES): max_caches; server busy (SERVER_BUSY): bytes_in_flight,
     bytes_needed, budget_bytes; answer too large (RESPONSE_TOO_LARGE): response_bytes,
-    max_message_bytes; gRPC's own message limit: message_bytes, max_message_bytes."""
+    max_message_bytes; request too large to parse (REQUEST_TOO_LARGE: not Forward's or Step's,
+    or a health or reflection request past its bound): request_bytes, max_request_bytes; gRPC's
+    own message limit: message_bytes, max_message_bytes."""
 
     budget_bytes: Optional[int]
     bytes_in_flight: Optional[int]
@@ -131,10 +135,12 @@ class ResourceExhausted(PagedAttnError):
     max_caches: Optional[int]
     max_message_bytes: Optional[int]
     max_pages: Optional[int]
+    max_request_bytes: Optional[int]
     message_bytes: Optional[int]
     num_pages: Optional[int]
     page_size: Optional[int]
     pages_needed: Optional[int]
+    request_bytes: Optional[int]
     response_bytes: Optional[int]
     sequence_length: Optional[int]
     total_pages: Optional[int]

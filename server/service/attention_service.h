@@ -86,18 +86,19 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
   // gate: the server's calls in flight. budget: bytes of requests in flight (Forward data, the
-  // other methods' parses). executor: runs the layers of Step streams.
-  // regions: the memory clients registered (RegisterMemory).
+  // other methods' requests). executor: runs the layers of Step streams; control_executor: the
+  // unary calls but Forward. regions: the memory clients registered (RegisterMemory).
   AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
                        const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
-                       ByteBudget* budget, Executor* executor)
+                       ByteBudget* budget, Executor* executor, Executor* control_executor)
       : manager_(manager),
         regions_(regions),
         auth_(auth),
         metrics_(metrics),
         gate_(gate),
         budget_(budget),
-        executor_(executor) {}
+        executor_(executor),
+        control_executor_(control_executor) {}
 
   using Reactor = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
@@ -172,6 +173,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   RpcGate* const gate_;
   ByteBudget* const budget_;
   Executor* const executor_;
+  Executor* const control_executor_;
 };
 
 // The capability table of a backend, as sent in ServerInfo.

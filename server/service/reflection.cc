@@ -5,8 +5,11 @@
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/descriptor.pb.h>
 
+#include <optional>
+
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "server/service/request_parse.h"
 #include "server/service/status.h"
 
@@ -97,39 +100,80 @@ ServerReflectionResponse AnswerReflection(const ServerReflectionRequest& request
 }
 
 // One stream: a read, its answer written, the next read; it ends when the client closes its
-// side, the stream breaks, or a request cannot be read.
+// side, the stream breaks or is cancelled, or a request cannot be read. At most one read or one
+// write is pending; Finish comes once, never with a write pending (a read may be: gRPC completes
+// it, not ok, and a read started as a cancellation arrives is not always completed otherwise).
 class ReflectionServiceImpl::Stream final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
-  explicit Stream(const std::vector<std::string>* services) : services_(services) {
+  Stream(ReflectionServiceImpl* service, bool refused) : service_(service) {
+    if (refused) {
+      absl::MutexLock lock(&mu_);
+      finished_ = true;
+      Finish(grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                          absl::StrCat("too many open reflection streams (", kMaxStreams,
+                                       "); close one, or retry")));
+      return;
+    }
     StartRead(&request_);
   }
 
   void OnReadDone(bool ok) override {
-    if (!ok) {  // the client is done (or gone)
-      Finish(grpc::Status::OK);
-      return;
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      if (!ok || cancelled_) {  // the client is done (or gone)
+        done = FinishOnceLocked(grpc::Status::OK);
+      } else {
+        absl::StatusOr<grpc::ByteBuffer> answer = Answer();
+        request_.Clear();
+        if (!answer.ok()) {
+          done = FinishOnceLocked(ToGrpcStatus(answer.status()));
+        } else {
+          response_ = *std::move(answer);
+          writing_ = true;
+          StartWrite(&response_);
+        }
+      }
     }
-    absl::StatusOr<grpc::ByteBuffer> answer = Answer();
-    request_.Clear();
-    if (!answer.ok()) {
-      Finish(ToGrpcStatus(answer.status()));
-      return;
-    }
-    response_ = *std::move(answer);
-    StartWrite(&response_);
+    if (done) Finish(*done);
   }
   void OnWriteDone(bool ok) override {
-    if (!ok) {  // the stream broke
-      Finish(grpc::Status::OK);
-      return;
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      writing_ = false;
+      if (!ok || cancelled_) {  // the stream broke, or was cancelled while writing
+        done = FinishOnceLocked(grpc::Status::OK);
+      } else {
+        StartRead(&request_);
+      }
     }
-    StartRead(&request_);
+    if (done) Finish(*done);
   }
-  void OnDone() override { delete this; }
+  void OnCancel() override {
+    std::optional<grpc::Status> done;
+    {
+      absl::MutexLock lock(&mu_);
+      cancelled_ = true;
+      if (!writing_) done = FinishOnceLocked(grpc::Status::CANCELLED);
+    }
+    if (done) Finish(*done);
+  }
+  void OnDone() override {
+    service_->streams_.fetch_sub(1);
+    delete this;
+  }
 
  private:
-  absl::StatusOr<grpc::ByteBuffer> Answer() {
+  std::optional<grpc::Status> FinishOnceLocked(grpc::Status status)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (finished_) return std::nullopt;
+    finished_ = true;
+    return status;
+  }
+
+  absl::StatusOr<grpc::ByteBuffer> Answer() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     constexpr absl::string_view kMethod = "ServerReflectionInfo";
     if (absl::Status s = CheckRequestSize(request_, "reflection request names a file or a symbol",
                                           kMaxRequestBytes);
@@ -138,17 +182,23 @@ class ReflectionServiceImpl::Stream final
     }
     ServerReflectionRequest request;
     if (absl::Status s = ParseRequest(request_, kMethod, &request); !s.ok()) return s;
-    return SerializeResponse(AnswerReflection(request, *services_));
+    return SerializeResponse(AnswerReflection(request, service_->services_));
   }
 
-  const std::vector<std::string>* const services_;
-  grpc::ByteBuffer request_;
-  grpc::ByteBuffer response_;
+  ReflectionServiceImpl* const service_;
+  absl::Mutex mu_;
+  grpc::ByteBuffer request_ ABSL_GUARDED_BY(mu_);
+  grpc::ByteBuffer response_ ABSL_GUARDED_BY(mu_);
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;
+  bool cancelled_ ABSL_GUARDED_BY(mu_) = false;
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer>*
 ReflectionServiceImpl::ServerReflectionInfo(grpc::CallbackServerContext*) {
-  return new Stream(&services_);
+  // Counted from here to OnDone; past the bound the stream is refused at once.
+  const bool refused = streams_.fetch_add(1) >= static_cast<int>(kMaxStreams);
+  return new Stream(this, refused);
 }
 
 }  // namespace pagedattn

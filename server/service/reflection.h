@@ -6,6 +6,7 @@
 
 #include <grpcpp/support/byte_buffer.h>
 
+#include <atomic>
 #include <cstddef>
 #include <string>
 #include <vector>
@@ -27,6 +28,9 @@ class ReflectionServiceImpl final : public grpc::reflection::v1alpha::ServerRefl
   // A request names a file or a symbol: past this it is refused unparsed (RESOURCE_EXHAUSTED,
   // which ends the stream).
   static constexpr size_t kMaxRequestBytes = 16 << 10;
+  // Streams open at once beyond this are refused with RESOURCE_EXHAUSTED: reflection needs no
+  // token (as health's Watch streams, HealthServiceImpl::kMaxWatchers).
+  static constexpr size_t kMaxStreams = 256;
 
   // services: the fully qualified names of the services of the server it is registered on
   // (this one's included).
@@ -40,6 +44,7 @@ class ReflectionServiceImpl final : public grpc::reflection::v1alpha::ServerRefl
   class Stream;  // reflection.cc
 
   const std::vector<std::string> services_;
+  std::atomic<int> streams_{0};  // open streams, refused ones included until they are done
 };
 
 }  // namespace pagedattn

@@ -20,7 +20,7 @@ absl::Status CheckRequestArrived(const grpc::ByteBuffer& request) {
 }
 
 int64_t MaxParsedRequestBytes(const ByteBudget& budget) {
-  return std::max(kAlwaysParsedRequestBytes, budget.limit() / kParsedBytesPerRequestByte);
+  return std::max(kAlwaysParsedRequestBytes, budget.limit() / (4 * kParsedBytesPerRequestByte));
 }
 
 absl::StatusOr<ByteBudget::Hold> HoldForParse(ByteBudget& budget, absl::string_view method,
@@ -31,12 +31,13 @@ absl::StatusOr<ByteBudget::Hold> HoldForParse(ByteBudget& budget, absl::string_v
         absl::ResourceExhaustedError(absl::StrCat(
             "a ", method, " request of ", bytes, " bytes is larger than this server parses: ",
             "requests of methods other than Forward and Step are held to ",
-            kParsedBytesPerRequestByte,
-            " times their bytes while they run, and --request_memory_mb (", budget.limit(),
-            " bytes) allows them up to ", max_bytes, " bytes")),
+            kParsedBytesPerRequestByte, " times their bytes while they run, one at most a ",
+            "quarter of --request_memory_mb (", budget.limit(), " bytes): up to ", max_bytes,
+            " bytes")),
         {"REQUEST_TOO_LARGE",
          {{"request_bytes", static_cast<int64_t>(bytes)}, {"max_request_bytes", max_bytes}}});
   }
+  if (static_cast<int64_t>(bytes) <= kUnheldRequestBytes) return ByteBudget::Hold();
   const int64_t needed = static_cast<int64_t>(bytes) * kParsedBytesPerRequestByte;
   std::optional<ByteBudget::Hold> hold = budget.TryHold(needed);
   if (hold.has_value()) return *std::move(hold);

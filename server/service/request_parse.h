@@ -24,12 +24,17 @@ namespace pagedattn {
 // unknown field up to 33), half for what its handler builds from it (the core's copy of a
 // config's layers, 20 more). tests/service/hardening_test.cc measures each request.
 inline constexpr int64_t kParsedBytesPerRequestByte = 128;
+// Requests up to this size hold nothing: ListCaches, GetCache, DeleteCache and their like, whose
+// parse takes at most half a MiB, so that Forward data filling the budget never refuses them
+// (control calls run 16 at a time: server.cc).
+inline constexpr int64_t kUnheldRequestBytes = 4 << 10;
 // Requests up to this size are always parsed, alone if the budget is smaller than their hold
 // (as one Forward always runs): a valid config is a few hundred KiB at most (4096 layers of
 // sinks), and the smallest --request_memory_mb must not refuse it.
 inline constexpr int64_t kAlwaysParsedRequestBytes = 1 << 20;
 
-// The largest request (other than Forward's and Step's) a budget lets the server parse.
+// The largest request (other than Forward's and Step's) a budget lets the server parse: one that
+// holds a quarter of it, or kAlwaysParsedRequestBytes.
 int64_t MaxParsedRequestBytes(const ByteBudget& budget);
 
 // OK when gRPC delivered a request; RESOURCE_EXHAUSTED when it reset the call's stream before
@@ -37,7 +42,8 @@ int64_t MaxParsedRequestBytes(const ByteBudget& budget);
 // (it runs the handler anyway, with no message).
 absl::Status CheckRequestArrived(const grpc::ByteBuffer& request);
 
-// Holds kParsedBytesPerRequestByte x `bytes` of `budget` for the call of a request of `method`:
+// Holds kParsedBytesPerRequestByte x `bytes` of `budget` for the call of a request of `method`
+// (nothing up to kUnheldRequestBytes):
 // RESOURCE_EXHAUSTED when they do not fit now (SERVER_BUSY: retry), or never (REQUEST_TOO_LARGE:
 // past MaxParsedRequestBytes; the error says how large one may be).
 absl::StatusOr<ByteBudget::Hold> HoldForParse(ByteBudget& budget, absl::string_view method,

@@ -34,6 +34,11 @@
 namespace pagedattn {
 namespace {
 
+// Control calls (the unary methods but Forward) run at once; more wait their turn. CreateCaches
+// take turns on the manager's lock anyway; the others are quick, and one slow call leaves them
+// fifteen threads.
+constexpr int kControlThreads = 16;
+
 // AttentionService's method of a call's path ("/pagedattn.v1.AttentionService/Forward" ->
 // "Forward", as the handlers count it), or "" for any other path.
 absl::string_view MethodOfPath(absl::string_view path) {
@@ -225,9 +230,10 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
+  s->control_executor_ = std::make_unique<Executor>(kControlThreads);
   s->service_ = std::make_unique<AttentionServiceImpl>(
       s->manager_.get(), s->regions_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(),
-      s->budget_.get(), s->executor_.get());
+      s->budget_.get(), s->executor_.get(), s->control_executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
   const std::string health_name(grpc::health::v1::Health::service_full_name());
@@ -297,7 +303,7 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
     }
   }
   if (!options.health_listen.empty()) {
-    // Kubernetes gRPC probes cannot speak TLS: health alone, in plaintext.
+    // Kubernetes gRPC probes cannot speak TLS: health (and reflection) alone, in plaintext.
     absl::StatusOr<HostPort> health = ParseHostPort("--health_listen", options.health_listen);
     if (!health.ok()) {
       s->server_->Shutdown();

@@ -42,7 +42,7 @@ struct ServerOptions {
   std::string tls_key_file;
   std::string tls_client_ca_file;
   std::string auth_tokens_file;  // Bearer tokens ("token [tenant]" per line); empty = no auth.
-  std::string health_listen;     // Extra plaintext port serving grpc.health.v1 only; empty = none.
+  std::string health_listen;  // Extra plaintext port: grpc.health.v1 and reflection; empty = none.
   std::string metrics_listen;    // Prometheus /metrics over HTTP; empty = none.
   bool metrics_per_cache = false;  // Per-cache series with ids, names, tenants (Metrics).
   MemoryRegistryOptions memory;    // RegisterMemory: how many regions, their leases.
@@ -112,6 +112,7 @@ class PagedAttnServer {
   std::unique_ptr<RpcGate> gate_;
   std::unique_ptr<ByteBudget> budget_;
   std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
+  std::unique_ptr<Executor> control_executor_;  // likewise
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<ReflectionServiceImpl> reflection_;

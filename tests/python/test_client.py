@@ -182,7 +182,8 @@ def test_out_of_pages_has_numbers_and_changes_nothing(client, kv_dtypes):
 
 @pytest.mark.parametrize("method", ["TruncateSequences", "CreateCache", "GetCache", "Forward"])
 def test_bytes_that_do_not_parse_are_invalid_argument(client, method):
-    """Not INTERNAL with no message (what gRPC's generated handlers answer on their own)."""
+    """Not INTERNAL with no message (what gRPC's generated handlers would answer: the server
+    parses every request itself and names the message expected)."""
     call = client.channel.unary_unary(f"/pagedattn.v1.AttentionService/{method}",
                                       request_serializer=lambda b: b,
                                       response_deserializer=lambda b: b)

@@ -1,6 +1,7 @@
 // What a hostile or unlucky client can do to a running server, end to end on the CPU backend:
 // shutdown during long work, cancelled and timed-out Forwards, answers too large to send,
-// oversized error texts, unauthenticated health streams, forged log lines, orphan caches.
+// oversized error texts, unauthenticated health streams, forged log lines, orphan caches,
+// requests whose parse would take many times their bytes, compressed requests, reflection.
 #include <arpa/inet.h>
 #include <google/protobuf/descriptor.h>
 #include <google/protobuf/dynamic_message.h>
@@ -1233,33 +1234,74 @@ TEST(ControlRequestTest, ParsedRequestsTakeAtMostTheMemoryHeldForThem) {
 }
 
 // The memory held for a request's call: refused while other requests hold the budget (retry),
-// refused for good past the largest the budget allows, and given back when the hold ends. A
-// request up to kAlwaysParsedRequestBytes runs alone where its hold is more than the budget.
+// refused for good past a quarter of it, given back when the hold ends; small requests hold
+// nothing, and a request up to kAlwaysParsedRequestBytes runs alone where its hold is more than
+// the budget.
 TEST(ControlRequestTest, AParseWaitsForRoomAndOneTooLargeNeverRuns) {
   constexpr int64_t kMiB = 1 << 20;
-  ByteBudget budget(4 * kMiB * kParsedBytesPerRequestByte);  // requests up to 4 MiB
+  ByteBudget budget(16 * kMiB * kParsedBytesPerRequestByte);  // one request up to 4 MiB
   ASSERT_EQ(MaxParsedRequestBytes(budget), 4 * kMiB);
-  absl::StatusOr<ByteBudget::Hold> first = HoldForParse(budget, "GetCache", 3 * kMiB);
-  ASSERT_TRUE(first.ok()) << first.status();
-  absl::StatusOr<ByteBudget::Hold> second = HoldForParse(budget, "GetCache", 2 * kMiB);
-  EXPECT_EQ(second.status().code(), absl::StatusCode::kResourceExhausted) << second.status();
-  EXPECT_NE(second.status().message().find("the server is busy"), std::string::npos)
-      << second.status();
-  EXPECT_TRUE(HoldForParse(budget, "GetCache", kMiB).ok());  // fits beside the first
-  *first = ByteBudget::Hold();                               // the first call is over
+  std::vector<ByteBudget::Hold> held;
+  for (int i = 0; i < 4; ++i) {
+    absl::StatusOr<ByteBudget::Hold> h = HoldForParse(budget, "GetCache", 4 * kMiB);
+    ASSERT_TRUE(h.ok()) << i << ": " << h.status();
+    held.push_back(*std::move(h));
+  }
+  absl::StatusOr<ByteBudget::Hold> busy = HoldForParse(budget, "GetCache", kMiB);
+  EXPECT_EQ(busy.status().code(), absl::StatusCode::kResourceExhausted) << busy.status();
+  EXPECT_NE(busy.status().message().find("the server is busy"), std::string::npos) << busy.status();
+  EXPECT_TRUE(HoldForParse(budget, "GetCache", kUnheldRequestBytes).ok());  // holds nothing
+  held.pop_back();                                                          // a call is over
   EXPECT_TRUE(HoldForParse(budget, "GetCache", 4 * kMiB).ok());
   absl::StatusOr<ByteBudget::Hold> huge = HoldForParse(budget, "GetCache", 4 * kMiB + 1);
   EXPECT_EQ(huge.status().code(), absl::StatusCode::kResourceExhausted) << huge.status();
   EXPECT_NE(huge.status().message().find(absl::StrCat("up to ", 4 * kMiB, " bytes")),
             std::string::npos)
       << huge.status();
+  held.clear();
   EXPECT_EQ(budget.used(), 0);
   // The smallest budget still parses a request of a MiB, alone.
   ByteBudget small(16 * kMiB);
   EXPECT_EQ(MaxParsedRequestBytes(small), kAlwaysParsedRequestBytes);
   absl::StatusOr<ByteBudget::Hold> alone = HoldForParse(small, "CreateCache", kMiB);
   ASSERT_TRUE(alone.ok()) << alone.status();
-  EXPECT_FALSE(HoldForParse(small, "CreateCache", 16).ok());  // nothing beside it
+  EXPECT_FALSE(HoldForParse(small, "CreateCache", kUnheldRequestBytes + 1).ok());
+}
+
+// Control calls run on threads of their own: CreateCaches filling their pools (seconds on the
+// CPU backend, taking turns on one lock) leave gRPC's few callback threads to health checks and
+// Forwards. On those threads, three 3 GB CreateCaches held a health check for 15 s.
+TEST(ControlRequestTest, SlowControlCallsLeaveHealthChecksPrompt) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  constexpr int kCreates = 12;
+  std::atomic<int> created{0};
+  std::vector<std::thread> creates;
+  for (int i = 0; i < kCreates; ++i) {
+    creates.emplace_back([&] {
+      auto client = ConnectTo(*server, absl::Seconds(120));
+      // 256 MiB pools: each filled in a fraction of a second, one after another.
+      if (client->CreateCache(Config(16384)).ok()) ++created;
+    });
+  }
+  absl::Duration worst;
+  int checks = 0;
+  while (created.load() < kCreates && checks < 100000) {
+    grpc::ClientContext ctx;
+    HealthCheckRequest request;
+    HealthCheckResponse response;
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(health->Check(&ctx, request, &response).ok());
+    worst = std::max(worst, absl::Now() - start);
+    ++checks;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  for (std::thread& t : creates) t.join();
+  EXPECT_EQ(created.load(), kCreates);
+  EXPECT_GT(checks, 10);
+  EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
 }
 
 // A request of a method other than Forward and Step whose parse could take more than the whole
@@ -1268,10 +1310,12 @@ TEST(ControlRequestTest, AParseWaitsForRoomAndOneTooLargeNeverRuns) {
 // parse are the caller's error, naming what they should have been.
 TEST(ControlRequestTest, RequestsTooLargeToParseAreRefusedUnread) {
   ServerOptions o = CpuOptions();
-  o.request_memory_bytes = int64_t{256} << 20;  // requests of other methods up to 2 MiB
+  o.request_memory_bytes = int64_t{1} << 30;  // requests of other methods up to 2 MiB
   auto server = *PagedAttnServer::Start(o);
   const std::string validate = "/pagedattn.v1.AttentionService/ValidateCacheConfig";
-  const size_t max_bytes = (size_t{256} << 20) / kParsedBytesPerRequestByte;
+  const size_t max_bytes =
+      static_cast<size_t>(MaxParsedRequestBytes(ByteBudget(o.request_memory_bytes)));
+  ASSERT_EQ(max_bytes, size_t{2} << 20);
   // Empty `layers` entries: over 40 times their bytes, parsed.
   const std::string layers = TwoByteFields(10, 2, max_bytes / 2 + 1);
   grpc::Status s = RawUnary(*server, validate, layers);

@@ -1417,6 +1417,79 @@ TEST(ReflectionTest, AnswersFromTheBinarysDescriptorsAndRefusesLongRequests) {
   EXPECT_NE(status.error_message().find("at most"), std::string::npos) << status.error_message();
 }
 
+// Reflection needs no token: streams open at once past kMaxStreams are refused at once
+// (RESOURCE_EXHAUSTED), the others stay open until their client ends them.
+TEST(ReflectionTest, OpenStreamsAreBounded) {
+  namespace rv = grpc::reflection::v1alpha;
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto stub = rv::ServerReflection::NewStub(channel);
+  grpc::CompletionQueue cq;
+  constexpr int kExtra = 4;
+  constexpr int kStreams = static_cast<int>(ReflectionServiceImpl::kMaxStreams) + kExtra;
+  struct Stream {
+    grpc::ClientContext ctx;
+    std::unique_ptr<
+        grpc::ClientAsyncReaderWriter<rv::ServerReflectionRequest, rv::ServerReflectionResponse>>
+        rw;
+    grpc::Status status;
+    bool ended = false;
+  };
+  std::vector<std::unique_ptr<Stream>> streams;
+  for (int i = 0; i < kStreams; ++i) {
+    auto s = std::make_unique<Stream>();
+    s->rw = stub->AsyncServerReflectionInfo(&s->ctx, &cq, reinterpret_cast<void*>(int64_t{i} * 2));
+    streams.push_back(std::move(s));
+  }
+  // Each stream: started (tag 2i), then asked for its status (2i+1), which only a refused
+  // stream gives before its client ends it.
+  int started = 0, refused = 0;
+  const auto deadline = std::chrono::system_clock::now() + std::chrono::seconds(20);
+  while (refused < kExtra) {
+    void* tag;
+    bool ok;
+    ASSERT_EQ(cq.AsyncNext(&tag, &ok, deadline), grpc::CompletionQueue::GOT_EVENT)
+        << started << " started, " << refused << " refused";
+    const int64_t t = reinterpret_cast<int64_t>(tag);
+    Stream& s = *streams[static_cast<size_t>(t / 2)];
+    if (t % 2 == 0) {
+      ++started;
+      s.rw->Finish(&s.status, reinterpret_cast<void*>(t + 1));
+    } else {
+      s.ended = true;
+      EXPECT_EQ(s.status.error_code(), grpc::StatusCode::RESOURCE_EXHAUSTED)
+          << s.status.error_message();
+      ++refused;
+    }
+  }
+  // No more end on their own (the open ones wait for their client); then the client ends them.
+  void* tag;
+  bool ok;
+  auto handle = [&](bool cancelled) {
+    const int64_t t = reinterpret_cast<int64_t>(tag);
+    Stream& s = *streams[static_cast<size_t>(t / 2)];
+    if (t % 2 == 0) {
+      s.rw->Finish(&s.status, reinterpret_cast<void*>(t + 1));
+      return;
+    }
+    EXPECT_TRUE(cancelled) << "a stream within the bound ended: " << s.status.error_message();
+    s.ended = true;
+  };
+  const auto quiet = std::chrono::system_clock::now() + std::chrono::milliseconds(300);
+  while (cq.AsyncNext(&tag, &ok, quiet) == grpc::CompletionQueue::GOT_EVENT) handle(false);
+  for (auto& s : streams) {
+    if (!s->ended) s->ctx.TryCancel();
+  }
+  auto open = [&] {
+    return std::count_if(streams.begin(), streams.end(), [](const auto& s) { return !s->ended; });
+  };
+  while (open() > 0 && cq.Next(&tag, &ok)) handle(true);
+  cq.Shutdown();
+  while (cq.Next(&tag, &ok)) {
+  }
+}
+
 // Health needs no token; 100 open Watch streams from unauthenticated callers must not starve
 // authenticated calls (each used to hold a server thread), and past a bound they are refused.
 TEST(HealthTest, WatchStreamsDoNotStarveAuthenticatedCalls) {

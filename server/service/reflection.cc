@@ -75,8 +75,9 @@ ServerReflectionResponse AnswerReflection(const ServerReflectionRequest& request
     case ServerReflectionRequest::kAllExtensionNumbersOfType: {
       const pb::Descriptor* type =
           pool->FindMessageTypeByName(request.all_extension_numbers_of_type());
-      if (type == nullptr)
+      if (type == nullptr) {
         return not_found("message type", request.all_extension_numbers_of_type());
+      }
       std::vector<const pb::FieldDescriptor*> extensions;
       pool->FindAllExtensions(type, &extensions);
       auto* numbers = response.mutable_all_extension_numbers_response();

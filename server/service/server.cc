@@ -39,6 +39,10 @@ namespace {
 // fifteen threads.
 constexpr int kControlThreads = 16;
 
+// What gRPC's resource quota holds past --request_memory_mb (Start: a message's framing and read
+// buffers).
+constexpr int64_t kTransportQuotaSlackBytes = kMaxReadChunkBytes;
+
 // AttentionService's method of a call's path ("/pagedattn.v1.AttentionService/Forward" ->
 // "Forward", as the handlers count it), or "" for any other path.
 absl::string_view MethodOfPath(absl::string_view path) {
@@ -264,8 +268,12 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   builder.RegisterService(s->reflection_.get());
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
+  // The transport counts a message's framing and read buffers against its quota beside the
+  // message: a quota of exactly --request_memory_mb reset the stream of a message within 16 KiB
+  // of --max_message_mb when the two flags were equal, with nothing but RST_STREAM for its
+  // client. The slack lets every message the limit accepts arrive whole when it is alone.
   grpc::ResourceQuota quota("pagedattn");
-  quota.Resize(static_cast<size_t>(request_memory));
+  quota.Resize(static_cast<size_t>(request_memory + kTransportQuotaSlackBytes));
   builder.SetResourceQuota(quota);
   s->server_ = builder.BuildAndStart();
   auto could_not_listen = [](const ListenAddress& a) {

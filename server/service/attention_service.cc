@@ -566,7 +566,7 @@ class AttentionServiceImpl::StepReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
   StepReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
-      : service_(service), ctx_(ctx) {
+      : service_(service), ctx_(ctx), stream_("Step", ctx, service->gate_) {
     if (!service_->gate_->Enter()) {
       Rpc rpc("Step", ctx_, service_->gate_);
       {
@@ -592,6 +592,7 @@ class AttentionServiceImpl::StepReactor final
         return;
       }
       tenant_ = *std::move(tenant);
+      stream_.set_tenant(tenant_);
     }
     absl::MutexLock lock(&mu_);
     ReadLocked();
@@ -628,6 +629,7 @@ class AttentionServiceImpl::StepReactor final
       writing_ = false;
       written = std::move(jobs_.front());
       jobs_.pop_front();
+      if (ok) ++written_;
       if (!ok) cancelled_ = true;  // the stream is broken: stop reading and running
       WriteLocked();
       ReadLocked();
@@ -811,9 +813,39 @@ class AttentionServiceImpl::StepReactor final
     service_->gate_->SetWaiting(waiting);
   }
 
-  // Whether the stream is done, with the status to Finish it with (finished_ then set): the
-  // caller calls Finish once it has released mu_, as its last use of the reactor.
+  // Whether the stream is done, with the status to Finish it with (finished_ then set, the end
+  // logged): the caller calls Finish once it has released mu_, as its last use of the reactor.
   std::optional<grpc::Status> DoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    std::optional<grpc::Status> done = EndLocked();
+    if (done) LogEndLocked(*done);
+    return done;
+  }
+
+  // The stream's end, one line: debug when its client closed it, info when it was cancelled
+  // (by its client, its deadline or a broken connection) or ended by a drain, with what it
+  // left unanswered (each message's own line says how it ended). At most one a second for each
+  // connection and code (LogThrottled): the line an operator needs when an orchestrator's steps
+  // time out or its connections drop.
+  void LogEndLocked(grpc::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    // A client's cancel can end the reads before OnCancel comes: the stream then ends as if
+    // closed, but it was cancelled.
+    if (s.ok() && ctx_->IsCancelled()) s = grpc::Status(grpc::StatusCode::CANCELLED, "");
+    const spdlog::level::level_enum level = s.ok() ? spdlog::level::debug : spdlog::level::info;
+    if (!spdlog::should_log(level)) return;
+    if (!cache_id_.empty()) stream_.set_cache(cache_id_);
+    const std::string line = absl::StrFormat(
+        "step stream cache=%s %s %s after %.3f ms: %d messages read, %d answered, %d unanswered",
+        stream_.cache(), stream_.Caller(),
+        s.ok() ? "ended" : absl::StatusCodeToString(static_cast<absl::StatusCode>(s.error_code())),
+        stream_.seconds() * 1e3, next_seq_, written_, next_seq_ - written_);
+    if (s.ok()) {
+      spdlog::debug("{}", line);
+    } else {
+      LogThrottled(level, absl::StrCat(ctx_->peer(), " step stream ", s.error_code()), line);
+    }
+  }
+
+  std::optional<grpc::Status> EndLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     // A cancelled stream finishes with its read still pending (gRPC then completes the read
     // with ok=false): a read started as the cancellation arrives is not always completed
     // otherwise, and the call would never end (a server shutdown would wait for it forever).
@@ -840,6 +872,8 @@ class AttentionServiceImpl::StepReactor final
   grpc::ByteBuffer incoming_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);  // in the order they came
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t written_ ABSL_GUARDED_BY(mu_) = 0;  // answers sent
+  Rpc stream_;                                // the stream as a whole, for its last line
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;

@@ -12,6 +12,9 @@
 #include <random>
 #include <thread>
 
+#include "absl/algorithm/container.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_split.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "server/service/server.h"
@@ -339,6 +342,43 @@ TEST_P(DataPlaneTest, StreamsOpenedAndCancelledDuringADrainEndOnce) {
   server_->StopCallsNow();
   stop.join();
   server_->Wait();
+}
+
+// A stream's end is a line of its own: debug when its client closed it, info when it was
+// cancelled, with what it read and answered (each message's line says only how that one ended).
+TEST_P(DataPlaneTest, AStreamsEndIsLoggedWithWhatItLeftUnanswered) {
+  testing::LogCapture capture(spdlog::level::debug);
+  std::string out;
+  std::unique_ptr<StepStream> closed = WaitingStream(&out);
+  ASSERT_TRUE(closed->Close().ok());
+  std::unique_ptr<StepStream> cancelled = WaitingStream(&out);
+  // A line of its kind (this connection's cancelled streams) goes out at most once a second: an
+  // earlier test's cancel in this process is a second past.
+  absl::SleepFor(absl::Milliseconds(1100));
+  cancelled->Cancel();
+  EXPECT_FALSE(cancelled->Close().ok());
+  for (int i = 0; i < 2000 && server_->calls_in_flight() > 0; ++i)
+    absl::SleepFor(absl::Milliseconds(5));
+  std::string log;
+  for (int i = 0; i < 400; ++i) {
+    log = capture.str();
+    if (log.find("CANCELLED after") != std::string::npos) break;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  // Whether a line of the log holds each of the parts.
+  auto line_with = [&log](std::initializer_list<absl::string_view> parts) {
+    for (absl::string_view line : absl::StrSplit(log, '\n')) {
+      if (absl::c_all_of(parts, [line](absl::string_view p) { return absl::StrContains(line, p); }))
+        return true;
+    }
+    return false;
+  };
+  EXPECT_TRUE(line_with({"[debug]", "step stream cache=", " peer=", " ended after ",
+                         " ms: 1 messages read, 1 answered, 0 unanswered"}))
+      << log;
+  EXPECT_TRUE(line_with({"[info]", "step stream cache=", " peer=", " CANCELLED after ",
+                         " ms: 1 messages read, 1 answered, 0 unanswered"}))
+      << log;
 }
 
 // Cancelled mid-stream: the layers answered before are committed, the one running is stopped

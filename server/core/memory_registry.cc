@@ -35,28 +35,12 @@ struct MemoryRegistry::Region {
 
 MemoryRegistry::MemoryRegistry(Backend* backend, MemoryRegistryOptions options,
                                OnRelease on_release)
-    : backend_(backend), options_(options), on_release_(std::move(on_release)) {
-  sweeper_ = std::thread([this] { SweepLoop(); });
-}
+    : backend_(backend),
+      options_(options),
+      on_release_(std::move(on_release)),
+      sweeper_(options_.sweep_interval, [this] { Sweep(absl::Now()); }) {}
 
-MemoryRegistry::~MemoryRegistry() {
-  {
-    absl::MutexLock lock(&mu_);
-    stopping_ = true;
-  }
-  sweeper_.join();
-}
-
-void MemoryRegistry::SweepLoop() {
-  absl::MutexLock lock(&mu_);
-  while (!stopping_) {
-    mu_.AwaitWithTimeout(absl::Condition(&stopping_), options_.sweep_interval);
-    if (stopping_) break;
-    mu_.Unlock();
-    Sweep(absl::Now());
-    mu_.Lock();
-  }
-}
+MemoryRegistry::~MemoryRegistry() = default;
 
 absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
   if (spec.size_bytes < 1) {

@@ -9,7 +9,6 @@
 #include <functional>
 #include <memory>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
@@ -17,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "server/core/backend.h"
+#include "server/core/periodic_task.h"
 
 namespace pagedattn {
 
@@ -94,7 +94,6 @@ class MemoryRegistry {
   absl::StatusOr<std::shared_ptr<Region>> Use(const std::string& region_id,
                                               const std::string& cache_id, const std::string& owner,
                                               const std::string& what);
-  void SweepLoop();
   void Released(std::vector<std::shared_ptr<Region>> regions, const std::string& why);
 
   Backend* const backend_;
@@ -107,8 +106,8 @@ class MemoryRegistry {
   absl::Mutex import_mu_;
   absl::flat_hash_map<std::string, std::weak_ptr<ImportedMemory>> mapped_
       ABSL_GUARDED_BY(import_mu_);
-  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
-  std::thread sweeper_;
+  // Last: stopped (a sweep in progress waited for) before the members it uses go.
+  PeriodicTask sweeper_;
 };
 
 }  // namespace pagedattn

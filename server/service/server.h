@@ -14,12 +14,12 @@
 #include "server/core/backend_factory.h"
 #include "server/core/cache_manager.h"
 #include "server/core/memory_registry.h"
+#include "server/core/periodic_task.h"
 #include "server/service/attention_service.h"
 #include "server/service/auth.h"
 #include "server/service/health.h"
 #include "server/service/http_server.h"
 #include "server/service/metrics.h"
-#include "server/service/periodic_task.h"
 #include "server/service/reflection.h"
 #include "server/service/rpc_gate.h"
 

@@ -1,5 +1,5 @@
 // PeriodicTask: runs a function every interval on a thread of its own until destroyed (the
-// server's sweep of idle caches).
+// server's sweep of idle caches, the memory registry's of expired leases).
 #pragma once
 
 #include <functional>

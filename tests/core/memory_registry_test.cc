@@ -174,6 +174,35 @@ TEST_F(MemoryRegistryTest, LeasesExpireUnlessUsedAndCacheDeletionReleases) {
   EXPECT_EQ(g_mapped, 0);
 }
 
+// The registry's own sweeper releases a region once its lease has passed unused, telling
+// on_release why; destroying the registry stops it.
+TEST(MemoryRegistrySweeperTest, ReleasesAnExpiredRegionOnItsOwn) {
+  FakeBackend backend;
+  absl::Mutex mu;
+  std::string why;
+  {
+    MemoryRegistry registry(&backend, {.max_regions = 3, .sweep_interval = absl::Milliseconds(20)},
+                            [&](const RegionInfo&, const std::string& w) {
+                              absl::MutexLock lock(&mu);
+                              why = w;
+                            });
+    absl::StatusOr<RegionInfo> r = registry.Register({.owner = "a",
+                                                      .cache_id = "c",
+                                                      .device = 0,
+                                                      .handle = "4096",
+                                                      .size_bytes = 4096,
+                                                      .lease = absl::Seconds(1),
+                                                      .event_handles = {}});
+    ASSERT_TRUE(r.ok()) << r.status();
+    for (int i = 0; i < 250 && registry.CountFor("c") > 0; ++i) {
+      absl::SleepFor(absl::Milliseconds(20));
+    }
+    EXPECT_EQ(registry.CountFor("c"), 0);
+  }
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(why, "unused for its whole lease");
+}
+
 TEST_F(MemoryRegistryTest, EventsAreNamedByOneBasedIndex) {
   absl::StatusOr<RegionInfo> r = registry_.Register({.owner = "a",
                                                      .cache_id = "c1",

@@ -522,18 +522,33 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
-  // Runs here, on the callback thread: a hop to another thread would add its wake-up to every
-  // Forward's latency. The Step stream, whose layers overlap, uses the executor.
   UnaryReactor* reactor = new UnaryReactor(gate_);
-  Rpc call("Forward", ctx, gate_);
   if (!reactor->entered()) {
+    Rpc call("Forward", ctx, gate_);
     reactor->Finish(Finish(
         call, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
     return reactor;
   }
+  // A CUDA Forward runs here, on the callback thread: it takes milliseconds, and a hop to
+  // another thread would add its wake-up to each one's latency. A CPU Forward takes up to
+  // seconds: on gRPC's callback threads (two on a two-core host) four at once held health checks
+  // 4.4 s, on the health port too, so it runs on the executor (as the Step stream's layers do).
+  // ctx, req and resp live until Finish.
+  if (manager_->backend().kind() == BackendKind::kCpu) {
+    executor_->Post([this, ctx, req, resp, reactor] { RunForwardCall(ctx, *req, resp, reactor); });
+  } else {
+    RunForwardCall(ctx, *req, resp, reactor);
+  }
+  return reactor;
+}
+
+void AttentionServiceImpl::RunForwardCall(grpc::CallbackServerContext* ctx,
+                                          const grpc::ByteBuffer& req, grpc::ByteBuffer* resp,
+                                          grpc::ServerUnaryReactor* reactor) {
+  Rpc call("Forward", ctx, gate_);
   reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
     ReceivedForward received;
-    if (absl::Status s = ParseForward(*req, manager_->limits().forward.max_spans, &received);
+    if (absl::Status s = ParseForward(req, manager_->limits().forward.max_spans, &received);
         !s.ok()) {
       return s;
     }
@@ -555,7 +570,6 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     }
     return absl::OkStatus();
   }));
-  return reactor;
 }
 
 // One Step stream. Messages are read ahead and run on the executor, up to kStepLayersInFlight

@@ -155,6 +155,9 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::Status HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx, Body&& body);
   // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
+  // A unary Forward after the gate: parse, RunForward, encode, Finish on reactor.
+  void RunForwardCall(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& req,
+                      grpc::ByteBuffer* resp, grpc::ServerUnaryReactor* reactor);
   // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,
   // the byte budget, the core.
   absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,

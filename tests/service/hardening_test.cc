@@ -1330,6 +1330,49 @@ TEST(ControlRequestTest, SlowControlCallsLeaveHealthChecksPrompt) {
   EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
 }
 
+// CPU-backend Forwards (up to seconds each) run on the executor, not on gRPC's few callback
+// threads: Forwards of one layer taking turns on its lock left no thread to answer health checks
+// there (four held one 4.4 s, on the health port too).
+TEST(ControlRequestTest, SlowCpuForwardsLeaveHealthChecksPrompt) {
+  ServerOptions o = CpuOptions();
+  o.backend.cpu_threads = 1;  // a core left for the health checks, as on a larger host
+  auto server = *PagedAttnServer::Start(o);
+  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
+                                     grpc::InsecureChannelCredentials());
+  auto health = grpc::health::v1::Health::NewStub(channel);
+  constexpr int kForwards = 6, kTokens = 1536;
+  const std::string cache =
+      ConnectTo(*server, absl::Seconds(60))->CreateCache(Config(kForwards * 96))->cache_id();
+  std::atomic<int> answered{0};
+  std::vector<std::thread> forwards;
+  for (int i = 0; i < kForwards; ++i) {
+    forwards.emplace_back([&, i] {
+      auto client = ConnectTo(*server, absl::Seconds(300));
+      // One layer: the six take turns on its lock, each a prefill of kTokens queries.
+      if (client->Forward(Request(cache, i + 1, 0, kTokens, kTokens, 10 * i)).ok()) ++answered;
+    });
+  }
+  for (int i = 0; i < 2000 && server->calls_in_flight() < 2 + kForwards / 2; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  absl::Duration worst;
+  int checks = 0;
+  while (answered.load() < kForwards - 1 && checks < 100000) {
+    grpc::ClientContext ctx;
+    HealthCheckRequest request;
+    HealthCheckResponse response;
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(health->Check(&ctx, request, &response).ok());
+    worst = std::max(worst, absl::Now() - start);
+    ++checks;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  for (std::thread& t : forwards) t.join();
+  EXPECT_EQ(answered.load(), kForwards);
+  EXPECT_GT(checks, 10);
+  EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
+}
+
 // A request of a method other than Forward and Step whose parse could take more than the whole
 // request budget is refused before protobuf reads it (bytes that are no message at all get the
 // same answer, not a parse error); one that fits is parsed and answered; bytes protobuf cannot

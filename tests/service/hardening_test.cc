@@ -19,6 +19,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <random>
 #include <sstream>
 #include <string_view>
@@ -1294,14 +1295,33 @@ TEST(ControlRequestTest, AParseWaitsForRoomAndOneTooLargeNeverRuns) {
   EXPECT_FALSE(HoldForParse(small, "CreateCache", kUnheldRequestBytes + 1).ok());
 }
 
+// Health checks, one every 5 ms until done() (at least 10): each answered within 500 ms (2 s
+// under a sanitizer).
+void ExpectPromptHealthChecksUntil(const PagedAttnServer& server,
+                                   const std::function<bool()>& done) {
+  auto health = grpc::health::v1::Health::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server.port()), grpc::InsecureChannelCredentials()));
+  absl::Duration worst;
+  int checks = 0;
+  while (!done() && checks < 100000) {
+    grpc::ClientContext ctx;
+    HealthCheckRequest request;
+    HealthCheckResponse response;
+    const absl::Time start = absl::Now();
+    ASSERT_TRUE(health->Check(&ctx, request, &response).ok());
+    worst = std::max(worst, absl::Now() - start);
+    ++checks;
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  EXPECT_GT(checks, 10);
+  EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
+}
+
 // Control calls run on threads of their own: CreateCaches filling their pools (seconds on the
 // CPU backend, taking turns on one lock) leave gRPC's few callback threads to health checks and
 // Forwards. On those threads, three 3 GB CreateCaches held a health check for 15 s.
 TEST(ControlRequestTest, SlowControlCallsLeaveHealthChecksPrompt) {
   auto server = *PagedAttnServer::Start(CpuOptions());
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
-                                     grpc::InsecureChannelCredentials());
-  auto health = grpc::health::v1::Health::NewStub(channel);
   constexpr int kCreates = 12;
   std::atomic<int> created{0};
   std::vector<std::thread> creates;
@@ -1312,22 +1332,9 @@ TEST(ControlRequestTest, SlowControlCallsLeaveHealthChecksPrompt) {
       if (client->CreateCache(Config(16384)).ok()) ++created;
     });
   }
-  absl::Duration worst;
-  int checks = 0;
-  while (created.load() < kCreates && checks < 100000) {
-    grpc::ClientContext ctx;
-    HealthCheckRequest request;
-    HealthCheckResponse response;
-    const absl::Time start = absl::Now();
-    ASSERT_TRUE(health->Check(&ctx, request, &response).ok());
-    worst = std::max(worst, absl::Now() - start);
-    ++checks;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  ExpectPromptHealthChecksUntil(*server, [&] { return created.load() == kCreates; });
   for (std::thread& t : creates) t.join();
   EXPECT_EQ(created.load(), kCreates);
-  EXPECT_GT(checks, 10);
-  EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
 }
 
 // CPU-backend Forwards (up to seconds each) run on the executor, not on gRPC's few callback
@@ -1337,9 +1344,6 @@ TEST(ControlRequestTest, SlowCpuForwardsLeaveHealthChecksPrompt) {
   ServerOptions o = CpuOptions();
   o.backend.cpu_threads = 1;  // a core left for the health checks, as on a larger host
   auto server = *PagedAttnServer::Start(o);
-  auto channel = grpc::CreateChannel(absl::StrCat("127.0.0.1:", server->port()),
-                                     grpc::InsecureChannelCredentials());
-  auto health = grpc::health::v1::Health::NewStub(channel);
   constexpr int kForwards = 6, kTokens = 1536;
   const std::string cache =
       ConnectTo(*server, absl::Seconds(60))->CreateCache(Config(kForwards * 96))->cache_id();
@@ -1355,22 +1359,9 @@ TEST(ControlRequestTest, SlowCpuForwardsLeaveHealthChecksPrompt) {
   for (int i = 0; i < 2000 && server->calls_in_flight() < 2 + kForwards / 2; ++i) {
     absl::SleepFor(absl::Milliseconds(5));
   }
-  absl::Duration worst;
-  int checks = 0;
-  while (answered.load() < kForwards - 1 && checks < 100000) {
-    grpc::ClientContext ctx;
-    HealthCheckRequest request;
-    HealthCheckResponse response;
-    const absl::Time start = absl::Now();
-    ASSERT_TRUE(health->Check(&ctx, request, &response).ok());
-    worst = std::max(worst, absl::Now() - start);
-    ++checks;
-    absl::SleepFor(absl::Milliseconds(5));
-  }
+  ExpectPromptHealthChecksUntil(*server, [&] { return answered.load() >= kForwards - 1; });
   for (std::thread& t : forwards) t.join();
   EXPECT_EQ(answered.load(), kForwards);
-  EXPECT_GT(checks, 10);
-  EXPECT_LT(worst, absl::Milliseconds(kSanitized ? 2000 : 500)) << checks << " checks";
 }
 
 // A request of a method other than Forward and Step whose parse could take more than the whole

@@ -532,21 +532,28 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   // A CUDA Forward runs here, on the callback thread: it takes milliseconds, and a hop to
   // another thread would add its wake-up to each one's latency. A CPU Forward takes up to
   // seconds: on gRPC's callback threads (two on a two-core host) four at once held health checks
-  // 4.4 s, on the health port too, so it runs on the executor (as the Step stream's layers do).
+  // 4.4 s, on the health port too, so it runs on threads of its own (forward_executor_, apart
+  // from the Step layers', which Forwards waiting on one layer's lock would hold up).
   // ctx, req and resp live until Finish.
-  if (manager_->backend().kind() == BackendKind::kCpu) {
-    executor_->Post([this, ctx, req, resp, reactor] { RunForwardCall(ctx, *req, resp, reactor); });
+  Rpc call("Forward", ctx, gate_);
+  if (forward_executor_ != nullptr) {
+    forward_executor_->Post([this, call, ctx, req, resp, reactor]() mutable {
+      RunForwardCall(call, call.seconds() * 1e6, ctx, *req, resp, reactor);
+    });
   } else {
-    RunForwardCall(ctx, *req, resp, reactor);
+    RunForwardCall(call, /*queue_us=*/-1, ctx, *req, resp, reactor);
   }
   return reactor;
 }
 
-void AttentionServiceImpl::RunForwardCall(grpc::CallbackServerContext* ctx,
+void AttentionServiceImpl::RunForwardCall(Rpc& call, double queue_us,
+                                          grpc::CallbackServerContext* ctx,
                                           const grpc::ByteBuffer& req, grpc::ByteBuffer* resp,
                                           grpc::ServerUnaryReactor* reactor) {
-  Rpc call("Forward", ctx, gate_);
   reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
+    // Cancelled, past its deadline or stopped by a drain while it waited for a thread: nothing
+    // of it is parsed or held.
+    if (absl::Status s = rpc.stop().Check(); !s.ok()) return s;
     ReceivedForward received;
     if (absl::Status s = ParseForward(req, manager_->limits().forward.max_spans, &received);
         !s.ok()) {
@@ -565,8 +572,8 @@ void AttentionServiceImpl::RunForwardCall(grpc::CallbackServerContext* ctx,
     ctx->AddTrailingMetadata("pagedattn-kernel-us",
                              std::to_string(Micros(answer->timings.kernel_us)));
     if (metrics_ != nullptr) {
-      metrics_->RecordForwardPhases(parse_us, answer->stage_in_us, answer->timings,
-                                    server_us - before_encode_us);
+      metrics_->RecordForwardPhases(parse_us - std::max(queue_us, 0.0), answer->stage_in_us,
+                                    answer->timings, server_us - before_encode_us, queue_us);
     }
     return absl::OkStatus();
   }));
@@ -668,6 +675,7 @@ class AttentionServiceImpl::StepReactor final
     {
       absl::MutexLock lock(&mu_);
       if (waiting_) service_->gate_->SetWaiting(false);
+      if (end_) LogEndLocked(*end_);  // the streams refused at the start were logged then
     }
     if (entered_) service_->gate_->Leave();
     delete this;
@@ -831,18 +839,18 @@ class AttentionServiceImpl::StepReactor final
   // logged): the caller calls Finish once it has released mu_, as its last use of the reactor.
   std::optional<grpc::Status> DoneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     std::optional<grpc::Status> done = EndLocked();
-    if (done) LogEndLocked(*done);
+    if (done) end_ = *done;
     return done;
   }
 
-  // The stream's end, one line: debug when its client closed it, info when it was cancelled
-  // (by its client, its deadline or a broken connection) or ended by a drain, with what it
-  // left unanswered (each message's own line says how it ended). At most one a second for each
-  // connection and code (LogThrottled): the line an operator needs when an orchestrator's steps
-  // time out or its connections drop.
+  // The stream's end (OnDone), one line: debug when its client closed it, info when it was
+  // cancelled (by its client, its deadline or a broken connection) or ended by a drain, with
+  // what it left unanswered (each message's own line says how it ended). At most one a second
+  // for each connection and code (LogThrottled): the line an operator needs when an
+  // orchestrator's steps time out or its connections drop.
   void LogEndLocked(grpc::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // A client's cancel can end the reads before OnCancel comes: the stream then ends as if
-    // closed, but it was cancelled.
+    // A client's cancel can end the reads before OnCancel comes: the stream then finished as if
+    // closed, but it was cancelled (final once OnDone runs).
     if (s.ok() && ctx_->IsCancelled()) s = grpc::Status(grpc::StatusCode::CANCELLED, "");
     const spdlog::level::level_enum level = s.ok() ? spdlog::level::debug : spdlog::level::info;
     if (!spdlog::should_log(level)) return;
@@ -888,6 +896,7 @@ class AttentionServiceImpl::StepReactor final
   int64_t next_seq_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t written_ ABSL_GUARDED_BY(mu_) = 0;  // answers sent
   Rpc stream_;                                // the stream as a whole, for its last line
+  std::optional<grpc::Status> end_ ABSL_GUARDED_BY(mu_);  // what it finished with (DoneLocked)
   int running_ ABSL_GUARDED_BY(mu_) = 0;
   bool reading_ ABSL_GUARDED_BY(mu_) = false;
   bool reads_done_ ABSL_GUARDED_BY(mu_) = false;

@@ -87,10 +87,13 @@ class AttentionServiceImpl final : public RawAttentionService {
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
   // gate: the server's calls in flight. budget: bytes of requests in flight (Forward data, the
   // other methods' requests). executor: runs the layers of Step streams; control_executor: the
-  // unary calls but Forward. regions: the memory clients registered (RegisterMemory).
+  // unary calls but Forward; forward_executor: unary Forwards, or null to run them on gRPC's
+  // callback thread (a CUDA Forward's milliseconds). regions: the memory clients registered
+  // (RegisterMemory).
   AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
                        const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
-                       ByteBudget* budget, Executor* executor, Executor* control_executor)
+                       ByteBudget* budget, Executor* executor, Executor* control_executor,
+                       Executor* forward_executor)
       : manager_(manager),
         regions_(regions),
         auth_(auth),
@@ -98,7 +101,8 @@ class AttentionServiceImpl final : public RawAttentionService {
         gate_(gate),
         budget_(budget),
         executor_(executor),
-        control_executor_(control_executor) {}
+        control_executor_(control_executor),
+        forward_executor_(forward_executor) {}
 
   using Reactor = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
@@ -155,9 +159,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::Status HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx, Body&& body);
   // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
-  // A unary Forward after the gate: parse, RunForward, encode, Finish on reactor.
-  void RunForwardCall(grpc::CallbackServerContext* ctx, const grpc::ByteBuffer& req,
-                      grpc::ByteBuffer* resp, grpc::ServerUnaryReactor* reactor);
+  // A unary Forward after the gate (call started as it arrived; queue_us it waited for a
+  // thread, or -1 where it ran on the thread it arrived on): parse, RunForward, encode, Finish on
+  // reactor.
+  void RunForwardCall(Rpc& call, double queue_us, grpc::CallbackServerContext* ctx,
+                      const grpc::ByteBuffer& req, grpc::ByteBuffer* resp,
+                      grpc::ServerUnaryReactor* reactor);
   // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,
   // the byte budget, the core.
   absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,
@@ -177,6 +184,7 @@ class AttentionServiceImpl final : public RawAttentionService {
   ByteBudget* const budget_;
   Executor* const executor_;
   Executor* const control_executor_;
+  Executor* const forward_executor_;
 };
 
 // The capability table of a backend, as sent in ServerInfo.

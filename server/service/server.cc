@@ -38,6 +38,9 @@ namespace {
 // take turns on the manager's lock anyway; the others are quick, and one slow call leaves them
 // fifteen threads.
 constexpr int kControlThreads = 16;
+// The CPU backend's unary Forwards, likewise: those of one layer wait their turn on its lock
+// holding a thread each, and the rest take turns on the backend's compute threads.
+constexpr int kCpuForwardThreads = 16;
 
 // What gRPC's resource quota holds past --request_memory_mb (Start: a message's framing and read
 // buffers).
@@ -235,9 +238,14 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->executor_ = std::make_unique<Executor>(
       std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
   s->control_executor_ = std::make_unique<Executor>(kControlThreads);
+  // The CPU backend's Forwards (up to seconds each) leave gRPC's callback threads; a CUDA
+  // Forward's milliseconds run where they arrive (AttentionServiceImpl::Forward).
+  if (s->backend_->kind() == BackendKind::kCpu) {
+    s->forward_executor_ = std::make_unique<Executor>(kCpuForwardThreads);
+  }
   s->service_ = std::make_unique<AttentionServiceImpl>(
       s->manager_.get(), s->regions_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(),
-      s->budget_.get(), s->executor_.get(), s->control_executor_.get());
+      s->budget_.get(), s->executor_.get(), s->control_executor_.get(), s->forward_executor_.get());
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
   const std::string health_name(grpc::health::v1::Health::service_full_name());

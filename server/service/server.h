@@ -113,6 +113,7 @@ class PagedAttnServer {
   std::unique_ptr<ByteBudget> budget_;
   std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
   std::unique_ptr<Executor> control_executor_;  // likewise
+  std::unique_ptr<Executor> forward_executor_;  // likewise; the CPU backend's only
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<ReflectionServiceImpl> reflection_;

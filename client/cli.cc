@@ -80,6 +80,7 @@ constexpr char kUsage[] =
     "  describe CACHE_ID        one cache's config and stats\n"
     "  delete CACHE_ID          delete a cache\n"
     "  release CACHE_ID SEQ...  free sequences' pages\n"
+    "  help                     this text (--help: with every flag)\n"
     "  stats                    the server's Prometheus metrics (--metrics_target)\n"
     "  smoke                    end-to-end check: random mixed prefill/decode batch through\n"
     "                           Forward, compared with a float64 reference; prints PASS/FAIL\n"
@@ -98,8 +99,17 @@ void PrintJson(const google::protobuf::Message& m) {
   std::cout << json;
 }
 
+// What the caller can do about a call's failure, where the code alone tells it: set by main
+// from the connection's flags.
+std::string unavailable_hint, unauthenticated_hint;
+
 int Fail(const absl::Status& s) {
   std::cerr << "error: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  if (s.code() == absl::StatusCode::kUnavailable && !unavailable_hint.empty()) {
+    std::cerr << "hint: " << unavailable_hint << "\n";
+  } else if (s.code() == absl::StatusCode::kUnauthenticated && !unauthenticated_hint.empty()) {
+    std::cerr << "hint: " << unauthenticated_hint << "\n";
+  }
   return 1;
 }
 
@@ -233,6 +243,10 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string command = args[1];
+  if (command == "help") {
+    std::cout << kUsage << "\nrun with --help for the flags\n";
+    return 0;
+  }
 
   pagedattn::ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
@@ -250,6 +264,18 @@ int main(int argc, char** argv) {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  unavailable_hint = absl::StrCat(
+      "no answer from --target=", options.target, ": is the server up and listening there?",
+      options.tls_ca_file.empty()
+          ? " If it serves TLS, give its CA with --tls_ca (and --tls_server_name if the "
+            "certificate names another host)."
+          : " If it serves plaintext, leave out --tls_ca; if TLS, its certificate must be "
+            "signed by --tls_ca's CA and name the target's host (else --tls_server_name).");
+  unauthenticated_hint =
+      options.bearer_token.empty()
+          ? "the server takes bearer tokens: give yours with --token or PAGEDATTN_TOKEN"
+          : "the token given (--token or PAGEDATTN_TOKEN) is not in the server's "
+            "--auth_tokens_file";
   // Every call below, on this thread, carries the id.
   const std::string request_id = absl::GetFlag(FLAGS_request_id);
   std::optional<pagedattn::RequestId> request_id_scope;
@@ -327,8 +353,8 @@ int main(int argc, char** argv) {
     for (size_t i = 3; i < args.size(); ++i) {
       uint64_t id;
       if (!absl::SimpleAtoi(args[i], &id)) {
-        std::cerr << "not a sequence id: " << args[i] << "\n";
-        return 2;
+        return Usage(absl::InvalidArgumentError(absl::StrCat(
+            "release: not a sequence id: '", args[i], "' (ids are unsigned 64-bit integers)")));
       }
       ids.push_back(id);
     }
@@ -385,7 +411,7 @@ int main(int argc, char** argv) {
               << (r->passed ? "PASS" : "FAIL") << "\n";
     return r->passed ? 0 : 1;
   } else {
-    std::cerr << "unknown command '" << command << "'\n\n" << kUsage;
+    std::cerr << "pagedattn-cli: unknown command '" << command << "'\n\n" << kUsage;
     return 2;
   }
   return 0;

@@ -203,8 +203,10 @@ class Parser {
     return false;
   }
 
-  // A Tensor field (length-delimited; the caller checked the wire type), merged into *t.
-  bool Tensor(TensorRef* t) {
+  // A Tensor field (length-delimited; the caller checked the wire type), merged into *t; name:
+  // the field's, for errors ("q").
+  bool Tensor(TensorRef* t, const char* name) {
+    const std::string dims = std::string("dims in ") + name + ".shape (got more)";
     size_t end = 0;
     if (!LengthEnd(&end)) return false;
     t->present = true;
@@ -217,7 +219,7 @@ class Parser {
       }
       if (number == 2 && wt == kVarint) {  // one unpacked entry
         if (!Varint(&v)) return -1;
-        if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in a tensor's shape")) return -1;
+        if (!Room(t->shape.size(), limits_.max_shape_dims, dims.c_str())) return -1;
         t->shape.push_back(static_cast<int64_t>(v));
         return 1;
       }
@@ -226,7 +228,7 @@ class Parser {
         if (!LengthEnd(&packed_end)) return -1;
         while (r_.pos() < packed_end) {
           if (!r_.ReadVarint(&v)) return Fail("truncated packed shape"), -1;
-          if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in a tensor's shape")) {
+          if (!Room(t->shape.size(), limits_.max_shape_dims, dims.c_str())) {
             return -1;
           }
           t->shape.push_back(static_cast<int64_t>(v));
@@ -353,11 +355,11 @@ bool ParseForwardRequest(const std::vector<Piece>& chunks, ForwardRequestRef* ou
       out->spans.push_back(s);
       return ok ? 1 : -1;
     }
-    if (number == kRequestQ && type == kLength) return p.Tensor(&out->q) ? 1 : -1;
-    if (number == kRequestK && type == kLength) return p.Tensor(&out->k) ? 1 : -1;
-    if (number == kRequestV && type == kLength) return p.Tensor(&out->v) ? 1 : -1;
-    if (number == kRequestOut && type == kLength) return p.Tensor(&out->out) ? 1 : -1;
-    if (number == kRequestLse && type == kLength) return p.Tensor(&out->lse) ? 1 : -1;
+    if (number == kRequestQ && type == kLength) return p.Tensor(&out->q, "q") ? 1 : -1;
+    if (number == kRequestK && type == kLength) return p.Tensor(&out->k, "k") ? 1 : -1;
+    if (number == kRequestV && type == kLength) return p.Tensor(&out->v, "v") ? 1 : -1;
+    if (number == kRequestOut && type == kLength) return p.Tensor(&out->out, "out") ? 1 : -1;
+    if (number == kRequestLse && type == kLength) return p.Tensor(&out->lse, "lse") ? 1 : -1;
     if (number == kRequestSync && type == kLength) {
       if (!p.LengthEnd(&end)) return -1;
       out->sync.present = true;
@@ -411,8 +413,8 @@ bool ParseForwardResponse(const std::vector<Piece>& chunks, ForwardResponseRef* 
   return p.Fields(r.total(), [&](uint32_t number, uint32_t type) -> int {
     uint64_t v = 0;
     size_t end = 0;
-    if (number == kResponseOut && type == kLength) return p.Tensor(&out->out) ? 1 : -1;
-    if (number == kResponseLse && type == kLength) return p.Tensor(&out->lse) ? 1 : -1;
+    if (number == kResponseOut && type == kLength) return p.Tensor(&out->out, "out") ? 1 : -1;
+    if (number == kResponseLse && type == kLength) return p.Tensor(&out->lse, "lse") ? 1 : -1;
     if (number == 3 && type == kVarint) {
       if (!p.Varint(&v)) return -1;
       out->layer = static_cast<int32_t>(v);

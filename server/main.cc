@@ -339,11 +339,24 @@ std::vector<std::string> InvalidFlags() {
                      "(any case; got '",
                      absl::GetFlag(FLAGS_log_level), "')"));
   }
+  // TLS's files come in pairs (the server's start checks them again, for callers of the library).
+  const bool cert = !absl::GetFlag(FLAGS_tls_cert).empty(),
+             key = !absl::GetFlag(FLAGS_tls_key).empty();
+  if (cert != key) bad.emplace_back("--tls_cert and --tls_key must be given together");
+  if (!cert && !key && !absl::GetFlag(FLAGS_tls_client_ca).empty()) {
+    bad.emplace_back("--tls_client_ca needs --tls_cert and --tls_key");
+  }
   address("--health_listen", absl::GetFlag(FLAGS_health_listen), true);
   address("--metrics_listen", absl::GetFlag(FLAGS_metrics_listen), true);
+  // Whole numbers as integers ("0..31536000", not "0..3.1536e+07"), as --help gives them.
+  auto number = [](double v) {
+    return v == std::trunc(v) && std::abs(v) < 1e15 ? absl::StrCat(static_cast<int64_t>(v))
+                                                    : absl::StrCat(v);
+  };
   auto range = [&](const char* flag, double value, double lo, double hi) {
     if (!(value >= lo && value <= hi)) {  // also false for NaN
-      bad.push_back(absl::StrCat(flag, " must be in ", lo, "..", hi, " (got ", value, ")"));
+      bad.push_back(absl::StrCat(flag, " must be in ", number(lo), "..", number(hi), " (got ",
+                                 number(value), ")"));
     }
   };
   range("--max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
@@ -651,11 +664,13 @@ int main(int argc, char** argv) {
                  AbslUnparseFlag(options.backend.prefill_kernel), launches);
   }
   spdlog::info(
-      "limits: messages up to {} MiB; {} MiB for requests in flight; {} caches per tenant, {}; a "
+      "limits: messages up to {} MiB; {} MiB for requests in flight; {} per tenant, {}; a "
       "Forward of up to {} tokens and {} spans; {} open files",
       options.max_message_bytes >> 20, (*server)->request_memory_bytes() >> 20,
-      options.limits.max_caches_per_tenant > 0 ? absl::StrCat(options.limits.max_caches_per_tenant)
-                                               : std::string("any number of"),
+      options.limits.max_caches_per_tenant > 0
+          ? absl::StrCat(options.limits.max_caches_per_tenant,
+                         options.limits.max_caches_per_tenant == 1 ? " cache" : " caches")
+          : std::string("any number of caches"),
       options.cache_idle_timeout > absl::ZeroDuration()
           ? absl::StrCat("deleted once unused for ",
                          absl::ToInt64Seconds(options.cache_idle_timeout),

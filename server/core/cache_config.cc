@@ -171,15 +171,24 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
             absl::StrCat("kv_scaling must be PER_TOKEN or STATIC, or unset (got ", scaling, ")"));
     return;
   }
-  if (!fp8 && c.kv_scaling != KvScaling::kUnspecified) {
-    violate("kv_scaling",
-            absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (got kv_scaling ",
-                         c.kv_scaling == KvScaling::kStatic ? "STATIC" : "PER_TOKEN",
-                         " with kv_dtype ",
-                         DTypeSize(c.kv_dtype) > 0 || c.kv_dtype == DType::kUnspecified
-                             ? std::string(DTypeName(c.kv_dtype))
-                             : absl::StrCat(static_cast<int>(c.kv_dtype)),
-                         "); leave it unset"));
+  if (!fp8) {
+    // Neither field means anything here: each one given is refused as such, never as the other
+    // way of scaling's (STATIC with scales on a bfloat16 cache is told to leave both unset).
+    const std::string dtype = DTypeSize(c.kv_dtype) > 0 || c.kv_dtype == DType::kUnspecified
+                                  ? std::string(DTypeName(c.kv_dtype))
+                                  : absl::StrCat(static_cast<int>(c.kv_dtype));
+    if (c.kv_scaling != KvScaling::kUnspecified) {
+      violate("kv_scaling",
+              absl::StrCat("kv_scaling applies to FLOAT8_E4M3 caches only (got kv_scaling ",
+                           c.kv_scaling == KvScaling::kStatic ? "STATIC" : "PER_TOKEN",
+                           " with kv_dtype ", dtype, "); leave it unset"));
+    }
+    if (!c.kv_scales.empty()) {
+      violate("kv_scales",
+              absl::StrCat("kv_scales apply to FLOAT8_E4M3 caches only (got ", c.kv_scales.size(),
+                           " values with kv_dtype ", dtype, "); leave them unset"));
+    }
+    return;
   }
   if (c.kv_scaling == KvScaling::kStatic) {
     const size_t n = c.kv_scales.size();
@@ -201,7 +210,7 @@ void ValidateScaling(const CacheConfigRequest& c, Violate&& violate) {
   } else if (!c.kv_scales.empty()) {
     violate("kv_scales",
             absl::StrCat("kv_scales are for kv_scaling STATIC (got ", c.kv_scales.size(),
-                         " values with ", fp8 ? "PER_TOKEN" : "a 16/32-bit cache", ")"));
+                         " values with PER_TOKEN); set kv_scaling STATIC or leave them unset"));
   }
 }
 

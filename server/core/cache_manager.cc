@@ -77,7 +77,9 @@ ValidationContext CacheManager::ContextFor(int32_t device) const {
   if (device >= 0 && device < ctx.device_count) {
     absl::StatusOr<MemoryInfo> mem = backend_->memory(device);
     ctx.free_bytes = mem.ok() ? mem->free_bytes : 0;
-    ctx.free_bytes_source = absl::StrCat("free on device ", device);
+    ctx.free_bytes_source = ctx.backend == BackendKind::kCpu
+                                ? std::string("free in host memory (the CPU backend's)")
+                                : absl::StrCat("free on device ", device);
   }
   if (limits_.max_total_pool_bytes > 0) {
     const int64_t used = total_pool_bytes();
@@ -110,7 +112,8 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
     return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
                              "at most ", limits_.max_caches_per_tenant,
-                             " caches per tenant (--max_caches_per_tenant); delete one first")),
+                             limits_.max_caches_per_tenant == 1 ? " cache" : " caches",
+                             " per tenant (--max_caches_per_tenant); delete one first")),
                          {"TOO_MANY_CACHES", {{"max_caches", limits_.max_caches_per_tenant}}});
   }
   ValidationResult v = Validate(config);

@@ -55,8 +55,9 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     const int64_t rewind_pages = RewindPages(layer, spans);
     return WithErrorInfo(
         absl::ResourceExhaustedError(absl::StrCat(
-            "out of KV pages: this Forward needs ", pages_needed, " more pages of ", page_size_,
-            " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
+            "out of KV pages: this Forward needs ", pages_needed,
+            pages_needed == 1 ? " more page of " : " more pages of ", page_size_, " tokens, ",
+            pool_.num_free(), " of ", pool_.num_pages(),
             " are free (release finished sequences or create a larger cache)",
             rewind_pages == 0 ? ""
                               : absl::StrCat("; its rewinds leave ", rewind_pages,

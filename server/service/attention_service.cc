@@ -301,12 +301,12 @@ absl::Status AttentionServiceImpl::RunCreateCache(Rpc& rpc, const v1::CreateCach
   ToProto(**cache, resp);
   const CacheGeometry& g = (*cache)->geometry();
   spdlog::info(
-      "created cache {} '{}' {}: {} layers, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
+      "created cache {} '{}' {}: {} layer{}, {}/{} heads x {}, {}{}, {} pages x {} tokens, "
       "{} bytes",
       (*cache)->id(), ForLog((*cache)->name(), LogText::kQuoted), rpc.Caller(), g.num_layers,
-      g.num_q_heads, g.num_kv_heads, g.head_dim, DTypeName(g.kv_dtype),
-      g.layers.empty() ? "" : " with layer variants", resp->num_pages(), resp->config().page_size(),
-      resp->bytes());
+      g.num_layers == 1 ? "" : "s", g.num_q_heads, g.num_kv_heads, g.head_dim,
+      DTypeName(g.kv_dtype), g.layers.empty() ? "" : " with layer variants", resp->num_pages(),
+      resp->config().page_size(), resp->bytes());
   return absl::OkStatus();
 }
 
@@ -511,8 +511,9 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
                              !same_scale || (o.return_lse && !step.return_lse);
   if (!other_cache && !other_options) return absl::OkStatus();
   return absl::InvalidArgumentError(absl::StrCat(
-      other_cache ? "cache_id" : "options",
-      " of a Step message that sets no spans differ from "
+      other_cache ? "cache_id" : "options", " of a Step message that sets no spans ",
+      other_cache ? "differs" : "differ",
+      " from "
       "the open step's: such a message carries only a layer and its q/k/v, and runs with the "
       "cache and options of the message that opened the step; set spans to open a new step"));
 }

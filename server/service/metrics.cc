@@ -43,7 +43,7 @@ void Metrics::RecordForwardPhases(double parse_us, double stage_in_us, const For
     // A Forward answered once queued has no GPU phases to count.
     const std::string_view phase = kPhases[p];
     if (core.queued && (phase == "h2d" || phase == "kernel" || phase == "d2h")) continue;
-    if (phase == "queue" && queue_us < 0) continue;  // unary: no queue
+    if (phase == "queue" && queue_us < 0) continue;  // run where it arrived: no queue
     const double seconds = us[p] * 1e-6;
     size_t b = 0;
     while (b < kPhaseBuckets.size() && seconds > kPhaseBuckets[b]) ++b;
@@ -81,7 +81,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
   Header(&out, "pagedattn_forward_phase_seconds", "histogram",
          "Where successful Forwards' time went in the server, by phase: parse (the request's "
-         "bytes), queue (Step: a layer's wait for its turn to run), stage_in (its tensors into "
+         "bytes), queue (a Step layer's wait for its turn to run; on the CPU backend a unary "
+         "Forward's wait for a thread), stage_in (its tensors into "
          "the backend's buffers), validate (checks, the layer's lock, pages, plan), stage "
          "(host-side preparation in the backend), submit (CUDA: host time queuing copies, event "
          "waits and kernels), h2d, kernel (GPU time; CPU: the compute), d2h, commit, serialize "

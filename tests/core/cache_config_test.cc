@@ -501,6 +501,20 @@ TEST(CacheConfigTest, Fp8ScalingRulesNameTheFieldAndTheValue) {
   ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scaling"});
   EXPECT_NE(r.violations[0].description.find("BFLOAT16"), std::string::npos);
   EXPECT_NE(r.violations[0].description.find("PER_TOKEN"), std::string::npos);
+  // STATIC with scales on a 16-bit cache: both refused as meaningless there, neither message
+  // asking for what the other refuses.
+  c.kv_scaling = KvScaling::kStatic;
+  c.kv_scales = {1.f, 1.f};
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), (std::vector<std::string>{"kv_scaling", "kv_scales"}));
+  EXPECT_NE(r.violations[1].description.find(
+                "kv_scales apply to FLOAT8_E4M3 caches only (got 2 values with kv_dtype BFLOAT16)"),
+            std::string::npos)
+      << r.violations[1].description;
+  c.kv_scales.clear();
+  r = ValidateCacheConfig(c, Ctx());
+  ASSERT_EQ(Fields(r), std::vector<std::string>{"kv_scaling"}) << "no call for scales";
+  c.kv_scaling = KvScaling::kPerToken;
   c.kv_dtype = static_cast<DType>(5);  // a dtype this server does not know: named by number
   r = ValidateCacheConfig(c, Ctx());
   bool named = false;

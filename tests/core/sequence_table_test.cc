@@ -69,6 +69,12 @@ TEST(SequenceTableTest, ExhaustionChangesNothing) {
   EXPECT_EQ(t.Find(1)->pages.size(), 2u);
   EXPECT_EQ(t.Find(2), nullptr);
   EXPECT_EQ(t.pool().num_free(), 3);
+  // One page short is said as one.
+  t.Commit(*t.Reserve(0, {{3, 0, 12}}));  // 3 more used, none free
+  r = t.Reserve(0, {{1, 8, 4}});
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("needs 1 more page of 4 tokens"), std::string::npos)
+      << r.status().message();
 }
 
 TEST(SequenceTableTest, ExhaustionNamesThePagesRewindsWouldFree) {

@@ -5,7 +5,7 @@
 # PYTHON (with prometheus-client): /metrics parsed by the reference Prometheus parser.
 set -euo pipefail
 server=$1 cli=$2 py=${3:-}
-log=$(mktemp); trap 'kill $pid 2>/dev/null || true; rm -f "$log"' EXIT
+log=$(mktemp); trap 'kill $pid ${apid:-} 2>/dev/null || true; rm -f "$log"' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
 . "$(dirname "$0")/lib.sh"
 
@@ -198,8 +198,18 @@ rm -f "$log.tokens"
 [ $rc -eq 1 ] && grep -q -- "--auth_tokens_file $log.tokens: line 1: a token must be at least 16 characters .* (set by PAGEDATTN_AUTH_TOKENS_FILE)$" <<<"$out" ||
   fail "env tokens file error: exit $rc: $out"
 rc=0; out=$(PAGEDATTN_TLS_CERT=/nonexistent/server.pem "$server" --backend=cpu --listen=127.0.0.1:0 2>&1) || rc=$?
-[ $rc -eq 1 ] && grep -q -- "--tls_cert and --tls_key must be given together (set by PAGEDATTN_TLS_CERT)$" <<<"$out" ||
-  fail "env TLS start error: exit $rc: $out"
+[ $rc -eq 2 ] && grep -q -- "--tls_cert and --tls_key must be given together (set by PAGEDATTN_TLS_CERT)$" <<<"$out" ||
+  fail "env TLS flag error: exit $rc: $out"
+# TLS's files that come in pairs are flag errors too, all at once beside the others; whole
+# numbers are given as integers, as --help gives them.
+rc=0; out=$("$server" --backend=cpu --listen=127.0.0.1:0 --tls_client_ca=/nonexistent/ca.pem \
+  --max_message_mb=0 --cache_idle_timeout_s=-1 --max_forward_spans=0 2>&1) || rc=$?
+[ $rc -eq 2 ] || fail "TLS pairing: exit $rc: $out"
+for f in "--tls_client_ca needs --tls_cert and --tls_key" "--max_message_mb must be in 1..2047 (got 0)" \
+         "--cache_idle_timeout_s must be in 0..31536000 (got -1)" \
+         "--max_forward_spans must be in 1..1000000000 (got 0)"; do
+  grep -q -- "$f" <<<"$out" || fail "TLS pairing: no '$f' in: $out"
+done
 # The CLI's --help too: exit 0, its commands and every flag with its default (never a flag's
 # value: --token's is a secret), no path of the build machine; --version its version.
 out=$("$cli" --token=s3cret-help-value --help) || fail "cli --help exit code $?"
@@ -256,6 +266,33 @@ rc=0; out=$("$server" --listen=127.0.0.1:0 --metrics_listen=127.0.0.1:$mport --b
 
 [ "$("$cli" $t health)" = "SERVING" ] || fail "health is not SERVING"
 "$cli" $t info | grep -q '"backend": "cpu"' || fail "info does not say backend cpu"
+# The CLI's own words: `help` is its usage, a bad sequence id a usage error in its name, and a
+# failed call says what to try where its code alone tells it.
+out=$("$cli" help) && grep -q "release CACHE_ID SEQ" <<<"$out" || fail "cli help: $out"
+rc=0; out=$("$cli" $t release some-cache x 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "^pagedattn-cli: release: not a sequence id: 'x'" <<<"$out" ||
+  fail "release x: exit $rc: $out"
+rc=0; out=$("$cli" $t frobnicate 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "^pagedattn-cli: unknown command 'frobnicate'" <<<"$out" ||
+  fail "unknown command: exit $rc: $out"
+rc=0; out=$(timeout 20 "$cli" --target=127.0.0.1:1 --timeout_s=3 health 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "^error: UNAVAILABLE" <<<"$out" &&
+  grep -q "^hint: no answer from --target=127.0.0.1:1: .* give its CA with --tls_ca" <<<"$out" ||
+  fail "no server: exit $rc: $out"
+printf 'cli-hint-token-0123456789 team-a\n' >"$log.tokens"
+"$server" --listen=127.0.0.1:0 --backend=cpu --auth_tokens_file="$log.tokens" >"$log.auth" 2>&1 &
+apid=$!
+wait_started "$log.auth" $apid
+at="--target=127.0.0.1:$(log_port "$log.auth" main)"
+rc=0; out=$("$cli" $at list 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "^hint: the server takes bearer tokens: give yours with --token or PAGEDATTN_TOKEN" <<<"$out" ||
+  fail "no token: exit $rc: $out"
+rc=0; out=$("$cli" $at --token=cli-hint-token-9999999999 list 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "^hint: the token given .* is not in the server's --auth_tokens_file" <<<"$out" ||
+  fail "wrong token: exit $rc: $out"
+PAGEDATTN_TOKEN=cli-hint-token-0123456789 "$cli" $at list >/dev/null || fail "the right token"
+kill $apid; wait $apid || true
+rm -f "$log.tokens" "$log.auth"
 
 # The issue's invalid config: four violations, named in one answer.
 out=$("$cli" $t --page_size=0 --head_dim=100 --num_q_heads=32 --num_kv_heads=5 \

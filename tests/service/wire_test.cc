@@ -268,11 +268,11 @@ TEST(WireTest, RepeatedFieldsAreBoundedAsTheyAreRead) {
   EXPECT_EQ(got.spans.size(), 5u);
   // The default: 8 dims, whether packed or one entry at a time.
   EXPECT_FALSE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error));
-  EXPECT_NE(error.find("at most 8 dims in a tensor's shape"), std::string::npos) << error;
+  EXPECT_NE(error.find("at most 8 dims in q.shape (got more)"), std::string::npos) << error;
   std::string unpacked = std::string("\x22\x12", 2);  // q: 9 unpacked shape entries
   for (int i = 0; i < 9; ++i) unpacked += std::string("\x10\x01", 2);
   EXPECT_FALSE(wire::ParseForwardRequest({{unpacked.data(), unpacked.size()}}, &got, &error));
-  EXPECT_NE(error.find("at most 8 dims"), std::string::npos) << error;
+  EXPECT_NE(error.find("at most 8 dims in q.shape"), std::string::npos) << error;
 }
 
 }  // namespace

@@ -4,6 +4,7 @@
 // stats, smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
@@ -21,6 +22,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "client/client.h"
 #include "client/smoke.h"
@@ -303,6 +305,39 @@ int main(int argc, char** argv) {
                        command == "create-cache" || command == "list" || command == "stats" ||
                        command == "smoke";
   const size_t takes = one_arg ? 1 : 0;
+  // A flag the command does not read is a mistake to report too (a config flag given to list,
+  // say): each one given, named with the commands that take it.
+  if (one_arg || no_args || command == "release") {
+    const std::vector<std::string> config_commands = {"validate", "create-cache", "smoke"};
+    const std::pair<const absl::CommandLineFlag*, std::vector<std::string>> uses[] = {
+        {&absl::GetFlagReflectionHandle(FLAGS_num_layers), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_num_q_heads), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_num_kv_heads), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_head_dim), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_page_size), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_kv_dtype), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_kv_scaling), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_kv_scales), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_num_pages), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_max_bytes), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_device), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_layers), config_commands},
+        {&absl::GetFlagReflectionHandle(FLAGS_name), {"create-cache"}},
+        {&absl::GetFlagReflectionHandle(FLAGS_service), {"health"}},
+        {&absl::GetFlagReflectionHandle(FLAGS_metrics_target), {"stats"}},
+    };
+    std::vector<std::string> unread;
+    for (const auto& [flag, commands] : uses) {
+      if (flag->CurrentValue() != flag->DefaultValue() &&
+          std::find(commands.begin(), commands.end(), command) == commands.end()) {
+        unread.push_back(absl::StrCat("--", flag->Name(), " is for ", absl::StrJoin(commands, ", "),
+                                      ", not ", command));
+      }
+    }
+    if (!unread.empty()) {
+      return Usage(absl::InvalidArgumentError(absl::StrJoin(unread, "; ")));
+    }
+  }
   if ((one_arg || no_args) && args.size() > takes + 2) {
     std::cerr << "pagedattn-cli " << command << ": unexpected argument '" << args[takes + 2]
               << "'\n"

@@ -272,6 +272,9 @@ out=$("$cli" help) && grep -q "release CACHE_ID SEQ" <<<"$out" || fail "cli help
 rc=0; out=$("$cli" $t release some-cache x 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "^pagedattn-cli: release: not a sequence id: 'x'" <<<"$out" ||
   fail "release x: exit $rc: $out"
+rc=0; out=$("$cli" $t --num_pages=9 --metrics_target=x:1 list 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "^pagedattn-cli: --num_pages is for validate, create-cache, smoke, not list; --metrics_target is for stats, not list$" <<<"$out" ||
+  fail "flags list does not read: exit $rc: $out"
 rc=0; out=$("$cli" $t frobnicate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "^pagedattn-cli: unknown command 'frobnicate'" <<<"$out" ||
   fail "unknown command: exit $rc: $out"

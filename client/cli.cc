@@ -1,7 +1,8 @@
 // pagedattn-cli: talk to a pagedattn server from the shell.
 //   pagedattn-cli [--target=host:port] <command> [args]
 // Commands: info, health, validate, create-cache, list, describe ID, delete ID, release ID SEQ...,
-// stats, smoke. Results print as JSON (the API's messages); errors print the status and exit 1.
+// stats, smoke, help. Results print as JSON (the API's messages); errors print the status and
+// exit 1.
 #include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
@@ -107,7 +108,9 @@ std::string unavailable_hint, unauthenticated_hint;
 
 int Fail(const absl::Status& s) {
   std::cerr << "error: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
-  if (s.code() == absl::StatusCode::kUnavailable && !unavailable_hint.empty()) {
+  // A server that answered it is shutting down was reached: no hint about reaching it.
+  if (s.code() == absl::StatusCode::kUnavailable && !unavailable_hint.empty() &&
+      !absl::StrContains(s.message(), "shutting down")) {
     std::cerr << "hint: " << unavailable_hint << "\n";
   } else if (s.code() == absl::StatusCode::kUnauthenticated && !unauthenticated_hint.empty()) {
     std::cerr << "hint: " << unauthenticated_hint << "\n";
@@ -246,6 +249,10 @@ int main(int argc, char** argv) {
   }
   const std::string command = args[1];
   if (command == "help") {
+    if (args.size() > 2) {
+      std::cerr << "pagedattn-cli help: unexpected argument '" << args[2] << "'\n";
+      return 2;
+    }
     std::cout << kUsage << "\nrun with --help for the flags\n";
     return 0;
   }
@@ -273,6 +280,11 @@ int main(int argc, char** argv) {
             "certificate names another host)."
           : " If it serves plaintext, leave out --tls_ca; if TLS, its certificate must be "
             "signed by --tls_ca's CA and name the target's host (else --tls_server_name).");
+  if (command == "stats") {  // plain HTTP to the metrics port, not the gRPC target
+    unavailable_hint =
+        absl::StrCat("stats reads --metrics_target=", absl::GetFlag(FLAGS_metrics_target),
+                     " over plain HTTP: the address of the server's --metrics_listen");
+  }
   unauthenticated_hint =
       options.bearer_token.empty()
           ? "the server takes bearer tokens: give yours with --token or PAGEDATTN_TOKEN"
@@ -287,10 +299,6 @@ int main(int argc, char** argv) {
     }
     request_id_scope.emplace(request_id);
   }
-  absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
-  if (!client.ok()) return Fail(client.status());
-  pagedattn::Client& c = **client;
-
   auto need_arg = [&](size_t n, const char* what) {
     if (args.size() < n + 2) {
       std::cerr << "usage: pagedattn-cli " << command << " " << what << "\n";
@@ -324,7 +332,6 @@ int main(int argc, char** argv) {
         {&absl::GetFlagReflectionHandle(FLAGS_layers), config_commands},
         {&absl::GetFlagReflectionHandle(FLAGS_name), {"create-cache"}},
         {&absl::GetFlagReflectionHandle(FLAGS_service), {"health"}},
-        {&absl::GetFlagReflectionHandle(FLAGS_metrics_target), {"stats"}},
     };
     std::vector<std::string> unread;
     for (const auto& [flag, commands] : uses) {
@@ -344,6 +351,10 @@ int main(int argc, char** argv) {
               << kUsage;
     return 2;
   }
+
+  absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
+  if (!client.ok()) return Fail(client.status());
+  pagedattn::Client& c = **client;
 
   if (command == "info") {
     auto r = c.GetServerInfo();

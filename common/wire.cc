@@ -197,16 +197,19 @@ class Parser {
 
   // One more entry of a repeated field that has `size` already: false past `limit`, with an
   // error that starts "at most" (a limit, not malformed bytes: ParseForwardRequest).
-  bool Room(size_t size, size_t limit, const char* what) {
+  // "at most <limit> <what><name><after>", the error's words built only when it fails.
+  bool Room(size_t size, size_t limit, const char* what, const char* name = "",
+            const char* after = "") {
     if (size < limit) return true;
-    if (error_->empty()) *error_ = "at most " + std::to_string(limit) + " " + what;
+    if (error_->empty()) {
+      *error_ = "at most " + std::to_string(limit) + " " + what + name + after;
+    }
     return false;
   }
 
   // A Tensor field (length-delimited; the caller checked the wire type), merged into *t; name:
   // the field's, for errors ("q").
   bool Tensor(TensorRef* t, const char* name) {
-    const std::string dims = std::string("dims in ") + name + ".shape (got more)";
     size_t end = 0;
     if (!LengthEnd(&end)) return false;
     t->present = true;
@@ -219,7 +222,8 @@ class Parser {
       }
       if (number == 2 && wt == kVarint) {  // one unpacked entry
         if (!Varint(&v)) return -1;
-        if (!Room(t->shape.size(), limits_.max_shape_dims, dims.c_str())) return -1;
+        if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in ", name, ".shape (got more)"))
+          return -1;
         t->shape.push_back(static_cast<int64_t>(v));
         return 1;
       }
@@ -228,7 +232,8 @@ class Parser {
         if (!LengthEnd(&packed_end)) return -1;
         while (r_.pos() < packed_end) {
           if (!r_.ReadVarint(&v)) return Fail("truncated packed shape"), -1;
-          if (!Room(t->shape.size(), limits_.max_shape_dims, dims.c_str())) {
+          if (!Room(t->shape.size(), limits_.max_shape_dims, "dims in ", name,
+                    ".shape (got more)")) {
             return -1;
           }
           t->shape.push_back(static_cast<int64_t>(v));

@@ -56,12 +56,13 @@ absl::StatusOr<Reservation> SequenceTable::Reserve(int32_t layer,
     return WithErrorInfo(
         absl::ResourceExhaustedError(absl::StrCat(
             "out of KV pages: this Forward needs ", pages_needed,
-            pages_needed == 1 ? " more page of " : " more pages of ", page_size_, " tokens, ",
-            pool_.num_free(), " of ", pool_.num_pages(),
+            pages_needed == 1 ? " more page of " : " more pages of ", page_size_,
+            page_size_ == 1 ? " token, " : " tokens, ", pool_.num_free(), " of ", pool_.num_pages(),
             " are free (release finished sequences or create a larger cache)",
             rewind_pages == 0 ? ""
                               : absl::StrCat("; its rewinds leave ", rewind_pages,
-                                             " pages unused, freed only once a Forward completes: "
+                                             rewind_pages == 1 ? " page" : " pages",
+                                             " unused, freed only once a Forward completes: "
                                              "TruncateSequences first frees them"))),
         {"OUT_OF_PAGES",
          {{"pages_needed", pages_needed},

@@ -60,6 +60,18 @@ def test_message_numbers_without_error_info():
     assert type(err) is errors.ResourceExhausted and err.reason is None
     assert (err.message_bytes, err.max_message_bytes) == (5242890, 4194304)
     assert err.budget_bytes is None
+    # A server's own messages, one of a kind said in the singular, without ErrorInfo (as from
+    # an older server): the numbers still come from the text.
+    for message, numbers in (
+            ("out of KV pages: this Forward needs 1 more page of 1 token, 0 of 1 are free",
+             {"pages_needed": 1, "page_size": 1, "free_pages": 0, "total_pages": 1}),
+            ("at most 1 cache per tenant (--max_caches_per_tenant); delete one first",
+             {"max_caches": 1}),
+            ("the pool needs 4096 bytes (1 pages x 4096 bytes) but only 100 bytes are free in "
+             "host memory (the CPU backend's); at most 0 pages",
+             {"free_bytes": 100, "max_pages": 0, "device": None})):
+        err = errors.from_status(status_pb2.Status(code=RESOURCE_EXHAUSTED, message=message))
+        assert {k: getattr(err, k) for k in numbers} == numbers, message
 
 
 def test_bad_request_violations():

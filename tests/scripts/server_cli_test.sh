@@ -5,7 +5,7 @@
 # PYTHON (with prometheus-client): /metrics parsed by the reference Prometheus parser.
 set -euo pipefail
 server=$1 cli=$2 py=${3:-}
-log=$(mktemp); trap 'kill $pid ${apid:-} 2>/dev/null || true; rm -f "$log"' EXIT
+log=$(mktemp); trap 'kill $pid ${apid:-} 2>/dev/null || true; rm -f "$log" "$log".*' EXIT
 fail() { echo "FAIL: $*"; echo "--- server log"; cat "$log"; exit 1; }
 . "$(dirname "$0")/lib.sh"
 
@@ -272,9 +272,12 @@ out=$("$cli" help) && grep -q "release CACHE_ID SEQ" <<<"$out" || fail "cli help
 rc=0; out=$("$cli" $t release some-cache x 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "^pagedattn-cli: release: not a sequence id: 'x'" <<<"$out" ||
   fail "release x: exit $rc: $out"
-rc=0; out=$("$cli" $t --num_pages=9 --metrics_target=x:1 list 2>&1) || rc=$?
-[ $rc -eq 2 ] && grep -q -- "^pagedattn-cli: --num_pages is for validate, create-cache, smoke, not list; --metrics_target is for stats, not list$" <<<"$out" ||
+rc=0; out=$("$cli" $t --num_pages=9 --service=x --metrics_target=x:1 list 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "^pagedattn-cli: --num_pages is for validate, create-cache, smoke, not list; --service is for health, not list$" <<<"$out" ||
   fail "flags list does not read: exit $rc: $out"
+rc=0; out=$("$cli" --metrics_target=127.0.0.1:1 stats 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "^hint: stats reads --metrics_target=127.0.0.1:1 over plain HTTP" <<<"$out" ||
+  fail "stats of no metrics port: exit $rc: $out"
 rc=0; out=$("$cli" $t frobnicate 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q "^pagedattn-cli: unknown command 'frobnicate'" <<<"$out" ||
   fail "unknown command: exit $rc: $out"

@@ -86,13 +86,14 @@ class DeadlineExceeded(PagedAttnError):
 # RESOURCE_EXHAUSTED messages carry their numbers; each pattern names the attributes it fills.
 _NUMBER_PATTERNS = [
     re.compile(
-        r"needs (?P<pages_needed>\d+) more pages of (?P<page_size>\d+) tokens, "
+        r"needs (?P<pages_needed>\d+) more pages? of (?P<page_size>\d+) tokens?, "
         r"(?P<free_pages>\d+) of (?P<total_pages>\d+) are free"
     ),
     re.compile(r"need (?P<pages_needed>\d+) more, (?P<free_pages>\d+) of (?P<total_pages>\d+) free"),
     re.compile(
         r"needs (?P<bytes_needed>\d+) bytes \((?P<num_pages>\d+) pages x (?P<bytes_per_page>\d+) "
-        r"bytes\) but only (?P<free_bytes>\d+) bytes are free on device (?P<device>\d+); "
+        r"bytes\) but only (?P<free_bytes>\d+) bytes are free "
+        r"(?:on device (?P<device>\d+)|in host memory \(the CPU backend's\)); "
         r"at most (?P<max_pages>\d+) pages"
     ),
     re.compile(
@@ -100,7 +101,7 @@ _NUMBER_PATTERNS = [
         r"(?P<capacity_tokens>\d+) tokens"
     ),
     re.compile(r"could not allocate (?P<bytes_needed>\d+) bytes"),
-    re.compile(r"at most (?P<max_caches>\d+) caches per tenant"),
+    re.compile(r"at most (?P<max_caches>\d+) caches? per tenant"),
     re.compile(r"larger than max \((?P<message_bytes>\d+) vs\. (?P<max_message_bytes>\d+)\)"),
 ]
 # Numbers the server sends only as google.rpc.ErrorInfo metadata (no older message states them).
@@ -166,7 +167,8 @@ class ResourceExhausted(PagedAttnError):
             m = pattern.search(message)
             if m:
                 for name, value in m.groupdict().items():
-                    setattr(self, name, int(value))
+                    if value is not None:  # a group of an alternative not taken
+                        setattr(self, name, int(value))
 
 
 class OutOfPages(ResourceExhausted):

@@ -572,6 +572,9 @@ def test_cli_info_validate_smoke(target, backend, server_info):
                        (["--kv_scaling=per-token", "validate"], "--kv_scaling must be PER_TOKEN "
                         "or STATIC (got 'per-token')"),
                        (["--layers=[{\"window\": 1}]", "validate"], "--layers must be a JSON array"),
+                       (["--num_pages=9", "--seed=2", "list"], "--num_pages is for validate, "
+                        "smoke, not list; --seed is for smoke, not list"),
+                       (["--q_dtype=float16", "validate"], "--q_dtype is for smoke, not validate"),
                        (["--kv_dtype=float8_e4m3", "--kv_scaling=static", "--kv_scales=1e-50,1",
                          "validate"], "kv_scales[0] is 1e-50, outside float32's range")):
         r = _cli(f"--target={target}", *args)

@@ -209,9 +209,30 @@ def run(a: argparse.Namespace) -> int:
     return 0
 
 
+# The commands that read each command-specific flag (the connection's are every command's).
+# smoke refuses --num_layers, --num_pages and --max_bytes itself, saying why.
+_READ_BY = {
+    **{name: ("validate", "smoke") for name in (
+        "num_layers", "num_q_heads", "num_kv_heads", "head_dim", "page_size", "kv_dtype",
+        "kv_scaling", "kv_scales", "layers", "num_pages", "max_bytes", "device")},
+    "q_dtype": ("smoke",), "seed": ("smoke",),
+}
+
+
+def _check_unread(a: argparse.Namespace, p: argparse.ArgumentParser) -> None:
+    """A flag the command does not read is a usage error (ValueError), each one named."""
+    unread = [f"--{name} is for {', '.join(commands)}, not {a.command}"
+              for name, commands in _READ_BY.items()
+              if a.command not in commands and getattr(a, name) != p.get_default(name)]
+    if unread:
+        raise ValueError("; ".join(unread))
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    a = parser().parse_args(argv)
+    p = parser()
+    a = p.parse_args(argv)
     try:
+        _check_unread(a, p)
         return run(a)
     except errors.PagedAttnError as e:
         print(f"error: {e}", file=sys.stderr)

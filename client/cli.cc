@@ -273,8 +273,13 @@ int main(int argc, char** argv) {
   options.tls_cert_file = absl::GetFlag(FLAGS_tls_cert);
   options.tls_key_file = absl::GetFlag(FLAGS_tls_key);
   options.tls_server_name = absl::GetFlag(FLAGS_tls_server_name);
+  // A target with no port (and no scheme) goes to gRPC's default, 443: not the server's 50051.
+  const bool no_port = options.target.find_first_of(":/") == std::string::npos;
   unavailable_hint = absl::StrCat(
       "no answer from --target=", options.target, ": is the server up and listening there?",
+      no_port ? " It names no port, so gRPC connects to 443 (the server listens on 50051 "
+                "unless --listen says otherwise)."
+              : "",
       options.tls_ca_file.empty()
           ? " If it serves TLS, give its CA with --tls_ca (and --tls_server_name if the "
             "certificate names another host)."

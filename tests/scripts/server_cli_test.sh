@@ -285,6 +285,9 @@ rc=0; out=$(timeout 20 "$cli" --target=127.0.0.1:1 --timeout_s=3 health 2>&1) ||
 [ $rc -eq 1 ] && grep -q "^error: UNAVAILABLE" <<<"$out" &&
   grep -q "^hint: no answer from --target=127.0.0.1:1: .* give its CA with --tls_ca" <<<"$out" ||
   fail "no server: exit $rc: $out"
+rc=0; out=$(timeout 20 "$cli" --target=127.0.0.1 --timeout_s=3 health 2>&1) || rc=$?
+[ $rc -eq 1 ] && grep -q "^hint: no answer from --target=127.0.0.1: .* It names no port, so gRPC connects to 443" <<<"$out" ||
+  fail "no port: exit $rc: $out"
 printf 'cli-hint-token-0123456789 team-a\n' >"$log.tokens"
 "$server" --listen=127.0.0.1:0 --backend=cpu --auth_tokens_file="$log.tokens" >"$log.auth" 2>&1 &
 apid=$!

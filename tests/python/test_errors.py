@@ -163,6 +163,100 @@ def test_a_target_grpc_would_misread_is_refused(target, message):
         pagedattn.Client(fine).close()
 
 
+@pytest.mark.parametrize("kwargs,error,message", [
+    # grpc took 1e9 and 1.5 without a word and kept its 4 MiB receive limit; None failed in grpc.
+    ({"max_message_bytes": 1e9}, TypeError, "max_message_bytes must be an int, in bytes (got float"),
+    ({"max_message_bytes": None}, TypeError, "max_message_bytes must be an int, in bytes (got None"),
+    ({"max_message_bytes": True}, TypeError, "max_message_bytes must be an int"),
+    ({"max_message_bytes": 0}, ValueError, "max_message_bytes must be in 1..2147483647 (got 0)"),
+    ({"max_message_bytes": 2**31}, ValueError, "max_message_bytes must be in 1..2147483647"),
+    # One pair instead of a list of pairs: "too many values to unpack" from the library.
+    ({"options": ("grpc.enable_retries", 0)}, TypeError,
+     "options[0] must be a (name, value) pair with a str name"),
+    ({"options": {"grpc.enable_retries": 0}}, TypeError, "options must be a list of (name, value)"),
+    ({"options": None}, TypeError, "options must be a list of (name, value) pairs"),
+])
+def test_channel_arguments_are_named_when_the_client_is_made(kwargs, error, message):
+    import asyncio
+
+    import pagedattn
+    from pagedattn import aio
+
+    with pytest.raises(error, match=re.escape(message)):
+        pagedattn.Client("127.0.0.1:1", **kwargs)
+    with pytest.raises(error, match=re.escape(message)):
+        pagedattn.ShardedClient(["127.0.0.1:1", "127.0.0.1:2"], **kwargs)
+
+    async def make():
+        aio.Client("127.0.0.1:1", **kwargs)
+
+    with pytest.raises(error, match=re.escape(message)):
+        asyncio.run(make())
+
+
+def test_arguments_the_client_checks_are_named_before_sending():
+    # No server at 127.0.0.1:1: each is refused before an RPC (a call would be UNAVAILABLE).
+    import asyncio
+
+    import pagedattn
+    from pagedattn import aio
+
+    config = pagedattn.CacheConfig(2, 4, 2, 64, page_size=4, num_pages=4)
+    client = pagedattn.Client("127.0.0.1:1")
+    with pytest.raises(TypeError, match=re.escape("name must be a str (got int 5)")):
+        client.create_cache(config, name=5)
+    sharded = pagedattn.ShardedClient(["127.0.0.1:1", "127.0.0.1:2"])
+    with pytest.raises(TypeError, match="name must be a str"):  # before ValidateCacheConfig
+        sharded.create_cache(config, name=5)
+    q = np.zeros((1, 2, 64), np.float32)
+    with pytest.raises(TypeError, match=re.escape("spans is a list of spans: Span, pagedattn.v1 "
+                                                  "Span or (seq_id, start, num_new_tokens, "
+                                                  "num_queries) (got NoneType)")):
+        client.forward("c", 0, None, q)
+    for dtype in (0, "unspecified"):
+        # Sent as float16 with no dtype set, which the server blamed on q.
+        with pytest.raises(ValueError, match=re.escape(f"dtype {dtype!r} is no tensor dtype")):
+            client.forward("c", 0, [pagedattn.Span.attend(1, 1)], q, dtype=dtype)
+
+    async def aio_name():
+        c = aio.Client("127.0.0.1:1")
+        with pytest.raises(TypeError, match="name must be a str"):
+            await c.create_cache(config, name=b"x")
+        await c.close()
+        s = aio.ShardedClient(["127.0.0.1:1", "127.0.0.1:2"])
+        with pytest.raises(TypeError, match="name must be a str"):
+            await s.create_cache(config, name=None)
+        await s.close()
+
+    asyncio.run(aio_name())
+    client.close()
+    sharded.close()
+
+
+def test_unavailable_from_a_target_without_a_port_says_grpc_dialed_443():
+    import asyncio
+
+    import pagedattn
+    from pagedattn import aio
+
+    hint = "(the target '127.0.0.1' names no port: gRPC dials 443; give host:port)"
+    with pagedattn.Client("127.0.0.1", timeout=5) as client:
+        with pytest.raises(errors.Unavailable) as e:
+            client.health()
+        assert str(e.value).endswith(hint)
+
+    async def health():
+        async with aio.Client("127.0.0.1", timeout=5) as c:
+            with pytest.raises(errors.Unavailable, match=re.escape(hint)):
+                await c.health()
+
+    asyncio.run(health())
+    with pagedattn.Client("127.0.0.1:1", timeout=5) as client:
+        with pytest.raises(errors.Unavailable) as e:
+            client.health()
+        assert "names no port" not in str(e.value)
+
+
 def test_a_closed_client_raises_client_closed_before_sending():
     # No server: a call on a closed channel never reaches one, and grpc's own ValueError ("Cannot
     # invoke RPC on closed channel!") is not what a caller catching PagedAttnError expects.

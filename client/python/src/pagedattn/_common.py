@@ -7,6 +7,7 @@ import contextlib
 import contextvars
 import os
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Optional, Sequence, Union
 
@@ -66,6 +67,8 @@ def channel_setup(
     tls: Union[bool, TLS, None], max_message_bytes: int, options: Sequence[tuple[str, Any]]
 ) -> tuple[Optional[grpc.ChannelCredentials], list[tuple[str, Any]]]:
     """(credentials or None for plaintext, channel options)."""
+    check_message_bytes(max_message_bytes)
+    extra = channel_options(options)
     opts: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
         ("grpc.max_send_message_length", max_message_bytes),
@@ -90,7 +93,42 @@ def channel_setup(
         )
         if t.server_name:
             opts.append(("grpc.ssl_target_name_override", t.server_name))
-    return creds, opts + list(options)
+    return creds, opts + extra
+
+
+# gRPC keeps message limits in a C int.
+MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1
+
+
+def check_message_bytes(value: Any) -> None:
+    """max_message_bytes: a whole number of bytes (gRPC drops any other value without a word and
+    keeps its own 4 MiB receive limit)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"max_message_bytes must be an int, in bytes (got {type(value).__name__} "
+                        f"{value!r})")
+    if not 1 <= value <= MAX_MESSAGE_BYTES_LIMIT:
+        raise ValueError(f"max_message_bytes must be in 1..{MAX_MESSAGE_BYTES_LIMIT} (got {value})")
+
+
+def channel_options(options: Any) -> list[tuple[str, Any]]:
+    """`options` as a list of (name, value) pairs, refused when it is anything else."""
+    example = 'e.g. [("grpc.enable_retries", 0)]'
+    if isinstance(options, (str, bytes, dict)) or not isinstance(options, Iterable):
+        raise TypeError(f"options must be a list of (name, value) pairs, {example} (got "
+                        f"{type(options).__name__})")
+    out = []
+    for i, pair in enumerate(options):
+        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+            raise TypeError(f"options[{i}] must be a (name, value) pair with a str name, "
+                            f"{example} (got {pair!r})")
+        out.append(pair)
+    return out
+
+
+def check_cache_name(name: Any) -> None:
+    """A cache's name: a str (protobuf's own error would not name the argument)."""
+    if not isinstance(name, str):
+        raise TypeError(f"name must be a str (got {type(name).__name__} {name!r})")
 
 
 def cleanup_failed_during(error: Optional[BaseException], cleanup: BaseException, what: str) -> None:
@@ -255,6 +293,15 @@ class Timing(NamedTuple):
 
     server_micros: int  # from the layer starting to run (after its parse and turn) to its encoding
     kernel_micros: int  # time of the layer's kernels (GPU time on the CUDA backend)
+
+
+def call_error(error: PagedAttnError, target: str) -> PagedAttnError:
+    """A call's exception; UNAVAILABLE from a target that names no port says where gRPC went (its
+    default, 443), as pagedattn-cli's hint does."""
+    if error.code == grpc.StatusCode.UNAVAILABLE and ":" not in target and "/" not in target:
+        error.message += f" (the target {target!r} names no port: gRPC dials 443; give host:port)"
+        error.args = (error.message,)
+    return error
 
 
 def stream_error(error: PagedAttnError, target: str, timeout: Optional[float]) -> PagedAttnError:

@@ -120,7 +120,7 @@ class Client:
                 metadata=_common.call_metadata(self._metadata),
             )
         except grpc.aio.AioRpcError as e:
-            raise from_rpc_error(e) from e
+            raise _common.call_error(from_rpc_error(e), self.target) from e
         except asyncio.CancelledError:
             if self._closed and not _being_cancelled():
                 raise _closed_in_flight() from None
@@ -162,6 +162,7 @@ class Client:
         timeout: Optional[float] = None,
     ) -> "Cache":
         """See pagedattn.Client.create_cache; `async with` deletes the cache on exit."""
+        _common.check_cache_name(name)
         req = pb.CreateCacheRequest(config=config_proto(config), name=name)
         info = await self._call(self.stub.CreateCache, req, timeout)
         return Cache(self, info, delete_on_exit=delete_on_exit)
@@ -654,6 +655,7 @@ class ShardedClient(sharded._ShardedClientBase):
         timeout: Optional[float] = None,
     ) -> "ShardedCache":
         """See pagedattn.ShardedClient.create_cache; `async with` deletes on exit."""
+        _common.check_cache_name(name)
         configs = sharded.shard_configs(config, self.num_shards)
         error = sharded.validation_error(
             await self.fan_out("ValidateCacheConfig", configs, timeout), self.targets)

@@ -43,7 +43,11 @@ class Client:
             instead of gRPC's 4 MiB receive limit.
         options: extra gRPC channel options, e.g. [("grpc.enable_retries", 0)].
 
-    Errors are raised as pagedattn.errors exceptions (PagedAttnError and its subclasses).
+    A call that fails raises a pagedattn.errors exception (PagedAttnError and its subclasses:
+    InvalidArgument for a request the server refused, Unavailable, ...). An argument the client
+    checks itself before sending anything (a dtype, k without v, a name that is not a str, the
+    arguments above) raises TypeError or ValueError naming it; a Step used after it closed
+    raises RuntimeError.
     """
 
     def __init__(
@@ -90,7 +94,7 @@ class Client:
                 metadata=_common.call_metadata(self._metadata),
             )
         except grpc.RpcError as e:
-            raise from_rpc_error(e) from e
+            raise _common.call_error(from_rpc_error(e), self.target) from e
 
     def _check_open(self) -> None:
         if self._closed:
@@ -139,6 +143,7 @@ class Client:
 
         Returns a Cache handle; `with client.create_cache(...) as cache:` deletes the cache on
         exit unless `delete_on_exit=False`."""
+        _common.check_cache_name(name)
         req = pb.CreateCacheRequest(config=config_proto(config), name=name)
         info = self._call(self.stub.CreateCache, req, timeout)
         return Cache(self, info, delete_on_exit=delete_on_exit)

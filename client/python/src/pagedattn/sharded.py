@@ -735,6 +735,7 @@ class ShardedClient(_ShardedClientBase):
         are deleted and its exception (e.g. ResourceExhausted) is raised naming the shard.
 
         `with client.create_cache(...) as cache:` deletes every shard's cache on exit."""
+        _common.check_cache_name(name)
         configs = shard_configs(config, self.num_shards)
         error = validation_error(self.fan_out("ValidateCacheConfig", configs, timeout),
                                  self.targets)

@@ -158,6 +158,9 @@ def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None,
     """Sets the Tensor message `t` (e.g. request.q) in place: no copy of a whole message.
     `name` (e.g. "q") names the argument in errors."""
     want = None if dtype is None else dtype_enum(dtype)
+    if want == pb.DTYPE_UNSPECIFIED:
+        raise ValueError(f"dtype {dtype!r} is no tensor dtype: float32, float16 or bfloat16 (or "
+                         f"None: {name}'s own)")
     if want == FLOAT8_E4M3:
         raise TypeError("float8_e4m3 is a cache's kv_dtype; tensors travel as float32, float16 or "
                         "bfloat16 (an FP8 cache converts them when it appends)")

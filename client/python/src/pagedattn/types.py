@@ -279,6 +279,9 @@ SpanLike = Union[Span, pb.Span, tuple]
 def span_protos(spans: Iterable[SpanLike]) -> list[pb.Span]:
     if isinstance(spans, (Span, pb.Span)):
         raise TypeError(f"spans is a list of spans (got one span: [{spans!r}] would do)")
+    if isinstance(spans, (str, bytes)) or not isinstance(spans, Iterable):
+        raise TypeError(f"spans is a list of spans: Span, pagedattn.v1 Span or (seq_id, start, "
+                        f"num_new_tokens, num_queries) (got {type(spans).__name__})")
     out = []
     for s in spans:
         if isinstance(s, pb.Span):

@@ -36,6 +36,7 @@
 #include "common/cmdline.h"
 #include "common/transport.h"
 #include "server/core/backend_factory.h"
+#include "server/core/host_memory.h"
 #include "server/service/address.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
@@ -112,7 +113,8 @@ ABSL_FLAG(
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
           "gRPC's own debug lines");
-ABSL_FLAG(int, cpu_threads, 0, "worker threads of the CPU backend (0: one per hardware thread)");
+ABSL_FLAG(int, cpu_threads, 0,
+          "worker threads of the CPU backend (0..4096; 0: one per hardware thread)");
 ABSL_FLAG(PrefillKernel, prefill_kernel, PrefillKernel::kAuto,
           "auto | portable. The CUDA backend's prefill kernel: auto runs the Hopper (wgmma) "
           "kernel on compute 9.0 GPUs when the build has sm_90a, the portable (mma.sync) kernel "
@@ -128,9 +130,9 @@ ABSL_FLAG(bool, forward_graph, true,
 ABSL_FLAG(double, shutdown_grace_s, 10,
           "on SIGTERM/SIGINT: health goes NOT_SERVING, new calls and new steps on open Step "
           "streams are refused, calls in flight (a Step stream's open step) get this many seconds "
-          "(0..3600) and are then stopped (at once on a second signal); the "
-          "process exits within it (at most 3 s later, forced, where gRPC cannot end a call: an "
-          "answer its client does not read)");
+          "(0..3600) less a margin to unwind in (a quarter of it, at most 1 s) and are then "
+          "stopped (at once on a second signal); the process exits within it (at most 3 s later, "
+          "forced, where gRPC cannot end a call: an answer its client does not read)");
 ABSL_FLAG(int64_t, max_caches_per_tenant, 64,
           "CreateCache beyond this many caches per tenant fails with RESOURCE_EXHAUSTED "
           "(0: no limit)");
@@ -165,10 +167,12 @@ ABSL_FLAG(bool, metrics_per_cache, false,
           "also export per-cache series labelled with cache id, name and tenant. /metrics needs "
           "no token and a cache id is a capability: turn on only where /metrics is private");
 ABSL_FLAG(int64_t, max_memory_regions, 1024,
-          "device memory regions clients may hold at once (RegisterMemory, CUDA backend)");
+          "device memory regions clients may hold at once (RegisterMemory, CUDA backend; "
+          "0..1000000, 0: RegisterMemory refused, tensors go as bytes)");
 ABSL_FLAG(int64_t, memory_lease_seconds, 300,
           "a registered memory region no Forward has used for this long is released (the "
-          "default of a RegisterMemory that names no lease): what a client that died leaves");
+          "default of a RegisterMemory that names no lease; 1..86400): what a client that died "
+          "leaves");
 
 namespace {
 
@@ -389,8 +393,22 @@ std::vector<std::string> InvalidFlags() {
     bad.push_back(absl::StrCat(
         "--request_memory_mb (", request_mb, ") must be at least --max_message_mb (",
         absl::GetFlag(FLAGS_max_message_mb), "): a largest message could never be received"));
+  } else if (const pagedattn::HostMemoryInfo host = pagedattn::HostMemory();
+             request_mb > 0 && host.total_bytes > 0 && (request_mb << 20) > host.total_bytes) {
+    bad.push_back(absl::StrCat("--request_memory_mb (", request_mb,
+                               ") is more than the host memory this process may use (",
+                               host.total_bytes >> 20,
+                               " MiB: the host's, its memory cgroup's or RLIMIT_AS): the limit "
+                               "would never hold requests back"));
   }
   return bad;
+}
+
+// The host of a --*_listen address (host:port, [ipv6]:port), as the start-up log names where a
+// port is bound: a probe port on 127.0.0.1 is unreachable from outside a pod.
+std::string ListenHost(absl::string_view listen) {
+  const size_t colon = listen.rfind(':');
+  return std::string(colon == absl::string_view::npos ? listen : listen.substr(0, colon));
 }
 
 // The throttle's kind of a library's log line: its text before the first ':' (where the
@@ -653,6 +671,14 @@ int main(int argc, char** argv) {
                             options.limits.max_total_pool_bytes / double(1 << 30))
           : std::string(),
       pagedattn::BuiltWithCuda() ? "yes" : "no");
+  if (backend.kind() == pagedattn::BackendKind::kCpu && mem.ok() && mem->free_bytes == 0) {
+    // The CPU backend's pools and requests share host memory: pools get what requests leave.
+    spdlog::warn(
+        "no host memory is left for pools: requests in flight keep 2 x {} MiB of it (--request_"
+        "memory_mb; 0 sizes it by --max_message_mb) and the host has {} MiB free; every "
+        "CreateCache fails until memory frees or the server restarts with less",
+        (*server)->request_memory_bytes() >> 20, pagedattn::HostMemory().free_bytes >> 20);
+  }
   if (backend.kind() == pagedattn::BackendKind::kCuda) {
     std::vector<std::string> ccs;
     for (int d = 0; d < backend.device_count(); ++d) ccs.push_back(backend.compute_capability(d));
@@ -709,8 +735,11 @@ int main(int argc, char** argv) {
       (*server)->auth() ? absl::StrCat((*server)->auth()->num_tokens(), " tokens, ",
                                        (*server)->auth()->num_tenants(), " tenants")
                         : std::string("off"),
-      (*server)->health_port() ? absl::StrCat((*server)->health_port()) : std::string("none"),
-      (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " /metrics")
+      (*server)->health_port()
+          ? absl::StrCat((*server)->health_port(), " on ", ListenHost(options.health_listen))
+          : std::string("none"),
+      (*server)->metrics_port() ? absl::StrCat("http port ", (*server)->metrics_port(), " on ",
+                                               ListenHost(options.metrics_listen), " /metrics")
                                 : std::string("off"));
 
   // A listener gRPC gave up on does not come back, nor does a GPU whose context a CUDA error
@@ -744,9 +773,10 @@ int main(int argc, char** argv) {
     }
     const double grace = absl::GetFlag(FLAGS_shutdown_grace_s);
     spdlog::info(
-        "received {}: health NOT_SERVING, refusing new calls, {} s for calls in flight "
-        "(a second signal stops them now)",
-        sig == SIGTERM ? "SIGTERM" : "SIGINT", grace);
+        "received {}: health NOT_SERVING, refusing new calls, {} s to drain (calls in flight "
+        "are stopped {} s before its end to unwind; a second signal stops them now)",
+        sig == SIGTERM ? "SIGTERM" : "SIGINT", grace,
+        absl::ToDoubleSeconds(pagedattn::PagedAttnServer::StopMargin(absl::Seconds(grace))));
     BoundTheExit(absl::Seconds(grace) + kForcedExitAfter);
     // A second signal during the grace period (Ctrl-C again) cuts it short.
     std::atomic<bool> shut_down{false};

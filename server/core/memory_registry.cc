@@ -11,7 +11,11 @@
 namespace pagedattn {
 namespace {
 
-absl::Status TooManyRegions(size_t held) {
+absl::Status TooManyRegions(size_t held, int64_t limit) {
+  if (limit == 0) {
+    return absl::FailedPreconditionError(
+        "RegisterMemory is off on this server (--max_memory_regions=0): send tensors as bytes");
+  }
   return absl::ResourceExhaustedError(
       absl::StrCat("the server holds ", held, " memory regions, its limit ",
                    "(--max_memory_regions); unregister regions no longer used"));
@@ -57,7 +61,7 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
   {
     absl::MutexLock lock(&mu_);
     if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
-      return TooManyRegions(regions_.size());
+      return TooManyRegions(regions_.size(), options_.max_regions);
     }
   }
   const std::string key = absl::StrCat(spec.device, ":", spec.handle);
@@ -107,7 +111,7 @@ absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
   region->memory = std::move(memory);
   absl::MutexLock lock(&mu_);
   if (static_cast<int64_t>(regions_.size()) >= options_.max_regions) {
-    return TooManyRegions(regions_.size());  // others registered meanwhile
+    return TooManyRegions(regions_.size(), options_.max_regions);  // others registered meanwhile
   }
   region->last_used = absl::Now();
   regions_[region->info.id] = region;

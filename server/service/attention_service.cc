@@ -50,6 +50,7 @@ StopToken StopFor(grpc::ServerContextBase* ctx, const RpcGate* gate) {
 Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
     : method_(method),
       ctx_(ctx),
+      peer_(ctx->peer()),
       stop_(StopFor(ctx, gate)),
       start_(std::chrono::steady_clock::now()) {}
 
@@ -57,7 +58,7 @@ void Rpc::set_cache(absl::string_view cache_id) { cache_ = ForLog(cache_id, LogT
 
 std::string Rpc::Caller() const {
   std::string out = tenant_.empty() ? "" : absl::StrCat("tenant=", tenant_, " ");
-  absl::StrAppend(&out, "peer=", ForLog(ctx_->peer()));
+  absl::StrAppend(&out, "peer=", ForLog(peer_));
   const auto& metadata = ctx_->client_metadata();
   if (const auto id = metadata.find(kRequestIdKey); id != metadata.end()) {
     absl::StrAppend(
@@ -229,8 +230,8 @@ grpc::Status AttentionServiceImpl::Finish(const Rpc& rpc, const absl::Status& s)
   } else if (limit) {
     LogThrottled(
         spdlog::level::info,
-        absl::StrCat(rpc.context()->peer(), " ", rpc.method(), " ",
-                     absl::StatusCodeToString(s.code()), " ", MessageKind(s.message())),
+        absl::StrCat(rpc.peer(), " ", rpc.method(), " ", absl::StatusCodeToString(s.code()), " ",
+                     MessageKind(s.message())),
         absl::StrCat("rpc ", rpc.method(), " ", who, " ", absl::StatusCodeToString(s.code()), ": ",
                      EscapeControl(s.message())));
   } else {
@@ -864,7 +865,7 @@ class AttentionServiceImpl::StepReactor final
     if (s.ok()) {
       spdlog::debug("{}", line);
     } else {
-      LogThrottled(level, absl::StrCat(ctx_->peer(), " step stream ", s.error_code()), line);
+      LogThrottled(level, absl::StrCat(stream_.peer(), " step stream ", s.error_code()), line);
     }
   }
 

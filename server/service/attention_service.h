@@ -40,12 +40,16 @@ class Rpc {
   // metadata, escaped and shortened like all request text: the one metadata key ever logged, so
   // that an orchestrator's failed call can be found in this server's log.
   std::string Caller() const;
+  // The caller's address as the call began (gRPC's peer() says "unknown" once the transport of
+  // a dropped or drained call is gone, when a stream's end is logged).
+  const std::string& peer() const { return peer_; }
   grpc::ServerContextBase* context() const { return ctx_; }
   double seconds() const;
 
  private:
   const char* method_;
   grpc::ServerContextBase* ctx_;
+  std::string peer_;
   std::string tenant_;
   StopToken stop_;
   std::string cache_ = "-";

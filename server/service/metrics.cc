@@ -149,7 +149,8 @@ std::string Metrics::Render(const CacheManager& manager) const {
            "Device memory in use (all processes) on device 0, or host RAM on the CPU backend.");
     absl::StrAppend(&out, "pagedattn_device_memory_used_bytes ", mem->total_bytes - mem->free_bytes,
                     "\n");
-    Header(&out, "pagedattn_device_memory_total_bytes", "gauge", "Device memory on device 0.");
+    Header(&out, "pagedattn_device_memory_total_bytes", "gauge",
+           "Device memory on device 0, or the host RAM this process may use on the CPU backend.");
     absl::StrAppend(&out, "pagedattn_device_memory_total_bytes ", mem->total_bytes, "\n");
   }
   return out;

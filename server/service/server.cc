@@ -413,7 +413,7 @@ void PagedAttnServer::Shutdown(absl::Duration grace) {
   // Calls in flight get the grace period less a margin; then they are told to stop and get the
   // margin to unwind (a CPU Forward stops between work items, a CUDA one before its kernels).
   // StopCallsNow (a second signal) ends the wait at once.
-  const absl::Duration margin = std::min(grace / 4, absl::Seconds(1));
+  const absl::Duration margin = StopMargin(grace);
   const bool drained = gate_->WaitIdle(deadline - margin);
   if (!drained || gate_->stopping()) {
     const int64_t left = gate_->in_flight(), waiting = gate_->waiting();

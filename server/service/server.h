@@ -5,6 +5,7 @@
 #include <grpcpp/generic/async_generic_service.h>
 #include <grpcpp/server.h>
 
+#include <algorithm>
 #include <memory>
 #include <string>
 #include <vector>
@@ -88,6 +89,10 @@ class PagedAttnServer {
   // (a stopped Forward commits nothing), and whatever is still open (Watch streams, calls that
   // did not stop) is cancelled when the grace period ends. Returns by then. Idempotent.
   void Shutdown(absl::Duration grace);
+  // What Shutdown keeps of `grace` for calls told to stop to unwind in: a quarter, at most 1 s.
+  static absl::Duration StopMargin(absl::Duration grace) {
+    return std::min(grace / 4, absl::Seconds(1));
+  }
   // During Shutdown: tells the calls in flight to stop now rather than at the end of the grace
   // period (a second SIGTERM or SIGINT); Shutdown then returns once they have.
   void StopCallsNow();

@@ -176,6 +176,24 @@ TEST_F(MemoryRegistryTest, LeasesExpireUnlessUsedAndCacheDeletionReleases) {
 
 // The registry's own sweeper releases a region once its lease has passed unused, telling
 // on_release why; destroying the registry stops it.
+// --max_memory_regions=0 turns RegisterMemory off: refused as off, not as a limit reached.
+TEST(MemoryRegistryOffTest, NoRegionsAllowedIsSaidSo) {
+  FakeBackend backend;
+  MemoryRegistry registry(&backend, {.max_regions = 0, .sweep_interval = absl::Hours(1)});
+  const absl::Status s = registry
+                             .Register({.owner = "a",
+                                        .cache_id = "c",
+                                        .device = 0,
+                                        .handle = "4096",
+                                        .size_bytes = 16,
+                                        .lease = absl::ZeroDuration(),
+                                        .event_handles = {}})
+                             .status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
+  EXPECT_EQ(s.message(),
+            "RegisterMemory is off on this server (--max_memory_regions=0): send tensors as bytes");
+}
+
 TEST(MemoryRegistrySweeperTest, ReleasesAnExpiredRegionOnItsOwn) {
   FakeBackend backend;
   absl::Mutex mu;

@@ -595,3 +595,50 @@ def test_a_streams_end_names_its_server_and_deadline(start_servers, kv_dtypes):
             server.proc.wait(timeout=30)
             with pytest.raises(errors.Unavailable, match=f"Step stream to {server.target}"):
                 step.forward(1, *qkv(rng, 1))
+
+
+def test_a_killed_clients_stream_end_names_its_peer(start_servers, kv_dtypes):
+    """Clients killed with Step streams open: each stream's end is logged with the client's
+    address, not the "unknown" gRPC reports once the connection is gone, and two clients' ends
+    are not merged into one throttled line."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    (server,) = start_servers(1)
+    child = f"""
+import sys, time, numpy as np, pagedattn
+from pagedattn import CacheConfig, Span
+c = pagedattn.Client({server.target!r}, timeout=30)
+cache = c.create_cache(CacheConfig(1, 4, 2, 64, page_size=4, kv_dtype={kv_dtypes[0]!r},
+                                   num_pages=8), delete_on_exit=False)
+rng = np.random.default_rng(0)
+x = lambda h: rng.standard_normal((4, h, 64), dtype=np.float32)
+step = cache.step([Span.prefill(1, 4)])
+step.forward(0, x(4), x(2), x(2))
+print("ready", flush=True)
+time.sleep(60)
+"""
+    kids = [subprocess.Popen([sys.executable, "-c", child], stdout=subprocess.PIPE, text=True)
+            for _ in range(2)]
+    try:
+        for kid in kids:
+            assert kid.stdout.readline().strip() == "ready"
+        for kid in kids:
+            kid.send_signal(signal.SIGKILL)
+            kid.wait(timeout=30)
+    finally:
+        for kid in kids:
+            if kid.poll() is None:
+                kid.kill()
+    ends = []
+    deadline = time.monotonic() + 30
+    while len(ends) < 2 and time.monotonic() < deadline:
+        ends = [line for line in server.log.splitlines() if "step stream cache=" in line
+                and "CANCELLED after" in line]
+        time.sleep(0.05)
+    assert len(ends) == 2, server.log
+    peers = {re.search(r" peer=(\S+) ", line).group(1) for line in ends}
+    assert len(peers) == 2 and all(p.startswith("ipv4:127.0.0.1:") for p in peers), ends
+    assert "peer=unknown" not in server.log

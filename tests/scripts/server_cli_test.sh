@@ -44,6 +44,28 @@ for f in "--max_message_mb must be an integer (got 'abc')" \
          "--cpu_threads must be in 0..4096 (got -3)"; do
   grep -q -- "$f" <<<"$out" || fail "unparsable flags: no '$f' in: $out"
 done
+# --help and --version take no value; a request budget beyond the host's memory holds nothing back.
+rc=0; out=$("$server" --help=foo --version=1 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--help takes no value (--help alone)" <<<"$out" &&
+  grep -q -- "--version takes no value" <<<"$out" || fail "--help=foo: exit $rc: $out"
+rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --request_memory_mb=16000000 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--request_memory_mb (16000000) is more than the host memory this process may use" <<<"$out" ||
+  fail "--request_memory_mb past the host: exit $rc: $out"
+# Half the host's memory for requests: the CPU backend keeps twice that from its pools, none left,
+# which the start-up log says (a memory cgroup under half the host's refuses the flag instead).
+half=$(( $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) / 2 + 16 ))
+"$server" --listen=127.0.0.1:0 --backend=cpu --request_memory_mb=$half >"$log.mem" 2>&1 &
+mpid=$!
+for _ in $(seq 200); do grep -q "security: " "$log.mem" && break; kill -0 $mpid 2>/dev/null || break; sleep 0.05; done
+if kill -0 $mpid 2>/dev/null; then
+  kill $mpid; wait $mpid || true
+  grep -q "warning no host memory is left for pools: requests in flight keep 2 x $half MiB" "$log.mem" ||
+    fail "no warning of pools without memory: $(cat "$log.mem")"
+else
+  wait $mpid || true
+  grep -q -- "--request_memory_mb ($half) is more than the host memory" "$log.mem" ||
+    fail "--request_memory_mb=$half: $(cat "$log.mem")"
+fi
 rc=0; out=$("$server" --listen=127.0.0.1:0 --backend 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--backend needs a value" <<<"$out" || fail "--backend alone: exit $rc: $out"
 # The CLI alike: a value that does not parse or a name that is no flag is a usage error.
@@ -247,6 +269,9 @@ echo "server up on port $port"
 # A second server on a busy port fails to start, and says so (no SO_REUSEPORT: it would take
 # half of the first one's connections). Same for the health port.
 hport=$(log_port "$log" health)
+# Where the probe and scrape ports are bound, not only their numbers.
+grep -q "health port: $hport on 127.0.0.1; metrics: http port [0-9]* on 127.0.0.1 /metrics" "$log" ||
+  fail "no bound addresses: $(grep "security: " "$log")"
 rc=0; out=$("$server" --listen=127.0.0.1:$port --backend=cpu 2>&1) || rc=$?
 [ $rc -eq 1 ] || fail "second server on busy port $port: exit $rc: $out"
 grep -q "could not listen on --listen=127.0.0.1:$port (in use" <<<"$out" || fail "busy port: $out"
@@ -447,6 +472,9 @@ kill -TERM $pid
 rc=0; wait $pid || rc=$?
 [ $rc -eq 0 ] || fail "server exit code $rc after SIGTERM"
 grep -q "received SIGTERM" "$log" || fail "no shutdown log line"
+# The grace's margin is said: calls in flight are stopped 1 s before the default 10 s end.
+grep -q "10 s to drain (calls in flight are stopped 1 s before its end" "$log" ||
+  fail "shutdown line without its margin: $(grep "received SIGTERM" "$log")"
 grep -q "rpc Forward cache=" "$log" || fail "no per-RPC debug line"
 grep -q "rpc GetCache cache=$id peer=[^ ]* req=cli-req-7 NOT_FOUND" "$log" ||
   fail "no req=cli-req-7 on describe's line: $(grep "rpc GetCache" "$log")"

@@ -164,9 +164,11 @@ std::vector<std::string> UnparsableFlags(int argc, char** argv, const Flags& fla
       auto no = name.rfind("no", 0) == 0 ? flags.find(name.substr(2)) : flags.end();
       if (no != flags.end() && no->second->template IsOfType<bool>()) {
         if (arg.value) bad.push_back("--" + name + " takes no value (--" + no->first + "=false)");
-      } else if (arg.value && (name == "help" || name == "helpfull" || name == "version")) {
+      } else if (arg.value &&
+                 (name == "help" || name == "helpfull" || name == "h" || name == "version")) {
         // FindInfoFlag answers the bare word only.
-        bad.push_back("--" + name + " takes no value (--" + name + " alone)");
+        const std::string shown = (name == "h" ? "-" : "--") + name;
+        bad.push_back(shown + " takes no value (" + shown + " alone)");
       } else if (!known(name)) {
         // "-1" (an argument meant as a negative number) reads as a flag named 1.
         const bool number = !name.empty() && name.find_first_not_of("0123456789.") == name.npos;

@@ -296,6 +296,9 @@ absl::StatusOr<int> ParseSocketMode(const std::string& text) {
   return mode;
 }
 
+// --request_memory_mb's largest value (16 TiB).
+constexpr int64_t kMaxRequestMemoryMb = int64_t{1} << 24;
+
 // Every flag value that is out of range, each named (checked before anything starts).
 std::vector<std::string> InvalidFlags() {
   std::vector<std::string> bad;
@@ -364,7 +367,7 @@ std::vector<std::string> InvalidFlags() {
     }
   };
   range("--max_message_mb", absl::GetFlag(FLAGS_max_message_mb), 1, 2047);
-  range("--request_memory_mb", absl::GetFlag(FLAGS_request_memory_mb), 0, 1 << 24);
+  range("--request_memory_mb", absl::GetFlag(FLAGS_request_memory_mb), 0, kMaxRequestMemoryMb);
   range("--cpu_threads", absl::GetFlag(FLAGS_cpu_threads), 0, 4096);
   range("--shutdown_grace_s", absl::GetFlag(FLAGS_shutdown_grace_s), 0, 3600);
   range("--max_caches_per_tenant", absl::GetFlag(FLAGS_max_caches_per_tenant), 0, 1e9);
@@ -394,7 +397,8 @@ std::vector<std::string> InvalidFlags() {
         "--request_memory_mb (", request_mb, ") must be at least --max_message_mb (",
         absl::GetFlag(FLAGS_max_message_mb), "): a largest message could never be received"));
   } else if (const pagedattn::HostMemoryInfo host = pagedattn::HostMemory();
-             request_mb > 0 && host.total_bytes > 0 && (request_mb << 20) > host.total_bytes) {
+             request_mb > 0 && request_mb <= kMaxRequestMemoryMb && host.total_bytes > 0 &&
+             (request_mb << 20) > host.total_bytes) {  // out of range: said above
     bad.push_back(absl::StrCat("--request_memory_mb (", request_mb,
                                ") is more than the host memory this process may use (",
                                host.total_bytes >> 20,
@@ -404,11 +408,14 @@ std::vector<std::string> InvalidFlags() {
   return bad;
 }
 
-// The host of a --*_listen address (host:port, [ipv6]:port), as the start-up log names where a
-// port is bound: a probe port on 127.0.0.1 is unreachable from outside a pod.
+// The host of a --*_listen address (host:port, [ipv6]:port; ":port" binds 0.0.0.0, every
+// interface), as the start-up log names where a port is bound: a probe port on 127.0.0.1 is
+// unreachable from outside a pod.
 std::string ListenHost(absl::string_view listen) {
   const size_t colon = listen.rfind(':');
-  return std::string(colon == absl::string_view::npos ? listen : listen.substr(0, colon));
+  const absl::string_view host =
+      colon == absl::string_view::npos ? listen : listen.substr(0, colon);
+  return host.empty() ? "0.0.0.0" : std::string(host);
 }
 
 // The throttle's kind of a library's log line: its text before the first ':' (where the

@@ -58,8 +58,10 @@ class MemoryRegistry {
 
   // Maps the handle (the backend's ImportMemory) and records the region. INVALID_ARGUMENT for
   // a bad size, lease or handle; RESOURCE_EXHAUSTED past max_regions; FAILED_PRECONDITION on a
-  // backend without device tensors.
+  // backend without device tensors, or where max_regions is 0 (registration off).
   absl::StatusOr<RegionInfo> Register(const RegionSpec& spec);
+  // Whether regions may be registered at all (max_regions > 0).
+  bool enabled() const { return options_.max_regions > 0; }
   // NOT_FOUND when there is no such region of this owner.
   absl::Status Unregister(const std::string& region_id, const std::string& owner);
 

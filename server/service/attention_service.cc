@@ -48,9 +48,12 @@ StopToken StopFor(grpc::ServerContextBase* ctx, const RpcGate* gate) {
 }  // namespace
 
 Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate)
+    : Rpc(method, ctx, gate, ctx->peer()) {}
+
+Rpc::Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate, std::string peer)
     : method_(method),
       ctx_(ctx),
-      peer_(ctx->peer()),
+      peer_(std::move(peer)),
       stop_(StopFor(ctx, gate)),
       start_(std::chrono::steady_clock::now()) {}
 
@@ -114,8 +117,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
   // Not on gRPC's callback threads, which are few (two on a two-core host) and answer health
   // checks and Forwards: a CreateCache fills its pool for seconds on the CPU backend, and three
   // at once held a health check for 15 s. ctx, req and resp live until Finish.
-  control_executor_->Post([this, method, ctx, req, resp, reactor, body] {
-    Rpc call(method, ctx, gate_);
+  // The caller as the call arrived, not after its wait in the queue (its peer may be gone).
+  control_executor_->Post([this, call = Rpc(method, ctx, gate_), method, ctx, req, resp, reactor,
+                           body]() mutable {
     reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
       if (absl::Status s = CheckRequestArrived(*req); !s.ok()) return s;
       // Authenticated by now: a caller without a token gets no parse at all.
@@ -284,6 +288,9 @@ absl::Status AttentionServiceImpl::RunGetServerInfo(Rpc&, const v1::GetServerInf
   }
   for (const std::string& arch : BuiltCudaArchitectures()) resp->add_cuda_architectures(arch);
   FillCapabilities(b.kind(), resp->mutable_capabilities());
+  if (regions_ != nullptr && !regions_->enabled()) {  // --max_memory_regions=0
+    resp->mutable_capabilities()->set_supports_device_tensors(false);
+  }
   return absl::OkStatus();
 }
 
@@ -591,7 +598,7 @@ class AttentionServiceImpl::StepReactor final
   StepReactor(AttentionServiceImpl* service, grpc::CallbackServerContext* ctx)
       : service_(service), ctx_(ctx), stream_("Step", ctx, service->gate_) {
     if (!service_->gate_->Enter()) {
-      Rpc rpc("Step", ctx_, service_->gate_);
+      Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
       {
         // A cancellation that comes after (the client's, or the drain's end) must not Finish
         // the stream again: gRPC aborts the process on a second Finish.
@@ -606,7 +613,7 @@ class AttentionServiceImpl::StepReactor final
     if (service_->auth_ != nullptr) {
       absl::StatusOr<std::string> tenant = service_->auth_->Authenticate(*ctx);
       if (!tenant.ok()) {
-        Rpc rpc("Step", ctx_, service_->gate_);
+        Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
         {
           absl::MutexLock lock(&mu_);
           finished_ = true;
@@ -746,7 +753,7 @@ class AttentionServiceImpl::StepReactor final
       }
     }
     if (!s.ok()) {
-      Rpc rpc("Step", ctx_, service_->gate_);
+      Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
       job.answer = EncodeStepError(job.layer, service_->Finish(rpc, s));
       job.done = true;
       return;
@@ -782,7 +789,7 @@ class AttentionServiceImpl::StepReactor final
 
   void Run(const std::shared_ptr<Job>& job) {
     const double queue_us = absl::ToDoubleMicroseconds(absl::Now() - job->accepted);
-    Rpc rpc("Step", ctx_, service_->gate_);
+    Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
     rpc.set_tenant(tenant_);
     grpc::ByteBuffer answer;
     absl::StatusOr<ForwardAnswer> result =

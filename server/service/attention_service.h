@@ -28,6 +28,8 @@ namespace pagedattn {
 class Rpc {
  public:
   Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate);
+  // A call within a stream (a Step layer): the stream's peer, read as the stream began.
+  Rpc(const char* method, grpc::ServerContextBase* ctx, const RpcGate* gate, std::string peer);
   const char* method() const { return method_; }
   const std::string& tenant() const { return tenant_; }
   void set_tenant(std::string tenant) { tenant_ = std::move(tenant); }
@@ -40,8 +42,9 @@ class Rpc {
   // metadata, escaped and shortened like all request text: the one metadata key ever logged, so
   // that an orchestrator's failed call can be found in this server's log.
   std::string Caller() const;
-  // The caller's address as the call began (gRPC's peer() says "unknown" once the transport of
-  // a dropped or drained call is gone, when a stream's end is logged).
+  // The caller's address as the call (or its stream) began: gRPC's peer() says "unknown" once
+  // the transport of a dropped or drained call is gone, as a stream's end is logged. Read for
+  // every call (a copy of a short string, next to a Forward's hundreds of microseconds).
   const std::string& peer() const { return peer_; }
   grpc::ServerContextBase* context() const { return ctx_; }
   double seconds() const;

@@ -89,10 +89,11 @@ TEST(UnparsableFlags, EachBadNameAndValueIsNamed) {
                           "-2.5: no argument is negative, and a word that starts with - is read "
                           "as a flag (see --help)"));
   // --help and --version are answered bare: with a value they are not "unknown".
-  EXPECT_THAT(Unparsable({"--help=foo", "--version=1", "--helpfull=x"}),
-              ElementsAre("--help takes no value (--help alone)",
-                          "--version takes no value (--version alone)",
-                          "--helpfull takes no value (--helpfull alone)"));
+  EXPECT_THAT(
+      Unparsable({"--help=foo", "--version=1", "--helpfull=x", "-h=1"}),
+      ElementsAre("--help takes no value (--help alone)",
+                  "--version takes no value (--version alone)",
+                  "--helpfull takes no value (--helpfull alone)", "-h takes no value (-h alone)"));
   // Every form absl takes; after "--" nothing is a flag.
   EXPECT_THAT(Unparsable({"--cmdline_test_count", "3", "-cmdline_test_target=a",
                           "--nocmdline_test_verbose", "cmd", "--", "--nonsense"}),

@@ -174,8 +174,6 @@ TEST_F(MemoryRegistryTest, LeasesExpireUnlessUsedAndCacheDeletionReleases) {
   EXPECT_EQ(g_mapped, 0);
 }
 
-// The registry's own sweeper releases a region once its lease has passed unused, telling
-// on_release why; destroying the registry stops it.
 // --max_memory_regions=0 turns RegisterMemory off: refused as off, not as a limit reached.
 TEST(MemoryRegistryOffTest, NoRegionsAllowedIsSaidSo) {
   FakeBackend backend;
@@ -189,11 +187,14 @@ TEST(MemoryRegistryOffTest, NoRegionsAllowedIsSaidSo) {
                                         .lease = absl::ZeroDuration(),
                                         .event_handles = {}})
                              .status();
+  EXPECT_FALSE(registry.enabled());
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition) << s;
   EXPECT_EQ(s.message(),
             "RegisterMemory is off on this server (--max_memory_regions=0): send tensors as bytes");
 }
 
+// The registry's own sweeper releases a region once its lease has passed unused, telling
+// on_release why; destroying the registry stops it.
 TEST(MemoryRegistrySweeperTest, ReleasesAnExpiredRegionOnItsOwn) {
   FakeBackend backend;
   absl::Mutex mu;

@@ -168,13 +168,15 @@ def test_a_target_grpc_would_misread_is_refused(target, message):
     ({"max_message_bytes": 1e9}, TypeError, "max_message_bytes must be an int, in bytes (got float"),
     ({"max_message_bytes": None}, TypeError, "max_message_bytes must be an int, in bytes (got None"),
     ({"max_message_bytes": True}, TypeError, "max_message_bytes must be an int"),
-    ({"max_message_bytes": 0}, ValueError, "max_message_bytes must be in 1..2147483647 (got 0)"),
+    ({"max_message_bytes": 0}, ValueError,
+     "max_message_bytes must be in 1..2147483647, or -1 for no limit (got 0)"),
     ({"max_message_bytes": 2**31}, ValueError, "max_message_bytes must be in 1..2147483647"),
     # One pair instead of a list of pairs: "too many values to unpack" from the library.
     ({"options": ("grpc.enable_retries", 0)}, TypeError,
      "options[0] must be a (name, value) pair with a str name"),
     ({"options": {"grpc.enable_retries": 0}}, TypeError, "options must be a list of (name, value)"),
     ({"options": None}, TypeError, "options must be a list of (name, value) pairs"),
+    ({"options": [("a", 1, 2)]}, TypeError, "options[0] must be a (name, value) pair"),
 ])
 def test_channel_arguments_are_named_when_the_client_is_made(kwargs, error, message):
     import asyncio
@@ -192,6 +194,29 @@ def test_channel_arguments_are_named_when_the_client_is_made(kwargs, error, mess
 
     with pytest.raises(error, match=re.escape(message)):
         asyncio.run(make())
+
+
+def test_channel_arguments_grpc_takes_stay_accepted(monkeypatch):
+    import grpc as grpc_module
+
+    import pagedattn
+
+    seen = []
+    real = grpc_module.insecure_channel
+    monkeypatch.setattr(grpc_module, "insecure_channel",
+                        lambda target, options=None: seen.append(options) or real(target, options))
+    # -1 (gRPC's no limit), a numpy int (passed on as an int), pairs as lists.
+    pagedattn.Client("127.0.0.1:1", max_message_bytes=np.int64(2**20),
+                     options=[["grpc.enable_retries", 0]]).close()
+    assert ("grpc.max_receive_message_length", 2**20) in seen[-1]
+    assert type(dict(seen[-1])["grpc.max_receive_message_length"]) is int
+    assert ("grpc.enable_retries", 0) in seen[-1]
+    pagedattn.Client("127.0.0.1:1", max_message_bytes=-1).close()
+    # Options from a generator reach every shard, not the first alone.
+    seen.clear()
+    pagedattn.ShardedClient(["127.0.0.1:1", "127.0.0.1:2"],
+                            options=(p for p in [("grpc.enable_retries", 0)])).close()
+    assert len(seen) == 2 and all(("grpc.enable_retries", 0) in o for o in seen), seen
 
 
 def test_arguments_the_client_checks_are_named_before_sending():
@@ -234,6 +259,7 @@ def test_arguments_the_client_checks_are_named_before_sending():
 
 
 def test_unavailable_from_a_target_without_a_port_says_grpc_dialed_443():
+    # (Nothing listens on 127.0.0.1:443 where the tests run: the call is refused at once.)
     import asyncio
 
     import pagedattn
@@ -251,6 +277,9 @@ def test_unavailable_from_a_target_without_a_port_says_grpc_dialed_443():
                 await c.health()
 
     asyncio.run(health())
+    with pagedattn.Client("dns:///127.0.0.1", timeout=5) as client:
+        with pytest.raises(errors.Unavailable, match="names no port: gRPC dials 443"):
+            client.health()
     with pagedattn.Client("127.0.0.1:1", timeout=5) as client:
         with pytest.raises(errors.Unavailable) as e:
             client.health()

@@ -56,7 +56,7 @@ rc=0; out=$("$server" --listen=127.0.0.1:0 --backend=cpu --request_memory_mb=160
 half=$(( $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) / 2 + 16 ))
 "$server" --listen=127.0.0.1:0 --backend=cpu --request_memory_mb=$half >"$log.mem" 2>&1 &
 mpid=$!
-for _ in $(seq 200); do grep -q "security: " "$log.mem" && break; kill -0 $mpid 2>/dev/null || break; sleep 0.05; done
+for _ in $(seq 1200); do grep -q "security: " "$log.mem" && break; kill -0 $mpid 2>/dev/null || break; sleep 0.05; done
 if kill -0 $mpid 2>/dev/null; then
   kill $mpid; wait $mpid || true
   grep -q "warning no host memory is left for pools: requests in flight keep 2 x $half MiB" "$log.mem" ||

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import operator
 import os
 import warnings
 from collections.abc import Iterable
@@ -67,7 +68,7 @@ def channel_setup(
     tls: Union[bool, TLS, None], max_message_bytes: int, options: Sequence[tuple[str, Any]]
 ) -> tuple[Optional[grpc.ChannelCredentials], list[tuple[str, Any]]]:
     """(credentials or None for plaintext, channel options)."""
-    check_message_bytes(max_message_bytes)
+    max_message_bytes = message_bytes(max_message_bytes)
     extra = channel_options(options)
     opts: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -100,14 +101,21 @@ def channel_setup(
 MAX_MESSAGE_BYTES_LIMIT = 2**31 - 1
 
 
-def check_message_bytes(value: Any) -> None:
-    """max_message_bytes: a whole number of bytes (gRPC drops any other value without a word and
-    keeps its own 4 MiB receive limit)."""
-    if isinstance(value, bool) or not isinstance(value, int):
+def message_bytes(value: Any) -> int:
+    """max_message_bytes as the int gRPC takes: a whole number of bytes, or -1 for no limit (gRPC
+    drops any other value without a word and keeps its own 4 MiB receive limit; a numpy int it
+    would misread)."""
+    try:
+        n = operator.index(value) if not isinstance(value, bool) else None
+    except TypeError:
+        n = None
+    if n is None:
         raise TypeError(f"max_message_bytes must be an int, in bytes (got {type(value).__name__} "
                         f"{value!r})")
-    if not 1 <= value <= MAX_MESSAGE_BYTES_LIMIT:
-        raise ValueError(f"max_message_bytes must be in 1..{MAX_MESSAGE_BYTES_LIMIT} (got {value})")
+    if n != -1 and not 1 <= n <= MAX_MESSAGE_BYTES_LIMIT:
+        raise ValueError(f"max_message_bytes must be in 1..{MAX_MESSAGE_BYTES_LIMIT}, or -1 for no "
+                         f"limit (got {n})")
+    return n
 
 
 def channel_options(options: Any) -> list[tuple[str, Any]]:
@@ -118,10 +126,11 @@ def channel_options(options: Any) -> list[tuple[str, Any]]:
                         f"{type(options).__name__})")
     out = []
     for i, pair in enumerate(options):
-        if not (isinstance(pair, tuple) and len(pair) == 2 and isinstance(pair[0], str)):
+        if (isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2
+                or not isinstance(pair[0], str)):
             raise TypeError(f"options[{i}] must be a (name, value) pair with a str name, "
                             f"{example} (got {pair!r})")
-        out.append(pair)
+        out.append((pair[0], pair[1]))
     return out
 
 
@@ -295,10 +304,21 @@ class Timing(NamedTuple):
     kernel_micros: int  # time of the layer's kernels (GPU time on the CUDA backend)
 
 
+def names_no_port(target: str) -> bool:
+    """Whether a TCP target leaves its port out ("host", "[::1]", "dns:///host"): gRPC takes 443."""
+    if target.startswith("dns:"):
+        target = target.rsplit("/", 1)[-1]
+    elif "/" in target or target.startswith(("unix:", "ipv4:", "ipv6:")):
+        return False
+    if target.startswith("["):
+        return target.endswith("]")
+    return ":" not in target
+
+
 def call_error(error: PagedAttnError, target: str) -> PagedAttnError:
     """A call's exception; UNAVAILABLE from a target that names no port says where gRPC went (its
     default, 443), as pagedattn-cli's hint does."""
-    if error.code == grpc.StatusCode.UNAVAILABLE and ":" not in target and "/" not in target:
+    if error.code == grpc.StatusCode.UNAVAILABLE and names_no_port(target):
         error.message += f" (the target {target!r} names no port: gRPC dials 443; give host:port)"
         error.args = (error.message,)
     return error

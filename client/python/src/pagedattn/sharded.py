@@ -454,6 +454,7 @@ class _ShardedClientBase:
                  tls: Union[bool, TLS], timeout: Optional[float], max_message_bytes: int,
                  options: Sequence[tuple[str, Any]]) -> None:
         tls = _tls_for_name(targets, tls)
+        options = _common.channel_options(options)  # once: a generator would reach one shard
         self.clients = []
         self._owned: list[Any] = []
         for t in resolve_targets(targets):

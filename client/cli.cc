@@ -75,7 +75,7 @@ constexpr char kUsage[] =
     "command-line client of a pagedattn server.\n\n"
     "usage: pagedattn-cli [flags] <command> [args]\n\n"
     "commands:\n"
-    "  info                     server version, backend, device and capability table\n"
+    "  info                     server version, backend, device, capability table and limits\n"
     "  health                   grpc.health.v1 check; exit 0 only when SERVING\n"
     "  validate                 dry-run a cache config (--num_layers, --head_dim, ...)\n"
     "  create-cache             create a cache from the config flags (--name)\n"

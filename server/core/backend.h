@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -37,6 +38,8 @@ struct CacheGeometry {
   DType kv_dtype = DType::kUnspecified;
   int32_t device = 0;
   int64_t num_pages = 0;
+  // The softmax scale of a Forward that sets none: 1/sqrt(head_dim).
+  float default_sm_scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
   // Each layer's variant: empty when every layer is plain, else num_layers entries.
   std::vector<LayerAttention> layers;
   // An FP8 cache's scaling (kPerToken or kStatic; kUnspecified for 16/32-bit caches), and with

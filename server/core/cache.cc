@@ -197,7 +197,7 @@ ForwardPlan Cache::MakePlan(const ForwardArgs& a, const Reservation& r) const {
   ForwardPlan plan;
   plan.layer = a.layer;
   plan.causal = a.causal.value_or(true);
-  plan.sm_scale = a.sm_scale.value_or(1.0f / std::sqrt(static_cast<float>(geometry_.head_dim)));
+  plan.sm_scale = a.sm_scale.value_or(geometry_.default_sm_scale());
   plan.return_lse = a.return_lse;
   plan.attention = geometry_.attention(a.layer);
   plan.spans.reserve(a.spans.size());

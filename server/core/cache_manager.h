@@ -23,6 +23,8 @@ struct CacheManagerLimits {
   int64_t max_caches_per_tenant = 64;
   int64_t max_total_pool_bytes = 0;  // 0: no limit beyond the device's free memory.
   ForwardLimits forward;
+  // Caches unused this long are deleted (the server runs DeleteIdle with it); zero: never.
+  absl::Duration cache_idle_timeout = absl::ZeroDuration();
 };
 
 // A cache DeleteIdle took, for the server's log.
@@ -73,6 +75,9 @@ class CacheManager {
   // The pools of live caches and of deleted ones that a Forward still holds.
   int64_t total_pool_bytes() const;
   const CacheManagerLimits& limits() const { return limits_; }
+  // Bytes a new pool on `device` may take now: its free memory, or less where
+  // max_total_pool_bytes leaves less.
+  int64_t PoolBytesFree(int32_t device) const { return ContextFor(device).free_bytes; }
 
  private:
   ValidationContext ContextFor(int32_t device) const;

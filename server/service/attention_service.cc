@@ -27,6 +27,9 @@
 namespace pagedattn {
 namespace {
 
+// The most bytes of one ListCaches answer: gRPC's default receive limit.
+constexpr int64_t kListPageBytes = int64_t{4} << 20;
+
 // What kind of error a message tells, for throttling: its words before the first digit (at most
 // 40 bytes), so that "out of KV pages: needs 5" and "... needs 7" are one kind and a capacity
 // error another, each with its own count of lines held back.
@@ -291,6 +294,15 @@ absl::Status AttentionServiceImpl::RunGetServerInfo(Rpc&, const v1::GetServerInf
   if (regions_ != nullptr && !regions_->enabled()) {  // --max_memory_regions=0
     resp->mutable_capabilities()->set_supports_device_tensors(false);
   }
+  const CacheManagerLimits& limits = manager_->limits();
+  v1::ServerLimits* out = resp->mutable_limits();
+  out->set_max_forward_tokens(limits.forward.max_tokens);
+  out->set_max_forward_spans(limits.forward.max_spans);
+  out->set_max_message_bytes(limits.forward.max_response_bytes);
+  out->set_max_caches_per_tenant(limits.max_caches_per_tenant);
+  out->set_max_total_pool_bytes(limits.max_total_pool_bytes);
+  out->set_pool_free_bytes(manager_->PoolBytesFree(0));
+  out->set_cache_idle_timeout_s(absl::ToInt64Seconds(limits.cache_idle_timeout));
   return absl::OkStatus();
 }
 
@@ -302,6 +314,11 @@ absl::Status AttentionServiceImpl::RunValidateCacheConfig(Rpc&, const v1::CacheC
 
 absl::Status AttentionServiceImpl::RunCreateCache(Rpc& rpc, const v1::CreateCacheRequest& req,
                                                   v1::CacheInfo* resp) {
+  if (!req.has_config()) {
+    return absl::InvalidArgumentError(
+        "config is required: the cache's CacheConfig (ValidateCacheConfig checks one without "
+        "allocating)");
+  }
   absl::StatusOr<std::shared_ptr<Cache>> cache =
       manager_->Create(FromProto(req.config()), req.name(), rpc.tenant(), rpc.stop());
   if (!cache.ok()) return cache.status();
@@ -337,10 +354,12 @@ absl::Status AttentionServiceImpl::RunListCaches(Rpc& rpc, const v1::ListCachesR
   absl::StatusOr<std::vector<std::shared_ptr<Cache>>> caches =
       manager_->ListAfter(rpc.tenant(), req.page_token());
   if (!caches.ok()) return caches.status();
-  // A page ends at page_size caches or where the next would take the answer past the largest
-  // message (a config with many sinks is large); it holds at least one.
+  // A page ends at page_size caches or where the next would take the answer past 4 MiB,
+  // gRPC's default receive limit, which a client that never raised it keeps (a config with many
+  // sinks is large; the server's own --max_message_mb may be smaller); it holds at least one.
   const int64_t limit = manager_->limits().forward.max_response_bytes;
-  const int64_t max_bytes = limit > 0 ? limit - 1024 : std::numeric_limits<int64_t>::max();
+  const int64_t max_bytes =
+      std::min<int64_t>(limit > 0 ? limit : kListPageBytes, kListPageBytes) - 1024;
   int64_t bytes = 0;
   for (size_t i = 0; i < caches->size(); ++i) {
     const Cache& cache = *(*caches)[i];
@@ -506,15 +525,19 @@ int64_t Micros(double us) { return static_cast<int64_t>(us + 0.5); }
 // A message of an open step (one that sets no spans) carries a layer and its tensors; the cache
 // and the options are the opening message's. One that names another cache or other options
 // would run with the step's silently, so it is refused (the same ones are harmless).
+// default_scale: the step's cache's scale when none is set (unknown when the cache is gone).
 absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string& step_cache_id,
-                            const wire::ForwardOptionsRef& step) {
+                            const wire::ForwardOptionsRef& step,
+                            std::optional<float> default_scale) {
   const wire::ForwardOptionsRef& o = r.options;
   const bool other_cache = !r.cache_id.empty() && r.cache_id != step_cache_id;
-  // What the options mean, not how they were sent: causal unset is causal, and a scale repeated
-  // bit for bit is the same (a NaN too: the layer then fails for its scale, as the step's did).
-  const bool same_scale = !o.sm_scale.has_value() || (step.sm_scale.has_value() &&
-                                                      std::bit_cast<uint32_t>(*o.sm_scale) ==
-                                                          std::bit_cast<uint32_t>(*step.sm_scale));
+  // What the options mean, not how they were sent: causal unset is causal, a scale unset is
+  // 1/sqrt(head_dim), and a scale repeated bit for bit is the same (a NaN too: the layer then
+  // fails for its scale, as the step's did).
+  const std::optional<float> step_scale = step.sm_scale ? step.sm_scale : default_scale;
+  const bool same_scale = !o.sm_scale.has_value() ||
+                          (step_scale.has_value() && std::bit_cast<uint32_t>(*o.sm_scale) ==
+                                                         std::bit_cast<uint32_t>(*step_scale));
   const bool other_options = (o.causal.has_value() && *o.causal != step.causal.value_or(true)) ||
                              !same_scale || (o.return_lse && !step.return_lse);
   if (!other_cache && !other_options) return absl::OkStatus();
@@ -737,14 +760,19 @@ class AttentionServiceImpl::StepReactor final
       opened_ = true;
       closed_by_garbled_ = false;
     } else if (opened_) {
-      s = CheckStepLayer(r, cache_id_, options_);
+      std::optional<float> default_scale;
+      if (r.options.sm_scale && !options_.sm_scale) {  // the step's scale is its cache's default
+        absl::StatusOr<std::shared_ptr<Cache>> cache = service_->manager_->Get(cache_id_, tenant_);
+        if (cache.ok()) default_scale = (*cache)->geometry().default_sm_scale();
+      }
+      s = CheckStepLayer(r, cache_id_, options_, default_scale);
     }
     if (s.ok()) {
       if (!opened_ && closed_by_garbled_) {
         s = absl::InvalidArgumentError(
-            "no step is open: an earlier message of this stream could not be parsed, so the step "
-            "it may have opened is unknown; send a message that sets spans (and cache_id) to open "
-            "one");
+            "no step is open: an earlier message of this stream could not be parsed (or broke a "
+            "parse limit), so the step it may have opened is unknown; send a message that sets "
+            "spans (and cache_id) to open one");
       } else if (!opened_) {
         s = absl::InvalidArgumentError(
             "the first message of a Step stream must set spans (and cache_id): it opens the step");

@@ -206,6 +206,7 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->backend_fallback_reason_ = std::move(backend->fallback_reason);
   CacheManagerLimits limits = options.limits;
   limits.forward.max_response_bytes = options.max_message_bytes;
+  limits.cache_idle_timeout = options.cache_idle_timeout;
   s->manager_ = std::make_unique<CacheManager>(s->backend_.get(), limits);
   s->regions_ = std::make_unique<MemoryRegistry>(
       s->backend_.get(), options.memory, [](const RegionInfo& r, const std::string& why) {
@@ -358,7 +359,6 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   }
   s->health_->SetServing(true);
   s->started_ = true;
-  s->cache_idle_timeout_ = options.cache_idle_timeout;
   if (options.cache_idle_timeout > absl::ZeroDuration()) {
     // A cache goes at most a quarter of its timeout (and a second) past it.
     const absl::Duration every =
@@ -453,9 +453,9 @@ void PagedAttnServer::MarkBroken(const std::string& why) {
 }
 
 void PagedAttnServer::DeleteIdleCaches() {
-  if (cache_idle_timeout_ <= absl::ZeroDuration()) return;
-  for (const IdleCache& c :
-       manager_->DeleteIdle(std::chrono::steady_clock::now(), cache_idle_timeout_)) {
+  const absl::Duration timeout = manager_->limits().cache_idle_timeout;
+  if (timeout <= absl::ZeroDuration()) return;
+  for (const IdleCache& c : manager_->DeleteIdle(std::chrono::steady_clock::now(), timeout)) {
     const int64_t regions = regions_->ReleaseCache(c.id);
     metrics_->RecordIdleCacheDeleted();
     spdlog::warn(
@@ -463,7 +463,7 @@ void PagedAttnServer::DeleteIdleCaches() {
         "Forward, release or truncate); {} bytes freed{}",
         c.id, ForLog(c.name, LogText::kQuoted),
         c.owner.empty() ? "" : absl::StrCat(", tenant ", c.owner), absl::ToDoubleSeconds(c.idle),
-        absl::ToDoubleSeconds(cache_idle_timeout_), c.bytes,
+        absl::ToDoubleSeconds(timeout), c.bytes,
         regions > 0 ? absl::StrCat(", ", regions, " memory regions released") : "");
   }
 }

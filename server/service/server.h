@@ -137,7 +137,6 @@ class PagedAttnServer {
   bool started_ = false;  // Start returned the server: it has served, and drains at shutdown
   absl::Mutex shutdown_mu_;
   bool shut_down_ ABSL_GUARDED_BY(shutdown_mu_) = false;
-  absl::Duration cache_idle_timeout_ = absl::ZeroDuration();
   // Declared last, stopped first: it deletes through manager_, regions_ and metrics_.
   std::unique_ptr<PeriodicTask> idle_sweep_;
 };

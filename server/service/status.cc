@@ -39,10 +39,16 @@ grpc::Status ToGrpcStatus(const absl::Status& status) {
   if (!violations.empty()) {
     google::rpc::BadRequest bad_request;
     const size_t shown = std::min(violations.size(), kMaxStatusViolations);
+    size_t left = kMaxViolationDescriptionsBytes;
     for (size_t i = 0; i < shown; ++i) {
       auto* fv = bad_request.add_field_violations();
       fv->set_field(Bounded(violations[i].field, kMaxViolationFieldBytes));
-      fv->set_description(Bounded(violations[i].description, kMaxViolationDescriptionBytes));
+      // Each later violation keeps at least kMinViolationDescriptionBytes of the budget.
+      const size_t later = (shown - 1 - i) * kMinViolationDescriptionBytes;
+      const size_t max = std::clamp(left - std::min(left, later), kMinViolationDescriptionBytes,
+                                    kMaxViolationDescriptionBytes);
+      fv->set_description(Bounded(violations[i].description, max));
+      left -= std::min(left, fv->description().size());
     }
     rich.add_details()->PackFrom(bad_request);
   }

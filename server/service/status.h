@@ -17,7 +17,11 @@ namespace pagedattn {
 inline constexpr size_t kMaxStatusMessageBytes = 1024;
 inline constexpr size_t kMaxStatusViolations = 10;
 inline constexpr size_t kMaxViolationFieldBytes = 64;
-inline constexpr size_t kMaxViolationDescriptionBytes = 160;
+// Descriptions share one budget (what ten of 160 bytes took), each up to 512 bytes: the few
+// violations a config usually has travel whole, with their numbers and what would be valid.
+inline constexpr size_t kMaxViolationDescriptionBytes = 512;
+inline constexpr size_t kMaxViolationDescriptionsBytes = 1600;
+inline constexpr size_t kMinViolationDescriptionBytes = 64;
 
 grpc::Status ToGrpcStatus(const absl::Status& status);
 

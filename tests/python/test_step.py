@@ -287,6 +287,16 @@ def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_d
         anti.options.causal = False
         codes = _raw_step(client, [m.SerializeToString() for m in (opener, causal, anti)])
         assert codes == [OK, OK, INVALID_ARGUMENT]
+        # A step that set no scale has its cache's, 1/sqrt(head_dim): a layer that spells it out
+        # is the same step, another scale is not.
+        t3 = qkv(rng, 2)
+        opener = _message(cache, 0, [Span.prefill(3, 2)], *t3)
+        spelled = _message(cache, 1, [Span.prefill(3, 2)], *t3, opens=False)
+        spelled.options.sm_scale = float(np.float32(1) / np.sqrt(np.float32(D)))
+        other_scale = _message(cache, 2, [Span.prefill(3, 2)], *t3, opens=False)
+        other_scale.options.sm_scale = 0.5
+        codes = _raw_step(client, [m.SerializeToString() for m in (opener, spelled, other_scale)])
+        assert codes == [OK, OK, INVALID_ARGUMENT]
 
 
 def test_stream_failure_reaches_every_future_and_close():

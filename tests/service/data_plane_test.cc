@@ -273,7 +273,7 @@ TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
   std::unique_ptr<StepStream> stream = WaitingStream(&out);
   testing::LogCapture captured(spdlog::level::info);
   const absl::Time start = absl::Now();
-  server_->Shutdown(absl::Seconds(2));  // 1.5 s for the calls, 0.5 s to stop them
+  server_->Shutdown(absl::Seconds(4));  // 3 s for the calls, 1 s to stop them
   const absl::Duration took = absl::Now() - start;
   server_->Wait();
   const std::string log = captured.str();
@@ -285,7 +285,8 @@ TEST_P(DataPlaneTest, AStreamWaitingAtTheGracePeriodsEndIsNamedAndEnded) {
             std::string::npos)
       << log;
   EXPECT_EQ(log.find("did not stop in time"), std::string::npos) << log;
-  EXPECT_LT(took, absl::Milliseconds(1900)) << "the stream held the margin to stop calls";
+  // Under a sanitizer on a loaded 2-core machine it took up to 0.6 s past the 3 s.
+  EXPECT_LT(took, absl::Milliseconds(3850)) << "the stream held the margin to stop calls";
   EXPECT_FALSE(stream->Receive({out.data(), out.size()}).ok());
   EXPECT_FALSE(stream->Close().ok());
 }

@@ -157,6 +157,43 @@ TEST_F(E2ETest, CreateCacheInvalidCarriesBadRequestDetails) {
   EXPECT_NE(bad.field_violations(2).description().find("(got 0"), std::string::npos);
 }
 
+// A violation's description travels whole in the BadRequest details, as ValidateCacheConfig
+// gives it: a cut one (160 bytes) read "nearest valid: 167772..." for 16777215.
+TEST_F(E2ETest, BadRequestDescriptionsAreWhole) {
+  v1::CacheConfig c = SmallConfig();
+  c.set_num_q_heads(8);
+  c.set_num_kv_heads(8);
+  c.set_head_dim(128);
+  c.set_page_size(16);
+  c.set_num_pages(100000000);  // 100e6 x 8 heads x 16 rows: past 2^31 rows of a layer
+  absl::StatusOr<v1::ValidateCacheConfigResponse> validated = client_->ValidateCacheConfig(c);
+  ASSERT_TRUE(validated.ok()) << validated.status();
+  ASSERT_EQ(validated->violations_size(), 1);
+  const std::string& description = validated->violations(0).description();
+  EXPECT_GT(description.size(), 160u) << description;
+  EXPECT_NE(description.find("nearest valid: 16777215"), std::string::npos) << description;
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  grpc::ClientContext ctx;
+  v1::CreateCacheRequest req;
+  *req.mutable_config() = c;
+  v1::CacheInfo resp;
+  const grpc::Status s = stub->CreateCache(&ctx, req, &resp);
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  google::rpc::Status rich;
+  ASSERT_TRUE(rich.ParseFromString(s.error_details()));
+  google::rpc::BadRequest bad;
+  ASSERT_TRUE(rich.details(0).UnpackTo(&bad));
+  ASSERT_EQ(bad.field_violations_size(), 1);
+  EXPECT_EQ(bad.field_violations(0).field(), "num_pages");
+  EXPECT_EQ(bad.field_violations(0).description(), description);
+  // No config at all is that, not six violations of an all-zero one.
+  grpc::ClientContext empty_ctx;
+  const grpc::Status empty = stub->CreateCache(&empty_ctx, v1::CreateCacheRequest(), &resp);
+  EXPECT_EQ(empty.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  EXPECT_EQ(empty.error_message().rfind("config is required", 0), 0u) << empty.error_message();
+}
+
 TEST_F(E2ETest, OversizedCacheIsResourceExhaustedWithNumbers) {
   v1::CacheConfig c = SmallConfig();
   c.set_num_layers(4096);

@@ -461,6 +461,74 @@ TEST(ListCachesTest, PagesFitTheLargestMessageAndGoOnAfterDeletions) {
   EXPECT_NE(st.error_message().find("page_size"), std::string::npos) << st.error_message();
 }
 
+// GetServerInfo says the limits the server was started with, and what its pool budget leaves,
+// so that a client sizes its requests to them (a prefill chunked to max_forward_tokens) rather
+// than learn them from errors.
+TEST(ServerInfoTest, ReportsTheServersLimits) {
+  ServerOptions o = CpuOptions();
+  o.max_message_bytes = 8 << 20;
+  o.limits.max_caches_per_tenant = 3;
+  o.limits.max_total_pool_bytes = 64 << 20;
+  o.limits.forward.max_tokens = 1000;
+  o.limits.forward.max_spans = 50;
+  o.cache_idle_timeout = absl::Seconds(600);
+  auto server = *PagedAttnServer::Start(o);
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  absl::StatusOr<v1::ServerInfo> info = client->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  const v1::ServerLimits& l = info->limits();
+  EXPECT_EQ(l.max_forward_tokens(), 1000);
+  EXPECT_EQ(l.max_forward_spans(), 50);
+  EXPECT_EQ(l.max_message_bytes(), 8 << 20);
+  EXPECT_EQ(l.max_caches_per_tenant(), 3);
+  EXPECT_EQ(l.max_total_pool_bytes(), 64 << 20);
+  EXPECT_EQ(l.pool_free_bytes(), 64 << 20);  // the budget, far below the host's free memory
+  EXPECT_EQ(l.cache_idle_timeout_s(), 600);
+  absl::StatusOr<v1::CacheInfo> cache = client->CreateCache(Config(4));
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  info = client->GetServerInfo();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->limits().pool_free_bytes(), (64 << 20) - cache->bytes());
+}
+
+// With page_size 0 a page fits gRPC's default 4 MiB receive limit, whatever --max_message_mb:
+// a client that never raised its limit can list 17 caches of 256 KiB configs (pages sized to
+// the server's 512 MiB made it RESOURCE_EXHAUSTED).
+TEST(ListCachesTest, PagesFitAClientsDefaultReceiveLimit) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  v1::CacheConfig c;
+  c.set_num_layers(64);
+  c.set_num_q_heads(1024);
+  c.set_num_kv_heads(32);
+  c.set_head_dim(64);
+  c.set_page_size(1);
+  c.set_kv_dtype(v1::BFLOAT16);
+  c.set_num_pages(1);
+  v1::LayerAttention* layer = c.add_layers();
+  for (int h = 0; h < 1024; ++h) layer->add_sinks(0.25f * h);
+  for (int i = 0; i < 17; ++i) ASSERT_TRUE(client->CreateCache(c).ok()) << i;
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials()));
+  size_t listed = 0;
+  std::string token;
+  int pages = 0;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListCachesRequest req;
+    req.set_page_token(token);
+    v1::ListCachesResponse page;
+    const grpc::Status st = stub->ListCaches(&ctx, req, &page);
+    ASSERT_TRUE(st.ok()) << st.error_message();
+    EXPECT_LE(page.ByteSizeLong(), size_t{4} << 20);
+    listed += page.caches_size();
+    token = page.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  EXPECT_EQ(listed, 17u);
+  EXPECT_EQ(pages, 2);
+}
+
 // Error texts that quote request data stay short: a 20 kB id or a 5000-dim shape gets its
 // NOT_FOUND / INVALID_ARGUMENT, and other calls on the same connection keep working (an
 // error text over the client's 8 KiB metadata limit used to break the connection).

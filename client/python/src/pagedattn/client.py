@@ -156,7 +156,7 @@ class Client:
         self, *, page_size: int = 0, timeout: Optional[float] = None
     ) -> list[pb.CacheInfo]:
         """Every cache of this server (of the caller's tenant when auth is on), oldest first:
-        every page, page_size caches a call (0: as many as fit the server's largest message)."""
+        every page, page_size caches a call (0: as many as fit 4 MiB)."""
         caches: list[pb.CacheInfo] = []
         req = pb.ListCachesRequest(page_size=checked_int32("page_size", page_size))
         while True:

@@ -7,8 +7,9 @@ seed (nothing is downloaded). A ragged batch of prompts is prefilled in one call
 greedily one token per sequence per step; each layer of each step is one Forward carrying that
 layer's q and the new (post-RoPE) k/v of every sequence, all of them on one Step stream (a step
 on it per model call; --unary: one unary Forward RPC per layer). Prints the generated token ids and
-tokens/s; --compare also runs transformers' own eager attention + DynamicCache and checks the
-tokens match.
+tokens/s; --compare also runs transformers' own eager attention + DynamicCache and compares the
+tokens and logits (exit status 1 when a float32 model on a float32 cache generates other tokens;
+in bfloat16 or float16, or on an FP8 cache, rounding may part greedy ways at a near tie).
 
     python3 examples/transformers_generate.py --target localhost:50051
     python3 examples/transformers_generate.py --target gpu-host:50051 --dtype bfloat16 --compare
@@ -33,26 +34,52 @@ except ImportError as e:  # one line saying what to install, not a traceback
     sys.exit(2)
 
 
+def _lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(n) for n in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not a comma-separated list of integers")
+    if not lengths or min(lengths) < 1:
+        raise argparse.ArgumentTypeError(f"each prompt length must be at least 1 (got '{text}')")
+    return lengths
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"'{text}' is not an integer")
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 (got {n})")
+    return n
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="localhost:50051", help="pagedattn server host:port")
     p.add_argument("--token", default=None, help="bearer token, if the server wants one")
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--q-heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=2)
-    p.add_argument("--head-dim", type=int, default=64, choices=[64, 80, 96, 128, 192, 256, 512])
-    p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--prompt-lengths", default="5,11,17", help="one prompt per length (ragged batch)")
-    p.add_argument("--new-tokens", type=int, default=32)
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="auto",
-                   help="model and cache dtype: float32 (CPU backend), bfloat16, float16; "
-                        "auto: float32 on a CPU server, bfloat16 on a CUDA one")
+    p.add_argument("--layers", type=_positive, default=4, help="decoder layers (default 4)")
+    p.add_argument("--q-heads", type=_positive, default=8, help="query heads (default 8)")
+    p.add_argument("--kv-heads", type=_positive, default=2,
+                   help="key/value heads, dividing --q-heads (default 2: GQA 4)")
+    p.add_argument("--head-dim", type=int, default=64, choices=[64, 80, 96, 128, 192, 256, 512],
+                   help="head size (default 64)")
+    p.add_argument("--vocab", type=_positive, default=512, help="vocabulary size (default 512)")
+    p.add_argument("--prompt-lengths", type=_lengths, default=[5, 11, 17],
+                   help="one random prompt per length, comma-separated (a ragged batch; default "
+                        "5,11,17)")
+    p.add_argument("--new-tokens", type=_positive, default=32,
+                   help="tokens generated per sequence (default 32)")
+    p.add_argument("--page-size", type=_positive, default=16,
+                   help="the cache's page size, tokens (default 16)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model and cache dtype (float32 caches: CPU backend only); auto: float32 "
+                        "on a CPU server, bfloat16 on a CUDA one")
     p.add_argument("--kv-dtype", default=None,
                    help="the cache's dtype when not the model's: e.g. float8_e4m3 (an FP8 cache) "
                         "under a float32 or bfloat16 model")
     p.add_argument("--device", default="auto", help="torch device of the model (auto: cuda if available)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and prompts (default 0)")
     p.add_argument("--unary", action="store_true",
                    help="one unary Forward RPC per layer instead of a Step stream per step")
     p.add_argument("--compare", action="store_true",
@@ -67,7 +94,7 @@ def main() -> int:
                               head_dim=a.head_dim, vocab_size=a.vocab, seed=a.seed,
                               dtype=getattr(torch, dtype), device=device)
         gen = torch.Generator().manual_seed(a.seed + 1)
-        lengths = [int(n) for n in a.prompt_lengths.split(",")]
+        lengths = a.prompt_lengths
         prompts = [torch.randint(1, a.vocab, (n,), generator=gen).tolist() for n in lengths]
         longest = max(lengths) + a.new_tokens
         pages = len(prompts) * -(-longest // a.page_size)
@@ -117,4 +144,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except (pagedattn.errors.PagedAttnError, ValueError) as e:  # the server's or hf's words
+        sys.stderr.write(f"transformers_generate.py: {type(e).__name__}: {e}\n")
+        sys.exit(1)

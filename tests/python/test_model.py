@@ -108,8 +108,9 @@ def _expect_same_generation(model, got, dtype, where):
 def _tiny(kind, dtype, device):
     """Models with per-layer attention options, random weights from a fixed seed: Gemma 2
     (windowed and global layers alternating, every score soft-capped: a small cap and window so
-    that both change the answer), gpt-oss (the same alternation, with sinks) and Mistral (every
-    layer windowed, no layer types)."""
+    that both change the answer), gpt-oss (the same alternation, with sinks), Mistral (every
+    layer windowed, no layer types) and Qwen2-MoE (alternating too, its window in transformers'
+    mask only: its attention layers are not passed it)."""
     import transformers
 
     common = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -121,6 +122,12 @@ def _tiny(kind, dtype, device):
         model = transformers.Gemma2ForCausalLM(config)
     elif kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**common))
+    elif kind == "qwen2_moe":
+        config = transformers.Qwen2MoeConfig(
+            use_sliding_window=True, layer_types=["sliding_attention", "full_attention"] * 2,
+            num_experts=2, num_experts_per_tok=2, moe_intermediate_size=128,
+            shared_expert_intermediate_size=128, **common)
+        model = transformers.Qwen2MoeForCausalLM(config)
     else:
         # Every expert on every token: top-k routing would turn the dtype's noise into a
         # different expert (a jump in the logits) wherever two experts' scores are close.
@@ -132,9 +139,9 @@ def _tiny(kind, dtype, device):
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral"])
+@pytest.mark.parametrize("kind", ["gemma2", "gpt_oss", "mistral", "qwen2_moe"])
 def test_models_with_layer_options_match_transformers(client, kv_dtypes, backend, kind, dtype):
-    """Gemma 2, gpt-oss and Mistral through pagedattn: the cache made from the model
+    """Gemma 2, gpt-oss, Mistral and Qwen2-MoE through pagedattn: the cache made from the model
     (cache_config_for with sinks_of) carries each layer's window, soft-cap and sinks; the
     generation matches transformers' eager attention as above."""
     if dtype not in kv_dtypes:
@@ -167,6 +174,13 @@ def test_a_cache_without_the_models_options_is_refused(client, kv_dtypes):
     with client.create_cache(plain, "test_model_plain") as cache:
         paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
         with pytest.raises(ValueError, match=r"layer 0: .*sliding_window=4, softcap=2.0"):
+            hf.greedy_generate(model, PROMPTS, 2, cache=paged_cache)
+    # A window kept in the mask only (Qwen2-MoE): a plain cache would attend without it.
+    model = _tiny("qwen2_moe", getattr(torch, dtype), _device())
+    hf.set_attention(model, "pagedattn")
+    with client.create_cache(plain, "test_model_plain_moe") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        with pytest.raises(ValueError, match=r"layer 0: .*sliding_window=4, softcap=None"):
             hf.greedy_generate(model, PROMPTS, 2, cache=paged_cache)
 
 
@@ -256,6 +270,13 @@ def test_layers_a_cache_cannot_serve_are_refused():
                              layer_types=["linear_attention", "full_attention"] * 2)
     with pytest.raises(ValueError, match=r"qwen3_next: layer_types \['linear_attention'\]"):
         hf.cache_config_for(hybrid)
+    mla = SimpleNamespace(**dict(base, model_type="deepseek_v3"), qk_nope_head_dim=128,
+                          qk_rope_head_dim=64, v_head_dim=128)
+    with pytest.raises(ValueError, match=r"deepseek_v3: multi-head latent attention \(query/key "
+                                         r"heads of 192, value heads of 128\)"):
+        hf.cache_config_for(mla)
+    with pytest.raises(ValueError, match=r"falcon: ALiBi"):
+        hf.cache_config_for(SimpleNamespace(**dict(base, model_type="falcon"), alibi=True))
     ok = SimpleNamespace(**base, layer_types=["sliding_attention", "full_attention"] * 2,
                          sliding_window=8)
     assert [layer.sliding_window for layer in hf.cache_config_for(ok).layers] == [8, None, 8, None]
@@ -281,3 +302,44 @@ def test_a_used_cache_is_refused_until_released(client, kv_dtypes):
     assert torch.equal(again.tokens, first.tokens)
     for a, b in zip(again.logits, first.logits):
         assert torch.equal(a, b)
+
+
+def test_misuse_is_refused_by_name(client, kv_dtypes):
+    """What transformers' Cache API or a caller's own loop may ask of a PagedAttnCache that it
+    cannot do is refused by name, not done silently wrong: cropping or reordering (beam search),
+    a model left on another attention (nothing reached the server), a step sent twice without
+    plan() (it would overwrite the step's tokens), prompts that do not fit the cache's
+    sequences; reset() is release()."""
+    dtype = "float32" if "float32" in kv_dtypes else "bfloat16"
+    model = hf.tiny_llama(num_layers=2, dtype=getattr(torch, dtype), device=_device())
+    hf.register()
+    config = hf.cache_config_for(model.config, page_size=16, kv_dtype=dtype, num_pages=16)
+    with client.create_cache(config, "test_model_misuse") as cache:
+        paged_cache = hf.PagedAttnCache(cache, seq_ids=[11, 12, 13])
+        hf.set_attention(model, "eager")
+        with pytest.raises(ValueError, match=r"attended with 'eager'.*set_attention\(model, 'pagedattn'\)"):
+            hf.greedy_generate(model, PROMPTS, 1, cache=paged_cache)
+        paged_cache.release()
+        hf.set_attention(model, "pagedattn")
+        hf.greedy_generate(model, PROMPTS, 2, cache=paged_cache)
+        for method, args in [("crop", (3,)), ("reorder_cache", (torch.tensor([2, 1, 0]),)),
+                             ("batch_select_indices", (torch.tensor([0]),)),
+                             ("batch_repeat_interleave", (2,))]:
+            with pytest.raises(NotImplementedError, match=rf"PagedAttnCache.{method}\(\).*beam search"):
+                getattr(paged_cache, method)(*args)
+        # The step planned last sent again: refused before anything is sent.
+        calls = cache.stats().forward_calls
+        step_ids = torch.tensor([[1], [2], [3]])
+        with pytest.raises(ValueError, match=r"layer 0 was already sent for the step planned last"):
+            model(input_ids=step_ids, pagedattn_cache=paged_cache, use_cache=True,
+                  **{hf._cache_kwarg(model): paged_cache})
+        assert cache.stats().forward_calls == calls
+        paged_cache.reset()
+        assert paged_cache.num_tokens == 0 and cache.stats().used_pages == 0
+        with pytest.raises(ValueError, match=r"2 prompts for a PagedAttnCache of 3 sequences"):
+            hf.greedy_generate(model, PROMPTS[:2], 2, cache=paged_cache)
+        with pytest.raises(ValueError, match=r"prompts \[1\] are empty"):
+            hf.greedy_generate(model, [PROMPTS[0], [], PROMPTS[2]], 2, cache=paged_cache)
+        with pytest.raises(ValueError, match=r"max_new_tokens must be at least 1 \(got 0\)"):
+            hf.greedy_generate(model, PROMPTS, 0, cache=paged_cache)
+        assert cache.stats().used_pages == 0

@@ -39,7 +39,19 @@ SUPPORTED_LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def check_layer_types(model_config: Any) -> None:
     """Raises ValueError when the model has layers a pagedattn cache cannot serve: a
-    `layer_types` entry other than full or sliding-window attention, or chunked attention."""
+    `layer_types` entry other than full or sliding-window attention, chunked attention, ALiBi
+    biases, or multi-head latent attention (keys and values of other widths)."""
+    name = getattr(model_config, "model_type", None) or "this model"
+    if getattr(model_config, "alibi", False):
+        raise ValueError(
+            f"{name}: ALiBi position biases (alibi=True) cannot be served: a pagedattn cache "
+            "attends without biases (rotary models work)")
+    if getattr(model_config, "qk_nope_head_dim", None) is not None:  # DeepSeek V2/V3, MiniCPM3
+        qk = model_config.qk_nope_head_dim + (getattr(model_config, "qk_rope_head_dim", 0) or 0)
+        raise ValueError(
+            f"{name}: multi-head latent attention (query/key heads of {qk}, value heads of "
+            f"{getattr(model_config, 'v_head_dim', '?')}) cannot be served: a pagedattn cache "
+            "holds keys and values of one head_dim")
     types = getattr(model_config, "layer_types", None) or ()
     other = sorted({t for t in types if t not in SUPPORTED_LAYER_TYPES})
     if other:
@@ -53,6 +65,18 @@ def check_layer_types(model_config: Any) -> None:
             f"{getattr(model_config, 'model_type', 'this model')}: chunked attention "
             f"(attention_chunk_size={model_config.attention_chunk_size}) cannot be served: a "
             "pagedattn cache serves full and sliding-window attention")
+
+
+def config_window(model_config: Any, layer: int) -> Optional[int]:
+    """The sliding window layer `layer` of a transformers model config attends with (its mask's),
+    or None: the config's sliding_window on the layers `layer_types` marks "sliding_attention",
+    on every layer when it has a window and no layer types (Mistral), none where the config says
+    it does not use its window (Qwen2's use_sliding_window=False)."""
+    window = getattr(model_config, "sliding_window", None)
+    if not window or not getattr(model_config, "use_sliding_window", True):
+        return None
+    types = getattr(model_config, "layer_types", None)
+    return window if types is None or types[layer] == "sliding_attention" else None
 
 
 def register(name: str = ATTN_IMPLEMENTATION) -> str:
@@ -76,22 +100,19 @@ def cache_config_for(model_config: Any, *, page_size: int = 16, kv_dtype: Any = 
     model config: a sliding window on the layers `layer_types` marks "sliding_attention" (on
     every layer when the config has a window and no layer types, as Mistral's), Gemma 2's
     `attn_logit_softcapping`, and sinks (learned weights, not config: `sinks_of(model)`, one
-    sequence per layer). The attention function checks each layer's call against it. Raises
-    ValueError for a model whose layers it cannot describe (check_layer_types)."""
+    sequence per layer). The attention function checks each layer's call against it. kv_dtype
+    is the cache's storage, bfloat16 unless given (a float32 model loses a little precision in
+    it: pass "float32" on the CPU backend to match transformers exactly). Raises ValueError for a
+    model whose layers it cannot describe (check_layer_types)."""
     check_layer_types(model_config)
     head_dim = getattr(model_config, "head_dim", None) or (
         model_config.hidden_size // model_config.num_attention_heads
     )
     num_layers = model_config.num_hidden_layers
-    window = getattr(model_config, "sliding_window", None)
-    if not getattr(model_config, "use_sliding_window", True):  # Qwen2: a window it does not use
-        window = None
-    types = getattr(model_config, "layer_types", None)
     softcap = getattr(model_config, "attn_logit_softcapping", None)
     layers = tuple(
         LayerAttention(
-            sliding_window=window if window and (types is None or types[i] == "sliding_attention")
-            else None,
+            sliding_window=config_window(model_config, i),
             logit_softcap=float(softcap) if softcap else None,
             sinks=tuple(float(x) for x in sinks[i]) if sinks is not None else (),
         )
@@ -153,7 +174,13 @@ class PagedAttnCache(Cache):
 
     The Step stream is opened by the first layer sent and kept for the steps after it; it is
     replaced by a new one when half of the client's deadline (which covers a whole stream) has
-    passed, and closed by close_stream() (greedy_generate's end, release()).
+    passed, and closed by close_stream() (greedy_generate's end, release()). So one model call
+    (every layer of a step) must end within half the client's timeout (Client(timeout=...)).
+    A ShardedCache takes step_stream=False.
+
+    transformers' generate() cannot drive it (it refuses the pagedattn_cache argument), nor can
+    the cache be cropped or reordered (beam search, assisted decoding): those raise
+    NotImplementedError.
     """
 
     is_compileable = False
@@ -178,6 +205,9 @@ class PagedAttnCache(Cache):
         self.forward_calls = 0  # layers sent (unary Forwards or Step stream messages)
         self.step_streams = 0  # Step streams opened
         self._checked_layers: set[int] = set()  # layers whose attention matched the cache's
+        self._sent_layers: set[int] = set()  # layers sent for the step planned last
+        if step_stream and not hasattr(cache, "step"):
+            raise ValueError(f"a {type(cache).__name__} has no Step stream: pass step_stream=False")
 
     def check_layer(self, layer: int, sliding_window: Optional[int], softcap: Optional[float],
                     sinks: Optional[torch.Tensor]) -> None:
@@ -217,7 +247,8 @@ class PagedAttnCache(Cache):
         self._past_steps = self._steps
         self._steps += real.shape[1]
         self._step_options = None  # the next layer opens this step on the stream
-        timeout = self.handle.client.timeout
+        self._sent_layers = set()
+        timeout = getattr(self.handle.client, "timeout", None)
         if self._stream is not None and timeout is not None and (
                 time.monotonic() - self._stream_opened > timeout / 2):
             self.close_stream()  # before its deadline: the next layer opens another
@@ -258,8 +289,32 @@ class PagedAttnCache(Cache):
         resp = self.handle.release(self.seq_ids)
         self.lengths = [0] * len(self.seq_ids)
         self.real, self.spans = None, []
+        self._sent_layers = set()
         self._past_steps = self._steps = 0
         return resp
+
+    def reset(self) -> None:
+        """transformers' name for starting over: release()."""
+        self.release()
+
+    def _unsupported(self, what: str) -> None:
+        raise NotImplementedError(
+            f"PagedAttnCache.{what}: its K/V live in the pagedattn server, by sequence; beam search, "
+            "assisted decoding and cropping (transformers' generate() modes that reorder or cut a "
+            "cache) are not supported: decode with greedy_generate() or your own loop of plan() "
+            "and model calls (Cache.truncate() rewinds a sequence in the server)")
+
+    def crop(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("crop()")
+
+    def reorder_cache(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("reorder_cache()")
+
+    def batch_repeat_interleave(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("batch_repeat_interleave()")
+
+    def batch_select_indices(self, *args: Any, **kwargs: Any) -> None:
+        self._unsupported("batch_select_indices()")
 
     @property
     def num_tokens(self) -> int:
@@ -306,19 +361,39 @@ def paged_attention_forward(
     if not isinstance(cache, PagedAttnCache):
         raise ValueError(
             f"the '{ATTN_IMPLEMENTATION}' attention got no {CACHE_KWARG}=<PagedAttnCache>: pass "
-            "it in the model call (pagedattn.hf.greedy_generate does); where it was passed, "
-            f"this model ({type(module).__name__}) does not hand the call's extra arguments on "
-            "to its attention layers, and cannot run with this attention"
+            "it in each model call with plan() before it, as pagedattn.hf.greedy_generate does "
+            "(model.generate() cannot: it refuses arguments it does not know); where it was "
+            f"passed, this model ({type(module).__name__}) does not hand the call's extra "
+            "arguments on to its attention layers, and cannot run with this attention"
         )
-    if module.layer_idx not in cache._checked_layers:
-        check_layer_types(getattr(module, "config", None))
-    cache.check_layer(module.layer_idx, kwargs.get("sliding_window"), kwargs.get("softcap"),
-                      kwargs.get("s_aux"))
+    layer = module.layer_idx
+    model_config = getattr(module, "config", None)
+    if layer not in cache._checked_layers:
+        check_layer_types(model_config)
+        head_dim = cache.handle.config.head_dim
+        if query.shape[-1] != head_dim or value.shape[-1] != head_dim:
+            raise ValueError(
+                f"layer {layer}: query heads of {query.shape[-1]} and value heads of "
+                f"{value.shape[-1]}, but the cache's head_dim is {head_dim}")
+    # A window the model keeps in its mask only (Qwen2-MoE, PhiMoE pass none): the module's,
+    # else the config's for this layer.
+    if "sliding_window" in kwargs:
+        window = kwargs["sliding_window"]
+    elif hasattr(module, "sliding_window"):
+        window = module.sliding_window
+    else:
+        window = config_window(model_config, layer) if model_config is not None else None
+    cache.check_layer(layer, window, kwargs.get("softcap"), kwargs.get("s_aux"))
     if dropout:
         raise NotImplementedError("pagedattn serves inference: dropout must be 0")
     real = cache.real
     if real is None or real.shape != (query.shape[0], query.shape[2]):
         raise ValueError("PagedAttnCache.plan() was not called for this step's [batch, time] input")
+    if layer in cache._sent_layers:
+        raise ValueError(
+            f"layer {layer} was already sent for the step planned last: call plan() before each "
+            "model call (sending it again would overwrite the step's tokens in the server)")
+    cache._sent_layers.add(layer)
     real = real.to(query.device)
     # [batch, heads, time, dim] -> [tokens, heads, dim], rows in span order (batch-major).
     q = query.transpose(1, 2)[real]
@@ -378,6 +453,16 @@ def greedy_generate(
     force_tokens: [batch, max_new_tokens] tokens to feed instead of the argmax (teacher forcing,
     to compare logits step by step); `chosen` still records the argmax.
     """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be at least 1 (got {max_new_tokens})")
+    if not prompts:
+        raise ValueError("prompts is empty: give one prompt (a sequence of token ids) per sequence")
+    empty = [b for b, p in enumerate(prompts) if len(p) == 0]
+    if empty:
+        raise ValueError(f"prompts {empty[:8]} are empty: each needs at least one token")
+    if cache is not None and len(prompts) != len(cache.seq_ids):
+        raise ValueError(f"{len(prompts)} prompts for a PagedAttnCache of {len(cache.seq_ids)} "
+                         "sequences: one prompt per seq_id")
     device = next(model.parameters()).device
     batch = len(prompts)
     width = max(len(p) for p in prompts)
@@ -397,6 +482,8 @@ def greedy_generate(
             "while the positions start again at 0")
     kv = cache if cache is not None else DynamicCache()
     kw = {_cache_kwarg(model): kv, "use_cache": True}
+    if "logits_to_keep" in inspect.signature(model.forward).parameters:
+        kw["logits_to_keep"] = 1  # the last position's only, not [batch, time, vocab]
     if cache is not None:
         kw[CACHE_KWARG] = cache
 
@@ -407,6 +494,7 @@ def greedy_generate(
         for step in range(max_new_tokens):
             if cache is not None:
                 cache.plan(step_real)
+                sent = cache.forward_calls
             t0 = time.perf_counter()
             out = model(
                 input_ids=step_ids.to(device),
@@ -414,6 +502,12 @@ def greedy_generate(
                 position_ids=step_pos.to(device),
                 **kw,
             )
+            if cache is not None and cache.forward_calls == sent:
+                impl = getattr(model.config, "_attn_implementation", None)
+                raise ValueError(
+                    f"the model attended with '{impl}', not through the PagedAttnCache: nothing "
+                    f"reached the server; call set_attention(model, '{ATTN_IMPLEMENTATION}') "
+                    "(after register()) first")
             last = out.logits[:, -1, :].float().cpu()
             if step == 0:
                 prefill_s = time.perf_counter() - t0

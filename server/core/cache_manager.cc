@@ -7,6 +7,7 @@
 #include <chrono>
 #include <random>
 
+#include "absl/hash/hash.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -58,7 +59,10 @@ std::string NewCacheId() {
 }
 
 CacheManager::CacheManager(Backend* backend, CacheManagerLimits limits)
-    : backend_(backend), limits_(limits) {}
+    : backend_(backend), limits_(limits) {
+  std::random_device rd;
+  for (uint64_t& k : token_key_) k = (uint64_t{rd()} << 32) | rd();
+}
 
 CacheManager::~CacheManager() {
   // The caches' deleters uncount their bytes under mu_: they run while the members live.
@@ -172,14 +176,51 @@ std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner)
   return out;
 }
 
-std::string CacheManager::ListToken(const Cache& cache) { return absl::StrCat(cache.serial()); }
+namespace {
+
+// A list token is a cache's serial (under 2^40) above 24 zero bits, through a four-round Feistel
+// permutation of 64 bits keyed by the manager's keys and the owner: another tenant's token, or
+// one made up, deciphers to nonzero low bits (but for one in 2^24) and is refused.
+constexpr int kTokenSerialBits = 40;
+
+uint64_t Mix(uint64_t x) {  // splitmix64's finalizer
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+  return x ^ (x >> 31);
+}
+
+uint64_t Feistel(uint64_t block, const uint64_t (&keys)[4], uint64_t tweak, bool decipher) {
+  uint32_t left = static_cast<uint32_t>(block >> 32), right = static_cast<uint32_t>(block);
+  for (int i = 0; i < 4; ++i) {
+    const int round = decipher ? 3 - i : i;
+    if (decipher) std::swap(left, right);
+    const uint32_t f = static_cast<uint32_t>(Mix(right ^ keys[round] ^ tweak));
+    left ^= f;
+    if (!decipher) std::swap(left, right);
+  }
+  return (uint64_t{left} << 32) | right;
+}
+
+}  // namespace
+
+std::string CacheManager::ListToken(const Cache& cache) const {
+  const uint64_t block = cache.serial() << (64 - kTokenSerialBits);
+  return absl::StrFormat("%016x", Feistel(block, token_key_, absl::HashOf(cache.owner()), false));
+}
 
 absl::StatusOr<std::vector<std::shared_ptr<Cache>>> CacheManager::ListAfter(
     const std::string& owner, const std::string& after) const {
   std::vector<std::shared_ptr<Cache>> all = List(owner);
   if (after.empty()) return all;
+  uint64_t block = 0;
   uint64_t serial = 0;
-  if (!absl::SimpleAtoi(after, &serial) || serial == 0) {
+  if (after.size() == 16 && absl::SimpleHexAtoi(after, &block)) {
+    block = Feistel(block, token_key_, absl::HashOf(owner), true);
+    if ((block & ((uint64_t{1} << (64 - kTokenSerialBits)) - 1)) == 0) {
+      serial = block >> (64 - kTokenSerialBits);
+    }
+  }
+  if (serial == 0) {
     return absl::InvalidArgumentError(
         absl::StrCat("page_token '", absl::CHexEscape(after.substr(0, 64)),
                      "' is not one this server gave (pass an answer's next_page_token, or "

@@ -57,11 +57,13 @@ class CacheManager {
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
   // The owner's caches after the one whose ListToken is `after` ("": from the first), in List's
   // order: a page of a listing goes on there even where caches were deleted in between. An
-  // `after` that no ListToken could be is INVALID_ARGUMENT.
+  // `after` that no ListToken of this manager for this owner could be is INVALID_ARGUMENT.
   absl::StatusOr<std::vector<std::shared_ptr<Cache>>> ListAfter(const std::string& owner,
                                                                 const std::string& after) const;
-  // Where a listing stands once it has given this cache.
-  static std::string ListToken(const Cache& cache);
+  // Where a listing stands once it has given this cache: its place among every tenant's caches,
+  // enciphered with this manager's key and the owner, so that a token tells nothing of other
+  // tenants' caches and holds for its owner only.
+  std::string ListToken(const Cache& cache) const;
   // Every tenant's caches (for metrics).
   std::vector<std::shared_ptr<Cache>> ListAll() const;
   // Returns the bytes freed. The memory returns once in-flight Forwards drop their reference,
@@ -97,6 +99,7 @@ class CacheManager {
       ABSL_GUARDED_BY(mu_);
   std::deque<std::string> idle_deleted_order_ ABSL_GUARDED_BY(mu_);
   uint64_t caches_made_ ABSL_GUARDED_BY(create_mu_) = 0;
+  uint64_t token_key_[4];  // ListToken's round keys, random per manager
 };
 
 // A cache's name is a label for people and logs: at most this many printable ASCII characters.

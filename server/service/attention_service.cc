@@ -370,7 +370,7 @@ absl::Status AttentionServiceImpl::RunListCaches(Rpc& rpc, const v1::ListCachesR
     const bool full = (req.page_size() > 0 && i == static_cast<size_t>(req.page_size())) ||
                       (i > 0 && bytes + size > max_bytes);
     if (full) {
-      resp->set_next_page_token(CacheManager::ListToken(*(*caches)[i - 1]));
+      resp->set_next_page_token(manager_->ListToken(*(*caches)[i - 1]));
       break;
     }
     bytes += size;

@@ -13,6 +13,7 @@
 #include <thread>
 #include <vector>
 
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/core/cache_manager.h"
@@ -514,13 +515,31 @@ TEST(CacheManagerTest, ListsInTheOrderCachesWereMade) {
   EXPECT_EQ(ids(m.List("")), made);
   const std::vector<std::shared_ptr<Cache>> all = m.List("");
   ASSERT_TRUE(m.Delete(made[5], "").ok());  // the token's own cache gone: the listing goes on
-  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> rest =
-      m.ListAfter("", CacheManager::ListToken(*all[5]));
+  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> rest = m.ListAfter("", m.ListToken(*all[5]));
   ASSERT_TRUE(rest.ok()) << rest.status();
   EXPECT_EQ(ids(*rest), std::vector<std::string>(made.begin() + 6, made.end()));
-  for (const char* bad : {"x", "0", "-1", "3:abc"}) {
+  for (const char* bad : {"x", "0", "-1", "3:abc", "6", "0000000000000006", "ffffffffffffffff"}) {
     EXPECT_EQ(m.ListAfter("", bad).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
+  // A token is not the cache's serial (which would tell a tenant how many caches others made
+  // between two of its own), and holds for its owner only.
+  absl::StatusOr<std::shared_ptr<Cache>> a1 = m.Create(c, "a1", "alice");
+  for (int i = 0; i < 2; ++i) ASSERT_TRUE(m.Create(c, "b", "bob").ok());
+  absl::StatusOr<std::shared_ptr<Cache>> a2 = m.Create(c, "a2", "alice");
+  ASSERT_TRUE(a1.ok() && a2.ok());
+  const std::string t1 = m.ListToken(**a1), t2 = m.ListToken(**a2);
+  EXPECT_EQ(t1.size(), 16u);
+  uint64_t plain = 0;
+  ASSERT_TRUE(absl::SimpleHexAtoi(t1, &plain)) << t1;
+  EXPECT_NE(plain, (*a1)->serial()) << t1;
+  EXPECT_NE(plain >> 24, (*a1)->serial()) << t1;
+  absl::StatusOr<std::vector<std::shared_ptr<Cache>>> after = m.ListAfter("alice", t1);
+  ASSERT_TRUE(after.ok()) << after.status();
+  EXPECT_EQ(ids(*after), std::vector<std::string>{(*a2)->id()});
+  EXPECT_TRUE(m.ListAfter("alice", t2)->empty());
+  EXPECT_EQ(m.ListAfter("bob", t1).status().code(), absl::StatusCode::kInvalidArgument);
+  CacheManager other(&backend);  // another server's token
+  EXPECT_EQ(other.ListAfter("alice", t1).status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -38,8 +38,12 @@ struct CacheGeometry {
   DType kv_dtype = DType::kUnspecified;
   int32_t device = 0;
   int64_t num_pages = 0;
-  // The softmax scale of a Forward that sets none: 1/sqrt(head_dim).
-  float default_sm_scale() const { return 1.0f / std::sqrt(static_cast<float>(head_dim)); }
+  // The softmax scale of a Forward that sets none: 1/sqrt(head_dim) rounded once to float, as a
+  // client writes it (Python's head_dim ** -0.5; float32 1.0f / sqrtf rounds twice, and is 1 ulp
+  // off for 96 and 241 other head dims up to 1024).
+  float default_sm_scale() const {
+    return static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  }
   // Each layer's variant: empty when every layer is plain, else num_layers entries.
   std::vector<LayerAttention> layers;
   // An FP8 cache's scaling (kPerToken or kStatic; kUnspecified for 16/32-bit caches), and with

@@ -24,6 +24,7 @@ struct CacheManagerLimits {
   int64_t max_total_pool_bytes = 0;  // 0: no limit beyond the device's free memory.
   ForwardLimits forward;
   // Caches unused this long are deleted (the server runs DeleteIdle with it); zero: never.
+  // PagedAttnServer::Start sets it from ServerOptions::cache_idle_timeout.
   absl::Duration cache_idle_timeout = absl::ZeroDuration();
 };
 

@@ -302,7 +302,8 @@ absl::Status AttentionServiceImpl::RunGetServerInfo(Rpc&, const v1::GetServerInf
   out->set_max_caches_per_tenant(limits.max_caches_per_tenant);
   out->set_max_total_pool_bytes(limits.max_total_pool_bytes);
   out->set_pool_free_bytes(manager_->PoolBytesFree(0));
-  out->set_cache_idle_timeout_s(absl::ToInt64Seconds(limits.cache_idle_timeout));
+  out->set_cache_idle_timeout_s(  // rounded up: a timeout under a second is not "none"
+      absl::ToInt64Seconds(absl::Ceil(limits.cache_idle_timeout, absl::Seconds(1))));
   return absl::OkStatus();
 }
 
@@ -315,9 +316,12 @@ absl::Status AttentionServiceImpl::RunValidateCacheConfig(Rpc&, const v1::CacheC
 absl::Status AttentionServiceImpl::RunCreateCache(Rpc& rpc, const v1::CreateCacheRequest& req,
                                                   v1::CacheInfo* resp) {
   if (!req.has_config()) {
-    return absl::InvalidArgumentError(
-        "config is required: the cache's CacheConfig (ValidateCacheConfig checks one without "
-        "allocating)");
+    ValidationResult missing;
+    missing.violations.push_back(
+        {"config",
+         "config is required: the cache's CacheConfig (ValidateCacheConfig checks one "
+         "without allocating)"});
+    return ValidationStatus(missing);
   }
   absl::StatusOr<std::shared_ptr<Cache>> cache =
       manager_->Create(FromProto(req.config()), req.name(), rpc.tenant(), rpc.stop());
@@ -525,7 +529,8 @@ int64_t Micros(double us) { return static_cast<int64_t>(us + 0.5); }
 // A message of an open step (one that sets no spans) carries a layer and its tensors; the cache
 // and the options are the opening message's. One that names another cache or other options
 // would run with the step's silently, so it is refused (the same ones are harmless).
-// default_scale: the step's cache's scale when none is set (unknown when the cache is gone).
+// default_scale: the step's cache's scale when none is set; unknown (the cache is gone), a
+// layer's scale is not checked: the layer fails for its cache.
 absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string& step_cache_id,
                             const wire::ForwardOptionsRef& step,
                             std::optional<float> default_scale) {
@@ -535,9 +540,9 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
   // 1/sqrt(head_dim), and a scale repeated bit for bit is the same (a NaN too: the layer then
   // fails for its scale, as the step's did).
   const std::optional<float> step_scale = step.sm_scale ? step.sm_scale : default_scale;
-  const bool same_scale = !o.sm_scale.has_value() ||
-                          (step_scale.has_value() && std::bit_cast<uint32_t>(*o.sm_scale) ==
-                                                         std::bit_cast<uint32_t>(*step_scale));
+  const bool same_scale =
+      !o.sm_scale.has_value() || !step_scale.has_value() ||
+      std::bit_cast<uint32_t>(*o.sm_scale) == std::bit_cast<uint32_t>(*step_scale);
   const bool other_options = (o.causal.has_value() && *o.causal != step.causal.value_or(true)) ||
                              !same_scale || (o.return_lse && !step.return_lse);
   if (!other_cache && !other_options) return absl::OkStatus();
@@ -724,6 +729,7 @@ class AttentionServiceImpl::StepReactor final
     bool running = false;
     bool done = false;
     grpc::ByteBuffer answer;
+    std::shared_ptr<Cache> pinned;  // a cache Accept looked up: its last reference may go here
   };
 
   // Parses the message just read into job: a layer of the open step, or a new step; a message
@@ -757,15 +763,20 @@ class AttentionServiceImpl::StepReactor final
       if (!r.cache_id.empty()) cache_id_ = r.cache_id;
       spans_ = r.spans;
       options_ = r.options;
+      default_scale_.reset();
       opened_ = true;
       closed_by_garbled_ = false;
     } else if (opened_) {
-      std::optional<float> default_scale;
-      if (r.options.sm_scale && !options_.sm_scale) {  // the step's scale is its cache's default
+      if (r.options.sm_scale && !options_.sm_scale && !default_scale_) {
+        // The step's scale is its cache's default: looked up once a step. A cache gone since
+        // leaves it unknown and the layer's scale unchecked (the layer fails NOT_FOUND).
         absl::StatusOr<std::shared_ptr<Cache>> cache = service_->manager_->Get(cache_id_, tenant_);
-        if (cache.ok()) default_scale = (*cache)->geometry().default_sm_scale();
+        if (cache.ok()) {
+          default_scale_ = (*cache)->geometry().default_sm_scale();
+          job.pinned = *std::move(cache);  // released with the job, outside mu_
+        }
       }
-      s = CheckStepLayer(r, cache_id_, options_, default_scale);
+      s = CheckStepLayer(r, cache_id_, options_, default_scale_);
     }
     if (s.ok()) {
       if (!opened_ && closed_by_garbled_) {
@@ -945,6 +956,8 @@ class AttentionServiceImpl::StepReactor final
   // The open step: what messages without spans run with.
   bool opened_ ABSL_GUARDED_BY(mu_) = false;
   bool closed_by_garbled_ ABSL_GUARDED_BY(mu_) = false;  // the last step ended by bad bytes
+  // The open step's cache's default sm_scale, once a layer needed it (CheckStepLayer).
+  std::optional<float> default_scale_ ABSL_GUARDED_BY(mu_);
   std::string cache_id_ ABSL_GUARDED_BY(mu_);
   std::vector<wire::SpanRef> spans_ ABSL_GUARDED_BY(mu_);
   wire::ForwardOptionsRef options_ ABSL_GUARDED_BY(mu_);

@@ -14,12 +14,13 @@
 namespace pagedattn {
 namespace {
 
-// s cut to at most max bytes on a UTF-8 character boundary, saying how long it was.
+// s in at most max bytes: cut on a UTF-8 character boundary, saying how long it was.
 std::string Bounded(absl::string_view s, size_t max) {
   if (s.size() <= max) return std::string(s);
-  size_t end = max;
+  const std::string said = absl::StrCat("... (", s.size(), " bytes)");
+  size_t end = max > said.size() ? max - said.size() : 0;
   while (end > 0 && (static_cast<unsigned char>(s[end]) & 0xc0) == 0x80) --end;
-  return absl::StrCat(s.substr(0, end), "... (", s.size(), " bytes)");
+  return absl::StrCat(s.substr(0, end), said);
 }
 
 }  // namespace

@@ -287,16 +287,34 @@ def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_d
         anti.options.causal = False
         codes = _raw_step(client, [m.SerializeToString() for m in (opener, causal, anti)])
         assert codes == [OK, OK, INVALID_ARGUMENT]
-        # A step that set no scale has its cache's, 1/sqrt(head_dim): a layer that spells it out
-        # is the same step, another scale is not.
-        t3 = qkv(rng, 2)
+
+    # A step that set no scale has its cache's, 1/sqrt(head_dim) rounded to float32 once: a layer
+    # that spells it out as a client would (head_dim ** -0.5) is the same step, another scale is
+    # not. Head dim 96, where float32's 1 / sqrtf(96) is 1 ulp off.
+    wide = CacheConfig(3, HQ, HKV, 96, page_size=4, kv_dtype=kv_dtypes[0], num_pages=32)
+    with client.create_cache(wide) as cache:
+        t3 = tuple(rng.standard_normal((2, h, 96), dtype=np.float32) for h in (HQ, HKV, HKV))
         opener = _message(cache, 0, [Span.prefill(3, 2)], *t3)
         spelled = _message(cache, 1, [Span.prefill(3, 2)], *t3, opens=False)
-        spelled.options.sm_scale = float(np.float32(1) / np.sqrt(np.float32(D)))
+        spelled.options.sm_scale = 96 ** -0.5
         other_scale = _message(cache, 2, [Span.prefill(3, 2)], *t3, opens=False)
         other_scale.options.sm_scale = 0.5
         codes = _raw_step(client, [m.SerializeToString() for m in (opener, spelled, other_scale)])
         assert codes == [OK, OK, INVALID_ARGUMENT]
+        # The step's cache deleted under it: a layer spelling a scale out fails for the cache
+        # (NOT_FOUND), as one without does, not as other options.
+        opener = _message(cache, 0, [Span.prefill(4, 2)], *t3)
+
+        def deleted_after_opener():
+            yield opener.SerializeToString()
+            time.sleep(0.2)
+            cache.delete()
+            yield spelled.SerializeToString()
+        step = client.channel.stream_stream(
+            "/pagedattn.v1.AttentionService/Step", request_serializer=lambda b: b,
+            response_deserializer=pagedattn.pb.StepResponse.FromString)
+        codes = [r.error.code for r in step(deleted_after_opener(), timeout=60)]
+        assert codes[1] == grpc.StatusCode.NOT_FOUND.value[0], codes
 
 
 def test_stream_failure_reaches_every_future_and_close():

@@ -12,7 +12,9 @@
 #include "common/dtype.h"
 #include "google/rpc/error_details.pb.h"
 #include "google/rpc/status.pb.h"
+#include "server/core/cache_config.h"
 #include "server/service/server.h"
+#include "server/service/status.h"
 #include "tests/service/backend_under_test.h"
 #include "tests/test_util.h"
 
@@ -191,7 +193,38 @@ TEST_F(E2ETest, BadRequestDescriptionsAreWhole) {
   grpc::ClientContext empty_ctx;
   const grpc::Status empty = stub->CreateCache(&empty_ctx, v1::CreateCacheRequest(), &resp);
   EXPECT_EQ(empty.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
-  EXPECT_EQ(empty.error_message().rfind("config is required", 0), 0u) << empty.error_message();
+  EXPECT_NE(empty.error_message().find("config: config is required"), std::string::npos)
+      << empty.error_message();
+  ASSERT_TRUE(rich.ParseFromString(empty.error_details()));
+  ASSERT_TRUE(rich.details(0).UnpackTo(&bad));
+  ASSERT_EQ(bad.field_violations_size(), 1);
+  EXPECT_EQ(bad.field_violations(0).field(), "config");
+}
+
+// The status that carries violations stays bounded (clients cap trailing metadata at 8 KiB): at
+// most 10 violations, each description at most 512 bytes, 1600 together, the message 1024,
+// each cut one saying its length.
+TEST(StatusTest, ViolationDetailsShareABoundedBudget) {
+  ValidationResult many;
+  for (int i = 0; i < 12; ++i) {
+    many.violations.push_back({absl::StrCat("field", i), std::string(600, 'a' + i)});
+  }
+  const grpc::Status s = ToGrpcStatus(ValidationStatus(many));
+  EXPECT_LE(s.error_message().size(), kMaxStatusMessageBytes);
+  google::rpc::Status rich;
+  ASSERT_TRUE(rich.ParseFromString(s.error_details()));
+  google::rpc::BadRequest bad;
+  ASSERT_TRUE(rich.details(0).UnpackTo(&bad));
+  ASSERT_EQ(bad.field_violations_size(), 10);
+  size_t total = 0;
+  for (const auto& v : bad.field_violations()) {
+    EXPECT_LE(v.description().size(), kMaxViolationDescriptionBytes) << v.field();
+    EXPECT_GE(v.description().size(), kMinViolationDescriptionBytes) << v.field();
+    EXPECT_NE(v.description().find("(600 bytes)"), std::string::npos) << v.description();
+    total += v.description().size();
+  }
+  EXPECT_LE(total, kMaxViolationDescriptionsBytes);
+  EXPECT_GT(total, kMaxViolationDescriptionsBytes - 100);  // the budget is used, not wasted
 }
 
 TEST_F(E2ETest, OversizedCacheIsResourceExhaustedWithNumbers) {

@@ -115,7 +115,8 @@ class Client:
     # -- the API -------------------------------------------------------------------------------
 
     def server_info(self, *, timeout: Optional[float] = None) -> pb.ServerInfo:
-        """Version, backend ("cuda"/"cpu"), device, memory, and the capability table."""
+        """Version, backend ("cuda"/"cpu"), device, memory, the capability table and the
+        server's limits (ServerInfo.limits)."""
         return self._call(self.stub.GetServerInfo, pb.GetServerInfoRequest(), timeout)
 
     def health(self, service: str = "", *, timeout: Optional[float] = None) -> bool:

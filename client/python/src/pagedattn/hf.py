@@ -504,6 +504,7 @@ def greedy_generate(
             )
             if cache is not None and cache.forward_calls == sent:
                 impl = getattr(model.config, "_attn_implementation", None)
+                cache.release()  # the step planned reached no server: the cache is as it was
                 raise ValueError(
                     f"the model attended with '{impl}', not through the PagedAttnCache: nothing "
                     f"reached the server; call set_attention(model, '{ATTN_IMPLEMENTATION}') "

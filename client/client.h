@@ -132,6 +132,12 @@ class RequestId {
 
 class StepStream;
 
+// A connection to one server. Its methods may be called from many threads at once (one gRPC
+// channel carries them all). Each call fails with the server's status, or the transport's:
+// UNAVAILABLE when the server cannot be reached. After the server restarts, calls keep failing
+// UNAVAILABLE until the channel's next reconnect attempt, up to about 5-9 s later (the backoff of
+// common/transport.h); a caller that must not see that retries UNAVAILABLE (a Forward retried
+// at the same spans' starts writes the same rows again).
 class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
@@ -197,6 +203,9 @@ class StepStream {
   ~StepStream();
   // Sends one message: a step's opening (spans set) or a layer of the open step.
   absl::Status Send(const ForwardCall& call);
+  // The next answer, into `output` (the answer's size, as ForwardTensors checks). The layer ran
+  // and was committed when the server answered: an output of another size is DATA_LOSS then,
+  // not INVALID_ARGUMENT (the layer's tokens are in the cache; only its answer is lost).
   absl::StatusOr<ForwardReply> Receive(const ForwardOutput& output);
   // No more messages; waits for the stream's end and returns its status.
   absl::Status Close();

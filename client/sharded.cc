@@ -253,6 +253,12 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(const v1::CacheConfig& c
 absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
     const v1::CacheConfig& config, const std::string& name,
     const std::vector<int64_t>& num_pages_per_shard) {
+  if (!num_pages_per_shard.empty() &&
+      num_pages_per_shard.size() != static_cast<size_t>(num_shards())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_pages_per_shard must give one count a shard (", num_shards(), "; got ",
+                     num_pages_per_shard.size(), ")"));
+  }
   std::vector<v1::CacheConfig> parts;
   for (int i = 0; i < num_shards(); ++i) {
     absl::StatusOr<v1::CacheConfig> part = ShardConfig(config, i);
@@ -284,6 +290,7 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
   }
   ShardedCache cache;
   cache.config = config;
+  cache.targets = targets_;
   for (int i = 0; i < num_shards(); ++i) {
     absl::StatusOr<v1::CacheInfo> info =
         shards_[i]->CreateCache(parts[i], ShardCacheName(name, i, num_shards()));
@@ -306,12 +313,31 @@ absl::StatusOr<ShardedCache> ShardedClient::CreateCache(
   return cache;
 }
 
+absl::Status ShardedClient::CheckTargets(const ShardedCache& cache) const {
+  if (cache.cache_ids.size() != targets_.size()) {
+    return absl::InvalidArgumentError(absl::StrCat("the sharded cache has ", cache.cache_ids.size(),
+                                                   " shards, the client ", targets_.size()));
+  }
+  if (cache.targets.empty() || cache.targets == targets_) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "the sharded cache was made through the targets [", absl::StrJoin(cache.targets, ", "),
+      "] and this client has [", absl::StrJoin(targets_, ", "),
+      "]: shard i's cache id goes to target i; use a client of the cache's targets, in order"));
+}
+
 absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
-  const int n = std::min(num_shards(), static_cast<int>(cache.cache_ids.size()));
+  if (absl::Status s = CheckTargets(cache); !s.ok()) return s;
+  const int n = num_shards();
   std::vector<absl::Status> results(static_cast<size_t>(n));
   OnEveryShard(n,
                [&](int i) { results[i] = shards_[i]->DeleteCache(cache.cache_ids[i]).status(); });
-  // NOT_FOUND: deleted already (an earlier try, or the shard's server restarted).
+  if (std::all_of(results.begin(), results.end(),
+                  [](const absl::Status& s) { return absl::IsNotFound(s); })) {
+    return absl::NotFoundError(absl::StrCat("no shard holds the sharded cache (",
+                                            absl::StrJoin(cache.cache_ids, ", "),
+                                            "): deleted before, or not this tenant's"));
+  }
+  // NOT_FOUND of some: deleted already (an earlier try, or the shard's server restarted).
   return Failures(results, /*not_found_is_done=*/true);
 }
 
@@ -330,7 +356,8 @@ absl::Status ShardedClient::Failures(const std::vector<absl::Status>& results,
 
 absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
                                              const std::vector<uint64_t>& seq_ids) {
-  const int n = std::min(num_shards(), static_cast<int>(cache.cache_ids.size()));
+  if (absl::Status s = CheckTargets(cache); !s.ok()) return s;
+  const int n = num_shards();
   std::vector<absl::Status> results(static_cast<size_t>(n));
   OnEveryShard(n, [&](int i) {
     results[i] = shards_[i]->ReleaseSequences(cache.cache_ids[i], seq_ids).status();
@@ -342,10 +369,7 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
                                                     const ForwardCall& call,
                                                     const ForwardOutput& output) {
   const int n = num_shards();
-  if (static_cast<int>(cache.cache_ids.size()) != n) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("the sharded cache has ", cache.cache_ids.size(), " shards, the client ", n));
-  }
+  if (absl::Status s = CheckTargets(cache); !s.ok()) return s;
   // The whole cache's shapes and bytes, checked before the split: a shard's server would name
   // its own part's, and a slice of a short buffer would read past it.
   int64_t total_queries = 0, new_tokens = 0;
@@ -357,6 +381,12 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
   auto check = [&](const char* name, const TensorArg& t, std::vector<int64_t> want,
                    const char* names) -> absl::Status {
     if (t.dtype == v1::DTYPE_UNSPECIFIED) return absl::OkStatus();  // absent: the server says
+    if (!t.region_id.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(name,
+                       " names a registered region: a sharded Forward takes host tensors (a region "
+                       "belongs to one server's cache; register one a shard and call shard(i))"));
+    }
     if (ElementSize(t.dtype) == 0) {
       return absl::InvalidArgumentError(absl::StrCat(
           name, ".dtype must be FLOAT32, FLOAT16 or BFLOAT16 (got ", v1::DType_Name(t.dtype), ")"));
@@ -396,13 +426,13 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
   const size_t out_bytes = static_cast<size_t>(queries) * out_slice.heads * out_slice.row_bytes;
   const size_t lse_bytes = static_cast<size_t>(queries) * lse_slice.heads * sizeof(float);
   if (output.out_bytes != out_bytes || (output.lse != nullptr && output.lse_bytes != lse_bytes)) {
-    return absl::InvalidArgumentError(absl::StrCat(
-        "the output buffers must be the answer's size: out ", out_bytes, " bytes (got ",
-        output.out_bytes, ")", output.lse != nullptr ? absl::StrCat(", lse ", lse_bytes,
-                                                                     " bytes (got ",
-                                                                     output.lse_bytes, ")")
-                                                     : std::string(),
-        "; the sharded client gathers the shards' answers into them, so out is required"));
+    return absl::InvalidArgumentError(
+        absl::StrCat("the output buffers must be the answer's size: out ", out_bytes,
+                     " bytes (got ", output.out_bytes, ")",
+                     output.lse != nullptr
+                         ? absl::StrCat(", lse ", lse_bytes, " bytes (got ", output.lse_bytes, ")")
+                         : std::string(),
+                     "; the sharded client gathers the shards' answers into them"));
   }
 
   struct Part {
@@ -516,20 +546,28 @@ absl::StatusOr<std::vector<std::string>> ResolveShardTargets(const std::string& 
     return absl::UnavailableError(
         absl::StrCat("cannot resolve shard name ", name, ": ", gai_strerror(err)));
   }
-  std::vector<std::string> targets;
+  // By family (IPv4 first), then the address's bytes (its number): "10.0.0.9" before
+  // "10.0.0.10", as the Python client orders them.
+  std::vector<std::pair<int, std::string>> addresses;
   for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    char ip[INET6_ADDRSTRLEN] = {};
     if (a->ai_family == AF_INET) {
-      inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, ip, sizeof ip);
-      targets.push_back(absl::StrCat(ip, ":", port));
+      const auto& in = reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr;
+      addresses.push_back({4, std::string(reinterpret_cast<const char*>(&in), sizeof in)});
     } else if (a->ai_family == AF_INET6) {
-      inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, ip, sizeof ip);
-      targets.push_back(absl::StrCat("[", ip, "]:", port));
+      const auto& in6 = reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr;
+      addresses.push_back({6, std::string(reinterpret_cast<const char*>(&in6), sizeof in6)});
     }
   }
   freeaddrinfo(found);
-  std::sort(targets.begin(), targets.end());
-  targets.erase(std::unique(targets.begin(), targets.end()), targets.end());
+  std::sort(addresses.begin(), addresses.end());
+  addresses.erase(std::unique(addresses.begin(), addresses.end()), addresses.end());
+  std::vector<std::string> targets;
+  for (const auto& [family, bytes] : addresses) {
+    char ip[INET6_ADDRSTRLEN] = {};
+    inet_ntop(family == 4 ? AF_INET : AF_INET6, bytes.data(), ip, sizeof ip);
+    targets.push_back(family == 4 ? absl::StrCat(ip, ":", port)
+                                  : absl::StrCat("[", ip, "]:", port));
+  }
   if (targets.empty()) return absl::UnavailableError(absl::StrCat(name, " has no addresses"));
   return targets;
 }

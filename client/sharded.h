@@ -15,15 +15,22 @@
 
 namespace pagedattn {
 
-// A sharded cache: the whole cache's config and one cache id per shard, in shard order.
+// A sharded cache: the whole cache's config and one cache id per shard, in shard order, and the
+// targets it was made through (CreateCache sets them): a client of other targets, or of the same
+// in another order, refuses it (FAILED_PRECONDITION) rather than send shard i's id to another
+// server. Empty targets (a cache put together from stored ids) are not checked.
 struct ShardedCache {
   v1::CacheConfig config;
   std::vector<std::string> cache_ids;
+  std::vector<std::string> targets;
 };
 
 class ShardedClient {
  public:
-  // One Client per target (options.target is ignored); shard i is targets[i].
+  // One Client per target (options.target is ignored); shard i is targets[i]. Its calls may come
+  // from several threads at once, as a Client's may (each call goes to every shard at once, on
+  // threads of its own). It has what a sharded cache needs of the API; the rest (GetCache,
+  // TruncateSequences, ListCaches) goes to each shard: shard(i) with cache.cache_ids[i].
   static absl::StatusOr<std::unique_ptr<ShardedClient>> Connect(std::vector<std::string> targets,
                                                                 const ClientOptions& options);
 
@@ -42,26 +49,32 @@ class ShardedClient {
   // Shard i's cache is named "<name> [shard i/N]" (the name cut to fit the server's 128
   // characters), as the Python client names them.
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name);
-  // As CreateCache, with each shard's num_pages given (tests and uneven memory).
+  // As CreateCache, with each shard's num_pages given (tests and uneven memory): one a shard,
+  // or none.
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,
                                            const std::vector<int64_t>& num_pages_per_shard);
   // Every shard's, even when one fails (the first failure is returned, naming its shard); a
-  // shard whose cache is gone already (NOT_FOUND) counts as deleted, so a retry completes.
+  // shard whose cache is gone already (NOT_FOUND) counts as deleted, so a retry completes. When
+  // every shard says NOT_FOUND, no shard held it (deleted before, another tenant's, or made
+  // through other targets): NOT_FOUND.
   absl::Status DeleteCache(const ShardedCache& cache);
   absl::Status ReleaseSequences(const ShardedCache& cache, const std::vector<uint64_t>& seq_ids);
 
   // One Forward on every shard. call.q [T, num_q_heads, head_dim] and call.k / call.v
-  // [new tokens, num_kv_heads, head_dim] are the whole cache's, shapes and bytes checked as such
+  // [new tokens, num_kv_heads, head_dim] are the whole cache's host tensors (a registered
+  // region's are refused: each shard's would need its own), shapes and bytes checked as such
   // before anything is sent (cache ids are taken from
   // `cache`); the N Forwards run concurrently and `output` receives the joined answer (lse
-  // too). server_micros and kernel_micros are the slowest shard's. Each shard's Forward is all
-  // or nothing; when some fail, every shard is rewound to each appending span's start
-  // (TruncateSequences; a call that failed in transport may have committed; not when every
-  // shard refused it before writing), so every shard's
-  // sequences keep the lengths they had, and the status (the failed shard's code) names the
-  // shard(s) and any shard that could not be rewound. Rows a rewinding span (start < the
-  // sequence's length) overwrote are not put back there: the sequence then ends at the span's
-  // start, and a retry at the same start writes them again.
+  // too). Calls that write the same sequences in the same layer must not overlap (on one server
+  // the later wins; here a rollback could rewind the other's tokens). A shard that hangs costs
+  // the timeout twice: once for the Forward, once for the rollback. server_micros and kernel_micros
+  // are the slowest shard's. Each shard's Forward is all or nothing; when some fail, every shard is
+  // rewound to each appending span's start (TruncateSequences; a call that failed in transport may
+  // have committed; not when every shard refused it before writing), so every shard's sequences
+  // keep the lengths they had, and the status (the failed shard's code) names the shard(s) and any
+  // shard that could not be rewound. Rows a rewinding span (start < the sequence's length)
+  // overwrote are not put back there: the sequence then ends at the span's start, and a retry at
+  // the same start writes them again.
   absl::StatusOr<ForwardReply> Forward(const ShardedCache& cache, const ForwardCall& call,
                                        const ForwardOutput& output);
 
@@ -69,6 +82,8 @@ class ShardedClient {
   ShardedClient(std::vector<std::string> targets, std::vector<std::unique_ptr<Client>> shards)
       : targets_(std::move(targets)), shards_(std::move(shards)) {}
 
+  // OK when `cache` was made through this client's targets (or names none).
+  absl::Status CheckTargets(const ShardedCache& cache) const;
   // `status` with its message prefixed by the shard (index and target); payloads kept.
   absl::Status Named(int shard, const absl::Status& status) const;
   // The shards' results, by shard: OK, or the first failure naming its shard with every other
@@ -84,8 +99,9 @@ class ShardedClient {
 std::vector<std::string> StatefulSetTargets(const std::string& set, const std::string& service,
                                             int replicas, int port);
 
-// The addresses `name` resolves to, sorted, as "ip:port" targets ("[ip6]:port"). The order is
-// the addresses', not the pods': prefer StatefulSetTargets where names are stable.
+// The addresses `name` resolves to, each once, sorted as the Python client's targets_from_dns
+// sorts them (IPv4 before IPv6, each by its number), as "ip:port" targets ("[ip6]:port"). The
+// order is the addresses', not the pods': prefer StatefulSetTargets where names are stable.
 absl::StatusOr<std::vector<std::string>> ResolveShardTargets(const std::string& name, int port);
 
 }  // namespace pagedattn

@@ -122,7 +122,9 @@ def main():
             rc = None
         took = time.monotonic() - start
         print(f"exit {rc} {took:.1f} s after SIGTERM (grace {GRACE_S} s); the client: {outcome}")
-        bound = GRACE_S + FORCED_EXIT_AFTER_S + 1.5
+        # 3 s of slack: a loaded 2-core machine (ctest -j2 beside another build) took more than
+        # 1.5; without the forced exit it takes 13-15 s more.
+        bound = GRACE_S + FORCED_EXIT_AFTER_S + 3
         ok = rc == 0 and took < bound
         if not ok:
             print(f"FAIL: expected exit 0 within {bound} s\n{text()}")

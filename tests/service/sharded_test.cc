@@ -674,6 +674,37 @@ TEST_F(ShardedTest, ShardCachesAreNamedForTheirPart) {
   }
 }
 
+// A sharded cache goes with the targets it was made through: a client of the same servers in
+// another order refuses it (shard 0's id would go to shard 1's server, whose NOT_FOUND a delete
+// took as "deleted already": it returned OK and left every part), and a delete no shard could
+// do is NOT_FOUND, not OK. A count of pages a shard must give one a shard.
+TEST_F(ShardedTest, ACacheGoesWithItsTargetsInOrder) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  EXPECT_EQ(cache->targets, (std::vector<std::string>{Target(0), Target(1)}));
+  std::unique_ptr<ShardedClient> swapped =
+      *ShardedClient::Connect({Target(1), Target(0)}, Options());
+  const absl::Status deleted = swapped->DeleteCache(*cache);
+  EXPECT_EQ(deleted.code(), absl::StatusCode::kFailedPrecondition) << deleted;
+  EXPECT_NE(deleted.message().find("made through the targets"), std::string::npos) << deleted;
+  EXPECT_EQ(Run(*swapped, *cache, Step(0, {{1, 0, 4, 4}}, v1::BFLOAT16, 61)).status().code(),
+            absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(swapped->ReleaseSequences(*cache, {1}).code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_EQ(sharded->shard(0).ListCaches()->size(), 1u);
+  // Put together from stored ids (no targets), the cache is the caller's to pair: the swapped
+  // client finds neither id on its servers, and says so.
+  ShardedCache stored = *cache;
+  stored.targets.clear();
+  const absl::Status nowhere = swapped->DeleteCache(stored);
+  EXPECT_EQ(nowhere.code(), absl::StatusCode::kNotFound) << nowhere;
+  EXPECT_EQ(sharded->shard(1).ListCaches()->size(), 1u);
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  EXPECT_EQ(sharded->DeleteCache(*cache).code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(sharded->CreateCache(Config(v1::BFLOAT16), "", {8}).status().code(),
+            absl::StatusCode::kInvalidArgument);
+}
+
 TEST(ShardTargetsTest, TheSameTargetTwiceIsRefused) {
   absl::StatusOr<std::unique_ptr<ShardedClient>> twice =
       ShardedClient::Connect({"127.0.0.1:50051", "127.0.0.1:50052", "127.0.0.1:50051"}, Options());

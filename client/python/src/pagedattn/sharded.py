@@ -607,9 +607,11 @@ class _ShardedCacheBase:
                 for s in self.shards]
 
     def _deleted(self, outcomes: Sequence[Any]) -> int:
-        """Marks the shards deleted; the bytes freed; raises the first failure."""
+        """Marks the shards deleted; the bytes freed; raises the first failure, or NotFound when
+        every shard answered NOT_FOUND (none held it: deleted before, or not this tenant's)."""
         freed = 0
         outcomes = list(outcomes)
+        nowhere = bool(outcomes) and all(isinstance(o, NotFound) for o in outcomes)
         for i, (shard, o) in enumerate(zip(self.shards, outcomes)):
             if isinstance(o, pb.DeleteCacheResponse):
                 shard.deleted = True
@@ -617,6 +619,10 @@ class _ShardedCacheBase:
             elif isinstance(o, NotFound):  # gone already (its server restarted, say)
                 shard.deleted = True
                 outcomes[i] = None
+        if nowhere:
+            raise NotFound(
+                f"no shard holds the sharded cache ({', '.join(self.cache_ids)}): deleted before, "
+                "or not this tenant's")
         _raise_first_failure(outcomes, self.targets, "in DeleteCache")
         return freed
 
@@ -838,7 +844,8 @@ class ShardedCache(_ShardedCacheBase):
         """Deletes every shard's cache not deleted yet; returns the bytes freed. When a shard
         fails (e.g. its server is down), the others are deleted still and its exception,
         naming it, is raised; delete() again retries that shard. A shard whose cache is gone
-        already (NOT_FOUND: its server restarted, say) counts as deleted."""
+        already (NOT_FOUND: its server restarted, say) counts as deleted; when every shard
+        says so, NotFound is raised (as Client.delete_cache does)."""
         return self._deleted(self.client.fan_out("DeleteCache", self._delete_requests(), timeout))
 
     def __enter__(self) -> "ShardedCache":
@@ -848,6 +855,8 @@ class ShardedCache(_ShardedCacheBase):
         if self.delete_on_exit and not self.deleted:
             try:
                 self.delete()
+            except NotFound:  # gone already on every shard: nothing is left behind
+                pass
             except Exception as e:
                 if exc_type is None:
                     raise

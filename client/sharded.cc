@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -331,13 +332,7 @@ absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
   std::vector<absl::Status> results(static_cast<size_t>(n));
   OnEveryShard(n,
                [&](int i) { results[i] = shards_[i]->DeleteCache(cache.cache_ids[i]).status(); });
-  if (std::all_of(results.begin(), results.end(),
-                  [](const absl::Status& s) { return absl::IsNotFound(s); })) {
-    return absl::NotFoundError(absl::StrCat("no shard holds the sharded cache (",
-                                            absl::StrJoin(cache.cache_ids, ", "),
-                                            "): deleted before, or not this tenant's"));
-  }
-  // NOT_FOUND of some: deleted already (an earlier try, or the shard's server restarted).
+  // NOT_FOUND: deleted already (an earlier try, or the shard's server restarted).
   return Failures(results, /*not_found_is_done=*/true);
 }
 

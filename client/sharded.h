@@ -18,7 +18,7 @@ namespace pagedattn {
 // A sharded cache: the whole cache's config and one cache id per shard, in shard order, and the
 // targets it was made through (CreateCache sets them): a client of other targets, or of the same
 // in another order, refuses it (FAILED_PRECONDITION) rather than send shard i's id to another
-// server. Empty targets (a cache put together from stored ids) are not checked.
+// server. Store the targets with the ids: empty targets are not checked.
 struct ShardedCache {
   v1::CacheConfig config;
   std::vector<std::string> cache_ids;
@@ -54,9 +54,9 @@ class ShardedClient {
   absl::StatusOr<ShardedCache> CreateCache(const v1::CacheConfig& config, const std::string& name,
                                            const std::vector<int64_t>& num_pages_per_shard);
   // Every shard's, even when one fails (the first failure is returned, naming its shard); a
-  // shard whose cache is gone already (NOT_FOUND) counts as deleted, so a retry completes. When
-  // every shard says NOT_FOUND, no shard held it (deleted before, another tenant's, or made
-  // through other targets): NOT_FOUND.
+  // shard whose cache is gone already (NOT_FOUND) counts as deleted, so a retry completes. So a
+  // cache put together from stored ids must keep its targets: sent to other servers, its ids are
+  // NOT_FOUND there, and nothing is deleted.
   absl::Status DeleteCache(const ShardedCache& cache);
   absl::Status ReleaseSequences(const ShardedCache& cache, const std::vector<uint64_t>& seq_ids);
 

@@ -394,15 +394,8 @@ TEST(RequestMemoryTest, ARequestThatNeverArrivedIsTheTransportsRefusal) {
   EXPECT_NE(s.message().find("--request_memory_mb"), std::string::npos) << s;
 }
 
-// Caches whose configs hold many sinks make a long listing: ListCaches answers in pages that fit
-// the largest message (or page_size), each with the token for the next, which holds where
-// caches were deleted in between; the client follows them to the end.
-TEST(ListCachesTest, PagesFitTheLargestMessageAndGoOnAfterDeletions) {
-  ServerOptions o = CpuOptions();
-  o.max_message_bytes = 1 << 20;
-  auto server = *PagedAttnServer::Start(o);
-  auto client = ConnectTo(*server, absl::Seconds(60));
-  // 64 layers x 1024 q heads of sinks: 65536 values, 256 KiB a config; five over 1 MiB.
+// 64 layers x 1024 q heads of sinks: 65536 values, 256 KiB a config, on one page.
+v1::CacheConfig ManySinksConfig() {
   v1::CacheConfig c;
   c.set_num_layers(64);
   c.set_num_q_heads(1024);
@@ -413,6 +406,18 @@ TEST(ListCachesTest, PagesFitTheLargestMessageAndGoOnAfterDeletions) {
   c.set_num_pages(1);
   v1::LayerAttention* layer = c.add_layers();
   for (int h = 0; h < 1024; ++h) layer->add_sinks(0.25f * h);
+  return c;
+}
+
+// Caches whose configs hold many sinks make a long listing: ListCaches answers in pages that fit
+// the largest message (or page_size), each with the token for the next, which holds where
+// caches were deleted in between; the client follows them to the end.
+TEST(ListCachesTest, PagesFitTheLargestMessageAndGoOnAfterDeletions) {
+  ServerOptions o = CpuOptions();
+  o.max_message_bytes = 1 << 20;
+  auto server = *PagedAttnServer::Start(o);
+  auto client = ConnectTo(*server, absl::Seconds(60));
+  const v1::CacheConfig c = ManySinksConfig();  // five over 1 MiB
   std::vector<std::string> ids;
   for (int i = 0; i < 5; ++i) {
     absl::StatusOr<v1::CacheInfo> info = client->CreateCache(c);
@@ -497,16 +502,7 @@ TEST(ServerInfoTest, ReportsTheServersLimits) {
 TEST(ListCachesTest, PagesFitAClientsDefaultReceiveLimit) {
   auto server = *PagedAttnServer::Start(CpuOptions());
   auto client = ConnectTo(*server, absl::Seconds(60));
-  v1::CacheConfig c;
-  c.set_num_layers(64);
-  c.set_num_q_heads(1024);
-  c.set_num_kv_heads(32);
-  c.set_head_dim(64);
-  c.set_page_size(1);
-  c.set_kv_dtype(v1::BFLOAT16);
-  c.set_num_pages(1);
-  v1::LayerAttention* layer = c.add_layers();
-  for (int h = 0; h < 1024; ++h) layer->add_sinks(0.25f * h);
+  const v1::CacheConfig c = ManySinksConfig();
   for (int i = 0; i < 17; ++i) ASSERT_TRUE(client->CreateCache(c).ok()) << i;
   auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
       absl::StrCat("127.0.0.1:", server->port()), grpc::InsecureChannelCredentials()));

@@ -754,8 +754,6 @@ class ShardedCache(sharded._ShardedCacheBase):
         if self.delete_on_exit and not self.deleted:
             try:
                 await self.delete()
-            except NotFound:  # gone already on every shard: nothing is left behind
-                pass
             except Exception as e:
                 if exc_type is None:
                     raise

@@ -63,7 +63,7 @@ def targets_from_dns(name: str, port: Optional[int] = None) -> list[str]:
     ("pagedattn.ns.svc.cluster.local:50051") when `port` is not given. Raises socket.gaierror
     when the name does not resolve."""
     host, port = _split_host_port(name, port)
-    addresses = {}  # the address (for its order) -> as resolved (an IPv6 scope kept)
+    addresses = {}  # the address (for its order) -> its text as resolved
     for family, _, _, _, sockaddr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
         if family in (socket.AF_INET, socket.AF_INET6):
             addresses[ipaddress.ip_address(sockaddr[0].split("%", 1)[0])] = sockaddr[0]
@@ -521,6 +521,13 @@ class _ShardedCacheBase:
     def __init__(self, client: Any, shards: Sequence[Any], *, delete_on_exit: bool = True) -> None:
         self.client = client
         self.shards = list(shards)
+        # Shard i's cache goes to shard i's server: a cache of another client there would take
+        # the calls meant for another (and NOT_FOUND there reads as "deleted already").
+        if len(self.shards) != len(client.clients) or any(
+                s.client is not c for s, c in zip(self.shards, client.clients)):
+            raise ValueError(
+                "a sharded cache's shards must be caches of its client's shard clients, in "
+                f"order: shard i of ShardedClient({client.targets}) is clients[i]'s")
         self.delete_on_exit = delete_on_exit
         self.config = full_config([s.info for s in self.shards])
 
@@ -607,11 +614,9 @@ class _ShardedCacheBase:
                 for s in self.shards]
 
     def _deleted(self, outcomes: Sequence[Any]) -> int:
-        """Marks the shards deleted; the bytes freed; raises the first failure, or NotFound when
-        every shard answered NOT_FOUND (none held it: deleted before, or not this tenant's)."""
+        """Marks the shards deleted; the bytes freed; raises the first failure."""
         freed = 0
         outcomes = list(outcomes)
-        nowhere = bool(outcomes) and all(isinstance(o, NotFound) for o in outcomes)
         for i, (shard, o) in enumerate(zip(self.shards, outcomes)):
             if isinstance(o, pb.DeleteCacheResponse):
                 shard.deleted = True
@@ -619,10 +624,6 @@ class _ShardedCacheBase:
             elif isinstance(o, NotFound):  # gone already (its server restarted, say)
                 shard.deleted = True
                 outcomes[i] = None
-        if nowhere:
-            raise NotFound(
-                f"no shard holds the sharded cache ({', '.join(self.cache_ids)}): deleted before, "
-                "or not this tenant's")
         _raise_first_failure(outcomes, self.targets, "in DeleteCache")
         return freed
 
@@ -844,8 +845,8 @@ class ShardedCache(_ShardedCacheBase):
         """Deletes every shard's cache not deleted yet; returns the bytes freed. When a shard
         fails (e.g. its server is down), the others are deleted still and its exception,
         naming it, is raised; delete() again retries that shard. A shard whose cache is gone
-        already (NOT_FOUND: its server restarted, say) counts as deleted; when every shard
-        says so, NotFound is raised (as Client.delete_cache does)."""
+        already (NOT_FOUND: its server restarted, say) counts as deleted, and a cache deleted
+        already is not sent again: delete() then returns 0."""
         return self._deleted(self.client.fan_out("DeleteCache", self._delete_requests(), timeout))
 
     def __enter__(self) -> "ShardedCache":
@@ -855,8 +856,6 @@ class ShardedCache(_ShardedCacheBase):
         if self.delete_on_exit and not self.deleted:
             try:
                 self.delete()
-            except NotFound:  # gone already on every shard: nothing is left behind
-                pass
             except Exception as e:
                 if exc_type is None:
                     raise

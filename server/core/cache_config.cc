@@ -447,4 +447,10 @@ std::vector<FieldViolation> FieldViolationsFromStatus(const absl::Status& status
   return out;
 }
 
+absl::Status InvalidFieldError(absl::string_view field, absl::string_view description) {
+  absl::Status s = absl::InvalidArgumentError(description);
+  s.SetPayload(kFieldViolationsPayload, absl::Cord(absl::StrCat(field, "\t", description, "\n")));
+  return s;
+}
+
 }  // namespace pagedattn

@@ -85,4 +85,7 @@ absl::Status ValidationStatus(const ValidationResult& result);
 inline constexpr char kFieldViolationsPayload[] = "type.pagedattn/field_violations";
 std::vector<FieldViolation> FieldViolationsFromStatus(const absl::Status& status);
 
+// INVALID_ARGUMENT with `description` as its message and as the one violation of `field`.
+absl::Status InvalidFieldError(absl::string_view field, absl::string_view description);
+
 }  // namespace pagedattn

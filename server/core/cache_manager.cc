@@ -39,14 +39,14 @@ absl::Status ValidateCacheName(absl::string_view name) {
   for (size_t i = 0; i < name.size() && i <= kMaxCacheNameBytes; ++i) {
     const unsigned char c = static_cast<unsigned char>(name[i]);
     if (c < 0x20 || c > 0x7e) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("name must be printable ASCII (0x20..0x7e); character ", i, " is 0x",
-                       absl::Hex(c, absl::kZeroPad2)));
+      return InvalidFieldError(
+          "name", absl::StrCat("name must be printable ASCII (0x20..0x7e); character ", i, " is 0x",
+                               absl::Hex(c, absl::kZeroPad2)));
     }
   }
   if (name.size() > kMaxCacheNameBytes) {
-    return absl::InvalidArgumentError(absl::StrCat("name must be at most ", kMaxCacheNameBytes,
-                                                   " characters (got ", name.size(), ")"));
+    return InvalidFieldError("name", absl::StrCat("name must be at most ", kMaxCacheNameBytes,
+                                                  " characters (got ", name.size(), ")"));
   }
   return absl::OkStatus();
 }
@@ -110,7 +110,14 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
                                                             const std::string& name,
                                                             const std::string& owner,
                                                             const StopToken& stop) {
-  if (absl::Status s = ValidateCacheName(name); !s.ok()) return s;
+  if (absl::Status s = ValidateCacheName(name); !s.ok()) {
+    // Said with the config's violations, if it has any: one answer names every bad field.
+    ValidationResult v = Validate(config);
+    if (v.valid()) return s;
+    const std::vector<FieldViolation> named = FieldViolationsFromStatus(s);
+    v.violations.insert(v.violations.begin(), named.begin(), named.end());
+    return ValidationStatus(v);
+  }
   absl::MutexLock create(&create_mu_);
   if (limits_.max_caches_per_tenant > 0 &&
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {

@@ -145,6 +145,16 @@ def test_create_cache_invalid_raises_cache_config_error_with_violations(client):
     assert str(err).startswith("INVALID_ARGUMENT: invalid cache config")
 
 
+def test_a_refused_cache_name_is_a_violation_of_name(client):
+    with pytest.raises(errors.CacheConfigError) as e:
+        client.create_cache(small_config(), name="tab\there")
+    assert e.value.fields == ["name"] and "printable ASCII" in e.value.message
+    with pytest.raises(errors.CacheConfigError) as e:  # listed with the config's own
+        client.create_cache(issue_config(), name="n" * 129)
+    assert e.value.fields[0] == "name" and len(e.value.fields) == 5
+    assert "at most 128" in dict(e.value.violations)["name"]
+
+
 def test_oversized_cache_is_resource_exhausted_with_numbers(client):
     with pytest.raises(errors.ResourceExhausted) as e:
         client.create_cache(small_config(num_pages=2 * 10**8))

@@ -159,6 +159,47 @@ TEST_F(E2ETest, CreateCacheInvalidCarriesBadRequestDetails) {
   EXPECT_NE(bad.field_violations(2).description().find("(got 0"), std::string::npos);
 }
 
+// A name the server refuses is a violation of the field "name", as a config's fields are, and
+// listed with them.
+TEST_F(E2ETest, CreateCacheBadNameCarriesBadRequestDetails) {
+  auto stub = v1::AttentionService::NewStub(grpc::CreateChannel(
+      absl::StrCat("127.0.0.1:", server_->port()), grpc::InsecureChannelCredentials()));
+  for (const std::string& name : {std::string("tab\there"), std::string(129, 'n')}) {
+    grpc::ClientContext ctx;
+    v1::CreateCacheRequest req;
+    *req.mutable_config() = SmallConfig();
+    req.set_name(name);
+    v1::CacheInfo resp;
+    grpc::Status s = stub->CreateCache(&ctx, req, &resp);
+    ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << name;
+    google::rpc::Status rich;
+    ASSERT_TRUE(rich.ParseFromString(s.error_details())) << name;
+    ASSERT_EQ(rich.details_size(), 1);
+    google::rpc::BadRequest bad;
+    ASSERT_TRUE(rich.details(0).UnpackTo(&bad));
+    ASSERT_EQ(bad.field_violations_size(), 1);
+    EXPECT_EQ(bad.field_violations(0).field(), "name");
+    EXPECT_EQ(bad.field_violations(0).description(), s.error_message());
+  }
+  // With a bad config too: one answer names the name and every field of the config.
+  grpc::ClientContext ctx;
+  v1::CreateCacheRequest req;
+  *req.mutable_config() = IssueExampleConfig();
+  req.set_name("tab\there");
+  v1::CacheInfo resp;
+  grpc::Status s = stub->CreateCache(&ctx, req, &resp);
+  ASSERT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT);
+  google::rpc::Status rich;
+  ASSERT_TRUE(rich.ParseFromString(s.error_details()));
+  google::rpc::BadRequest bad;
+  ASSERT_TRUE(rich.details(0).UnpackTo(&bad));
+  ASSERT_EQ(bad.field_violations_size(), 5) << s.error_message();
+  EXPECT_EQ(bad.field_violations(0).field(), "name");
+  EXPECT_EQ(bad.field_violations(3).field(), "page_size");
+  EXPECT_NE(s.error_message().find("printable ASCII"), std::string::npos) << s.error_message();
+  EXPECT_TRUE(client_->ListCaches()->empty());
+}
+
 // A violation's description travels whole in the BadRequest details, as ValidateCacheConfig
 // gives it: a cut one (160 bytes) read "nearest valid: 167772..." for 16777215.
 TEST_F(E2ETest, BadRequestDescriptionsAreWhole) {

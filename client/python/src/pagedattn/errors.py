@@ -44,8 +44,9 @@ class InvalidArgument(PagedAttnError):
 
 
 class CacheConfigError(InvalidArgument):
-    """INVALID_ARGUMENT for a CacheConfig, with every violation as (field, description) in
-    `violations`, taken from the google.rpc.BadRequest in the status details."""
+    """INVALID_ARGUMENT for a CacheConfig (or a cache's name: the field "name", listed before
+    the config's), with every violation as (field, description) in `violations`, taken from the
+    google.rpc.BadRequest in the status details."""
 
     def __init__(self, message: str, code: Any, status: Any, violations: list[tuple[str, str]]):
         super().__init__(message, code, status)

@@ -338,15 +338,34 @@ absl::Status ShardedClient::DeleteCache(const ShardedCache& cache) {
 
 absl::Status ShardedClient::Failures(const std::vector<absl::Status>& results,
                                      bool not_found_is_done) const {
-  std::vector<absl::Status> failed;
+  std::vector<std::pair<int, absl::Status>> failed;
   for (int i = 0; i < static_cast<int>(results.size()); ++i) {
     if (results[i].ok() || (not_found_is_done && absl::IsNotFound(results[i]))) continue;
-    failed.push_back(Named(i, results[i]));
+    failed.emplace_back(i, results[i]);
   }
   if (failed.empty()) return absl::OkStatus();
-  std::vector<std::string> rest;
-  for (size_t j = 1; j < failed.size(); ++j) rest.push_back(failed[j].ToString());
-  return WithNotes(failed[0], rest);
+  std::vector<std::string> others;
+  absl::Status first = NamedAlike(failed, &others);
+  return WithNotes(first, others);
+}
+
+absl::Status ShardedClient::NamedAlike(const std::vector<std::pair<int, absl::Status>>& failed,
+                                       std::vector<std::string>* others) const {
+  const absl::Status& head = failed[0].second;
+  std::vector<std::string> alike;
+  for (const auto& [i, s] : failed) {
+    if (s.code() == head.code() && s.message() == head.message()) {
+      alike.push_back(absl::StrCat(i, " (", targets_[i], ")"));
+    } else {
+      others->push_back(Named(i, s).ToString());
+    }
+  }
+  if (alike.size() == 1) return Named(failed[0].first, head);
+  absl::Status named(head.code(), absl::StrCat("shards ", absl::StrJoin(alike, ", "), " of ",
+                                               num_shards(), ": ", head.message()));
+  head.ForEachPayload(
+      [&](absl::string_view url, const absl::Cord& payload) { named.SetPayload(url, payload); });
+  return named;
 }
 
 absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
@@ -358,6 +377,37 @@ absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,
     results[i] = shards_[i]->ReleaseSequences(cache.cache_ids[i], seq_ids).status();
   });
   return Failures(results, /*not_found_is_done=*/false);
+}
+
+absl::StatusOr<std::vector<v1::CacheInfo>> ShardedClient::GetCache(const ShardedCache& cache) {
+  if (absl::Status s = CheckTargets(cache); !s.ok()) return s;
+  const int n = num_shards();
+  std::vector<absl::StatusOr<v1::CacheInfo>> infos(static_cast<size_t>(n));
+  OnEveryShard(n, [&](int i) { infos[i] = shards_[i]->GetCache(cache.cache_ids[i]); });
+  return Answers(std::move(infos));
+}
+
+absl::StatusOr<std::vector<v1::TruncateSequencesResponse>> ShardedClient::TruncateSequences(
+    const ShardedCache& cache, int32_t layer,
+    const std::vector<std::pair<uint64_t, int64_t>>& lengths) {
+  if (absl::Status s = CheckTargets(cache); !s.ok()) return s;
+  const int n = num_shards();
+  std::vector<absl::StatusOr<v1::TruncateSequencesResponse>> answers(static_cast<size_t>(n));
+  OnEveryShard(n, [&](int i) {
+    answers[i] = shards_[i]->TruncateSequences(cache.cache_ids[i], layer, lengths);
+  });
+  return Answers(std::move(answers));
+}
+
+template <typename T>
+absl::StatusOr<std::vector<T>> ShardedClient::Answers(
+    std::vector<absl::StatusOr<T>> answers) const {
+  std::vector<absl::Status> results;
+  for (const auto& a : answers) results.push_back(a.status());
+  if (absl::Status s = Failures(results, /*not_found_is_done=*/false); !s.ok()) return s;
+  std::vector<T> out;
+  for (auto& a : answers) out.push_back(*std::move(a));
+  return out;
 }
 
 absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
@@ -508,10 +558,12 @@ absl::StatusOr<ForwardReply> ShardedClient::Forward(const ShardedCache& cache,
                          "), which may keep the call's tokens: ", t.status().message()));
       }
     }
-    for (size_t j = 1; j < failed.size(); ++j) {
-      notes.push_back(Named(failed[j], parts[failed[j]].reply.status()).ToString());
-    }
-    return WithNotes(Named(failed[0], parts[failed[0]].reply.status()), notes);
+    std::vector<std::pair<int, absl::Status>> statuses;
+    for (int i : failed) statuses.emplace_back(i, parts[i].reply.status());
+    std::vector<std::string> others;
+    absl::Status first = NamedAlike(statuses, &others);
+    notes.insert(notes.end(), others.begin(), others.end());
+    return WithNotes(first, notes);
   }
 
   ForwardReply joined = *parts[0].reply;

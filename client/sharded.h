@@ -29,8 +29,8 @@ class ShardedClient {
  public:
   // One Client per target (options.target is ignored); shard i is targets[i]. Its calls may come
   // from several threads at once, as a Client's may (each call goes to every shard at once, on
-  // threads of its own). It has what a sharded cache needs of the API; the rest (GetCache,
-  // TruncateSequences, ListCaches) goes to each shard: shard(i) with cache.cache_ids[i].
+  // threads of its own). It has what a sharded cache needs of the API; the rest (ListCaches,
+  // RegisterMemory, Step streams, ...) goes to each shard: shard(i) with cache.cache_ids[i].
   static absl::StatusOr<std::unique_ptr<ShardedClient>> Connect(std::vector<std::string> targets,
                                                                 const ClientOptions& options);
 
@@ -58,7 +58,18 @@ class ShardedClient {
   // cache put together from stored ids must keep its targets: sent to other servers, its ids are
   // NOT_FOUND there, and nothing is deleted.
   absl::Status DeleteCache(const ShardedCache& cache);
+  // Releases seq_ids on every shard; when a shard fails the others still release them
+  // (releasing again completes it) and the status names it.
   absl::Status ReleaseSequences(const ShardedCache& cache, const std::vector<uint64_t>& seq_ids);
+  // Each shard's CacheInfo (its stats: used pages and live sequences are the same on every shard
+  // unless a rollback failed), by shard; the first failure names its shard.
+  absl::StatusOr<std::vector<v1::CacheInfo>> GetCache(const ShardedCache& cache);
+  // Rewinds sequences of `layer` to `lengths` ({seq_id, length}) on every shard (e.g. rejected
+  // speculative tokens); each shard's answer, by shard. When a shard fails the others are still
+  // truncated (truncating again to the same lengths completes it) and the status names it.
+  absl::StatusOr<std::vector<v1::TruncateSequencesResponse>> TruncateSequences(
+      const ShardedCache& cache, int32_t layer,
+      const std::vector<std::pair<uint64_t, int64_t>>& lengths);
 
   // One Forward on every shard. call.q [T, num_q_heads, head_dim] and call.k / call.v
   // [new tokens, num_kv_heads, head_dim] are the whole cache's host tensors (a registered
@@ -87,8 +98,16 @@ class ShardedClient {
   // `status` with its message prefixed by the shard (index and target); payloads kept.
   absl::Status Named(int shard, const absl::Status& status) const;
   // The shards' results, by shard: OK, or the first failure naming its shard with every other
-  // failure after it (NOT_FOUND counted as done where not_found_is_done).
+  // failure after it (NOT_FOUND counted as done where not_found_is_done), each said once.
   absl::Status Failures(const std::vector<absl::Status>& results, bool not_found_is_done) const;
+  // failed ({shard, status}, by shard, not empty): the first's status (code and payloads) naming
+  // every shard that failed alike (the same code and message: "shards 0 (a), 2 (c) of 3: ..."),
+  // and in `others` each other failure, named.
+  absl::Status NamedAlike(const std::vector<std::pair<int, absl::Status>>& failed,
+                          std::vector<std::string>* others) const;
+  // The shards' answers, by shard, or Failures' status where any failed.
+  template <typename T>
+  absl::StatusOr<std::vector<T>> Answers(std::vector<absl::StatusOr<T>> answers) const;
 
   std::vector<std::string> targets_;
   std::vector<std::unique_ptr<Client>> shards_;

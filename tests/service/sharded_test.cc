@@ -281,6 +281,110 @@ TEST_F(ShardedTest, OutOfPagesOnOneShardChangesNoShard) {
   EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
 }
 
+// TruncateSequences and GetCache go to every shard: the shards then answer as one server
+// rewound the same way, and a shard whose cache is gone is named while the others still rewind.
+TEST_F(ShardedTest, TruncateAndGetCacheReachEveryShard) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(2);
+  std::unique_ptr<Client> ref = Reference();
+  const v1::CacheConfig config = Config(v1::BFLOAT16);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(config, "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const std::string ref_cache = ref->CreateCache(config)->cache_id();
+  const Step prefill(0, {{1, 0, 40, 40}, {2, 0, 9, 9}}, v1::BFLOAT16, 21);
+  ASSERT_TRUE(Run(*sharded, *cache, prefill).ok());
+  ASSERT_TRUE(Run(*ref, ref_cache, prefill).ok());
+
+  const std::vector<std::pair<uint64_t, int64_t>> lengths = {{1, 20}, {5, 3}};
+  absl::StatusOr<std::vector<v1::TruncateSequencesResponse>> cut =
+      sharded->TruncateSequences(*cache, 0, lengths);
+  ASSERT_TRUE(cut.ok()) << cut.status();
+  absl::StatusOr<v1::TruncateSequencesResponse> ref_cut =
+      ref->TruncateSequences(ref_cache, 0, lengths);
+  ASSERT_TRUE(ref_cut.ok()) << ref_cut.status();
+  ASSERT_EQ(cut->size(), 2u);
+  for (const v1::TruncateSequencesResponse& r : *cut) {
+    EXPECT_EQ(r.truncated(), 1);
+    EXPECT_EQ(r.freed_pages(), ref_cut->freed_pages());
+    ASSERT_EQ(r.unknown_seq_ids_size(), 1);
+    EXPECT_EQ(r.unknown_seq_ids(0), 5u);
+  }
+  absl::StatusOr<std::vector<v1::CacheInfo>> infos = sharded->GetCache(*cache);
+  ASSERT_TRUE(infos.ok()) << infos.status();
+  const v1::CacheStats ref_stats = ref->GetCache(ref_cache)->stats();
+  ASSERT_EQ(infos->size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_EQ((*infos)[i].cache_id(), cache->cache_ids[i]);
+    EXPECT_EQ((*infos)[i].stats().used_pages(), ref_stats.used_pages()) << "shard " << i;
+    EXPECT_EQ((*infos)[i].stats().live_sequences(), ref_stats.live_sequences()) << "shard " << i;
+  }
+  // Sequence 1 is 20 long on every shard, as on the reference: a span at 22 leaves a gap.
+  const Step gap(0, {{1, 22, 1, 1}}, v1::BFLOAT16, 22);
+  EXPECT_EQ(Run(*ref, ref_cache, gap).status().code(), absl::StatusCode::kFailedPrecondition);
+  absl::StatusOr<Answer> got = Run(*sharded, *cache, gap);
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kFailedPrecondition) << got.status();
+  const Step next(0, {{1, 20, 2, 2}}, v1::BFLOAT16, 23);
+  absl::StatusOr<Answer> want = Run(*ref, ref_cache, next);
+  ASSERT_TRUE(want.ok()) << want.status();
+  got = Run(*sharded, *cache, next);
+  ASSERT_TRUE(got.ok()) << got.status();
+  if (OnCpu()) {
+    EXPECT_TRUE(got->out == want->out && got->lse == want->lse);
+  }
+
+  // Shard 1's cache gone: named, and shard 0 rewound all the same (sequence 2's 9 tokens to 4:
+  // one of its two pages of 7 freed).
+  const int64_t used = sharded->shard(0).GetCache(cache->cache_ids[0])->stats().used_pages();
+  ASSERT_TRUE(sharded->shard(1).DeleteCache(cache->cache_ids[1]).ok());
+  cut = sharded->TruncateSequences(*cache, 0, {{2, 4}});
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(cut.status().message().find("shard 1 (" + Target(1) + ")"), std::string::npos)
+      << cut.status();
+  infos = sharded->GetCache(*cache);
+  EXPECT_EQ(infos.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_NE(infos.status().message().find("shard 1 ("), std::string::npos) << infos.status();
+  EXPECT_EQ(sharded->shard(0).GetCache(cache->cache_ids[0])->stats().used_pages(), used - 1);
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+  EXPECT_TRUE(ref->DeleteCache(ref_cache).ok());
+}
+
+// A failure every shard shares is said once, with the shards it came from; each other failure
+// after it.
+TEST_F(ShardedTest, AFailureOfEveryShardIsSaidOnce) {
+  std::unique_ptr<ShardedClient> sharded = Sharded(3);
+  absl::StatusOr<ShardedCache> cache = sharded->CreateCache(Config(v1::BFLOAT16, 6, 3), "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  absl::StatusOr<std::vector<v1::TruncateSequencesResponse>> cut =
+      sharded->TruncateSequences(*cache, 99, {{1, 0}});
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument);
+  const std::string message(cut.status().message());
+  EXPECT_EQ(message.find("shards 0 (" + Target(0) + "), 1 (" + Target(1) + "), 2 (" + Target(2) +
+                         ") of 3: layer must be in 0.."),
+            0u)
+      << message;
+  EXPECT_EQ(message.find("layer must be"), message.rfind("layer must be")) << message;
+  const Step bad_layer(99, {{1, 0, 3, 3}}, v1::BFLOAT16, 5, 6, 3);
+  absl::StatusOr<Answer> forward = Run(*sharded, *cache, bad_layer);
+  EXPECT_EQ(forward.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(std::string(forward.status().message()).find("shards 0 (" + Target(0) + "), 1 ("), 0u)
+      << forward.status();
+  EXPECT_EQ(forward.status().message().find("layer must be"),
+            forward.status().message().rfind("layer must be"))
+      << forward.status();
+
+  // Shard 1's cache gone: its NOT_FOUND first, then the layer said once for shards 0 and 2.
+  ASSERT_TRUE(sharded->shard(1).DeleteCache(cache->cache_ids[1]).ok());
+  cut = sharded->TruncateSequences(*cache, 99, {{1, 0}});
+  EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument) << cut.status();
+  EXPECT_EQ(std::string(cut.status().message())
+                .find("shards 0 (" + Target(0) + "), 2 (" + Target(2) + ") of 3: layer must be"),
+            0u)
+      << cut.status();
+  EXPECT_NE(cut.status().message().find("; NOT_FOUND: shard 1 (" + Target(1) + "): "),
+            std::string::npos)
+      << cut.status();
+  EXPECT_TRUE(sharded->DeleteCache(*cache).ok());
+}
+
 // Shapes, bytes and sinks are checked as the whole cache's before anything is sent: a shard's
 // server would name its own part (4 q heads, not 8), and a short buffer would be read past.
 TEST_F(ShardedTest, WholeCacheShapesAreCheckedBeforeSending) {

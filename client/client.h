@@ -135,7 +135,7 @@ class StepStream;
 // A connection to one server. Its methods may be called from many threads at once (one gRPC
 // channel carries them all). Each call fails with the server's status, or the transport's:
 // UNAVAILABLE when the server cannot be reached. After the server restarts, calls keep failing
-// UNAVAILABLE until the channel's next reconnect attempt, up to about 5-9 s later (the backoff of
+// UNAVAILABLE until the channel's next reconnect attempt, at most about 2 s later (the backoff of
 // common/transport.h); a caller that must not see that retries UNAVAILABLE (a Forward retried
 // at the same spans' starts writes the same rows again).
 class Client {

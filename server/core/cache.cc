@@ -239,7 +239,7 @@ double MicrosSince(absl::Time start) { return absl::ToDoubleMicroseconds(absl::N
 absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopToken& stop,
                                              ForwardTimings* timings) {
   const absl::Time start = absl::Now();
-  MarkUsed();
+  const Call call(this);
   if (absl::Status s = ValidateForward(a); !s.ok()) return s;
   const CacheGeometry& g = geometry_;
 
@@ -324,7 +324,7 @@ absl::StatusOr<ForwardResult> Cache::Forward(const ForwardArgs& a, const StopTok
 
 absl::StatusOr<TruncateResult> Cache::Truncate(
     int32_t layer, absl::Span<const std::pair<uint64_t, int64_t>> lengths) {
-  MarkUsed();
+  const Call call(this);
   if (layer < 0 || layer >= geometry_.num_layers) {
     return absl::InvalidArgumentError(
         absl::StrCat("layer must be in 0..", geometry_.num_layers - 1, " (got ", layer, ")"));
@@ -360,7 +360,7 @@ absl::StatusOr<TruncateResult> Cache::Truncate(
 }
 
 ReleaseResult Cache::Release(absl::Span<const uint64_t> seq_ids) {
-  MarkUsed();
+  const Call call(this);
   absl::MutexLock structure(&structure_mu_);
   absl::MutexLock meta(&meta_mu_);
   ReleaseResult r;

@@ -150,19 +150,39 @@ class Cache {
                                           absl::Span<const std::pair<uint64_t, int64_t>> lengths);
   CacheStats Stats() const;
 
-  // When a Forward, release or truncate last came to the cache (its creation before any), on
-  // the monotonic clock: what an idle timeout measures from. Failed calls count: their caller
-  // is alive.
+  // When a Forward, release or truncate last came to the cache or ended (its creation before
+  // any), on the monotonic clock: what an idle timeout measures from. Failed calls count: their
+  // caller is alive.
   std::chrono::steady_clock::time_point last_used() const {
     return std::chrono::steady_clock::time_point(
         std::chrono::steady_clock::duration(last_used_.load(std::memory_order_relaxed)));
   }
+  // Whether a Forward, release or truncate is running on the cache or waiting for it: a cache
+  // in use is never idle, however long ago its calls began.
+  bool in_use() const { return calls_in_flight_.load(std::memory_order_relaxed) > 0; }
 
  private:
   void MarkUsed() {
     last_used_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
                      std::memory_order_relaxed);
   }
+  // A call on the cache, from its start to its end (in_use(), last_used()).
+  class Call {
+   public:
+    explicit Call(Cache* cache) : cache_(cache) {
+      cache_->calls_in_flight_.fetch_add(1, std::memory_order_relaxed);
+      cache_->MarkUsed();
+    }
+    ~Call() {
+      cache_->MarkUsed();
+      cache_->calls_in_flight_.fetch_sub(1, std::memory_order_relaxed);
+    }
+    Call(const Call&) = delete;
+    Call& operator=(const Call&) = delete;
+
+   private:
+    Cache* const cache_;
+  };
 
   // Checks a request against the geometry and limits without touching the cache.
   absl::Status ValidateForward(const ForwardArgs& args) const;
@@ -189,6 +209,7 @@ class Cache {
   mutable absl::Mutex meta_mu_;
   SequenceTable table_ ABSL_GUARDED_BY(meta_mu_);
   std::atomic<int64_t> forward_calls_{0};
+  std::atomic<int> calls_in_flight_{0};
   std::atomic<std::chrono::steady_clock::rep> last_used_{
       std::chrono::steady_clock::now().time_since_epoch().count()};
 };

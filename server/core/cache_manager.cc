@@ -278,7 +278,7 @@ std::vector<IdleCache> CacheManager::DeleteIdle(std::chrono::steady_clock::time_
   {
     absl::MutexLock lock(&mu_);
     for (auto it = caches_.begin(); it != caches_.end();) {
-      if (absl::FromChrono(now - it->second->last_used()) >= idle) {
+      if (!it->second->in_use() && absl::FromChrono(now - it->second->last_used()) >= idle) {
         const Cache& c = *it->second;
         if (idle_deleted_order_.size() == kIdleDeletedKept) {
           idle_deleted_.erase(idle_deleted_order_.front());

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <limits>
 #include <memory>
@@ -356,6 +357,42 @@ TEST(CacheManagerTest, DeletedPoolCountsUntilItsLastHolderLetsGo) {
   EXPECT_EQ(m.total_pool_bytes(), 0);
   b = m.Create(c, "b", "");
   EXPECT_TRUE(b.ok()) << b.status();
+}
+
+// A cache with a call on it is in use, not idle, however long ago the call began (a prefill of
+// a minute under a 30 s timeout); its end counts as a use.
+TEST(CacheManagerTest, DeleteIdleLeavesACacheWithACallInFlight) {
+  CpuBackend backend;
+  CacheManager m(&backend);
+  absl::StatusOr<std::shared_ptr<Cache>> cache = m.Create(Bf16Request(1, 4, 2, 512), "busy", "");
+  ASSERT_TRUE(cache.ok()) << cache.status();
+  const int64_t tokens = 2048;  // a prefill of a tenth of a second or more
+  std::vector<char> q = testing::Encode(DType::kFloat32, std::vector<float>(tokens * 4 * 64, 0.5f));
+  std::vector<char> kv =
+      testing::Encode(DType::kFloat32, std::vector<float>(tokens * 2 * 64, 0.25f));
+  ForwardArgs prefill;
+  prefill.spans = {{1, 0, tokens, tokens}};
+  prefill.q = {DType::kFloat32, {tokens, 4, 64}, q.data(), q.size()};
+  prefill.k = {DType::kFloat32, {tokens, 2, 64}, kv.data(), kv.size()};
+  prefill.v = prefill.k;
+  std::atomic<bool> done{false};
+  std::thread forward([&] {
+    EXPECT_TRUE((*cache)->Forward(prefill).ok());
+    done = true;
+  });
+  while (!(*cache)->in_use() && !done) {
+  }
+  const bool seen_in_flight = !done;
+  std::vector<IdleCache> gone =
+      m.DeleteIdle(std::chrono::steady_clock::now() + std::chrono::hours(24), absl::Hours(1));
+  const bool still_in_flight = !done;
+  forward.join();
+  ASSERT_TRUE(seen_in_flight && still_in_flight) << "the prefill ended too soon to test";
+  EXPECT_TRUE(gone.empty());
+  EXPECT_FALSE((*cache)->in_use());
+  const auto ended = std::chrono::steady_clock::now();
+  EXPECT_TRUE(m.DeleteIdle(ended + std::chrono::minutes(59), absl::Hours(1)).empty());
+  EXPECT_EQ(m.DeleteIdle(ended + std::chrono::minutes(61), absl::Hours(1)).size(), 1u);
 }
 
 // DeleteIdle takes the caches that no Forward, release or truncate came to for the timeout (a

@@ -176,6 +176,11 @@ absl::Status RequestId::Check(absl::string_view id) {
   if (id.empty()) {
     return absl::InvalidArgumentError("the request id is empty: give one, or make no RequestId");
   }
+  if (id.size() > kMaxBytes) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "the request id is ", id.size(), " bytes: at most ", kMaxBytes,
+        " (the server logs its first 64; headers over 8 KiB reset the whole connection)"));
+  }
   for (size_t i = 0; i < id.size(); ++i) {
     const unsigned char c = static_cast<unsigned char>(id[i]);
     if (c < 0x20 || c > 0x7e) {

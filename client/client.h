@@ -122,7 +122,11 @@ class RequestId {
 
   // The id in force on this thread: the innermost RequestId's, or null outside any.
   static const std::string* Current();
-  // OK, or INVALID_ARGUMENT saying why `id` cannot be sent.
+  // The longest id sent: the server logs 64 bytes of it, and a call whose headers pass gRPC's
+  // 8 KiB makes the server reset the connection, failing the channel's other calls with it.
+  static constexpr size_t kMaxBytes = 256;
+  // OK, or INVALID_ARGUMENT saying why `id` cannot be sent (empty, over kMaxBytes, or a byte
+  // that is not printable ASCII).
   static absl::Status Check(absl::string_view id);
 
  private:

@@ -816,7 +816,9 @@ def test_request_id_reaches_the_server_log(start_servers):
     listed = lines(servers[0].log, "rpc ListCaches ")
     assert listed and all("req=" not in line for line in listed), listed
 
-    for bad in ("", "a\nb", "caf\u00e9", 7):
+    for bad in ("", "a\nb", "caf\u00e9", 7, "r" * 257):
         with pytest.raises(ValueError, match="request_id"):
             with pagedattn.request_id(bad):
                 pass
+    with pagedattn.Client(servers[0].target) as c, pagedattn.request_id("r" * 256):  # the longest
+        assert isinstance(c.list_caches(), list)

@@ -730,7 +730,7 @@ TEST_F(HardeningTest, ClientRequestIdReachesTheServersLog) {
 }
 
 // An id gRPC cannot send (it would abort the process on a line end) fails each call made under
-// it with INVALID_ARGUMENT, unsent; so does an empty one.
+// it with INVALID_ARGUMENT, unsent; so do an empty one and one over 256 bytes.
 TEST_F(HardeningTest, AClientRequestIdThatCannotBeSentFailsTheCallsUnsent) {
   testing::LogCapture captured(spdlog::level::debug);
   DecodeToken token;
@@ -747,10 +747,21 @@ TEST_F(HardeningTest, AClientRequestIdThatCannotBeSentFailsTheCallsUnsent) {
     RequestId empty("");
     EXPECT_EQ(client_->GetCache(cache_).status().code(), absl::StatusCode::kInvalidArgument);
   }
+  {
+    // 8 KiB of id reset the connection, failing other threads' calls on it too.
+    RequestId too_long(std::string(RequestId::kMaxBytes + 1, 'r'));
+    const absl::Status s = client_->GetCache(cache_).status();
+    EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_NE(s.message().find("the request id is 257 bytes: at most 256"), std::string::npos) << s;
+  }
+  {
+    RequestId longest(std::string(RequestId::kMaxBytes, 'r'));
+    ASSERT_TRUE(client_->GetCache(cache_).ok());
+  }
   ASSERT_TRUE(client_->GetCache(cache_).ok());
   WaitIdle();
-  // Only the last call reached the server.
-  EXPECT_EQ(LinesWith(captured.str(), "rpc ").size(), 1u) << captured.str();
+  // Only the last two calls reached the server.
+  EXPECT_EQ(LinesWith(captured.str(), "rpc ").size(), 2u) << captured.str();
 }
 
 // A metrics endpoint that trickles its answer (a byte each 100 ms, for 5 s) cannot hold

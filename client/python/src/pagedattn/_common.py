@@ -212,6 +212,9 @@ def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),)
 
 
+# The longest request id sent (as the C++ client's RequestId::kMaxBytes).
+MAX_REQUEST_ID_BYTES = 256
+
 _REQUEST_ID: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar(
     "pagedattn_request_id", default=None)
 
@@ -221,11 +224,16 @@ def request_id(value: str) -> Iterator[None]:
     """`with pagedattn.request_id("step-41"):` every call made inside (any client, sync or
     asyncio, sharded ones on each shard, and a Step stream opened there) carries `value` as its
     x-request-id metadata; the server puts it on the call's log lines as `req=` (cut to 64 bytes),
-    so a failed call can be found in its log. Nests; printable ASCII (gRPC refuses the rest).
+    so a failed call can be found in its log. Nests; printable ASCII (gRPC refuses the rest), at
+    most 256 characters.
     A context variable: asyncio tasks created inside inherit it, other threads (an executor's)
     do not."""
     if not isinstance(value, str) or not value:
         raise ValueError(f"request_id must be a non-empty str (got {value!r})")
+    if len(value) > MAX_REQUEST_ID_BYTES:
+        raise ValueError(f"request_id is {len(value)} characters: at most {MAX_REQUEST_ID_BYTES} "
+                         "(the server logs its first 64; headers over 8 KiB reset the whole "
+                         "connection, failing its other calls)")
     for i, ch in enumerate(value):
         if not (" " <= ch <= "~"):
             raise ValueError(f"request_id: character {ord(ch):#04x} at position {i} is not "

@@ -12,13 +12,16 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <functional>
 #include <iostream>
 #include <limits>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 
@@ -71,7 +74,8 @@ ABSL_FLAG(int, q_heads, 32, "query heads");
 ABSL_FLAG(int, kv_heads, 8, "KV heads");
 ABSL_FLAG(int, head_dim, 128, "head dim");
 ABSL_FLAG(int, page_size, 16, "tokens per page");
-ABSL_FLAG(std::string, dtype, "BFLOAT16", "q/k/v/out and cache dtype: BFLOAT16 or FLOAT16");
+ABSL_FLAG(std::string, dtype, "BFLOAT16",
+          "q/k/v/out and cache dtype: BFLOAT16 or FLOAT16 (any case)");
 ABSL_FLAG(std::string, json, "", "write the rows here as a JSON list");
 ABSL_FLAG(std::string, token, "", "bearer token (or PAGEDATTN_TOKEN)");
 ABSL_FLAG(std::string, shard_targets, "",
@@ -213,7 +217,7 @@ struct Shape {
 struct Workload {
   Shape shape;
   int layers, q_heads, kv_heads, head_dim;
-  v1::DType dtype;
+  v1::DType dtype = v1::BFLOAT16;
   int64_t elem_bytes = 2;
   // One decode step's tensors (the same random bytes every step; their values do not matter).
   std::string q, k, v;
@@ -223,6 +227,48 @@ struct Workload {
   std::function<void()> measuring = [] {};
 };
 
+// --dtype, in any case: BFLOAT16 or FLOAT16.
+std::optional<v1::DType> ParseDType(absl::string_view name) {
+  v1::DType d;
+  if (!v1::DType_Parse(absl::AsciiStrToUpper(name), &d) ||
+      (d != v1::BFLOAT16 && d != v1::FLOAT16)) {
+    return std::nullopt;
+  }
+  return d;
+}
+
+// The flags' values that no run could use: each a line, before anything runs (a value refused
+// after a prefill would have cost it).
+std::vector<std::string> FlagProblems() {
+  std::vector<std::string> out;
+  if (!ParseDType(absl::GetFlag(FLAGS_dtype))) {
+    out.push_back(absl::StrCat("--dtype must be BFLOAT16 or FLOAT16 (got '",
+                               absl::GetFlag(FLAGS_dtype), "')"));
+  }
+  auto at_least = [&](const char* name, int64_t value, int64_t least) {
+    if (value < least)
+      out.push_back(absl::StrCat("--", name, " must be >= ", least, " (got ", value, ")"));
+  };
+  at_least("layers", absl::GetFlag(FLAGS_layers), 1);
+  at_least("steps", absl::GetFlag(FLAGS_steps), 1);
+  at_least("warmup", absl::GetFlag(FLAGS_warmup), 0);
+  at_least("inflight", absl::GetFlag(FLAGS_inflight), 1);
+  at_least("q_heads", absl::GetFlag(FLAGS_q_heads), 1);
+  at_least("kv_heads", absl::GetFlag(FLAGS_kv_heads), 1);
+  at_least("head_dim", absl::GetFlag(FLAGS_head_dim), 1);
+  at_least("page_size", absl::GetFlag(FLAGS_page_size), 1);
+  at_least("echo_mib", absl::GetFlag(FLAGS_echo_mib), 0);
+  const std::string uds = absl::GetFlag(FLAGS_uds_target);
+  if (!uds.empty() && !absl::StartsWith(uds, "unix:")) {
+    out.push_back(absl::StrCat("--uds_target must be unix:/path (got '", uds, "')"));
+  }
+  const std::string json = absl::GetFlag(FLAGS_json);
+  if (!json.empty() && !std::ofstream(json, std::ios::app)) {
+    out.push_back(absl::StrCat("--json: cannot write '", json, "': ", std::strerror(errno)));
+  }
+  return out;
+}
+
 Workload MakeWorkload(Shape shape) {
   Workload w;
   w.shape = shape;
@@ -230,7 +276,7 @@ Workload MakeWorkload(Shape shape) {
   w.q_heads = absl::GetFlag(FLAGS_q_heads);
   w.kv_heads = absl::GetFlag(FLAGS_kv_heads);
   w.head_dim = absl::GetFlag(FLAGS_head_dim);
-  v1::DType_Parse(absl::GetFlag(FLAGS_dtype), &w.dtype);
+  w.dtype = *ParseDType(absl::GetFlag(FLAGS_dtype));  // checked by Main
   std::mt19937 rng(1);
   auto random = [&](int64_t n) {
     std::string s(static_cast<size_t>(n), '\0');
@@ -756,11 +802,20 @@ int Main() {
     std::vector<std::string> bc = absl::StrSplit(c, 'x');
     Shape s;
     if (bc.size() != 2 || !absl::SimpleAtoi(bc[0], &s.batch) ||
-        !absl::SimpleAtoi(bc[1], &s.context)) {
-      std::cerr << "pagedattn-loadgen: --cases entries are BATCHxCONTEXT (got '" << c << "')\n";
+        !absl::SimpleAtoi(bc[1], &s.context) || s.batch < 1 || s.context < 1) {
+      std::cerr << "pagedattn-loadgen: --cases entries are BATCHxCONTEXT, each at least 1 (got '"
+                << c << "')\n";
       return 2;
     }
     shapes.push_back(s);
+  }
+  if (shapes.empty()) {
+    std::cerr << "pagedattn-loadgen: --cases names no shape\n";
+    return 2;
+  }
+  if (const std::vector<std::string> problems = FlagProblems(); !problems.empty()) {
+    for (const std::string& p : problems) std::cerr << "pagedattn-loadgen: " << p << "\n";
+    return 2;
   }
   std::vector<std::string> modes =
       absl::StrSplit(absl::GetFlag(FLAGS_modes), ',', absl::SkipEmpty());
@@ -930,7 +985,14 @@ int Main() {
   }
   const std::string json = "[\n" + absl::StrJoin(rows, ",\n") + "\n]\n";
   if (!absl::GetFlag(FLAGS_json).empty()) {
-    std::ofstream(absl::GetFlag(FLAGS_json)) << json;
+    std::ofstream out(absl::GetFlag(FLAGS_json));
+    out << json;
+    if (!out.flush()) {
+      std::cerr << "pagedattn-loadgen: --json: could not write " << absl::GetFlag(FLAGS_json)
+                << ": " << std::strerror(errno) << "; the rows:\n"
+                << json;
+      return 1;
+    }
   } else {
     std::cout << json;
   }
@@ -979,7 +1041,12 @@ int main(int argc, char** argv) {
           [](absl::string_view name) { return absl::FindCommandLineFlag(name) != nullptr; })) {
     return 2;
   }
-  absl::ParseCommandLine(argc, argv);
+  const std::vector<char*> positional = absl::ParseCommandLine(argc, argv);
+  if (positional.size() > 1) {
+    std::cerr << "pagedattn-loadgen: unexpected argument '" << positional[1]
+              << "' (every setting is a --flag; see --help)\n";
+    return 2;
+  }
   if (!pagedattn::NoRepeatedFlags("pagedattn-loadgen", argc, argv,
                                   pagedattn::FlagKinds(absl::GetAllFlags(), "client/loadgen.cc"),
                                   {"token"})) {

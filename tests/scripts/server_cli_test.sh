@@ -256,6 +256,18 @@ rc=0; out=$("$loadgen" --target=127.0.0.1:99999 2>&1) || rc=$?
 rc=0; out=$("$loadgen" --layers=x --modez=unary 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--layers must be an integer (got 'x')" <<<"$out" &&
   grep -q -- "unknown flag --modez (see --help)" <<<"$out" || fail "loadgen bad flags: exit $rc: $out"
+# Values no run could use, each named before anything runs (--dtype was sent unparsed, 0 steps
+# made up rows, -1x5 aborted, an unwritable --json was dropped silently).
+rc=0; out=$("$loadgen" --target=127.0.0.1:1 --dtype=garbage --steps=0 --warmup=-5 \
+  --json=/nonexistent/x.json --uds_target=/tmp/s 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q -- "--dtype must be BFLOAT16 or FLOAT16 (got 'garbage')" <<<"$out" &&
+  grep -q -- "--steps must be >= 1 (got 0)" <<<"$out" && grep -q -- "--warmup must be >= 0" <<<"$out" &&
+  grep -q -- "--json: cannot write '/nonexistent/x.json'" <<<"$out" &&
+  grep -q -- "--uds_target must be unix:/path" <<<"$out" || fail "loadgen bad values: exit $rc: $out"
+for bad in "--cases=-1x5" "--cases=," "extra"; do
+  rc=0; out=$("$loadgen" --target=127.0.0.1:1 "$bad" 2>&1) || rc=$?
+  [ $rc -eq 2 ] && grep -q "^pagedattn-loadgen: " <<<"$out" || fail "loadgen $bad: exit $rc: $out"
+done
 
 : >"$log"
 "$server" --listen=127.0.0.1:0 --backend=cpu --log_level=debug --metrics_listen=127.0.0.1:0 \

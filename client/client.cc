@@ -483,7 +483,7 @@ absl::StatusOr<std::unique_ptr<StepStream>> Client::OpenStep() {
 }
 
 StepStream::~StepStream() {
-  if (!closed_) {
+  if (!closed_ && !finished_) {
     ctx_->TryCancel();
     (void)rw_->Finish();
   }
@@ -494,31 +494,55 @@ absl::Status StepStream::Send(const ForwardCall& call) {
   if (closed_) return absl::UnavailableError("the Step stream is closed (Close())");
   if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   if (!rw_->Write(EncodeCall(call))) {
-    return absl::UnavailableError("the Step stream is closed (see Close() for why)");
+    // Why is known once the answers are read: Receive() gives those left, then the why.
+    if (finished_) return final_;
+    return absl::UnavailableError(
+        "the Step stream ended: Receive() gives the answers left, then why (or Close())");
   }
   return absl::OkStatus();
+}
+
+absl::Status StepStream::FinishLocked() {
+  if (!finished_) {
+    final_ = FromGrpcStatus(rw_->Finish());
+    finished_ = true;  // after final_: Send reads final_ once it sees this
+  }
+  return final_;
 }
 
 absl::StatusOr<ForwardReply> StepStream::Receive(const ForwardOutput& output) {
   grpc::ByteBuffer buffer;
   absl::MutexLock lock(&read_mu_);
-  if (!rw_->Read(&buffer)) {
-    return absl::UnavailableError("the Step stream ended (see Close() for why)");
+  if (finished_ || !rw_->Read(&buffer)) {
+    // Every answer read: the stream's status says why it ended (a deadline, a token refused, a
+    // drain, a cancel...).
+    absl::Status ended = FinishLocked();
+    if (!ended.ok()) return ended;
+    return absl::OutOfRangeError("the Step stream ended: every message sent was answered");
   }
   return DecodeReply(buffer, output);
 }
 
 absl::Status StepStream::Close() {
-  {
-    absl::MutexLock lock(&write_mu_);
-    if (closed_.exchange(true)) return absl::OkStatus();
-    rw_->WritesDone();
-  }
-  absl::MutexLock lock(&read_mu_);  // a Receive under way on another thread ends first
+  // A Send under way on another thread may wait for the server, which waits for its answers to
+  // be read: while it does, answers are read (and dropped) here, unless a Receive under way on
+  // another thread reads them.
   grpc::ByteBuffer rest;
-  while (rw_->Read(&rest)) {
+  bool more = true;
+  while (!write_mu_.TryLock()) {
+    if (more && read_mu_.TryLock()) {
+      if (!finished_) more = rw_->Read(&rest);
+      read_mu_.Unlock();
+    } else {
+      absl::SleepFor(absl::Milliseconds(1));
+    }
   }
-  return FromGrpcStatus(rw_->Finish());
+  if (!closed_.exchange(true) && !finished_) rw_->WritesDone();
+  write_mu_.Unlock();
+  absl::MutexLock read(&read_mu_);  // a Receive under way on another thread ends first
+  while (more && !finished_ && rw_->Read(&rest)) {
+  }
+  return FinishLocked();
 }
 
 absl::StatusOr<bool> Client::CheckHealth(const std::string& service) {

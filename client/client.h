@@ -197,8 +197,14 @@ class Client {
 
 // One Step stream. Send() and Receive() may run on two threads (one each); Receive() returns
 // the answers in the order of the messages sent. A layer's error is Receive()'s status; the
-// stream goes on. Close() may be called from either thread: it waits for a Send() or Receive()
-// under way on the other, then reads what answers are left.
+// stream goes on. Once the stream has ended (its deadline, a drain, Cancel(), a token refused),
+// Receive() gives the answers left, then the stream's status (OUT_OF_RANGE after an OK end);
+// Send() gives that status once Receive() has seen it, UNAVAILABLE before. The server stops
+// reading messages while the answers not yet read fill the connection's buffers (16-32 MiB):
+// a thread that sends more than that before it receives waits in Send() until its deadline. Close()
+// may be called from either thread: it waits for a Receive() under way on the other, reads (and
+// drops) answers while a Send() under way on the other waits, then reads what answers are left and
+// returns the stream's status.
 class StepStream {
  public:
   StepStream(std::unique_ptr<grpc::ClientContext> ctx,
@@ -211,11 +217,14 @@ class StepStream {
   // and was committed when the server answered: an output of another size is DATA_LOSS then,
   // not INVALID_ARGUMENT (the layer's tokens are in the cache; only its answer is lost).
   absl::StatusOr<ForwardReply> Receive(const ForwardOutput& output);
-  // No more messages; waits for the stream's end and returns its status.
+  // No more messages; waits for the stream's end and returns its status (again if called again).
   absl::Status Close();
   void Cancel() { ctx_->TryCancel(); }
 
  private:
+  // The stream's status, once every answer is read (Finish, called once).
+  absl::Status FinishLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(read_mu_);
+
   std::unique_ptr<grpc::ClientContext> ctx_;
   std::unique_ptr<grpc::ClientReaderWriter<grpc::ByteBuffer, grpc::ByteBuffer>> rw_;
   // gRPC allows one read and one write at a time on a stream (a second aborts the process):
@@ -223,6 +232,8 @@ class StepStream {
   absl::Mutex write_mu_;
   absl::Mutex read_mu_;
   std::atomic<bool> closed_{false};
+  std::atomic<bool> finished_{false};  // final_ is set
+  absl::Status final_;
 };
 
 // GET http://target/metrics (target "host:port" or "[ipv6]:port" of the server's

@@ -528,7 +528,7 @@ TEST_P(DataPlaneTest, StepStreamEdgesOfTheClient) {
   EXPECT_TRUE(stream->Close().ok());
   receiver.join();
   EXPECT_TRUE(received[0].ok()) << received[0];
-  EXPECT_EQ(received[1].code(), absl::StatusCode::kUnavailable) << received[1];
+  EXPECT_EQ(received[1].code(), absl::StatusCode::kOutOfRange) << received[1];  // all answered
   EXPECT_EQ(stream->Send(CallOf(cache, c0, t0)).code(), absl::StatusCode::kUnavailable);
 
   auto second = *client_->OpenStep();
@@ -567,6 +567,64 @@ TEST_P(DataPlaneTest, StepStreamEdgesOfTheClient) {
   auto third = *client_->OpenStep();
   EXPECT_EQ(third->Send(nulled).code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(third->Close().ok());
+}
+
+// A stream that ended gives its own status, not UNAVAILABLE (which says "retry"): here its
+// deadline, from Receive once the answers are read, then from Send and Close.
+TEST_P(DataPlaneTest, AStreamPastItsDeadlineSaysSo) {
+  const std::string cache = NewCache();
+  ClientOptions o = client_->options();
+  o.timeout = absl::Milliseconds(500);
+  std::unique_ptr<Client> client = *Client::Connect(o);
+  auto stream = *client->OpenStep();
+  const Case c0 = {0, {{1, 0, 10, 10}}};
+  const Tensors t0 = MakeTensors(c0, 11);
+  std::string out(OutBytes(t0), '\0');
+  ASSERT_TRUE(stream->Send(CallOf(cache, c0, t0)).ok());
+  ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  absl::SleepFor(absl::Milliseconds(800));
+  const absl::Status ended = stream->Receive({out.data(), out.size()}).status();
+  EXPECT_EQ(ended.code(), absl::StatusCode::kDeadlineExceeded) << ended;
+  EXPECT_EQ(stream->Send(CallOf(cache, c0, t0)).code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_EQ(stream->Close().code(), absl::StatusCode::kDeadlineExceeded);
+}
+
+// While the answers not yet read fill the connection the server reads no more messages, and a
+// thread that sends without receiving waits in Send. Close() from another thread reads the
+// answers away and returns: it waited for that Send, the Send for the server, until the
+// stream's deadline.
+TEST_P(DataPlaneTest, CloseReturnsWhileASendWaitsForItsAnswersToBeRead) {
+  constexpr int kSeqs = 8192, kMessages = 12;  // 8 MiB of q and of answer a message
+  const std::string cache = NewCache(/*page_size=*/1, /*num_pages=*/kSeqs);
+  std::string q(size_t{kSeqs} * kHeads * kHeadDim * 2, '\0');
+  std::string kv(size_t{kSeqs} * kKvHeads * kHeadDim * 2, '\0');
+  for (std::string* t : {&q, &kv}) {
+    for (size_t i = 1; i < t->size(); i += 2) (*t)[i] = 0x3c;  // bfloat16 1/128
+  }
+  ForwardCall append;
+  append.cache_id = cache;
+  for (int i = 0; i < kSeqs; ++i) append.spans.push_back({static_cast<uint64_t>(i + 1), 0, 1, 0});
+  append.k = TensorArg::Host(v1::BFLOAT16, {kSeqs, kKvHeads, kHeadDim}, kv.data(), kv.size());
+  append.v = append.k;
+  ASSERT_TRUE(client_->ForwardTensors(append, {}).ok());
+  ForwardCall attend;
+  attend.cache_id = cache;
+  for (int i = 0; i < kSeqs; ++i) attend.spans.push_back({static_cast<uint64_t>(i + 1), 1, 0, 1});
+  attend.q = TensorArg::Host(v1::BFLOAT16, {kSeqs, kHeads, kHeadDim}, q.data(), q.size());
+
+  auto stream = *client_->OpenStep();
+  std::atomic<int> sent{0};
+  std::thread sender([&] {
+    for (int i = 0; i < kMessages && stream->Send(attend).ok(); ++i) ++sent;
+  });
+  absl::SleepFor(absl::Seconds(2));
+  ASSERT_LT(sent.load(), kMessages) << "every message went out: nothing waited";
+  const absl::Time start = absl::Now();
+  const absl::Status closed = stream->Close();
+  const absl::Duration took = absl::Now() - start;
+  sender.join();
+  EXPECT_TRUE(closed.ok()) << closed;
+  EXPECT_LT(took, absl::Seconds(30)) << "the stream's deadline is 120 s";
 }
 
 // A q shape whose product passes 64 bits (a caller's garbage) is for the server to name, not

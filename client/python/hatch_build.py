@@ -43,7 +43,8 @@ def find_proto_root(root: Path) -> Path:
     raise RuntimeError(
         "pagedattn: cannot find the .proto files (looked in "
         + ", ".join(str(c) for c in candidates)
-        + "); build from the repository (client/python) or from an sdist"
+        + "); build from the repository (client/python) or from an sdist, or set "
+        "PAGEDATTN_PROTO_DIR to the repository's proto/ folder"
     )
 
 

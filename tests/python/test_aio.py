@@ -59,6 +59,35 @@ def test_every_method(target, kv_dtypes):
     asyncio.run(main())
 
 
+def test_a_step_cancelled_while_its_close_reads_is_cancelled(target, backend):
+    """A timeout that fires while `async with step:` reads the answers at its end cancels the
+    stream, as one that fires in the block does: the answers never read fail CANCELLED, and
+    the server runs no more of its layers (it went on and committed every one)."""
+    if backend != "cpu":
+        pytest.skip("needs prefills that take longer than the timeout (the CPU backend's)")
+    layers, n = 8, 1024
+
+    async def main() -> None:
+        async with pagedattn.aio.Client(target) as client:
+            config = CacheConfig(layers, 16, 4, 128, page_size=16, kv_dtype="float32",
+                                 num_pages=2 * n // 16)
+            async with await client.create_cache(config) as cache:
+                rng = np.random.default_rng(0)
+                q, k, v = (rng.standard_normal((n, h, 128), dtype=np.float32) for h in (16, 4, 4))
+                step = cache.step([Span.prefill(1, n)])
+                futures = []
+                with pytest.raises(TimeoutError):
+                    async with asyncio.timeout(0.2):
+                        async with step:
+                            for layer in range(layers):
+                                futures.append(await step.submit(layer, q, k, v))
+                with pytest.raises(errors.PagedAttnError) as e:
+                    await futures[-1]
+                assert e.value.code == grpc.StatusCode.CANCELLED, e.value
+
+    asyncio.run(main())
+
+
 def test_many_forwards_in_flight(target, kv_dtypes):
     """32 sequences, each prefilled then decoded 4 steps; every step's Forwards run at once."""
     cache_dtype = kv_dtypes[0]

@@ -80,6 +80,20 @@ def test_asyncio_example_prints_what_readme_says(target):
     assert run_block(code.replace('"localhost:50051"', repr(target)), namespace) == documented
 
 
+def test_package_docstring_example_runs(target):
+    """`help(pagedattn)`'s example, run as written (it decoded a layer it had not prefilled)."""
+    import numpy as np
+
+    import pagedattn
+
+    code = "\n".join(line[4:] for line in pagedattn.__doc__.split("\n\n")[1].splitlines())
+    namespace: dict = {}
+    exec(compile(code.replace('"localhost:50051"', repr(target)), "pagedattn.__doc__", "exec"),
+         namespace)
+    assert [o.shape for o in namespace["outs"]] == [(1, 8, 64), (1, 8, 64)]
+    assert all(np.isfinite(o).all() for o in namespace["outs"])
+
+
 def test_server_flag_table_matches_help(server_binary):
     # Every flag --help lists is in README's table of server flags, with --help's default.
     help_text = subprocess.run([server_binary, "--help"], capture_output=True, text=True,

@@ -374,6 +374,18 @@ def test_a_closed_clients_step_sends_nothing_more(target, kv_dtypes):
     with pytest.raises(errors.ClientClosed):
         step.submit(1, *qkv(rng, 6))
     step.cancel()
+
+    async def closed_aio() -> None:  # the same (it gave a future that failed CANCELLED)
+        c = pagedattn.aio.Client(target)
+        step = c.step(cache.cache_id, [Span.prefill(1, 6)])
+        await step.forward(0, *qkv(rng, 6))
+        await c.close()
+        assert step.closed
+        with pytest.raises(errors.ClientClosed):
+            await step.submit(1, *qkv(rng, 6))
+        step.cancel()
+
+    asyncio.run(closed_aio())
     with pagedattn.Client(target) as other:
         other.delete_cache(cache.cache_id)
 

@@ -7,7 +7,9 @@
         with client.create_cache(config) as cache:            # deleted on exit
             q = np.random.randn(5, 8, 64).astype(np.float32)  # [queries, q heads, head_dim]
             k = v = np.random.randn(5, 2, 64).astype(np.float32)
-            out = cache.forward(0, [pagedattn.Span.prefill(seq_id=1, num_tokens=5)], q, k, v)
+            for layer in range(2):                            # a prefill of each layer
+                out = cache.forward(layer, [pagedattn.Span.prefill(seq_id=1, num_tokens=5)],
+                                    q, k, v)
             with cache.step([pagedattn.Span.decode(seq_id=1, position=5)]) as step:  # a stream
                 outs = [step.submit(layer, q[:1], k[:1], v[:1]) for layer in range(2)]
                 outs = [f.result() for f in outs]                 # answers in the order sent

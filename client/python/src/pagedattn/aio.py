@@ -374,6 +374,7 @@ class Step:
         if self._failure is not None:
             self._error_seen = True
             raise self._failure
+        self.client._check_open()  # ClientClosed, as the blocking Step raises
         if self._closed:
             raise RuntimeError("the Step stream is closed")
         request = self._messages.request(layer, q, k, v)
@@ -392,7 +393,16 @@ class Step:
         return await (await self.submit(layer, q, k, v)).result()
 
     async def close(self) -> None:
-        """See pagedattn.client.Step.close."""
+        """See pagedattn.client.Step.close. A caller cancelled while close() reads the answers
+        left (a timeout around `async with step:`) cancels the stream, as one cancelled in the
+        block does: the layers not yet run are not run."""
+        try:
+            await self._close()
+        except asyncio.CancelledError:
+            self.cancel()
+            raise
+
+    async def _close(self) -> None:
         already, self._closed = self._closed, True
         if self._call is None:  # never opened: nothing was sent
             self._finished = True

@@ -28,12 +28,12 @@ class Reader {
   }
 
   // A varint of at most max_bytes bytes (protobuf's: 5 for a key or a length, 10 otherwise).
+  // The bits of a tenth byte past the 64th are dropped, as protobuf drops them.
   bool ReadVarint(uint64_t* v, int max_bytes = 10) {
     *v = 0;
     for (int shift = 0; shift < 7 * max_bytes; shift += 7) {
       uint8_t b;
       if (!ReadByte(&b)) return false;
-      if (shift == 63 && (b & 0x7e) != 0) return false;  // more than 64 bits
       *v |= static_cast<uint64_t>(b & 0x7f) << shift;
       if ((b & 0x80) == 0) return true;
     }
@@ -163,7 +163,7 @@ class Parser {
     uint64_t v = 0;
     switch (type) {
       case kVarint:
-        return r_.ReadVarint(&v) || Fail("truncated varint");
+        return r_.ReadVarint(&v) || Fail("truncated or overlong varint");
       case kFixed64:
         return r_.Skip(8) || Fail("truncated fixed64");
       case kLength:
@@ -176,7 +176,7 @@ class Parser {
     }
   }
 
-  bool Varint(uint64_t* v) { return r_.ReadVarint(v) || Fail("truncated varint"); }
+  bool Varint(uint64_t* v) { return r_.ReadVarint(v) || Fail("truncated or overlong varint"); }
 
   // A length-delimited field's end position.
   bool LengthEnd(size_t* end) {

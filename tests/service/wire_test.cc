@@ -246,6 +246,23 @@ TEST(WireTest, RefusesWhatProtobufRefuses) {
   ASSERT_TRUE(pb.ParseFromString(bytes));
   ASSERT_TRUE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error)) << error;
   EXPECT_EQ(got.layer, 5);
+  // A 10-byte varint's bits past 64 are dropped, as protobuf drops them: layer = 5 and a seq_id
+  // of 2^63 + 3 (an 11th byte is refused by both).
+  for (const char last : {'\x02', '\x7e', '\x7f'}) {
+    bytes = std::string("\x10\x85\x80\x80\x80\x80\x80\x80\x80\x80", 10) + last +
+            std::string("\x1a\x0b\x08\x83\x80\x80\x80\x80\x80\x80\x80\x80", 12) + '\x7f';
+    ASSERT_TRUE(pb.ParseFromString(bytes)) << int{last};
+    ASSERT_TRUE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error)) << error;
+    EXPECT_EQ(got.layer, pb.layer());
+    EXPECT_EQ(got.layer, 5);
+    ASSERT_EQ(got.spans.size(), 1u);
+    EXPECT_EQ(got.spans[0].seq_id, pb.spans(0).seq_id());
+    EXPECT_EQ(got.spans[0].seq_id, (uint64_t{1} << 63) + 3);
+  }
+  bytes = std::string("\x10\x85\x80\x80\x80\x80\x80\x80\x80\x80\x80\x01", 12);
+  EXPECT_FALSE(pb.ParseFromString(bytes));
+  EXPECT_FALSE(wire::ParseForwardRequest({{bytes.data(), bytes.size()}}, &got, &error));
+  EXPECT_NE(error.find("overlong varint"), std::string::npos) << error;
 }
 
 // Repeated fields are bounded as they are read: a request of many empty spans (2 bytes each) or

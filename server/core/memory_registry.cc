@@ -46,7 +46,19 @@ MemoryRegistry::MemoryRegistry(Backend* backend, MemoryRegistryOptions options,
 
 MemoryRegistry::~MemoryRegistry() = default;
 
+absl::Status MemoryRegistry::CheckAvailable() const {
+  if (!SupportsDeviceTensors(backend_->kind())) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("device tensors (RegisterMemory, Tensor.device_buffer) need the CUDA backend; "
+                     "this server runs the ",
+                     backend_->name(), " backend: send the tensors' data instead"));
+  }
+  if (!enabled()) return TooManyRegions(0, 0);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<RegionInfo> MemoryRegistry::Register(const RegionSpec& spec) {
+  if (absl::Status s = CheckAvailable(); !s.ok()) return s;
   if (spec.size_bytes < 1) {
     return absl::InvalidArgumentError(
         absl::StrCat("size_bytes must be >= 1 (got ", spec.size_bytes, ")"));

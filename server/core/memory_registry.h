@@ -62,6 +62,9 @@ class MemoryRegistry {
   absl::StatusOr<RegionInfo> Register(const RegionSpec& spec);
   // Whether regions may be registered at all (max_regions > 0).
   bool enabled() const { return options_.max_regions > 0; }
+  // OK, or FAILED_PRECONDITION saying why no region can ever be registered here (a backend
+  // without device tensors, or registration off): said before any argument is looked at.
+  absl::Status CheckAvailable() const;
   // NOT_FOUND when there is no such region of this owner.
   absl::Status Unregister(const std::string& region_id, const std::string& owner);
 

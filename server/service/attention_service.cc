@@ -1002,6 +1002,7 @@ absl::Status AttentionServiceImpl::RunTruncateSequences(Rpc& rpc,
 absl::Status AttentionServiceImpl::RunRegisterMemory(Rpc& rpc, const v1::RegisterMemoryRequest& req,
                                                      v1::MemoryRegion* resp) {
   rpc.set_cache(req.cache_id());
+  if (absl::Status s = regions_->CheckAvailable(); !s.ok()) return s;
   absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
   if (!cache.ok()) return cache.status();
   const int32_t device = (*cache)->geometry().device;

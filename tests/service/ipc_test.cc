@@ -17,6 +17,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -90,6 +91,13 @@ TEST(IpcCpuTest, CpuBackendRefusesDeviceTensorsWithFailedPrecondition) {
   absl::StatusOr<v1::MemoryRegion> r = client->RegisterMemory(cache, std::string(64, '\1'), 4096);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
   EXPECT_NE(r.status().message().find("CUDA backend"), std::string::npos) << r.status();
+  // Said before the arguments: a size, lease or device a CUDA server would refuse is not what
+  // keeps this one from registering (they were INVALID_ARGUMENT, "lives on GPU 0").
+  for (auto [size, device, lease] : {std::tuple{0, 0, 0}, {4096, 5, 0}, {4096, 0, -1}}) {
+    r = client->RegisterMemory(cache, std::string(64, '\1'), size, device, lease);
+    EXPECT_EQ(r.status().code(), absl::StatusCode::kFailedPrecondition) << r.status();
+    EXPECT_NE(r.status().message().find("CUDA backend"), std::string::npos) << r.status();
+  }
   absl::StatusOr<v1::ForwardResponse> f = client->Forward(DeviceRequest(cache));
   EXPECT_EQ(f.status().code(), absl::StatusCode::kFailedPrecondition) << f.status();
   EXPECT_NE(f.status().message().find("send the tensors' data"), std::string::npos) << f.status();

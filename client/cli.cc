@@ -358,7 +358,11 @@ int main(int argc, char** argv) {
   }
 
   absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
-  if (!client.ok()) return Fail(client.status());
+  // Connect sends nothing: what it refuses is a flag's value (the target, the TLS files).
+  if (!client.ok()) {
+    return client.status().code() == absl::StatusCode::kInvalidArgument ? Usage(client.status())
+                                                                        : Fail(client.status());
+  }
   pagedattn::Client& c = **client;
 
   if (command == "info") {

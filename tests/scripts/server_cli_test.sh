@@ -188,6 +188,12 @@ for cmd in "health extra" "describe id extra"; do
   rc=0; out=$("$cli" --target=127.0.0.1:1 $cmd 2>&1) || rc=$?
   [ $rc -eq 2 ] && grep -q "unexpected argument 'extra'" <<<"$out" || fail "$cmd: exit $rc: $out"
 done
+# A target or TLS flags the client refuses are usage errors (exit 2, not 1), nothing sent.
+for args in "--target=localhost:99999 info" "--target= info" \
+    "--target=127.0.0.1:1 --tls_server_name=x info"; do
+  rc=0; out=$("$cli" $args 2>&1) || rc=$?
+  [ $rc -eq 2 ] && grep -q "^pagedattn-cli: " <<<"$out" || fail "cli $args: exit $rc: $out"
+done
 # A request id gRPC cannot send (it would abort the process) is a usage error, nothing sent.
 rc=0; out=$("$cli" --target=127.0.0.1:1 --request_id=$'step\nforged' info 2>&1) || rc=$?
 [ $rc -eq 2 ] && grep -q -- "--request_id: byte 0x0a at position 4 of 11" <<<"$out" ||

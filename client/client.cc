@@ -491,11 +491,16 @@ StepStream::~StepStream() {
 
 absl::Status StepStream::Send(const ForwardCall& call) {
   absl::MutexLock lock(&write_mu_);
-  if (closed_) return absl::UnavailableError("the Step stream is closed (Close())");
+  if (finished_ && !final_.ok()) return final_;
+  if (closed_ || closing_ || finished_) {
+    return absl::UnavailableError("the Step stream is closed (Close()) or ended");
+  }
   if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
+  ++sent_;
   if (!rw_->Write(EncodeCall(call))) {
+    --sent_;
     // Why is known once the answers are read: Receive() gives those left, then the why.
-    if (finished_) return final_;
+    if (finished_ && !final_.ok()) return final_;
     return absl::UnavailableError(
         "the Step stream ended: Receive() gives the answers left, then why (or Close())");
   }
@@ -504,6 +509,9 @@ absl::Status StepStream::Send(const ForwardCall& call) {
 
 absl::Status StepStream::FinishLocked() {
   if (!finished_) {
+    // Not while a Send writes: gRPC's Finish is for a stream with nothing more to send (a Send
+    // on a stream that ended returns at once).
+    absl::MutexLock write(&write_mu_);
     final_ = FromGrpcStatus(rw_->Finish());
     finished_ = true;  // after final_: Send reads final_ once it sees this
   }
@@ -520,18 +528,23 @@ absl::StatusOr<ForwardReply> StepStream::Receive(const ForwardOutput& output) {
     if (!ended.ok()) return ended;
     return absl::OutOfRangeError("the Step stream ended: every message sent was answered");
   }
+  ++answered_;
   return DecodeReply(buffer, output);
 }
 
 absl::Status StepStream::Close() {
-  // A Send under way on another thread may wait for the server, which waits for its answers to
-  // be read: while it does, answers are read (and dropped) here, unless a Receive under way on
-  // another thread reads them.
+  // No Send from here on. One under way on another thread may wait for the server, which waits
+  // for its answers to be read: while it does, the answers owed are read (and dropped) here,
+  // unless a Receive under way on another thread reads them.
+  closing_ = true;
   grpc::ByteBuffer rest;
   bool more = true;
   while (!write_mu_.TryLock()) {
-    if (more && read_mu_.TryLock()) {
-      if (!finished_) more = rw_->Read(&rest);
+    if (more && answered_ < sent_ && read_mu_.TryLock()) {
+      if (!finished_ && answered_ < sent_) {
+        more = rw_->Read(&rest);
+        if (more) ++answered_;
+      }
       read_mu_.Unlock();
     } else {
       absl::SleepFor(absl::Milliseconds(1));

@@ -232,6 +232,9 @@ class StepStream {
   absl::Mutex write_mu_;
   absl::Mutex read_mu_;
   std::atomic<bool> closed_{false};
+  std::atomic<bool> closing_{false};  // Close() began: Send refuses
+  // Messages written (or being written) and answers read: Close() reads only answers owed.
+  std::atomic<int64_t> sent_{0}, answered_{0};
   std::atomic<bool> finished_{false};  // final_ is set
   absl::Status final_;
 };

@@ -386,9 +386,11 @@ CacheStats Cache::Stats() const {
   s.used_pages = table_.pool().num_used();
   s.live_sequences = table_.num_sequences();
   s.forward_calls = forward_calls_.load(std::memory_order_relaxed);
-  s.idle_ms = std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
-                                       std::chrono::steady_clock::now() - last_used())
-                                       .count());
+  // A cache with a call on it is not idle, however long ago the call began.
+  s.idle_ms = in_use() ? 0
+                       : std::max<int64_t>(0, std::chrono::duration_cast<std::chrono::milliseconds>(
+                                                  std::chrono::steady_clock::now() - last_used())
+                                                  .count());
   return s;
 }
 

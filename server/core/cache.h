@@ -160,12 +160,13 @@ class Cache {
   // Whether a Forward, release or truncate is running on the cache or waiting for it: a cache
   // in use is never idle, however long ago its calls began.
   bool in_use() const { return calls_in_flight_.load(std::memory_order_relaxed) > 0; }
-
- private:
+  // Restarts the idle clock (a call's lookup: CacheManager::GetToUse).
   void MarkUsed() {
     last_used_.store(std::chrono::steady_clock::now().time_since_epoch().count(),
                      std::memory_order_relaxed);
   }
+
+ private:
   // A call on the cache, from its start to its end (in_use(), last_used()).
   class Call {
    public:

@@ -175,6 +175,17 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<Cache>> CacheManager::GetToUse(const std::string& cache_id,
+                                                              const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  auto it = caches_.find(cache_id);
+  if (it == caches_.end() || it->second->owner() != owner) {
+    return UnknownCacheLocked(cache_id, owner);
+  }
+  it->second->MarkUsed();
+  return it->second;
+}
+
 std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner) const {
   std::vector<std::shared_ptr<Cache>> out = ListAll();
   out.erase(

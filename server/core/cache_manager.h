@@ -54,6 +54,10 @@ class CacheManager {
                                                 const StopToken& stop = {});
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
+  // Get for a Forward, release or truncate (a Step layer): the cache counts as used from its
+  // lookup, under the lock DeleteIdle takes, so that no idle sweep takes it from the call.
+  absl::StatusOr<std::shared_ptr<Cache>> GetToUse(const std::string& cache_id,
+                                                  const std::string& owner) const;
   // The owner's caches, oldest first (in the order they were made: Cache::serial).
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
   // The owner's caches after the one whose ListToken is `after` ("": from the first), in List's

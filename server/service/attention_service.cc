@@ -398,7 +398,7 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
     Rpc& rpc, const std::string& cache_id, const wire::ForwardRequestRef& request,
     size_t request_bytes) {
   rpc.set_cache(cache_id);
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(cache_id, rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(cache_id, rpc.tenant());
   if (!cache.ok()) return cache.status();
   const CacheGeometry& g = (*cache)->geometry();
   // Checked before anything is allocated for it: a request's sizes are the caller's word.
@@ -770,7 +770,8 @@ class AttentionServiceImpl::StepReactor final
       if (r.options.sm_scale && !options_.sm_scale && !default_scale_) {
         // The step's scale is its cache's default: looked up once a step. A cache gone since
         // leaves it unknown and the layer's scale unchecked (the layer fails NOT_FOUND).
-        absl::StatusOr<std::shared_ptr<Cache>> cache = service_->manager_->Get(cache_id_, tenant_);
+        absl::StatusOr<std::shared_ptr<Cache>> cache =
+            service_->manager_->GetToUse(cache_id_, tenant_);
         if (cache.ok()) {
           default_scale_ = (*cache)->geometry().default_sm_scale();
           job.pinned = *std::move(cache);  // released with the job, outside mu_
@@ -972,7 +973,7 @@ absl::Status AttentionServiceImpl::RunReleaseSequences(Rpc& rpc,
                                                        const v1::ReleaseSequencesRequest& req,
                                                        v1::ReleaseSequencesResponse* resp) {
   rpc.set_cache(req.cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(req.cache_id(), rpc.tenant());
   if (!cache.ok()) return cache.status();
   ReleaseResult r = (*cache)->Release(
       absl::MakeConstSpan(req.seq_ids().data(), static_cast<size_t>(req.seq_ids_size())));
@@ -986,7 +987,7 @@ absl::Status AttentionServiceImpl::RunTruncateSequences(Rpc& rpc,
                                                         const v1::TruncateSequencesRequest& req,
                                                         v1::TruncateSequencesResponse* resp) {
   rpc.set_cache(req.cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->Get(req.cache_id(), rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(req.cache_id(), rpc.tenant());
   if (!cache.ok()) return cache.status();
   std::vector<std::pair<uint64_t, int64_t>> lengths;
   lengths.reserve(static_cast<size_t>(req.lengths_size()));

@@ -376,8 +376,11 @@ TEST(CacheManagerTest, DeleteIdleLeavesACacheWithACallInFlight) {
   prefill.k = {DType::kFloat32, {tokens, 2, 64}, kv.data(), kv.size()};
   prefill.v = prefill.k;
   std::atomic<bool> done{false};
+  const auto launched = std::chrono::steady_clock::now();
+  std::chrono::steady_clock::time_point returned;
   std::thread forward([&] {
     EXPECT_TRUE((*cache)->Forward(prefill).ok());
+    returned = std::chrono::steady_clock::now();
     done = true;
   });
   while (!(*cache)->in_use() && !done) {
@@ -385,14 +388,39 @@ TEST(CacheManagerTest, DeleteIdleLeavesACacheWithACallInFlight) {
   const bool seen_in_flight = !done;
   std::vector<IdleCache> gone =
       m.DeleteIdle(std::chrono::steady_clock::now() + std::chrono::hours(24), absl::Hours(1));
+  const int64_t idle_ms = (*cache)->Stats().idle_ms;
   const bool still_in_flight = !done;
   forward.join();
   ASSERT_TRUE(seen_in_flight && still_in_flight) << "the prefill ended too soon to test";
   EXPECT_TRUE(gone.empty());
+  EXPECT_EQ(idle_ms, 0);
   EXPECT_FALSE((*cache)->in_use());
-  const auto ended = std::chrono::steady_clock::now();
-  EXPECT_TRUE(m.DeleteIdle(ended + std::chrono::minutes(59), absl::Hours(1)).empty());
-  EXPECT_EQ(m.DeleteIdle(ended + std::chrono::minutes(61), absl::Hours(1)).size(), 1u);
+  // An hour after the call began, less than one after it ended: not idle (its end counts).
+  EXPECT_TRUE(
+      m.DeleteIdle(launched + std::chrono::hours(1) + (returned - launched) / 2, absl::Hours(1))
+          .empty());
+  EXPECT_EQ(m.DeleteIdle(returned + std::chrono::minutes(61), absl::Hours(1)).size(), 1u);
+}
+
+// A Forward's lookup (GetToUse) restarts the idle clock, under the lock the sweep takes: a
+// sweep between the lookup and the Forward's start leaves the cache (it took it, and the call
+// answered OK on a cache already gone).
+TEST(CacheManagerTest, ALookupToUseRestartsTheIdleClock) {
+  CpuBackend backend;
+  CacheManager m(&backend);
+  absl::StatusOr<std::shared_ptr<Cache>> made = m.Create(Bf16Request(1, 4, 2, 8), "c", "t");
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::string id = (*made)->id();
+  made->reset();
+  while (std::chrono::steady_clock::now() == m.ListAll()[0]->last_used()) {
+  }
+  const auto before = std::chrono::steady_clock::now();
+  ASSERT_TRUE(m.Get(id, "t").ok());  // a look: no use
+  EXPECT_LE(m.ListAll()[0]->last_used(), before);
+  ASSERT_TRUE(m.GetToUse(id, "t").ok());
+  EXPECT_GT(m.ListAll()[0]->last_used(), before);
+  EXPECT_TRUE(m.DeleteIdle(before + std::chrono::hours(1), absl::Hours(1)).empty());
+  EXPECT_EQ(m.GetToUse(id, "other").status().code(), absl::StatusCode::kNotFound);
 }
 
 // DeleteIdle takes the caches that no Forward, release or truncate came to for the timeout (a

@@ -594,7 +594,8 @@ TEST_P(DataPlaneTest, AStreamPastItsDeadlineSaysSo) {
 // answers away and returns: it waited for that Send, the Send for the server, until the
 // stream's deadline.
 TEST_P(DataPlaneTest, CloseReturnsWhileASendWaitsForItsAnswersToBeRead) {
-  constexpr int kSeqs = 8192, kMessages = 12;  // 8 MiB of q and of answer a message
+  // 8 MiB of q and of answer a message; the server reads 8 ahead, and 2-3 fill each window.
+  constexpr int kSeqs = 8192, kMessages = 24;
   const std::string cache = NewCache(/*page_size=*/1, /*num_pages=*/kSeqs);
   std::string q(size_t{kSeqs} * kHeads * kHeadDim * 2, '\0');
   std::string kv(size_t{kSeqs} * kKvHeads * kHeadDim * 2, '\0');
@@ -625,6 +626,29 @@ TEST_P(DataPlaneTest, CloseReturnsWhileASendWaitsForItsAnswersToBeRead) {
   sender.join();
   EXPECT_TRUE(closed.ok()) << closed;
   EXPECT_LT(took, absl::Seconds(30)) << "the stream's deadline is 120 s";
+}
+
+// Close() from the receiving thread while the other sends without end: the sender's next Send
+// is refused, and Close returns (it read answers away for as long as the sender went on).
+TEST_P(DataPlaneTest, CloseFromTheReceiverStopsASenderThatDoesNotStop) {
+  const std::string cache = NewCache();
+  const Case c0 = {0, {{1, 0, 10, 10}}};
+  const Tensors t0 = MakeTensors(c0, 11);
+  const ForwardCall call = CallOf(cache, c0, t0);
+  auto stream = *client_->OpenStep();
+  std::atomic<int> sent{0};
+  std::thread sender([&] {
+    while (stream->Send(call).ok()) ++sent;
+  });
+  std::string out(OutBytes(t0), '\0');
+  for (int i = 0; i < 20; ++i) ASSERT_TRUE(stream->Receive({out.data(), out.size()}).ok());
+  const absl::Time start = absl::Now();
+  const absl::Status closed = stream->Close();
+  const absl::Duration took = absl::Now() - start;
+  sender.join();
+  EXPECT_TRUE(closed.ok()) << closed;
+  EXPECT_LT(took, absl::Seconds(10)) << sent.load() << " sent";
+  EXPECT_EQ(stream->Send(call).code(), absl::StatusCode::kUnavailable);
 }
 
 // A q shape whose product passes 64 bits (a caller's garbage) is for the server to name, not

@@ -360,8 +360,10 @@ int main(int argc, char** argv) {
   absl::StatusOr<std::unique_ptr<pagedattn::Client>> client = pagedattn::Client::Connect(options);
   // Connect sends nothing: what it refuses is a flag's value (the target, the TLS files).
   if (!client.ok()) {
-    return client.status().code() == absl::StatusCode::kInvalidArgument ? Usage(client.status())
-                                                                        : Fail(client.status());
+    const absl::StatusCode code = client.status().code();
+    return code == absl::StatusCode::kInvalidArgument || code == absl::StatusCode::kNotFound
+               ? Usage(client.status())  // a TLS file that is not there is NOT_FOUND
+               : Fail(client.status());
   }
   pagedattn::Client& c = **client;
 

@@ -139,9 +139,12 @@ class StepStream;
 // A connection to one server. Its methods may be called from many threads at once (one gRPC
 // channel carries them all). Each call fails with the server's status, or the transport's:
 // UNAVAILABLE when the server cannot be reached. After the server restarts, calls keep failing
-// UNAVAILABLE until the channel's next reconnect attempt, at most about 2 s later (the backoff of
-// common/transport.h); a caller that must not see that retries UNAVAILABLE (a Forward retried
-// at the same spans' starts writes the same rows again).
+// UNAVAILABLE until the channel's next reconnect attempt, at most about 2 s after the server is
+// up again (the backoff of common/transport.h), or, for a DNS name whose records went away
+// while the server was down (a headless Service's pod that is not ready), until the name
+// resolves again (gRPC's resolver retries on a backoff of its own). A caller that must not see
+// that retries UNAVAILABLE (a Forward retried at the same spans' starts writes the same rows
+// again).
 class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <iostream>
@@ -262,9 +263,16 @@ std::vector<std::string> FlagProblems() {
   if (!uds.empty() && !absl::StartsWith(uds, "unix:")) {
     out.push_back(absl::StrCat("--uds_target must be unix:/path (got '", uds, "')"));
   }
+  // Checked without making the file: a run that fails leaves none behind.
   const std::string json = absl::GetFlag(FLAGS_json);
-  if (!json.empty() && !std::ofstream(json, std::ios::app)) {
-    out.push_back(absl::StrCat("--json: cannot write '", json, "': ", std::strerror(errno)));
+  if (!json.empty()) {
+    const std::filesystem::path path(json);
+    const std::string dir = path.has_parent_path() ? path.parent_path().string() : ".";
+    const bool writable = std::filesystem::exists(path) ? access(json.c_str(), W_OK) == 0
+                                                        : access(dir.c_str(), W_OK | X_OK) == 0;
+    if (!writable) {
+      out.push_back(absl::StrCat("--json: cannot write '", json, "': ", std::strerror(errno)));
+    }
   }
   return out;
 }
@@ -525,8 +533,8 @@ absl::StatusOr<Samples> RunIpc(Client& client, const Workload& w, const std::str
       }
       if (!sent.ok()) (*steps)->Cancel();
       receiver.join();
+      if (!received.ok()) return received;  // an ended stream's own status, where a Send has none
       if (!sent.ok()) return sent;
-      if (!received.ok()) return received;
       out.wall_us = Since(measured_start);
       out.layers_done = n * w.layers;
       out.server_us = std::move(server_us);
@@ -564,7 +572,10 @@ absl::StatusOr<Samples> RunStream(Client& client, const Workload& w, const std::
       }
       sent[next] = Clock::now();
       ++next;
-      return (*stream)->Send(call);
+      absl::Status s = (*stream)->Send(call);
+      if (s.ok()) return s;
+      const absl::Status ended = (*stream)->Close();  // why the stream ended, where it did
+      return ended.ok() ? s : ended;
     };
     for (int i = 0; i < std::min(inflight, w.layers); ++i) {
       if (absl::Status s = send(); !s.ok()) return s;

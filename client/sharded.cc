@@ -351,21 +351,32 @@ absl::Status ShardedClient::Failures(const std::vector<absl::Status>& results,
 
 absl::Status ShardedClient::NamedAlike(const std::vector<std::pair<int, absl::Status>>& failed,
                                        std::vector<std::string>* others) const {
-  const absl::Status& head = failed[0].second;
-  std::vector<std::string> alike;
+  // Each distinct failure (code and message), in the order of its first shard, with its shards.
+  std::vector<std::pair<const absl::Status*, std::vector<int>>> groups;
   for (const auto& [i, s] : failed) {
-    if (s.code() == head.code() && s.message() == head.message()) {
-      alike.push_back(absl::StrCat(i, " (", targets_[i], ")"));
+    auto same = std::find_if(groups.begin(), groups.end(), [&](const auto& g) {
+      return g.first->code() == s.code() && g.first->message() == s.message();
+    });
+    if (same == groups.end()) {
+      groups.push_back({&s, {i}});
     } else {
-      others->push_back(Named(i, s).ToString());
+      same->second.push_back(i);
     }
   }
-  if (alike.size() == 1) return Named(failed[0].first, head);
-  absl::Status named(head.code(), absl::StrCat("shards ", absl::StrJoin(alike, ", "), " of ",
-                                               num_shards(), ": ", head.message()));
-  head.ForEachPayload(
-      [&](absl::string_view url, const absl::Cord& payload) { named.SetPayload(url, payload); });
-  return named;
+  auto named = [&](const absl::Status& status, const std::vector<int>& shards) {
+    if (shards.size() == 1) return Named(shards[0], status);
+    std::vector<std::string> where;
+    for (int i : shards) where.push_back(absl::StrCat(i, " (", targets_[i], ")"));
+    absl::Status out(status.code(), absl::StrCat("shards ", absl::StrJoin(where, ", "), " of ",
+                                                 num_shards(), ": ", status.message()));
+    status.ForEachPayload(
+        [&](absl::string_view url, const absl::Cord& payload) { out.SetPayload(url, payload); });
+    return out;
+  };
+  for (size_t g = 1; g < groups.size(); ++g) {
+    others->push_back(named(*groups[g].first, groups[g].second).ToString());
+  }
+  return named(*groups[0].first, groups[0].second);
 }
 
 absl::Status ShardedClient::ReleaseSequences(const ShardedCache& cache,

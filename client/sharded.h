@@ -102,7 +102,7 @@ class ShardedClient {
   absl::Status Failures(const std::vector<absl::Status>& results, bool not_found_is_done) const;
   // failed ({shard, status}, by shard, not empty): the first's status (code and payloads) naming
   // every shard that failed alike (the same code and message: "shards 0 (a), 2 (c) of 3: ..."),
-  // and in `others` each other failure, named.
+  // and in `others` each other failure, likewise said once with its shards.
   absl::Status NamedAlike(const std::vector<std::pair<int, absl::Status>>& failed,
                           std::vector<std::string>* others) const;
   // The shards' answers, by shard, or Failures' status where any failed.

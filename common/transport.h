@@ -33,8 +33,10 @@ inline constexpr int kMaxReconnectBackoffMs = 2000;
 // (pick_first leaves the subchannel idle, retrying every 5 s); gRPC's default of 30 s between
 // resolutions made a caller calling every 50 ms fail for 9-10 s after a server restarted (5 s
 // to a server that came up 30 ms after the client). Under the backoff's least step (250 ms less
-// its 20% jitter): 0.2-0.4 s, 1.8 s after a 10 s outage (the 2 s backoff). A failed attempt asks
-// for one resolution, so a target's name is looked up at most once an attempt.
+// its 20% jitter): 0.2-0.4 s, 1.8 s after a 10 s outage (the 2 s backoff). gRPC resolves a name
+// again only when a connection fails or drops, so a connected client looks up nothing; while
+// its server is down, it looks the name up once a reconnect attempt (about 4 a second at first,
+// one each 2 s from the sixth on).
 inline constexpr int kMinResolutionIntervalMs = 100;
 
 // The largest message the server accepts and sends by default, and what clients accept.

@@ -76,11 +76,14 @@ def test_a_step_cancelled_while_its_close_reads_is_cancelled(target, backend):
                 q, k, v = (rng.standard_normal((n, h, 128), dtype=np.float32) for h in (16, 4, 4))
                 step = cache.step([Span.prefill(1, n)])
                 futures = []
-                with pytest.raises(TimeoutError):
-                    async with asyncio.timeout(0.2):
-                        async with step:
-                            for layer in range(layers):
-                                futures.append(await step.submit(layer, q, k, v))
+
+                async def send_all() -> None:  # the answers left for `async with` to read
+                    async with step:
+                        for layer in range(layers):
+                            futures.append(await step.submit(layer, q, k, v))
+
+                with pytest.raises(asyncio.TimeoutError):
+                    await asyncio.wait_for(send_all(), 0.2)
                 with pytest.raises(errors.PagedAttnError) as e:
                     await futures[-1]
                 assert e.value.code == grpc.StatusCode.CANCELLED, e.value

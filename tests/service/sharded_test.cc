@@ -371,7 +371,7 @@ TEST_F(ShardedTest, AFailureOfEveryShardIsSaidOnce) {
             forward.status().message().rfind("layer must be"))
       << forward.status();
 
-  // Shard 1's cache gone: its NOT_FOUND first, then the layer said once for shards 0 and 2.
+  // Shard 1's cache gone: the layer said once for shards 0 and 2, then shard 1's NOT_FOUND.
   ASSERT_TRUE(sharded->shard(1).DeleteCache(cache->cache_ids[1]).ok());
   cut = sharded->TruncateSequences(*cache, 99, {{1, 0}});
   EXPECT_EQ(cut.status().code(), absl::StatusCode::kInvalidArgument) << cut.status();

@@ -164,9 +164,8 @@ absl::Status CacheManager::UnknownCacheLocked(const std::string& cache_id,
   return UnknownCache(cache_id);
 }
 
-absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cache_id,
-                                                         const std::string& owner) const {
-  absl::MutexLock lock(&mu_);
+absl::StatusOr<std::shared_ptr<Cache>> CacheManager::FindLocked(const std::string& cache_id,
+                                                                const std::string& owner) const {
   auto it = caches_.find(cache_id);
   // Another tenant's cache is indistinguishable from a missing one.
   if (it == caches_.end() || it->second->owner() != owner) {
@@ -175,15 +174,18 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
   return it->second;
 }
 
+absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cache_id,
+                                                         const std::string& owner) const {
+  absl::MutexLock lock(&mu_);
+  return FindLocked(cache_id, owner);
+}
+
 absl::StatusOr<std::shared_ptr<Cache>> CacheManager::GetToUse(const std::string& cache_id,
                                                               const std::string& owner) const {
   absl::MutexLock lock(&mu_);
-  auto it = caches_.find(cache_id);
-  if (it == caches_.end() || it->second->owner() != owner) {
-    return UnknownCacheLocked(cache_id, owner);
-  }
-  it->second->MarkUsed();
-  return it->second;
+  absl::StatusOr<std::shared_ptr<Cache>> cache = FindLocked(cache_id, owner);
+  if (cache.ok()) (*cache)->MarkUsed();
+  return cache;
 }
 
 std::vector<std::shared_ptr<Cache>> CacheManager::List(const std::string& owner) const {

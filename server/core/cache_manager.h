@@ -91,6 +91,10 @@ class CacheManager {
   // NOT_FOUND for an id that names none of the owner's caches; for one DeleteIdle took, saying so.
   absl::Status UnknownCacheLocked(const std::string& cache_id, const std::string& owner) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The owner's cache of that id, or UnknownCacheLocked's status.
+  absl::StatusOr<std::shared_ptr<Cache>> FindLocked(const std::string& cache_id,
+                                                    const std::string& owner) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   Backend* const backend_;
   const CacheManagerLimits limits_;

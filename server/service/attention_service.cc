@@ -78,15 +78,25 @@ double Rpc::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }
 
-template <typename Body>
-grpc::Status AttentionServiceImpl::HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx,
-                                                 Body&& body) {
-  if (auth_ != nullptr) {
-    absl::StatusOr<std::string> tenant = auth_->Authenticate(*ctx);
-    if (!tenant.ok()) return Finish(rpc, tenant.status());
-    rpc.set_tenant(*std::move(tenant));
-  }
-  return Finish(rpc, body(rpc));
+CallQueue LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer) {
+  // Length-prefixed: no tenant's cache shares another's group (the texts are the callers').
+  std::string group = absl::StrCat(tenant.size(), ":", tenant, cache_id);
+  std::string key = absl::StrCat(layer, "/", group);
+  return {std::move(group), std::move(key), false};
+}
+
+CallQueue CacheQueue(absl::string_view tenant, absl::string_view cache_id) {
+  std::string group = absl::StrCat(tenant.size(), ":", tenant, cache_id);
+  std::string key = absl::StrCat("*/", group);
+  return {std::move(group), std::move(key), true};
+}
+
+absl::Status AttentionServiceImpl::Authenticate(Rpc& rpc, const grpc::ServerContextBase& ctx) {
+  if (auth_ == nullptr) return absl::OkStatus();
+  absl::StatusOr<std::string> tenant = auth_->Authenticate(ctx);
+  if (!tenant.ok()) return tenant.status();
+  rpc.set_tenant(*std::move(tenant));
+  return absl::OkStatus();
 }
 
 // A unary call's reactor: in the gate until its answer has gone out (OnDone), not only until
@@ -109,7 +119,8 @@ template <typename Request, typename Response>
 grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
     const char* method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
     grpc::ByteBuffer* resp,
-    absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*)) {
+    absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*),
+    CallQueue (*queue)(const Request&, const std::string& tenant)) {
   UnaryReactor* reactor = new UnaryReactor(gate_);
   if (!reactor->entered()) {
     Rpc call(method, ctx, gate_);
@@ -122,25 +133,55 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
   // at once held a health check for 15 s. ctx, req and resp live until Finish.
   // The caller as the call arrived, not after its wait in the queue (its peer may be gone).
   control_executor_->Post([this, call = Rpc(method, ctx, gate_), method, ctx, req, resp, reactor,
-                           body]() mutable {
-    reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
+                           body, queue]() mutable {
+    // The request, parsed under its hold of the budget (held until the answer is serialized).
+    struct Parsed {
+      std::optional<ByteBudget::Hold> hold;
+      Request request;
+    };
+    auto parsed = std::make_shared<Parsed>();
+    absl::Status s = [&]() -> absl::Status {
+      if (absl::Status s = Authenticate(call, *ctx); !s.ok()) return s;
       if (absl::Status s = CheckRequestArrived(*req); !s.ok()) return s;
       // Authenticated by now: a caller without a token gets no parse at all.
-      std::optional<ByteBudget::Hold> hold;
       if (budget_ != nullptr) {
         absl::StatusOr<ByteBudget::Hold> held = HoldForParse(*budget_, method, req->Length());
         if (!held.ok()) return held.status();
-        hold = *std::move(held);
+        parsed->hold = *std::move(held);
       }
-      Request request;
-      if (absl::Status s = ParseRequest(*req, method, &request); !s.ok()) return s;
-      Response response;
-      if (absl::Status s = (this->*body)(rpc, request, &response); !s.ok()) return s;
-      absl::StatusOr<grpc::ByteBuffer> bytes = SerializeResponse(response);
-      if (!bytes.ok()) return bytes.status();
-      *resp = *std::move(bytes);
+      if (absl::Status s = ParseRequest(*req, method, &parsed->request); !s.ok()) return s;
+      // Parsed: what the call holds while it waits for its turn is the message's own memory.
+      if (parsed->hold.has_value()) parsed->hold->ShrinkTo(parsed->request.SpaceUsedLong());
       return absl::OkStatus();
-    }));
+    }();
+    if (!s.ok()) {
+      reactor->Finish(Finish(call, s));
+      return;
+    }
+    // The body, the answer's bytes, Finish.
+    auto answer = [this, resp, reactor, body, parsed](Rpc& rpc, bool queued) {
+      reactor->Finish(Finish(rpc, [&]() -> absl::Status {
+        // Cancelled, past its deadline or stopped by a drain while it waited: not run.
+        if (queued) {
+          if (absl::Status s = rpc.stop().Check(); !s.ok()) return s;
+        }
+        Response response;
+        if (absl::Status s = (this->*body)(rpc, parsed->request, &response); !s.ok()) return s;
+        absl::StatusOr<grpc::ByteBuffer> bytes = SerializeResponse(response);
+        if (!bytes.ok()) return bytes.status();
+        *resp = *std::move(bytes);
+        return absl::OkStatus();
+      }()));
+    };
+    if (queue == nullptr) {
+      answer(call, /*queued=*/false);
+    } else {
+      // Its turn among the calls on the same layer (or cache): waiting, it holds no thread.
+      const CallQueue q = queue(parsed->request, call.tenant());
+      layer_queues_->Run(
+          q.group, q.key, [call, answer]() mutable { answer(call, /*queued=*/true); },
+          /*here=*/false, q.whole_cache);
+    }
   });
   return reactor;
 }
@@ -184,13 +225,23 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteCache(grpc::CallbackServer
 grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseSequences(grpc::CallbackServerContext* ctx,
                                                                  const grpc::ByteBuffer* req,
                                                                  grpc::ByteBuffer* resp) {
-  return Unary("ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences);
+  // A release waits for the cache's Forwards of every layer: in turn with the cache's other
+  // releases, so that many of them hold one thread.
+  return Unary(
+      "ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences,
+      +[](const v1::ReleaseSequencesRequest& r, const std::string& tenant) {
+        return CacheQueue(tenant, r.cache_id());
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::TruncateSequences(grpc::CallbackServerContext* ctx,
                                                                   const grpc::ByteBuffer* req,
                                                                   grpc::ByteBuffer* resp) {
-  return Unary("TruncateSequences", ctx, req, resp, &AttentionServiceImpl::RunTruncateSequences);
+  return Unary(
+      "TruncateSequences", ctx, req, resp, &AttentionServiceImpl::RunTruncateSequences,
+      +[](const v1::TruncateSequencesRequest& r, const std::string& tenant) {
+        return LayerQueue(tenant, r.cache_id(), r.layer());
+      });
 }
 
 grpc::ServerUnaryReactor* AttentionServiceImpl::RegisterMemory(grpc::CallbackServerContext* ctx,
@@ -556,6 +607,21 @@ absl::Status CheckStepLayer(const wire::ForwardRequestRef& r, const std::string&
 
 }  // namespace
 
+// A unary Forward from its arrival to its answer. ctx, req and resp live until the reactor's
+// Finish.
+struct AttentionServiceImpl::UnaryForward {
+  Rpc rpc;  // started as the call arrived
+  grpc::CallbackServerContext* ctx;
+  const grpc::ByteBuffer* req;
+  grpc::ByteBuffer* resp;
+  grpc::ServerUnaryReactor* reactor;
+  ReceivedForward received;
+  double parse_us = 0;
+  // Its wait for a thread and then for its layer's turn; -1: it ran on the thread it arrived on,
+  // at once.
+  double queue_us = -1;
+};
+
 grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerContext* ctx,
                                                         const grpc::ByteBuffer* req,
                                                         grpc::ByteBuffer* resp) {
@@ -566,54 +632,80 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
         call, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
     return reactor;
   }
-  // A CUDA Forward runs here, on the callback thread: it takes milliseconds, and a hop to
-  // another thread would add its wake-up to each one's latency. A CPU Forward takes up to
-  // seconds: on gRPC's callback threads (two on a two-core host) four at once held health checks
-  // 4.4 s, on the health port too, so it runs on threads of its own (forward_executor_, apart
-  // from the Step layers', which Forwards waiting on one layer's lock would hold up).
-  // ctx, req and resp live until Finish.
-  Rpc call("Forward", ctx, gate_);
-  if (forward_executor_ != nullptr) {
-    forward_executor_->Post([this, call, ctx, req, resp, reactor]() mutable {
-      RunForwardCall(call, call.seconds() * 1e6, ctx, *req, resp, reactor);
-    });
+  auto call = std::make_shared<UnaryForward>(
+      UnaryForward{Rpc("Forward", ctx, gate_), ctx, req, resp, reactor, {}});
+  // A CUDA Forward runs here, on the callback thread, when its layer is free: it takes
+  // milliseconds, and a hop to another thread would add its wake-up to each one's latency. A CPU
+  // Forward takes up to seconds: on gRPC's callback threads (two on a two-core host) four at
+  // once held health checks 4.4 s, on the health port too, so it runs on the executor's.
+  if (forward_here_) {
+    StartForwardCall(std::move(call));
   } else {
-    RunForwardCall(call, /*queue_us=*/-1, ctx, *req, resp, reactor);
+    executor_->Post(
+        [this, call = std::move(call)]() mutable { StartForwardCall(std::move(call)); });
   }
   return reactor;
 }
 
-void AttentionServiceImpl::RunForwardCall(Rpc& call, double queue_us,
-                                          grpc::CallbackServerContext* ctx,
-                                          const grpc::ByteBuffer& req, grpc::ByteBuffer* resp,
-                                          grpc::ServerUnaryReactor* reactor) {
-  reactor->Finish(HandleEntered(call, ctx, [&](Rpc& rpc) -> absl::Status {
+void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) {
+  UnaryForward& f = *call;
+  const double start_us = f.rpc.seconds() * 1e6;  // its wait for a thread
+  absl::Status s = [&]() -> absl::Status {
+    if (absl::Status s = Authenticate(f.rpc, *f.ctx); !s.ok()) return s;
     // Cancelled, past its deadline or stopped by a drain while it waited for a thread: nothing
     // of it is parsed or held.
+    if (absl::Status s = f.rpc.stop().Check(); !s.ok()) return s;
+    // The message's bytes go with a ByteBuffer of the call's: the call may end (and UnaryForward
+    // go) on a thread that is not gRPC's (ReceivedForward::buffer).
+    f.received.buffer = *f.req;
+    return ParseForward(f.received.buffer, manager_->limits().forward.max_spans, &f.received);
+  }();
+  if (!s.ok()) {
+    f.reactor->Finish(Finish(f.rpc, s));
+    return;
+  }
+  f.parse_us = f.rpc.seconds() * 1e6 - start_us;
+  const wire::ForwardRequestRef& r = f.received.request;
+  // Its turn on its layer: waiting (behind a Forward, a Step's layer or a truncation of that
+  // layer of that cache) it holds no thread.
+  const double queued_us = f.rpc.seconds() * 1e6;
+  const std::thread::id arrived_on = std::this_thread::get_id();
+  const CallQueue q = LayerQueue(f.rpc.tenant(), r.cache_id, r.layer);
+  layer_queues_->Run(
+      q.group, q.key,
+      [this, call, start_us, queued_us, arrived_on] {
+        UnaryForward& f = *call;
+        if (!forward_here_ || std::this_thread::get_id() != arrived_on) {
+          f.queue_us = start_us + (f.rpc.seconds() * 1e6 - queued_us);
+        }
+        RunForwardCall(f);
+      },
+      /*here=*/forward_here_);
+}
+
+void AttentionServiceImpl::RunForwardCall(UnaryForward& f) {
+  f.reactor->Finish(Finish(f.rpc, [&]() -> absl::Status {
+    Rpc& rpc = f.rpc;
+    // Stopped while it waited for its layer: not run.
     if (absl::Status s = rpc.stop().Check(); !s.ok()) return s;
-    ReceivedForward received;
-    if (absl::Status s = ParseForward(req, manager_->limits().forward.max_spans, &received);
-        !s.ok()) {
-      return s;
-    }
-    const double parse_us = rpc.seconds() * 1e6;
+    const wire::ForwardRequestRef& request = f.received.request;
     absl::StatusOr<ForwardAnswer> answer =
-        RunForward(rpc, received.request.cache_id, received.request, received.bytes);
+        RunForward(rpc, request.cache_id, request, f.received.bytes);
     if (!answer.ok()) return answer.status();
     const double before_encode_us = rpc.seconds() * 1e6;
-    *resp = answer->device_tensors
-                ? EncodeDeviceResponse(answer->result, received.request, /*step=*/false, 0, 0, 0)
-                : EncodeResponse(answer->result, answer->buffers, /*step=*/false, 0, 0, 0);
+    *f.resp = answer->device_tensors
+                  ? EncodeDeviceResponse(answer->result, request, /*step=*/false, 0, 0, 0)
+                  : EncodeResponse(answer->result, answer->buffers, /*step=*/false, 0, 0, 0);
     const double server_us = rpc.seconds() * 1e6;
-    ctx->AddTrailingMetadata("pagedattn-server-us", std::to_string(Micros(server_us)));
-    ctx->AddTrailingMetadata("pagedattn-kernel-us",
-                             std::to_string(Micros(answer->timings.kernel_us)));
+    f.ctx->AddTrailingMetadata("pagedattn-server-us", std::to_string(Micros(server_us)));
+    f.ctx->AddTrailingMetadata("pagedattn-kernel-us",
+                               std::to_string(Micros(answer->timings.kernel_us)));
     if (metrics_ != nullptr) {
-      metrics_->RecordForwardPhases(parse_us - std::max(queue_us, 0.0), answer->stage_in_us,
-                                    answer->timings, server_us - before_encode_us, queue_us);
+      metrics_->RecordForwardPhases(f.parse_us, answer->stage_in_us, answer->timings,
+                                    server_us - before_encode_us, f.queue_us);
     }
     return absl::OkStatus();
-  }));
+  }()));
 }
 
 // One Step stream. Messages are read ahead and run on the executor, up to kStepLayersInFlight
@@ -823,7 +915,10 @@ class AttentionServiceImpl::StepReactor final
       if (running_ >= kStepLayersInFlight) break;
       job->running = true;
       ++running_;
-      service_->executor_->Post([this, job] { Run(job); });
+      // In turn with the other calls on that layer of the cache: waiting, it holds no thread
+      // (never here: under mu_, which Run takes).
+      const CallQueue q = LayerQueue(tenant_, job->cache_id, job->layer);
+      service_->layer_queues_->Run(q.group, q.key, [this, job] { Run(job); });
     }
   }
 
@@ -832,8 +927,11 @@ class AttentionServiceImpl::StepReactor final
     Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
     rpc.set_tenant(tenant_);
     grpc::ByteBuffer answer;
-    absl::StatusOr<ForwardAnswer> result =
-        service_->RunForward(rpc, job->cache_id, job->received.request, job->received.bytes);
+    absl::StatusOr<ForwardAnswer> result = [&]() -> absl::StatusOr<ForwardAnswer> {
+      // Cancelled, past its deadline or stopped by a drain while it waited for its turn: not run.
+      if (absl::Status s = rpc.stop().Check(); !s.ok()) return s;
+      return service_->RunForward(rpc, job->cache_id, job->received.request, job->received.bytes);
+    }();
     const grpc::Status status =
         service_->Finish(rpc, result.ok() ? absl::OkStatus() : result.status());
     if (result.ok()) {

@@ -9,6 +9,7 @@
 #include <grpcpp/support/byte_buffer.h>
 
 #include <chrono>
+#include <memory>
 #include <string>
 
 #include "pagedattn/v1/attention.grpc.pb.h"
@@ -21,6 +22,7 @@
 #include "server/service/log_text.h"
 #include "server/service/metrics.h"
 #include "server/service/rpc_gate.h"
+#include "server/service/serial_queues.h"
 
 namespace pagedattn {
 
@@ -86,6 +88,16 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServe
                                                 WithRawCallbackMethod_UnregisterMemory<
                                                     v1::AttentionService::Service>>>>>>>>>>>>;
 
+// Where a call on a cache waits its turn (SerialQueues): the group of the tenant's cache (as the
+// call names it), and the key of one of its layers (Forwards, Step layers, truncations), or of
+// the whole cache (releases, which wait for its layers' calls).
+struct CallQueue {
+  std::string group, key;
+  bool whole_cache = false;
+};
+CallQueue LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer);
+CallQueue CacheQueue(absl::string_view tenant, absl::string_view cache_id);
+
 class AttentionServiceImpl final : public RawAttentionService {
  public:
   // Layers of one Step stream computed at once (the rest wait, read ahead).
@@ -93,14 +105,17 @@ class AttentionServiceImpl final : public RawAttentionService {
 
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
   // gate: the server's calls in flight. budget: bytes of requests in flight (Forward data, the
-  // other methods' requests). executor: runs the layers of Step streams; control_executor: the
-  // unary calls but Forward; forward_executor: unary Forwards, or null to run them on gRPC's
-  // callback thread (a CUDA Forward's milliseconds). regions: the memory clients registered
-  // (RegisterMemory).
+  // other methods' requests). executor: parses unary Forwards; layer_queues (over executor): runs
+  // what works on one layer of a cache (Forwards, Step layers, truncations; a cache's releases),
+  // each layer's in turn, so that calls waiting for a layer hold no thread; control_executor:
+  // the unary calls but Forward. forward_here: unary Forwards are parsed on gRPC's callback
+  // thread and run there when their layer is free (a CUDA Forward's milliseconds); else on
+  // executor's threads (the CPU backend's, up to seconds). regions: the memory clients
+  // registered (RegisterMemory).
   AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
                        const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
-                       ByteBudget* budget, Executor* executor, Executor* control_executor,
-                       Executor* forward_executor)
+                       ByteBudget* budget, Executor* executor, SerialQueues* layer_queues,
+                       Executor* control_executor, bool forward_here)
       : manager_(manager),
         regions_(regions),
         auth_(auth),
@@ -108,8 +123,9 @@ class AttentionServiceImpl final : public RawAttentionService {
         gate_(gate),
         budget_(budget),
         executor_(executor),
+        layer_queues_(layer_queues),
         control_executor_(control_executor),
-        forward_executor_(forward_executor) {}
+        forward_here_(forward_here) {}
 
   using Reactor = grpc::ServerUnaryReactor;
   using Bytes = grpc::ByteBuffer;
@@ -132,16 +148,19 @@ class AttentionServiceImpl final : public RawAttentionService {
   grpc::ServerBidiReactor<Bytes, Bytes>* Step(grpc::CallbackServerContext* ctx) override;
 
  private:
-  class StepReactor;   // attention_service.cc
-  class UnaryReactor;  // attention_service.cc
+  class StepReactor;    // attention_service.cc
+  class UnaryReactor;   // attention_service.cc
+  struct UnaryForward;  // attention_service.cc
 
   // A unary method other than Forward: its request parsed (once the caller is authenticated and
   // the memory the parse may take is held) and given to body, whose answer is sent; with the
-  // preamble and epilogue every call shares.
+  // preamble and epilogue every call shares. queue, when given: body runs in the request's turn
+  // on layer_queues_ (see CallQueue).
   template <typename Request, typename Response>
   Reactor* Unary(const char* method, grpc::CallbackServerContext* ctx, const Bytes* req,
                  Bytes* resp,
-                 absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*));
+                 absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*),
+                 CallQueue (*queue)(const Request&, const std::string& tenant) = nullptr);
   // The bodies of those methods.
   absl::Status RunGetServerInfo(Rpc& rpc, const v1::GetServerInfoRequest& req,
                                 v1::ServerInfo* resp);
@@ -161,17 +180,15 @@ class AttentionServiceImpl final : public RawAttentionService {
                                  v1::MemoryRegion* resp);
   absl::Status RunUnregisterMemory(Rpc& rpc, const v1::UnregisterMemoryRequest& req,
                                    v1::UnregisterMemoryResponse* resp);
-  // The part of a call after the gate (the caller has entered it): authentication, body, Finish.
-  template <typename Body>
-  grpc::Status HandleEntered(Rpc& rpc, grpc::ServerContextBase* ctx, Body&& body);
+  // The caller's tenant into rpc (with token auth), or UNAUTHENTICATED.
+  absl::Status Authenticate(Rpc& rpc, const grpc::ServerContextBase& ctx);
   // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
-  // A unary Forward after the gate (call started as it arrived; queue_us it waited for a
-  // thread, or -1 where it ran on the thread it arrived on): parse, RunForward, encode, Finish on
-  // reactor.
-  void RunForwardCall(Rpc& call, double queue_us, grpc::CallbackServerContext* ctx,
-                      const grpc::ByteBuffer& req, grpc::ByteBuffer* resp,
-                      grpc::ServerUnaryReactor* reactor);
+  // A unary Forward after the gate: authentication and parse, then its turn on its layer
+  // (layer_queues_), where RunForwardCall runs it.
+  void StartForwardCall(std::shared_ptr<UnaryForward> call);
+  // RunForward, encode, Finish on the call's reactor.
+  void RunForwardCall(UnaryForward& call);
   // One Forward of received bytes (unary Forward, or one message of a Step stream): the cache,
   // the byte budget, the core.
   absl::StatusOr<ForwardAnswer> RunForward(Rpc& rpc, const std::string& cache_id,
@@ -190,8 +207,9 @@ class AttentionServiceImpl final : public RawAttentionService {
   RpcGate* const gate_;
   ByteBudget* const budget_;
   Executor* const executor_;
+  SerialQueues* const layer_queues_;
   Executor* const control_executor_;
-  Executor* const forward_executor_;
+  const bool forward_here_;
 };
 
 // The capability table of a backend, as sent in ServerInfo.

@@ -81,9 +81,9 @@ std::string Metrics::Render(const CacheManager& manager) const {
   absl::StrAppend(&out, "pagedattn_forward_latency_seconds_count ", count, "\n");
   Header(&out, "pagedattn_forward_phase_seconds", "histogram",
          "Where successful Forwards' time went in the server, by phase: parse (the request's "
-         "bytes), queue (a Step layer's wait for its turn to run; on the CPU backend a unary "
-         "Forward's wait for a thread), stage_in (its tensors into "
-         "the backend's buffers), validate (checks, the layer's lock, pages, plan), stage "
+         "bytes), queue (its wait for a thread, then for its turn on its layer: the calls on "
+         "one layer of a cache run one at a time), stage_in (its tensors into "
+         "the backend's buffers), validate (checks, pages, plan), stage "
          "(host-side preparation in the backend), submit (CUDA: host time queuing copies, event "
          "waits and kernels), h2d, kernel (GPU time; CPU: the compute), d2h, commit, serialize "
          "(the answer's bytes).");

@@ -33,7 +33,7 @@ class Metrics {
   void RecordIdleCacheDeleted() { idle_caches_deleted_.fetch_add(1, std::memory_order_relaxed); }
 
   // Where a successful Forward's time went (microseconds): receiving and parsing, the core's
-  // phases, building the answer; queue_us, a Step layer's wait to run (negative: none, unary).
+  // phases, building the answer; queue_us, its wait for a thread and its layer (negative: none).
   void RecordForwardPhases(double parse_us, double stage_in_us, const ForwardTimings& core,
                            double serialize_us, double queue_us = -1);
 

@@ -100,6 +100,12 @@ class ByteBudget {
     Hold(const Hold&) = delete;
     Hold& operator=(const Hold&) = delete;
     ~Hold() { Reset(); }
+    // Gives back what is held past `bytes` (a parse's bound, once the message's size is known).
+    void ShrinkTo(int64_t bytes) {
+      if (budget_ == nullptr || bytes >= bytes_) return;
+      budget_->Release(bytes_ - std::max<int64_t>(bytes, 0));
+      bytes_ = std::max<int64_t>(bytes, 0);
+    }
 
    private:
     friend class ByteBudget;

@@ -38,9 +38,11 @@ namespace {
 // take turns on the manager's lock anyway; the others are quick, and one slow call leaves them
 // fifteen threads.
 constexpr int kControlThreads = 16;
-// The CPU backend's unary Forwards, likewise: those of one layer wait their turn on its lock
-// holding a thread each, and the rest take turns on the backend's compute threads.
-constexpr int kCpuForwardThreads = 16;
+// The threads of the calls on a cache's layers (Forwards and their parse on the CPU backend, Step
+// layers, truncations, releases), at least: those of one layer wait their turn holding none
+// (SerialQueues), so these serve every other cache and layer; on the CPU backend the calls then
+// take turns on its compute threads.
+constexpr int kLayerThreads = 16;
 
 // What gRPC's resource quota holds past --request_memory_mb (Start: a message's framing and read
 // buffers).
@@ -237,16 +239,16 @@ absl::StatusOr<std::unique_ptr<PagedAttnServer>> PagedAttnServer::Start(
   s->gate_ = std::make_unique<RpcGate>();
   s->budget_ = std::make_unique<ByteBudget>(request_memory);
   s->executor_ = std::make_unique<Executor>(
-      std::max(4, static_cast<int>(std::thread::hardware_concurrency())));
+      std::max(kLayerThreads, static_cast<int>(std::thread::hardware_concurrency())));
+  s->layer_queues_ = std::make_unique<SerialQueues>(s->executor_.get());
   s->control_executor_ = std::make_unique<Executor>(kControlThreads);
   // The CPU backend's Forwards (up to seconds each) leave gRPC's callback threads; a CUDA
-  // Forward's milliseconds run where they arrive (AttentionServiceImpl::Forward).
-  if (s->backend_->kind() == BackendKind::kCpu) {
-    s->forward_executor_ = std::make_unique<Executor>(kCpuForwardThreads);
-  }
+  // Forward's milliseconds run where they arrive when their layer is free
+  // (AttentionServiceImpl::Forward).
   s->service_ = std::make_unique<AttentionServiceImpl>(
       s->manager_.get(), s->regions_.get(), s->auth_.get(), s->metrics_.get(), s->gate_.get(),
-      s->budget_.get(), s->executor_.get(), s->control_executor_.get(), s->forward_executor_.get());
+      s->budget_.get(), s->executor_.get(), s->layer_queues_.get(), s->control_executor_.get(),
+      /*forward_here=*/s->backend_->kind() != BackendKind::kCpu);
   // One health service answers on the main port and on the plaintext health port.
   s->health_ = std::make_unique<HealthServiceImpl>();
   const std::string health_name(grpc::health::v1::Health::service_full_name());

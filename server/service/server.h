@@ -116,9 +116,9 @@ class PagedAttnServer {
   std::unique_ptr<Metrics> metrics_;
   std::unique_ptr<RpcGate> gate_;
   std::unique_ptr<ByteBudget> budget_;
-  std::unique_ptr<Executor> executor_;  // outlives the server: its tasks finish calls
-  std::unique_ptr<Executor> control_executor_;  // likewise
-  std::unique_ptr<Executor> forward_executor_;  // likewise; the CPU backend's only
+  std::unique_ptr<SerialQueues> layer_queues_;  // over executor_, which runs its tasks
+  std::unique_ptr<Executor> executor_;          // outlives the server: its tasks finish calls
+  std::unique_ptr<Executor> control_executor_;  // likewise (its tasks post to executor_)
   std::unique_ptr<AttentionServiceImpl> service_;
   std::unique_ptr<HealthServiceImpl> health_;
   std::unique_ptr<ReflectionServiceImpl> reflection_;

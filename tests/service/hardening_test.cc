@@ -25,6 +25,7 @@
 #include <string_view>
 #include <thread>
 
+#include "absl/synchronization/notification.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -34,10 +35,12 @@
 #include "server/service/forward_wire.h"
 #include "server/service/http_server.h"
 #include "server/service/request_parse.h"
+#include "server/service/serial_queues.h"
 #include "server/service/server.h"
 #include "server/service/throttled_log.h"
 #include "spdlog/spdlog.h"
 #include "tests/service/log_capture.h"
+#include "tests/service/random_script.h"
 
 namespace pagedattn {
 namespace {
@@ -1450,6 +1453,233 @@ TEST(ControlRequestTest, SlowCpuForwardsLeaveHealthChecksPrompt) {
   ExpectPromptHealthChecksUntil(*server, [&] { return ended.load() >= kForwards - 1; });
   for (std::thread& t : forwards) t.join();
   EXPECT_EQ(answered.load(), kForwards);
+}
+
+// SerialQueues: a key's tasks run one at a time in the order posted, and those waiting hold no
+// thread: with two threads, one held by a key's first task, the key's ten waiting tasks leave the
+// other thread to another key. here: an idle key's task runs on the calling thread.
+TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
+  Executor executor(2);
+  SerialQueues queues(&executor);
+  absl::Notification release, other_ran;
+  absl::Mutex mu;
+  std::vector<int> order;
+  std::atomic<int> running{0}, most{0};
+  queues.Run("g", "a", [&] { release.WaitForNotification(); });
+  for (int i = 0; i < 10; ++i) {
+    queues.Run("g", "a", [&, i] {
+      most = std::max(most.load(), ++running);
+      absl::SleepFor(absl::Milliseconds(1));
+      {
+        absl::MutexLock lock(&mu);
+        order.push_back(i);
+      }
+      --running;
+    });
+  }
+  queues.Run("g", "b", [&] { other_ran.Notify(); });
+  EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  for (int i = 0; i < 1000 && queues.busy_keys() != 1; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(queues.busy_keys(), 1u);  // "a" only: "b" is done and gone
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(order.empty());
+  }
+  release.Notify();
+  for (int i = 0; i < 10000 && queues.busy_keys() != 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(queues.busy_keys(), 0u);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(most.load(), 1);
+
+  const std::thread::id caller = std::this_thread::get_id();
+  std::thread::id ran_on;
+  queues.Run(
+      "g", "c", [&] { ran_on = std::this_thread::get_id(); }, /*here=*/true);
+  EXPECT_EQ(ran_on, caller);
+}
+
+// A whole-group task (a cache's release) waits for the group's running tasks, and meanwhile the
+// group's other keys start nothing (their tasks wait holding no thread, as the other group's
+// task shows, on the second of two threads); it runs before them, they all run after it.
+TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
+  Executor executor(2);
+  SerialQueues queues(&executor);
+  absl::Notification release, other_ran;
+  absl::Mutex mu;
+  std::vector<std::string> events;
+  auto note = [&](std::string e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(e));
+  };
+  std::atomic<int> running{0};
+  queues.Run("g", "0/g", [&] {
+    ++running;
+    release.WaitForNotification();
+    note("long");
+    --running;
+  });
+  std::atomic<int> with_whole{-1};  // g's tasks running beside the whole-group one
+  queues.Run(
+      "g", "*/g",
+      [&] {
+        with_whole = running++;
+        note("whole");
+        --running;
+      },
+      /*here=*/false, /*whole_group=*/true);
+  for (int layer = 1; layer <= 20; ++layer) {
+    queues.Run("g", absl::StrCat(layer, "/g"), [&, layer] { note(absl::StrCat("layer ", layer)); });
+  }
+  queues.Run("h", "0/h", [&] { other_ran.Notify(); });
+  EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(events.empty());  // the long task runs; the rest of g waits
+  }
+  release.Notify();
+  for (int i = 0; i < 10000 && queues.busy_keys() != 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(queues.busy_keys(), 0u);
+  absl::MutexLock lock(&mu);
+  ASSERT_EQ(events.size(), 22u);
+  EXPECT_EQ(events[0], "long");
+  EXPECT_EQ(events[1], "whole");
+  EXPECT_EQ(with_whole.load(), 0);
+}
+
+// Calls waiting for a layer of a cache hold no thread: while a long Forward holds layer 0 of one
+// cache, and Forwards, truncations and Step layers of that layer queue behind it (more of each
+// than the server has threads), the calls of another cache run at once. Where each waiting call
+// held a thread, 16 queued Forwards held another tenant's Forward 5.4 s, 16 truncations a
+// GetCache 4.5 s, and four Step streams another's Step 4.9 s.
+TEST(ControlRequestTest, CallsWaitingForALayerHoldNoThread) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(300));
+  constexpr int kQueued = 24, kSteps = 8;
+  const std::string busy = client->CreateCache(Config(kLongTokens / 16 + 2 * kQueued))->cache_id();
+  const std::string other = client->CreateCache(Config(4))->cache_id();
+  WaitForCalls(*server, 0);
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {
+    if (!client->Forward(Request(busy, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
+  });
+  WaitForCalls(*server, 1);
+  // ... and until it holds the layer (its pages reserved): calls that came before would run first.
+  auto reserved = [&] {
+    for (const std::shared_ptr<Cache>& c : server->manager().ListAll()) {
+      if (c->id() == busy) return c->Stats().used_pages;
+    }
+    return int64_t{0};
+  };
+  for (int i = 0; i < 2000 && reserved() < kLongTokens / 16; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(reserved(), kLongTokens / 16);
+  // One layer-0 Step message on cache, answered.
+  auto step = [&](const std::string& cache, uint64_t seq) -> absl::Status {
+    absl::StatusOr<std::unique_ptr<StepStream>> stream = client->OpenStep();
+    if (!stream.ok()) return stream.status();
+    const v1::ForwardRequest req = Request(cache, seq, 0, 1, 1, seq);
+    if (absl::Status s = (*stream)->Send(random_script::CallOf(req, cache)); !s.ok()) return s;
+    std::vector<char> out(req.q().data().size());
+    absl::StatusOr<ForwardReply> r = (*stream)->Receive({out.data(), out.size()});
+    if (!r.ok()) return r.status();
+    return (*stream)->Close();
+  };
+  for (int i = 0; i < kQueued; ++i) {
+    threads.emplace_back([&, i] {
+      if (!client->Forward(Request(busy, 100 + i, 0, 1, 1, 10 + i)).ok()) ++failed;
+    });
+    threads.emplace_back([&] {
+      if (!client->TruncateSequences(busy, 0, {{999, 0}}).ok()) ++failed;
+    });
+  }
+  for (int i = 0; i < kSteps; ++i) {
+    threads.emplace_back([&, i] {
+      if (!step(busy, 200 + i).ok()) ++failed;
+    });
+  }
+  const int64_t waiting = 1 + 2 * kQueued + kSteps;
+  WaitForCalls(*server, waiting);
+  const absl::Time start = absl::Now();
+  absl::Status s = client->Forward(Request(other, 1, 0, 1, 1, 7)).status();
+  EXPECT_TRUE(s.ok()) << s;
+  s = client->GetCache(busy).status();
+  EXPECT_TRUE(s.ok()) << s;
+  s = client->TruncateSequences(other, 0, {{999, 0}}).status();
+  EXPECT_TRUE(s.ok()) << s;
+  s = step(other, 2);
+  EXPECT_TRUE(s.ok()) << s;
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Milliseconds(kSanitized ? 2000 : 500));
+  // ... while the long Forward still ran, and the calls behind it still waited.
+  EXPECT_GE(server->calls_in_flight(), waiting);
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  // They all ran, each in its turn: the 24 Forwards' and 8 Steps' tokens are in the cache.
+  absl::StatusOr<v1::CacheInfo> info = client->GetCache(busy);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->stats().live_sequences(), 1 + kQueued + kSteps);
+}
+
+// A release waits for its cache's running calls, and the calls of its other layers that come
+// after it wait for it holding no thread: 31 layers of a cache queued behind a release, which
+// waits for a long Forward on layer 0, leave the threads (16) to another cache's calls. Where a
+// release waited on the cache's lock, each of those layers' calls held a thread on it.
+TEST(ControlRequestTest, CallsBehindAReleaseHoldNoThread) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(300));
+  constexpr int kLayers = 32;
+  v1::CacheConfig config = Config(kLongTokens / 16 + 2 * kLayers);
+  config.set_num_layers(kLayers);
+  const std::string busy = client->CreateCache(config)->cache_id();
+  const std::string other = client->CreateCache(Config(4))->cache_id();
+  WaitForCalls(*server, 0);
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  threads.emplace_back([&] {
+    if (!client->Forward(Request(busy, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
+  });
+  WaitForCalls(*server, 1);
+  auto reserved = [&] {
+    for (const std::shared_ptr<Cache>& c : server->manager().ListAll()) {
+      if (c->id() == busy) return c->Stats().used_pages;
+    }
+    return int64_t{0};
+  };
+  for (int i = 0; i < 2000 && reserved() < kLongTokens / 16; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(reserved(), kLongTokens / 16);
+  threads.emplace_back([&] {
+    if (!client->ReleaseSequences(busy, {999}).ok()) ++failed;
+  });
+  WaitForCalls(*server, 2);
+  for (int layer = 1; layer < kLayers; ++layer) {
+    threads.emplace_back([&, layer] {
+      v1::ForwardRequest r = Request(busy, 100 + layer, 0, 1, 1, layer);
+      r.set_layer(layer);
+      const absl::Status s = client->Forward(r).status();
+      EXPECT_TRUE(s.ok()) << s;
+      if (!s.ok()) ++failed;
+    });
+  }
+  const int64_t waiting = 1 + kLayers;
+  WaitForCalls(*server, waiting);
+  const absl::Time start = absl::Now();
+  absl::Status s = client->Forward(Request(other, 1, 0, 1, 1, 7)).status();
+  EXPECT_TRUE(s.ok()) << s;
+  s = client->TruncateSequences(other, 0, {{999, 0}}).status();
+  EXPECT_TRUE(s.ok()) << s;
+  const absl::Duration took = absl::Now() - start;
+  EXPECT_LT(took, absl::Milliseconds(kSanitized ? 2000 : 500));
+  EXPECT_GE(server->calls_in_flight(), waiting);  // the long Forward still ran
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  absl::StatusOr<v1::CacheInfo> info = client->GetCache(busy);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->stats().live_sequences(), kLayers);
 }
 
 // A request of a method other than Forward and Step whose parse could take more than the whole

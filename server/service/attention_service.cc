@@ -661,6 +661,7 @@ void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) 
     return ParseForward(f.received.buffer, manager_->limits().forward.max_spans, &f.received);
   }();
   if (!s.ok()) {
+    f.received = ReceivedForward();
     f.reactor->Finish(Finish(f.rpc, s));
     return;
   }
@@ -684,7 +685,7 @@ void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) 
 }
 
 void AttentionServiceImpl::RunForwardCall(UnaryForward& f) {
-  f.reactor->Finish(Finish(f.rpc, [&]() -> absl::Status {
+  const absl::Status status = [&]() -> absl::Status {
     Rpc& rpc = f.rpc;
     // Stopped while it waited for its layer: not run.
     if (absl::Status s = rpc.stop().Check(); !s.ok()) return s;
@@ -705,7 +706,11 @@ void AttentionServiceImpl::RunForwardCall(UnaryForward& f) {
                                     server_us - before_encode_us, f.queue_us);
     }
     return absl::OkStatus();
-  }()));
+  }();
+  // The request's pieces go before the answer does (the call's ByteBuffer keeps the bytes until
+  // gRPC lets go of it): nothing is freed on this thread once the answer may be on its way.
+  f.received = ReceivedForward();
+  f.reactor->Finish(Finish(f.rpc, status));
 }
 
 // One Step stream. Messages are read ahead and run on the executor, up to kStepLayersInFlight

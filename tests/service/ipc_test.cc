@@ -24,6 +24,7 @@
 #include "absl/time/clock.h"
 #include "client/client.h"
 #include "server/service/server.h"
+#include "tests/service/child_process.h"
 #include "tests/service/forward_script.h"
 #include "tests/service/random_script.h"
 #if PAGEDATTN_WITH_CUDA
@@ -123,14 +124,7 @@ class ServerProcess {
                                      absl::StrCat("--auth_tokens_file=", tokens_file_),
                                      "--log_level=warn"};
     args.insert(args.end(), extra.begin(), extra.end());
-    pid_ = fork();
-    if (pid_ == 0) {
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_ = SpawnProcess(std::move(args));
     for (int i = 0; i < 600; ++i) {  // up to a minute for CUDA to start
       absl::StatusOr<std::unique_ptr<Client>> c = Connect(kTokenA);
       if (c.ok() && (*c)->GetServerInfo().ok()) return absl::OkStatus();
@@ -144,13 +138,7 @@ class ServerProcess {
     return absl::DeadlineExceededError("the server did not answer within a minute");
   }
 
-  void Stop() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGTERM);
-    int status = 0;
-    waitpid(pid_, &status, 0);
-    pid_ = -1;
-  }
+  void Stop() { StopProcess(pid_, SIGTERM); }
 
   absl::StatusOr<std::unique_ptr<Client>> Connect(const std::string& token) const {
     ClientOptions c;

@@ -6,7 +6,6 @@
 #include <netinet/in.h>
 #include <signal.h>
 #include <sys/socket.h>
-#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdlib>
@@ -16,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "client/client.h"
+#include "tests/service/child_process.h"
 
 namespace pagedattn {
 namespace {
@@ -49,21 +49,9 @@ class ReconnectTest : public ::testing::Test {
   void StartServer() {
     std::vector<std::string> args = {bin_, "--backend=cpu", absl::StrCat("--listen=127.0.0.1:", port_),
                                      "--health_listen=", "--log_level=warn"};
-    pid_ = fork();
-    if (pid_ == 0) {
-      std::vector<char*> argv;
-      for (std::string& a : args) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    pid_ = SpawnProcess(std::move(args));
   }
-  void Kill() {
-    if (pid_ <= 0) return;
-    kill(pid_, SIGKILL);
-    waitpid(pid_, nullptr, 0);
-    pid_ = -1;
-  }
+  void Kill() { StopProcess(pid_, SIGKILL); }
 
   // Calls every 50 ms through `down` (each UNAVAILABLE), starts the server, and calls until it
   // answers: how long after the start that took.

@@ -7,8 +7,9 @@
 //
 // Keys belong to groups (a cache): a task posted with `whole_group` (a release, which needs the
 // cache's layers quiet) runs when no task of its group runs, and while it waits for them the
-// group's other keys start nothing new (their tasks wait holding no thread, as a task waiting
-// for its key does), so a release behind a long Forward holds one thread, not one per layer.
+// group's tasks that come after it wait for it (holding no thread, as a task waiting for its key
+// does), so a release behind a long Forward holds one thread, not one per layer; a group's tasks
+// pass its whole-group tasks in the order they came.
 #pragma once
 
 #include <cstdint>
@@ -32,11 +33,11 @@ class SerialQueues {
   SerialQueues(const SerialQueues&) = delete;
   SerialQueues& operator=(const SerialQueues&) = delete;
 
-  // Runs task once every task posted before it under key (whose tasks all belong to group) has run
-  // (and, whole_group, once the tasks of group's other keys that started before it have ended): on
-  // the calling thread before Run returns when here is true and it may start at once (a CUDA
-  // Forward's milliseconds save a thread's wake-up; never under a lock the task takes), else on the
-  // executor.
+  // Tasks must not throw (the queue's bookkeeping follows each). Runs task once every task posted
+  // before it under key (whose tasks all belong to group) has run (and, whole_group, once the tasks
+  // of group's other keys that started before it have ended): on the calling thread before Run
+  // returns when here is true and it may start at once (a CUDA Forward's milliseconds save a
+  // thread's wake-up; never under a lock the task takes), else on the executor.
   void Run(const std::string& group, const std::string& key, std::function<void()> task,
            bool here = false, bool whole_group = false) {
     Task t{group, key, std::move(task), whole_group};
@@ -64,32 +65,27 @@ class SerialQueues {
     std::function<void()> run;
     bool whole_group = false;
   };
-  // A group's tasks that run, and those held back: whole-group tasks (in order), then the
-  // tasks of its keys that came while one of those waited or ran.
+  // A group's tasks that run, and those waiting for the group in the order they came:
+  // whole-group tasks, and the tasks of its keys that came while one of those waited or ran.
   struct Group {
     int64_t running = 0;
     bool whole_running = false;
-    std::deque<Task> whole_waiting;
-    std::vector<Task> held;
+    std::deque<Task> waiting;
   };
 
-  // Whether t (its key's next) may start now; if not, it is kept in its group's queue.
+  // Whether t (its key's next) may start now; if not, it waits in its group's queue.
   bool AdmitLocked(Task& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     Group& g = groups_[t.group];
-    if (t.whole_group) {
-      if (g.running == 0 && !g.whole_running && g.whole_waiting.empty()) {
+    if (!g.whole_running && g.waiting.empty() && (!t.whole_group || g.running == 0)) {
+      if (t.whole_group) {
         g.whole_running = true;
-        return true;
+      } else {
+        ++g.running;
       }
-      g.whole_waiting.push_back(std::move(t));
-      return false;
+      return true;
     }
-    if (g.whole_running || !g.whole_waiting.empty()) {
-      g.held.push_back(std::move(t));
-      return false;
-    }
-    ++g.running;
-    return true;
+    g.waiting.push_back(std::move(t));
+    return false;
   }
 
   void Start(Task t, bool here) {
@@ -109,23 +105,25 @@ class SerialQueues {
     std::vector<Task> ready;
     {
       absl::MutexLock lock(&mu_);
-      // The group's turn: a whole-group task once nothing else of it runs, else the held ones.
+      // The group's turn.
       Group& g = groups_.find(t.group)->second;
       if (t.whole_group) {
         g.whole_running = false;
       } else {
         --g.running;
       }
-      if (g.running == 0 && !g.whole_running) {
-        if (!g.whole_waiting.empty()) {
+      // In the order they came: the tasks up to the next whole-group one, then that one once
+      // the group is quiet (a task waits only for the whole-group tasks that came before it).
+      while (!g.whole_running && !g.waiting.empty()) {
+        Task& w = g.waiting.front();
+        if (w.whole_group) {
+          if (g.running != 0) break;
           g.whole_running = true;
-          ready.push_back(std::move(g.whole_waiting.front()));
-          g.whole_waiting.pop_front();
         } else {
-          g.running += static_cast<int64_t>(g.held.size());
-          for (Task& h : g.held) ready.push_back(std::move(h));
-          g.held.clear();
+          ++g.running;
         }
+        ready.push_back(std::move(w));
+        g.waiting.pop_front();
       }
       // The key's turn: its next task (of the same group), if the group lets it start now.
       auto key = keys_.find(t.key);
@@ -138,8 +136,7 @@ class SerialQueues {
       }
       auto group = groups_.find(t.group);
       const Group& left = group->second;
-      if (left.running == 0 && !left.whole_running && left.whole_waiting.empty() &&
-          left.held.empty()) {
+      if (left.running == 0 && !left.whole_running && left.waiting.empty()) {
         groups_.erase(group);
       }
     }

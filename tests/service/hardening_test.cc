@@ -1501,7 +1501,8 @@ TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
 
 // A whole-group task (a cache's release) waits for the group's running tasks, and meanwhile the
 // group's other keys start nothing (their tasks wait holding no thread, as the other group's
-// task shows, on the second of two threads); it runs before them, they all run after it.
+// task shows, on the second of two threads); it runs before them, they all run after it, and
+// before a whole-group task that came after them.
 TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
   Executor executor(2);
   SerialQueues queues(&executor);
@@ -1531,6 +1532,10 @@ TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
   for (int layer = 1; layer <= 20; ++layer) {
     queues.Run("g", absl::StrCat(layer, "/g"), [&, layer] { note(absl::StrCat("layer ", layer)); });
   }
+  // A whole-group task that comes after them runs after them (they do not wait for every
+  // whole-group task there is, only for those that came before them).
+  queues.Run(
+      "g", "*2/g", [&] { note("whole 2"); }, /*here=*/false, /*whole_group=*/true);
   queues.Run("h", "0/h", [&] { other_ran.Notify(); });
   EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
   {
@@ -1541,9 +1546,10 @@ TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
   for (int i = 0; i < 10000 && queues.busy_keys() != 0; ++i) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_EQ(queues.busy_keys(), 0u);
   absl::MutexLock lock(&mu);
-  ASSERT_EQ(events.size(), 22u);
+  ASSERT_EQ(events.size(), 23u);
   EXPECT_EQ(events[0], "long");
   EXPECT_EQ(events[1], "whole");
+  EXPECT_EQ(events[22], "whole 2");
   EXPECT_EQ(with_whole.load(), 0);
 }
 

@@ -1455,6 +1455,38 @@ TEST(ControlRequestTest, SlowCpuForwardsLeaveHealthChecksPrompt) {
   EXPECT_EQ(answered.load(), kForwards);
 }
 
+// Joins the threads it is given at its end: a test that fails an ASSERT with calls running ends
+// once they have, not in std::terminate.
+struct JoinAtEnd {
+  std::vector<std::thread>& threads;
+  ~JoinAtEnd() {
+    for (std::thread& t : threads) {
+      if (t.joinable()) t.join();
+    }
+  }
+};
+
+// Starts a long Forward (kLongTokens on layer 0 of cache) on a thread of threads (a failure
+// counted in failed), and waits until it holds the layer (its pages reserved): calls that came
+// before would run first. No other call may be in flight.
+void StartLongForward(const PagedAttnServer& server, Client& client, const std::string& cache,
+                      std::atomic<int>& failed, std::vector<std::thread>& threads) {
+  threads.emplace_back([&client, &failed, cache] {
+    if (!client.Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
+  });
+  WaitForCalls(server, 1);
+  auto reserved = [&] {
+    for (const std::shared_ptr<Cache>& c : server.manager().ListAll()) {
+      if (c->id() == cache) return c->Stats().used_pages;
+    }
+    return int64_t{0};
+  };
+  for (int i = 0; i < 2000 && reserved() < kLongTokens / 16; ++i) {
+    absl::SleepFor(absl::Milliseconds(5));
+  }
+  ASSERT_EQ(reserved(), kLongTokens / 16);
+}
+
 // SerialQueues: a key's tasks run one at a time in the order posted, and those waiting hold no
 // thread: with two threads, one held by a key's first task, the key's ten waiting tasks leave the
 // other thread to another key. here: an idle key's task runs on the calling thread.
@@ -1567,21 +1599,8 @@ TEST(ControlRequestTest, CallsWaitingForALayerHoldNoThread) {
   WaitForCalls(*server, 0);
   std::atomic<int> failed{0};
   std::vector<std::thread> threads;
-  threads.emplace_back([&] {
-    if (!client->Forward(Request(busy, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
-  });
-  WaitForCalls(*server, 1);
-  // ... and until it holds the layer (its pages reserved): calls that came before would run first.
-  auto reserved = [&] {
-    for (const std::shared_ptr<Cache>& c : server->manager().ListAll()) {
-      if (c->id() == busy) return c->Stats().used_pages;
-    }
-    return int64_t{0};
-  };
-  for (int i = 0; i < 2000 && reserved() < kLongTokens / 16; ++i) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(reserved(), kLongTokens / 16);
+  const JoinAtEnd join{threads};
+  ASSERT_NO_FATAL_FAILURE(StartLongForward(*server, *client, busy, failed, threads));
   // One layer-0 Step message on cache, answered.
   auto step = [&](const std::string& cache, uint64_t seq) -> absl::Status {
     absl::StatusOr<std::unique_ptr<StepStream>> stream = client->OpenStep();
@@ -1644,20 +1663,8 @@ TEST(ControlRequestTest, CallsBehindAReleaseHoldNoThread) {
   WaitForCalls(*server, 0);
   std::atomic<int> failed{0};
   std::vector<std::thread> threads;
-  threads.emplace_back([&] {
-    if (!client->Forward(Request(busy, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
-  });
-  WaitForCalls(*server, 1);
-  auto reserved = [&] {
-    for (const std::shared_ptr<Cache>& c : server->manager().ListAll()) {
-      if (c->id() == busy) return c->Stats().used_pages;
-    }
-    return int64_t{0};
-  };
-  for (int i = 0; i < 2000 && reserved() < kLongTokens / 16; ++i) {
-    absl::SleepFor(absl::Milliseconds(5));
-  }
-  ASSERT_EQ(reserved(), kLongTokens / 16);
+  const JoinAtEnd join{threads};
+  ASSERT_NO_FATAL_FAILURE(StartLongForward(*server, *client, busy, failed, threads));
   threads.emplace_back([&] {
     if (!client->ReleaseSequences(busy, {999}).ok()) ++failed;
   });

@@ -78,15 +78,22 @@ double Rpc::seconds() const {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
 }
 
+namespace {
+// The group of a tenant's cache, length-prefixed: no tenant's cache shares another's group (the
+// texts are the callers').
+std::string QueueGroup(absl::string_view tenant, absl::string_view cache_id) {
+  return absl::StrCat(tenant.size(), ":", tenant, cache_id);
+}
+}  // namespace
+
 CallQueue LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer) {
-  // Length-prefixed: no tenant's cache shares another's group (the texts are the callers').
-  std::string group = absl::StrCat(tenant.size(), ":", tenant, cache_id);
+  std::string group = QueueGroup(tenant, cache_id);
   std::string key = absl::StrCat(layer, "/", group);
   return {std::move(group), std::move(key), false};
 }
 
 CallQueue CacheQueue(absl::string_view tenant, absl::string_view cache_id) {
-  std::string group = absl::StrCat(tenant.size(), ":", tenant, cache_id);
+  std::string group = QueueGroup(tenant, cache_id);
   std::string key = absl::StrCat("*/", group);
   return {std::move(group), std::move(key), true};
 }
@@ -225,8 +232,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::DeleteCache(grpc::CallbackServer
 grpc::ServerUnaryReactor* AttentionServiceImpl::ReleaseSequences(grpc::CallbackServerContext* ctx,
                                                                  const grpc::ByteBuffer* req,
                                                                  grpc::ByteBuffer* resp) {
-  // A release waits for the cache's Forwards of every layer: in turn with the cache's other
-  // releases, so that many of them hold one thread.
+  // A release needs the cache's layers quiet: a whole-cache turn, which waits for their running
+  // calls while their later ones wait for it (one thread held, not one a layer).
   return Unary(
       "ReleaseSequences", ctx, req, resp, &AttentionServiceImpl::RunReleaseSequences,
       +[](const v1::ReleaseSequencesRequest& r, const std::string& tenant) {

@@ -1468,9 +1468,11 @@ struct JoinAtEnd {
 
 // Starts a long Forward (kLongTokens on layer 0 of cache) on a thread of threads (a failure
 // counted in failed), and waits until it holds the layer (its pages reserved): calls that came
-// before would run first. No other call may be in flight.
+// before would run first. Waits first for the calls in flight to end (a CreateCache counts until
+// its answer has gone out).
 void StartLongForward(const PagedAttnServer& server, Client& client, const std::string& cache,
                       std::atomic<int>& failed, std::vector<std::thread>& threads) {
+  WaitForCalls(server, 0);
   threads.emplace_back([&client, &failed, cache] {
     if (!client.Forward(Request(cache, 1, 0, kLongTokens, kLongTokens, 1)).ok()) ++failed;
   });
@@ -1596,7 +1598,6 @@ TEST(ControlRequestTest, CallsWaitingForALayerHoldNoThread) {
   constexpr int kQueued = 24, kSteps = 8;
   const std::string busy = client->CreateCache(Config(kLongTokens / 16 + 2 * kQueued))->cache_id();
   const std::string other = client->CreateCache(Config(4))->cache_id();
-  WaitForCalls(*server, 0);
   std::atomic<int> failed{0};
   std::vector<std::thread> threads;
   const JoinAtEnd join{threads};
@@ -1660,7 +1661,6 @@ TEST(ControlRequestTest, CallsBehindAReleaseHoldNoThread) {
   config.set_num_layers(kLayers);
   const std::string busy = client->CreateCache(config)->cache_id();
   const std::string other = client->CreateCache(Config(4))->cache_id();
-  WaitForCalls(*server, 0);
   std::atomic<int> failed{0};
   std::vector<std::thread> threads;
   const JoinAtEnd join{threads};

@@ -111,6 +111,11 @@ class DataPlaneTest : public ::testing::TestWithParam<bool> {  // true: over a U
     out->assign(OutBytes(t0), '\0');
     EXPECT_TRUE(stream->Send(CallOf(cache, layer0, t0)).ok());
     EXPECT_TRUE(stream->Receive({out->data(), out->size()}).ok());
+    // A unary call counts until its answer has gone out (OnDone), which may be after the client
+    // has it: wait for the CreateCache to leave, so that the stream is the one call in flight.
+    for (int i = 0; i < 2000 && server_->calls_in_flight() != 1; ++i)
+      absl::SleepFor(absl::Milliseconds(5));
+    EXPECT_EQ(server_->calls_in_flight(), 1);
     return stream;
   }
 

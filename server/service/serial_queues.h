@@ -5,11 +5,13 @@
 // thread, 16 Forwards queued on one layer behind a 5 s Forward held another tenant's Forward
 // 5.4 s on the CPU backend.
 //
-// Keys belong to groups (a cache): a task posted with `whole_group` (a release, which needs the
-// cache's layers quiet) runs when no task of its group runs, and while it waits for them the
-// group's tasks that come after it wait for it (holding no thread, as a task waiting for its key
-// does), so a release behind a long Forward holds one thread, not one per layer; a group's tasks
-// pass its whole-group tasks in the order they came.
+// Keys belong to groups (a cache), and a task posted with `whole_group` (a release, which needs
+// the cache's layers quiet) conflicts with every task of its group. Within a group a task starts
+// once every task posted before it that it conflicts with has ended (the same key, or either of
+// the two whole-group), so a group's tasks keep the order they came in wherever it matters: a
+// release runs after the Forwards posted before it, queued ones included, and before those
+// posted after it. Held back, a task holds no thread: a release behind a long Forward holds
+// none, nor do the calls behind the release.
 #pragma once
 
 #include <cstdint>
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "server/service/executor.h"
 
@@ -33,30 +36,39 @@ class SerialQueues {
   SerialQueues(const SerialQueues&) = delete;
   SerialQueues& operator=(const SerialQueues&) = delete;
 
-  // Tasks must not throw (the queue's bookkeeping follows each). Runs task once every task posted
-  // before it under key (whose tasks all belong to group) has run (and, whole_group, once the tasks
-  // of group's other keys that started before it have ended): on the calling thread before Run
-  // returns when here is true and it may start at once (a CUDA Forward's milliseconds save a
-  // thread's wake-up; never under a lock the task takes), else on the executor.
+  // Tasks must not throw (the queue's bookkeeping follows each). Runs task once every task of
+  // group posted before it that it conflicts with (under key, or any of group's if either is
+  // whole_group) has run: on the calling thread before Run returns when here is true and it may
+  // start at once (a CUDA Forward's milliseconds save a thread's wake-up; never under a lock the
+  // task takes), else on the executor.
   void Run(const std::string& group, const std::string& key, std::function<void()> task,
            bool here = false, bool whole_group = false) {
-    Task t{group, key, std::move(task), whole_group};
+    std::vector<Task> ready;
     {
       absl::MutexLock lock(&mu_);
-      auto [it, idle] = keys_.try_emplace(key);
-      if (!idle) {  // one of key's is running or held back: this one waits behind it
-        it->second.push_back(std::move(t));
-        return;
-      }
-      if (!AdmitLocked(t)) return;  // held back by its group: started by the group's turn
+      Group& g = groups_[group];
+      g.pending.push_back(Task{group, key, std::move(task), whole_group});
+      StartLocked(g, ready);  // at most the new task: nothing else changed
     }
-    Start(std::move(t), here);
+    // (ready holds the new task or nothing: the others waited for what still runs.)
+    for (size_t i = 0; i < ready.size(); ++i) {
+      if (here && i + 1 == ready.size()) {
+        RunThenNext(std::move(ready[i]));
+      } else {
+        Post(std::move(ready[i]));
+      }
+    }
   }
 
-  // Keys with a task running, held back or waiting.
+  // Keys with a task running or waiting.
   size_t busy_keys() const {
     absl::MutexLock lock(&mu_);
-    return keys_.size();
+    absl::flat_hash_set<std::string> keys;
+    for (const auto& [name, g] : groups_) {
+      keys.insert(g.running_keys.begin(), g.running_keys.end());
+      for (const Task& t : g.pending) keys.insert(t.key);
+    }
+    return keys.size();
   }
 
  private:
@@ -65,89 +77,67 @@ class SerialQueues {
     std::function<void()> run;
     bool whole_group = false;
   };
-  // A group's tasks that run, and those waiting for the group in the order they came:
-  // whole-group tasks, and the tasks of its keys that came while one of those waited or ran.
+  // A group's running tasks (by key; a whole-group task runs alone) and those not started, in
+  // the order they came.
   struct Group {
-    int64_t running = 0;
+    absl::flat_hash_set<std::string> running_keys;
     bool whole_running = false;
-    std::deque<Task> waiting;
+    std::deque<Task> pending;
   };
 
-  // Whether t (its key's next) may start now; if not, it waits in its group's queue.
-  bool AdmitLocked(Task& t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    Group& g = groups_[t.group];
-    if (!g.whole_running && g.waiting.empty() && (!t.whole_group || g.running == 0)) {
-      if (t.whole_group) {
-        g.whole_running = true;
-      } else {
-        ++g.running;
+  // Moves the tasks of g that may start now from g.pending to ready: in order, each that
+  // conflicts with no running task and no earlier pending one.
+  static void StartLocked(Group& g, std::vector<Task>& ready) {
+    absl::flat_hash_set<std::string> blocked;  // keys of pending tasks passed over
+    for (auto it = g.pending.begin(); it != g.pending.end() && !g.whole_running;) {
+      if (it->whole_group) {
+        // Alone, and after every task before it: nothing after it may start either.
+        if (it == g.pending.begin() && g.running_keys.empty()) {
+          g.whole_running = true;
+          ready.push_back(std::move(*it));
+          g.pending.erase(it);
+        }
+        return;
       }
-      return true;
-    }
-    g.waiting.push_back(std::move(t));
-    return false;
-  }
-
-  void Start(Task t, bool here) {
-    if (here) {
-      RunThenNext(std::move(t));
-    } else {
-      executor_->Post([this, t = std::move(t)]() mutable { RunThenNext(std::move(t)); });
+      if (g.running_keys.contains(it->key) || blocked.contains(it->key)) {
+        blocked.insert(it->key);
+        ++it;
+        continue;
+      }
+      g.running_keys.insert(it->key);
+      ready.push_back(std::move(*it));
+      it = g.pending.erase(it);
     }
   }
 
-  // Runs t, then starts what its end lets start (its key's next, its group's held tasks) on the
-  // executor (the thread goes back to the queue of all keys: one key's long queue cannot keep
-  // it).
+  void Post(Task t) {
+    executor_->Post([this, t = std::move(t)]() mutable { RunThenNext(std::move(t)); });
+  }
+
+  // Runs t, then starts what its end lets start on the executor (the thread goes back to the
+  // queue of all keys: one key's long queue cannot keep it).
   void RunThenNext(Task t) {
     t.run();
     t.run = nullptr;  // what the task holds goes now, outside mu_
     std::vector<Task> ready;
     {
       absl::MutexLock lock(&mu_);
-      // The group's turn.
-      Group& g = groups_.find(t.group)->second;
+      auto it = groups_.find(t.group);
+      Group& g = it->second;
       if (t.whole_group) {
         g.whole_running = false;
       } else {
-        --g.running;
+        g.running_keys.erase(t.key);
       }
-      // In the order they came: the tasks up to the next whole-group one, then that one once
-      // the group is quiet (a task waits only for the whole-group tasks that came before it).
-      while (!g.whole_running && !g.waiting.empty()) {
-        Task& w = g.waiting.front();
-        if (w.whole_group) {
-          if (g.running != 0) break;
-          g.whole_running = true;
-        } else {
-          ++g.running;
-        }
-        ready.push_back(std::move(w));
-        g.waiting.pop_front();
-      }
-      // The key's turn: its next task (of the same group), if the group lets it start now.
-      auto key = keys_.find(t.key);
-      if (key->second.empty()) {
-        keys_.erase(key);
-      } else {
-        Task next = std::move(key->second.front());
-        key->second.pop_front();
-        if (AdmitLocked(next)) ready.push_back(std::move(next));
-      }
-      auto group = groups_.find(t.group);
-      const Group& left = group->second;
-      if (left.running == 0 && !left.whole_running && left.waiting.empty()) {
-        groups_.erase(group);
-      }
+      StartLocked(g, ready);
+      if (g.running_keys.empty() && !g.whole_running && g.pending.empty()) groups_.erase(it);
     }
-    for (Task& r : ready) Start(std::move(r), /*here=*/false);
+    for (Task& r : ready) Post(std::move(r));
   }
 
   Executor* const executor_;
   mutable absl::Mutex mu_;
-  // A key is here while one of its tasks runs, is posted to run or is held back by its group,
-  // with those waiting behind it.
-  absl::flat_hash_map<std::string, std::deque<Task>> keys_ ABSL_GUARDED_BY(mu_);
+  // A group is here while one of its tasks runs, is posted to run or waits.
   absl::flat_hash_map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1587,6 +1587,102 @@ TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
   EXPECT_EQ(with_whole.load(), 0);
 }
 
+// A group's tasks keep the order they came in wherever they conflict: a whole-group task (a
+// release) runs after a task posted before it on a busy key (a Forward queued behind another on
+// its layer), and a task posted after two whole-group tasks runs after both. Before, the release
+// overtook the queued Forward (which then found its sequence gone), and the task after the
+// releases overtook the second.
+TEST(SerialQueuesTest, AGroupsTasksKeepTheirOrderAroundWholeGroupTasks) {
+  Executor executor(4);
+  SerialQueues queues(&executor);
+  absl::Notification release;
+  absl::Mutex mu;
+  std::vector<std::string> events;
+  auto note = [&](std::string e) {
+    absl::MutexLock lock(&mu);
+    events.push_back(std::move(e));
+  };
+  queues.Run("g", "0/g", [&] {
+    release.WaitForNotification();
+    note("long");
+  });
+  queues.Run("g", "0/g", [&] { note("queued on 0"); });
+  auto whole = [&](std::string name) {
+    queues.Run(
+        "g", "*/g", [&, name] { note(name); }, /*here=*/false, /*whole_group=*/true);
+  };
+  whole("release");
+  whole("release 2");
+  queues.Run("g", "1/g", [&] { note("after"); });
+  absl::SleepFor(absl::Milliseconds(50));
+  {
+    absl::MutexLock lock(&mu);
+    EXPECT_TRUE(events.empty());  // everything waits for the long task (the same key) or after it
+  }
+  release.Notify();
+  for (int i = 0; i < 10000 && queues.busy_keys() != 0; ++i) absl::SleepFor(absl::Milliseconds(1));
+  EXPECT_EQ(queues.busy_keys(), 0u);
+  absl::MutexLock lock(&mu);
+  EXPECT_EQ(events,
+            (std::vector<std::string>{"long", "queued on 0", "release", "release 2", "after"}));
+}
+
+// Many tasks of a few groups and keys, some whole-group, posted from two threads (some to run
+// where they are posted) onto eight: each starts only once every task posted before it that it
+// conflicts with has ended, and all of them run.
+TEST(SerialQueuesTest, EachTaskStartsAfterTheEarlierTasksItConflictsWith) {
+  constexpr int kTasks = 3000;
+  struct Posted {
+    int group, key;
+    bool whole;
+  };
+  std::vector<Posted> posted(kTasks);
+  std::vector<std::atomic<bool>> ended(kTasks);
+  std::atomic<int> order{0}, out_of_order{0}, ran{0};
+  std::vector<std::atomic<int>> seq(kTasks);  // the order each was posted in
+  for (std::atomic<int>& s : seq) s = -1;
+  absl::Mutex post_mu;  // posting and numbering are one step
+  {
+    auto executor = std::make_unique<Executor>(8);
+    SerialQueues queues(executor.get());
+    auto post = [&](int i, bool here) {
+      absl::MutexLock lock(&post_mu);
+      const Posted p = posted[i];
+      seq[i] = order++;
+      const std::string group = absl::StrCat("g", p.group);
+      const std::string key = p.whole ? absl::StrCat("*/", group) : absl::StrCat(p.key, "/", group);
+      const int mine = seq[i];
+      queues.Run(
+          group, key,
+          [&, i, mine] {
+            // Every task posted before this one that it conflicts with has ended.
+            for (int j = 0; j < kTasks; ++j) {
+              if (j == i || posted[j].group != posted[i].group) continue;
+              const bool conflicts =
+                  posted[j].whole || posted[i].whole || posted[j].key == posted[i].key;
+              const int other = seq[j];
+              if (conflicts && other >= 0 && other < mine && !ended[j]) ++out_of_order;
+            }
+            absl::SleepFor(absl::Microseconds((i * 7919) % 50));
+            ended[i] = true;
+            ++ran;
+          },
+          here, p.whole);
+    };
+    for (int i = 0; i < kTasks; ++i) {
+      posted[i] = {(i * 31) % 3, (i * 17) % 4, (i * 13) % 11 == 0};
+    }
+    std::thread second([&] {
+      for (int i = 1; i < kTasks; i += 2) post(i, /*here=*/false);
+    });
+    for (int i = 0; i < kTasks; i += 2) post(i, /*here=*/i % 6 == 0);
+    second.join();
+    executor.reset();  // runs what is posted, then joins (before the queues go)
+  }
+  EXPECT_EQ(ran.load(), kTasks);
+  EXPECT_EQ(out_of_order.load(), 0);
+}
+
 // Calls waiting for a layer of a cache hold no thread: while a long Forward holds layer 0 of one
 // cache, and Forwards, truncations and Step layers of that layer queue behind it (more of each
 // than the server has threads), the calls of another cache run at once. Where each waiting call

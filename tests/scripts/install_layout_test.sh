@@ -14,7 +14,13 @@ trap '[ -n "$pid" ] && kill $pid 2>/dev/null; rm -rf "$stage" "$log"' EXIT
 fail() { echo "FAIL: $*"; [ -s "$log" ] && { echo "--- server log"; cat "$log"; }; exit 1; }
 . "$(dirname "$0")/lib.sh"
 
-cmake --install "$build" --prefix "$stage" > /dev/null
+# Install as the images do: the component their `cmake --install` names, and only the targets
+# their ninja line builds may be in it (an install rule for a target not built stops the image's
+# build: the images build on a fresh tree).
+component=$(sed -n 's|.*cmake --install /build --prefix /opt/pagedattn --component \([a-z]*\).*|\1|p' \
+  "$repo/docker/Dockerfile")
+[ -n "$component" ] || fail "docker/Dockerfile's cmake --install names no --component"
+cmake --install "$build" --prefix "$stage" --component "$component" > /dev/null
 # The runtime stage's package list is produced by the same script in the build stage.
 "$repo/scripts/install-deps.sh" --list-runtime > "$stage/share/pagedattn/runtime-packages.txt"
 grep -q grpc "$stage/share/pagedattn/runtime-packages.txt" || fail "runtime package list has no gRPC"
@@ -31,6 +37,14 @@ for dockerfile in "$repo/docker/Dockerfile" "$repo/docker/Dockerfile.cpu"; do
   # Every RUN'd repo script exists and is executable.
   for s in $(grep -o 'scripts/[a-z-]*\.sh' "$dockerfile" | sort -u); do
     [ -x "$repo/$s" ] || fail "$(basename "$dockerfile") runs $s, not executable"
+  done
+  grep -q -- "cmake --install /build --prefix /opt/pagedattn --component $component " "$dockerfile" ||
+    fail "$(basename "$dockerfile") does not install --component $component"
+  built=" $(sed -n 's|.*ninja -C /build \([a-z -]*\).*|\1|p' "$dockerfile") "
+  for f in "$stage"/bin/*; do
+    head -c4 "$f" | grep -q ELF || continue  # a script (the entrypoint) is copied, not built
+    [[ "$built" == *" $(basename "$f") "* ]] ||
+      fail "$(basename "$dockerfile") installs $(basename "$f") but does not build it (builds:$built)"
   done
   grep -A1 '^HEALTHCHECK' "$dockerfile" | grep -q 'pagedattn-cli.*health' || fail "no CLI HEALTHCHECK in $dockerfile"
   grep -q '^USER pagedattn' "$dockerfile" || fail "$dockerfile does not drop root"

@@ -108,8 +108,8 @@ ABSL_FLAG(
     "the transport resets streams with RESOURCE_EXHAUSTED) and, separately, the Forward "
     "data held by calls, a Forward's from its arrival until its answer is sent or its call ends "
     "(past it a Forward gets RESOURCE_EXHAUSTED: retry). 0: a quarter of the "
-    "memory this process may use (cgroup limits included), at most 2 x --max_message_mb "
-    "+ 64; else at least 16 (the transport's largest read) and --max_message_mb");
+    "memory this process may use (cgroup limits included), at least 64 and at most 2 x "
+    "--max_message_mb + 64; else at least 16 (the transport's largest read) and --max_message_mb");
 ABSL_FLAG(std::string, log_level, "info",
           "trace | debug | info | warn | error | off. debug logs one line per RPC; trace also "
           "gRPC's own debug lines");
@@ -154,7 +154,8 @@ ABSL_FLAG(std::string, tls_client_ca, "",
           "PEM CA bundle: require client certificates signed by it (mTLS); needs --tls_cert");
 ABSL_FLAG(std::string, auth_tokens_file, "",
           "file of bearer tokens, one per line as 'token [tenant]' (tenant 'default' when "
-          "omitted; tokens of at least 16 characters, e.g. `openssl rand -hex 32`). Set: every "
+          "omitted; tokens of at least 16 RFC 6750 characters, 6 of them different, no "
+          "placeholder text such as REPLACE or CHANGEME, e.g. `openssl rand -hex 32`). Set: every "
           "AttentionService call needs 'authorization: Bearer <token>' and sees only its "
           "tenant's caches; health and reflection stay open");
 ABSL_FLAG(std::string, health_listen, "",

@@ -4,6 +4,7 @@ errors with the same structure as the blocking client's."""
 from __future__ import annotations
 
 import asyncio
+import math
 
 import grpc
 import numpy as np
@@ -17,6 +18,57 @@ from pagedattn.smoke import round_to
 from pagedattn.tensors import dtype_enum
 
 TOLERANCE = {"float32": 1e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
+
+def test_math_inf_is_no_deadline(target, kv_dtypes):
+    """As the blocking client: math.inf (it failed every call at once, DEADLINE_EXCEEDED)."""
+    async def main() -> None:
+        async with pagedattn.aio.Client(target, timeout=math.inf) as client:
+            assert await client.health(timeout=math.inf)
+            config = CacheConfig(1, 4, 2, 64, page_size=4, kv_dtype=kv_dtypes[0], num_pages=8)
+            async with await client.create_cache(config) as cache:
+                rng = np.random.default_rng(0)
+                q, k, v = (rng.standard_normal((3, h, 64), dtype=np.float32) for h in (4, 2, 2))
+                async with client.step(cache, [Span.prefill(1, 3)]) as step:
+                    assert (await step.forward(0, q, k, v)).shape == (3, 4, 64)
+            with pytest.raises(ValueError, match=r"math\.inf"):
+                await client.health(timeout=1e12)
+
+    asyncio.run(main())
+
+
+def test_a_step_closed_after_its_client_was_raises_cancelled_as_the_blocking_one(target):
+    """A Step whose layers were answered, closed (the end of its block) after another task closed
+    its client: PagedAttnError CANCELLED, as the blocking client's, not a CancelledError in a task
+    nobody cancelled (which a TaskGroup drops without a word)."""
+    async def main() -> object:
+        client = pagedattn.aio.Client(target)
+        config = CacheConfig(1, 4, 2, 64, page_size=16, kv_dtype="float32", num_pages=8)
+        async with pagedattn.aio.Client(target) as owner:
+            cache = await owner.create_cache(config, "aio-closed-step")
+            q, k, v = (np.ones((3, h, 64), np.float32) for h in (4, 2, 2))
+            answered = asyncio.Event()
+
+            async def worker() -> object:
+                try:
+                    async with client.step(cache.cache_id, [Span.prefill(1, 3)]) as step:
+                        await step.forward(0, q, k, v)
+                        answered.set()
+                        await asyncio.sleep(0.2)  # its client closes meanwhile
+                except errors.PagedAttnError as e:
+                    return e
+                return None
+
+            task = asyncio.create_task(worker())
+            await asyncio.wait_for(answered.wait(), 30)
+            await client.close()
+            result = await asyncio.gather(task, return_exceptions=True)
+            await cache.delete()
+            return result[0]
+
+    result = asyncio.run(main())
+    assert isinstance(result, errors.PagedAttnError), repr(result)
+    assert result.code == grpc.StatusCode.CANCELLED, repr(result)
 
 
 def test_every_method(target, kv_dtypes):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import math
 import re
 import signal
 import subprocess
@@ -262,6 +263,29 @@ def test_unreachable_server_is_unavailable():
         with pytest.raises(errors.Unavailable) as e:
             c.server_info()
     assert e.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def test_math_inf_is_no_deadline_and_a_timeout_past_grpcs_is_refused(target, kv_dtypes):
+    """math.inf, the client's or a call's, means no deadline (it failed every call at once with
+    DEADLINE_EXCEEDED, as did any timeout past about 7.4e9 s: grpc's deadline overflowed); a
+    finite timeout past 1e9 s is refused, naming math.inf."""
+    with pagedattn.Client(target, timeout=math.inf) as c:
+        assert c.health()
+        assert c.server_info().backend
+        config = CacheConfig(1, 4, 2, 64, page_size=4, kv_dtype=kv_dtypes[0], num_pages=8)
+        with c.create_cache(config) as cache:
+            rng = np.random.default_rng(0)
+            q, k, v = (rng.standard_normal((3, h, 64), dtype=np.float32) for h in (4, 2, 2))
+            assert cache.forward(0, [Span.prefill(1, 3)], q, k, v).shape == (3, 4, 64)
+            with c.step(cache, [Span.prefill(2, 3)], timeout=math.inf) as step:
+                assert step.forward(0, q, k, v).shape == (3, 4, 64)
+    with pagedattn.Client(target) as c:
+        assert c.health(timeout=math.inf)
+        for bad in (1e12, 8e9):
+            with pytest.raises(ValueError, match=r"past the longest grpc takes .*math\.inf"):
+                c.health(timeout=bad)
+    with pytest.raises(ValueError, match=r"math\.inf for no deadline"):
+        pagedattn.Client(target, timeout=1e10)
 
 
 # -- numerics --------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ values the client checks by name before sending (spans, sequence ids)."""
 
 from __future__ import annotations
 
+import pickle
 import re
 
 import grpc
@@ -82,6 +83,24 @@ def test_bad_request_violations():
     err = errors.from_status(status)
     assert type(err) is errors.CacheConfigError
     assert err.fields == ["page_size"] and "(got 0)" in dict(err.violations)["page_size"]
+
+
+def test_errors_survive_pickling():
+    """An error raised in a process pool's worker comes back pickled: its type, message, code,
+    status and numbers with it (CacheConfigError could not be unpickled: the pool broke)."""
+    bad = error_details_pb2.BadRequest()
+    bad.field_violations.add(field="head_dim", description="must be one of 64, 128 (got 100)")
+    status = status_pb2.Status(code=grpc.StatusCode.INVALID_ARGUMENT.value[0], message="bad")
+    status.details.add().Pack(bad)
+    full = status_with_info(RESOURCE_EXHAUSTED, "busy", "SERVER_BUSY",
+                            {"bytes_in_flight": 900, "bytes_needed": 300, "budget_bytes": 1000})
+    for err in (errors.from_status(status), errors.from_status(full),
+                errors.PagedAttnError("gone", grpc.StatusCode.NOT_FOUND)):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err)
+        assert (back.code, back.status) == (err.code, err.status)
+        assert vars(back) == vars(err)
+    assert pickle.loads(pickle.dumps(errors.from_status(status))).fields == ["head_dim"]
 
 
 def test_span_and_seq_id_values_are_checked_by_name():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 import operator
 import os
 import warnings
@@ -188,13 +189,29 @@ def check_target(target: Any) -> None:
         raise ValueError(f"target {target!r}: {why}")
 
 
+# The longest finite timeout taken: grpc's deadline (now plus the timeout, in int64 nanoseconds)
+# overflows past about 7.4e9 s, and the call then fails at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT_S = 1e9
+
+
 def check_timeout(timeout: Any) -> None:
-    """A client's default timeout: seconds > 0, or None for none (checked when the client is
-    made, not at its first call, deep inside grpc)."""
+    """A timeout: seconds > 0 (at most MAX_TIMEOUT_S), math.inf for no deadline, or None (a
+    client's: no deadline; a call's: the client's). Checked when the client is made or the call
+    is, not deep inside grpc."""
     if timeout is None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
-        raise ValueError(f"timeout must be a positive number of seconds or None (got {timeout!r})")
+        raise ValueError(f"timeout must be a positive number of seconds, math.inf for no deadline "
+                         f"or None (got {timeout!r})")
+    if timeout > MAX_TIMEOUT_S and timeout != math.inf:
+        raise ValueError(f"timeout {timeout!r} s is past the longest grpc takes ({MAX_TIMEOUT_S:g} "
+                         "s); pass math.inf for no deadline")
+
+
+def grpc_timeout(default: Optional[float], given: Optional[float]) -> Optional[float]:
+    """The timeout a call passes to grpc: given, else the client's default; None for none."""
+    timeout = default if given is None else given
+    return None if timeout is None or timeout == math.inf else timeout
 
 
 def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:

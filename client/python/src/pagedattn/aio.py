@@ -116,7 +116,7 @@ class Client:
         try:
             return await method(
                 request,
-                timeout=self.timeout if timeout is None else timeout,
+                timeout=_common.grpc_timeout(self.timeout, timeout),
                 metadata=_common.call_metadata(self._metadata),
             )
         except grpc.aio.AioRpcError as e:
@@ -343,7 +343,7 @@ class Step:
     def _open(self) -> Any:
         if self._call is None:
             self.client._check_open()
-            self._call = self.client.stub.Step(timeout=self._timeout,
+            self._call = self.client.stub.Step(timeout=_common.grpc_timeout(self._timeout, None),
                                                metadata=_common.call_metadata(self.client._metadata))
             self._writer = _keep_until_done(
                 asyncio.get_running_loop().create_task(_write_all(self._outbox, self._call)))
@@ -418,6 +418,10 @@ class Step:
                 extra = await self._call.read() if not self._finished else grpc.aio.EOF
             except grpc.aio.AioRpcError as e:
                 self._fail(self._stream_error(e))
+            except asyncio.CancelledError:
+                if not self.client._closed or self._cancelled or _being_cancelled():
+                    raise
+                self._fail(_closed_in_flight())  # the channel's close() cancelled the call
             else:
                 if extra is grpc.aio.EOF:
                     self._finished = True

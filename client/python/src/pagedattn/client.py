@@ -38,7 +38,8 @@ class Client:
         target: "host:port" of the server.
         token: bearer token sent as `authorization: Bearer <token>` (servers with --auth_tokens_file).
         tls: False for plaintext, True for TLS with the system roots, or a `pagedattn.TLS`.
-        timeout: default per-call deadline in seconds (None: no deadline).
+        timeout: default per-call deadline in seconds (None or math.inf: no deadline; a call
+            passes its own timeout=, math.inf for none).
         max_message_bytes: send/receive limit; defaults to the server's own maximum (512 MiB)
             instead of gRPC's 4 MiB receive limit.
         options: extra gRPC channel options, e.g. [("grpc.enable_retries", 0)].
@@ -90,7 +91,7 @@ class Client:
         try:
             return method(
                 request,
-                timeout=self.timeout if timeout is None else timeout,
+                timeout=_common.grpc_timeout(self.timeout, timeout),
                 metadata=_common.call_metadata(self._metadata),
             )
         except grpc.RpcError as e:
@@ -363,7 +364,7 @@ class Step:
         self._timeout = timeout
         client._check_open()
         self._call = client.stub.Step(
-            iter(self._requests.get, _END), timeout=timeout,
+            iter(self._requests.get, _END), timeout=_common.grpc_timeout(timeout, None),
             metadata=_common.call_metadata(client._metadata),
         )
 

@@ -48,9 +48,12 @@ class CacheConfigError(InvalidArgument):
     the config's), with every violation as (field, description) in `violations`, taken from the
     google.rpc.BadRequest in the status details."""
 
-    def __init__(self, message: str, code: Any, status: Any, violations: list[tuple[str, str]]):
+    # (Every argument but the message has a default: unpickling, as a process pool does with a
+    # worker's exception, calls cls(message) and then restores the attributes.)
+    def __init__(self, message: str, code: Any = None, status: Any = None,
+                 violations: Optional[list[tuple[str, str]]] = None) -> None:
         super().__init__(message, code, status)
-        self.violations = violations
+        self.violations = list(violations or [])
 
     @property
     def fields(self) -> list[str]:

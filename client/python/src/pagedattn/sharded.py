@@ -686,7 +686,7 @@ class ShardedClient(_ShardedClientBase):
             try:
                 client._check_open()
                 calls.append((getattr(client.stub, method).future(
-                    request, timeout=client.timeout if timeout is None else timeout,
+                    request, timeout=_common.grpc_timeout(client.timeout, timeout),
                     metadata=_common.call_metadata(client._metadata)), None))
             except Exception as e:  # e.g. a closed client (ClientClosed)
                 calls.append((None, e))

@@ -3,9 +3,13 @@
 bit-identical to forward() with the same tensors sent as bytes. Needs a CUDA server and torch
 with CUDA; on a CPU server, registering is refused with FailedPrecondition."""
 
+import asyncio
+
+import grpc
 import pytest
 
 import pagedattn
+from pagedattn import errors, pb
 
 CONFIG = pagedattn.CacheConfig(num_layers=2, num_q_heads=8, num_kv_heads=2, head_dim=128,
                                page_size=16, kv_dtype="bfloat16", num_pages=64)
@@ -44,6 +48,64 @@ def test_a_tensor_not_on_the_device_is_named():
     host = np.zeros((1, 8, 128), np.float32)
     with pytest.raises(ValueError, match=r"^q must be a torch CUDA tensor \(got numpy\.ndarray"):
         device_request(memory, "c", 0, [], host, None, None, host, None, None, None)
+
+
+class _Unregisters:
+    """A client's unregister_memory, failing as told (no GPU needed)."""
+
+    def __init__(self, *failures):
+        self.calls, self.failures = [], list(failures)
+
+    def unregister_memory(self, region_id, *, timeout=None):
+        self.calls.append(region_id)
+        if self.failures:
+            raise self.failures.pop(0)
+
+
+def test_a_failed_close_keeps_the_allocation_for_a_retry():
+    """A close() whose UnregisterMemory failed (UNAVAILABLE) keeps the allocation alive (the
+    server still maps it) and may be retried; it let go of it first, and the retry did nothing."""
+    from pagedattn.device import DeviceMemory
+
+    client = _Unregisters(errors.Unavailable("down", grpc.StatusCode.UNAVAILABLE))
+    storage = object()
+    mem = DeviceMemory(client, pb.MemoryRegion(region_id="r1", size_bytes=64), 0, storage)
+    with pytest.raises(errors.Unavailable):
+        mem.close()
+    assert mem._keep is storage
+    mem.close()
+    mem.close()  # closed: nothing sent
+    assert client.calls == ["r1", "r1"] and mem._keep is None
+    gone = _Unregisters(errors.NotFound("no region r2", grpc.StatusCode.NOT_FOUND))
+    mem = DeviceMemory(gone, pb.MemoryRegion(region_id="r2", size_bytes=64), 0, storage)
+    with pytest.raises(errors.NotFound):
+        mem.close()
+    assert mem._keep is None  # the server no longer knows it: nothing to keep it for
+
+
+def test_an_aio_clients_memory_closes_with_async_with():
+    """With pagedattn.aio, `async with mem:` unregisters (it was unsupported) and `with mem:` is
+    refused (it unregistered nothing: an un-awaited coroutine); a second close is awaitable."""
+    from pagedattn.device import DeviceMemory
+
+    class AioUnregisters:
+        calls = []
+
+        async def unregister_memory(self, region_id, *, timeout=None):
+            self.calls.append(region_id)
+
+    mem = DeviceMemory(AioUnregisters(), pb.MemoryRegion(region_id="r1", size_bytes=64), 0, 1)
+    with pytest.raises(TypeError, match="async with"):
+        with mem:
+            pass
+
+    async def main():
+        async with mem:
+            pass
+        await mem.close()
+
+    asyncio.run(main())
+    assert AioUnregisters.calls == ["r1"]
 
 
 def test_cpu_server_refuses_device_memory(client, backend):

@@ -13,8 +13,10 @@ carved from it can be named by offset."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Optional
 
+from .errors import NotFound
 from .tensors import dtype_enum
 from .types import checked_bool, checked_float, checked_int32
 from .v1 import attention_pb2 as pb
@@ -61,17 +63,46 @@ class DeviceMemory:
         )
 
     def close(self, *, timeout: Optional[float] = None) -> Any:
-        """Unregisters (the server's lease releases it otherwise). With pagedattn.aio, await it."""
+        """Unregisters (the server's lease releases it otherwise); again, does nothing. With
+        pagedattn.aio, await it. The allocation is let go once the server has let it go (or no
+        longer knows it): a close() that failed otherwise may be retried."""
+        if inspect.iscoroutinefunction(self._client.unregister_memory):
+            return self._close_async(timeout)
         if self._keep is None:
             return None
+        try:
+            self._client.unregister_memory(self.region_id, timeout=timeout)
+        except NotFound:
+            self._keep = None  # gone already (its lease ran out, or its cache was deleted)
+            raise
         self._keep = None
-        return self._client.unregister_memory(self.region_id, timeout=timeout)
+        return None
+
+    async def _close_async(self, timeout: Optional[float]) -> None:
+        if self._keep is None:
+            return
+        try:
+            await self._client.unregister_memory(self.region_id, timeout=timeout)
+        except NotFound:
+            self._keep = None
+            raise
+        self._keep = None
 
     def __enter__(self) -> "DeviceMemory":
+        if inspect.iscoroutinefunction(self._client.unregister_memory):
+            raise TypeError("a pagedattn.aio client's DeviceMemory needs `async with`")
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    async def __aenter__(self) -> "DeviceMemory":
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        result = self.close()
+        if inspect.isawaitable(result):
+            await result
 
     def __repr__(self) -> str:
         return f"DeviceMemory({self.region_id}, {self.size} bytes, device {self.region.device})"

@@ -262,6 +262,26 @@ def test_a_garbled_message_ends_the_open_step(client, kv_dtypes):
         assert cache.forward(1, [Span.decode(1, 1)], *t1).shape == (1, HQ, D)
 
 
+def test_begin_reopens_a_step_the_server_ended(start_servers, kv_dtypes):
+    """A step of more spans than the server's --max_forward_spans ends the open step and the
+    stream's cache (the parse refuses it); begin() without cache= opens the next step on the
+    stream's cache all the same (it sent no cache_id, and every layer after was refused). A q of
+    more than 8 dimensions is refused before sending, the stream going on."""
+    (server,) = start_servers(1, "--max_forward_spans=2")
+    rng = np.random.default_rng(13)
+    with pagedattn.Client(server.target) as c, c.create_cache(config(kv_dtypes[0])) as cache:
+        with c.step(cache, [Span.prefill(1, 1)]) as step:
+            assert step.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
+            with pytest.raises(ValueError, match=r"^q has 9 dimensions; a tensor has at most 8"):
+                step.forward(1, np.zeros((1,) * 8 + (D,), np.float32))
+            step.begin([Span.prefill(s, 1) for s in (2, 3, 4)])
+            with pytest.raises(errors.PagedAttnError, match="max_forward_spans"):
+                step.forward(0, *qkv(rng, 3))
+            step.begin([Span.decode(1, 1)])
+            assert step.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
+        assert cache.stats().used_pages > 0
+
+
 def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_dtypes):
     rng = np.random.default_rng(13)
     with client.create_cache(config(kv_dtypes[0], num_layers=3)) as cache:

@@ -361,7 +361,9 @@ class Step:
         """See pagedattn.client.Step.begin."""
         if self._closed:
             raise RuntimeError("the Step stream is closed")
-        self._messages.begin(cache, spans, causal, sm_scale, return_lse, self._messages.dtype)
+        # The stream's cache named again (see pagedattn.client.Step.begin).
+        self._messages.begin(self.cache_id if cache is None else cache, spans, causal, sm_scale,
+                             return_lse, self._messages.dtype)
         if cache is not None:
             self.cache_id = cache_id_of(cache)
 

@@ -385,8 +385,10 @@ class Step:
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Step stream is closed")
-            self._messages.begin(cache, spans, causal, sm_scale, return_lse,
-                                 self._messages.dtype)
+            # The stream's cache named again: a message the server could not parse (more spans
+            # than its --max_forward_spans) made it forget the stream's.
+            self._messages.begin(self.cache_id if cache is None else cache, spans, causal,
+                                 sm_scale, return_lse, self._messages.dtype)
             if cache is not None:
                 self.cache_id = cache_id_of(cache)
 

@@ -153,6 +153,9 @@ def to_tensor(x: ArrayLike, dtype: Optional[DTypeLike] = None) -> pb.Tensor:
     return t
 
 
+MAX_DIMS = 8  # of a tensor the server parses
+
+
 def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None,
                 name: str = "tensor") -> None:
     """Sets the Tensor message `t` (e.g. request.q) in place: no copy of a whole message.
@@ -165,6 +168,9 @@ def fill_tensor(t: pb.Tensor, x: ArrayLike, dtype: Optional[DTypeLike] = None,
         raise TypeError("float8_e4m3 is a cache's kv_dtype; tensors travel as float32, float16 or "
                         "bfloat16 (an FP8 cache converts them when it appends)")
     enum, raw = _torch_raw(x, want, name) if _is_torch(x) else _numpy_raw(x, want, name)
+    if raw.ndim > MAX_DIMS:  # the server's parse refuses it, ending a Step stream's open step
+        raise ValueError(f"{name} has {raw.ndim} dimensions; a tensor has at most {MAX_DIMS} "
+                         f"(shape {raw.shape})")
     t.dtype = enum
     t.shape[:] = raw.shape
     t.data = raw.tobytes()

@@ -17,6 +17,7 @@ import pytest
 
 import pagedattn
 import pagedattn.aio
+import pagedattn.aio
 from pagedattn import CacheConfig, Span, errors
 from pagedattn.reference import relative_error
 
@@ -513,9 +514,22 @@ def test_a_block_that_raises_keeps_its_exception_and_names_the_caches_left(clien
         assert cache.shards[0].deleted and not cache.shards[1].deleted
 
 
-def test_the_same_target_twice_is_refused(shard_targets):
-    with pytest.raises(ValueError, match=r"shard targets 0 and 2 are the same \("):
-        pagedattn.ShardedClient([shard_targets[0], shard_targets[1], shard_targets[0]])
+def test_the_same_target_twice_is_refused(shard_targets, monkeypatch):
+    """Refused before any shard's client (and channel) is made: an aio client's channel could
+    not be closed there (its close() is a coroutine, left un-awaited)."""
+    made = []
+    for client_type in (pagedattn.Client, pagedattn.aio.Client):
+        def counted(self, *a, _init=client_type.__init__, **kw):
+            made.append(a)
+            _init(self, *a, **kw)
+
+        monkeypatch.setattr(client_type, "__init__", counted)
+    for sharded in (pagedattn.ShardedClient, pagedattn.aio.ShardedClient):
+        with pytest.raises(ValueError, match=r"shard targets 0 and 2 are the same \("):
+            sharded([shard_targets[0], shard_targets[1], shard_targets[0]])
+        with pytest.raises(ValueError, match=r"target 'localhost:70000': the port is out of range"):
+            sharded([shard_targets[0], "localhost:70000"])
+    assert made == []
 
 
 def test_targets_from_dns_are_sorted_and_unique(monkeypatch):

@@ -455,30 +455,34 @@ class _ShardedClientBase:
                  options: Sequence[tuple[str, Any]]) -> None:
         tls = _tls_for_name(targets, tls)
         options = _common.channel_options(options)  # once: a generator would reach one shard
+        # Every shard checked before any channel is opened (an aio client's channel could not be
+        # closed here: its close() is a coroutine).
+        shards = list(resolve_targets(targets))
+        for t in shards:
+            if isinstance(t, str):
+                _common.check_target(t)
+            elif not isinstance(t, client_type):
+                raise TypeError(f"a shard is a target string or a {client_type.__module__}."
+                                f"{client_type.__name__} (got {t!r})")
+        # The same server twice would hold two shards' heads in two caches: a mistake in the
+        # list, refused before anything is sent.
+        first: dict[str, int] = {}
+        for i, t in enumerate(t if isinstance(t, str) else t.target for t in shards):
+            if t in first:
+                raise ValueError(f"shard targets {first[t]} and {i} are the same ({t}): each "
+                                 "shard needs its own server")
+            first[t] = i
         self.clients = []
         self._owned: list[Any] = []
-        for t in resolve_targets(targets):
+        for t in shards:
             if isinstance(t, client_type):
                 self.clients.append(t)
-            elif isinstance(t, str):
+            else:
                 c = client_type(t, token, tls=tls, timeout=timeout,
                                 max_message_bytes=max_message_bytes, options=options)
                 self.clients.append(c)
                 self._owned.append(c)
-            else:
-                raise TypeError(f"a shard is a target string or a {client_type.__module__}."
-                                f"{client_type.__name__} (got {t!r})")
         self.targets: list[str] = [c.target for c in self.clients]
-        # The same server twice would hold two shards' heads in two caches: a mistake in the
-        # list, refused before anything is sent.
-        first: dict[str, int] = {}
-        for i, t in enumerate(self.targets):
-            if t in first:
-                for c in self._owned:
-                    c.close()
-                raise ValueError(f"shard targets {first[t]} and {i} are the same ({t}): each "
-                                 "shard needs its own server")
-            first[t] = i
 
     @property
     def num_shards(self) -> int:

@@ -7,6 +7,7 @@ stream goes on, closing and cancelling mid-step, the asyncio twin, and the messa
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import grpc
@@ -280,6 +281,27 @@ def test_begin_reopens_a_step_the_server_ended(start_servers, kv_dtypes):
             step.begin([Span.decode(1, 1)])
             assert step.forward(0, *qkv(rng, 1)).shape == (1, HQ, D)
         assert cache.stats().used_pages > 0
+
+
+def test_a_step_that_ended_leaves_no_thread_behind(target, kv_dtypes):
+    """Steps left open past their deadline, then their client closed: grpc's thread that sends a
+    stream's messages ends with the stream (each stayed blocked until its Step was collected)."""
+    rng = np.random.default_rng(14)
+    before = threading.active_count()
+    with pagedattn.Client(target) as owner, owner.create_cache(config(kv_dtypes[0])) as cache:
+        c = pagedattn.Client(target, timeout=0.5)
+        steps = []
+        for i in range(5):
+            steps.append(c.step(cache, [Span.prefill(10 + i, 1)]))
+            steps[-1].forward(0, *qkv(rng, 1))
+        time.sleep(1.0)  # past the deadline
+        c.close()
+        for _ in range(100):
+            if threading.active_count() <= before:
+                break
+            time.sleep(0.05)
+        assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
+        assert all(s.closed for s in steps)
 
 
 def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_dtypes):

@@ -367,6 +367,10 @@ class Step:
             iter(self._requests.get, _END), timeout=_common.grpc_timeout(timeout, None),
             metadata=_common.call_metadata(client._metadata),
         )
+        # A stream that ended (its deadline, its client's close(), the server) ends the request
+        # iterator too: else grpc's thread sending it stays blocked until the Step is collected.
+        requests = self._requests  # not self: the call must not keep the Step alive
+        self._call.add_done_callback(lambda _: requests.put(_END))
 
     # -- sending -------------------------------------------------------------------------------
 

@@ -547,6 +547,21 @@ def test_async_every_layer_sent_before_reading_big_answers(target, kv_dtypes):
     asyncio.run(main())
 
 
+def test_async_a_submitted_layer_goes_out_before_the_next_is_made(target, kv_dtypes):
+    """submit() lets the stream's writer take the message at once (it waited in the outbox until
+    the caller's next wait, while the caller encoded every other layer)."""
+    async def main() -> None:
+        rng = np.random.default_rng(15)
+        async with pagedattn.aio.Client(target) as c:
+            async with await c.create_cache(config(kv_dtypes[0])) as cache:
+                async with c.step(cache.cache_id, [Span.prefill(1, 1)]) as step:
+                    first = await step.submit(0, *qkv(rng, 1))
+                    assert step._outbox.qsize() == 0
+                    assert (await first).shape == (1, HQ, D)
+
+    asyncio.run(main())
+
+
 def test_async_a_waiter_cancelled_leaves_the_stream_going(target, kv_dtypes):
     """asyncio.wait_for giving up on one layer's answer cancels that wait, not the stream: grpc.aio
     cancels the whole call when a read() is cancelled, so the read is shared and shielded. Every

@@ -385,6 +385,9 @@ class Step:
         self._pending.append(future)
         self._outbox.put_nowait(request)
         self._messages.sent()
+        # The writer starts sending it now, not at the caller's next wait: while the caller
+        # encodes the next layers the server receives and runs this one.
+        await asyncio.sleep(0)
         return future
 
     async def forward(

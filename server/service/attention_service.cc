@@ -86,16 +86,16 @@ std::string QueueGroup(absl::string_view tenant, absl::string_view cache_id) {
 }
 }  // namespace
 
-CallQueue LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer) {
+QueueSlot LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer) {
   std::string group = QueueGroup(tenant, cache_id);
   std::string key = absl::StrCat(layer, "/", group);
-  return {std::move(group), std::move(key), false};
+  return {std::string(tenant), std::move(group), std::move(key), false};
 }
 
-CallQueue CacheQueue(absl::string_view tenant, absl::string_view cache_id) {
+QueueSlot CacheQueue(absl::string_view tenant, absl::string_view cache_id) {
   std::string group = QueueGroup(tenant, cache_id);
   std::string key = absl::StrCat("*/", group);
-  return {std::move(group), std::move(key), true};
+  return {std::string(tenant), std::move(group), std::move(key), true};
 }
 
 absl::Status AttentionServiceImpl::Authenticate(Rpc& rpc, const grpc::ServerContextBase& ctx) {
@@ -127,7 +127,7 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
     const char* method, grpc::CallbackServerContext* ctx, const grpc::ByteBuffer* req,
     grpc::ByteBuffer* resp,
     absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*),
-    CallQueue (*queue)(const Request&, const std::string& tenant)) {
+    QueueSlot (*queue)(const Request&, const std::string& tenant)) {
   UnaryReactor* reactor = new UnaryReactor(gate_);
   if (!reactor->entered()) {
     Rpc call(method, ctx, gate_);
@@ -135,12 +135,19 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
         call, absl::UnavailableError("the server is shutting down; retry (on another replica)")));
     return reactor;
   }
+  // The caller as the call arrived, not after its wait in the queue (its peer may be gone), and
+  // its tenant, whose turn on the threads it takes.
+  Rpc arrived(method, ctx, gate_);
+  if (absl::Status s = Authenticate(arrived, *ctx); !s.ok()) {
+    reactor->Finish(Finish(arrived, s));
+    return reactor;
+  }
+  const std::string tenant = arrived.tenant();
   // Not on gRPC's callback threads, which are few (two on a two-core host) and answer health
   // checks and Forwards: a CreateCache fills its pool for seconds on the CPU backend, and three
   // at once held a health check for 15 s. ctx, req and resp live until Finish.
-  // The caller as the call arrived, not after its wait in the queue (its peer may be gone).
-  control_executor_->Post([this, call = Rpc(method, ctx, gate_), method, ctx, req, resp, reactor,
-                           body, queue]() mutable {
+  auto run = [this, call = std::move(arrived), method, ctx, req, resp, reactor, body,
+              queue]() mutable {
     // The request, parsed under its hold of the budget (held until the answer is serialized).
     struct Parsed {
       std::optional<ByteBudget::Hold> hold;
@@ -148,9 +155,8 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
     };
     auto parsed = std::make_shared<Parsed>();
     absl::Status s = [&]() -> absl::Status {
-      if (absl::Status s = Authenticate(call, *ctx); !s.ok()) return s;
       if (absl::Status s = CheckRequestArrived(*req); !s.ok()) return s;
-      // Authenticated by now: a caller without a token gets no parse at all.
+      // Authenticated: a caller without a token gets no parse at all.
       if (budget_ != nullptr) {
         absl::StatusOr<ByteBudget::Hold> held = HoldForParse(*budget_, method, req->Length());
         if (!held.ok()) return held.status();
@@ -184,12 +190,11 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
       answer(call, /*queued=*/false);
     } else {
       // Its turn among the calls on the same layer (or cache): waiting, it holds no thread.
-      const CallQueue q = queue(parsed->request, call.tenant());
-      layer_queues_->Run(
-          q.group, q.key, [call, answer]() mutable { answer(call, /*queued=*/true); },
-          /*here=*/false, q.whole_cache);
+      layer_queues_->Run(queue(parsed->request, call.tenant()),
+                         [call, answer]() mutable { answer(call, /*queued=*/true); });
     }
-  });
+  };
+  control_executor_->Post(std::move(run), tenant);
   return reactor;
 }
 
@@ -641,6 +646,10 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   }
   auto call = std::make_shared<UnaryForward>(
       UnaryForward{Rpc("Forward", ctx, gate_), ctx, req, resp, reactor, {}});
+  if (absl::Status s = Authenticate(call->rpc, *ctx); !s.ok()) {
+    reactor->Finish(Finish(call->rpc, s));
+    return reactor;
+  }
   // A CUDA Forward runs here, on the callback thread, when its layer is free: it takes
   // milliseconds, and a hop to another thread would add its wake-up to each one's latency. A CPU
   // Forward takes up to seconds: on gRPC's callback threads (two on a two-core host) four at
@@ -648,8 +657,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
   if (forward_here_) {
     StartForwardCall(std::move(call));
   } else {
-    executor_->Post(
-        [this, call = std::move(call)]() mutable { StartForwardCall(std::move(call)); });
+    const std::string tenant = call->rpc.tenant();  // whose turn on the threads it takes
+    executor_->Post([this, call = std::move(call)]() mutable { StartForwardCall(std::move(call)); },
+                    tenant);
   }
   return reactor;
 }
@@ -658,9 +668,8 @@ void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) 
   UnaryForward& f = *call;
   const double start_us = f.rpc.seconds() * 1e6;  // its wait for a thread
   absl::Status s = [&]() -> absl::Status {
-    if (absl::Status s = Authenticate(f.rpc, *f.ctx); !s.ok()) return s;
-    // Cancelled, past its deadline or stopped by a drain while it waited for a thread: nothing
-    // of it is parsed or held.
+    // (Authenticated as it arrived.) Cancelled, past its deadline or stopped by a drain while it
+    // waited for a thread: nothing of it is parsed or held.
     if (absl::Status s = f.rpc.stop().Check(); !s.ok()) return s;
     // The message's bytes go with a ByteBuffer of the call's: the call may end (and UnaryForward
     // go) on a thread that is not gRPC's (ReceivedForward::buffer).
@@ -678,9 +687,8 @@ void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) 
   // layer of that cache) it holds no thread.
   const double queued_us = f.rpc.seconds() * 1e6;
   const std::thread::id arrived_on = std::this_thread::get_id();
-  const CallQueue q = LayerQueue(f.rpc.tenant(), r.cache_id, r.layer);
   layer_queues_->Run(
-      q.group, q.key,
+      LayerQueue(f.rpc.tenant(), r.cache_id, r.layer),
       [this, call, start_us, queued_us, arrived_on] {
         UnaryForward& f = *call;
         if (!forward_here_ || std::this_thread::get_id() != arrived_on) {
@@ -929,8 +937,8 @@ class AttentionServiceImpl::StepReactor final
       ++running_;
       // In turn with the other calls on that layer of the cache: waiting, it holds no thread
       // (never here: under mu_, which Run takes).
-      const CallQueue q = LayerQueue(tenant_, job->cache_id, job->layer);
-      service_->layer_queues_->Run(q.group, q.key, [this, job] { Run(job); });
+      service_->layer_queues_->Run(LayerQueue(tenant_, job->cache_id, job->layer),
+                                   [this, job] { Run(job); });
     }
   }
 

@@ -90,13 +90,9 @@ using RawAttentionService = v1::AttentionService::WithRawCallbackMethod_GetServe
 
 // Where a call on a cache waits its turn (SerialQueues): the group of the tenant's cache (as the
 // call names it), and the key of one of its layers (Forwards, Step layers, truncations), or of
-// the whole cache (releases, which wait for its layers' calls).
-struct CallQueue {
-  std::string group, key;
-  bool whole_cache = false;
-};
-CallQueue LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer);
-CallQueue CacheQueue(absl::string_view tenant, absl::string_view cache_id);
+// the whole cache (releases, which wait for its layers' calls); the tenant owns it.
+QueueSlot LayerQueue(absl::string_view tenant, absl::string_view cache_id, int32_t layer);
+QueueSlot CacheQueue(absl::string_view tenant, absl::string_view cache_id);
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
@@ -155,12 +151,12 @@ class AttentionServiceImpl final : public RawAttentionService {
   // A unary method other than Forward: its request parsed (once the caller is authenticated and
   // the memory the parse may take is held) and given to body, whose answer is sent; with the
   // preamble and epilogue every call shares. queue, when given: body runs in the request's turn
-  // on layer_queues_ (see CallQueue).
+  // on layer_queues_ (see LayerQueue).
   template <typename Request, typename Response>
   Reactor* Unary(const char* method, grpc::CallbackServerContext* ctx, const Bytes* req,
                  Bytes* resp,
                  absl::Status (AttentionServiceImpl::*body)(Rpc&, const Request&, Response*),
-                 CallQueue (*queue)(const Request&, const std::string& tenant) = nullptr);
+                 QueueSlot (*queue)(const Request&, const std::string& tenant) = nullptr);
   // The bodies of those methods.
   absl::Status RunGetServerInfo(Rpc& rpc, const v1::GetServerInfoRequest& req,
                                 v1::ServerInfo* resp);

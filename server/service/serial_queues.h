@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -28,6 +29,13 @@
 
 namespace pagedattn {
 
+// Where a task waits its turn: under key, of group (whole_group: it conflicts with every task of
+// the group); owner: whose turn on the executor it takes (a tenant).
+struct QueueSlot {
+  std::string owner, group, key;
+  bool whole_group = false;
+};
+
 class SerialQueues {
  public:
   // The queues outlive executor's threads (a task ends in RunThenNext, here): destroy the
@@ -37,26 +45,34 @@ class SerialQueues {
   SerialQueues& operator=(const SerialQueues&) = delete;
 
   // Tasks must not throw (the queue's bookkeeping follows each). Runs task once every task of
-  // group posted before it that it conflicts with (under key, or any of group's if either is
-  // whole_group) has run: on the calling thread before Run returns when here is true and it may
-  // start at once (a CUDA Forward's milliseconds save a thread's wake-up; never under a lock the
-  // task takes), else on the executor.
-  void Run(const std::string& group, const std::string& key, std::function<void()> task,
-           bool here = false, bool whole_group = false) {
-    std::vector<Task> ready;
+  // its group posted before it that it conflicts with (under its key, or any of the group's if
+  // either is whole_group) has run: on the calling thread before Run returns when here is true
+  // and it may start at once (a CUDA Forward's milliseconds save a thread's wake-up; never under
+  // a lock the task takes), else on the executor, in its owner's turn.
+  void Run(QueueSlot slot, std::function<void()> task, bool here = false) {
+    std::optional<Task> ready;
     {
       absl::MutexLock lock(&mu_);
-      Group& g = groups_[group];
-      g.pending.push_back(Task{group, key, std::move(task), whole_group});
-      StartLocked(g, ready);  // at most the new task: nothing else changed
-    }
-    // (ready holds the new task or nothing: the others waited for what still runs.)
-    for (size_t i = 0; i < ready.size(); ++i) {
-      if (here && i + 1 == ready.size()) {
-        RunThenNext(std::move(ready[i]));
+      Group& g = groups_[slot.group];
+      Task t{std::move(slot), std::move(task)};
+      if (g.whole_running || !g.held.empty()) {
+        g.held.push_back(std::move(t));  // after a whole-group task that runs or waits
+      } else if (t.slot.whole_group) {
+        if (g.active == 0) {
+          StartWholeLocked(g, t);
+          ready = std::move(t);
+        } else {
+          g.held.push_back(std::move(t));  // waits for the group's tasks before it
+        }
       } else {
-        Post(std::move(ready[i]));
+        ready = AdmitLocked(g, std::move(t));
       }
+    }
+    if (!ready.has_value()) return;
+    if (here) {
+      RunThenNext(*std::move(ready));
+    } else {
+      Post(*std::move(ready));
     }
   }
 
@@ -64,54 +80,47 @@ class SerialQueues {
   size_t busy_keys() const {
     absl::MutexLock lock(&mu_);
     absl::flat_hash_set<std::string> keys;
+    for (const auto& [name, waiting] : keys_) keys.insert(name);
     for (const auto& [name, g] : groups_) {
-      keys.insert(g.running_keys.begin(), g.running_keys.end());
-      for (const Task& t : g.pending) keys.insert(t.key);
+      if (g.whole_running) keys.insert(g.whole_key);
+      for (const Task& t : g.held) keys.insert(t.slot.key);
     }
     return keys.size();
   }
 
  private:
   struct Task {
-    std::string group, key;
+    QueueSlot slot;
     std::function<void()> run;
-    bool whole_group = false;
   };
-  // A group's running tasks (by key; a whole-group task runs alone) and those not started, in
-  // the order they came.
+  // A group's tasks: `active` counts those admitted to their keys' queues (running or waiting
+  // behind the one that runs); a whole-group task starts when none is, and while one runs or
+  // waits for that, the tasks that come after it are `held`, in the order they came (the first,
+  // when none runs, is a whole-group task).
   struct Group {
-    absl::flat_hash_set<std::string> running_keys;
+    int64_t active = 0;
     bool whole_running = false;
-    std::deque<Task> pending;
+    std::string whole_key;  // of the one running
+    std::deque<Task> held;
   };
 
-  // Moves the tasks of g that may start now from g.pending to ready: in order, each that
-  // conflicts with no running task and no earlier pending one.
-  static void StartLocked(Group& g, std::vector<Task>& ready) {
-    absl::flat_hash_set<std::string> blocked;  // keys of pending tasks passed over
-    for (auto it = g.pending.begin(); it != g.pending.end() && !g.whole_running;) {
-      if (it->whole_group) {
-        // Alone, and after every task before it: nothing after it may start either.
-        if (it == g.pending.begin() && g.running_keys.empty()) {
-          g.whole_running = true;
-          ready.push_back(std::move(*it));
-          g.pending.erase(it);
-        }
-        return;
-      }
-      if (g.running_keys.contains(it->key) || blocked.contains(it->key)) {
-        blocked.insert(it->key);
-        ++it;
-        continue;
-      }
-      g.running_keys.insert(it->key);
-      ready.push_back(std::move(*it));
-      it = g.pending.erase(it);
-    }
+  static void StartWholeLocked(Group& g, const Task& t) {
+    g.whole_running = true;
+    g.whole_key = t.slot.key;
+  }
+
+  // Admits t (a task of no whole group) to its key's queue: returned when it may start now.
+  std::optional<Task> AdmitLocked(Group& g, Task t) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    ++g.active;
+    auto [key, idle] = keys_.try_emplace(t.slot.key);
+    if (idle) return t;
+    key->second.push_back(std::move(t));
+    return std::nullopt;
   }
 
   void Post(Task t) {
-    executor_->Post([this, t = std::move(t)]() mutable { RunThenNext(std::move(t)); });
+    const std::string owner = t.slot.owner;
+    executor_->Post([this, t = std::move(t)]() mutable { RunThenNext(std::move(t)); }, owner);
   }
 
   // Runs t, then starts what its end lets start on the executor (the thread goes back to the
@@ -122,23 +131,45 @@ class SerialQueues {
     std::vector<Task> ready;
     {
       absl::MutexLock lock(&mu_);
-      auto it = groups_.find(t.group);
+      auto it = groups_.find(t.slot.group);
       Group& g = it->second;
-      if (t.whole_group) {
+      if (t.slot.whole_group) {
         g.whole_running = false;
+        g.whole_key.clear();
+        // The tasks held behind it, in order, up to the next whole-group task.
+        while (!g.held.empty() && !g.held.front().slot.whole_group) {
+          std::optional<Task> next = AdmitLocked(g, std::move(g.held.front()));
+          g.held.pop_front();
+          if (next.has_value()) ready.push_back(*std::move(next));
+        }
       } else {
-        g.running_keys.erase(t.key);
+        --g.active;
+        // The key's next, admitted before (so counted in active).
+        auto key = keys_.find(t.slot.key);
+        if (key->second.empty()) {
+          keys_.erase(key);
+        } else {
+          ready.push_back(std::move(key->second.front()));
+          key->second.pop_front();
+        }
       }
-      StartLocked(g, ready);
-      if (g.running_keys.empty() && !g.whole_running && g.pending.empty()) groups_.erase(it);
+      // The whole-group task held first, once the tasks before it have all ended.
+      if (!g.whole_running && g.active == 0 && !g.held.empty()) {
+        StartWholeLocked(g, g.held.front());
+        ready.push_back(std::move(g.held.front()));
+        g.held.pop_front();
+      }
+      if (g.active == 0 && !g.whole_running && g.held.empty()) groups_.erase(it);
     }
     for (Task& r : ready) Post(std::move(r));
   }
 
   Executor* const executor_;
   mutable absl::Mutex mu_;
-  // A group is here while one of its tasks runs, is posted to run or waits.
+  // A group is here while one of its tasks runs, is posted to run or waits; a key while one of
+  // its tasks admitted runs or is posted to run, with those admitted behind it.
   absl::flat_hash_map<std::string, Group> groups_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, std::deque<Task>> keys_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace pagedattn

@@ -1489,19 +1489,58 @@ void StartLongForward(const PagedAttnServer& server, Client& client, const std::
   ASSERT_EQ(reserved(), kLongTokens / 16);
 }
 
+// The executor's threads take the owners (tenants) in turn, one task each: with its one thread
+// held by a's task, a's three queued tasks, b's two and c's one run a, b, c, a, b, a, where in
+// the order posted c's one waited for the five before it.
+TEST(ExecutorTest, OwnersTakeTurns) {
+  absl::Mutex mu;
+  std::vector<std::string> order;
+  auto note = [&](std::string e) {
+    absl::MutexLock lock(&mu);
+    order.push_back(std::move(e));
+  };
+  {
+    Executor executor(1);
+    absl::Notification running, release;
+    executor.Post(
+        [&] {
+          running.Notify();
+          release.WaitForNotification();
+        },
+        "a");
+    running.WaitForNotification();
+    for (int i = 0; i < 3; ++i) executor.Post([&, i] { note(absl::StrCat("a", i)); }, "a");
+    executor.Post([&] { note("b0"); }, "b");
+    executor.Post([&] { note("b1"); }, "b");
+    executor.Post([&] { note("c0"); }, "c");
+    release.Notify();
+  }  // runs what is posted, then joins
+  EXPECT_EQ(order, (std::vector<std::string>{"a0", "b0", "c0", "a1", "b1", "a2"}));
+}
+
+// SerialQueues over an executor of n threads, the executor destroyed first: it runs the tasks
+// posted to it, whose ends need the queues.
+struct QueuesOver {
+  explicit QueuesOver(int threads)
+      : executor(std::make_unique<Executor>(threads)), queues(executor.get()) {}
+  ~QueuesOver() { executor.reset(); }
+  std::unique_ptr<Executor> executor;
+  SerialQueues queues;
+};
+
 // SerialQueues: a key's tasks run one at a time in the order posted, and those waiting hold no
 // thread: with two threads, one held by a key's first task, the key's ten waiting tasks leave the
 // other thread to another key. here: an idle key's task runs on the calling thread.
 TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
-  Executor executor(2);
-  SerialQueues queues(&executor);
+  QueuesOver over(2);
+  SerialQueues& queues = over.queues;
   absl::Notification release, other_ran;
   absl::Mutex mu;
   std::vector<int> order;
   std::atomic<int> running{0}, most{0};
-  queues.Run("g", "a", [&] { release.WaitForNotification(); });
+  queues.Run({"", "g", "a"}, [&] { release.WaitForNotification(); });
   for (int i = 0; i < 10; ++i) {
-    queues.Run("g", "a", [&, i] {
+    queues.Run({"", "g", "a"}, [&, i] {
       most = std::max(most.load(), ++running);
       absl::SleepFor(absl::Milliseconds(1));
       {
@@ -1511,7 +1550,7 @@ TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
       --running;
     });
   }
-  queues.Run("g", "b", [&] { other_ran.Notify(); });
+  queues.Run({"", "g", "b"}, [&] { other_ran.Notify(); });
   EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
   for (int i = 0; i < 1000 && queues.busy_keys() != 1; ++i) absl::SleepFor(absl::Milliseconds(1));
   EXPECT_EQ(queues.busy_keys(), 1u);  // "a" only: "b" is done and gone
@@ -1529,8 +1568,14 @@ TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
   const std::thread::id caller = std::this_thread::get_id();
   std::thread::id ran_on;
   queues.Run(
-      "g", "c", [&] { ran_on = std::this_thread::get_id(); }, /*here=*/true);
+      {"", "g", "c"}, [&] { ran_on = std::this_thread::get_id(); }, /*here=*/true);
   EXPECT_EQ(ran_on, caller);
+  // A whole-group task's key is busy while it runs.
+  size_t busy_while_whole = 0;
+  queues.Run(
+      {"", "g", "*/g", /*whole_group=*/true}, [&] { busy_while_whole = queues.busy_keys(); },
+      /*here=*/true);
+  EXPECT_EQ(busy_while_whole, 1u);
 }
 
 // A whole-group task (a cache's release) waits for the group's running tasks, and meanwhile the
@@ -1538,8 +1583,8 @@ TEST(SerialQueuesTest, AKeysTasksRunInOrderAndWaitHoldingNoThread) {
 // task shows, on the second of two threads); it runs before them, they all run after it, and
 // before a whole-group task that came after them.
 TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
-  Executor executor(2);
-  SerialQueues queues(&executor);
+  QueuesOver over(2);
+  SerialQueues& queues = over.queues;
   absl::Notification release, other_ran;
   absl::Mutex mu;
   std::vector<std::string> events;
@@ -1548,29 +1593,26 @@ TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
     events.push_back(std::move(e));
   };
   std::atomic<int> running{0};
-  queues.Run("g", "0/g", [&] {
+  queues.Run({"", "g", "0/g"}, [&] {
     ++running;
     release.WaitForNotification();
     note("long");
     --running;
   });
   std::atomic<int> with_whole{-1};  // g's tasks running beside the whole-group one
-  queues.Run(
-      "g", "*/g",
-      [&] {
-        with_whole = running++;
-        note("whole");
-        --running;
-      },
-      /*here=*/false, /*whole_group=*/true);
+  queues.Run({"", "g", "*/g", /*whole_group=*/true}, [&] {
+    with_whole = running++;
+    note("whole");
+    --running;
+  });
   for (int layer = 1; layer <= 20; ++layer) {
-    queues.Run("g", absl::StrCat(layer, "/g"), [&, layer] { note(absl::StrCat("layer ", layer)); });
+    queues.Run({"", "g", absl::StrCat(layer, "/g")},
+               [&, layer] { note(absl::StrCat("layer ", layer)); });
   }
   // A whole-group task that comes after them runs after them (they do not wait for every
   // whole-group task there is, only for those that came before them).
-  queues.Run(
-      "g", "*2/g", [&] { note("whole 2"); }, /*here=*/false, /*whole_group=*/true);
-  queues.Run("h", "0/h", [&] { other_ran.Notify(); });
+  queues.Run({"", "g", "*2/g", /*whole_group=*/true}, [&] { note("whole 2"); });
+  queues.Run({"", "h", "0/h"}, [&] { other_ran.Notify(); });
   EXPECT_TRUE(other_ran.WaitForNotificationWithTimeout(absl::Seconds(10)));
   {
     absl::MutexLock lock(&mu);
@@ -1593,8 +1635,8 @@ TEST(SerialQueuesTest, AWholeGroupTaskRunsAloneAndHoldsBackItsGroup) {
 // overtook the queued Forward (which then found its sequence gone), and the task after the
 // releases overtook the second.
 TEST(SerialQueuesTest, AGroupsTasksKeepTheirOrderAroundWholeGroupTasks) {
-  Executor executor(4);
-  SerialQueues queues(&executor);
+  QueuesOver over(4);
+  SerialQueues& queues = over.queues;
   absl::Notification release;
   absl::Mutex mu;
   std::vector<std::string> events;
@@ -1602,18 +1644,17 @@ TEST(SerialQueuesTest, AGroupsTasksKeepTheirOrderAroundWholeGroupTasks) {
     absl::MutexLock lock(&mu);
     events.push_back(std::move(e));
   };
-  queues.Run("g", "0/g", [&] {
+  queues.Run({"", "g", "0/g"}, [&] {
     release.WaitForNotification();
     note("long");
   });
-  queues.Run("g", "0/g", [&] { note("queued on 0"); });
+  queues.Run({"", "g", "0/g"}, [&] { note("queued on 0"); });
   auto whole = [&](std::string name) {
-    queues.Run(
-        "g", "*/g", [&, name] { note(name); }, /*here=*/false, /*whole_group=*/true);
+    queues.Run({"", "g", "*/g", /*whole_group=*/true}, [&, name] { note(name); });
   };
   whole("release");
   whole("release 2");
-  queues.Run("g", "1/g", [&] { note("after"); });
+  queues.Run({"", "g", "1/g"}, [&] { note("after"); });
   absl::SleepFor(absl::Milliseconds(50));
   {
     absl::MutexLock lock(&mu);
@@ -1643,8 +1684,8 @@ TEST(SerialQueuesTest, EachTaskStartsAfterTheEarlierTasksItConflictsWith) {
   for (std::atomic<int>& s : seq) s = -1;
   absl::Mutex post_mu;  // posting and numbering are one step
   {
-    auto executor = std::make_unique<Executor>(8);
-    SerialQueues queues(executor.get());
+    QueuesOver over(8);
+    SerialQueues& queues = over.queues;
     auto post = [&](int i, bool here) {
       absl::MutexLock lock(&post_mu);
       const Posted p = posted[i];
@@ -1653,7 +1694,7 @@ TEST(SerialQueuesTest, EachTaskStartsAfterTheEarlierTasksItConflictsWith) {
       const std::string key = p.whole ? absl::StrCat("*/", group) : absl::StrCat(p.key, "/", group);
       const int mine = seq[i];
       queues.Run(
-          group, key,
+          {absl::StrCat("tenant ", p.key % 2), group, key, p.whole},
           [&, i, mine] {
             // Every task posted before this one that it conflicts with has ended.
             for (int j = 0; j < kTasks; ++j) {
@@ -1667,7 +1708,7 @@ TEST(SerialQueuesTest, EachTaskStartsAfterTheEarlierTasksItConflictsWith) {
             ended[i] = true;
             ++ran;
           },
-          here, p.whole);
+          here);
     };
     for (int i = 0; i < kTasks; ++i) {
       posted[i] = {(i * 31) % 3, (i * 17) % 4, (i * 13) % 11 == 0};
@@ -1677,7 +1718,7 @@ TEST(SerialQueuesTest, EachTaskStartsAfterTheEarlierTasksItConflictsWith) {
     });
     for (int i = 0; i < kTasks; i += 2) post(i, /*here=*/i % 6 == 0);
     second.join();
-    executor.reset();  // runs what is posted, then joins (before the queues go)
+    over.executor.reset();  // runs what is posted, then joins
   }
   EXPECT_EQ(ran.load(), kTasks);
   EXPECT_EQ(out_of_order.load(), 0);

@@ -345,7 +345,8 @@ def test_a_closed_client_raises_client_closed_before_sending():
     ({"causal": "yes"}, "causal must be True or False (got str 'yes')"),
     ({"return_lse": 1}, "return_lse must be True or False (got int 1)"),
     ({"sm_scale": "x"}, "sm_scale must be a number (got str 'x')"),
-    ({"timeout": "x"}, "timeout must be a positive number of seconds or None (got 'x')"),
+    ({"timeout": "x"}, "timeout must be a positive number of seconds, math.inf for no deadline or "
+                       "None (got 'x')"),
 ])
 def test_scalar_arguments_are_named_before_sending(kwargs, message):
     # No server: each is refused before an RPC, by its argument's name (protobuf's own message

@@ -497,7 +497,10 @@ absl::Status StepStream::Send(const ForwardCall& call) {
   }
   if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   ++sent_;
-  if (!rw_->Write(EncodeCall(call))) {
+  // Through to the socket before Write returns: the message's tensors are the caller's memory
+  // (no copy), which it may refill once Send returns, and by default gRPC may complete a write
+  // once it passes flow control, before its bytes are written.
+  if (!rw_->Write(EncodeCall(call), grpc::WriteOptions().set_write_through())) {
     --sent_;
     // Why is known once the answers are read: Receive() gives those left, then the why.
     if (finished_ && !final_.ok()) return final_;

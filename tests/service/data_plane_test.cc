@@ -196,6 +196,31 @@ TEST_P(DataPlaneTest, EveryPathGivesTheSameAnswers) {
   }
 }
 
+// A layer's tensors may be filled with the next layer's as soon as Send returns: what the server
+// gets is what they held then. (gRPC may complete a write once it passes flow control, a 16 MiB
+// window here, before the bytes, sent from the caller's memory, are written: Send writes
+// through.)
+TEST_P(DataPlaneTest, ALayersBuffersMayBeReusedOnceSendReturns) {
+  const Case c = {0, {{1, 0, 1024, 1024}}};  // 1.5 MiB of q, k and v
+  Tensors t = MakeTensors(c, 21);
+  auto output = [&](std::string& out, std::string& lse) -> ForwardOutput {
+    out.assign(OutBytes(t), '\0');
+    lse.assign(static_cast<size_t>(t.q_shape[0]) * kHeads * 4, '\0');
+    return {out.data(), out.size(), reinterpret_cast<float*>(lse.data()), lse.size()};
+  };
+  std::string want_out, want_lse;
+  ASSERT_TRUE(
+      client_->ForwardTensors(CallOf(NewCache(16, 80), c, t), output(want_out, want_lse)).ok());
+  const std::string cache = NewCache(16, 80);
+  std::unique_ptr<StepStream> stream = *client_->OpenStep();
+  ASSERT_TRUE(stream->Send(CallOf(cache, c, t)).ok());
+  for (std::string* b : {&t.q, &t.k, &t.v}) std::fill(b->begin(), b->end(), '\x7f');
+  std::string out, lse;
+  ASSERT_TRUE(stream->Receive(output(out, lse)).ok());
+  EXPECT_TRUE(out == want_out && lse == want_lse) << "the layer sent is not the one Send was given";
+  EXPECT_TRUE(stream->Close().ok());
+}
+
 // A step of both layers on one stream: the message that opens it sets spans; the next carries
 // only the second layer and its tensors. Same answers as two unary Forwards.
 TEST_P(DataPlaneTest, LayerMessagesContinueTheOpenStep) {

@@ -55,12 +55,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.target.empty()) {
     return absl::InvalidArgumentError("target is required: host:port, unix:PATH or a gRPC URI");
   }
-  if (options.target.find('/') == std::string::npos &&
-      options.target.find(':') != std::string::npos &&
-      !absl::StartsWith(options.target, "unix:") && !absl::StartsWith(options.target, "ipv4:") &&
-      !absl::StartsWith(options.target, "ipv6:") && !absl::StartsWith(options.target, "dns:")) {
+  if (const std::string_view checked = TargetHostPort(options.target); !checked.empty()) {
     HostPort hp;
-    if (const std::string why = ParseHostPort(options.target, &hp); !why.empty()) {
+    if (const std::string why = ParseHostPort(checked, &hp); !why.empty()) {
       return absl::InvalidArgumentError(
           absl::StrCat("target '", absl::CHexEscape(options.target), "': ", why));
     }

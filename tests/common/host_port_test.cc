@@ -43,6 +43,20 @@ TEST(HostPortTest, RefusesWithTheReason) {
   EXPECT_EQ(Why("host\n:80"), "the host has a space or a control character");
 }
 
+// The part of a client's target whose port is checked: a dns: URI's name too.
+TEST(HostPortTest, TargetsPortChecked) {
+  EXPECT_EQ(TargetHostPort("localhost:99999"), "localhost:99999");
+  EXPECT_EQ(TargetHostPort("dns:localhost:99999"), "localhost:99999");
+  EXPECT_EQ(TargetHostPort("dns:///localhost:99999"), "localhost:99999");
+  EXPECT_EQ(TargetHostPort("dns://8.8.8.8:53/pagedattn-0.pagedattn:50051"),
+            "pagedattn-0.pagedattn:50051");
+  for (const char* unchecked :
+       {"localhost", "dns:///localhost", "dns://resolver", "unix:/tmp/s", "unix:///tmp/s",
+        "ipv4:127.0.0.1:1", "ipv6:[::1]:1", "xds:///svc"}) {
+    EXPECT_EQ(TargetHostPort(unchecked), "") << unchecked;
+  }
+}
+
 TEST(HostPortTest, FormatsWhatItParses) {
   for (const char* address : {"127.0.0.1:9464", "[::1]:50051", ":0", "[fe80::1%eth0]:1"}) {
     EXPECT_EQ(FormatHostPort(Parsed(address)), address);

@@ -158,6 +158,9 @@ def test_misused_arguments_name_what_is_wrong():
     ("localhost:http", "target 'localhost:http': the port is not a number"),
     ("::1:50051", "target '::1:50051': an IPv6 address needs [brackets]"),
     ("", "target is required: host:port, unix:PATH or a gRPC URI"),
+    # A dns: URI's port wraps the same way.
+    ("dns:///localhost:99999", "target 'dns:///localhost:99999': the port is out of range"),
+    ("dns:localhost:99999", "target 'dns:localhost:99999': the port is out of range"),
 ])
 def test_a_target_grpc_would_misread_is_refused(target, message):
     import asyncio

@@ -541,10 +541,12 @@ TEST(TensorToFloatsTest, ABadDtypeOrDimensionIsNamed) {
 }
 
 // Targets gRPC would take to a channel that fails every call (empty) or to another port
-// (99999 is 34463 modulo 65536) are refused at Connect; URIs and sockets pass as they are.
+// (99999 is 34463 modulo 65536), dns: URIs' too (they went to port 34463), are refused at
+// Connect; other URIs and sockets pass as they are.
 TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
   ClientOptions o = Options();
-  for (const char* bad : {"", "127.0.0.1:99999", "localhost:-1"}) {
+  for (const char* bad : {"", "127.0.0.1:99999", "localhost:-1", "dns:localhost:99999",
+                          "dns:///localhost:99999", "dns://8.8.8.8/localhost:70000"}) {
     o.target = bad;
     EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument) << bad;
   }
@@ -552,8 +554,9 @@ TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
   o.max_message_bytes = 0;  // every answer would be refused
   EXPECT_EQ(Client::Connect(o).status().code(), absl::StatusCode::kInvalidArgument);
   o.max_message_bytes = Options().max_message_bytes;
-  for (const char* good : {"127.0.0.1:1", "[::1]:1", "localhost:50051", "unix:/tmp/none.sock",
-                           "dns:///localhost:1", "ipv4:127.0.0.1:1", "localhost"}) {
+  for (const char* good :
+       {"127.0.0.1:1", "[::1]:1", "localhost:50051", "unix:/tmp/none.sock", "dns:///localhost:1",
+        "dns:localhost:1", "ipv4:127.0.0.1:1", "localhost", "dns:///localhost"}) {
     o.target = good;
     EXPECT_TRUE(Client::Connect(o).ok()) << good;
   }

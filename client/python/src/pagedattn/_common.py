@@ -182,9 +182,16 @@ def check_target(target: Any) -> None:
         raise TypeError(f"target must be a str (got {type(target).__name__})")
     if not target:
         raise ValueError("target is required: host:port, unix:PATH or a gRPC URI")
-    if "/" in target or ":" not in target or target.startswith(("unix:", "ipv4:", "ipv6:", "dns:")):
+    host_port = target
+    if target.startswith("dns:"):  # dns:host:port, dns:///host:port, dns://authority/host:port
+        host_port = target[4:]
+        if host_port.startswith("//"):
+            host_port = host_port[host_port.find("/", 2) + 1:] if "/" in host_port[2:] else ""
+    elif "/" in target or target.startswith(("unix:", "ipv4:", "ipv6:")):
         return
-    why = _host_port_error(target)
+    if ":" not in host_port:  # no port: grpc's default
+        return
+    why = _host_port_error(host_port)
     if why:
         raise ValueError(f"target {target!r}: {why}")
 

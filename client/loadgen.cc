@@ -716,11 +716,11 @@ absl::StatusOr<Samples> RunEchoMessages(const std::shared_ptr<grpc::Channel>& ch
 }
 
 // The same decode steps on a cache split by KV head over --shard_targets (its own prefill).
-absl::StatusOr<Samples> RunSharded(const Workload& w, const v1::CacheConfig& config) {
+// options: --target's (the token, the timeout), for each shard.
+absl::StatusOr<Samples> RunSharded(const Workload& w, const v1::CacheConfig& config,
+                                   const ClientOptions& options) {
   std::vector<std::string> targets =
       absl::StrSplit(absl::GetFlag(FLAGS_shard_targets), ',', absl::SkipEmpty());
-  ClientOptions options;
-  options.timeout = absl::Seconds(600);
   absl::StatusOr<std::unique_ptr<ShardedClient>> sharded = ShardedClient::Connect(targets, options);
   if (!sharded.ok()) return sharded.status();
   absl::StatusOr<ShardedCache> cache = (*sharded)->CreateCache(config, "pagedattn-loadgen");
@@ -846,6 +846,23 @@ int Main() {
     }
   }
   const std::string uds = absl::GetFlag(FLAGS_uds_target);
+  // The server's UDS modes are left out without --uds_target, saying so; with nothing else to
+  // run, that is an error, not an empty result.
+  std::vector<std::string> left_out;
+  for (const std::string& mode : modes) {
+    if (uds.empty() && mode.find("uds") != std::string::npos && mode.rfind("echo", 0) != 0) {
+      left_out.push_back(mode);
+    }
+  }
+  if (!left_out.empty()) {
+    if (left_out.size() == modes.size()) {
+      std::cerr << "pagedattn-loadgen: modes " << absl::StrJoin(left_out, ", ")
+                << " need --uds_target=unix:/path (the server's Unix socket)\n";
+      return 2;
+    }
+    std::cerr << "pagedattn-loadgen: no --uds_target: " << absl::StrJoin(left_out, ", ")
+              << " left out\n";
+  }
   ClientOptions options;
   options.target = absl::GetFlag(FLAGS_target);
   options.timeout = absl::Seconds(600);
@@ -942,7 +959,7 @@ int Main() {
       } else if (mode == "unary_tcp" || mode == "unary_uds") {
         s = RunUnary(Unary(*client), w, cache->cache_id(), nullptr);
       } else if (mode == "sharded_tcp") {
-        s = RunSharded(w, config);
+        s = RunSharded(w, config, options);
       } else if (mode.rfind("ipc_", 0) == 0) {
 #if PAGEDATTN_WITH_CUDA
         const bool stream = mode.find("stream") != std::string::npos;  // always with events

@@ -270,6 +270,10 @@ rc=0; out=$("$loadgen" --target=127.0.0.1:1 --dtype=garbage --steps=0 --warmup=-
   grep -q -- "--steps must be >= 1 (got 0)" <<<"$out" && grep -q -- "--warmup must be >= 0" <<<"$out" &&
   grep -q -- "--json: cannot write '/nonexistent/x.json'" <<<"$out" &&
   grep -q -- "--uds_target must be unix:/path" <<<"$out" || fail "loadgen bad values: exit $rc: $out"
+# UDS modes alone without --uds_target: an error, not an empty result.
+rc=0; out=$("$loadgen" --target=127.0.0.1:1 --modes=unary_uds,stream_uds 2>&1) || rc=$?
+[ $rc -eq 2 ] && grep -q "modes unary_uds, stream_uds need --uds_target" <<<"$out" ||
+  fail "loadgen UDS modes without --uds_target: exit $rc: $out"
 for bad in "--cases=-1x5" "--cases=," "extra"; do
   rc=0; out=$("$loadgen" --target=127.0.0.1:1 "$bad" 2>&1) || rc=$?
   [ $rc -eq 2 ] && grep -q "^pagedattn-loadgen: " <<<"$out" || fail "loadgen $bad: exit $rc: $out"

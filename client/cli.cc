@@ -28,6 +28,8 @@
 #include "client/client.h"
 #include "client/smoke.h"
 #include "common/cmdline.h"
+#include "google/rpc/error_details.pb.h"
+#include "google/rpc/status.pb.h"
 
 ABSL_FLAG(std::string, target, "localhost:50051",
           "server address: host:port, [ipv6]:port or unix:/path/to.sock");
@@ -106,8 +108,36 @@ void PrintJson(const google::protobuf::Message& m) {
 // from the connection's flags.
 std::string unavailable_hint, unauthenticated_hint;
 
+// The field violations of the server's details (google.rpc.BadRequest, the first ten), each on
+// a line of its own, when its message (cut to 1 KiB by the server) left some of them out; and
+// where to read them all when it was cut.
+void PrintViolationsLeftOut(const absl::Status& s) {
+  if (absl::StartsWith(s.message(), "invalid cache config") &&
+      absl::EndsWith(s.message(), " bytes)")) {
+    std::cerr << "hint: the server cut its message; `pagedattn-cli validate` with the same flags "
+                 "lists every violation\n";
+  }
+  const auto payload = s.GetPayload(pagedattn::kStatusDetailsPayload);
+  google::rpc::Status rich;
+  if (!payload.has_value() || !rich.ParseFromString(std::string(*payload))) return;
+  std::vector<std::string> lines;
+  bool left_out = false;
+  for (const google::protobuf::Any& detail : rich.details()) {
+    google::rpc::BadRequest bad;
+    if (!detail.UnpackTo(&bad)) continue;
+    for (const google::rpc::BadRequest::FieldViolation& v : bad.field_violations()) {
+      lines.push_back(absl::StrCat("  ", v.field(), ": ", v.description()));
+      left_out = left_out || !absl::StrContains(s.message(), v.description());
+    }
+  }
+  if (!left_out) return;
+  std::cerr << "every violation (" << lines.size() << "):\n";
+  for (const std::string& line : lines) std::cerr << line << "\n";
+}
+
 int Fail(const absl::Status& s) {
   std::cerr << "error: " << absl::StatusCodeToString(s.code()) << ": " << s.message() << "\n";
+  PrintViolationsLeftOut(s);
   // A server that answered it is shutting down was reached: no hint about reaching it.
   if (s.code() == absl::StatusCode::kUnavailable && !unavailable_hint.empty() &&
       !absl::StrContains(s.message(), "shutting down")) {

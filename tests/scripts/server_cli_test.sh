@@ -356,6 +356,11 @@ out=$("$cli" $t --page_size=0 --head_dim=100 --num_q_heads=32 --num_kv_heads=5 \
 for f in page_size head_dim num_q_heads "3 violations" INVALID_ARGUMENT; do
   grep -q "$f" <<<"$out" || fail "create-cache error does not mention $f: $out"
 done
+# Violations past the server's 1 KiB message: the CLI says where to read them all.
+out=$("$cli" $t --num_layers=4 --num_q_heads=0 --head_dim=100 --page_size=0 --layers='[{"slidingWindow":-1,"logitSoftcap":-2,"sinks":[1]},{"slidingWindow":-5,"logitSoftcap":-3,"sinks":[1,2]},{"slidingWindow":-7},{"logitSoftcap":-9}]' \
+      --num_pages=10 create-cache 2>&1) && fail "invalid config accepted"
+grep -q "(11 violations).* bytes)$" <<<"$out" && grep -q "^hint: .*validate.* lists every violation" <<<"$out" ||
+  fail "a cut message without the validate hint: $out"
 out=$("$cli" $t --num_pages=16000000 create-cache 2>&1) && fail "oversized config accepted"
 grep -q "RESOURCE_EXHAUSTED.*bytes are free" <<<"$out" || fail "oversized: $out"
 "$cli" $t --num_layers=2 --num_pages=16 validate | grep -q '"valid": true' || fail "validate"

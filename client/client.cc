@@ -49,6 +49,30 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
   return out;
 }
 
+namespace {
+// What every call of a client takes from its options: checked by Connect, and before each call
+// of a Client made on a channel of the caller's.
+absl::Status CheckCallOptions(const ClientOptions& options) {
+  if (!(options.timeout > absl::ZeroDuration())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("timeout must be positive (absl::InfiniteDuration() for none; got ",
+                     absl::FormatDuration(options.timeout), ")"));
+  }
+  // gRPC aborts the process on a header value it cannot send, and prints it: a token with a
+  // newline (read from a secret file) would crash the caller and leak. Refused here, unquoted.
+  for (size_t i = 0; i < options.bearer_token.size(); ++i) {
+    const unsigned char c = static_cast<unsigned char>(options.bearer_token[i]);
+    if (!absl::ascii_isgraph(c)) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "bearer token: byte 0x%02x at position %d of %d is not printable ASCII%s", c, i,
+          options.bearer_token.size(),
+          c == '\n' || c == '\r' ? " (a line end, as read from a file: strip it)" : ""));
+    }
+  }
+  return absl::OkStatus();
+}
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& options) {
   // gRPC takes an empty target to a channel that fails every call, and a port past 65535
   // modulo 65536 (another port, perhaps another server's).
@@ -67,22 +91,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
         "max_message_bytes must be positive (the largest message sent or received; got ",
         options.max_message_bytes, ")"));
   }
-  if (!(options.timeout > absl::ZeroDuration())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("timeout must be positive (absl::InfiniteDuration() for none; got ",
-                     absl::FormatDuration(options.timeout), ")"));
-  }
-  // gRPC aborts the process on a header value it cannot send, and prints it: a token with a
-  // newline (read from a secret file) would crash the caller and leak. Refused here, unquoted.
-  for (size_t i = 0; i < options.bearer_token.size(); ++i) {
-    const unsigned char c = static_cast<unsigned char>(options.bearer_token[i]);
-    if (!absl::ascii_isgraph(c)) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "bearer token: byte 0x%02x at position %d of %d is not printable ASCII%s", c, i,
-          options.bearer_token.size(),
-          c == '\n' || c == '\r' ? " (a line end, as read from a file: strip it)" : ""));
-    }
-  }
+  if (absl::Status s = CheckCallOptions(options); !s.ok()) return s;
   // gRPC aborts the process on a certificate without its key; a name to check or a key with no
   // TLS to use them in would send the calls in plaintext unnoticed.
   if (options.tls_cert_file.empty() != options.tls_key_file.empty()) {
@@ -191,6 +200,7 @@ absl::Status RequestId::Check(absl::string_view id) {
 }
 
 absl::Status Client::Prepare(grpc::ClientContext* ctx) const {
+  if (absl::Status s = CheckCallOptions(options_); !s.ok()) return s;
   ctx->set_deadline(absl::ToChronoTime(absl::Now() + options_.timeout));
   if (!options_.bearer_token.empty()) {
     ctx->AddMetadata("authorization", absl::StrCat("Bearer ", options_.bearer_token));

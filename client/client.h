@@ -148,6 +148,9 @@ class StepStream;
 class Client {
  public:
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const ClientOptions& options);
+  // On a channel of the caller's (options' target and TLS unused): the token and timeout that
+  // Connect would check are checked before each call (INVALID_ARGUMENT; gRPC aborted the
+  // process on a token with a line end).
   explicit Client(std::shared_ptr<grpc::Channel> channel, ClientOptions options = {});
 
   absl::StatusOr<v1::ServerInfo> GetServerInfo();

@@ -4,6 +4,8 @@
 // every shard's cache as it was, with an error naming the shard.
 #include "client/sharded.h"
 
+#include <grpcpp/create_channel.h>
+#include <grpcpp/security/credentials.h>
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -560,6 +562,22 @@ TEST(ClientConnectTest, TargetsAreCheckedAtConnect) {
     o.target = good;
     EXPECT_TRUE(Client::Connect(o).ok()) << good;
   }
+}
+
+// A Client made on a channel of the caller's checks what Connect would before each call: a
+// token with a line end (gRPC aborted the process sending it) and a timeout of zero.
+TEST(ClientConnectTest, AClientOnAChannelChecksItsTokenAndTimeout) {
+  auto channel = grpc::CreateChannel("127.0.0.1:1", grpc::InsecureChannelCredentials());
+  ClientOptions o = Options();
+  o.bearer_token = "a-token-read-from-a-file\n";
+  Client with_line_end(channel, o);
+  const absl::Status s = with_line_end.GetServerInfo().status();
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
+  EXPECT_NE(s.message().find("a line end"), std::string::npos) << s;
+  o = Options();
+  o.timeout = absl::ZeroDuration();
+  Client no_time(channel, o);
+  EXPECT_EQ(no_time.GetServerInfo().status().code(), absl::StatusCode::kInvalidArgument);
 }
 
 // A rewind of a 20-token sequence from 10 with 1500 new rows and queries (about 1.5 MiB a

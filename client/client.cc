@@ -79,12 +79,9 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const ClientOptions& opt
   if (options.target.empty()) {
     return absl::InvalidArgumentError("target is required: host:port, unix:PATH or a gRPC URI");
   }
-  if (const std::string_view checked = TargetHostPort(options.target); !checked.empty()) {
-    HostPort hp;
-    if (const std::string why = ParseHostPort(checked, &hp); !why.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("target '", absl::CHexEscape(options.target), "': ", why));
-    }
+  if (const std::string why = TargetPortError(options.target); !why.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("target '", absl::CHexEscape(options.target), "': ", why));
   }
   if (options.max_message_bytes < 1) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -504,10 +501,15 @@ absl::Status StepStream::Send(const ForwardCall& call) {
   }
   if (absl::Status s = CheckTensorData(call); !s.ok()) return s;
   ++sent_;
-  // Through to the socket before Write returns: the message's tensors are the caller's memory
-  // (no copy), which it may refill once Send returns, and by default gRPC may complete a write
-  // once it passes flow control, before its bytes are written.
-  if (!rw_->Write(EncodeCall(call), grpc::WriteOptions().set_write_through())) {
+  // Through to the socket before Write returns when it carries host tensors: they are the
+  // caller's memory (no copy), which it may refill once Send returns, and by default gRPC may
+  // complete a write once it passes flow control, before its bytes are written. (Device tensors
+  // travel as references: nothing of the caller's goes with the message.)
+  grpc::WriteOptions write;
+  for (const TensorArg* t : {&call.q, &call.k, &call.v}) {
+    if (t->region_id.empty() && t->bytes > 0) write.set_write_through();
+  }
+  if (!rw_->Write(EncodeCall(call), write)) {
     --sent_;
     // Why is known once the answers are read: Receive() gives those left, then the why.
     if (finished_ && !final_.ok()) return final_;

@@ -38,19 +38,23 @@ std::string ParseHostPort(std::string_view address, HostPort* out) {
   return "";
 }
 
-std::string_view TargetHostPort(std::string_view target) {
-  if (target.substr(0, 4) == "dns:") {
+std::string TargetPortError(std::string_view target) {
+  const bool dns = target.substr(0, 4) == "dns:";
+  if (dns) {
     target.remove_prefix(4);
     if (target.substr(0, 2) == "//") {  // an authority (often empty) before the name
       const size_t slash = target.find('/', 2);
-      if (slash == std::string_view::npos) return {};
+      if (slash == std::string_view::npos) return "";
       target.remove_prefix(slash + 1);
     }
   } else if (target.find('/') != std::string_view::npos || target.substr(0, 5) == "unix:" ||
              target.substr(0, 5) == "ipv4:" || target.substr(0, 5) == "ipv6:") {
-    return {};
+    return "";
   }
-  return target.find(':') == std::string_view::npos ? std::string_view() : target;
+  if (target.find(':') == std::string_view::npos) return "";
+  HostPort hp;
+  std::string why = ParseHostPort(target, &hp);
+  return !dns || why == "the port is out of range" ? why : "";
 }
 
 std::string FormatHostPort(const HostPort& hp) {

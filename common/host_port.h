@@ -16,11 +16,13 @@ struct HostPort {
 // not ("no :port", "the port is out of range", ...), for the caller's message.
 std::string ParseHostPort(std::string_view address, HostPort* out);
 
-// The host:port of a gRPC target whose port a client checks (gRPC takes a port past 65535 modulo
-// 65536: another port, perhaps another server's): the target itself ("host:port") or a dns:
-// URI's ("dns:host:port", "dns:///host:port", "dns://authority/host:port"); empty for the rest
-// (unix:, ipv4:, ipv6: and other URIs, and a target with no colon: gRPC's default port).
-std::string_view TargetHostPort(std::string_view target);
+// Why a client refuses gRPC target `target`, "" when it does not: a port past 65535, which gRPC
+// takes modulo 65536 (another port, perhaps another server's), in a plain target (checked whole
+// as host:port: a malformed one is refused too) or in a dns: URI's name ("dns:host:port",
+// "dns:///host:port", "dns://authority/host:port"; only the port's range: a named port or none,
+// "[::1]", is gRPC's to read). unix:, ipv4:, ipv6: and other URIs, and a target with no colon
+// (gRPC's default port), pass.
+std::string TargetPortError(std::string_view target);
 
 // host:port again, with brackets around an IPv6 host ("[::1]:9464").
 std::string FormatHostPort(const HostPort& hp);

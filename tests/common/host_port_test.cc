@@ -43,17 +43,20 @@ TEST(HostPortTest, RefusesWithTheReason) {
   EXPECT_EQ(Why("host\n:80"), "the host has a space or a control character");
 }
 
-// The part of a client's target whose port is checked: a dns: URI's name too.
+// A client's target is refused for a port gRPC would wrap (a dns: URI's too) or, plain, for not
+// being host:port; a dns: name's port is otherwise gRPC's to read.
 TEST(HostPortTest, TargetsPortChecked) {
-  EXPECT_EQ(TargetHostPort("localhost:99999"), "localhost:99999");
-  EXPECT_EQ(TargetHostPort("dns:localhost:99999"), "localhost:99999");
-  EXPECT_EQ(TargetHostPort("dns:///localhost:99999"), "localhost:99999");
-  EXPECT_EQ(TargetHostPort("dns://8.8.8.8:53/pagedattn-0.pagedattn:50051"),
-            "pagedattn-0.pagedattn:50051");
-  for (const char* unchecked :
-       {"localhost", "dns:///localhost", "dns://resolver", "unix:/tmp/s", "unix:///tmp/s",
-        "ipv4:127.0.0.1:1", "ipv6:[::1]:1", "xds:///svc"}) {
-    EXPECT_EQ(TargetHostPort(unchecked), "") << unchecked;
+  EXPECT_EQ(TargetPortError("localhost:99999"), "the port is out of range");
+  EXPECT_EQ(TargetPortError("localhost:http"), "the port is not a number");
+  EXPECT_EQ(TargetPortError("dns:localhost:99999"), "the port is out of range");
+  EXPECT_EQ(TargetPortError("dns:///localhost:99999"), "the port is out of range");
+  EXPECT_EQ(TargetPortError("dns://8.8.8.8:53/pagedattn-0.pagedattn:70000"),
+            "the port is out of range");
+  for (const char* fine : {"localhost:50051", "localhost", "dns:///localhost", "dns://resolver",
+                           "dns:///localhost:1", "dns://8.8.8.8:53/pagedattn-0.pagedattn:50051",
+                           "dns:///[::1]", "dns:[2001:db8::1]", "dns:///host:https", "unix:/tmp/s",
+                           "unix:///tmp/s", "ipv4:127.0.0.1:1", "ipv6:[::1]:1", "xds:///svc"}) {
+    EXPECT_EQ(TargetPortError(fine), "") << fine;
   }
 }
 

@@ -31,8 +31,7 @@ def test_math_inf_is_no_deadline(target, kv_dtypes):
                 q, k, v = (rng.standard_normal((3, h, 64), dtype=np.float32) for h in (4, 2, 2))
                 async with client.step(cache, [Span.prefill(1, 3)]) as step:
                     assert (await step.forward(0, q, k, v)).shape == (3, 4, 64)
-            with pytest.raises(ValueError, match=r"math\.inf"):
-                await client.health(timeout=1e12)
+            assert await client.health(timeout=1e12)
 
     asyncio.run(main())
 

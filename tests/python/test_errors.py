@@ -181,7 +181,7 @@ def test_a_target_grpc_would_misread_is_refused(target, message):
         asyncio.run(make())
     # What grpc reads as the caller meant stays accepted.
     for fine in ("localhost:50051", "[::1]:50051", ":50051", "unix:/run/pa.sock", "dns:///h:1",
-                 "ipv4:127.0.0.1:1", "localhost"):
+                 "ipv4:127.0.0.1:1", "localhost", "dns:///[::1]", "dns:///h:https"):
         pagedattn.Client(fine).close()
 
 

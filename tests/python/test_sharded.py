@@ -17,7 +17,6 @@ import pytest
 
 import pagedattn
 import pagedattn.aio
-import pagedattn.aio
 from pagedattn import CacheConfig, Span, errors
 from pagedattn.reference import relative_error
 

@@ -284,24 +284,23 @@ def test_begin_reopens_a_step_the_server_ended(start_servers, kv_dtypes):
 
 
 def test_a_step_that_ended_leaves_no_thread_behind(target, kv_dtypes):
-    """Steps left open past their deadline, then their client closed: grpc's thread that sends a
+    """Steps left open (still referenced) when their client closes: grpc's thread that sends a
     stream's messages ends with the stream (each stayed blocked until its Step was collected)."""
     rng = np.random.default_rng(14)
     before = threading.active_count()
     with pagedattn.Client(target) as owner, owner.create_cache(config(kv_dtypes[0])) as cache:
-        c = pagedattn.Client(target, timeout=0.5)
+        c = pagedattn.Client(target)
         steps = []
         for i in range(5):
             steps.append(c.step(cache, [Span.prefill(10 + i, 1)]))
             steps[-1].forward(0, *qkv(rng, 1))
-        time.sleep(1.0)  # past the deadline
+        assert threading.active_count() >= before + 5  # a sending thread each
         c.close()
-        for _ in range(100):
+        for _ in range(200):
             if threading.active_count() <= before:
                 break
             time.sleep(0.05)
         assert threading.active_count() <= before, [t.name for t in threading.enumerate()]
-        assert all(s.closed for s in steps)
 
 
 def test_a_layer_message_naming_another_cache_or_options_is_refused(client, kv_dtypes):

@@ -182,8 +182,8 @@ def check_target(target: Any) -> None:
         raise TypeError(f"target must be a str (got {type(target).__name__})")
     if not target:
         raise ValueError("target is required: host:port, unix:PATH or a gRPC URI")
-    host_port = target
-    if target.startswith("dns:"):  # dns:host:port, dns:///host:port, dns://authority/host:port
+    host_port, dns = target, target.startswith("dns:")
+    if dns:  # dns:host:port, dns:///host:port, dns://authority/host:port
         host_port = target[4:]
         if host_port.startswith("//"):
             host_port = host_port[host_port.find("/", 2) + 1:] if "/" in host_port[2:] else ""
@@ -192,33 +192,33 @@ def check_target(target: Any) -> None:
     if ":" not in host_port:  # no port: grpc's default
         return
     why = _host_port_error(host_port)
+    if dns and why != "the port is out of range":  # a named port, or none ("[::1]"): grpc's
+        return
     if why:
         raise ValueError(f"target {target!r}: {why}")
 
 
-# The longest finite timeout taken: grpc's deadline (now plus the timeout, in int64 nanoseconds)
-# overflows past about 7.4e9 s, and the call then fails at once with DEADLINE_EXCEEDED.
-MAX_TIMEOUT_S = 1e9
+# Timeouts past this (31 years) are no deadline: grpc's deadline (now plus the timeout, in int64
+# nanoseconds) overflows past about 7.4e9 s, and the call then failed at once with
+# DEADLINE_EXCEEDED.
+NO_DEADLINE_PAST_S = 1e9
 
 
 def check_timeout(timeout: Any) -> None:
-    """A timeout: seconds > 0 (at most MAX_TIMEOUT_S), math.inf for no deadline, or None (a
-    client's: no deadline; a call's: the client's). Checked when the client is made or the call
-    is, not deep inside grpc."""
+    """A timeout: seconds > 0 (math.inf, or anything past NO_DEADLINE_PAST_S, for no deadline),
+    or None (a client's: no deadline; a call's: the client's). Checked when the client is made
+    or the call is, not deep inside grpc."""
     if timeout is None:
         return
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
         raise ValueError(f"timeout must be a positive number of seconds, math.inf for no deadline "
                          f"or None (got {timeout!r})")
-    if timeout > MAX_TIMEOUT_S and timeout != math.inf:
-        raise ValueError(f"timeout {timeout!r} s is past the longest grpc takes ({MAX_TIMEOUT_S:g} "
-                         "s); pass math.inf for no deadline")
 
 
 def grpc_timeout(default: Optional[float], given: Optional[float]) -> Optional[float]:
     """The timeout a call passes to grpc: given, else the client's default; None for none."""
     timeout = default if given is None else given
-    return None if timeout is None or timeout == math.inf else timeout
+    return None if timeout is None or timeout > NO_DEADLINE_PAST_S else timeout
 
 
 def auth_metadata(token: Optional[str]) -> tuple[tuple[str, str], ...]:

@@ -38,8 +38,8 @@ class Client:
         target: "host:port" of the server.
         token: bearer token sent as `authorization: Bearer <token>` (servers with --auth_tokens_file).
         tls: False for plaintext, True for TLS with the system roots, or a `pagedattn.TLS`.
-        timeout: default per-call deadline in seconds (None or math.inf: no deadline; a call
-            passes its own timeout=, math.inf for none).
+        timeout: default per-call deadline in seconds (None, math.inf or anything past 1e9 s:
+            no deadline; a call passes its own timeout=, math.inf for none).
         max_message_bytes: send/receive limit; defaults to the server's own maximum (512 MiB)
             instead of gRPC's 4 MiB receive limit.
         options: extra gRPC channel options, e.g. [("grpc.enable_retries", 0)].
@@ -384,8 +384,8 @@ class Step:
         return_lse: bool = False,
     ) -> None:
         """Opens the next step (or micro-batch) on this stream: the next message sends these
-        spans and options (defaults when unset, as in Client.step) and, when given, `cache`;
-        the layers after it run with them."""
+        spans and options (defaults when unset, as in Client.step) and `cache` (by default the
+        stream's); the layers after it run with them."""
         with self._lock:
             if self._closed:
                 raise RuntimeError("the Step stream is closed")

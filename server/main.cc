@@ -141,7 +141,8 @@ ABSL_FLAG(double, max_total_pool_gb, 0,
           "else at least 1/1024, a MiB)");
 ABSL_FLAG(int64_t, cache_idle_timeout_s, 0,
           "delete a cache that no Forward (or Step layer), release or truncate has come to for "
-          "this many seconds (from the last one's end; never while one runs), as DeleteCache "
+          "this many seconds (from the last one's end; never while one runs, or while one that "
+          "came in time waits for its turn), as DeleteCache "
           "would: the caches of an orchestrator that died (0: never; 1..31536000)");
 ABSL_FLAG(int64_t, max_forward_tokens, 1 << 20,
           "largest number of queries plus new tokens in one Forward (>= 1)");

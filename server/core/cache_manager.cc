@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 #include <random>
 
 #include "absl/hash/hash.h"
@@ -58,8 +59,26 @@ std::string NewCacheId() {
   return id;
 }
 
+struct CacheManager::Arrival::Book {
+  absl::Mutex mu;
+  std::multiset<std::chrono::steady_clock::time_point> times ABSL_GUARDED_BY(mu);
+};
+
+struct CacheManager::Arrival::Record {
+  std::shared_ptr<Book> book;
+  std::multiset<std::chrono::steady_clock::time_point>::iterator at;
+  bool ended = false;  // under book->mu
+  ~Record() { End(); }
+  void End() {
+    absl::MutexLock lock(&book->mu);
+    if (ended) return;
+    ended = true;
+    book->times.erase(at);
+  }
+};
+
 CacheManager::CacheManager(Backend* backend, CacheManagerLimits limits)
-    : backend_(backend), limits_(limits) {
+    : backend_(backend), limits_(limits), arrivals_(std::make_shared<Arrival::Book>()) {
   std::random_device rd;
   for (uint64_t& k : token_key_) k = (uint64_t{rd()} << 32) | rd();
 }
@@ -180,11 +199,30 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Get(const std::string& cach
   return FindLocked(cache_id, owner);
 }
 
+void CacheManager::Arrival::End() {
+  if (record_ != nullptr) record_->End();
+}
+
+CacheManager::Arrival CacheManager::Arrive() const {
+  Arrival a;
+  if (limits_.cache_idle_timeout <= absl::ZeroDuration()) return a;
+  a.record_ = std::make_shared<Arrival::Record>();
+  a.record_->book = arrivals_;
+  absl::MutexLock lock(&arrivals_->mu);
+  a.record_->at = arrivals_->times.insert(std::chrono::steady_clock::now());
+  return a;
+}
+
 absl::StatusOr<std::shared_ptr<Cache>> CacheManager::GetToUse(const std::string& cache_id,
-                                                              const std::string& owner) const {
-  absl::MutexLock lock(&mu_);
-  absl::StatusOr<std::shared_ptr<Cache>> cache = FindLocked(cache_id, owner);
-  if (cache.ok()) (*cache)->MarkUsed();
+                                                              const std::string& owner,
+                                                              Arrival arrival) const {
+  absl::StatusOr<std::shared_ptr<Cache>> cache;
+  {
+    absl::MutexLock lock(&mu_);
+    cache = FindLocked(cache_id, owner);
+    if (cache.ok()) (*cache)->MarkUsed();
+  }
+  arrival.End();  // after the use is marked: a sweep sees one or the other
   return cache;
 }
 
@@ -290,8 +328,19 @@ std::vector<IdleCache> CacheManager::DeleteIdle(std::chrono::steady_clock::time_
   std::vector<std::shared_ptr<Cache>> gone;
   {
     absl::MutexLock lock(&mu_);
+    // The oldest call still on its way to a cache: a cache that went idle only after it arrived
+    // stays (read under mu_, which GetToUse marks a use under before it ends an arrival).
+    std::optional<std::chrono::steady_clock::time_point> oldest_arrival;
+    {
+      absl::MutexLock arrivals(&arrivals_->mu);
+      if (!arrivals_->times.empty()) oldest_arrival = *arrivals_->times.begin();
+    }
+    auto awaited = [&](const Cache& c) {
+      return oldest_arrival.has_value() && absl::FromChrono(*oldest_arrival - c.last_used()) < idle;
+    };
     for (auto it = caches_.begin(); it != caches_.end();) {
-      if (!it->second->in_use() && absl::FromChrono(now - it->second->last_used()) >= idle) {
+      if (!it->second->in_use() && absl::FromChrono(now - it->second->last_used()) >= idle &&
+          !awaited(*it->second)) {
         const Cache& c = *it->second;
         if (idle_deleted_order_.size() == kIdleDeletedKept) {
           idle_deleted_.erase(idle_deleted_order_.front());

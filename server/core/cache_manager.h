@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <deque>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -39,6 +40,24 @@ struct IdleCache {
 
 class CacheManager {
  public:
+  // A call on its way to a cache: from its arrival at the server to its lookup (GetToUse),
+  // through its waits for a thread and for its turn on a layer. While one is on its way,
+  // DeleteIdle leaves every cache that had not yet gone unused for the timeout when the call
+  // arrived: the call may be for it, and its caller came in time. Copies share one record, which
+  // ends at GetToUse or with the last copy.
+  class Arrival {
+   public:
+    Arrival() = default;
+    // Ends it now (for a call that will not look a cache up after all); idempotent.
+    void End();
+
+   private:
+    friend class CacheManager;
+    struct Book;
+    struct Record;
+    std::shared_ptr<Record> record_;
+  };
+
   explicit CacheManager(Backend* backend, CacheManagerLimits limits = {});
   // Caches still held elsewhere must be gone first (their deleters count bytes here).
   ~CacheManager();
@@ -55,9 +74,14 @@ class CacheManager {
   absl::StatusOr<std::shared_ptr<Cache>> Get(const std::string& cache_id,
                                              const std::string& owner) const;
   // Get for a Forward, release or truncate (a Step layer): the cache counts as used from its
-  // lookup, under the lock DeleteIdle takes, so that no idle sweep takes it from the call.
+  // lookup, under the lock DeleteIdle takes, so that no idle sweep takes it from the call. Ends
+  // the call's arrival once the use is marked.
   absl::StatusOr<std::shared_ptr<Cache>> GetToUse(const std::string& cache_id,
-                                                  const std::string& owner) const;
+                                                  const std::string& owner,
+                                                  Arrival arrival = {}) const;
+  // A call that will look a cache up to use it has arrived (now). Empty (no record, no cost
+  // beyond the check) when no idle timeout is set.
+  Arrival Arrive() const;
   // The owner's caches, oldest first (in the order they were made: Cache::serial).
   std::vector<std::shared_ptr<Cache>> List(const std::string& owner) const;
   // The owner's caches after the one whose ListToken is `after` ("": from the first), in List's
@@ -75,7 +99,8 @@ class CacheManager {
   // and counts in total_pool_bytes() until then.
   absl::StatusOr<int64_t> Delete(const std::string& cache_id, const std::string& owner);
   // Deletes every tenant's caches unused for `idle` or longer at `now` (Cache::last_used), as
-  // Delete does; returns them, oldest first. A later call naming one (of the last 4096) is told
+  // Delete does, but those a call still on its way may be for (Arrival); returns them, oldest
+  // first. A later call naming one (of the last 4096) is told
   // why it is NOT_FOUND.
   std::vector<IdleCache> DeleteIdle(std::chrono::steady_clock::time_point now, absl::Duration idle);
 
@@ -109,6 +134,9 @@ class CacheManager {
   std::deque<std::string> idle_deleted_order_ ABSL_GUARDED_BY(mu_);
   uint64_t caches_made_ ABSL_GUARDED_BY(create_mu_) = 0;
   uint64_t token_key_[4];  // ListToken's round keys, random per manager
+  // The arrival times of calls on their way to a cache (shared with their records, which may
+  // outlive the manager in a call torn down late).
+  std::shared_ptr<Arrival::Book> arrivals_;
 };
 
 // A cache's name is a label for people and logs: at most this many printable ASCII characters.

@@ -143,6 +143,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
     return reactor;
   }
   const std::string tenant = arrived.tenant();
+  // A release or truncate (the queued calls) is on its way to its cache from here: no idle sweep
+  // takes the cache while it waits for a thread and its turn.
+  if (queue != nullptr) arrived.set_arrival(manager_->Arrive());
   // Not on gRPC's callback threads, which are few (two on a two-core host) and answer health
   // checks and Forwards: a CreateCache fills its pool for seconds on the CPU backend, and three
   // at once held a health check for 15 s. ctx, req and resp live until Finish.
@@ -461,7 +464,8 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
     Rpc& rpc, const std::string& cache_id, const wire::ForwardRequestRef& request,
     size_t request_bytes) {
   rpc.set_cache(cache_id);
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(cache_id, rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache =
+      manager_->GetToUse(cache_id, rpc.tenant(), std::move(rpc.arrival()));
   if (!cache.ok()) return cache.status();
   const CacheGeometry& g = (*cache)->geometry();
   // Checked before anything is allocated for it: a request's sizes are the caller's word.
@@ -650,6 +654,9 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     reactor->Finish(Finish(call->rpc, s));
     return reactor;
   }
+  // On its way to its cache from here (its wait for a thread, its parse, its layer's turn): no
+  // idle sweep takes the cache meanwhile.
+  call->rpc.set_arrival(manager_->Arrive());
   // A CUDA Forward runs here, on the callback thread, when its layer is free: it takes
   // milliseconds, and a hop to another thread would add its wake-up to each one's latency. A CPU
   // Forward takes up to seconds: on gRPC's callback threads (two on a two-core host) four at
@@ -780,6 +787,7 @@ class AttentionServiceImpl::StepReactor final
       } else {
         auto job = std::make_shared<Job>();
         job->seq = next_seq_++;
+        job->arrival = service_->manager_->Arrive();
         Accept(*job);
         jobs_.push_back(std::move(job));
         ScheduleLocked();
@@ -842,6 +850,7 @@ class AttentionServiceImpl::StepReactor final
     bool done = false;
     grpc::ByteBuffer answer;
     std::shared_ptr<Cache> pinned;  // a cache Accept looked up: its last reference may go here
+    CacheManager::Arrival arrival;  // on its way to its cache from its read to Run's lookup
   };
 
   // Parses the message just read into job: a layer of the open step, or a new step; a message
@@ -908,6 +917,7 @@ class AttentionServiceImpl::StepReactor final
       Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
       job.answer = EncodeStepError(job.layer, service_->Finish(rpc, s));
       job.done = true;
+      job.arrival.End();
       return;
     }
     r.spans = spans_;
@@ -946,6 +956,7 @@ class AttentionServiceImpl::StepReactor final
     const double queue_us = absl::ToDoubleMicroseconds(absl::Now() - job->accepted);
     Rpc rpc("Step", ctx_, service_->gate_, stream_.peer());
     rpc.set_tenant(tenant_);
+    rpc.set_arrival(std::move(job->arrival));
     grpc::ByteBuffer answer;
     absl::StatusOr<ForwardAnswer> result = [&]() -> absl::StatusOr<ForwardAnswer> {
       // Cancelled, past its deadline or stopped by a drain while it waited for its turn: not run.
@@ -1091,7 +1102,8 @@ absl::Status AttentionServiceImpl::RunReleaseSequences(Rpc& rpc,
                                                        const v1::ReleaseSequencesRequest& req,
                                                        v1::ReleaseSequencesResponse* resp) {
   rpc.set_cache(req.cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(req.cache_id(), rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache =
+      manager_->GetToUse(req.cache_id(), rpc.tenant(), std::move(rpc.arrival()));
   if (!cache.ok()) return cache.status();
   ReleaseResult r = (*cache)->Release(
       absl::MakeConstSpan(req.seq_ids().data(), static_cast<size_t>(req.seq_ids_size())));
@@ -1105,7 +1117,8 @@ absl::Status AttentionServiceImpl::RunTruncateSequences(Rpc& rpc,
                                                         const v1::TruncateSequencesRequest& req,
                                                         v1::TruncateSequencesResponse* resp) {
   rpc.set_cache(req.cache_id());
-  absl::StatusOr<std::shared_ptr<Cache>> cache = manager_->GetToUse(req.cache_id(), rpc.tenant());
+  absl::StatusOr<std::shared_ptr<Cache>> cache =
+      manager_->GetToUse(req.cache_id(), rpc.tenant(), std::move(rpc.arrival()));
   if (!cache.ok()) return cache.status();
   std::vector<std::pair<uint64_t, int64_t>> lengths;
   lengths.reserve(static_cast<size_t>(req.lengths_size()));

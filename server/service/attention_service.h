@@ -50,6 +50,9 @@ class Rpc {
   const std::string& peer() const { return peer_; }
   grpc::ServerContextBase* context() const { return ctx_; }
   double seconds() const;
+  // The call's way to its cache (a release or truncate: from its arrival to its lookup).
+  void set_arrival(CacheManager::Arrival arrival) { arrival_ = std::move(arrival); }
+  CacheManager::Arrival& arrival() { return arrival_; }
 
  private:
   const char* method_;
@@ -59,6 +62,7 @@ class Rpc {
   StopToken stop_;
   std::string cache_ = "-";
   std::chrono::steady_clock::time_point start_;
+  CacheManager::Arrival arrival_;
 };
 
 // One layer of a Forward as the service runs it (unary Forward, or one message of a Step): the

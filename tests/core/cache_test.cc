@@ -423,6 +423,55 @@ TEST(CacheManagerTest, ALookupToUseRestartsTheIdleClock) {
   EXPECT_EQ(m.GetToUse(id, "other").status().code(), absl::StatusCode::kNotFound);
 }
 
+// A call on its way to a cache (waiting for a thread, or for its layer's turn) keeps every cache
+// that was not yet idle for the timeout when it arrived, until its lookup: the call came in time,
+// and may be for any of them. A cache already idle for the timeout when the call arrived goes.
+TEST(CacheManagerTest, DeleteIdleLeavesACacheACallOnItsWayMayBeFor) {
+  CpuBackend backend;
+  CacheManagerLimits limits;
+  limits.cache_idle_timeout = absl::Hours(1);
+  CacheManager m(&backend, limits);
+  absl::StatusOr<std::shared_ptr<Cache>> made = m.Create(Bf16Request(1, 4, 2, 8), "c", "t");
+  ASSERT_TRUE(made.ok()) << made.status();
+  const std::string id = (*made)->id();
+  made->reset();
+  const auto created = m.ListAll()[0]->last_used();
+  CacheManager::Arrival arrival = m.Arrive();
+  CacheManager::Arrival copy = arrival;  // copies share the call's one record
+  const auto day = std::chrono::hours(24);
+  EXPECT_TRUE(m.DeleteIdle(created + day, absl::Hours(1)).empty());
+  // Its lookup marks the use, then ends the arrival: the next sweep measures from the use.
+  ASSERT_TRUE(m.GetToUse(id, "t", std::move(arrival)).ok());
+  const auto used = m.ListAll()[0]->last_used();
+  EXPECT_TRUE(m.DeleteIdle(used + std::chrono::minutes(59), absl::Hours(1)).empty());
+  EXPECT_EQ(m.DeleteIdle(used + day, absl::Hours(1)).size(), 1u);
+  copy.End();  // idempotent once ended
+
+  // A call that arrived after a cache went idle for the timeout leaves it to the sweep; a call
+  // on its way that never looks a cache up holds the sweep until it ends.
+  CacheManagerLimits short_limits;
+  short_limits.cache_idle_timeout = absl::Milliseconds(5);
+  CacheManager s(&backend, short_limits);
+  ASSERT_TRUE(s.Create(Bf16Request(1, 4, 2, 8), "old", "t").ok());
+  absl::SleepFor(absl::Milliseconds(20));  // the cache's idle time passing, not a wait
+  ASSERT_TRUE(s.Create(Bf16Request(1, 4, 2, 8), "new", "t").ok());
+  CacheManager::Arrival late = s.Arrive();
+  std::vector<IdleCache> gone =
+      s.DeleteIdle(std::chrono::steady_clock::now() + day, absl::Milliseconds(5));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].name, "old");
+  late = {};  // its last copy gone: the arrival ends
+  gone = s.DeleteIdle(std::chrono::steady_clock::now() + day, absl::Milliseconds(5));
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].name, "new");
+
+  // Without an idle timeout no arrival is recorded.
+  CacheManager none(&backend);
+  ASSERT_TRUE(none.Create(Bf16Request(1, 4, 2, 8), "c", "t").ok());
+  CacheManager::Arrival untracked = none.Arrive();
+  EXPECT_EQ(none.DeleteIdle(std::chrono::steady_clock::now() + day, absl::Hours(1)).size(), 1u);
+}
+
 // DeleteIdle takes the caches that no Forward, release or truncate came to for the timeout (a
 // failed Forward counts: its caller is alive), whoever owns them, as Delete would; the others
 // stay. Its clock is the caller's, so the test needs no waiting.

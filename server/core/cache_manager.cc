@@ -138,6 +138,9 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
     return ValidationStatus(v);
   }
   absl::MutexLock create(&create_mu_);
+  // The config first: a bad one is told every violation, not to delete a cache for it.
+  ValidationResult v = Validate(config);
+  if (absl::Status s = ValidationStatus(v); !s.ok()) return s;
   if (limits_.max_caches_per_tenant > 0 &&
       static_cast<int64_t>(List(owner).size()) >= limits_.max_caches_per_tenant) {
     return WithErrorInfo(absl::ResourceExhaustedError(absl::StrCat(
@@ -146,8 +149,6 @@ absl::StatusOr<std::shared_ptr<Cache>> CacheManager::Create(const CacheConfigReq
                              " per tenant (--max_caches_per_tenant); delete one first")),
                          {"TOO_MANY_CACHES", {{"max_caches", limits_.max_caches_per_tenant}}});
   }
-  ValidationResult v = Validate(config);
-  if (absl::Status s = ValidationStatus(v); !s.ok()) return s;
   absl::StatusOr<std::unique_ptr<KvPool>> pool = backend_->AllocatePool(v.geometry, stop);
   if (!pool.ok()) return pool.status();
   // A caller that gave up while the pool was allocated gets no cache it cannot know about.

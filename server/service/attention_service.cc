@@ -485,7 +485,7 @@ absl::StatusOr<ForwardAnswer> AttentionServiceImpl::RunForward(
   // answer's bytes are the buffers' (EncodeResponse), which stay as long as gRPC holds them:
   // an answer a client does not read keeps its bytes in the budget, and the server refuses
   // others (RESOURCE_EXHAUSTED) instead of growing past it.
-  const int64_t held = static_cast<int64_t>(request_bytes + QBytes(request) + KvBytes(request) +
+  const int64_t held = static_cast<int64_t>(request_bytes + QBytes(request) + 2 * KvBytes(request) +
                                             out_bytes + lse_bytes);
   std::optional<ByteBudget::Hold> hold =
       budget_ != nullptr ? budget_->TryHold(held) : std::make_optional<ByteBudget::Hold>();

@@ -373,6 +373,14 @@ TEST(RequestMemoryTest, UnreadAnswersHoldTheBudgetUntilTheirCallEnds) {
   absl::StatusOr<v1::ForwardResponse> r = client->Forward(small);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kResourceExhausted) << r.status();
   EXPECT_NE(r.status().message().find("the server is busy"), std::string::npos) << r.status();
+  // What the unread call holds: its request and what it staged, q, k and v each in a buffer of
+  // its own, and its answer (out, float32 like q). Counting k and v as one buffer left 1.6 MB of
+  // a Forward's memory outside the budget.
+  const size_t held =
+      bytes.size() + 2 * big.q().data().size() + big.k().data().size() + big.v().data().size();
+  EXPECT_NE(r.status().message().find(absl::StrCat(held, " bytes of request memory are in use")),
+            std::string::npos)
+      << "want " << held << " held: " << r.status();
   // The unread call ends: its answer's bytes leave the budget and the others run again.
   ctx.TryCancel();
   for (int i = 0; i < 200; ++i) {

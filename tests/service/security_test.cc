@@ -383,6 +383,12 @@ TEST_F(SecurityTest, LimitsAreEnforcedWithClearErrors) {
   absl::StatusOr<v1::CacheInfo> third = alpha->CreateCache(SmallConfig());
   EXPECT_EQ(third.status().code(), absl::StatusCode::kResourceExhausted);
   EXPECT_NE(third.status().message().find("caches per tenant"), std::string::npos);
+  // At the limit, a bad config is still told what is wrong with it (not to delete a cache first).
+  v1::CacheConfig bad = SmallConfig();
+  bad.set_head_dim(100);
+  absl::StatusOr<v1::CacheInfo> refused = alpha->CreateCache(bad);
+  EXPECT_EQ(refused.status().code(), absl::StatusCode::kInvalidArgument) << refused.status();
+  EXPECT_NE(refused.status().message().find("head_dim"), std::string::npos) << refused.status();
   // Another tenant has its own quota.
   auto beta = Connect(kBeta);
   auto b = beta->CreateCache(SmallConfig());

@@ -303,11 +303,29 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   if (c.num_pages.has_value() && c.max_bytes.has_value()) {
     violate("capacity", "set num_pages or max_bytes, not both");
   }
-  if (c.num_pages.has_value() &&
-      (*c.num_pages < 1 || *c.num_pages > std::numeric_limits<int32_t>::max())) {
-    violate("num_pages",
-            absl::StrCat("num_pages must be in 1..", std::numeric_limits<int32_t>::max(), " (got ",
-                         *c.num_pages, ")"));
+  // Whether a field already broke a rule: a check that needs it valid waits for it; the others
+  // run, so that one answer names every field it can.
+  auto bad = [&](absl::string_view field) {
+    return std::any_of(r.violations.begin(), r.violations.end(),
+                       [&](const FieldViolation& v) { return v.field == field; });
+  };
+  if (c.num_pages.has_value()) {
+    // One layer's K rows are indexed in 32 bits: the most pages num_kv_heads and page_size allow.
+    const bool rows_known = !bad("num_kv_heads") && !bad("page_size");
+    const int64_t most =
+        rows_known ? std::min<int64_t>(std::numeric_limits<int32_t>::max(),
+                                       kMaxPoolRows / (int64_t{c.num_kv_heads} * c.page_size))
+                   : std::numeric_limits<int32_t>::max();
+    if (*c.num_pages < 1 || *c.num_pages > std::numeric_limits<int32_t>::max()) {
+      violate("num_pages",
+              absl::StrCat("num_pages must be in 1..", most, " (got ", *c.num_pages, ")"));
+    } else if (*c.num_pages > most) {
+      violate("num_pages",
+              absl::StrCat("num_pages x num_kv_heads x page_size (one layer's K rows) must be "
+                           "below 2^31, which the kernels index in 32 bits (got ",
+                           *c.num_pages, " x ", c.num_kv_heads, " x ", c.page_size,
+                           "); nearest valid: ", most));
+    }
   }
   if (c.max_bytes.has_value() && *c.max_bytes < 1) {
     violate("max_bytes", absl::StrCat("max_bytes must be positive (got ", *c.max_bytes, ")"));
@@ -316,7 +334,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   ValidateScaling(c, violate);
   // One query's answer at its largest (float32, with its lse) and its row of q must fit a
   // message, or every Forward that queries would be refused (256 bytes: a message's framing).
-  if (ctx.max_message_bytes > 0 && r.violations.empty()) {
+  if (ctx.max_message_bytes > 0 && !bad("num_q_heads") && !bad("head_dim")) {
     const int64_t one_query = int64_t{c.num_q_heads} * (int64_t{c.head_dim} * 4 + 4) + 256;
     if (one_query > ctx.max_message_bytes) {
       violate("num_q_heads",
@@ -329,7 +347,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   }
   // The device's own limits, for a config the tables accept: a head_dim its kernels cannot run
   // there is refused now, with the head dims it does run, not at the pool's allocation.
-  if (r.violations.empty() && ctx.device_runs) {
+  if (!bad("head_dim") && !bad("kv_dtype") && !bad("device") && ctx.device_runs) {
     if (absl::Status s = ctx.device_runs(c.kv_dtype, c.head_dim); !s.ok()) {
       std::vector<int> runs;
       for (int d : HeadDims(ctx.backend)) {
@@ -367,15 +385,7 @@ ValidationResult ValidateCacheConfig(const CacheConfigRequest& c, const Validati
   const int64_t bytes_per_page = g.BytesPerPage();
   const int64_t max_pages = kMaxPoolRows / (int64_t{g.num_kv_heads} * g.page_size);
   if (c.num_pages.has_value()) {
-    g.num_pages = *c.num_pages;
-    if (g.num_pages > max_pages) {
-      violate("num_pages",
-              absl::StrCat("num_pages x num_kv_heads x page_size (one layer's K rows) must be "
-                           "below 2^31, which the kernels index in 32 bits (got ",
-                           g.num_pages, " x ", g.num_kv_heads, " x ", g.page_size,
-                           "); nearest valid: ", max_pages));
-      return r;
-    }
+    g.num_pages = *c.num_pages;  // at most max_pages (checked with the fields above)
   } else {
     const int64_t budget = c.max_bytes.has_value()
                                ? *c.max_bytes

@@ -114,10 +114,14 @@ TEST(CacheConfigTest, AHeadDimTheDeviceCannotRunIsRefused) {
   asked = 0;
   EXPECT_TRUE(ValidateCacheConfig(c, ctx).valid());
   EXPECT_EQ(asked, 1);
-  c.page_size = 0;  // a config the tables refuse is not asked about
+  c.head_dim = 100;  // a head_dim the tables refuse is not asked about
   asked = 0;
-  EXPECT_FALSE(ValidateCacheConfig(c, ctx).valid());
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, ctx)), std::vector<std::string>{"head_dim"});
   EXPECT_EQ(asked, 0);
+  c.head_dim = 256;  // asked beside another field's violation: one answer names both
+  c.page_size = 0;
+  EXPECT_EQ(Fields(ValidateCacheConfig(c, ctx)),
+            (std::vector<std::string>{"page_size", "head_dim"}));
 }
 
 TEST(CacheConfigTest, HeadDimNamesNearestValid) {
@@ -433,6 +437,35 @@ TEST(CacheConfigTest, OneQuerysAnswerMustFitAMessage) {
   ASSERT_EQ(Fields(r), std::vector<std::string>{"num_q_heads"});
   EXPECT_NE(r.violations[0].description.find("takes 16768 bytes, over the server's largest "
                                              "message of 16767 bytes (--max_message_mb)"),
+            std::string::npos)
+      << r.violations[0].description;
+}
+
+// One answer names every field it can: the checks that need other fields valid (one query's
+// answer against the largest message, the pool's 32-bit rows) run wherever those fields are, so
+// a config broken three ways is not refused one field a round. A num_pages past what the rows
+// allow names the bound for this config, not int32's.
+TEST(CacheConfigTest, EveryViolationIsNamedAtOnce) {
+  CacheConfigRequest c = Valid();
+  c.head_dim = 100;
+  c.num_q_heads = 1024;
+  c.num_kv_heads = 64;
+  c.page_size = 1024;
+  c.num_pages = 1000000;
+  ValidationContext ctx = Ctx();
+  ctx.max_message_bytes = 1 << 19;
+  ValidationResult r = ValidateCacheConfig(c, ctx);
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"head_dim", "num_pages"}));
+  c.head_dim = 128;  // 1024 heads x 128: one query's answer takes 528640 bytes
+  r = ValidateCacheConfig(c, ctx);
+  EXPECT_EQ(Fields(r), (std::vector<std::string>{"num_pages", "num_q_heads"}));
+  ASSERT_FALSE(r.violations.empty());
+  EXPECT_NE(r.violations[0].description.find("nearest valid: 32767"), std::string::npos)
+      << r.violations[0].description;
+  c.num_pages = int64_t{3} << 30;
+  r = ValidateCacheConfig(c, ctx);
+  ASSERT_FALSE(r.violations.empty());
+  EXPECT_NE(r.violations[0].description.find("num_pages must be in 1..32767 (got 3221225472)"),
             std::string::npos)
       << r.violations[0].description;
 }

@@ -197,7 +197,14 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Unary(
                          [call, answer]() mutable { answer(call, /*queued=*/true); });
     }
   };
-  control_executor_->Post(std::move(run), tenant);
+  if (queue != nullptr) {
+    // A release or truncate takes its place among its cache's calls as it arrives: parsed here
+    // (a short message), queued, it runs after every call on its cache (a release) or layer (a
+    // truncate) that came before it. The rest wait for a control thread.
+    run();
+  } else {
+    control_executor_->Post(std::move(run), tenant);
+  }
   return reactor;
 }
 
@@ -633,7 +640,7 @@ struct AttentionServiceImpl::UnaryForward {
   grpc::ServerUnaryReactor* reactor;
   ReceivedForward received;
   double parse_us = 0;
-  // Its wait for a thread and then for its layer's turn; -1: it ran on the thread it arrived on,
+  // Its wait for its layer's turn and a thread; -1: it ran on the thread it arrived on,
   // at once.
   double queue_us = -1;
 };
@@ -654,29 +661,21 @@ grpc::ServerUnaryReactor* AttentionServiceImpl::Forward(grpc::CallbackServerCont
     reactor->Finish(Finish(call->rpc, s));
     return reactor;
   }
-  // On its way to its cache from here (its wait for a thread, its parse, its layer's turn): no
+  // On its way to its cache from here (its parse, its layer's turn, its wait for a thread): no
   // idle sweep takes the cache meanwhile.
   call->rpc.set_arrival(manager_->Arrive());
-  // A CUDA Forward runs here, on the callback thread, when its layer is free: it takes
-  // milliseconds, and a hop to another thread would add its wake-up to each one's latency. A CPU
-  // Forward takes up to seconds: on gRPC's callback threads (two on a two-core host) four at
-  // once held health checks 4.4 s, on the health port too, so it runs on the executor's.
-  if (forward_here_) {
-    StartForwardCall(std::move(call));
-  } else {
-    const std::string tenant = call->rpc.tenant();  // whose turn on the threads it takes
-    executor_->Post([this, call = std::move(call)]() mutable { StartForwardCall(std::move(call)); },
-                    tenant);
-  }
+  // Parsed here (where its bytes lie, not copied) and queued for its layer as it arrives: it
+  // runs after every call on that layer, or a release of its cache, that came before it.
+  StartForwardCall(std::move(call));
   return reactor;
 }
 
 void AttentionServiceImpl::StartForwardCall(std::shared_ptr<UnaryForward> call) {
   UnaryForward& f = *call;
-  const double start_us = f.rpc.seconds() * 1e6;  // its wait for a thread
+  const double start_us = f.rpc.seconds() * 1e6;  // from its arrival to its parse
   absl::Status s = [&]() -> absl::Status {
-    // (Authenticated as it arrived.) Cancelled, past its deadline or stopped by a drain while it
-    // waited for a thread: nothing of it is parsed or held.
+    // (Authenticated.) Cancelled, past its deadline or stopped by a drain already: nothing of it
+    // is parsed or held.
     if (absl::Status s = f.rpc.stop().Check(); !s.ok()) return s;
     // The message's bytes go with a ByteBuffer of the call's: the call may end (and UnaryForward
     // go) on a thread that is not gRPC's (ReceivedForward::buffer).
@@ -735,10 +734,11 @@ void AttentionServiceImpl::RunForwardCall(UnaryForward& f) {
   f.reactor->Finish(Finish(f.rpc, status));
 }
 
-// One Step stream. Messages are read ahead and run on the executor, up to kStepLayersInFlight
-// at once (messages for the same layer in order); answers are written in the order the
-// requests came. All state is under mu_; the reactor finishes once reading is over (or the
-// stream is cancelled), nothing runs and everything is written.
+// One Step stream. Messages are read up to kStepMessagesAhead ahead of the answers written,
+// each queued for its layer as it is read and run on the executor when its turn comes (messages
+// for the same layer in order); answers are written in the order the requests came. All state is
+// under mu_; the reactor finishes once reading is over (or the stream is cancelled), nothing runs
+// and everything is written.
 class AttentionServiceImpl::StepReactor final
     : public grpc::ServerBidiReactor<grpc::ByteBuffer, grpc::ByteBuffer> {
  public:
@@ -789,8 +789,10 @@ class AttentionServiceImpl::StepReactor final
         job->seq = next_seq_++;
         job->arrival = service_->manager_->Arrive();
         Accept(*job);
+        // Not on a stream cancelled (or finished: a read can complete after Finish, before
+        // OnDone deletes the reactor, which a queued job would then outlive): never run.
+        if (!job->done && !cancelled_ && !finished_) StartLocked(job);
         jobs_.push_back(std::move(job));
-        ScheduleLocked();
         WriteLocked();  // a message answered with an error at once may be next in line
         ReadLocked();
       }
@@ -926,30 +928,25 @@ class AttentionServiceImpl::StepReactor final
   }
 
   void ReadLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    // Read ahead at most twice the layers that run at once.
+    // Read (and so queued) at most kStepMessagesAhead messages ahead of the answers written.
     if (reading_ || reads_done_ || cancelled_ || finished_ || closing_ ||
-        jobs_.size() >= 2 * static_cast<size_t>(kStepLayersInFlight)) {
+        jobs_.size() >= static_cast<size_t>(kStepMessagesAhead)) {
       return;
     }
     reading_ = true;
     StartRead(&incoming_);
   }
 
-  void ScheduleLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
-    if (cancelled_) return;
-    absl::flat_hash_set<int32_t> layers_ahead;  // layers of earlier jobs not done yet
-    for (const std::shared_ptr<Job>& job : jobs_) {
-      if (job->done) continue;
-      const bool layer_free = layers_ahead.insert(job->layer).second;
-      if (job->running || !layer_free) continue;
-      if (running_ >= kStepLayersInFlight) break;
-      job->running = true;
-      ++running_;
-      // In turn with the other calls on that layer of the cache: waiting, it holds no thread
-      // (never here: under mu_, which Run takes).
-      service_->layer_queues_->Run(LayerQueue(tenant_, job->cache_id, job->layer),
-                                   [this, job] { Run(job); });
-    }
+  // A message takes its place among the calls on its layer of the cache as it is read: after
+  // the stream's earlier messages for that layer and every call on the cache that came before
+  // it (a release included), before those after it. Waiting, it holds no thread (never run
+  // here: under mu_, which Run takes). A cancelled stream's job still passes through its turn
+  // (Run answers it with the stream's status, not running it).
+  void StartLocked(const std::shared_ptr<Job>& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    job->running = true;
+    ++running_;
+    service_->layer_queues_->Run(LayerQueue(tenant_, job->cache_id, job->layer),
+                                 [this, job] { Run(job); });
   }
 
   void Run(const std::shared_ptr<Job>& job) {
@@ -987,8 +984,8 @@ class AttentionServiceImpl::StepReactor final
       job->done = true;
       job->running = false;
       --running_;
-      ScheduleLocked();
       WriteLocked();
+      ReadLocked();
       done = DoneLocked();
       NoteWaitingLocked();
     }

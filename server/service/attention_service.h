@@ -100,18 +100,20 @@ QueueSlot CacheQueue(absl::string_view tenant, absl::string_view cache_id);
 
 class AttentionServiceImpl final : public RawAttentionService {
  public:
-  // Layers of one Step stream computed at once (the rest wait, read ahead).
-  static constexpr int kStepLayersInFlight = 4;
+  // Messages of one Step stream read ahead of its answers written: each is queued for its layer
+  // as it is read, and layers of the stream run at once where their turns come.
+  static constexpr int kStepMessagesAhead = 8;
 
   // auth: null means no token auth (every caller is tenant ""). metrics: may be null.
   // gate: the server's calls in flight. budget: bytes of requests in flight (Forward data, the
-  // other methods' requests). executor: parses unary Forwards; layer_queues (over executor): runs
-  // what works on one layer of a cache (Forwards, Step layers, truncations; a cache's releases),
-  // each layer's in turn, so that calls waiting for a layer hold no thread; control_executor:
-  // the unary calls but Forward. forward_here: unary Forwards are parsed on gRPC's callback
-  // thread and run there when their layer is free (a CUDA Forward's milliseconds); else on
-  // executor's threads (the CPU backend's, up to seconds). regions: the memory clients
-  // registered (RegisterMemory).
+  // other methods' requests). layer_queues (over executor): runs what works on one layer of a
+  // cache (Forwards, Step layers, truncations; a cache's releases), each layer's in turn, so
+  // that calls waiting for a layer hold no thread; those calls are parsed and queued as they
+  // arrive (on gRPC's callback thread), so each runs after the calls on its layer or cache that
+  // came before it. control_executor: the other unary calls. forward_here: a unary Forward runs
+  // on the callback thread it arrived on when its layer is free (a CUDA Forward's
+  // milliseconds); else on executor's threads (the CPU backend's, up to seconds). regions: the
+  // memory clients registered (RegisterMemory).
   AttentionServiceImpl(CacheManager* manager, MemoryRegistry* regions,
                        const TokenAuthenticator* auth, Metrics* metrics, RpcGate* gate,
                        ByteBudget* budget, Executor* executor, SerialQueues* layer_queues,
@@ -184,8 +186,8 @@ class AttentionServiceImpl final : public RawAttentionService {
   absl::Status Authenticate(Rpc& rpc, const grpc::ServerContextBase& ctx);
   // Counts the call in the metrics, logs one line, maps the status.
   grpc::Status Finish(const Rpc& rpc, const absl::Status& status);
-  // A unary Forward after the gate: authentication and parse, then its turn on its layer
-  // (layer_queues_), where RunForwardCall runs it.
+  // A unary Forward after the gate and its authentication, as it arrives: its parse, then its
+  // turn on its layer (layer_queues_), where RunForwardCall runs it.
   void StartForwardCall(std::shared_ptr<UnaryForward> call);
   // RunForward, encode, Finish on the call's reactor.
   void RunForwardCall(UnaryForward& call);

@@ -200,7 +200,7 @@ void RunConfig(const std::vector<Served*>& servers, const v1::CacheConfig& confi
 // The script as steps (every layer of each, in order), random sequences released between some,
 // through unary Forwards on one cache and one Step stream on another of the same server. The
 // steps between two releases go on the stream at once, so the server runs layers of one step and
-// of the next together (kStepLayersInFlight; one layer's messages in order). Every answer must
+// of the next together (kStepMessagesAhead; one layer's messages in order). Every answer must
 // be the unary one's, bit for bit, and both caches must hold the script's pages at the end.
 void RunStepsOn(Served& server, const v1::CacheConfig& config, const ScriptLimits& limits,
                 uint32_t seed, FuzzTally& tally) {

@@ -1840,6 +1840,45 @@ TEST(ControlRequestTest, CallsBehindAReleaseHoldNoThread) {
   EXPECT_EQ(info->stats().live_sequences(), kLayers);
 }
 
+// A release runs after the Step messages that came (were read) before it, also those whose
+// layer was still busy: a stream's new step on a sequence, queued only once the stream's earlier
+// message on that layer had run, ran after a release that came after it and found its sequence
+// gone (FAILED_PRECONDITION: a gap), and the release freed the sequence between the two steps.
+TEST(ControlRequestTest, AReleaseRunsAfterTheStepMessagesBeforeIt) {
+  auto server = *PagedAttnServer::Start(CpuOptions());
+  auto client = ConnectTo(*server, absl::Seconds(300));
+  const std::string cache = client->CreateCache(Config(kLongTokens / 16 + 8))->cache_id();
+  std::atomic<int> failed{0};
+  std::vector<std::thread> threads;
+  const JoinAtEnd join{threads};
+  ASSERT_NO_FATAL_FAILURE(StartLongForward(*server, *client, cache, failed, threads));
+  std::unique_ptr<StepStream> stream = *client->OpenStep();
+  // Sequence 5: a step prefilling its first token on layer 0, then a step decoding its second:
+  // both behind the long Forward on layer 0.
+  const v1::ForwardRequest prefill = Request(cache, 5, 0, 1, 1, 5);
+  const v1::ForwardRequest decode = Request(cache, 5, 1, 1, 1, 6);
+  ASSERT_TRUE(stream->Send(random_script::CallOf(prefill, cache)).ok());
+  ASSERT_TRUE(stream->Send(random_script::CallOf(decode, cache)).ok());
+  absl::SleepFor(absl::Milliseconds(kSanitized ? 1000 : 300));  // both read by the server
+  absl::StatusOr<v1::ReleaseSequencesResponse> released;
+  std::thread release([&] { released = client->ReleaseSequences(cache, {5}); });
+  for (const v1::ForwardRequest* sent : {&prefill, &decode}) {
+    std::vector<char> out(sent->q().data().size());
+    absl::StatusOr<ForwardReply> r = stream->Receive({out.data(), out.size()});
+    EXPECT_TRUE(r.ok()) << "the step at " << sent->spans(0).start() << ": " << r.status();
+  }
+  EXPECT_TRUE(stream->Close().ok());
+  release.join();
+  ASSERT_TRUE(released.ok()) << released.status();
+  EXPECT_EQ(released->released(), 1);
+  EXPECT_EQ(released->freed_pages(), 1);
+  for (std::thread& t : threads) t.join();
+  EXPECT_EQ(failed.load(), 0);
+  absl::StatusOr<v1::CacheInfo> info = client->GetCache(cache);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->stats().live_sequences(), 1);  // the long Forward's
+}
+
 // A request of a method other than Forward and Step whose parse could take more than the whole
 // request budget is refused before protobuf reads it (bytes that are no message at all get the
 // same answer, not a parse error); one that fits is parsed and answered; bytes protobuf cannot
